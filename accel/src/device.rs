@@ -1,0 +1,103 @@
+//! Device selection and per-device contexts.
+
+use crate::cpu::pool::ThreadPool;
+use std::fmt;
+use std::str::FromStr;
+
+/// A kind of device the engine can run on, as named by `--device`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The host CPU, always available.
+    Cpu,
+    /// NVIDIA GPUs through CUDA (cargo feature `cuda`).
+    Cuda,
+    /// AMD GPUs and Hygon DCUs through ROCm/HIP (cargo feature `rocm`).
+    Rocm,
+    /// Huawei Ascend NPUs through CANN (cargo feature `npu`).
+    Npu,
+}
+
+/// Why a device could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The name given to `--device` is not one we know.
+    #[error("unknown device '{0}': expected one of cpu, cuda, rocm, npu (or auto)")]
+    Unknown(String),
+    /// The backend exists but this binary was built without it.
+    #[error(
+        "device '{device}' is not available in this build: rebuild with `cargo build --release --features pagoda-accel/{feature}` on a machine with {runtime}, or use --device cpu"
+    )]
+    NotBuilt { device: Device, feature: &'static str, runtime: &'static str },
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+            Device::Rocm => "rocm",
+            Device::Npu => "npu",
+        })
+    }
+}
+
+impl FromStr for Device {
+    type Err = DeviceError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.to_ascii_lowercase().as_str() {
+            // `auto` picks the best backend compiled in; only the CPU is today.
+            "cpu" | "auto" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda),
+            "rocm" | "hip" | "dcu" => Ok(Device::Rocm),
+            "npu" | "ascend" => Ok(Device::Npu),
+            _ => Err(DeviceError::Unknown(s.to_string())),
+        }
+    }
+}
+
+impl Device {
+    /// Opens a CPU context with `threads` threads, or explains why the
+    /// requested accelerator is unavailable.
+    pub fn open(self, threads: usize) -> Result<CpuContext, DeviceError> {
+        match self {
+            Device::Cpu => Ok(CpuContext::new(threads)),
+            Device::Cuda => Err(DeviceError::NotBuilt {
+                device: self,
+                feature: "cuda",
+                runtime: "the CUDA driver (libcuda) and an NVIDIA GPU",
+            }),
+            Device::Rocm => Err(DeviceError::NotBuilt {
+                device: self,
+                feature: "rocm",
+                runtime: "the ROCm/HIP runtime and an AMD GPU or Hygon DCU",
+            }),
+            Device::Npu => Err(DeviceError::NotBuilt {
+                device: self,
+                feature: "npu",
+                runtime: "the Ascend CANN toolkit and an Ascend NPU",
+            }),
+        }
+    }
+}
+
+/// A CPU device context: the thread pool every kernel runs on.
+pub struct CpuContext {
+    pool: ThreadPool,
+}
+
+impl CpuContext {
+    /// A context with `threads` worker threads (0 means all cores).
+    pub fn new(threads: usize) -> CpuContext {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        CpuContext { pool: ThreadPool::new(threads) }
+    }
+
+    /// The pool kernels split their work over.
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
+}

@@ -1,0 +1,477 @@
+//! Weight matrices in their storage type, and the matmul kernels over them.
+//!
+//! A [`Weight`] keeps a GGUF tensor the way it came off disk: quantized stays
+//! quantized, bf16 stays bf16. Decode is memory-bound (every token streams
+//! every weight once), so the bytes read per weight are what sets the speed;
+//! converting to f32 at load would quadruple them.
+//!
+//! Quantized matmuls quantize the activations once per call to 8 bits (one
+//! f32 scale per lane block of 32, or 16 for Q6_K) and run integer dot
+//! products: AVX-512 VNNI, AVX2, or scalar, picked once per call. At load the
+//! quants are repacked ([`layout`]) so that each 32-bit lane of a SIMD register
+//! accumulates one block's whole dot product; the per-block scales are then
+//! applied with one vector FMA per 16 blocks instead of one per block.
+//!
+//! Dense weights (f32/f16/bf16) use register-tiled SIMD dot products for the
+//! small `m` of decode and the `gemm` crate for prefill-sized `m`.
+
+mod act;
+mod dense;
+mod formats;
+mod layout;
+mod qkern;
+#[cfg(test)]
+mod tests;
+
+use crate::cpu::pool::ThreadPool;
+use crate::cpu::SimdLevel;
+use layout::{ABuf, QMat};
+
+/// The GGML tensor types Pagoda can load and multiply.
+#[allow(non_camel_case_types)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    /// IEEE f32.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16 (the top half of an f32).
+    BF16,
+    /// 32-element blocks: f16 scale, 4-bit quants, value `(q - 8) * d`.
+    Q4_0,
+    /// 32-element blocks: f16 scale and min, 4-bit quants, value `q * d + m`.
+    Q4_1,
+    /// 32-element blocks: f16 scale, 8-bit signed quants, value `q * d`.
+    Q8_0,
+    /// 256-element super-blocks of eight 32-element sub-blocks with 6-bit
+    /// scales and mins, 4-bit quants.
+    Q4_K,
+    /// 256-element super-blocks of sixteen 16-element sub-blocks with 8-bit
+    /// scales, 6-bit quants.
+    Q6_K,
+}
+
+impl GgmlType {
+    /// Maps a GGUF tensor type id to the type, or `None` for types Pagoda does
+    /// not support.
+    pub fn from_gguf_id(id: u32) -> Option<GgmlType> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4_K,
+            14 => GgmlType::Q6_K,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF tensor type id.
+    pub fn gguf_id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4_K => 12,
+            GgmlType::Q6_K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// The conventional name, as ggml spells it ("Q4_1", "BF16", ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::BF16 => "BF16",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_K => "Q4_K",
+            GgmlType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Elements per block: 1 for the float types, 32 or 256 (K-quants).
+    pub fn block_len(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_K | GgmlType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block in the GGUF layout.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q4_K => 144,
+            GgmlType::Q6_K => 210,
+        }
+    }
+
+    /// Whether the type is one of the plain float types.
+    pub fn is_float(self) -> bool {
+        self.block_len() == 1
+    }
+
+    /// Bytes of one GGUF row of `cols` elements; an error unless `cols` is a
+    /// whole number of blocks.
+    pub fn row_bytes(self, cols: usize) -> Result<usize, WeightError> {
+        let bl = self.block_len();
+        if cols % bl != 0 {
+            return Err(WeightError::ColsNotBlockMultiple { ty: self, cols, block_len: bl });
+        }
+        (cols / bl).checked_mul(self.block_bytes()).ok_or(WeightError::TooLarge { rows: 1, cols })
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Why a weight matrix could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    /// The data length does not match `rows × cols` of the type.
+    #[error("{ty} weight [{rows} x {cols}]: expected {expected} {unit}, got {got}")]
+    WrongLength {
+        /// The storage type.
+        ty: GgmlType,
+        /// Rows (output features).
+        rows: usize,
+        /// Columns (input features).
+        cols: usize,
+        /// The length the shape requires.
+        expected: usize,
+        /// The length given.
+        got: usize,
+        /// What is counted: "bytes" or "elements".
+        unit: &'static str,
+    },
+    /// Quantized rows must be whole blocks.
+    #[error("{ty} weight: {cols} columns is not a multiple of the block length {block_len}")]
+    ColsNotBlockMultiple {
+        /// The storage type.
+        ty: GgmlType,
+        /// The column count given.
+        cols: usize,
+        /// Elements per block of `ty`.
+        block_len: usize,
+    },
+    /// `rows × cols` overflows.
+    #[error("weight shape [{rows} x {cols}] is too large")]
+    TooLarge {
+        /// Rows given.
+        rows: usize,
+        /// Columns given.
+        cols: usize,
+    },
+    /// [`Weight::quantize`] cannot produce this type.
+    #[error("quantizing to {0} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
+    QuantizeUnsupported(GgmlType),
+    /// [`Weight::concat_rows`] parts disagree.
+    #[error("concat_rows: part {index} is {got_ty} with {got_cols} columns, expected {ty} with {cols} columns")]
+    ConcatMismatch {
+        /// Index of the offending part.
+        index: usize,
+        /// The first part's type.
+        ty: GgmlType,
+        /// The first part's column count.
+        cols: usize,
+        /// The offending part's type.
+        got_ty: GgmlType,
+        /// The offending part's column count.
+        got_cols: usize,
+    },
+    /// [`Weight::concat_rows`] was given no parts.
+    #[error("concat_rows: no parts given")]
+    ConcatEmpty,
+}
+
+/// How a [`Weight`] is held in memory.
+enum Repr {
+    /// Row-major f32, f16 or bf16 elements (the type says which).
+    Dense(ABuf),
+    /// Repacked quantized blocks; see [`layout`].
+    Quant(QMat),
+}
+
+/// A 2-D weight matrix `[rows = out_features, cols = in_features]`, kept in
+/// its storage type in memory (quantized stays quantized; bf16 stays bf16).
+pub struct Weight {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    repr: Repr,
+}
+
+impl std::fmt::Debug for Weight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Weight({} [{} x {}])", self.ty, self.rows, self.cols)
+    }
+}
+
+fn checked_len(rows: usize, cols: usize) -> Result<usize, WeightError> {
+    rows.checked_mul(cols).ok_or(WeightError::TooLarge { rows, cols })
+}
+
+fn check_elems(ty: GgmlType, rows: usize, cols: usize, got: usize) -> Result<(), WeightError> {
+    let expected = checked_len(rows, cols)?;
+    if got != expected {
+        return Err(WeightError::WrongLength { ty, rows, cols, expected, got, unit: "elements" });
+    }
+    Ok(())
+}
+
+impl Weight {
+    /// Builds a weight from GGUF bytes: row-major, each row `cols /
+    /// block_len` little-endian blocks. Validates the length, then copies
+    /// into aligned storage (quantized types are repacked for the kernels).
+    pub fn from_raw(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Weight, WeightError> {
+        let row_bytes = ty.row_bytes(cols)?;
+        let expected = rows.checked_mul(row_bytes).ok_or(WeightError::TooLarge { rows, cols })?;
+        if bytes.len() != expected {
+            return Err(WeightError::WrongLength { ty, rows, cols, expected, got: bytes.len(), unit: "bytes" });
+        }
+        let repr = if ty.is_float() {
+            let mut buf = ABuf::zeroed(bytes.len());
+            buf.bytes_mut().copy_from_slice(bytes);
+            Repr::Dense(buf)
+        } else {
+            Repr::Quant(QMat::from_gguf(ty, rows, cols, bytes))
+        };
+        Ok(Weight { ty, rows, cols, repr })
+    }
+
+    /// Builds an F32 weight from row-major data.
+    pub fn from_f32(rows: usize, cols: usize, data: &[f32]) -> Result<Weight, WeightError> {
+        check_elems(GgmlType::F32, rows, cols, data.len())?;
+        Weight::from_raw(GgmlType::F32, rows, cols, bytemuck::cast_slice(data))
+    }
+
+    /// Builds an F16 weight from row-major IEEE half bit patterns.
+    pub fn from_f16_bits(rows: usize, cols: usize, data: &[u16]) -> Result<Weight, WeightError> {
+        check_elems(GgmlType::F16, rows, cols, data.len())?;
+        Weight::from_raw(GgmlType::F16, rows, cols, bytemuck::cast_slice(data))
+    }
+
+    /// Builds a BF16 weight from row-major bfloat16 bit patterns.
+    pub fn from_bf16_bits(rows: usize, cols: usize, data: &[u16]) -> Result<Weight, WeightError> {
+        check_elems(GgmlType::BF16, rows, cols, data.len())?;
+        Weight::from_raw(GgmlType::BF16, rows, cols, bytemuck::cast_slice(data))
+    }
+
+    /// Quantizes row-major f32 data to Q8_0, Q4_0 or Q4_1 with ggml's
+    /// round-to-nearest reference quantizers, or converts it to F32, F16 or
+    /// BF16 (round to nearest even). K-quants are an error: their quantizers
+    /// search for scales, and Pagoda only ever loads them from files.
+    pub fn quantize(ty: GgmlType, rows: usize, cols: usize, data: &[f32]) -> Result<Weight, WeightError> {
+        check_elems(ty, rows, cols, data.len())?;
+        match ty {
+            GgmlType::F32 => Weight::from_f32(rows, cols, data),
+            GgmlType::F16 => {
+                let bits: Vec<u16> = data.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                Weight::from_f16_bits(rows, cols, &bits)
+            }
+            GgmlType::BF16 => {
+                let bits: Vec<u16> = data.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                Weight::from_bf16_bits(rows, cols, &bits)
+            }
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let row_bytes = ty.row_bytes(cols)?;
+                let mut bytes = vec![0u8; rows * row_bytes];
+                if cols > 0 {
+                    for (src, dst) in data.chunks_exact(cols).zip(bytes.chunks_exact_mut(row_bytes)) {
+                        formats::quantize_row(ty, src, dst);
+                    }
+                }
+                Weight::from_raw(ty, rows, cols, &bytes)
+            }
+            GgmlType::Q4_K | GgmlType::Q6_K => Err(WeightError::QuantizeUnsupported(ty)),
+        }
+    }
+
+    /// The storage type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes the matrix occupies in memory (what a matmul streams).
+    pub fn size_bytes(&self) -> usize {
+        match &self.repr {
+            Repr::Dense(b) => b.len(),
+            Repr::Quant(q) => q.size_bytes(),
+        }
+    }
+
+    /// Stacks matrices of the same type and column count along rows (to fuse
+    /// the Q/K/V or gate/up projections into one matmul).
+    pub fn concat_rows(parts: &[&Weight]) -> Result<Weight, WeightError> {
+        let first = parts.first().ok_or(WeightError::ConcatEmpty)?;
+        for (index, p) in parts.iter().enumerate() {
+            if p.ty != first.ty || p.cols != first.cols {
+                return Err(WeightError::ConcatMismatch {
+                    index,
+                    ty: first.ty,
+                    cols: first.cols,
+                    got_ty: p.ty,
+                    got_cols: p.cols,
+                });
+            }
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let repr = match &first.repr {
+            Repr::Dense(_) => Repr::Dense(ABuf::concat(parts.iter().map(|p| match &p.repr {
+                Repr::Dense(b) => b,
+                Repr::Quant(_) => unreachable!("same type implies same representation"),
+            }))),
+            Repr::Quant(_) => Repr::Quant(QMat::concat(
+                parts.iter().map(|p| match &p.repr {
+                    Repr::Quant(q) => q,
+                    Repr::Dense(_) => unreachable!("same type implies same representation"),
+                }),
+                rows,
+            )),
+        };
+        Ok(Weight { ty: first.ty, rows, cols: first.cols, repr })
+    }
+
+    /// Dequantizes row `row` into `out[..cols]` (the embedding gather).
+    ///
+    /// # Panics
+    /// If `row >= rows` or `out` is shorter than `cols`.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.rows, "dequantize_row: row {row} out of range ({} rows)", self.rows);
+        let out = &mut out[..self.cols];
+        match &self.repr {
+            Repr::Dense(b) => {
+                let bytes = &b.bytes()[row * self.cols * elem_bytes(self.ty)..][..self.cols * elem_bytes(self.ty)];
+                dense::row_to_f32(self.ty, bytes, out);
+            }
+            Repr::Quant(q) => q.dequantize_row(row, out),
+        }
+    }
+
+    /// `out[i][n] = Σ_k x[i][k] · W[n][k]` for `x: [m, cols]` and
+    /// `out: [m, rows]`, both row-major f32, run on `pool`.
+    ///
+    /// Allocates nothing once `scratch` has served a call of the same `m` and
+    /// `cols` (or larger), so a decode step is allocation-free.
+    ///
+    /// # Panics
+    /// If `x` is shorter than `m × cols` or `out` shorter than `m × rows`.
+    pub fn matmul(&self, pool: &ThreadPool, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
+        self.matmul_at(crate::cpu::simd_level(), pool, x, m, out, scratch);
+    }
+
+    /// [`Weight::matmul`] at an explicit SIMD level (clamped to what the CPU
+    /// supports), so tests and benchmarks can run every kernel on one machine.
+    pub fn matmul_at(
+        &self,
+        level: SimdLevel,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+    ) {
+        let level = level.min(max_level());
+        assert!(x.len() >= m * self.cols, "matmul: x has {} elements, need {m} x {}", x.len(), self.cols);
+        assert!(out.len() >= m * self.rows, "matmul: out has {} elements, need {m} x {}", out.len(), self.rows);
+        if m == 0 || self.rows == 0 {
+            return;
+        }
+        let x = &x[..m * self.cols];
+        let out = &mut out[..m * self.rows];
+        if self.cols == 0 {
+            out.fill(0.0);
+            return;
+        }
+        match &self.repr {
+            Repr::Dense(b) => dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out, scratch),
+            Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
+        }
+    }
+}
+
+/// The best level this CPU can run, ignoring `PAGODA_SIMD` (which only lowers
+/// the default that [`crate::cpu::simd_level`] reports).
+fn max_level() -> SimdLevel {
+    use std::sync::OnceLock;
+    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
+    *LEVEL.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let f16c = is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if f16c
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                return SimdLevel::Avx512Vnni;
+            }
+            if f16c && is_x86_feature_detected!("avx2") {
+                return SimdLevel::Avx2;
+            }
+        }
+        SimdLevel::Scalar
+    })
+}
+
+fn elem_bytes(ty: GgmlType) -> usize {
+    ty.block_bytes()
+}
+
+/// Reusable buffers for [`Weight::matmul`]: the quantized activations and
+/// the dense path's per-task conversion tiles. Grows on demand, never
+/// shrinks, so a warmed-up scratch makes matmul allocation-free.
+#[derive(Default)]
+pub struct MatmulScratch {
+    /// Activation quants, laid out like the weight quants ([`layout`]).
+    aq: Vec<i8>,
+    /// Activation scale per lane block.
+    ad: Vec<f32>,
+    /// Sum of the activation quants per lane block.
+    asum: Vec<i32>,
+    /// `ad × asum` per lane block (for the min terms of Q4_1 / Q4_K).
+    ascaled: Vec<f32>,
+    /// f32 tiles the dense path converts f16/bf16 weights into for `gemm`.
+    conv: Vec<f32>,
+}
+
+/// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).
+fn grow<T: Copy + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
+/// A raw output pointer that pool tasks write disjoint elements through.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of output elements, and the pool
+// joins all tasks before `matmul` returns the borrow.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}

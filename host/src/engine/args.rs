@@ -1,0 +1,189 @@
+//! Engine arguments (the `vllm serve` flags that shape the engine) and the
+//! start-up sequence that turns them into a running [`EngineCore`]: load
+//! the model and tokenizer, size the KV pool, wire the parts together.
+
+use crate::engine::config::ModelConfig;
+use crate::engine::core::EngineCore;
+use crate::engine::kv_cache::storage::KvCache;
+use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
+use crate::engine::loader::gguf::GgufFile;
+use crate::engine::loader::gguf_weights::GgufWeights;
+use crate::engine::loader::safetensors::SafetensorsSource;
+use crate::engine::loader::DType;
+use crate::engine::models::LlamaModel;
+use crate::engine::runner::ModelRunner;
+use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use pagoda_accel::ops::KvLayout;
+use pagoda_accel::Device;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Everything that decides how the engine is built.
+#[derive(Clone, Debug)]
+pub struct EngineArgs {
+    /// A GGUF file or an HF model folder.
+    pub model: PathBuf,
+    pub device: Device,
+    pub dtype: DType,
+    /// Defaults to the model's `max_position_embeddings`.
+    pub max_model_len: Option<usize>,
+    /// CPU threads; 0 means every core.
+    pub threads: usize,
+    pub block_size: usize,
+    /// KV pool size in bytes; defaults to a share of free memory.
+    pub kv_cache_memory: Option<u64>,
+    pub kv_cache_dtype: KvCacheDtype,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub enable_prefix_caching: bool,
+    pub scheduling_policy: SchedulingPolicy,
+}
+
+impl EngineArgs {
+    /// Defaults for `model`, as `vllm serve` would pick them.
+    pub fn new(model: impl Into<PathBuf>) -> EngineArgs {
+        EngineArgs {
+            model: model.into(),
+            device: Device::Cpu,
+            dtype: DType::Auto,
+            max_model_len: None,
+            threads: 0,
+            block_size: 16,
+            kv_cache_memory: None,
+            kv_cache_dtype: KvCacheDtype::F16,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            enable_prefix_caching: true,
+            scheduling_policy: SchedulingPolicy::Fcfs,
+        }
+    }
+}
+
+/// The model and its tokenizer, loaded from a GGUF file or an HF folder.
+pub struct LoadedModel {
+    pub config: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub source: LoadedFrom,
+}
+
+/// Which format the model came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadedFrom {
+    Gguf,
+    HuggingFace,
+}
+
+/// Loads the model weights, config and tokenizer named by `args`.
+pub fn load_model(args: &EngineArgs, max_positions: impl Fn(&ModelConfig) -> usize) -> Result<(LlamaModel, LoadedModel)> {
+    let path = &args.model;
+    if !path.exists() {
+        bail!("{}: no such file or directory (give a GGUF file or a Hugging Face model folder)", path.display());
+    }
+    if path.is_dir() {
+        let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        let source = SafetensorsSource::open(path, args.dtype)?;
+        let model = LlamaModel::load(&source, config.clone(), max_positions(&config))?;
+        Ok((model, LoadedModel { config, tokenizer, source: LoadedFrom::HuggingFace }))
+    } else {
+        let file = GgufFile::open(path)?;
+        let config = ModelConfig::from_gguf(&file)?;
+        if file.tensors().iter().any(|t| t.name == "rope_freqs.weight") {
+            bail!(
+                "{}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1 GGUF) are not supported yet; load the HF folder instead, whose rope_scaling is supported",
+                path.display()
+            );
+        }
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let model = LlamaModel::load(&GgufWeights::new(&file, args.dtype), config.clone(), max_positions(&config))?;
+        Ok((model, LoadedModel { config, tokenizer, source: LoadedFrom::Gguf }))
+    }
+}
+
+/// Free memory as the kernel reports it (`MemAvailable`), if known.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Parses sizes such as `4GiB`, `512MiB`, `2G` or a plain byte count.
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.parse().with_context(|| format!("'{s}' is not a size (try 4GiB or 512MiB)"))?;
+    let mul = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1u64,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => bail!("'{s}': unknown unit '{other}' (use B, KiB, MiB, GiB or TiB)"),
+    };
+    Ok((x * mul as f64) as u64)
+}
+
+/// Builds the engine: model, tokenizer, KV pool, scheduler. Logs the pool.
+pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
+    if !args.block_size.is_power_of_two() || args.block_size > 256 {
+        bail!("--block-size {} must be a power of two no larger than 256", args.block_size);
+    }
+    if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
+        bail!("--max-num-seqs and --max-num-batched-tokens must be positive");
+    }
+    let ctx = args.device.open(args.threads)?;
+    let (model, loaded) = load_model(args, |c| args.max_model_len.unwrap_or(c.max_position_embeddings))?;
+    let c = &loaded.config;
+    let max_model_len = args.max_model_len.unwrap_or(c.max_position_embeddings);
+    if max_model_len > c.max_position_embeddings {
+        tracing::warn!(
+            "--max-model-len {max_model_len} exceeds the model's max_position_embeddings {}; quality beyond it is not guaranteed",
+            c.max_position_embeddings
+        );
+    }
+    let per_block = KvCache::bytes_per_block(args.kv_cache_dtype, c.num_layers, args.block_size, c.kv_dim());
+    let budget = match args.kv_cache_memory {
+        Some(b) => b,
+        // A quarter of free memory, at most 4 GiB (vLLM CPU's default
+        // space): the pool is committed lazily, as blocks are first used.
+        None => available_memory().map_or(1 << 30, |m| (m / 4).min(4 << 30)),
+    };
+    let num_blocks = (budget / per_block as u64) as usize;
+    let tokens = num_blocks * args.block_size;
+    let gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64;
+    if tokens < max_model_len {
+        bail!(
+            "the KV cache ({} bytes) holds {tokens} tokens, fewer than one sequence of --max-model-len {max_model_len} ({} bytes per block of {}). Lower --max-model-len, raise --kv-cache-memory (or free memory), or use a smaller --kv-cache-dtype / a quantized model",
+            budget,
+            per_block,
+            args.block_size
+        );
+    }
+    tracing::info!(
+        "KV cache: {num_blocks} blocks × {} tokens = {tokens} tokens ({gib:.2} GiB); max concurrency at max-model-len {max_model_len}: {:.2}",
+        args.block_size,
+        tokens as f64 / max_model_len as f64
+    );
+    tracing::info!(
+        "model: {} layers, hidden {}, {} weights, {:.1} MiB in memory, {} threads",
+        c.num_layers,
+        c.hidden_size,
+        model.weight_type(),
+        model.weight_bytes() as f64 / (1 << 20) as f64,
+        ctx.pool().threads()
+    );
+    let layout = KvLayout { num_blocks, block_size: args.block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let kv = KvCache::new(args.kv_cache_dtype, c.num_layers, layout);
+    let runner = ModelRunner::new(model, ctx, kv);
+    let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
+    let scheduler = Scheduler::new(SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        policy: args.scheduling_policy,
+    });
+    Ok(EngineCore::new(scheduler, kvm, runner, Arc::new(loaded.tokenizer), max_model_len))
+}

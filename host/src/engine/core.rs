@@ -1,0 +1,328 @@
+//! The engine core: one step is schedule → run the model → sample → update
+//! the requests → emit outputs. It is synchronous and owned by one thread;
+//! the async front end talks to it through channels.
+
+use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
+use crate::engine::request::{FinishReason, ParamError, Request, RequestStatus, SamplingParams, TokenLogprob};
+use crate::engine::runner::ModelRunner;
+use crate::engine::sampler::Sampler;
+use crate::engine::scheduler::Scheduler;
+use crate::tokenizer::detokenizer::IncrementalDetokenizer;
+use crate::tokenizer::Tokenizer;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Why a sequence stopped on `Stop`, when it was not EOS.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    Token(u32),
+    Text(String),
+}
+
+/// What one step produced for one request: the new tokens and text since
+/// the last output, and the finish reason once it is done.
+#[derive(Clone, Debug)]
+pub struct StepOutput {
+    pub id: u64,
+    pub external_id: String,
+    pub new_token_ids: Vec<u32>,
+    pub new_text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+    pub num_prompt_tokens: usize,
+    pub num_cached_tokens: usize,
+    pub num_output_tokens: usize,
+}
+
+/// Per-request options beyond sampling.
+#[derive(Clone, Debug, Default)]
+pub struct RequestOptions {
+    /// Separates prefix-cache entries: blocks are shared only between
+    /// requests with the same salt (the tenant plus any `cache_salt`).
+    pub cache_salt: u64,
+    /// Lower runs first under `--scheduling-policy priority`.
+    pub priority: i64,
+}
+
+/// Counters the engine keeps for metrics and logs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EngineStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub kv_usage: f64,
+    pub num_preemptions: u64,
+    pub prefix: PrefixStats,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub steps: u64,
+}
+
+/// The engine core.
+pub struct EngineCore {
+    scheduler: Scheduler,
+    kv: KvCacheManager,
+    runner: ModelRunner,
+    sampler: Sampler,
+    tokenizer: Arc<Tokenizer>,
+    max_model_len: usize,
+    next_id: u64,
+    stats: EngineStats,
+}
+
+impl EngineCore {
+    /// Assembles a core from its parts.
+    pub fn new(
+        scheduler: Scheduler,
+        kv: KvCacheManager,
+        runner: ModelRunner,
+        tokenizer: Arc<Tokenizer>,
+        max_model_len: usize,
+    ) -> EngineCore {
+        EngineCore {
+            scheduler,
+            kv,
+            runner,
+            sampler: Sampler::default(),
+            tokenizer,
+            max_model_len,
+            next_id: 0,
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The tokenizer requests are decoded with.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// The model runner.
+    pub fn runner(&self) -> &ModelRunner {
+        &self.runner
+    }
+
+    /// The KV-cache manager, for usage figures and invariant checks.
+    pub fn kv_cache(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// The longest sequence (prompt + output) the engine accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// Validates and queues one sequence. Returns its engine id.
+    pub fn add_request(
+        &mut self,
+        external_id: String,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        opts: RequestOptions,
+    ) -> Result<u64, ParamError> {
+        let vocab = self.runner.model().config().vocab_size;
+        params.validate(vocab)?;
+        if prompt_ids.is_empty() {
+            return Err(ParamError { param: "prompt", message: "the prompt must contain at least one token".into() });
+        }
+        if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ParamError {
+                param: "prompt",
+                message: format!("token id {bad} is beyond the vocabulary of {vocab}"),
+            });
+        }
+        let prompt_len = prompt_ids.len();
+        if prompt_len >= self.max_model_len {
+            return Err(ParamError {
+                param: "prompt",
+                message: format!(
+                    "This model's maximum context length is {} tokens. However, your prompt has {prompt_len} tokens, leaving no room for output.",
+                    self.max_model_len
+                ),
+            });
+        }
+        let max_len = match params.max_tokens {
+            Some(m) if prompt_len + m > self.max_model_len => {
+                return Err(ParamError {
+                    param: "max_tokens",
+                    message: format!(
+                        "This model's maximum context length is {} tokens. However, you requested {} tokens ({prompt_len} in the messages, {m} in the completion). Please reduce the length of the messages or completion.",
+                        self.max_model_len,
+                        prompt_len + m
+                    ),
+                });
+            }
+            Some(m) => prompt_len + m,
+            None => self.max_model_len,
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let eos_ids = if params.ignore_eos { Vec::new() } else { self.tokenizer.eos_ids().to_vec() };
+        let detok = IncrementalDetokenizer::new(&self.tokenizer, &prompt_ids, params.skip_special_tokens);
+        let req = Request {
+            id,
+            external_id,
+            prompt_len,
+            num_computed: 0,
+            num_cached_prompt: 0,
+            max_len,
+            salt: opts.cache_salt,
+            priority: opts.priority,
+            arrival: id,
+            arrived_at: Instant::now(),
+            first_scheduled_at: None,
+            status: RequestStatus::Waiting,
+            num_preemptions: 0,
+            eos_ids,
+            rng: Request::new_rng(params.seed),
+            output_counts: Default::default(),
+            detok,
+            pending_text: String::new(),
+            token_ids: prompt_ids,
+            params,
+        };
+        self.stats.prompt_tokens += prompt_len as u64;
+        self.scheduler.add(req);
+        Ok(id)
+    }
+
+    /// Aborts a request and frees its blocks at once. Returns its final
+    /// output, or `None` if it had already finished.
+    pub fn abort(&mut self, id: u64) -> Option<StepOutput> {
+        let req = self.scheduler.remove(id, FinishReason::Abort, &mut self.kv)?;
+        Some(StepOutput {
+            id,
+            external_id: req.external_id,
+            new_token_ids: Vec::new(),
+            new_text: String::new(),
+            logprobs: Vec::new(),
+            finish_reason: Some(FinishReason::Abort),
+            stop_reason: None,
+            num_prompt_tokens: req.prompt_len,
+            num_cached_tokens: req.num_cached_prompt,
+            num_output_tokens: req.token_ids.len() - req.prompt_len,
+        })
+    }
+
+    /// Whether any request is unfinished.
+    pub fn has_unfinished(&self) -> bool {
+        self.scheduler.has_unfinished()
+    }
+
+    /// A snapshot of the engine's counters.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            num_running: self.scheduler.num_running(),
+            num_waiting: self.scheduler.num_waiting(),
+            kv_usage: self.kv.pool().usage(),
+            num_preemptions: self.scheduler.num_preemptions(),
+            prefix: self.kv.prefix_stats(),
+            ..self.stats
+        }
+    }
+
+    /// Runs one step. Returns an output for every request that sampled a
+    /// token or finished.
+    pub fn step(&mut self) -> Vec<StepOutput> {
+        let plan = self.scheduler.schedule(&mut self.kv);
+        if plan.seqs.is_empty() {
+            return Vec::new();
+        }
+        self.stats.steps += 1;
+        let vocab = self.runner.model().config().vocab_size;
+        let logits = self.runner.execute(&plan, &self.scheduler, &self.kv);
+        let mut outputs = Vec::new();
+        let mut row = 0;
+        for s in &plan.seqs {
+            self.scheduler.mark_computed(s);
+            if !s.sample {
+                continue;
+            }
+            let Some(req) = self.scheduler.get_mut(s.id) else { continue };
+            let sampled = self.sampler.sample(&mut logits[row * vocab..(row + 1) * vocab], req);
+            row += 1;
+            self.stats.generation_tokens += 1;
+            let out = append_token(req, sampled.token, sampled.logprob);
+            if let Some(out) = out {
+                if out.finish_reason.is_some() {
+                    self.scheduler.remove(s.id, out.finish_reason.unwrap_or(FinishReason::Stop), &mut self.kv);
+                }
+                outputs.push(out);
+            }
+        }
+        outputs
+    }
+}
+
+/// Appends a sampled token, applies the stop conditions and releases the
+/// text that can no longer turn into a stop string.
+fn append_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob>) -> Option<StepOutput> {
+    req.token_ids.push(token);
+    *req.output_counts.entry(token).or_insert(0) += 1;
+    let delta = req.detok.push(token).unwrap_or_default();
+    req.pending_text.push_str(&delta);
+    let p = &req.params;
+    let n_out = req.num_output();
+    let mut finish = None;
+    let mut stop_reason = None;
+    if n_out >= p.min_tokens {
+        if req.eos_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+        } else if p.stop_token_ids.contains(&token) {
+            finish = Some(FinishReason::Stop);
+            stop_reason = Some(StopReason::Token(token));
+        }
+    }
+    if finish.is_none() && !p.stop.is_empty() {
+        // Only the tail can hold a stop string that the new text completed.
+        let longest = p.stop.iter().map(String::len).max().unwrap_or(0);
+        let from = floor_char_boundary(&req.pending_text, req.pending_text.len().saturating_sub(delta.len() + longest));
+        let found = p
+            .stop
+            .iter()
+            .filter_map(|s| req.pending_text[from..].find(s.as_str()).map(|i| (from + i, s)))
+            .min_by_key(|(i, _)| *i);
+        if let Some((at, s)) = found {
+            let keep = if p.include_stop_str_in_output { at + s.len() } else { at };
+            req.pending_text.truncate(keep);
+            finish = Some(FinishReason::Stop);
+            stop_reason = Some(StopReason::Text(s.clone()));
+        }
+    }
+    if finish.is_none() && (req.token_ids.len() >= req.max_len) {
+        finish = Some(FinishReason::Length);
+    }
+    let new_text = if finish.is_some() {
+        if stop_reason.as_ref().is_none_or(|r| !matches!(r, StopReason::Text(_))) {
+            req.pending_text.push_str(&req.detok.finish());
+        }
+        std::mem::take(&mut req.pending_text)
+    } else {
+        // Hold back what could still be the start of a stop string.
+        let hold = p.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
+        let cut = floor_char_boundary(&req.pending_text, req.pending_text.len().saturating_sub(hold));
+        let rest = req.pending_text.split_off(cut);
+        std::mem::replace(&mut req.pending_text, rest)
+    };
+    Some(StepOutput {
+        id: req.id,
+        external_id: req.external_id.clone(),
+        new_token_ids: vec![token],
+        new_text,
+        logprobs: logprob.into_iter().collect(),
+        finish_reason: finish,
+        stop_reason,
+        num_prompt_tokens: req.prompt_len,
+        num_cached_tokens: req.num_cached_prompt,
+        num_output_tokens: n_out,
+    })
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    if i >= s.len() {
+        return s.len();
+    }
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}

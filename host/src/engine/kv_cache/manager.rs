@@ -1,0 +1,220 @@
+//! Maps requests to block tables over one [`BlockPool`], and reuses cached
+//! blocks for prompts that share a prefix.
+
+use super::block_pool::{BlockHash, BlockPool};
+use std::collections::HashMap;
+
+/// Prefix-cache counters, in tokens, as vLLM reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt tokens looked up in the cache.
+    pub queries: u64,
+    /// Of those, tokens found cached and not recomputed.
+    pub hits: u64,
+}
+
+#[derive(Default)]
+struct SeqBlocks {
+    blocks: Vec<u32>,
+    /// Hashes of the sequence's full, computed blocks, in order.
+    hashes: Vec<BlockHash>,
+    salt: u64,
+}
+
+/// The KV-cache manager of one device.
+pub struct KvCacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    caching: bool,
+    seqs: HashMap<u64, SeqBlocks>,
+    stats: PrefixStats,
+}
+
+/// What a prefix lookup found: cached blocks a new sequence can start from.
+#[derive(Debug, Default)]
+pub struct PrefixHit {
+    blocks: Vec<u32>,
+    hashes: Vec<BlockHash>,
+}
+
+impl PrefixHit {
+    /// Tokens covered by the hit.
+    pub fn num_tokens(&self, block_size: usize) -> usize {
+        self.blocks.len() * block_size
+    }
+}
+
+impl KvCacheManager {
+    /// A manager over `num_blocks` blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> KvCacheManager {
+        KvCacheManager {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            caching: enable_prefix_caching,
+            seqs: HashMap::new(),
+            stats: PrefixStats::default(),
+        }
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The block pool, for usage figures and invariant checks.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Prefix-cache counters so far.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.stats
+    }
+
+    /// The block table of a sequence that holds blocks.
+    pub fn block_table(&self, seq: u64) -> &[u32] {
+        self.seqs.get(&seq).map_or(&[], |s| &s.blocks)
+    }
+
+    /// Finds the longest run of cached full blocks at the start of `tokens`.
+    /// The last token is never taken from the cache, since the model must
+    /// run at least one token to produce the next token's logits.
+    pub fn lookup_prefix(&self, tokens: &[u32], salt: u64) -> PrefixHit {
+        let mut hit = PrefixHit::default();
+        if !self.caching || tokens.is_empty() {
+            return hit;
+        }
+        let full = (tokens.len() - 1) / self.block_size;
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(self.block_size).take(full) {
+            let h = BlockHash::new(parent, chunk, salt);
+            match self.pool.lookup(h) {
+                Some(b) => {
+                    hit.blocks.push(b);
+                    hit.hashes.push(h);
+                    parent = Some(h);
+                }
+                None => break,
+            }
+        }
+        hit
+    }
+
+    /// Makes room for `num_new` more tokens of sequence `seq`, whose first
+    /// `num_computed` tokens are already in the cache (counting `hit`, for a
+    /// sequence that holds no blocks yet). Returns false, changing nothing,
+    /// when the pool cannot supply the blocks. Full blocks among the first
+    /// `num_computed + num_new` tokens of `tokens` enter the prefix cache.
+    pub fn allocate(
+        &mut self,
+        seq: u64,
+        tokens: &[u32],
+        salt: u64,
+        hit: Option<PrefixHit>,
+        num_computed: usize,
+        num_new: usize,
+    ) -> bool {
+        let bs = self.block_size;
+        let total = num_computed + num_new;
+        let needed_blocks = total.div_ceil(bs);
+        let held = self.seqs.get(&seq).map_or(0, |s| s.blocks.len());
+        let hit_blocks = hit.as_ref().map_or(&[][..], |h| &h.blocks[..]);
+        let new_blocks = needed_blocks.saturating_sub(held + hit_blocks.len());
+        // Hit blocks nobody holds sit in the free queue; taking them shrinks
+        // what is left for fresh blocks.
+        let revived = hit_blocks.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        if new_blocks + revived > self.pool.num_free() {
+            return false;
+        }
+        let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks { salt, ..Default::default() });
+        if let Some(hit) = hit {
+            if entry.blocks.is_empty() {
+                self.stats.queries += tokens.len() as u64;
+                self.stats.hits += (hit.blocks.len() * bs) as u64;
+                for &b in &hit.blocks {
+                    self.pool.acquire(b);
+                }
+                entry.blocks = hit.blocks;
+                entry.hashes = hit.hashes;
+            }
+        }
+        for _ in 0..new_blocks {
+            match self.pool.allocate() {
+                Some(b) => entry.blocks.push(b),
+                None => unreachable!("free blocks were counted above"),
+            }
+        }
+        if self.caching {
+            let full = total.min(tokens.len()) / bs;
+            while entry.hashes.len() < full {
+                let j = entry.hashes.len();
+                let h = BlockHash::new(entry.hashes.last().copied(), &tokens[j * bs..(j + 1) * bs], entry.salt);
+                self.pool.cache(entry.blocks[j], h);
+                entry.hashes.push(h);
+            }
+        }
+        true
+    }
+
+    /// Releases every block of `seq`. Blocks are released from the end of
+    /// the sequence backwards, so its tail (least likely to be shared) is
+    /// evicted before its prefix.
+    pub fn free(&mut self, seq: u64) {
+        if let Some(s) = self.seqs.remove(&seq) {
+            for &b in s.blocks.iter().rev() {
+                self.pool.release(b);
+            }
+        }
+    }
+
+    /// Sequences holding blocks.
+    pub fn num_seqs(&self) -> usize {
+        self.seqs.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_prefix_is_reused_and_counted() {
+        let mut m = KvCacheManager::new(16, 4, true);
+        let a: Vec<u32> = (0..10).collect();
+        assert!(m.allocate(1, &a, 7, Some(m.lookup_prefix(&a, 7)), 0, 10));
+        // Same first 8 tokens, other tail.
+        let b: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
+        let hit = m.lookup_prefix(&b, 7);
+        assert_eq!(hit.num_tokens(4), 8);
+        assert!(m.allocate(2, &b, 7, Some(hit), 8, 3));
+        assert_eq!(m.block_table(2)[..2], m.block_table(1)[..2]);
+        assert_eq!(m.prefix_stats(), PrefixStats { queries: 21, hits: 8 });
+        // Another salt sees nothing.
+        assert_eq!(m.lookup_prefix(&b, 8).num_tokens(4), 0);
+        m.free(1);
+        m.free(2);
+        assert_eq!(m.pool().num_free(), 16);
+        m.pool().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn refuses_without_changes_when_the_pool_is_short() {
+        let mut m = KvCacheManager::new(3, 4, true);
+        let t: Vec<u32> = (0..16).collect();
+        assert!(!m.allocate(1, &t, 0, None, 0, 16));
+        assert_eq!(m.pool().num_free(), 3);
+        assert!(m.allocate(1, &t, 0, None, 0, 12));
+        assert!(!m.allocate(1, &t, 0, None, 12, 1));
+        m.free(1);
+        m.pool().check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_fully_cached_prompt_still_computes_its_last_token() {
+        let mut m = KvCacheManager::new(8, 4, true);
+        let t: Vec<u32> = (0..8).collect();
+        assert!(m.allocate(1, &t, 0, None, 0, 8));
+        m.free(1);
+        assert_eq!(m.lookup_prefix(&t, 0).num_tokens(4), 4);
+    }
+}

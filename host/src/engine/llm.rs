@@ -1,0 +1,152 @@
+//! The offline API, shaped like vLLM's `LLM`: build once, then
+//! `generate(prompts, params)` runs every prompt through the batched engine
+//! together and returns when all are done.
+
+use crate::engine::args::{build_engine, EngineArgs};
+use crate::engine::core::{EngineCore, RequestOptions, StopReason};
+use crate::engine::request::{FinishReason, SamplingParams, TokenLogprob};
+use crate::tokenizer::Tokenizer;
+use anyhow::{Context, Result};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// A prompt: text (tokenized with special tokens parsed) or token ids.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl From<&str> for Prompt {
+    fn from(s: &str) -> Self {
+        Prompt::Text(s.to_string())
+    }
+}
+
+impl From<String> for Prompt {
+    fn from(s: String) -> Self {
+        Prompt::Text(s)
+    }
+}
+
+/// One completion of a prompt.
+#[derive(Clone, Debug, Default)]
+pub struct CompletionOutput {
+    /// Which of the `n` samples this is.
+    pub index: usize,
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    /// Per generated token, when `logprobs` was asked for.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub finish_reason: Option<FinishReason>,
+    pub stop_reason: Option<StopReason>,
+}
+
+/// The result for one prompt.
+#[derive(Clone, Debug)]
+pub struct RequestOutput {
+    pub request_id: String,
+    pub prompt: Option<String>,
+    pub prompt_token_ids: Vec<u32>,
+    /// Prompt tokens served from the prefix cache.
+    pub num_cached_tokens: usize,
+    pub outputs: Vec<CompletionOutput>,
+    pub finished: bool,
+}
+
+/// An engine for offline batched generation.
+pub struct LLM {
+    core: EngineCore,
+    next_request: u64,
+}
+
+impl LLM {
+    /// Loads the model and builds the engine.
+    pub fn new(args: EngineArgs) -> Result<LLM> {
+        Ok(LLM { core: build_engine(&args)?, next_request: 0 })
+    }
+
+    /// The model's tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        self.core.tokenizer()
+    }
+
+    /// The engine core, for statistics and tests.
+    pub fn engine(&self) -> &EngineCore {
+        &self.core
+    }
+
+    /// The engine core, mutably: lets callers drive steps themselves.
+    pub fn engine_mut(&mut self) -> &mut EngineCore {
+        &mut self.core
+    }
+
+    /// Tokenizes a prompt as the completions API does: special-token text is
+    /// parsed, and BOS is added only if the tokenizer config asks for it.
+    pub fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Text(t) => self.core.tokenizer().encode(t, true),
+            Prompt::Tokens(t) => Ok(t.clone()),
+        }
+    }
+
+    /// Generates completions for every prompt, batched, and returns them in
+    /// prompt order.
+    pub fn generate(&mut self, prompts: &[Prompt], params: &SamplingParams) -> Result<Vec<RequestOutput>> {
+        let mut results = Vec::with_capacity(prompts.len());
+        // engine id → (prompt index, sample index)
+        let mut owner: HashMap<u64, (usize, usize)> = HashMap::new();
+        for (pi, prompt) in prompts.iter().enumerate() {
+            let ids = self.encode(prompt)?;
+            let request_id = format!("{}", self.next_request);
+            self.next_request += 1;
+            for si in 0..params.n {
+                let mut p = params.clone();
+                p.n = 1;
+                p.seed = params.seed.map(|s| s.wrapping_add(si as u64));
+                let id = self
+                    .core
+                    .add_request(format!("{request_id}-{si}"), ids.clone(), p, RequestOptions::default())
+                    .with_context(|| format!("prompt {pi}"))?;
+                owner.insert(id, (pi, si));
+            }
+            results.push(RequestOutput {
+                request_id,
+                prompt: match prompt {
+                    Prompt::Text(t) => Some(t.clone()),
+                    Prompt::Tokens(_) => None,
+                },
+                prompt_token_ids: ids,
+                num_cached_tokens: 0,
+                outputs: (0..params.n).map(|index| CompletionOutput { index, ..Default::default() }).collect(),
+                finished: false,
+            });
+        }
+        let mut remaining = owner.len();
+        while remaining > 0 {
+            for o in self.core.step() {
+                let Some(&(pi, si)) = owner.get(&o.id) else { continue };
+                let r = &mut results[pi];
+                r.num_cached_tokens = r.num_cached_tokens.max(o.num_cached_tokens);
+                let c = &mut r.outputs[si];
+                c.text.push_str(&o.new_text);
+                c.token_ids.extend_from_slice(&o.new_token_ids);
+                if params.logprobs.is_some() {
+                    c.logprobs.get_or_insert_with(Vec::new).extend(o.logprobs);
+                }
+                if o.finish_reason.is_some() {
+                    c.finish_reason = o.finish_reason;
+                    c.stop_reason = o.stop_reason;
+                    remaining -= 1;
+                }
+            }
+            if remaining > 0 && !self.core.has_unfinished() {
+                anyhow::bail!("the engine stopped with {remaining} sequences unfinished");
+            }
+        }
+        for r in &mut results {
+            r.finished = true;
+        }
+        Ok(results)
+    }
+}

@@ -1,0 +1,53 @@
+//! Weight and metadata loaders: GGUF files and Hugging Face folders.
+//!
+//! Both sources hand the model definition the same thing, a [`WeightSource`]
+//! that returns named matrices (kept in their storage type) and vectors, so
+//! the model never knows which file format it came from.
+
+pub mod gguf;
+pub mod gguf_writer;
+pub mod gguf_weights;
+pub mod safetensors;
+
+use anyhow::Result;
+use pagoda_accel::Weight;
+
+/// The dtype weights are kept in, as chosen by `--dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum DType {
+    /// Keep each tensor's stored dtype (bf16 stays bf16, quantized stays quantized).
+    #[default]
+    Auto,
+    Float32,
+    BFloat16,
+    Float16,
+}
+
+impl std::str::FromStr for DType {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "auto" => DType::Auto,
+            "float32" | "f32" | "float" => DType::Float32,
+            "bfloat16" | "bf16" => DType::BFloat16,
+            "float16" | "f16" | "half" => DType::Float16,
+            other => anyhow::bail!(
+                "--dtype '{other}' is not one of auto, float32, bfloat16, float16"
+            ),
+        })
+    }
+}
+
+/// Named tensors of one model, whatever the file format.
+pub trait WeightSource {
+    /// The matrix `name` as `[rows, cols]` (out × in features), checked
+    /// against the expected shape.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight>;
+    /// The 1-D tensor `name` (norm weights, biases) as f32, checked against
+    /// the expected length.
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    /// Whether the source holds a tensor called `name`.
+    fn contains(&self, name: &str) -> bool;
+    /// Where the weights come from, for error messages.
+    fn describe(&self) -> String;
+}

@@ -1,0 +1,170 @@
+//! Hugging Face folders: `config.json` plus one or more memory-mapped
+//! `*.safetensors` files (sharded through `model.safetensors.index.json`).
+
+use super::{DType, WeightSource};
+use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+use pagoda_accel::Weight;
+use safetensors::{Dtype as StDtype, SafeTensors};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+/// The safetensors shards of an HF folder, memory-mapped.
+pub struct SafetensorsSource {
+    dir: PathBuf,
+    shards: Vec<(PathBuf, Mmap)>,
+    /// tensor name → index into `shards`
+    index: HashMap<String, usize>,
+    dtype: DType,
+}
+
+impl SafetensorsSource {
+    /// Maps every shard of the folder. With `model.safetensors.index.json`
+    /// the shards are the ones it names; otherwise every `*.safetensors`.
+    pub fn open(dir: &Path, dtype: DType) -> Result<SafetensorsSource> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let text = std::fs::read_to_string(&index_path)
+                .with_context(|| format!("{}: cannot read", index_path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let map = v
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .with_context(|| format!("{}: no 'weight_map' object", index_path.display()))?;
+            let mut names: Vec<PathBuf> = map
+                .values()
+                .filter_map(|f| f.as_str())
+                .map(|f| dir.join(f))
+                .collect();
+            names.sort();
+            names.dedup();
+            names
+        } else {
+            let mut names: Vec<PathBuf> = std::fs::read_dir(dir)
+                .with_context(|| format!("{}: cannot list the model folder", dir.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                .collect();
+            names.sort();
+            names
+        };
+        if files.is_empty() {
+            bail!("{}: no *.safetensors files in the model folder", dir.display());
+        }
+        let mut shards = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (i, path) in files.into_iter().enumerate() {
+            let file = std::fs::File::open(&path)
+                .with_context(|| format!("{}: cannot open", path.display()))?;
+            // SAFETY: the file is mapped read-only; like every mmap-based
+            // loader we assume nobody truncates the model while we serve it.
+            let mmap = unsafe { Mmap::map(&file) }
+                .with_context(|| format!("{}: cannot memory-map", path.display()))?;
+            let names = SafeTensors::read_metadata(&mmap)
+                .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?
+                .1
+                .tensors()
+                .into_keys()
+                .collect::<Vec<_>>();
+            // Checks every tensor's offsets against the file length.
+            SafeTensors::deserialize(&mmap)
+                .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+            for n in names {
+                index.insert(n, i);
+            }
+            shards.push((path, mmap));
+        }
+        Ok(SafetensorsSource { dir: dir.to_path_buf(), shards, index, dtype })
+    }
+
+    fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
+        let &i = self
+            .index
+            .get(name)
+            .with_context(|| format!("{}: tensor '{name}' is missing", self.dir.display()))?;
+        let (path, mmap) = &self.shards[i];
+        let st = SafeTensors::deserialize(mmap)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| anyhow::anyhow!("{}: tensor '{name}': {e}", path.display()))?;
+        Ok((path.as_path(), view))
+    }
+}
+
+fn check_shape(path: &Path, name: &str, got: &[usize], want: &[usize]) -> Result<()> {
+    if got != want {
+        bail!(
+            "{}: tensor '{name}' has shape {got:?}, but the config implies {want:?}",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+fn u16s(bytes: &[u8]) -> Vec<u16> {
+    bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Converts raw little-endian tensor bytes of a float dtype to f32.
+fn to_f32(path: &Path, name: &str, dtype: StDtype, bytes: &[u8]) -> Result<Vec<f32>> {
+    Ok(match dtype {
+        StDtype::F32 => f32s(bytes),
+        StDtype::F16 => u16s(bytes).into_iter().map(|b| half::f16::from_bits(b).to_f32()).collect(),
+        StDtype::BF16 => u16s(bytes).into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
+        other => bail!(
+            "{}: tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported",
+            path.display()
+        ),
+    })
+}
+
+impl WeightSource for SafetensorsSource {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+        let (path, t) = self.tensor(name)?;
+        check_shape(path, name, t.shape(), &[rows, cols])?;
+        let ctx = || format!("{}: tensor '{name}'", path.display());
+        let stored = t.dtype();
+        let w = match (self.dtype, stored) {
+            (DType::Auto | DType::BFloat16, StDtype::BF16) => Weight::from_bf16_bits(rows, cols, &u16s(t.data())),
+            (DType::Auto | DType::Float16, StDtype::F16) => Weight::from_f16_bits(rows, cols, &u16s(t.data())),
+            (DType::Auto | DType::Float32, StDtype::F32) => Weight::from_f32(rows, cols, &f32s(t.data())),
+            (DType::Float32, _) => Weight::from_f32(rows, cols, &to_f32(path, name, stored, t.data())?),
+            (DType::BFloat16, _) => {
+                let bits: Vec<u16> = to_f32(path, name, stored, t.data())?
+                    .into_iter()
+                    .map(|x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                Weight::from_bf16_bits(rows, cols, &bits)
+            }
+            (DType::Float16, _) => {
+                let bits: Vec<u16> = to_f32(path, name, stored, t.data())?
+                    .into_iter()
+                    .map(|x| half::f16::from_f32(x).to_bits())
+                    .collect();
+                Weight::from_f16_bits(rows, cols, &bits)
+            }
+            (DType::Auto, other) => bail!("{}: dtype {other:?} is not supported", ctx()),
+        };
+        w.with_context(ctx)
+    }
+
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let (path, t) = self.tensor(name)?;
+        check_shape(path, name, t.shape(), &[len])?;
+        to_f32(path, name, t.dtype(), t.data())
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    fn describe(&self) -> String {
+        self.dir.display().to_string()
+    }
+}

@@ -1,0 +1,24 @@
+//! The inference engine, split by responsibility as in vLLM v1:
+//! - [`scheduler`]: which sequences run each step, and how many tokens;
+//! - [`kv_cache`]: the block pool, block tables and prefix hashes;
+//! - [`runner`]: one flattened batch per step through the model;
+//! - [`sampler`]: logits → next token;
+//! - [`core`]: the step loop tying them together, and output processing;
+//! - [`models`] and [`loader`]: model definitions and weight formats;
+//! - [`llm`]: the offline `LLM` API.
+
+pub mod args;
+pub mod config;
+pub mod core;
+pub mod kv_cache;
+pub mod llm;
+pub mod loader;
+pub mod models;
+pub mod request;
+pub mod runner;
+pub mod sampler;
+pub mod scheduler;
+
+pub use args::{build_engine, EngineArgs};
+pub use llm::{CompletionOutput, Prompt, RequestOutput, LLM};
+pub use request::{FinishReason, SamplingParams};

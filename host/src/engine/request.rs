@@ -1,0 +1,254 @@
+//! What a request asks for ([`SamplingParams`]) and the engine's record of
+//! it while it runs ([`Request`]).
+
+use crate::tokenizer::detokenizer::IncrementalDetokenizer;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// How to pick tokens and when to stop, with vLLM's names and defaults.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// Completions to return for the prompt.
+    pub n: usize,
+    /// Tokens to generate at most; `None` fills the context.
+    pub max_tokens: Option<usize>,
+    /// Tokens to generate before EOS or stop token ids may end the output.
+    pub min_tokens: usize,
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 or -1 disables top-k.
+    pub top_k: i32,
+    pub min_p: f32,
+    /// Multiplicative penalty (>1 discourages) on tokens of the prompt and output.
+    pub repetition_penalty: f32,
+    /// Additive penalty on tokens that appeared in the output.
+    pub presence_penalty: f32,
+    /// Additive penalty scaled by how often a token appeared in the output.
+    pub frequency_penalty: f32,
+    /// Added to the logits of the given tokens.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Makes sampling reproducible.
+    pub seed: Option<u64>,
+    /// Strings that end the output (not included unless asked).
+    pub stop: Vec<String>,
+    /// Token ids that end the output, besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+    /// Return this many top alternatives (plus the chosen token) per step.
+    pub logprobs: Option<usize>,
+    pub skip_special_tokens: bool,
+    pub include_stop_str_in_output: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            n: 1,
+            max_tokens: Some(16),
+            min_tokens: 0,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            skip_special_tokens: true,
+            include_stop_str_in_output: false,
+        }
+    }
+}
+
+/// A parameter that fails validation: which one, and why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
+pub struct ParamError {
+    /// The offending field, as the API names it.
+    pub param: &'static str,
+    pub message: String,
+}
+
+fn bad(param: &'static str, message: String) -> ParamError {
+    ParamError { param, message }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens` tokens.
+    pub fn greedy(max_tokens: usize) -> Self {
+        SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..Default::default() }
+    }
+
+    /// Checks every field against its range.
+    pub fn validate(&self, vocab_size: usize) -> Result<(), ParamError> {
+        if self.n == 0 || self.n > 128 {
+            return Err(bad("n", format!("n must be between 1 and 128, got {}", self.n)));
+        }
+        if self.max_tokens == Some(0) {
+            return Err(bad("max_tokens", "max_tokens must be at least 1".into()));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0 && self.temperature <= 100.0) {
+            return Err(bad("temperature", format!("temperature must be between 0 and 100, got {}", self.temperature)));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p)));
+        }
+        if self.top_k < -1 {
+            return Err(bad("top_k", format!("top_k must be -1 (disabled) or positive, got {}", self.top_k)));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p)));
+        }
+        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+            return Err(bad(
+                "repetition_penalty",
+                format!("repetition_penalty must be in (0, 10], got {}", self.repetition_penalty),
+            ));
+        }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
+            return Err(bad("presence_penalty", format!("presence_penalty must be in [-2, 2], got {}", self.presence_penalty)));
+        }
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return Err(bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty)));
+        }
+        for &(t, b) in &self.logit_bias {
+            if t as usize >= vocab_size {
+                return Err(bad("logit_bias", format!("logit_bias names token {t}, beyond the vocabulary of {vocab_size}")));
+            }
+            if !(-100.0..=100.0).contains(&b) {
+                return Err(bad("logit_bias", format!("logit_bias values must be in [-100, 100], got {b}")));
+            }
+        }
+        for &t in &self.stop_token_ids {
+            if t as usize >= vocab_size {
+                return Err(bad("stop_token_ids", format!("stop token {t} is beyond the vocabulary of {vocab_size}")));
+            }
+        }
+        if self.stop.iter().any(String::is_empty) {
+            return Err(bad("stop", "stop strings must not be empty".into()));
+        }
+        if let Some(k) = self.logprobs {
+            if k > 20 {
+                return Err(bad("logprobs", format!("at most 20 logprobs per token, got {k}")));
+            }
+        }
+        if let Some(m) = self.max_tokens {
+            if self.min_tokens > m {
+                return Err(bad("min_tokens", format!("min_tokens ({}) exceeds max_tokens ({m})", self.min_tokens)));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether sampling is plain argmax.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0 || self.top_k == 1
+    }
+}
+
+/// Why a sequence stopped, as the OpenAI API reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token or a stop string.
+    Stop,
+    /// max_tokens or the context length.
+    Length,
+    /// Aborted by the client or the server.
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// One generated token's log-probability and the best alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub logprob: f32,
+    /// The top alternatives, best first, as `(token_id, logprob)`.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Where a request is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestStatus {
+    Waiting,
+    Running,
+    Finished(FinishReason),
+}
+
+/// The engine's record of one sequence.
+pub struct Request {
+    /// The engine's id for this sequence.
+    pub id: u64,
+    /// The caller's id.
+    pub external_id: String,
+    /// Prompt followed by the generated tokens.
+    pub token_ids: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V are in the cache.
+    pub num_computed: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub num_cached_prompt: usize,
+    pub params: SamplingParams,
+    /// Generation ends at this total length (prompt + output).
+    pub max_len: usize,
+    pub salt: u64,
+    pub priority: i64,
+    /// Admission order, for FCFS and for tie-breaks.
+    pub arrival: u64,
+    pub arrived_at: Instant,
+    pub first_scheduled_at: Option<Instant>,
+    pub status: RequestStatus,
+    pub num_preemptions: u32,
+    /// Eos ids of the model, unless `ignore_eos`.
+    pub eos_ids: Vec<u32>,
+    pub(crate) rng: StdRng,
+    /// How often each token occurs in the output, for the penalties.
+    pub(crate) output_counts: HashMap<u32, u32>,
+    pub(crate) detok: IncrementalDetokenizer,
+    /// Text generated and not yet released to the caller (held back while it
+    /// could be the start of a stop string).
+    pub(crate) pending_text: String,
+}
+
+impl Request {
+    /// Tokens generated so far.
+    pub fn output_ids(&self) -> &[u32] {
+        &self.token_ids[self.prompt_len..]
+    }
+
+    /// Tokens generated so far, counted.
+    pub fn num_output(&self) -> usize {
+        self.token_ids.len() - self.prompt_len
+    }
+
+    /// Whether the request has finished.
+    pub fn is_finished(&self) -> bool {
+        matches!(self.status, RequestStatus::Finished(_))
+    }
+
+    pub(crate) fn new_rng(seed: Option<u64>) -> StdRng {
+        match seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! Turns one row of logits into the next token: logit processors
+//! (bias, penalties, min_tokens), optional logprobs of the raw model output,
+//! then greedy or temperature / top-k / top-p / min-p sampling with the
+//! request's own RNG.
+
+use crate::engine::request::{Request, TokenLogprob};
+use rand::Rng;
+
+/// Reusable buffers, so sampling a warm batch allocates nothing on the
+/// greedy path.
+#[derive(Default)]
+pub struct Sampler {
+    candidates: Vec<(f32, u32)>,
+    logprobs: Vec<f32>,
+    seen: Vec<u64>,
+}
+
+/// What the sampler chose for one row.
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<TokenLogprob>,
+}
+
+fn argmax(x: &[f32]) -> usize {
+    let mut best = 0;
+    let mut best_v = f32::NEG_INFINITY;
+    for (i, &v) in x.iter().enumerate() {
+        // Strictly greater: ties go to the lowest id, as llama.cpp and torch do.
+        if v > best_v {
+            best_v = v;
+            best = i;
+        }
+    }
+    best
+}
+
+/// log_softmax of `x` into `out`, computed in f64 for the normalizer.
+fn log_softmax_into(x: &[f32], out: &mut Vec<f32>) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|&v| ((v - max) as f64).exp()).sum();
+    let lse = max as f64 + sum.ln();
+    out.clear();
+    out.extend(x.iter().map(|&v| (v as f64 - lse) as f32));
+}
+
+impl Sampler {
+    /// Chooses the next token of `req` from `logits` (modified in place).
+    pub fn sample(&mut self, logits: &mut [f32], req: &mut Request) -> Sampled {
+        let p = &req.params;
+        let logprob_k = p.logprobs;
+        // Logprobs describe the model's own distribution, before any
+        // processing, as vLLM v1 reports them by default.
+        if logprob_k.is_some() {
+            log_softmax_into(logits, &mut self.logprobs);
+        }
+        self.process(logits, req);
+        let p = &req.params;
+        let token = if p.is_greedy() {
+            argmax(logits) as u32
+        } else {
+            self.sample_random(logits, req)
+        };
+        let logprob = logprob_k.map(|k| {
+            let lp = &self.logprobs;
+            let mut top = Vec::with_capacity(k);
+            if k > 0 {
+                self.candidates.clear();
+                self.candidates.extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
+                let k = k.min(self.candidates.len());
+                self.candidates.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                self.candidates[..k].sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                top.extend(self.candidates[..k].iter().map(|&(v, i)| (i, v)));
+            }
+            TokenLogprob { token_id: token, logprob: lp[token as usize], top }
+        });
+        Sampled { token, logprob }
+    }
+
+    /// Applies logit bias, the penalties and min_tokens to `logits`.
+    fn process(&mut self, logits: &mut [f32], req: &Request) {
+        let p = &req.params;
+        for &(t, b) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let words = logits.len().div_ceil(64);
+            if self.seen.len() < words {
+                self.seen.resize(words, 0);
+            }
+            for &t in &req.token_ids {
+                let (w, bit) = (t as usize / 64, 1u64 << (t % 64));
+                if w < words && self.seen[w] & bit == 0 {
+                    self.seen[w] |= bit;
+                    let l = &mut logits[t as usize];
+                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                }
+            }
+            for &t in &req.token_ids {
+                if let Some(w) = self.seen.get_mut(t as usize / 64) {
+                    *w = 0;
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &req.output_counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+        if req.num_output() < p.min_tokens {
+            for &t in req.eos_ids.iter().chain(&p.stop_token_ids) {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    fn sample_random(&mut self, logits: &mut [f32], req: &mut Request) -> u32 {
+        let p = &req.params;
+        let inv_t = 1.0 / p.temperature;
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Probabilities up to a common factor, in place.
+        let mut total = 0f64;
+        for l in logits.iter_mut() {
+            let e = ((*l - max) * inv_t).exp();
+            *l = e;
+            total += e as f64;
+        }
+        let vocab = logits.len();
+        let top_k = if p.top_k > 0 { (p.top_k as usize).min(vocab) } else { vocab };
+        let cands = &mut self.candidates;
+        if top_k == vocab && p.top_p >= 1.0 && p.min_p <= 0.0 {
+            // Plain temperature sampling: one scan, no sorting.
+            let mut u = req.rng.random::<f64>() * total;
+            for (i, &w) in logits.iter().enumerate() {
+                u -= w as f64;
+                if u <= 0.0 {
+                    return i as u32;
+                }
+            }
+            return argmax(logits) as u32;
+        }
+        // Take the k most likely tokens; when only top-p limits the set,
+        // grow k until it covers top_p of the mass, which avoids sorting the
+        // whole vocabulary in the common case.
+        let mut k = if top_k < vocab { top_k } else { 64.min(vocab) };
+        loop {
+            cands.clear();
+            cands.extend(logits.iter().enumerate().map(|(i, &w)| (w, i as u32)));
+            cands.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            cands.truncate(k);
+            cands.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
+            if k == top_k || k == vocab || mass >= p.top_p as f64 * total {
+                break;
+            }
+            k = (k * 8).min(top_k).min(vocab);
+        }
+        // Top-k renormalizes before top-p is applied, as in vLLM.
+        let kept_mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
+        if p.top_p < 1.0 {
+            let mut cum = 0f64;
+            let mut keep = cands.len();
+            for (i, c) in cands.iter().enumerate() {
+                cum += c.0 as f64;
+                if cum >= p.top_p as f64 * kept_mass {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cands.truncate(keep.max(1));
+        }
+        if p.min_p > 0.0 {
+            let threshold = cands[0].0 * p.min_p;
+            cands.retain(|c| c.0 >= threshold);
+        }
+        let sum: f64 = cands.iter().map(|c| c.0 as f64).sum();
+        let mut u = req.rng.random::<f64>() * sum;
+        for c in cands.iter() {
+            u -= c.0 as f64;
+            if u <= 0.0 {
+                return c.1;
+            }
+        }
+        cands[0].1
+    }
+}

@@ -1,0 +1,253 @@
+//! Decides, each step, which sequences run and how many of their tokens:
+//! running sequences first (decodes and unfinished prefill chunks), then
+//! waiting ones, within a token budget (`--max-num-batched-tokens`) and a
+//! sequence cap (`--max-num-seqs`). When the KV pool runs dry it preempts by
+//! recompute: the newest (or lowest-priority) running sequence gives its
+//! blocks back and returns to the front of the queue.
+
+use crate::engine::kv_cache::KvCacheManager;
+use crate::engine::request::{FinishReason, Request, RequestStatus};
+use std::collections::{HashMap, VecDeque};
+
+/// In which order waiting requests are admitted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SchedulingPolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// Lowest `priority` value first, then arrival order; preemption picks
+    /// the highest value (least urgent) first.
+    Priority,
+}
+
+impl std::str::FromStr for SchedulingPolicy {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        match s {
+            "fcfs" => Ok(SchedulingPolicy::Fcfs),
+            "priority" => Ok(SchedulingPolicy::Priority),
+            other => anyhow::bail!("--scheduling-policy '{other}' is not one of fcfs, priority"),
+        }
+    }
+}
+
+/// The scheduler's limits.
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub policy: SchedulingPolicy,
+}
+
+/// One sequence's share of a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScheduledSeq {
+    pub id: u64,
+    /// Tokens already in the cache before this step; the step runs tokens
+    /// `start..start + num_tokens`.
+    pub start: usize,
+    pub num_tokens: usize,
+    /// The step reaches the end of the sequence, so a token is sampled.
+    pub sample: bool,
+}
+
+/// A step's plan.
+#[derive(Debug, Default)]
+pub struct SchedulerOutput {
+    pub seqs: Vec<ScheduledSeq>,
+    pub num_tokens: usize,
+    /// Sequences preempted while planning this step.
+    pub preempted: Vec<u64>,
+}
+
+/// Owns the requests and the waiting and running queues.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    requests: HashMap<u64, Request>,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// An empty scheduler.
+    pub fn new(config: SchedulerConfig) -> Scheduler {
+        Scheduler { config, requests: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
+    }
+
+    /// Queues a new request.
+    pub fn add(&mut self, req: Request) {
+        self.waiting.push_back(req.id);
+        self.requests.insert(req.id, req);
+    }
+
+    /// The request with engine id `id`.
+    pub fn get(&self, id: u64) -> Option<&Request> {
+        self.requests.get(&id)
+    }
+
+    /// The request with engine id `id`, mutably.
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut Request> {
+        self.requests.get_mut(&id)
+    }
+
+    /// Requests running now.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting for admission (including preempted ones).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Preemptions since start.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    /// Whether any request is unfinished.
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Removes a request, wherever it is, and frees its blocks at once.
+    pub fn remove(&mut self, id: u64, reason: FinishReason, kv: &mut KvCacheManager) -> Option<Request> {
+        let mut req = self.requests.remove(&id)?;
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        kv.free(id);
+        req.status = RequestStatus::Finished(reason);
+        Some(req)
+    }
+
+    /// Plans the next step, allocating the KV slots it needs.
+    pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
+        let mut out = SchedulerOutput::default();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(req) = self.requests.get(&id) else {
+                self.running.remove(i);
+                continue;
+            };
+            let num_new = (req.token_ids.len() - req.num_computed).min(budget);
+            if num_new == 0 {
+                i += 1;
+                continue;
+            }
+            let scheduled = loop {
+                let req = &self.requests[&id];
+                if kv.allocate(id, &req.token_ids, req.salt, None, req.num_computed, num_new) {
+                    break true;
+                }
+                let victim = self.pick_victim(i);
+                self.preempt(victim, kv);
+                out.preempted.push(victim);
+                if victim == id {
+                    break false;
+                }
+            };
+            if !scheduled {
+                // `id` preempted itself and left the running list at `i`.
+                continue;
+            }
+            let req = &self.requests[&id];
+            out.seqs.push(ScheduledSeq {
+                id,
+                start: req.num_computed,
+                num_tokens: num_new,
+                sample: req.num_computed + num_new == req.token_ids.len(),
+            });
+            budget -= num_new;
+            out.num_tokens += num_new;
+            i += 1;
+        }
+        // A step that had to preempt is short of blocks: admitting new work
+        // now would only preempt again.
+        if out.preempted.is_empty() {
+            while budget > 0 && self.running.len() < self.config.max_num_seqs {
+                let Some(pos) = self.next_waiting() else { break };
+                let id = self.waiting[pos];
+                let Some(req) = self.requests.get_mut(&id) else {
+                    self.waiting.remove(pos);
+                    continue;
+                };
+                let hit = kv.lookup_prefix(&req.token_ids, req.salt);
+                let cached = hit.num_tokens(kv.block_size());
+                let num_new = (req.token_ids.len() - cached).min(budget);
+                if !kv.allocate(id, &req.token_ids, req.salt, Some(hit), cached, num_new) {
+                    break;
+                }
+                if req.num_preemptions == 0 {
+                    req.num_cached_prompt = cached;
+                }
+                req.num_computed = cached;
+                req.status = RequestStatus::Running;
+                req.first_scheduled_at.get_or_insert_with(std::time::Instant::now);
+                self.waiting.remove(pos);
+                self.running.push(id);
+                out.seqs.push(ScheduledSeq {
+                    id,
+                    start: cached,
+                    num_tokens: num_new,
+                    sample: cached + num_new == req.token_ids.len(),
+                });
+                budget -= num_new;
+                out.num_tokens += num_new;
+            }
+        }
+        out
+    }
+
+    /// Records that a step ran: the scheduled tokens are now in the cache.
+    pub fn mark_computed(&mut self, seq: &ScheduledSeq) {
+        if let Some(r) = self.requests.get_mut(&seq.id) {
+            r.num_computed = seq.start + seq.num_tokens;
+        }
+    }
+
+    fn next_waiting(&self) -> Option<usize> {
+        match self.config.policy {
+            SchedulingPolicy::Fcfs => (!self.waiting.is_empty()).then_some(0),
+            SchedulingPolicy::Priority => self
+                .waiting
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, id)| self.requests.get(id).map(|r| (r.priority, r.arrival)))
+                .map(|(i, _)| i),
+        }
+    }
+
+    /// The running request to preempt: the last admitted (FCFS) or the
+    /// least urgent (priority). Requests before `first` were already given
+    /// slots this step and are not candidates.
+    fn pick_victim(&self, first: usize) -> u64 {
+        let candidates = &self.running[first..];
+        match self.config.policy {
+            SchedulingPolicy::Fcfs => *candidates.last().expect("the current request is running"),
+            SchedulingPolicy::Priority => *candidates
+                .iter()
+                .max_by_key(|id| self.requests.get(id).map(|r| (r.priority, r.arrival)))
+                .expect("the current request is running"),
+        }
+    }
+
+    fn preempt(&mut self, id: u64, kv: &mut KvCacheManager) {
+        kv.free(id);
+        self.running.retain(|&r| r != id);
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.num_computed = 0;
+            r.status = RequestStatus::Waiting;
+            r.num_preemptions += 1;
+        }
+        self.waiting.push_front(id);
+        self.num_preemptions += 1;
+    }
+
+    /// Ids of the requests in the running queue, in order.
+    pub fn running_ids(&self) -> &[u64] {
+        &self.running
+    }
+}
