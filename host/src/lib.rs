@@ -6,5 +6,6 @@
 //!   scheduler and the sampler;
 //! - [`cli`]: the `pagoda` command line.
 
+pub mod cli;
 pub mod engine;
 pub mod tokenizer;

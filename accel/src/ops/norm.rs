@@ -37,7 +37,10 @@ fn sum_sq(x: &[f32]) -> f32 {
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     assert_eq!(x.len(), out.len(), "rms_norm: x and out differ in length");
-    assert!(dim > 0 && x.len() % dim == 0, "rms_norm: length not a multiple of dim");
+    assert!(
+        dim > 0 && x.len() % dim == 0,
+        "rms_norm: length not a multiple of dim"
+    );
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
         let inv = 1.0 / (sum_sq(xr) / dim as f32 + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
@@ -52,7 +55,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// If `x.len()` is not a multiple of `weight.len()`.
 pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     let dim = weight.len();
-    assert!(dim > 0 && x.len() % dim == 0, "rms_norm_inplace: length not a multiple of dim");
+    assert!(
+        dim > 0 && x.len() % dim == 0,
+        "rms_norm_inplace: length not a multiple of dim"
+    );
     for xr in x.chunks_exact_mut(dim) {
         let inv = 1.0 / (sum_sq(xr) / dim as f32 + eps).sqrt();
         for (v, &w) in xr.iter_mut().zip(weight) {
@@ -92,7 +98,9 @@ mod tests {
     fn rms_norm_matches_reference() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for &(rows, dim) in &[(1usize, 1usize), (3, 7), (2, 64), (5, 4096), (1, 33)] {
-            let x: Vec<f32> = (0..rows * dim).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let x: Vec<f32> = (0..rows * dim)
+                .map(|_| rng.random_range(-3.0..3.0))
+                .collect();
             let w: Vec<f32> = (0..dim).map(|_| rng.random_range(0.5..1.5)).collect();
             let eps = 1e-5;
             let want = reference(&x, &w, eps);
@@ -102,7 +110,12 @@ mod tests {
             rms_norm_inplace(&mut inplace, &w, eps);
             for i in 0..x.len() {
                 let tol = 1e-5 * want[i].abs().max(1.0);
-                assert!((out[i] as f64 - want[i]).abs() < tol, "{rows}x{dim} [{i}]: {} vs {}", out[i], want[i]);
+                assert!(
+                    (out[i] as f64 - want[i]).abs() < tol,
+                    "{rows}x{dim} [{i}]: {} vs {}",
+                    out[i],
+                    want[i]
+                );
                 assert_eq!(out[i], inplace[i]);
             }
         }

@@ -37,6 +37,12 @@ pub(crate) trait Simd: Copy + 'static {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// Sum of the lanes.
     unsafe fn hsum(v: Self::V) -> f32;
+    /// The four lane sums of `a`, `b`, `c`, `d`; vector code shares the
+    /// shuffles between them (a third of the cost of four `hsum`s).
+    #[inline(always)]
+    unsafe fn hsum4(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [f32; 4] {
+        unsafe { [Self::hsum(a), Self::hsum(b), Self::hsum(c), Self::hsum(d)] }
+    }
     /// Maximum of the lanes.
     unsafe fn hmax(v: Self::V) -> f32;
     /// Lane-wise `if a > b { -inf } else { s }`: the causal mask, with `a`
@@ -149,7 +155,14 @@ const EXP_HI: f32 = 88.3;
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 const LN2_HI: f32 = 0.693_359_4;
 const LN2_LO: f32 = -2.121_944_4e-4;
-const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5];
+const EXP_P: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
 
 /// AVX2 + FMA + F16C, 8 lanes.
 #[cfg(target_arch = "x86_64")]
@@ -209,6 +222,10 @@ impl Simd for Avx2 {
             let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
             _mm_cvtss_f32(s)
         }
+    }
+    #[inline(always)]
+    unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
+        unsafe { hsum4_256(a, b, c, d) }
     }
     #[inline(always)]
     unsafe fn hmax(v: __m256) -> f32 {
@@ -277,6 +294,25 @@ impl Simd for Avx2 {
     }
 }
 
+/// Lane sums of four 8-lane vectors: two rounds of pairwise horizontal adds
+/// leave `[a, b, c, d]` partial sums in each 128-bit half.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
+    unsafe {
+        let ab = _mm256_hadd_ps(a, b);
+        let cd = _mm256_hadd_ps(c, d);
+        let abcd = _mm256_hadd_ps(ab, cd);
+        let s = _mm_add_ps(
+            _mm256_castps256_ps128(abcd),
+            _mm256_extractf128_ps::<1>(abcd),
+        );
+        let mut out = [0.0f32; 4];
+        _mm_storeu_ps(out.as_mut_ptr(), s);
+        out
+    }
+}
+
 /// AVX-512 F/BW/VL (+ FMA, F16C), 16 lanes.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
@@ -330,6 +366,19 @@ impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn hsum(v: __m512) -> f32 {
         unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
+        // Fold each to 256 bits, then share the AVX2 reduction.
+        unsafe {
+            let f = |v: __m512| {
+                _mm256_add_ps(
+                    _mm512_castps512_ps256(v),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+                )
+            };
+            hsum4_256(f(a), f(b), f(c), f(d))
+        }
     }
     #[inline(always)]
     unsafe fn hmax(v: __m512) -> f32 {
@@ -394,6 +443,19 @@ impl Simd for Avx512 {
     }
 }
 
+/// Hints the CPU to bring the cache line holding `p` into L1. Never faults,
+/// whatever `p` is.
+#[inline(always)]
+pub(crate) fn prefetch(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE is part of x86_64, and prefetching has no memory effects.
+    unsafe {
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// A kernel written once over [`Simd`]; [`dispatch`] runs it at a level.
 pub(crate) trait Kernel {
     /// What the kernel returns.
@@ -444,4 +506,96 @@ pub(crate) fn check_level(level: SimdLevel) {
         "SIMD level {level:?} requested but only {:?} is available",
         crate::cpu::simd_level()
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Applies each level's vector primitives to whole vectors of `x`.
+    struct Probe<'a> {
+        x: &'a [f32],
+        exp: &'a mut [f32],
+        sums: &'a mut [f32; 4],
+    }
+
+    impl Kernel for Probe<'_> {
+        type Output = ();
+        #[inline(always)]
+        unsafe fn run<S: Simd>(self) {
+            let l = S::LANES;
+            unsafe {
+                for i in (0..self.x.len() - self.x.len() % l).step_by(l) {
+                    S::store(
+                        self.exp.as_mut_ptr().add(i),
+                        S::exp(S::load(self.x.as_ptr().add(i))),
+                    );
+                }
+                let v = |k: usize| S::load(self.x.as_ptr().add(1024 + k * l));
+                *self.sums = S::hsum4(v(0), v(1), v(2), v(3));
+            }
+        }
+    }
+
+    #[test]
+    fn exp_and_hsum4_are_accurate_at_every_level() {
+        let mut x: Vec<f32> = (0..4096)
+            .map(|i| -100.0 + i as f32 * (188.0 / 4096.0))
+            .collect();
+        x[..8].copy_from_slice(&[
+            f32::NEG_INFINITY,
+            -87.4,
+            -87.3,
+            -20.0,
+            -1e-3,
+            0.0,
+            1e-3,
+            88.0,
+        ]);
+        for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+            if level > crate::cpu::simd_level() {
+                continue;
+            }
+            let mut e = vec![f32::NAN; x.len()];
+            let mut sums = [0.0f32; 4];
+            unsafe {
+                dispatch(
+                    level,
+                    Probe {
+                        x: &x,
+                        exp: &mut e,
+                        sums: &mut sums,
+                    },
+                )
+            };
+            for (&xi, &ei) in x.iter().zip(&e) {
+                let want = (xi as f64).exp();
+                if xi < EXP_LO {
+                    // Vector code flushes to exactly 0; libm may return a
+                    // subnormal-sized value.
+                    assert!((0.0..1.2e-38).contains(&ei), "{level:?} exp({xi}) = {ei}");
+                } else {
+                    assert!(
+                        ((ei as f64) - want).abs() <= 4e-7 * want,
+                        "{level:?} exp({xi}) = {ei}, want {want}"
+                    );
+                }
+            }
+            let l = match level {
+                SimdLevel::Scalar => 1,
+                SimdLevel::Avx2 => 8,
+                SimdLevel::Avx512Vnni => 16,
+            };
+            for (k, &s) in sums.iter().enumerate() {
+                let want: f64 = x[1024 + k * l..1024 + (k + 1) * l]
+                    .iter()
+                    .map(|&v| v as f64)
+                    .sum();
+                assert!(
+                    (s as f64 - want).abs() <= 1e-3,
+                    "{level:?} hsum4[{k}] = {s}, want {want}"
+                );
+            }
+        }
+    }
 }

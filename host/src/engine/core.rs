@@ -157,7 +157,7 @@ impl EngineCore {
         let id = self.next_id;
         self.next_id += 1;
         let eos_ids = if params.ignore_eos { Vec::new() } else { self.tokenizer.eos_ids().to_vec() };
-        let detok = IncrementalDetokenizer::new(&self.tokenizer, &prompt_ids, params.skip_special_tokens);
+        let detok = IncrementalDetokenizer::new(self.tokenizer.clone(), &prompt_ids, params.skip_special_tokens);
         let req = Request {
             id,
             external_id,

@@ -1,0 +1,1569 @@
+//! Paged attention: causal, grouped-query attention of a ragged batch of
+//! sequences against a KV cache stored in fixed-size blocks.
+//!
+//! # Work split
+//! The call is split into tasks of (sequence, KV head, query tile) and run on
+//! the [`ThreadPool`]. A task handles *all* q heads of its KV head's group at
+//! once, so each cached K/V row is read from memory (and widened from
+//! f16/bf16) once per group rather than once per q head. Within a task the
+//! cache is streamed in chunks of [`KT`] positions with an online softmax
+//! (running max and sum per row, accumulator rescaled when the max grows), so
+//! nothing is sized by the context length and all scratch lives on the stack.
+//!
+//! # Two kernels
+//! A tile's *rows* are its (query, q head) pairs. Two layouts suit different
+//! row counts:
+//!
+//! * **small** (decode, short chunks: fewer rows than a vector's lanes):
+//!   head dimensions in the SIMD lanes. Scores are dot products reduced
+//!   across lanes; the output accumulates `p · v` rows. Putting rows in the
+//!   lanes here would leave most lanes idle (a group of 4 fills a quarter of
+//!   an AVX-512 register).
+//! * **wide** (prefill: up to [`WIDE_ROWS`] rows): rows in the SIMD lanes,
+//!   like a small matrix multiply. The tile's queries are transposed once
+//!   (`[head_dim][rows]`), so `Q·Kᵀ` is a sequence of FMAs of a broadcast K
+//!   element against a row vector with no horizontal reductions, and the
+//!   softmax's max/exp/sum and the causal mask are lane-wise too.
+//!
+//! Both are written once over [`Simd`] and instantiated for AVX-512, AVX2 and
+//! scalar code; the level is chosen once per call.
+
+use std::mem::MaybeUninit;
+
+use half::{bf16, f16};
+
+use super::simd::{check_level, dispatch, Kernel, Simd};
+use crate::cpu::{simd_level, SimdLevel};
+use crate::ThreadPool;
+
+/// Largest supported head dimension (sizes the stack scratch).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Cache positions processed per online-softmax step. A multiple of every
+/// lane count (16), so a chunk's scores fill whole vectors.
+const KT: usize = 32;
+/// Most rows (query × q head) in a wide tile. 64 rows × 256 dims of
+/// transposed queries plus as many accumulators is 128 KiB of stack, and a
+/// tile this tall reads each K/V chunk once for 64 rows.
+const WIDE_ROWS: usize = 64;
+/// Most rows in a small tile: small tiles are used below one vector of rows,
+/// at most 16 lanes.
+const SMALL_ROWS: usize = 16;
+
+/// Element type of the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvDtype {
+    /// 32-bit float: exact, twice the memory of the 16-bit types.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16: f32's range with 8 bits of mantissa.
+    Bf16,
+}
+
+mod sealed {
+    /// The cache reinterpreted as raw storage, so kernels can widen it with
+    /// SIMD instead of element by element through [`super::KvElem::to_f32`].
+    #[derive(Clone, Copy)]
+    pub enum KvView<'a> {
+        F32(&'a [f32]),
+        F16(&'a [u16]),
+        Bf16(&'a [u16]),
+    }
+
+    impl KvView<'_> {
+        /// Address of element `i` (for prefetching; not dereferenced).
+        #[inline(always)]
+        pub fn addr(&self, i: usize) -> *const u8 {
+            match *self {
+                KvView::F32(s) => s.as_ptr().wrapping_add(i) as *const u8,
+                KvView::F16(s) | KvView::Bf16(s) => s.as_ptr().wrapping_add(i) as *const u8,
+            }
+        }
+    }
+
+    /// Keeps [`super::KvElem`] to the three types the kernels know how to
+    /// read (the trait is public, its implementations are not open).
+    pub trait Sealed: Sized {
+        fn view(s: &[Self]) -> KvView<'_>;
+    }
+}
+use sealed::KvView;
+
+/// A type the KV cache can be stored in: `f32`, [`half::f16`] or
+/// [`half::bf16`].
+pub trait KvElem: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// The runtime tag of this type.
+    const DTYPE: KvDtype;
+    /// Rounds an f32 to this type (round to nearest even).
+    fn from_f32(x: f32) -> Self;
+    /// Widens to f32 (exact).
+    fn to_f32(self) -> f32;
+}
+
+impl sealed::Sealed for f32 {
+    fn view(s: &[f32]) -> KvView<'_> {
+        KvView::F32(s)
+    }
+}
+impl KvElem for f32 {
+    const DTYPE: KvDtype = KvDtype::F32;
+    #[inline]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl sealed::Sealed for f16 {
+    fn view(s: &[f16]) -> KvView<'_> {
+        KvView::F16(bytemuck::cast_slice(s))
+    }
+}
+impl KvElem for f16 {
+    const DTYPE: KvDtype = KvDtype::F16;
+    #[inline]
+    fn from_f32(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        f16::to_f32(self)
+    }
+}
+
+impl sealed::Sealed for bf16 {
+    fn view(s: &[bf16]) -> KvView<'_> {
+        KvView::Bf16(bytemuck::cast_slice(s))
+    }
+}
+impl KvElem for bf16 {
+    const DTYPE: KvDtype = KvDtype::Bf16;
+    #[inline]
+    fn from_f32(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+    #[inline]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// Shape of one layer's K (or V) cache:
+/// `[num_blocks, n_kv_heads, block_size, head_dim]`. For each (block, KV
+/// head) the `block_size × head_dim` slab is contiguous, so a task streams
+/// its KV head's rows of a block without striding over the other heads.
+#[derive(Clone, Copy, Debug)]
+pub struct KvLayout {
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Token positions per block.
+    pub block_size: usize,
+    /// KV heads of the layer.
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+impl KvLayout {
+    /// Elements in one K (or V) cache of this layout.
+    pub fn elems(&self) -> usize {
+        self.num_blocks * self.n_kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Index of the first element of `(block, kv_head, offset)`.
+    #[inline(always)]
+    fn index(&self, block: usize, kv_head: usize, offset: usize) -> usize {
+        ((block * self.n_kv_heads + kv_head) * self.block_size + offset) * self.head_dim
+    }
+}
+
+/// Writes new K and V rows into the caches, rounding to `T`.
+///
+/// `k`, `v`: `[n_tokens, n_kv_heads * head_dim]`; token `t` goes to slot
+/// `slot_mapping[t] = block_id * block_size + offset_in_block`.
+///
+/// # Panics
+/// If a length disagrees with `layout` or a slot is outside the pool.
+pub fn write_kv<T: KvElem>(
+    layout: &KvLayout,
+    k_cache: &mut [T],
+    v_cache: &mut [T],
+    k: &[f32],
+    v: &[f32],
+    slot_mapping: &[u32],
+) {
+    let d = layout.head_dim;
+    let row = layout.n_kv_heads * d;
+    assert_eq!(
+        k_cache.len(),
+        layout.elems(),
+        "write_kv: k_cache does not match the layout"
+    );
+    assert_eq!(
+        v_cache.len(),
+        layout.elems(),
+        "write_kv: v_cache does not match the layout"
+    );
+    assert_eq!(
+        k.len(),
+        slot_mapping.len() * row,
+        "write_kv: k has the wrong length"
+    );
+    assert_eq!(
+        v.len(),
+        slot_mapping.len() * row,
+        "write_kv: v has the wrong length"
+    );
+    let slots = layout.num_blocks * layout.block_size;
+    for (t, &slot) in slot_mapping.iter().enumerate() {
+        let slot = slot as usize;
+        assert!(
+            slot < slots,
+            "write_kv: slot {slot} outside the pool of {slots}"
+        );
+        let (block, off) = (slot / layout.block_size, slot % layout.block_size);
+        for h in 0..layout.n_kv_heads {
+            let dst = layout.index(block, h, off);
+            let src = t * row + h * d;
+            for (c, &x) in k_cache[dst..dst + d].iter_mut().zip(&k[src..src + d]) {
+                *c = T::from_f32(x);
+            }
+            for (c, &x) in v_cache[dst..dst + d].iter_mut().zip(&v[src..src + d]) {
+                *c = T::from_f32(x);
+            }
+        }
+    }
+}
+
+/// One sequence in a flattened ragged batch.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnSeq<'a> {
+    /// First row of this sequence in `q` and `out`.
+    pub q_start: usize,
+    /// New tokens (rows of `q`) of this sequence in the batch.
+    pub q_len: usize,
+    /// Tokens in the cache including the new ones, already written.
+    pub ctx_len: usize,
+    /// The sequence's blocks: position `p` lives in block
+    /// `block_table[p / block_size]` at offset `p % block_size`.
+    pub block_table: &'a [u32],
+}
+
+/// Causal grouped-query attention over a paged KV cache.
+///
+/// `q` and `out` are `[n_tokens, n_heads * head_dim]`; q head `h` reads KV
+/// head `h / (n_heads / n_kv_heads)`. Query `i` of a sequence (`0..q_len`)
+/// sits at position `ctx_len - q_len + i` and attends to cache positions
+/// `0..=` that position, with scores `q·k * scale`. This covers decode
+/// (`q_len == 1`), prefill, chunked prefill (`ctx_len > q_len`) and any mix of
+/// them in one call. Rows of `out` not covered by a sequence are left as they
+/// are. Allocation-free; the work runs on `pool`.
+///
+/// # Panics
+/// If the shapes disagree (cache lengths vs `layout`, `q` vs `out`,
+/// `n_heads` not a positive multiple of `n_kv_heads`, a group larger than 64,
+/// `head_dim > 256`), a sequence's rows fall outside `q` or overlap another
+/// sequence's, `q_len > ctx_len`, or its block table is too short or names a
+/// block outside the pool.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention<T: KvElem>(
+    pool: &ThreadPool,
+    layout: &KvLayout,
+    k_cache: &[T],
+    v_cache: &[T],
+    q: &[f32],
+    n_heads: usize,
+    seqs: &[AttnSeq<'_>],
+    scale: f32,
+    out: &mut [f32],
+) {
+    paged_attention_at(
+        simd_level(),
+        pool,
+        layout,
+        k_cache,
+        v_cache,
+        q,
+        n_heads,
+        seqs,
+        scale,
+        out,
+    )
+}
+
+/// [`paged_attention`] at an explicit SIMD level (tests and benchmarks cover
+/// every level this way).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn paged_attention_at<T: KvElem>(
+    level: SimdLevel,
+    pool: &ThreadPool,
+    layout: &KvLayout,
+    k_cache: &[T],
+    v_cache: &[T],
+    q: &[f32],
+    n_heads: usize,
+    seqs: &[AttnSeq<'_>],
+    scale: f32,
+    out: &mut [f32],
+) {
+    check_level(level);
+    let d = layout.head_dim;
+    let n_kv = layout.n_kv_heads;
+    let bs = layout.block_size;
+    assert!(
+        d > 0 && d <= MAX_HEAD_DIM,
+        "paged_attention: head_dim {d} not in 1..={MAX_HEAD_DIM}"
+    );
+    assert!(bs > 0, "paged_attention: block_size must be positive");
+    assert!(
+        n_kv > 0 && n_heads >= n_kv && n_heads % n_kv == 0,
+        "paged_attention: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}"
+    );
+    let group = n_heads / n_kv;
+    assert!(
+        group <= WIDE_ROWS,
+        "paged_attention: group size {group} above {WIDE_ROWS}"
+    );
+    assert_eq!(
+        k_cache.len(),
+        layout.elems(),
+        "paged_attention: k_cache does not match the layout"
+    );
+    assert_eq!(
+        v_cache.len(),
+        layout.elems(),
+        "paged_attention: v_cache does not match the layout"
+    );
+    assert_eq!(
+        q.len(),
+        out.len(),
+        "paged_attention: q and out differ in length"
+    );
+    let row = n_heads * d;
+    assert_eq!(
+        q.len() % row,
+        0,
+        "paged_attention: q is not a whole number of rows"
+    );
+    let n_tokens = q.len() / row;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.q_len == 0 {
+            continue;
+        }
+        assert!(
+            s.q_start + s.q_len <= n_tokens,
+            "paged_attention: seq {i} rows outside q"
+        );
+        assert!(
+            s.q_len <= s.ctx_len,
+            "paged_attention: seq {i} has q_len > ctx_len"
+        );
+        // Positions are compared as f32 in the wide kernel's mask.
+        assert!(
+            s.ctx_len < 1 << 24,
+            "paged_attention: seq {i} context too long"
+        );
+        let blocks = s.ctx_len.div_ceil(bs);
+        assert!(
+            s.block_table.len() >= blocks,
+            "paged_attention: seq {i} block table too short"
+        );
+        for &b in &s.block_table[..blocks] {
+            assert!(
+                (b as usize) < layout.num_blocks,
+                "paged_attention: seq {i} names block {b}"
+            );
+        }
+    }
+    check_disjoint(seqs);
+
+    let lanes = match level {
+        SimdLevel::Avx512Vnni => 16,
+        SimdLevel::Avx2 => 8,
+        SimdLevel::Scalar => 1,
+    };
+    let ctx = Ctx {
+        d,
+        bs,
+        n_kv,
+        group,
+        n_heads,
+        // Below one vector of rows (and below 8 in any case, so the scalar
+        // build exercises both kernels) the small kernel wins.
+        wide_min_rows: lanes.max(8),
+        k: T::view(k_cache),
+        v: T::view(v_cache),
+        q,
+        out: SyncPtr(out.as_mut_ptr()),
+        scale,
+        seqs,
+    };
+    let n_tasks: usize = seqs.iter().map(|s| ctx.n_tiles(s.q_len) * n_kv).sum();
+    pool.run(n_tasks, &|t| {
+        let task = ctx.task(t);
+        // SAFETY: `check_level` confirmed the CPU supports `level`.
+        unsafe { dispatch(level, task) }
+    });
+}
+
+/// Panics if two sequences share rows of `q`/`out`: tasks of different
+/// sequences write their rows concurrently, so overlap would be a data race.
+/// Batches are normally laid out in order, which is checked in one pass; any
+/// other order falls back to comparing all pairs (no allocation to sort).
+fn check_disjoint(seqs: &[AttnSeq<'_>]) {
+    let mut end = 0;
+    let mut ordered = true;
+    for s in seqs.iter().filter(|s| s.q_len > 0) {
+        if s.q_start < end {
+            ordered = false;
+            break;
+        }
+        end = s.q_start + s.q_len;
+    }
+    if ordered {
+        return;
+    }
+    for (i, a) in seqs.iter().enumerate().filter(|(_, s)| s.q_len > 0) {
+        for b in seqs[i + 1..].iter().filter(|s| s.q_len > 0) {
+            assert!(
+                a.q_start + a.q_len <= b.q_start || b.q_start + b.q_len <= a.q_start,
+                "paged_attention: sequences overlap in q"
+            );
+        }
+    }
+}
+
+/// `out`'s base pointer, shared by the tasks.
+#[derive(Clone, Copy)]
+struct SyncPtr(*mut f32);
+
+// SAFETY: every task writes only the rows of its own sequence (rows
+// `q_start + q0 .. q_start + q0 + nq`) and within them only the columns of its
+// own KV head's group of q heads. Sequences' rows are disjoint
+// (`check_disjoint`), tiles of a sequence split its rows, and KV heads split
+// the columns, so no two tasks touch the same element; nothing reads `out`
+// during the call, and `pool.run` returns only after every task finished,
+// while the `&mut out` borrow is still held.
+unsafe impl Send for SyncPtr {}
+unsafe impl Sync for SyncPtr {}
+
+/// Everything a task needs, validated once per call.
+struct Ctx<'a> {
+    d: usize,
+    bs: usize,
+    n_kv: usize,
+    group: usize,
+    n_heads: usize,
+    wide_min_rows: usize,
+    k: KvView<'a>,
+    v: KvView<'a>,
+    q: &'a [f32],
+    out: SyncPtr,
+    scale: f32,
+    seqs: &'a [AttnSeq<'a>],
+}
+
+/// One task: the rows of queries `q0..q0 + nq` of a sequence, for the q
+/// heads of KV head `kvh`.
+struct Tile<'c, 'a> {
+    ctx: &'c Ctx<'a>,
+    seq: &'c AttnSeq<'a>,
+    kvh: usize,
+    q0: usize,
+    nq: usize,
+}
+
+impl Ctx<'_> {
+    /// Query tiles a sequence of `q_len` new tokens is split into: one if all
+    /// its rows fit the small kernel, else tiles of at most `WIDE_ROWS` rows,
+    /// evenly sized.
+    fn n_tiles(&self, q_len: usize) -> usize {
+        if q_len == 0 {
+            0
+        } else if q_len * self.group < self.wide_min_rows {
+            1
+        } else {
+            q_len.div_ceil((WIDE_ROWS / self.group).max(1))
+        }
+    }
+
+    /// Maps task index `t` to its tile. Within a sequence the last query
+    /// tiles (which see the most context, hence the most work) come first,
+    /// so the pool does not finish on one long task.
+    fn task(&self, mut t: usize) -> Tile<'_, '_> {
+        for seq in self.seqs {
+            let nt = self.n_tiles(seq.q_len);
+            let count = nt * self.n_kv;
+            if t < count {
+                let tile = nt - 1 - t / self.n_kv;
+                let q0 = tile * seq.q_len / nt;
+                let q1 = (tile + 1) * seq.q_len / nt;
+                return Tile {
+                    ctx: self,
+                    seq,
+                    kvh: t % self.n_kv,
+                    q0,
+                    nq: q1 - q0,
+                };
+            }
+            t -= count;
+        }
+        unreachable!("task index beyond the planned tasks")
+    }
+
+    /// Offset of `(token, q head)` in `q` / `out`.
+    #[inline(always)]
+    fn offset(&self, token: usize, head: usize) -> usize {
+        (token * self.n_heads + head) * self.d
+    }
+
+    /// Length of the chunk starting at position `c0` (at most `KT`, up to
+    /// `n_keys`). An f32 cache with blocks of 8 or more is read in place, so
+    /// its chunks stop at block boundaries; other caches are gathered, so
+    /// chunks may span blocks.
+    #[inline(always)]
+    fn chunk_len(&self, c0: usize, n_keys: usize) -> usize {
+        let n = KT.min(n_keys - c0);
+        match self.k {
+            KvView::F32(_) if self.bs >= 8 => n.min(self.bs - c0 % self.bs),
+            _ => n,
+        }
+    }
+
+    /// Asks the CPU to start fetching positions `start..start + n` of KV
+    /// head `kvh` from both caches. Blocks are scattered, so the hardware
+    /// prefetcher cannot guess the next one; issuing this for the next chunk
+    /// before computing the current one overlaps the memory latency with
+    /// the arithmetic (decode is bound by reading the cache).
+    #[inline(always)]
+    fn prefetch_chunk(&self, table: &[u32], kvh: usize, start: usize, n: usize) {
+        let (d, bs) = (self.d, self.bs);
+        let elem = match self.k {
+            KvView::F32(_) => 4,
+            _ => 2,
+        };
+        let end = start + n;
+        let mut p = start;
+        while p < end {
+            let seg = (bs - p % bs).min(end - p);
+            let base = ((table[p / bs] as usize * self.n_kv + kvh) * bs + p % bs) * d;
+            let (kb, vb) = (self.k.addr(base), self.v.addr(base));
+            let bytes = seg * d * elem;
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: prefetches never fault; the addresses are only
+                // computed (with wrapping arithmetic), not dereferenced.
+                super::simd::prefetch(kb.wrapping_add(off));
+                super::simd::prefetch(vb.wrapping_add(off));
+            }
+            p += seg;
+        }
+    }
+
+    /// Returns positions `start..start + n` of KV head `kvh` from `view` as
+    /// contiguous f32 rows (`[n][d]`): in place for an f32 chunk within one
+    /// block, else widened/gathered into `buf` (room for `KT * d`).
+    #[inline(always)]
+    unsafe fn load_chunk<S: Simd>(
+        &self,
+        view: KvView<'_>,
+        table: &[u32],
+        kvh: usize,
+        start: usize,
+        n: usize,
+        buf: *mut f32,
+    ) -> *const f32 {
+        let (d, bs) = (self.d, self.bs);
+        let index = |p: usize| ((table[p / bs] as usize * self.n_kv + kvh) * bs + p % bs) * d;
+        if let KvView::F32(data) = view {
+            if start % bs + n <= bs {
+                let base = index(start);
+                return data[base..base + n * d].as_ptr();
+            }
+        }
+        let end = start + n;
+        let mut p = start;
+        let mut dst = buf;
+        while p < end {
+            // Rows of one block are contiguous: convert them in one run.
+            let seg = (bs - p % bs).min(end - p);
+            let base = index(p);
+            let len = seg * d;
+            // SAFETY: the source is bounds-checked by slicing; `dst` stays
+            // within the `n * d <= KT * d` elements of `buf`.
+            unsafe {
+                match view {
+                    KvView::F32(data) => {
+                        std::ptr::copy_nonoverlapping(data[base..base + len].as_ptr(), dst, len)
+                    }
+                    KvView::F16(data) => S::f16_to_f32(data[base..base + len].as_ptr(), dst, len),
+                    KvView::Bf16(data) => S::bf16_to_f32(data[base..base + len].as_ptr(), dst, len),
+                }
+                dst = dst.add(len);
+            }
+            p += seg;
+        }
+        buf
+    }
+}
+
+impl Kernel for Tile<'_, '_> {
+    type Output = ();
+    #[inline(always)]
+    unsafe fn run<S: Simd>(self) {
+        if self.nq * self.ctx.group >= self.ctx.wide_min_rows {
+            unsafe { wide_tile::<S>(&self) }
+        } else {
+            unsafe { small_tile::<S>(&self) }
+        }
+    }
+}
+
+/// Uninitialized stack scratch: it is large (up to 64 KiB) and a decode
+/// task is short, so zeroing it would cost a visible share. Every kernel
+/// writes each element before reading it, through raw pointers only.
+macro_rules! scratch {
+    ($n:expr) => {
+        MaybeUninit::<[f32; $n]>::uninit()
+    };
+}
+
+/// The small kernel: head dimensions in the lanes (see the module docs).
+#[inline(always)]
+unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
+    let c = t.ctx;
+    let (d, g, l) = (c.d, c.group, S::LANES);
+    let rows = t.nq * g;
+    debug_assert!(rows <= SMALL_ROWS);
+    let mut qs = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
+    let mut acc = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
+    let mut sc = scratch!(SMALL_ROWS * KT);
+    let mut kbuf = scratch!(KT * MAX_HEAD_DIM);
+    let mut vbuf = scratch!(KT * MAX_HEAD_DIM);
+    let (qs, acc, sc) = (
+        qs.as_mut_ptr() as *mut f32,
+        acc.as_mut_ptr() as *mut f32,
+        sc.as_mut_ptr() as *mut f32,
+    );
+    let (kbuf, vbuf) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+    let mut m = [f32::NEG_INFINITY; SMALL_ROWS];
+    let mut lsum = [0.0f32; SMALL_ROWS];
+    let mut pos = [0usize; SMALL_ROWS];
+    let first = t.seq.ctx_len - t.seq.q_len + t.q0;
+    let token0 = t.seq.q_start + t.q0;
+    // SAFETY (whole body): row `r < rows <= SMALL_ROWS` indexes `d <=
+    // MAX_HEAD_DIM` elements of `qs`/`acc` and `KT` of `sc`; chunk rows are
+    // `n <= KT` rows of `d` in `kp`/`vp`; scores are written up to a multiple
+    // of the lanes not above `KT` before being read.
+    unsafe {
+        for r in 0..rows {
+            let (qi, hh) = (r / g, r % g);
+            pos[r] = first + qi;
+            // The scale is folded into q once instead of into every score.
+            let src = &c.q[c.offset(token0 + qi, t.kvh * g + hh)..][..d];
+            for (i, &x) in src.iter().enumerate() {
+                *qs.add(r * d + i) = x * c.scale;
+                *acc.add(r * d + i) = 0.0;
+            }
+        }
+        let n_keys = first + t.nq;
+        let mut c0 = 0;
+        while c0 < n_keys {
+            let n = c.chunk_len(c0, n_keys);
+            let kp = c.load_chunk::<S>(c.k, t.seq.block_table, t.kvh, c0, n, kbuf);
+            let vp = c.load_chunk::<S>(c.v, t.seq.block_table, t.kvh, c0, n, vbuf);
+            if c0 + n < n_keys {
+                let n2 = c.chunk_len(c0 + n, n_keys);
+                c.prefetch_chunk(t.seq.block_table, t.kvh, c0 + n, n2);
+            }
+            for r in 0..rows {
+                if pos[r] < c0 {
+                    continue; // the whole chunk is in this row's future
+                }
+                let vis = (pos[r] + 1 - c0).min(n);
+                let sr = sc.add(r * KT);
+                let qr = qs.add(r * d);
+                let mut j = 0;
+                while j + 4 <= vis {
+                    dot4::<S>(qr, kp.add(j * d), d, sr.add(j));
+                    j += 4;
+                }
+                while j < vis {
+                    *sr.add(j) = dot1::<S>(qr, kp.add(j * d), d);
+                    j += 1;
+                }
+                // Pad to whole vectors with -inf, whose exp is 0.
+                let padded = vis.div_ceil(l) * l;
+                for j in vis..padded {
+                    *sr.add(j) = f32::NEG_INFINITY;
+                }
+                let mut mx = S::splat(f32::NEG_INFINITY);
+                for j in (0..padded).step_by(l) {
+                    mx = S::max(mx, S::load(sr.add(j)));
+                }
+                let m_new = m[r].max(S::hmax(mx));
+                // exp(-inf) = 0 on the first chunk: nothing to rescale yet.
+                let alpha = (m[r] - m_new).exp();
+                let mv = S::splat(m_new);
+                let mut sum = S::zero();
+                for j in (0..padded).step_by(l) {
+                    let p = S::exp(S::sub(S::load(sr.add(j)), mv));
+                    S::store(sr.add(j), p);
+                    sum = S::add(sum, p);
+                }
+                lsum[r] = lsum[r] * alpha + S::hsum(sum);
+                m[r] = m_new;
+                pv_row::<S>(acc.add(r * d), alpha, sr, vp, vis, d);
+            }
+            c0 += n;
+        }
+        for r in 0..rows {
+            // Every row sees position 0, so its sum is positive.
+            let inv = 1.0 / lsum[r];
+            let dst = c.out.0.add(c.offset(token0 + r / g, t.kvh * g + r % g));
+            for i in 0..d {
+                *dst.add(i) = *acc.add(r * d + i) * inv;
+            }
+        }
+    }
+}
+
+/// Four dot products of `q` with consecutive rows `k[0..4]` (row stride `d`),
+/// sharing each load of `q`.
+#[inline(always)]
+unsafe fn dot4<S: Simd>(q: *const f32, k: *const f32, d: usize, out: *mut f32) {
+    let l = S::LANES;
+    let nv = d - d % l;
+    unsafe {
+        let mut a = [S::zero(); 4];
+        let mut i = 0;
+        while i < nv {
+            let qv = S::load(q.add(i));
+            for (j, aj) in a.iter_mut().enumerate() {
+                *aj = S::fma(qv, S::load(k.add(j * d + i)), *aj);
+            }
+            i += l;
+        }
+        let sums = S::hsum4(a[0], a[1], a[2], a[3]);
+        for (j, &sj) in sums.iter().enumerate() {
+            let mut s = sj;
+            for i in nv..d {
+                s += *q.add(i) * *k.add(j * d + i);
+            }
+            *out.add(j) = s;
+        }
+    }
+}
+
+/// One dot product of length `d`.
+#[inline(always)]
+unsafe fn dot1<S: Simd>(q: *const f32, k: *const f32, d: usize) -> f32 {
+    let l = S::LANES;
+    let nv = d - d % l;
+    unsafe {
+        let mut a = S::zero();
+        let mut i = 0;
+        while i < nv {
+            a = S::fma(S::load(q.add(i)), S::load(k.add(i)), a);
+            i += l;
+        }
+        let mut s = S::hsum(a);
+        for i in nv..d {
+            s += *q.add(i) * *k.add(i);
+        }
+        s
+    }
+}
+
+/// `acc = acc * alpha + Σ_j p[j] · v[j]` over `n` rows of `v` (stride `d`),
+/// four vectors of `acc` held in registers at a time.
+#[inline(always)]
+unsafe fn pv_row<S: Simd>(
+    acc: *mut f32,
+    alpha: f32,
+    p: *const f32,
+    v: *const f32,
+    n: usize,
+    d: usize,
+) {
+    let l = S::LANES;
+    let nv = d - d % l;
+    unsafe {
+        let av = S::splat(alpha);
+        let mut i = 0;
+        while i + 4 * l <= nv {
+            let mut a = [S::zero(); 4];
+            for (k, ak) in a.iter_mut().enumerate() {
+                *ak = S::mul(S::load(acc.add(i + k * l)), av);
+            }
+            for j in 0..n {
+                let pj = S::splat(*p.add(j));
+                let vr = v.add(j * d + i);
+                for (k, ak) in a.iter_mut().enumerate() {
+                    *ak = S::fma(pj, S::load(vr.add(k * l)), *ak);
+                }
+            }
+            for (k, ak) in a.iter().enumerate() {
+                S::store(acc.add(i + k * l), *ak);
+            }
+            i += 4 * l;
+        }
+        while i < nv {
+            let mut a = S::mul(S::load(acc.add(i)), av);
+            for j in 0..n {
+                a = S::fma(S::splat(*p.add(j)), S::load(v.add(j * d + i)), a);
+            }
+            S::store(acc.add(i), a);
+            i += l;
+        }
+        for i in nv..d {
+            let mut a = *acc.add(i) * alpha;
+            for j in 0..n {
+                a += *p.add(j) * *v.add(j * d + i);
+            }
+            *acc.add(i) = a;
+        }
+    }
+}
+
+/// The wide kernel: rows in the lanes (see the module docs). Layouts, with
+/// `rp` = rows rounded up to whole vectors: `qt[d][rp]` (scaled, transposed
+/// queries), `acct[d][rp]`, `st[KT][rp]` (scores, then probabilities).
+#[inline(always)]
+unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
+    let c = t.ctx;
+    let (d, g, l) = (c.d, c.group, S::LANES);
+    let rows = t.nq * g;
+    let rp = rows.div_ceil(l) * l;
+    debug_assert!(rp <= WIDE_ROWS);
+    let mut qt = scratch!(MAX_HEAD_DIM * WIDE_ROWS);
+    let mut acct = scratch!(MAX_HEAD_DIM * WIDE_ROWS);
+    let mut st = scratch!(KT * WIDE_ROWS);
+    let mut kbuf = scratch!(KT * MAX_HEAD_DIM);
+    let mut vbuf = scratch!(KT * MAX_HEAD_DIM);
+    let (qt, acct, st) = (
+        qt.as_mut_ptr() as *mut f32,
+        acct.as_mut_ptr() as *mut f32,
+        st.as_mut_ptr() as *mut f32,
+    );
+    let (kbuf, vbuf) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+    // Positions as f32 for the lane-wise mask (exact below 2^24, checked).
+    let mut posf = [0.0f32; WIDE_ROWS];
+    let mut m = [f32::NEG_INFINITY; WIDE_ROWS];
+    let mut lsum = [0.0f32; WIDE_ROWS];
+    let mut alpha = [0.0f32; WIDE_ROWS];
+    let (posf, m, lsum, alpha) = (
+        posf.as_mut_ptr(),
+        m.as_mut_ptr(),
+        lsum.as_mut_ptr(),
+        alpha.as_mut_ptr(),
+    );
+    let first = t.seq.ctx_len - t.seq.q_len + t.q0;
+    let token0 = t.seq.q_start + t.q0;
+    // SAFETY (whole body): `rp <= WIDE_ROWS`, `d <= MAX_HEAD_DIM` and chunks
+    // of `n <= KT` rows bound every index below; `qt` and `acct` are written
+    // for all `d * rp` elements and `st` for all `n * rp` before being read.
+    unsafe {
+        for r in 0..rp {
+            if r < rows {
+                let (qi, hh) = (r / g, r % g);
+                *posf.add(r) = (first + qi) as f32;
+                let src = &c.q[c.offset(token0 + qi, t.kvh * g + hh)..][..d];
+                for (i, &x) in src.iter().enumerate() {
+                    *qt.add(i * rp + r) = x * c.scale;
+                }
+            } else {
+                // Padding lanes: a zero query at the last row's position
+                // gives finite scores and is never written out.
+                *posf.add(r) = (first + t.nq - 1) as f32;
+                for i in 0..d {
+                    *qt.add(i * rp + r) = 0.0;
+                }
+            }
+        }
+        for i in 0..d * rp {
+            *acct.add(i) = 0.0;
+        }
+        let n_keys = first + t.nq;
+        let mut c0 = 0;
+        while c0 < n_keys {
+            let n = c.chunk_len(c0, n_keys);
+            let kp = c.load_chunk::<S>(c.k, t.seq.block_table, t.kvh, c0, n, kbuf);
+            let vp = c.load_chunk::<S>(c.v, t.seq.block_table, t.kvh, c0, n, vbuf);
+            if c0 + n < n_keys {
+                let n2 = c.chunk_len(c0 + n, n_keys);
+                c.prefetch_chunk(t.seq.block_table, t.kvh, c0 + n, n2);
+            }
+            qk_tile::<S>(qt, rp, kp, d, n, st);
+            // Only chunks reaching past the first query's position need the
+            // causal mask.
+            if c0 + n - 1 > first {
+                for j in 0..n {
+                    let kpos = S::splat((c0 + j) as f32);
+                    for r in (0..rp).step_by(l) {
+                        let p = st.add(j * rp + r);
+                        S::store(p, S::mask_gt(kpos, S::load(posf.add(r)), S::load(p)));
+                    }
+                }
+            }
+            // Online softmax, lane-wise over rows. Position 0 is in the first
+            // chunk and visible to every row, so the running max is finite
+            // from then on and `mo - mn` is never `-inf - -inf`.
+            for r in (0..rp).step_by(l) {
+                let mo = S::load(m.add(r));
+                let mut mx = S::splat(f32::NEG_INFINITY);
+                for j in 0..n {
+                    mx = S::max(mx, S::load(st.add(j * rp + r)));
+                }
+                let mn = S::max(mo, mx);
+                let a = S::exp(S::sub(mo, mn));
+                let mut sum = S::zero();
+                for j in 0..n {
+                    let p = st.add(j * rp + r);
+                    let e = S::exp(S::sub(S::load(p), mn));
+                    S::store(p, e);
+                    sum = S::add(sum, e);
+                }
+                S::store(lsum.add(r), S::fma(S::load(lsum.add(r)), a, sum));
+                S::store(m.add(r), mn);
+                S::store(alpha.add(r), a);
+            }
+            pv_tile::<S>(acct, rp, alpha, st, vp, d, n);
+            c0 += n;
+        }
+        for r in 0..rows {
+            let inv = 1.0 / *lsum.add(r);
+            let dst = c.out.0.add(c.offset(token0 + r / g, t.kvh * g + r % g));
+            for i in 0..d {
+                *dst.add(i) = *acct.add(i * rp + r) * inv;
+            }
+        }
+    }
+}
+
+/// `st[j][r] = Σ_i qt[i][r] · k[j][i]` for `j < n`, all `rp` rows: blocks
+/// of 2 row vectors × 8 (AVX-512) or 4 keys, accumulated in registers.
+#[inline(always)]
+unsafe fn qk_tile<S: Simd>(
+    qt: *const f32,
+    rp: usize,
+    k: *const f32,
+    d: usize,
+    n: usize,
+    st: *mut f32,
+) {
+    let l = S::LANES;
+    let nrv = rp / l;
+    let mut rv = 0;
+    unsafe {
+        while rv < nrv {
+            if rv + 2 <= nrv {
+                qk_rows::<S, 2>(qt, rp, rv * l, k, d, n, st);
+                rv += 2;
+            } else {
+                qk_rows::<S, 1>(qt, rp, rv * l, k, d, n, st);
+                rv += 1;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn qk_rows<S: Simd, const RB: usize>(
+    qt: *const f32,
+    rp: usize,
+    r0: usize,
+    k: *const f32,
+    d: usize,
+    n: usize,
+    st: *mut f32,
+) {
+    let mut j = 0;
+    unsafe {
+        // 16 accumulators need AVX-512's 32 registers; AVX2 has 16.
+        if S::LANES >= 16 {
+            while j + 8 <= n {
+                qk_micro::<S, 8, RB>(qt, rp, r0, k, d, j, st);
+                j += 8;
+            }
+        }
+        while j + 4 <= n {
+            qk_micro::<S, 4, RB>(qt, rp, r0, k, d, j, st);
+            j += 4;
+        }
+        while j < n {
+            qk_micro::<S, 1, RB>(qt, rp, r0, k, d, j, st);
+            j += 1;
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn qk_micro<S: Simd, const JB: usize, const RB: usize>(
+    qt: *const f32,
+    rp: usize,
+    r0: usize,
+    k: *const f32,
+    d: usize,
+    j0: usize,
+    st: *mut f32,
+) {
+    let l = S::LANES;
+    unsafe {
+        let mut acc = [[S::zero(); RB]; JB];
+        for i in 0..d {
+            let qrow = qt.add(i * rp + r0);
+            let mut qv = [S::zero(); RB];
+            for (b, v) in qv.iter_mut().enumerate() {
+                *v = S::load(qrow.add(b * l));
+            }
+            for (jj, accj) in acc.iter_mut().enumerate() {
+                let kb = S::splat(*k.add((j0 + jj) * d + i));
+                for b in 0..RB {
+                    accj[b] = S::fma(kb, qv[b], accj[b]);
+                }
+            }
+        }
+        for (jj, accj) in acc.iter().enumerate() {
+            for (b, v) in accj.iter().enumerate() {
+                S::store(st.add((j0 + jj) * rp + r0 + b * l), *v);
+            }
+        }
+    }
+}
+
+/// `acct[i][r] = acct[i][r] · alpha[r] + Σ_j v[j][i] · st[j][r]`: blocks of 2
+/// row vectors × 8 (AVX-512) or 4 head dimensions in registers.
+#[inline(always)]
+unsafe fn pv_tile<S: Simd>(
+    acct: *mut f32,
+    rp: usize,
+    alpha: *const f32,
+    st: *const f32,
+    v: *const f32,
+    d: usize,
+    n: usize,
+) {
+    let l = S::LANES;
+    let nrv = rp / l;
+    let mut rv = 0;
+    unsafe {
+        while rv < nrv {
+            if rv + 2 <= nrv {
+                pv_rows::<S, 2>(acct, rp, rv * l, alpha, st, v, d, n);
+                rv += 2;
+            } else {
+                pv_rows::<S, 1>(acct, rp, rv * l, alpha, st, v, d, n);
+                rv += 1;
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const RB: usize>(
+    acct: *mut f32,
+    rp: usize,
+    r0: usize,
+    alpha: *const f32,
+    st: *const f32,
+    v: *const f32,
+    d: usize,
+    n: usize,
+) {
+    let mut i = 0;
+    unsafe {
+        if S::LANES >= 16 {
+            while i + 8 <= d {
+                pv_micro::<S, 8, RB>(acct, rp, r0, alpha, st, v, d, n, i);
+                i += 8;
+            }
+        }
+        while i + 4 <= d {
+            pv_micro::<S, 4, RB>(acct, rp, r0, alpha, st, v, d, n, i);
+            i += 4;
+        }
+        while i < d {
+            pv_micro::<S, 1, RB>(acct, rp, r0, alpha, st, v, d, n, i);
+            i += 1;
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn pv_micro<S: Simd, const DB: usize, const RB: usize>(
+    acct: *mut f32,
+    rp: usize,
+    r0: usize,
+    alpha: *const f32,
+    st: *const f32,
+    v: *const f32,
+    d: usize,
+    n: usize,
+    i0: usize,
+) {
+    let l = S::LANES;
+    unsafe {
+        let mut a = [S::zero(); RB];
+        for (b, ab) in a.iter_mut().enumerate() {
+            *ab = S::load(alpha.add(r0 + b * l));
+        }
+        let mut acc = [[S::zero(); RB]; DB];
+        for (ii, acci) in acc.iter_mut().enumerate() {
+            for b in 0..RB {
+                acci[b] = S::mul(S::load(acct.add((i0 + ii) * rp + r0 + b * l)), a[b]);
+            }
+        }
+        for j in 0..n {
+            let mut p = [S::zero(); RB];
+            for (b, pb) in p.iter_mut().enumerate() {
+                *pb = S::load(st.add(j * rp + r0 + b * l));
+            }
+            for (ii, acci) in acc.iter_mut().enumerate() {
+                let vb = S::splat(*v.add(j * d + i0 + ii));
+                for b in 0..RB {
+                    acci[b] = S::fma(vb, p[b], acci[b]);
+                }
+            }
+        }
+        for (ii, acci) in acc.iter().enumerate() {
+            for (b, x) in acci.iter().enumerate() {
+                S::store(acct.add((i0 + ii) * rp + r0 + b * l), *x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::seq::{IndexedRandom, SliceRandom};
+    use rand::{Rng, SeedableRng};
+
+    fn levels() -> Vec<SimdLevel> {
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni]
+            .into_iter()
+            .filter(|&l| l <= simd_level())
+            .collect()
+    }
+
+    /// (q_len, ctx_len) of one sequence in a test batch.
+    type SeqShape = (usize, usize);
+
+    struct Case {
+        head_dim: usize,
+        n_heads: usize,
+        n_kv: usize,
+        block_size: usize,
+        seqs: Vec<SeqShape>,
+    }
+
+    /// Plain causal GQA over contiguous per-sequence K/V, in f64.
+    /// `k[p][kvh*d + i]` holds the cache's (rounded) values.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f32],
+        k: &[Vec<f64>],
+        v: &[Vec<f64>],
+        n_heads: usize,
+        n_kv: usize,
+        d: usize,
+        q_start: usize,
+        q_len: usize,
+        ctx_len: usize,
+        scale: f64,
+        out: &mut [f64],
+    ) {
+        let g = n_heads / n_kv;
+        for i in 0..q_len {
+            let pos = ctx_len - q_len + i;
+            for h in 0..n_heads {
+                let kvh = h / g;
+                let qr = &q[((q_start + i) * n_heads + h) * d..][..d];
+                let scores: Vec<f64> = (0..=pos)
+                    .map(|p| {
+                        let kr = &k[p][kvh * d..][..d];
+                        qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum::<f64>() * scale
+                    })
+                    .collect();
+                let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let total: f64 = w.iter().sum();
+                let o = &mut out[((q_start + i) * n_heads + h) * d..][..d];
+                o.fill(0.0);
+                for (p, wp) in w.iter().enumerate() {
+                    for (oi, vi) in o.iter_mut().zip(&v[p][kvh * d..][..d]) {
+                        *oi += wp / total * vi;
+                    }
+                }
+            }
+        }
+    }
+
+    fn run_case<T: KvElem>(case: &Case, rng: &mut StdRng, shuffle_seqs: bool) {
+        let (d, n_heads, n_kv, bs) = (case.head_dim, case.n_heads, case.n_kv, case.block_size);
+        let blocks_needed: usize = case.seqs.iter().map(|&(_, c)| c.div_ceil(bs)).sum();
+        let layout = KvLayout {
+            num_blocks: blocks_needed + 5,
+            block_size: bs,
+            n_kv_heads: n_kv,
+            head_dim: d,
+        };
+        // A shuffled pool: sequences get scattered, non-contiguous blocks.
+        let mut free: Vec<u32> = (0..layout.num_blocks as u32).collect();
+        free.shuffle(rng);
+        // Poison so a read of an unwritten slot shows up as a wrong result.
+        let mut k_cache = vec![T::from_f32(1e3); layout.elems()];
+        let mut v_cache = vec![T::from_f32(-1e3); layout.elems()];
+        let row = n_kv * d;
+        let mut tables = Vec::new();
+        let mut contig_k = Vec::new();
+        let mut contig_v = Vec::new();
+        for &(_, ctx) in &case.seqs {
+            let table: Vec<u32> = free.drain(..ctx.div_ceil(bs)).collect();
+            let k: Vec<f32> = (0..ctx * row)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let v: Vec<f32> = (0..ctx * row)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let slots: Vec<u32> = (0..ctx)
+                .map(|p| table[p / bs] * bs as u32 + (p % bs) as u32)
+                .collect();
+            write_kv(&layout, &mut k_cache, &mut v_cache, &k, &v, &slots);
+            // The reference sees exactly the rounded values the cache holds.
+            let round = |x: &[f32]| -> Vec<Vec<f64>> {
+                x.chunks(row)
+                    .map(|r| r.iter().map(|&a| T::from_f32(a).to_f32() as f64).collect())
+                    .collect()
+            };
+            contig_k.push(round(&k));
+            contig_v.push(round(&v));
+            tables.push(table);
+        }
+        let n_tokens: usize = case.seqs.iter().map(|&(q, _)| q).sum();
+        let q: Vec<f32> = (0..n_tokens * n_heads * d)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let mut seqs = Vec::new();
+        let mut start = 0;
+        for (i, &(q_len, ctx_len)) in case.seqs.iter().enumerate() {
+            seqs.push(AttnSeq {
+                q_start: start,
+                q_len,
+                ctx_len,
+                block_table: &tables[i],
+            });
+            start += q_len;
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut want = vec![0.0f64; q.len()];
+        for (i, s) in seqs.iter().enumerate() {
+            reference(
+                &q,
+                &contig_k[i],
+                &contig_v[i],
+                n_heads,
+                n_kv,
+                d,
+                s.q_start,
+                s.q_len,
+                s.ctx_len,
+                scale as f64,
+                &mut want,
+            );
+        }
+        if shuffle_seqs {
+            seqs.shuffle(rng);
+        }
+        for threads in [1usize, 3] {
+            let pool = ThreadPool::new(threads);
+            for level in levels() {
+                let mut out = vec![f32::NAN; q.len()];
+                paged_attention_at(
+                    level, &pool, &layout, &k_cache, &v_cache, &q, n_heads, &seqs, scale, &mut out,
+                );
+                for (idx, (&got, &w)) in out.iter().zip(&want).enumerate() {
+                    let (tok, rest) = (idx / (n_heads * d), idx % (n_heads * d));
+                    assert!(
+                        (got as f64 - w).abs() <= 3e-5,
+                        "{:?} {level:?} threads={threads} d={d} heads={n_heads}/{n_kv} bs={bs} seqs={:?}: \
+                         token {tok} head {} dim {}: {got} vs {w}",
+                        T::DTYPE,
+                        case.seqs,
+                        rest / d,
+                        rest % d
+                    );
+                }
+            }
+        }
+    }
+
+    fn cases() -> Vec<Case> {
+        let mut v = Vec::new();
+        for &(head_dim, n_heads, n_kv) in &[
+            (64usize, 9usize, 3usize),
+            (32, 4, 4),
+            (80, 8, 2),
+            (64, 16, 1),
+        ] {
+            for &block_size in &[1usize, 4, 16, 32] {
+                v.push(Case {
+                    head_dim,
+                    n_heads,
+                    n_kv,
+                    block_size,
+                    seqs: vec![
+                        (1, 1),   // first decode step
+                        (1, 37),  // decode
+                        (5, 5),   // short prefill
+                        (2, 50),  // speculative-style short chunk
+                        (3, 19),  // rows = 3 * group: straddles the kernel switch
+                        (70, 70), // prefill: several wide tiles
+                        (23, 90), // chunked prefill
+                        (1, 64),  // decode at a block boundary
+                    ],
+                });
+            }
+        }
+        v
+    }
+
+    #[test]
+    fn paged_attention_matches_reference_f32() {
+        let mut rng = StdRng::seed_from_u64(11);
+        for (i, case) in cases().iter().enumerate() {
+            run_case::<f32>(case, &mut rng, i % 3 == 0);
+        }
+    }
+
+    #[test]
+    fn paged_attention_matches_reference_f16() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for (i, case) in cases().iter().enumerate() {
+            run_case::<f16>(case, &mut rng, i % 3 == 1);
+        }
+    }
+
+    #[test]
+    fn paged_attention_matches_reference_bf16() {
+        let mut rng = StdRng::seed_from_u64(13);
+        for (i, case) in cases().iter().enumerate() {
+            run_case::<bf16>(case, &mut rng, i % 3 == 2);
+        }
+    }
+
+    #[test]
+    fn paged_attention_random_shapes() {
+        let mut rng = StdRng::seed_from_u64(14);
+        for _ in 0..12 {
+            let &(head_dim, n_heads, n_kv) = [
+                (32usize, 9usize, 3usize),
+                (64, 4, 4),
+                (80, 8, 2),
+                (72, 6, 3),
+                (128, 32, 8),
+            ]
+            .choose(&mut rng)
+            .unwrap();
+            let block_size = *[1usize, 4, 8, 16, 32, 64].choose(&mut rng).unwrap();
+            let n = rng.random_range(1..6);
+            let seqs = (0..n)
+                .map(|_| {
+                    let ctx = rng.random_range(1..160);
+                    let q = if rng.random_bool(0.5) {
+                        1
+                    } else {
+                        rng.random_range(1..=ctx)
+                    };
+                    (q, ctx)
+                })
+                .collect();
+            let case = Case {
+                head_dim,
+                n_heads,
+                n_kv,
+                block_size,
+                seqs,
+            };
+            match rng.random_range(0..3) {
+                0 => run_case::<f32>(&case, &mut rng, true),
+                1 => run_case::<f16>(&case, &mut rng, false),
+                _ => run_case::<bf16>(&case, &mut rng, true),
+            }
+        }
+    }
+
+    #[test]
+    fn large_scores_stay_finite() {
+        // Scores in the hundreds: a softmax without max subtraction (or a
+        // rescale bug in the online update) overflows here.
+        let d = 64;
+        let layout = KvLayout {
+            num_blocks: 8,
+            block_size: 16,
+            n_kv_heads: 1,
+            head_dim: d,
+        };
+        let mut kc = vec![0.0f32; layout.elems()];
+        let mut vc = vec![0.0f32; layout.elems()];
+        let ctx = 100;
+        let k: Vec<f32> = (0..ctx * d)
+            .map(|i| if i % d == 0 { (i / d) as f32 } else { 0.0 })
+            .collect();
+        let v: Vec<f32> = (0..ctx * d).map(|i| (i / d) as f32).collect();
+        let table = [3u32, 1, 7, 0, 2, 6, 5];
+        let slots: Vec<u32> = (0..ctx as u32)
+            .map(|p| table[p as usize / 16] * 16 + p % 16)
+            .collect();
+        write_kv(&layout, &mut kc, &mut vc, &k, &v, &slots);
+        let mut q = vec![0.0f32; 40 * d];
+        for t in 0..40 {
+            q[t * d] = 10.0;
+        }
+        let pool = ThreadPool::new(2);
+        for level in levels() {
+            let mut out = vec![0.0f32; q.len()];
+            let seqs = [AttnSeq {
+                q_start: 0,
+                q_len: 40,
+                ctx_len: ctx,
+                block_table: &table,
+            }];
+            paged_attention_at(level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, &mut out);
+            for t in 0..40 {
+                // Score of position p is 10p: the last visible position wins.
+                let pos = (ctx - 40 + t) as f32;
+                let got = out[t * d];
+                assert!(
+                    (got - pos).abs() < 1e-3,
+                    "{level:?} token {t}: {got} vs ~{pos}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn write_kv_round_trips() {
+        fn check<T: KvElem>() {
+            let layout = KvLayout {
+                num_blocks: 6,
+                block_size: 4,
+                n_kv_heads: 3,
+                head_dim: 8,
+            };
+            let mut kc = vec![T::from_f32(0.0); layout.elems()];
+            let mut vc = vec![T::from_f32(0.0); layout.elems()];
+            let row = 3 * 8;
+            let slots = [5u32, 23, 0, 14];
+            let k: Vec<f32> = (0..slots.len() * row)
+                .map(|i| i as f32 * 0.37 - 3.0)
+                .collect();
+            let v: Vec<f32> = (0..slots.len() * row)
+                .map(|i| 7.0 - i as f32 * 0.11)
+                .collect();
+            write_kv(&layout, &mut kc, &mut vc, &k, &v, &slots);
+            let mut written = 0;
+            for (t, &slot) in slots.iter().enumerate() {
+                let (b, off) = (slot as usize / 4, slot as usize % 4);
+                for h in 0..3 {
+                    for i in 0..8 {
+                        let idx = ((b * 3 + h) * 4 + off) * 8 + i;
+                        let src = t * row + h * 8 + i;
+                        assert_eq!(kc[idx].to_f32(), T::from_f32(k[src]).to_f32());
+                        assert_eq!(vc[idx].to_f32(), T::from_f32(v[src]).to_f32());
+                        written += 1;
+                    }
+                }
+            }
+            // Nothing else was touched (k values are never exactly 0 here).
+            let nonzero = kc.iter().filter(|x| x.to_f32() != 0.0).count();
+            assert_eq!(nonzero, written);
+        }
+        check::<f32>();
+        check::<f16>();
+        check::<bf16>();
+        assert_eq!(f32::DTYPE, KvDtype::F32);
+        assert_eq!(f16::DTYPE, KvDtype::F16);
+        assert_eq!(bf16::DTYPE, KvDtype::Bf16);
+    }
+
+    #[test]
+    fn rows_outside_sequences_are_untouched() {
+        let layout = KvLayout {
+            num_blocks: 2,
+            block_size: 4,
+            n_kv_heads: 1,
+            head_dim: 16,
+        };
+        let kc = vec![0.5f32; layout.elems()];
+        let vc = vec![0.25f32; layout.elems()];
+        let q = vec![1.0f32; 3 * 16];
+        let mut out = vec![9.0f32; 3 * 16];
+        let table = [1u32];
+        let seqs = [AttnSeq {
+            q_start: 1,
+            q_len: 1,
+            ctx_len: 3,
+            block_table: &table,
+        }];
+        paged_attention(
+            &ThreadPool::new(2),
+            &layout,
+            &kc,
+            &vc,
+            &q,
+            1,
+            &seqs,
+            0.25,
+            &mut out,
+        );
+        assert!(out[..16].iter().chain(&out[32..]).all(|&x| x == 9.0));
+        assert!(out[16..32].iter().all(|&x| (x - 0.25).abs() < 1e-6));
+    }
+
+    #[test]
+    #[should_panic(expected = "overlap")]
+    fn overlapping_sequences_panic() {
+        let layout = KvLayout {
+            num_blocks: 2,
+            block_size: 4,
+            n_kv_heads: 1,
+            head_dim: 16,
+        };
+        let kc = vec![0.0f32; layout.elems()];
+        let q = vec![0.0f32; 3 * 16];
+        let mut out = vec![0.0f32; 3 * 16];
+        let table = [0u32];
+        let seqs = [
+            AttnSeq {
+                q_start: 1,
+                q_len: 2,
+                ctx_len: 2,
+                block_table: &table,
+            },
+            AttnSeq {
+                q_start: 0,
+                q_len: 2,
+                ctx_len: 2,
+                block_table: &table,
+            },
+        ];
+        paged_attention(
+            &ThreadPool::new(2),
+            &layout,
+            &kc,
+            &kc,
+            &q,
+            1,
+            &seqs,
+            1.0,
+            &mut out,
+        );
+    }
+}

@@ -1,0 +1,373 @@
+//! Dense (f32 / f16 / bf16) matmul.
+//!
+//! Small `m` (decode): register-tiled SIMD dot products that convert f16/bf16
+//! to f32 in registers, so the weights are streamed in their storage size.
+//! Large `m` (prefill): the `gemm` crate, which blocks for the caches far
+//! better than a dot-product kernel can; f16/bf16 rows are first widened
+//! into a per-task f32 tile in the scratch.
+
+use super::layout::ABuf;
+use super::{grow, GgmlType, MatmulScratch, OutPtr};
+use crate::cpu::pool::ThreadPool;
+use crate::cpu::SimdLevel;
+
+/// From this many activation rows on, `gemm` beats the dot-product tiles.
+const GEMM_MIN_M: usize = 32;
+/// Weight rows widened to f32 at a time per task on the `gemm` path.
+const GEMM_SUB_ROWS: usize = 64;
+
+const T_F32: u8 = 0;
+const T_F16: u8 = 1;
+const T_BF16: u8 = 2;
+
+fn tcode(ty: GgmlType) -> u8 {
+    match ty {
+        GgmlType::F32 => T_F32,
+        GgmlType::F16 => T_F16,
+        _ => T_BF16,
+    }
+}
+
+#[inline(always)]
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// Converts one row of `ty` elements (raw little-endian bytes) to f32.
+pub(crate) fn row_to_f32(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (o, c) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = bf16_to_f32(u16::from_le_bytes([c[0], c[1]]));
+            }
+        }
+    }
+}
+
+/// A shareable raw pointer to a buffer tasks use disjoint parts of.
+#[derive(Clone, Copy)]
+struct SPtr<T>(*mut T);
+// SAFETY: tasks touch disjoint ranges; the pool joins before the borrow ends.
+unsafe impl<T> Send for SPtr<T> {}
+unsafe impl<T> Sync for SPtr<T> {}
+
+/// `out[i][n] = Σ_k x[i][k] · W[n][k]` for a dense `W` (`rows × cols`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    ty: GgmlType,
+    w: &ABuf,
+    rows: usize,
+    cols: usize,
+    level: SimdLevel,
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let o = OutPtr(out.as_mut_ptr());
+    let wp = w.ptr();
+    let wp = SPtr(wp as *mut u8);
+    let xp = SPtr(x.as_ptr() as *mut f32);
+    if m >= GEMM_MIN_M && level != SimdLevel::Scalar {
+        gemm_path(ty, w, rows, cols, pool, x, m, out, scratch);
+        return;
+    }
+    let t = tcode(ty);
+    pool.run_ranges(rows, 4, &|r0, r1| {
+        let (wp, xp, o) = (wp, xp, o);
+        // SAFETY: rows r0..r1 are in range; outputs are disjoint per task.
+        unsafe { run_rows(t, level, wp.0, cols, xp.0, m, r0, r1, o.0, rows) }
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_rows(
+    t: u8,
+    level: SimdLevel,
+    w: *const u8,
+    cols: usize,
+    x: *const f32,
+    m: usize,
+    r0: usize,
+    r1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mmax = match level {
+        SimdLevel::Avx512Vnni => 4,
+        SimdLevel::Avx2 => 2,
+        SimdLevel::Scalar => 1,
+    };
+    let mut r = r0;
+    while r < r1 {
+        let rt = if r1 - r >= 4 { 4 } else { 1 };
+        let mut i = 0;
+        while i < m {
+            let mt = (m - i).min(mmax);
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512Vnni => match t {
+                    T_F32 => x86::d512::<T_F32>(rt, mt, w, cols, r, x, i, out, ldo),
+                    T_F16 => x86::d512::<T_F16>(rt, mt, w, cols, r, x, i, out, ldo),
+                    _ => x86::d512::<T_BF16>(rt, mt, w, cols, r, x, i, out, ldo),
+                },
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx2 => match t {
+                    T_F32 => x86::d256::<T_F32>(rt, mt, w, cols, r, x, i, out, ldo),
+                    T_F16 => x86::d256::<T_F16>(rt, mt, w, cols, r, x, i, out, ldo),
+                    _ => x86::d256::<T_BF16>(rt, mt, w, cols, r, x, i, out, ldo),
+                },
+                _ => scalar_tile(t, rt, mt, w, cols, r, x, i, out, ldo),
+            }
+            i += mt;
+        }
+        r += rt;
+    }
+}
+
+#[inline(always)]
+unsafe fn load_scalar(t: u8, w: *const u8, idx: usize) -> f32 {
+    match t {
+        T_F32 => (w as *const f32).add(idx).read(),
+        T_F16 => half::f16::from_bits((w as *const u16).add(idx).read()).to_f32(),
+        _ => bf16_to_f32((w as *const u16).add(idx).read()),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn scalar_tile(
+    t: u8,
+    rt: usize,
+    mt: usize,
+    w: *const u8,
+    cols: usize,
+    r0: usize,
+    x: *const f32,
+    i0: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    for r in r0..r0 + rt {
+        for i in i0..i0 + mt {
+            let mut acc = 0.0f32;
+            for k in 0..cols {
+                acc += load_scalar(t, w, r * cols + k) * *x.add(i * cols + k);
+            }
+            *out.add(i * ldo + r) = acc;
+        }
+    }
+}
+
+/// The prefill path: `gemm` over chunks of weight rows, one chunk per task.
+#[allow(clippy::too_many_arguments)]
+fn gemm_path(
+    ty: GgmlType,
+    w: &ABuf,
+    rows: usize,
+    cols: usize,
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let chunk = rows.div_ceil(pool.threads() * 4).next_multiple_of(16).max(16);
+    let ntasks = rows.div_ceil(chunk);
+    if ty != GgmlType::F32 {
+        grow(&mut scratch.conv, ntasks * GEMM_SUB_ROWS * cols);
+    }
+    let conv = SPtr(scratch.conv.as_mut_ptr());
+    let o = OutPtr(out.as_mut_ptr());
+    let wb = w.bytes();
+    let eb = ty.block_bytes();
+    pool.run(ntasks, &|task| {
+        let (conv, o) = (conv, o);
+        let r0 = task * chunk;
+        let r1 = (r0 + chunk).min(rows);
+        let mut s = r0;
+        while s < r1 {
+            let e = (s + GEMM_SUB_ROWS).min(r1);
+            let n = e - s;
+            let rhs: *const f32 = if ty == GgmlType::F32 {
+                // SAFETY: the buffer is 64-byte aligned and holds f32s.
+                unsafe { (wb.as_ptr() as *const f32).add(s * cols) }
+            } else {
+                // SAFETY: task `task` owns slot `task` of `conv`, sized above.
+                let tile = unsafe {
+                    std::slice::from_raw_parts_mut(conv.0.add(task * GEMM_SUB_ROWS * cols), n * cols)
+                };
+                row_to_f32(ty, &wb[s * cols * eb..e * cols * eb], tile);
+                tile.as_ptr()
+            };
+            // dst[i][j] = Σ_k x[i][k] · rhs[k][j] with rhs[k][j] = W[s + j][k].
+            // SAFETY: all strides and extents stay within x, W and out.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    cols,
+                    o.0.add(s),
+                    1,
+                    rows as isize,
+                    false,
+                    x.as_ptr(),
+                    1,
+                    cols as isize,
+                    rhs,
+                    cols as isize,
+                    1,
+                    0.0f32,
+                    1.0f32,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                );
+            }
+            s = e;
+        }
+    });
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use core::arch::x86_64::*;
+
+    macro_rules! dispatch {
+        ($name:ident, $kernel:ident, $($m:literal),+) => {
+            /// Calls the kernel instantiated for this tile shape.
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $name<const T: u8>(
+                rt: usize, mt: usize, w: *const u8, cols: usize, r0: usize, x: *const f32, i0: usize,
+                out: *mut f32, ldo: usize,
+            ) {
+                match (rt, mt) {
+                    $( (4, $m) => $kernel::<T, 4, $m>(w, cols, r0, x, i0, out, ldo), )+
+                    $( (1, $m) => $kernel::<T, 1, $m>(w, cols, r0, x, i0, out, ldo), )+
+                    _ => unreachable!("tile shape {rt}x{mt}"),
+                }
+            }
+        };
+    }
+    dispatch!(d512, tile512, 1, 2, 3, 4);
+    dispatch!(d256, tile256, 1, 2);
+
+    /// 16 weights at element `idx` widened to f32 (masked lanes zero).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    #[inline]
+    unsafe fn w16<const T: u8>(w: *const u8, idx: usize, mask: __mmask16) -> __m512 {
+        match T {
+            T_F32 => _mm512_maskz_loadu_ps(mask, (w as *const f32).add(idx)),
+            T_F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, (w as *const i16).add(idx))),
+            _ => {
+                let h = _mm256_maskz_loadu_epi16(mask, (w as *const i16).add(idx));
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
+    unsafe fn tile512<const T: u8, const R: usize, const M: usize>(
+        w: *const u8,
+        cols: usize,
+        r0: usize,
+        x: *const f32,
+        i0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); M]; R];
+        let mut k = 0;
+        while k < cols {
+            let n = (cols - k).min(16);
+            let mask: __mmask16 = if n == 16 { 0xffff } else { (1u16 << n) - 1 };
+            let mut xv = [_mm512_setzero_ps(); M];
+            for i in 0..M {
+                xv[i] = _mm512_maskz_loadu_ps(mask, x.add((i0 + i) * cols + k));
+            }
+            for r in 0..R {
+                let wv = w16::<T>(w, (r0 + r) * cols + k, mask);
+                for i in 0..M {
+                    acc[r][i] = _mm512_fmadd_ps(wv, xv[i], acc[r][i]);
+                }
+            }
+            k += 16;
+        }
+        for r in 0..R {
+            for i in 0..M {
+                *out.add((i0 + i) * ldo + r0 + r) = _mm512_reduce_add_ps(acc[r][i]);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn w8<const T: u8>(w: *const u8, idx: usize) -> __m256 {
+        match T {
+            T_F32 => _mm256_loadu_ps((w as *const f32).add(idx)),
+            T_F16 => _mm256_cvtph_ps(_mm_loadu_si128((w as *const u16).add(idx) as *const __m128i)),
+            _ => {
+                let h = _mm_loadu_si128((w as *const u16).add(idx) as *const __m128i);
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile256<const T: u8, const R: usize, const M: usize>(
+        w: *const u8,
+        cols: usize,
+        r0: usize,
+        x: *const f32,
+        i0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); M]; R];
+        let main = cols / 8 * 8;
+        let mut k = 0;
+        while k < main {
+            let mut xv = [_mm256_setzero_ps(); M];
+            for i in 0..M {
+                xv[i] = _mm256_loadu_ps(x.add((i0 + i) * cols + k));
+            }
+            for r in 0..R {
+                let wv = w8::<T>(w, (r0 + r) * cols + k);
+                for i in 0..M {
+                    acc[r][i] = _mm256_fmadd_ps(wv, xv[i], acc[r][i]);
+                }
+            }
+            k += 8;
+        }
+        for r in 0..R {
+            for i in 0..M {
+                let mut s = hsum256(acc[r][i]);
+                for k in main..cols {
+                    s += load_scalar(T, w, (r0 + r) * cols + k) * *x.add((i0 + i) * cols + k);
+                }
+                *out.add((i0 + i) * ldo + r0 + r) = s;
+            }
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The in-memory layout of quantized weights, repacked from GGUF at load.
+//!
+//! Every quantized type is seen as a row of *lanes*: blocks of `L` elements
+//! (`L = 32`, or 16 for Q6_K whose scales cover 16 elements) with unsigned
+//! codes `u`, a per-lane scale, and either an integer offset (`value =
+//! d · (u − o)`: Q4_0 `o = 8`, Q8_0 `o = 128`, Q6_K `o = 32`) or a per-lane
+//! min (`value = d · u + m`: Q4_1, Q4_K).
+//!
+//! Lanes are grouped 16 at a time (the last group of a row may be shorter,
+//! `gl` lanes). Inside a group the codes are interleaved 4 elements at a
+//! time across lanes: chunk `c` (elements `4c..4c+4` of every lane) is `4·gl`
+//! contiguous bytes, lane `j` at bytes `4j..4j+4`. One 64-byte load then
+//! feeds `vpdpbusd`, which sums 4 byte products into each 32-bit lane: after
+//! `L/4` chunks, 32-bit lane `j` holds lane `j`'s whole integer dot product,
+//! so per-lane scales are applied with one FMA per 16 lanes. The activations
+//! are quantized into the same order ([`super::act`]).
+//!
+//! - 8-bit codes (Q8_0, stored as `q + 128`): chunk `c` at `c · 4gl`.
+//! - 4-bit codes (Q4_0, Q4_1, Q4_K): byte `s · 4gl + 4j + t` holds element
+//!   `8s + t` in its low nibble and `8s + 4 + t` in its high nibble, so a
+//!   mask gives chunk `2s` and a shift gives chunk `2s + 1`.
+//! - Q6_K: the low nibbles packed as the 4-bit case (`L = 16`), and a
+//!   separate 64-byte-per-group array whose byte `4j + t` holds the top two
+//!   bits of element `4c + t` at bits `2c..2c+2`.
+//!
+//! Scales stay in their file precision (f16 for the 32-element types, the
+//! 6-bit or 8-bit sub-block scales plus an f32 super-block scale for
+//! K-quants), so the repacked matrix is within ~5% of the GGUF size and
+//! dequantizes to exactly the same values.
+
+use super::formats::{f16_at, q4k_codes, q6k_codes, scale_min_k4};
+use super::GgmlType;
+
+/// Kind codes (const generic parameters of the kernels).
+pub(crate) const K_Q4_0: u8 = 0;
+pub(crate) const K_Q4_1: u8 = 1;
+pub(crate) const K_Q8_0: u8 = 2;
+pub(crate) const K_Q4K: u8 = 3;
+pub(crate) const K_Q6K: u8 = 4;
+
+/// Elements per lane block.
+pub(crate) const fn lane_len(k: u8) -> usize {
+    if k == K_Q6K {
+        16
+    } else {
+        32
+    }
+}
+
+/// Bits per stored code: 8, 4, or 6 (4 + 2 split).
+pub(crate) const fn code_bits(k: u8) -> u32 {
+    match k {
+        K_Q8_0 => 8,
+        K_Q6K => 6,
+        _ => 4,
+    }
+}
+
+/// `log2` of the integer code offset, or 0 when the type has a min instead.
+pub(crate) const fn off_shift(k: u8) -> u32 {
+    match k {
+        K_Q4_0 => 3,
+        K_Q8_0 => 7,
+        K_Q6K => 5,
+        _ => 0,
+    }
+}
+
+/// Whether values carry a per-lane min term.
+pub(crate) const fn has_min(k: u8) -> bool {
+    k == K_Q4_1 || k == K_Q4K
+}
+
+/// Bytes per lane in the `d` array: f16 scales, or u8/i8 sub-block scales.
+pub(crate) const fn d_bytes(k: u8) -> usize {
+    if k == K_Q4K || k == K_Q6K {
+        1
+    } else {
+        2
+    }
+}
+
+/// Bytes of packed codes per lane (the low-nibble part for Q6_K).
+pub(crate) const fn qs_lane_bytes(k: u8) -> usize {
+    if code_bits(k) == 8 {
+        lane_len(k)
+    } else {
+        lane_len(k) / 2
+    }
+}
+
+/// One 64-byte-aligned line of storage.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Line([u8; 64]);
+
+/// A 64-byte-aligned byte buffer with one line of zero padding past its end,
+/// so kernels may over-read a few bytes (e.g. a second super-block scale that
+/// a masked lane then ignores) without leaving the allocation.
+pub(crate) struct ABuf {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl ABuf {
+    /// A zeroed buffer of `len` bytes.
+    pub(crate) fn zeroed(len: usize) -> ABuf {
+        ABuf { lines: vec![Line([0; 64]); len.div_ceil(64) + 1], len }
+    }
+
+    /// Logical length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<Line, u8>(&self.lines)[..self.len]
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.lines)[..self.len]
+    }
+
+    /// The buffer as f32s (the buffer is 64-byte aligned, so this cannot fail
+    /// for lengths that are multiples of 4).
+    pub(crate) fn f32s(&self) -> &[f32] {
+        bytemuck::cast_slice(&bytemuck::cast_slice::<Line, u8>(&self.lines)[..self.len / 4 * 4])
+    }
+
+    pub(crate) fn f32s_mut(&mut self) -> &mut [f32] {
+        let n = self.len / 4 * 4;
+        bytemuck::cast_slice_mut(&mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.lines)[..n])
+    }
+
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.lines.as_ptr() as *const u8
+    }
+
+    /// The concatenation of `parts`.
+    pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a ABuf> + Clone) -> ABuf {
+        let total = parts.clone().map(|p| p.len).sum();
+        let mut out = ABuf::zeroed(total);
+        let mut at = 0;
+        for p in parts {
+            out.bytes_mut()[at..at + p.len].copy_from_slice(p.bytes());
+            at += p.len;
+        }
+        out
+    }
+}
+
+/// A quantized matrix in the repacked layout (see the module docs). Every
+/// array is row-major with a fixed per-row stride, so stacking matrices is
+/// concatenating arrays.
+pub(crate) struct QMat {
+    pub(crate) kind: u8,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    /// Lane blocks per row.
+    pub(crate) lanes: usize,
+    /// Super-blocks per row (K-quants; 0 otherwise).
+    pub(crate) nsb: usize,
+    /// Interleaved codes; `qs_row` bytes per row.
+    pub(crate) qs: ABuf,
+    pub(crate) qs_row: usize,
+    /// Q6_K high code bits; 64 bytes per group, `qh_row` bytes per row.
+    pub(crate) qh: ABuf,
+    pub(crate) qh_row: usize,
+    /// Per-lane scales: f16 bits, or Q4_K's u8 / Q6_K's i8 sub-block scales.
+    pub(crate) d: ABuf,
+    /// Per-lane mins: f16 bits (Q4_1) or Q4_K's u8 sub-block mins.
+    pub(crate) m: ABuf,
+    /// K-quant super-block scale (f32) per super-block.
+    pub(crate) sd: ABuf,
+    /// Q4_K super-block min scale (f32) per super-block.
+    pub(crate) smin: ABuf,
+}
+
+/// Lanes in group `g` of a row of `lanes` lanes.
+pub(crate) fn group_lanes(lanes: usize, g: usize) -> usize {
+    (lanes - 16 * g).min(16)
+}
+
+/// Packs one row of unsigned codes (`lanes · L` of them) into the interleaved
+/// layout: `qs` gets the 8-bit or low 4-bit codes, `qh` (Q6_K) the top bits.
+fn pack_codes(kind: u8, codes: &[u8], qs: &mut [u8], qh: &mut [u8]) {
+    let l = lane_len(kind);
+    let lanes = codes.len() / l;
+    let chunks = l / 4;
+    for g in 0..lanes.div_ceil(16) {
+        let gl = group_lanes(lanes, g);
+        let lane_code = |j: usize, e: usize| codes[(16 * g + j) * l + e];
+        if code_bits(kind) == 8 {
+            let base = 16 * g * l;
+            for c in 0..chunks {
+                for j in 0..gl {
+                    for t in 0..4 {
+                        qs[base + c * 4 * gl + 4 * j + t] = lane_code(j, 4 * c + t);
+                    }
+                }
+            }
+        } else {
+            let base = 16 * g * l / 2;
+            for s in 0..chunks / 2 {
+                for j in 0..gl {
+                    for t in 0..4 {
+                        let lo = lane_code(j, 8 * s + t) & 0x0f;
+                        let hi = lane_code(j, 8 * s + 4 + t) & 0x0f;
+                        qs[base + s * 4 * gl + 4 * j + t] = lo | (hi << 4);
+                    }
+                }
+            }
+            if code_bits(kind) == 6 {
+                for j in 0..gl {
+                    for t in 0..4 {
+                        let mut b = 0u8;
+                        for c in 0..chunks {
+                            b |= (lane_code(j, 4 * c + t) >> 4) << (2 * c);
+                        }
+                        qh[64 * g + 4 * j + t] = b;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The unsigned code of element `e` of lane `b` in a packed row.
+fn unpack_code(kind: u8, lanes: usize, qs: &[u8], qh: &[u8], b: usize, e: usize) -> u8 {
+    let l = lane_len(kind);
+    let (g, j) = (b / 16, b % 16);
+    let gl = group_lanes(lanes, g);
+    let t = e % 4;
+    if code_bits(kind) == 8 {
+        return qs[16 * g * l + (e / 4) * 4 * gl + 4 * j + t];
+    }
+    let byte = qs[16 * g * l / 2 + (e / 8) * 4 * gl + 4 * j + t];
+    let low = if e % 8 < 4 { byte & 0x0f } else { byte >> 4 };
+    if code_bits(kind) == 6 {
+        low | (((qh[64 * g + 4 * j + t] >> (2 * (e / 4))) & 3) << 4)
+    } else {
+        low
+    }
+}
+
+fn kind_of(ty: GgmlType) -> u8 {
+    match ty {
+        GgmlType::Q4_0 => K_Q4_0,
+        GgmlType::Q4_1 => K_Q4_1,
+        GgmlType::Q8_0 => K_Q8_0,
+        GgmlType::Q4_K => K_Q4K,
+        GgmlType::Q6_K => K_Q6K,
+        _ => unreachable!("kind_of is only called for quantized types"),
+    }
+}
+
+impl QMat {
+    fn empty(kind: u8, rows: usize, cols: usize) -> QMat {
+        let l = lane_len(kind);
+        let lanes = cols / l;
+        let nsb = if kind == K_Q4K || kind == K_Q6K { cols / 256 } else { 0 };
+        let qs_row = lanes * qs_lane_bytes(kind);
+        let qh_row = if kind == K_Q6K { lanes.div_ceil(16) * 64 } else { 0 };
+        let m_bytes = match kind {
+            K_Q4_1 => 2,
+            K_Q4K => 1,
+            _ => 0,
+        };
+        QMat {
+            kind,
+            rows,
+            cols,
+            lanes,
+            nsb,
+            qs: ABuf::zeroed(rows * qs_row),
+            qs_row,
+            qh: ABuf::zeroed(rows * qh_row),
+            qh_row,
+            d: ABuf::zeroed(rows * lanes * d_bytes(kind)),
+            m: ABuf::zeroed(rows * lanes * m_bytes),
+            sd: ABuf::zeroed(rows * nsb * 4),
+            smin: ABuf::zeroed(if kind == K_Q4K { rows * nsb * 4 } else { 0 }),
+        }
+    }
+
+    /// Repacks validated GGUF bytes (`rows` rows of `cols / block_len` blocks).
+    pub(crate) fn from_gguf(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> QMat {
+        let kind = kind_of(ty);
+        let mut q = QMat::empty(kind, rows, cols);
+        let l = lane_len(kind);
+        let lanes = q.lanes;
+        let row_bytes = cols / ty.block_len() * ty.block_bytes();
+        let mut codes = vec![0u8; cols];
+        for r in 0..rows {
+            let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+            let d = &mut q.d.bytes_mut()[r * lanes * d_bytes(kind)..(r + 1) * lanes * d_bytes(kind)];
+            match kind {
+                K_Q4_0 | K_Q4_1 | K_Q8_0 => {
+                    let bb = ty.block_bytes();
+                    for (b, blk) in src.chunks_exact(bb).enumerate() {
+                        d[2 * b..2 * b + 2].copy_from_slice(&blk[0..2]);
+                        let code = &mut codes[b * 32..(b + 1) * 32];
+                        match kind {
+                            K_Q8_0 => {
+                                for (c, &v) in code.iter_mut().zip(&blk[2..34]) {
+                                    // Stored offset by 128 so VNNI can treat it as unsigned.
+                                    *c = (v as i8 as i16 + 128) as u8;
+                                }
+                            }
+                            _ => {
+                                let qs = &blk[bb - 16..];
+                                for j in 0..16 {
+                                    code[j] = qs[j] & 0x0f;
+                                    code[j + 16] = qs[j] >> 4;
+                                }
+                            }
+                        }
+                    }
+                    if kind == K_Q4_1 {
+                        let m = &mut q.m.bytes_mut()[r * lanes * 2..(r + 1) * lanes * 2];
+                        for (b, blk) in src.chunks_exact(20).enumerate() {
+                            m[2 * b..2 * b + 2].copy_from_slice(&blk[2..4]);
+                        }
+                    }
+                }
+                K_Q4K => {
+                    let nsb = q.nsb;
+                    let mins = &mut q.m.bytes_mut()[r * lanes..(r + 1) * lanes];
+                    let sd = &mut q.sd.f32s_mut()[r * nsb..(r + 1) * nsb];
+                    for (sb, blk) in src.chunks_exact(144).enumerate() {
+                        sd[sb] = f16_at(blk, 0);
+                        for j in 0..8 {
+                            let (sc, mn) = scale_min_k4(j, &blk[4..16]);
+                            d[8 * sb + j] = sc;
+                            mins[8 * sb + j] = mn;
+                        }
+                        codes[256 * sb..256 * (sb + 1)].copy_from_slice(&q4k_codes(blk));
+                    }
+                    let smin = &mut q.smin.f32s_mut()[r * nsb..(r + 1) * nsb];
+                    for (sb, blk) in src.chunks_exact(144).enumerate() {
+                        smin[sb] = f16_at(blk, 2);
+                    }
+                }
+                K_Q6K => {
+                    let nsb = q.nsb;
+                    let sd = &mut q.sd.f32s_mut()[r * nsb..(r + 1) * nsb];
+                    for (sb, blk) in src.chunks_exact(210).enumerate() {
+                        sd[sb] = f16_at(blk, 208);
+                        d[16 * sb..16 * (sb + 1)].copy_from_slice(&blk[192..208]);
+                        codes[256 * sb..256 * (sb + 1)].copy_from_slice(&q6k_codes(blk));
+                    }
+                }
+                _ => unreachable!(),
+            }
+            let qs_row = q.qs_row;
+            let qh_row = q.qh_row;
+            let qh_all = q.qh.bytes_mut();
+            let qh = &mut qh_all[r * qh_row..(r + 1) * qh_row];
+            pack_codes(kind, &codes[..lanes * l], &mut q.qs.bytes_mut()[r * qs_row..(r + 1) * qs_row], qh);
+        }
+        q
+    }
+
+    /// Bytes held (what a matmul streams).
+    pub(crate) fn size_bytes(&self) -> usize {
+        self.qs.len() + self.qh.len() + self.d.len() + self.m.len() + self.sd.len() + self.smin.len()
+    }
+
+    /// Stacks matrices of the same kind and width.
+    pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a QMat> + Clone, rows: usize) -> QMat {
+        let first = parts.clone().next().expect("concat of at least one part");
+        QMat {
+            kind: first.kind,
+            rows,
+            cols: first.cols,
+            lanes: first.lanes,
+            nsb: first.nsb,
+            qs: ABuf::concat(parts.clone().map(|p| &p.qs)),
+            qs_row: first.qs_row,
+            qh: ABuf::concat(parts.clone().map(|p| &p.qh)),
+            qh_row: first.qh_row,
+            d: ABuf::concat(parts.clone().map(|p| &p.d)),
+            m: ABuf::concat(parts.clone().map(|p| &p.m)),
+            sd: ABuf::concat(parts.clone().map(|p| &p.sd)),
+            smin: ABuf::concat(parts.map(|p| &p.smin)),
+        }
+    }
+
+    /// The scale and min (value = `scale · u + min`, offsets folded into the
+    /// min) of lane `b` of row `r`.
+    pub(crate) fn lane_affine(&self, r: usize, b: usize) -> (f32, f32) {
+        let db = self.d.bytes();
+        match self.kind {
+            K_Q4_0 | K_Q8_0 => {
+                let d = f16_at(db, 2 * (r * self.lanes + b));
+                let o = (1u32 << off_shift(self.kind)) as f32;
+                (d, -o * d)
+            }
+            K_Q4_1 => (f16_at(db, 2 * (r * self.lanes + b)), f16_at(self.m.bytes(), 2 * (r * self.lanes + b))),
+            K_Q4K => {
+                let sb = r * self.nsb + b / 8;
+                let sc = db[r * self.lanes + b] as f32;
+                let mn = self.m.bytes()[r * self.lanes + b] as f32;
+                (self.sd.f32s()[sb] * sc, -(self.smin.f32s()[sb] * mn))
+            }
+            K_Q6K => {
+                let sb = r * self.nsb + b / 16;
+                let d = self.sd.f32s()[sb] * (db[r * self.lanes + b] as i8 as f32);
+                (d, -32.0 * d)
+            }
+            _ => unreachable!(),
+        }
+    }
+
+    /// Dequantizes row `r` into `out[..cols]`.
+    pub(crate) fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let l = lane_len(self.kind);
+        let qs = &self.qs.bytes()[r * self.qs_row..(r + 1) * self.qs_row];
+        let qh = &self.qh.bytes()[r * self.qh_row..(r + 1) * self.qh_row];
+        for b in 0..self.lanes {
+            let (d, m) = self.lane_affine(r, b);
+            let off = if has_min(self.kind) { 0 } else { 1i32 << off_shift(self.kind) };
+            for e in 0..l {
+                let u = unpack_code(self.kind, self.lanes, qs, qh, b, e) as i32;
+                // Written as the formats define them (d·(q−o), d·sc·q − dmin·mn)
+                // so dequantization reproduces ggml's values exactly.
+                out[b * l + e] = if has_min(self.kind) { d * u as f32 + m } else { d * (u - off) as f32 };
+            }
+        }
+    }
+}

@@ -1,0 +1,657 @@
+//! Quantized matmul: activation quantization, threading, and the integer
+//! dot-product kernels (AVX-512 VNNI, AVX2, scalar) over the repacked layout
+//! of [`super::layout`].
+//!
+//! Work is split over output rows; each task walks its rows in tiles of `R`
+//! rows × `M` activation rows, so one load of a weight vector feeds `M`
+//! dot products (batched decode and prefill are compute-bound, not
+//! memory-bound) while the tile's weight rows stay in L1 across the `m`
+//! loop.
+
+use super::act;
+use super::layout::{code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K, K_Q8_0};
+use super::{grow, MatmulScratch, OutPtr};
+use crate::cpu::pool::ThreadPool;
+use crate::cpu::SimdLevel;
+
+/// Raw views of a [`QMat`]'s arrays for the kernels.
+#[derive(Clone, Copy)]
+pub(crate) struct QPtrs {
+    qs: *const u8,
+    qs_row: usize,
+    qh: *const u8,
+    qh_row: usize,
+    d: *const u8,
+    m: *const u8,
+    sd: *const f32,
+    smin: *const f32,
+    nsb: usize,
+    lanes: usize,
+}
+
+impl QPtrs {
+    fn new(q: &QMat) -> QPtrs {
+        QPtrs {
+            qs: q.qs.ptr(),
+            qs_row: q.qs_row,
+            qh: q.qh.ptr(),
+            qh_row: q.qh_row,
+            d: q.d.ptr(),
+            m: q.m.ptr(),
+            sd: q.sd.ptr() as *const f32,
+            smin: q.smin.ptr() as *const f32,
+            nsb: q.nsb,
+            lanes: q.lanes,
+        }
+    }
+}
+
+/// Raw views of the quantized activations in a [`MatmulScratch`].
+#[derive(Clone, Copy)]
+pub(crate) struct APtrs {
+    q: *const i8,
+    /// Bytes per activation row (= cols).
+    row: usize,
+    d: *const f32,
+    sum: *const i32,
+    s: *const f32,
+}
+
+// SAFETY: the pointers are read-only views of buffers the caller of `matmul`
+// keeps alive (and unmodified) until the pool has joined.
+unsafe impl Send for QPtrs {}
+unsafe impl Sync for QPtrs {}
+unsafe impl Send for APtrs {}
+unsafe impl Sync for APtrs {}
+
+/// Mutable activation buffers shared by the tasks that quantize disjoint rows.
+#[derive(Clone, Copy)]
+struct ActOut {
+    q: *mut i8,
+    d: *mut f32,
+    sum: *mut i32,
+    s: *mut f32,
+}
+// SAFETY: each task writes only its own rows' ranges.
+unsafe impl Send for ActOut {}
+unsafe impl Sync for ActOut {}
+
+pub(crate) fn pf_dist() -> usize {
+    use std::sync::OnceLock;
+    static PF: OnceLock<usize> = OnceLock::new();
+    *PF.get_or_init(|| std::env::var("PAGODA_PF").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
+/// Activation rows per cache block: 64 rows of up to a few thousand bytes
+/// stay in L2 while a task's weight rows stream past them.
+const M_BLOCK: usize = 64;
+
+/// Multiplies `x` (`m × cols`) by the quantized `q` into `out` (`m × rows`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    q: &QMat,
+    level: SimdLevel,
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let l = lane_len(q.kind);
+    let cols = q.cols;
+    let lanes = q.lanes;
+    grow(&mut scratch.aq, m * cols);
+    grow(&mut scratch.ad, m * lanes);
+    grow(&mut scratch.asum, m * lanes);
+    grow(&mut scratch.ascaled, m * lanes);
+
+    let ao = ActOut {
+        q: scratch.aq.as_mut_ptr(),
+        d: scratch.ad.as_mut_ptr(),
+        sum: scratch.asum.as_mut_ptr(),
+        s: scratch.ascaled.as_mut_ptr(),
+    };
+    let quant_rows = |i0: usize, i1: usize| {
+        // Capture the whole (Sync) struct, not its raw-pointer fields.
+        let ao = ao;
+        for i in i0..i1 {
+            // SAFETY: row `i` of each buffer is in bounds (grown above) and
+            // written by this call only.
+            unsafe {
+                act::quantize_row(
+                    level,
+                    l,
+                    &x[i * cols..(i + 1) * cols],
+                    std::slice::from_raw_parts_mut(ao.q.add(i * cols), cols),
+                    std::slice::from_raw_parts_mut(ao.d.add(i * lanes), lanes),
+                    std::slice::from_raw_parts_mut(ao.sum.add(i * lanes), lanes),
+                    std::slice::from_raw_parts_mut(ao.s.add(i * lanes), lanes),
+                );
+            }
+        }
+    };
+    // Quantizing costs about as much as a few weight rows per activation
+    // row; only prefill-sized batches are worth a parallel region.
+    if m >= 16 && pool.threads() > 1 {
+        pool.run_ranges(m, 1, &|i0, i1| quant_rows(i0, i1));
+    } else {
+        quant_rows(0, m);
+    }
+
+    let w = QPtrs::new(q);
+    let a = APtrs {
+        q: scratch.aq.as_ptr(),
+        row: cols,
+        d: scratch.ad.as_ptr(),
+        sum: scratch.asum.as_ptr(),
+        s: scratch.ascaled.as_ptr(),
+    };
+    let o = OutPtr(out.as_mut_ptr());
+    let rows = q.rows;
+    let kind = q.kind;
+    pool.run_ranges(rows, 4, &|r0, r1| {
+        let o = o;
+        // SAFETY: rows r0..r1 are in range, each task writes only its own
+        // output columns, and `level` is supported by this CPU.
+        unsafe {
+            match kind {
+                K_Q4_0 => run_rows::<K_Q4_0>(level, q, &w, &a, m, r0, r1, o, rows),
+                K_Q4_1 => run_rows::<K_Q4_1>(level, q, &w, &a, m, r0, r1, o, rows),
+                K_Q8_0 => run_rows::<K_Q8_0>(level, q, &w, &a, m, r0, r1, o, rows),
+                K_Q4K => run_rows::<K_Q4K>(level, q, &w, &a, m, r0, r1, o, rows),
+                _ => run_rows::<K_Q6K>(level, q, &w, &a, m, r0, r1, o, rows),
+            }
+        }
+    });
+}
+
+/// Computes output rows `r0..r1` for all `m` activation rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_rows<const K: u8>(
+    level: SimdLevel,
+    q: &QMat,
+    w: &QPtrs,
+    a: &APtrs,
+    m: usize,
+    r0: usize,
+    r1: usize,
+    o: OutPtr,
+    ldo: usize,
+) {
+    for mb in (0..m).step_by(M_BLOCK) {
+        let me = (mb + M_BLOCK).min(m);
+        let mut r = r0;
+        while r < r1 {
+            let rt = if r1 - r >= 4 { 4 } else { 1 };
+            let mut i = mb;
+            while i < me {
+                let mt = tile(level, K, rt, me - i);
+                match level {
+                    #[cfg(target_arch = "x86_64")]
+                    SimdLevel::Avx512Vnni => x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo),
+                    #[cfg(target_arch = "x86_64")]
+                    SimdLevel::Avx2 => x86::tile256_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo),
+                    _ => tile_scalar::<K>(q, r, rt, a, i, mt, o.0, ldo),
+                }
+                i += mt;
+            }
+            r += rt;
+        }
+    }
+}
+
+/// How many activation rows the next tile takes (at most `left`).
+fn tile(level: SimdLevel, _kind: u8, _rt: usize, left: usize) -> usize {
+    // AVX-512 has 32 registers: 4 rows × 4 activations of integer and float
+    // accumulators plus operands still fit. AVX2's 16 allow 4 × 2.
+    let max = match level {
+        SimdLevel::Avx512Vnni => 4,
+        SimdLevel::Avx2 => 2,
+        SimdLevel::Scalar => 1,
+    };
+    left.min(max)
+}
+
+/// The portable kernel: the same arithmetic as the SIMD ones, lane by lane.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_scalar<const K: u8>(
+    q: &QMat,
+    r0: usize,
+    rt: usize,
+    a: &APtrs,
+    i0: usize,
+    mt: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let l = lane_len(K);
+    let lanes = q.lanes;
+    let qs_all = q.qs.bytes();
+    let qh_all = q.qh.bytes();
+    for r in r0..r0 + rt {
+        let qs = &qs_all[r * q.qs_row..(r + 1) * q.qs_row];
+        let qh = &qh_all[r * q.qh_row..(r + 1) * q.qh_row];
+        for i in i0..i0 + mt {
+            let aq = std::slice::from_raw_parts(a.q.add(i * a.row), a.row);
+            let mut acc = 0.0f32;
+            for b in 0..lanes {
+                let (g, j) = (b / 16, b % 16);
+                let gl = group_lanes(lanes, g);
+                let mut dot = 0i32;
+                for c in 0..l / 4 {
+                    for t in 0..4 {
+                        let u = if code_bits(K) == 8 {
+                            qs[16 * g * l + c * 4 * gl + 4 * j + t]
+                        } else {
+                            let byte = qs[16 * g * l / 2 + (c / 2) * 4 * gl + 4 * j + t];
+                            let low = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                            if code_bits(K) == 6 {
+                                low | (((qh[64 * g + 4 * j + t] >> (2 * c)) & 3) << 4)
+                            } else {
+                                low
+                            }
+                        };
+                        dot += u as i32 * aq[16 * g * l + c * 4 * gl + 4 * j + t] as i32;
+                    }
+                }
+                let ab = i * lanes + b;
+                if !has_min(K) {
+                    dot -= *a.sum.add(ab) << off_shift(K);
+                }
+                let (dw, mw) = q.lane_affine(r, b);
+                acc += dot as f32 * (dw * *a.d.add(ab));
+                if has_min(K) {
+                    acc += mw * *a.s.add(ab);
+                }
+            }
+            *out.add(i * ldo + r) = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use core::arch::x86_64::*;
+
+    macro_rules! dispatch_tiles {
+        ($name:ident, $kernel:ident, $($m:literal),+) => {
+            /// Calls the kernel instantiated for this tile shape.
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $name<const K: u8>(
+                rt: usize, mt: usize, w: &QPtrs, r0: usize, a: &APtrs, i0: usize, out: *mut f32, ldo: usize,
+            ) {
+                match (rt, mt) {
+                    $( (4, $m) => $kernel::<K, 4, $m>(w, r0, a, i0, out, ldo), )+
+                    $( (1, $m) => $kernel::<K, 1, $m>(w, r0, a, i0, out, ldo), )+
+                    _ => unreachable!("tile shape {rt}x{mt}"),
+                }
+            }
+        };
+    }
+    dispatch_tiles!(tile512_dispatch, tile512, 1, 2, 3, 4);
+    dispatch_tiles!(tile256_dispatch, tile256, 1, 2);
+
+    /// Bits 4..6 of chunk `c`'s Q6_K codes: bits `2c..2c+2` of each `qh`
+    /// byte moved to bits 4..6. The 16-bit shifts leak bits across bytes only
+    /// into bit positions the 0x30 mask clears.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn hbits512(qh: __m512i, c: usize) -> __m512i {
+        let v = match c {
+            0 => _mm512_slli_epi16::<4>(qh),
+            1 => _mm512_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm512_srli_epi16::<2>(qh),
+        };
+        _mm512_and_si512(v, _mm512_set1_epi8(0x30))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn shl512(v: __m512i, s: u32) -> __m512i {
+        match s {
+            3 => _mm512_slli_epi32::<3>(v),
+            5 => _mm512_slli_epi32::<5>(v),
+            _ => _mm512_slli_epi32::<7>(v),
+        }
+    }
+
+    /// Per-lane scale and min of group `g` of row `r` (zero in masked lanes).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn scales512<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask16) -> (__m512, __m512) {
+        let lb = r * w.lanes + 16 * g;
+        let zero = _mm512_setzero_ps();
+        let f16x16 = |p: *const u8| _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.add(2 * lb) as *const i16));
+        match K {
+            K_Q4_0 | K_Q8_0 => (f16x16(w.d), zero),
+            K_Q4_1 => (f16x16(w.d), f16x16(w.m)),
+            K_Q4K => {
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
+                let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.m.add(lb) as *const i8)));
+                // Lanes 0..8 belong to super-block 2g, lanes 8..16 to 2g + 1.
+                // In a short last group the second scale is padding or the
+                // next row's, and only meets masked (zero) lanes.
+                let p = w.sd.add(r * w.nsb + 2 * g);
+                let sd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
+                let p = w.smin.add(r * w.nsb + 2 * g);
+                let smin = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(-*p), _mm512_set1_ps(-*p.add(1)));
+                (_mm512_mul_ps(sd, sc), _mm512_mul_ps(smin, mn))
+            }
+            _ => {
+                let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
+                (_mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+            }
+        }
+    }
+
+    /// `R` weight rows × `M` activation rows with AVX-512 VNNI: one 64-byte
+    /// load per row per chunk, one `vpdpbusd` per (row, activation) pair.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    unsafe fn tile512<const K: u8, const R: usize, const M: usize>(
+        w: &QPtrs,
+        r0: usize,
+        a: &APtrs,
+        i0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let l = lane_len(K);
+        let lanes = w.lanes;
+        let pf = super::pf_dist();
+        let m0f = _mm512_set1_epi8(0x0f);
+        let zi = _mm512_setzero_si512();
+        let mut facc = [[_mm512_setzero_ps(); M]; R];
+        let mut wrow = [w.qs; R];
+        let mut hrow = [w.qh; R];
+        for r in 0..R {
+            wrow[r] = w.qs.add((r0 + r) * w.qs_row);
+            hrow[r] = w.qh.add((r0 + r) * w.qh_row);
+        }
+        let mut arow = [a.q; M];
+        for (i, p) in arow.iter_mut().enumerate() {
+            *p = a.q.add((i0 + i) * a.row);
+        }
+        for g in 0..lanes.div_ceil(16) {
+            let gl = group_lanes(lanes, g);
+            let mask: __mmask16 = if gl == 16 { 0xffff } else { (1u16 << gl) - 1 };
+            let stride = 4 * gl;
+            let abase = 16 * g * l;
+            let mut iacc = [[zi; M]; R];
+            if code_bits(K) == 8 {
+                let wbase = 16 * g * 32;
+                for c in 0..8 {
+                    let mut av = [zi; M];
+                    for i in 0..M {
+                        av[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + c * stride) as *const i32);
+                    }
+                    for r in 0..R {
+                        let wv = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + c * stride) as *const i32);
+                        if pf > 0 { _mm_prefetch::<_MM_HINT_T0>(wrow[r].add(wbase + c * stride + pf) as *const i8); }
+                        for i in 0..M {
+                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], wv, av[i]);
+                        }
+                    }
+                }
+            } else {
+                let wbase = 16 * g * l / 2;
+                let mut qh = [zi; R];
+                if code_bits(K) == 6 {
+                    for r in 0..R {
+                        qh[r] = _mm512_maskz_loadu_epi32(mask, hrow[r].add(64 * g) as *const i32);
+                    }
+                }
+                for s in 0..l / 8 {
+                    let mut alo = [zi; M];
+                    let mut ahi = [zi; M];
+                    for i in 0..M {
+                        alo[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + 2 * s * stride) as *const i32);
+                        ahi[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const i32);
+                    }
+                    for r in 0..R {
+                        let v = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + s * stride) as *const i32);
+                        if pf > 0 { _mm_prefetch::<_MM_HINT_T0>(wrow[r].add(wbase + s * stride + pf) as *const i8); }
+                        let mut lo = _mm512_and_si512(v, m0f);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f);
+                        if code_bits(K) == 6 {
+                            lo = _mm512_or_si512(lo, hbits512(qh[r], 2 * s));
+                            hi = _mm512_or_si512(hi, hbits512(qh[r], 2 * s + 1));
+                        }
+                        for i in 0..M {
+                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], lo, alo[i]);
+                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], hi, ahi[i]);
+                        }
+                    }
+                }
+            }
+            for r in 0..R {
+                let (dv, mv) = scales512::<K>(w, r0 + r, g, mask);
+                for i in 0..M {
+                    let b = (i0 + i) * lanes + 16 * g;
+                    let da = _mm512_maskz_loadu_ps(mask, a.d.add(b));
+                    let mut iv = iacc[r][i];
+                    if !has_min(K) {
+                        // u = q + offset: subtract offset · Σa exactly, in integers.
+                        let su = _mm512_maskz_loadu_epi32(mask, a.sum.add(b));
+                        iv = _mm512_sub_epi32(iv, shl512(su, off_shift(K)));
+                    }
+                    facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(dv, da), facc[r][i]);
+                    if has_min(K) {
+                        let s = _mm512_maskz_loadu_ps(mask, a.s.add(b));
+                        facc[r][i] = _mm512_fmadd_ps(mv, s, facc[r][i]);
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for i in 0..M {
+                *out.add((i0 + i) * ldo + r0 + r) = _mm512_reduce_add_ps(facc[r][i]);
+            }
+        }
+    }
+
+    /// Loads 8 lanes of 4 bytes, only the first `hl` when the half is short.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ld8(p: *const u8, full: bool, maskv: __m256i) -> __m256i {
+        if full {
+            _mm256_loadu_si256(p as *const __m256i)
+        } else {
+            _mm256_maskload_epi32(p as *const i32, maskv)
+        }
+    }
+
+    /// Copies `n <= 8` elements of `T` into a zeroed 8-element stack array,
+    /// for the scale loads of a short half-group that AVX2 cannot mask.
+    #[inline(always)]
+    unsafe fn short8<T: Copy + Default>(p: *const T, n: usize) -> [T; 8] {
+        let mut t = [T::default(); 8];
+        std::ptr::copy_nonoverlapping(p, t.as_mut_ptr(), n);
+        t
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn hbits256(qh: __m256i, c: usize) -> __m256i {
+        let v = match c {
+            0 => _mm256_slli_epi16::<4>(qh),
+            1 => _mm256_slli_epi16::<2>(qh),
+            2 => qh,
+            _ => _mm256_srli_epi16::<2>(qh),
+        };
+        _mm256_and_si256(v, _mm256_set1_epi8(0x30))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn shl256(v: __m256i, s: u32) -> __m256i {
+        match s {
+            3 => _mm256_slli_epi32::<3>(v),
+            5 => _mm256_slli_epi32::<5>(v),
+            _ => _mm256_slli_epi32::<7>(v),
+        }
+    }
+
+    /// Per-lane scale and min of half `h` (8 lanes, `hl` valid) of group `g`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn scales256<const K: u8>(w: &QPtrs, r: usize, g: usize, h: usize, hl: usize) -> (__m256, __m256) {
+        let lb = r * w.lanes + 16 * g + 8 * h;
+        let zero = _mm256_setzero_ps();
+        let f16x8 = |p: *const u8| {
+            let p = p.add(2 * lb) as *const u16;
+            let v = if hl == 8 { _mm_loadu_si128(p as *const __m128i) } else { _mm_loadu_si128(short8(p, hl).as_ptr() as *const __m128i) };
+            _mm256_cvtph_ps(v)
+        };
+        let u8x8 = |p: *const u8| {
+            let p = p.add(lb);
+            if hl == 8 { _mm_loadl_epi64(p as *const __m128i) } else { _mm_loadl_epi64(short8(p, hl).as_ptr() as *const __m128i) }
+        };
+        match K {
+            K_Q4_0 | K_Q8_0 => (f16x8(w.d), zero),
+            K_Q4_1 => (f16x8(w.d), f16x8(w.m)),
+            K_Q4K => {
+                // A half-group of 8 sub-blocks is exactly one super-block.
+                let sb = r * w.nsb + 2 * g + h;
+                let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d)));
+                let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m)));
+                (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc), _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn))
+            }
+            _ => {
+                let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8x8(w.d)));
+                (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// The AVX2 kernel: each 16-lane group is two halves of 8 lanes;
+    /// `vpmaddubsw` + `vpmaddwd` stand in for `vpdpbusd`. Q8_0's codes are
+    /// turned back into signed bytes and multiplied with the sign trick,
+    /// because `u8 · i8` pairs of up to 255 · 127 would saturate 16 bits.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile256<const K: u8, const R: usize, const M: usize>(
+        w: &QPtrs,
+        r0: usize,
+        a: &APtrs,
+        i0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
+        let l = lane_len(K);
+        let lanes = w.lanes;
+        let m0f = _mm256_set1_epi8(0x0f);
+        let x80 = _mm256_set1_epi8(-128);
+        let ones = _mm256_set1_epi16(1);
+        let zi = _mm256_setzero_si256();
+        let lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mut facc = [[_mm256_setzero_ps(); M]; R];
+        let mut wrow = [w.qs; R];
+        let mut hrow = [w.qh; R];
+        for r in 0..R {
+            wrow[r] = w.qs.add((r0 + r) * w.qs_row);
+            hrow[r] = w.qh.add((r0 + r) * w.qh_row);
+        }
+        let mut arow = [a.q as *const u8; M];
+        for (i, p) in arow.iter_mut().enumerate() {
+            *p = a.q.add((i0 + i) * a.row) as *const u8;
+        }
+        for g in 0..lanes.div_ceil(16) {
+            let gl = group_lanes(lanes, g);
+            let stride = 4 * gl;
+            let abase = 16 * g * l;
+            for h in 0..2 {
+                if 8 * h >= gl {
+                    break;
+                }
+                let hl = (gl - 8 * h).min(8);
+                let full = hl == 8;
+                let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
+                let hoff = 32 * h;
+                let mut iacc = [[zi; M]; R];
+                if code_bits(K) == 8 {
+                    let wbase = 16 * g * 32 + hoff;
+                    for c in 0..8 {
+                        let mut av = [zi; M];
+                        for i in 0..M {
+                            av[i] = ld8(arow[i].add(abase + hoff + c * stride), full, maskv);
+                        }
+                        for r in 0..R {
+                            let ws = _mm256_xor_si256(ld8(wrow[r].add(wbase + c * stride), full, maskv), x80);
+                            let wa = _mm256_abs_epi8(ws);
+                            for i in 0..M {
+                                let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[i], ws));
+                                iacc[r][i] = _mm256_add_epi32(iacc[r][i], _mm256_madd_epi16(p, ones));
+                            }
+                        }
+                    }
+                } else {
+                    let wbase = 16 * g * l / 2 + hoff;
+                    let mut qh = [zi; R];
+                    if code_bits(K) == 6 {
+                        for r in 0..R {
+                            qh[r] = ld8(hrow[r].add(64 * g + hoff), full, maskv);
+                        }
+                    }
+                    for s in 0..l / 8 {
+                        let mut alo = [zi; M];
+                        let mut ahi = [zi; M];
+                        for i in 0..M {
+                            alo[i] = ld8(arow[i].add(abase + hoff + 2 * s * stride), full, maskv);
+                            ahi[i] = ld8(arow[i].add(abase + hoff + (2 * s + 1) * stride), full, maskv);
+                        }
+                        for r in 0..R {
+                            let v = ld8(wrow[r].add(wbase + s * stride), full, maskv);
+                            let mut lo = _mm256_and_si256(v, m0f);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
+                            if code_bits(K) == 6 {
+                                lo = _mm256_or_si256(lo, hbits256(qh[r], 2 * s));
+                                hi = _mm256_or_si256(hi, hbits256(qh[r], 2 * s + 1));
+                            }
+                            for i in 0..M {
+                                let p = _mm256_add_epi32(
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, alo[i]), ones),
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ahi[i]), ones),
+                                );
+                                iacc[r][i] = _mm256_add_epi32(iacc[r][i], p);
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let (dv, mv) = scales256::<K>(w, r0 + r, g, h, hl);
+                    for i in 0..M {
+                        let b = (i0 + i) * lanes + 16 * g + 8 * h;
+                        let da = _mm256_maskload_ps(a.d.add(b), maskv);
+                        let mut iv = iacc[r][i];
+                        // Q8_0 already multiplied signed codes; the others
+                        // subtract offset · Σa as the AVX-512 kernel does.
+                        if !has_min(K) && K != K_Q8_0 {
+                            let su = _mm256_maskload_epi32(a.sum.add(b), maskv);
+                            iv = _mm256_sub_epi32(iv, shl256(su, off_shift(K)));
+                        }
+                        facc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dv, da), facc[r][i]);
+                        if has_min(K) {
+                            let s = _mm256_maskload_ps(a.s.add(b), maskv);
+                            facc[r][i] = _mm256_fmadd_ps(mv, s, facc[r][i]);
+                        }
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for i in 0..M {
+                *out.add((i0 + i) * ldo + r0 + r) = hsum256(facc[r][i]);
+            }
+        }
+    }
+}

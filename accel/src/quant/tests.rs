@@ -1,0 +1,522 @@
+//! Tests of the weight types and every kernel at every SIMD level this CPU
+//! has, against naive f64 references written straight from the format specs
+//! (independently of the decoders in `formats.rs`).
+
+use super::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const ALL: [GgmlType; 8] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4_K,
+    GgmlType::Q6_K,
+];
+
+fn levels() -> Vec<SimdLevel> {
+    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni].into_iter().filter(|&l| l <= max_level()).collect()
+}
+
+fn f16b(v: f32) -> [u8; 2] {
+    half::f16::from_f32(v).to_bits().to_le_bytes()
+}
+
+fn rd16(b: &[u8], i: usize) -> f64 {
+    half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32() as f64
+}
+
+/// Naive dequantization of one GGUF block, straight from the spec: returns
+/// each element's value and the block's "min" magnitude per element (the
+/// affine `m` term for Q4_1 / Q4_K, 0 otherwise) used in error bounds.
+fn ref_block(ty: GgmlType, blk: &[u8]) -> Vec<(f64, f64)> {
+    match ty {
+        GgmlType::Q4_0 => (0..32)
+            .map(|e| {
+                let byte = blk[2 + e % 16];
+                let q = if e < 16 { byte & 15 } else { byte >> 4 } as f64;
+                ((q - 8.0) * rd16(blk, 0), 0.0)
+            })
+            .collect(),
+        GgmlType::Q4_1 => (0..32)
+            .map(|e| {
+                let byte = blk[4 + e % 16];
+                let q = if e < 16 { byte & 15 } else { byte >> 4 } as f64;
+                (q * rd16(blk, 0) + rd16(blk, 2), rd16(blk, 2).abs())
+            })
+            .collect(),
+        GgmlType::Q8_0 => (0..32).map(|e| (blk[2 + e] as i8 as f64 * rd16(blk, 0), 0.0)).collect(),
+        GgmlType::Q4_K => {
+            let (d, dmin) = (rd16(blk, 0), rd16(blk, 2));
+            let s = &blk[4..16];
+            (0..256)
+                .map(|e| {
+                    let sb = e / 32;
+                    // 6-bit fields: sub-blocks 0..3 in the low bits of s[sb] / s[sb+4];
+                    // 4..7 as nibbles of s[sb+4] plus the top 2 bits of s[sb-4] / s[sb].
+                    let (sc, mn) = if sb < 4 {
+                        (s[sb] & 63, s[sb + 4] & 63)
+                    } else {
+                        ((s[sb + 4] & 15) | ((s[sb - 4] >> 6) << 4), (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4))
+                    };
+                    let byte = blk[16 + 32 * (e / 64) + e % 32];
+                    let q = if (e / 32) % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                    let m = dmin * mn as f64;
+                    (d * sc as f64 * q - m, m.abs())
+                })
+                .collect()
+        }
+        GgmlType::Q6_K => {
+            let d = rd16(blk, 208);
+            (0..256)
+                .map(|e| {
+                    let (h, q4, l) = (e / 128, (e % 128) / 32, e % 32);
+                    let low = (blk[64 * h + 32 * (q4 % 2) + l] >> (4 * (q4 / 2))) & 15;
+                    let high = (blk[128 + 32 * h + l] >> (2 * q4)) & 3;
+                    let q = (low | (high << 4)) as f64 - 32.0;
+                    (d * (blk[192 + e / 16] as i8) as f64 * q, 0.0)
+                })
+                .collect()
+        }
+        GgmlType::F32 => vec![(f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]) as f64, 0.0)],
+        GgmlType::F16 => vec![(rd16(blk, 0), 0.0)],
+        GgmlType::BF16 => vec![(f32::from_bits((u16::from_le_bytes([blk[0], blk[1]]) as u32) << 16) as f64, 0.0)],
+    }
+}
+
+/// Dequantizes a whole GGUF matrix with [`ref_block`].
+fn ref_matrix(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<(f64, f64)> {
+    let out: Vec<(f64, f64)> = bytes.chunks_exact(ty.block_bytes()).flat_map(|b| ref_block(ty, b)).collect();
+    assert_eq!(out.len(), rows * cols);
+    out
+}
+
+/// Random GGUF bytes covering every code value, with moderate scales.
+fn random_bytes(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let nblocks = rows * cols / ty.block_len();
+    let mut out = Vec::with_capacity(nblocks * ty.block_bytes());
+    for _ in 0..nblocks {
+        let mut blk: Vec<u8> = (0..ty.block_bytes()).map(|_| rng.random()).collect();
+        let mut put16 = |at: usize, v: f32| blk[at..at + 2].copy_from_slice(&f16b(v));
+        match ty {
+            GgmlType::F32 => blk.copy_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes()),
+            GgmlType::F16 => put16(0, rng.random_range(-1.0..1.0)),
+            GgmlType::BF16 => {
+                blk.copy_from_slice(&half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_bits().to_le_bytes())
+            }
+            GgmlType::Q4_0 | GgmlType::Q8_0 => put16(0, rng.random_range(-0.05..0.05)),
+            GgmlType::Q4_1 => {
+                put16(0, rng.random_range(0.0..0.05));
+                put16(2, rng.random_range(-0.4..0.1));
+            }
+            GgmlType::Q4_K => {
+                put16(0, rng.random_range(0.0..0.004));
+                put16(2, rng.random_range(0.0..0.004));
+            }
+            GgmlType::Q6_K => put16(208, rng.random_range(-0.001..0.001)),
+        }
+        out.extend_from_slice(&blk);
+    }
+    out
+}
+
+/// The activation quantization the kernels must use, restated: per lane
+/// block of `l`, scale `amax / 127`, codes `round_ties_even(x · 127 / amax)`.
+fn ref_act(x: &[f32], l: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for b in x.chunks_exact(l) {
+        let amax = b.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        out.extend(b.iter().map(|&v| (v * id).round_ties_even().clamp(-127.0, 127.0) as f64 * d as f64));
+    }
+    out
+}
+
+fn lane_len_of(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q6_K => 16,
+        t if t.is_float() => 1,
+        _ => 32,
+    }
+}
+
+/// Checks `got` (m × rows) against f64 references:
+/// - exact-activation reference `Σ w·x` within the bound of 8-bit activation
+///   rounding: each |x − x̂| ≤ amax_b / 254 for its lane block b, so
+///   |Σ w(x − x̂)| ≤ Σ_b (amax_b / 254) Σ_{e∈b} |w_e|, plus float slack;
+/// - the same-activation reference `Σ w·x̂` within f32 accumulation error:
+///   at most ~(lanes + 16) roundings of 2^-24 relative to Σ(|w| + |min|)|x̂|
+///   (the min term because Q4_1 / Q4_K add `m · Σx̂` separately).
+fn check(ty: GgmlType, wref: &[(f64, f64)], rows: usize, cols: usize, x: &[f32], m: usize, got: &[f32], what: &str) {
+    let l = lane_len_of(ty);
+    let xq = if l > 1 { ref_act(x, l) } else { x.iter().map(|&v| v as f64).collect() };
+    for i in 0..m {
+        let xr = &x[i * cols..(i + 1) * cols];
+        let xqr = &xq[i * cols..(i + 1) * cols];
+        for n in 0..rows {
+            let wr = &wref[n * cols..(n + 1) * cols];
+            let exact: f64 = wr.iter().zip(xr).map(|(w, &v)| w.0 * v as f64).sum();
+            let same: f64 = wr.iter().zip(xqr).map(|(w, &v)| w.0 * v).sum();
+            let mag: f64 = wr.iter().zip(xqr).map(|(w, &v)| (w.0.abs() + w.1) * v.abs()).sum();
+            let mag_x: f64 = wr.iter().zip(xr).map(|(w, &v)| w.0.abs() * (v as f64).abs()).sum();
+            let fl = ((cols / l.max(1)) as f64 + 16.0) * 2f64.powi(-24) * 1.5;
+            let tight = fl * mag.max(mag_x) + 1e-30;
+            let act_bound: f64 = if l > 1 {
+                wr.chunks_exact(l)
+                    .zip(xr.chunks_exact(l))
+                    .map(|(wb, xb)| {
+                        let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs())) as f64;
+                        amax / 254.0 * wb.iter().map(|w| w.0.abs()).sum::<f64>()
+                    })
+                    .sum()
+            } else {
+                0.0
+            };
+            let g = got[i * rows + n] as f64;
+            assert!(
+                (g - same).abs() <= tight,
+                "{what}: out[{i}][{n}] = {g}, same-activation reference {same}, |err| {} > {tight}",
+                (g - same).abs()
+            );
+            assert!(
+                (g - exact).abs() <= act_bound * 1.0001 + tight,
+                "{what}: out[{i}][{n}] = {g}, exact reference {exact}, |err| {} > {}",
+                (g - exact).abs(),
+                act_bound + tight
+            );
+        }
+    }
+}
+
+fn cols_for(ty: GgmlType, k: usize) -> usize {
+    match ty {
+        GgmlType::Q4_K | GgmlType::Q6_K => [256, 512, 768, 1024][k % 4],
+        // Odd widths for the float types exercise the masked tails.
+        t if t.is_float() => [32, 576, 67, 1024, 5, 160][k % 6],
+        // 18 lanes = one full group + a 2-lane tail, 5 lanes, 9 lanes, ...
+        _ => [32, 576, 160, 1024, 288, 64, 96][k % 7],
+    }
+}
+
+#[test]
+fn matmul_every_type_level_and_shape() {
+    let mut rng = StdRng::seed_from_u64(7);
+    let pools = [ThreadPool::new(1), ThreadPool::new(2)];
+    for ty in ALL {
+        let mut k = 0;
+        for &rows in &[1usize, 3, 7, 33, 130] {
+            for &m in &[1usize, 2, 5, 17] {
+                k += 1;
+                let cols = cols_for(ty, k);
+                let bytes = random_bytes(&mut rng, ty, rows, cols);
+                let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+                let wref = ref_matrix(ty, rows, cols, &bytes);
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+                for level in levels() {
+                    let mut scratch = MatmulScratch::default();
+                    let mut out = vec![f32::NAN; m * rows];
+                    w.matmul_at(level, &pools[k % 2], &x, m, &mut out, &mut scratch);
+                    let what = format!("{ty} {level:?} rows {rows} cols {cols} m {m}");
+                    check(ty, &wref, rows, cols, &x, m, &out, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_large_m_paths() {
+    // m beyond the activation cache block (64) and the dense gemm threshold.
+    let mut rng = StdRng::seed_from_u64(11);
+    let pool = ThreadPool::new(2);
+    for ty in ALL {
+        let (rows, cols, m) = (37, if ty.block_len() == 256 { 512 } else { 96 }, 70);
+        let bytes = random_bytes(&mut rng, ty, rows, cols);
+        let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+        let wref = ref_matrix(ty, rows, cols, &bytes);
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        for level in levels() {
+            let mut out = vec![f32::NAN; m * rows];
+            let mut scratch = MatmulScratch::default();
+            w.matmul_at(level, &pool, &x, m, &mut out, &mut scratch);
+            check(ty, &wref, rows, cols, &x, m, &out, &format!("{ty} {level:?} m {m}"));
+        }
+    }
+}
+
+#[test]
+fn simd_levels_agree() {
+    // All levels see bit-identical quantized activations and exact integer
+    // dot products; only the float summation order differs.
+    let mut rng = StdRng::seed_from_u64(3);
+    let pool = ThreadPool::new(1);
+    for ty in ALL {
+        let (rows, cols, m) = (9, if ty.block_len() == 256 { 768 } else { 576 }, 3);
+        let w = Weight::from_raw(ty, rows, cols, &random_bytes(&mut rng, ty, rows, cols)).unwrap();
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let outs: Vec<Vec<f32>> = levels()
+            .into_iter()
+            .map(|level| {
+                let mut out = vec![0.0; m * rows];
+                w.matmul_at(level, &pool, &x, m, &mut out, &mut MatmulScratch::default());
+                out
+            })
+            .collect();
+        for o in &outs[1..] {
+            for (a, b) in o.iter().zip(&outs[0]) {
+                assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{ty}: {a} vs {b}");
+            }
+        }
+    }
+}
+
+#[test]
+fn scratch_reuse_across_shapes() {
+    // A scratch warmed on a big call must still give right answers on a
+    // smaller one (stale data beyond the used prefix must not leak in).
+    let mut rng = StdRng::seed_from_u64(5);
+    let pool = ThreadPool::new(2);
+    let mut scratch = MatmulScratch::default();
+    for (ty, rows, cols, m) in
+        [(GgmlType::Q8_0, 40, 1024, 9), (GgmlType::Q4_1, 7, 96, 2), (GgmlType::Q6_K, 5, 256, 1), (GgmlType::Q4_0, 3, 32, 1)]
+    {
+        let bytes = random_bytes(&mut rng, ty, rows, cols);
+        let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let mut out = vec![0.0; m * rows];
+        w.matmul(&pool, &x, m, &mut out, &mut scratch);
+        check(ty, &ref_matrix(ty, rows, cols, &bytes), rows, cols, &x, m, &out, "reuse");
+    }
+}
+
+#[test]
+fn dequantize_row_matches_reference_for_every_type() {
+    let mut rng = StdRng::seed_from_u64(1);
+    for ty in ALL {
+        let (rows, cols) = (5, if ty.block_len() == 256 { 768 } else { 608 });
+        let bytes = random_bytes(&mut rng, ty, rows, cols);
+        let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+        let wref = ref_matrix(ty, rows, cols, &bytes);
+        let mut row = vec![0.0f32; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut row);
+            for (c, (&got, want)) in row.iter().zip(&wref[r * cols..]).enumerate() {
+                // The kernels' formulas equal ggml's in f32; the f64
+                // reference differs only by the f32 rounding of the products.
+                assert!((got as f64 - want.0).abs() <= 1e-6 * want.0.abs() + 1e-12, "{ty} [{r}][{c}]: {got} vs {}", want.0);
+            }
+        }
+    }
+}
+
+/// Packs a Q4_K block's 6-bit scales and mins the way the format defines.
+fn pack_k4_scales(sc: [u8; 8], mn: [u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            s[j] |= sc[j];
+            s[j + 4] |= mn[j];
+        } else {
+            s[j + 4] = (sc[j] & 15) | ((mn[j] & 15) << 4);
+            s[j - 4] |= (sc[j] >> 4) << 6;
+            s[j] |= (mn[j] >> 4) << 6;
+        }
+    }
+    s
+}
+
+#[test]
+fn q4k_hand_built_block() {
+    let sc = [1u8, 2, 3, 4, 40, 50, 60, 63];
+    let mn = [0u8, 5, 10, 63, 16, 33, 48, 7];
+    let mut blk = vec![0u8; 144];
+    blk[0..2].copy_from_slice(&f16b(0.5));
+    blk[2..4].copy_from_slice(&f16b(0.25));
+    blk[4..16].copy_from_slice(&pack_k4_scales(sc, mn));
+    let code = |e: usize| ((e * 7 + e / 32) % 16) as u8;
+    for e in 0..256 {
+        let (c, half_, l) = (e / 64, (e / 32) % 2, e % 32);
+        blk[16 + 32 * c + l] |= code(e) << (4 * half_);
+    }
+    let w = Weight::from_raw(GgmlType::Q4_K, 1, 256, &blk).unwrap();
+    let mut row = vec![0.0; 256];
+    w.dequantize_row(0, &mut row);
+    for e in 0..256 {
+        let want = 0.5 * sc[e / 32] as f32 * code(e) as f32 - 0.25 * mn[e / 32] as f32;
+        assert_eq!(row[e], want, "element {e}");
+    }
+}
+
+#[test]
+fn q6k_hand_built_block() {
+    let mut blk = vec![0u8; 210];
+    let code = |e: usize| ((e * 13 + 5) % 64) as u8;
+    let scale = |s: usize| (s as i32 * 17 - 128) as i8;
+    for e in 0..256 {
+        let (h, q, l) = (e / 128, (e % 128) / 32, e % 32);
+        blk[64 * h + 32 * (q % 2) + l] |= (code(e) & 15) << (4 * (q / 2));
+        blk[128 + 32 * h + l] |= (code(e) >> 4) << (2 * q);
+    }
+    for s in 0..16 {
+        blk[192 + s] = scale(s) as u8;
+    }
+    blk[208..210].copy_from_slice(&f16b(0.125));
+    let w = Weight::from_raw(GgmlType::Q6_K, 1, 256, &blk).unwrap();
+    let mut row = vec![0.0; 256];
+    w.dequantize_row(0, &mut row);
+    for e in 0..256 {
+        let want = 0.125 * scale(e / 16) as f32 * (code(e) as f32 - 32.0);
+        assert_eq!(row[e], want, "element {e}");
+    }
+}
+
+#[test]
+fn quantize_round_trip_bounds() {
+    let mut rng = StdRng::seed_from_u64(9);
+    let (rows, cols) = (6, 256);
+    let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        let w = Weight::quantize(ty, rows, cols, &data).unwrap();
+        assert_eq!(w.ty(), ty);
+        let mut row = vec![0.0; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut row);
+            for (bi, (xb, yb)) in data[r * cols..(r + 1) * cols].chunks(32).zip(row.chunks(32)).enumerate() {
+                let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                let min = xb.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+                let max = xb.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+                // Rounding to the grid, plus the f16 rounding (2^-11) of the
+                // stored scale (times the largest code) and min.
+                let bound = match ty {
+                    GgmlType::Q8_0 => amax / 127.0 * (0.5 + 127.0 / 2048.0),
+                    // The element at +amax opposite the -8 end maps to code 16
+                    // and clamps to 15: error up to one step d = amax / 8.
+                    GgmlType::Q4_0 => amax / 8.0 * (1.0 + 8.0 / 2048.0),
+                    GgmlType::Q4_1 => (max - min) / 15.0 * (0.5 + 15.0 / 2048.0) + min.abs() / 2048.0,
+                    GgmlType::F32 => 0.0,
+                    GgmlType::F16 => amax / 2048.0,
+                    _ => amax / 256.0,
+                } * 1.001
+                    + 1e-7;
+                for (x, y) in xb.iter().zip(yb) {
+                    assert!((x - y).abs() <= bound, "{ty} row {r} block {bi}: {x} -> {y} (bound {bound})");
+                }
+            }
+        }
+    }
+    assert!(matches!(Weight::quantize(GgmlType::Q4_K, 1, 256, &[0.0; 256]), Err(WeightError::QuantizeUnsupported(_))));
+}
+
+#[test]
+fn quantize_matches_ggml_reference_values() {
+    // Hand-computed: block [-8, 0, ..., 0, 4]: Q4_0 d = -8 / -8 = 1, so -8
+    // -> code 0, 0 -> 8, 4 -> 12; Q8_0 d = 8/127.
+    let mut x = [0.0f32; 32];
+    x[0] = -8.0;
+    x[31] = 4.0;
+    let w = Weight::quantize(GgmlType::Q4_0, 1, 32, &x).unwrap();
+    let mut y = [0.0f32; 32];
+    w.dequantize_row(0, &mut y);
+    assert_eq!(y, x);
+    let w = Weight::quantize(GgmlType::Q8_0, 1, 32, &x).unwrap();
+    w.dequantize_row(0, &mut y);
+    let d = half::f16::from_f32(8.0 / 127.0).to_f32();
+    assert_eq!(y[0], -127.0 * d);
+    assert_eq!(y[31], 64.0 * d);
+}
+
+#[test]
+fn from_raw_validates_lengths() {
+    for ty in ALL {
+        let cols = ty.block_len() * 2;
+        let ok = vec![0u8; 3 * ty.row_bytes(cols).unwrap()];
+        assert!(Weight::from_raw(ty, 3, cols, &ok).is_ok());
+        let err = Weight::from_raw(ty, 3, cols, &ok[1..]).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&format!("expected {}", ok.len())) && msg.contains(&format!("got {}", ok.len() - 1)), "{msg}");
+        if ty.block_len() > 1 {
+            let err = Weight::from_raw(ty, 1, cols + 1, &ok).unwrap_err();
+            assert!(matches!(err, WeightError::ColsNotBlockMultiple { .. }), "{err}");
+            assert!(err.to_string().contains("not a multiple"), "{err}");
+        }
+    }
+    assert!(matches!(Weight::from_f32(2, 3, &[0.0; 5]), Err(WeightError::WrongLength { unit: "elements", .. })));
+    assert!(Weight::from_bf16_bits(2, 3, &[0; 6]).is_ok());
+    assert!(Weight::from_f16_bits(2, 3, &[0; 7]).is_err());
+    assert!(Weight::from_raw(GgmlType::Q8_0, usize::MAX, 32, &[]).is_err());
+}
+
+#[test]
+fn type_metadata() {
+    for ty in ALL {
+        assert_eq!(GgmlType::from_gguf_id(ty.gguf_id()), Some(ty));
+        assert_eq!(ty.name(), format!("{ty:?}"));
+    }
+    assert_eq!(GgmlType::from_gguf_id(6), None);
+    assert_eq!(GgmlType::Q4_1.row_bytes(64).unwrap(), 40);
+    assert_eq!(GgmlType::Q6_K.row_bytes(512).unwrap(), 420);
+    assert_eq!(GgmlType::BF16.row_bytes(7).unwrap(), 14);
+    assert!(GgmlType::Q4_K.row_bytes(128).is_err());
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Weight>();
+}
+
+#[test]
+fn concat_rows_stacks_and_checks() {
+    let mut rng = StdRng::seed_from_u64(2);
+    let pool = ThreadPool::new(2);
+    for ty in ALL {
+        let cols = if ty.block_len() == 256 { 512 } else { 96 };
+        let parts_rows = [3usize, 5, 1];
+        let bytes: Vec<Vec<u8>> = parts_rows.iter().map(|&r| random_bytes(&mut rng, ty, r, cols)).collect();
+        let parts: Vec<Weight> =
+            parts_rows.iter().zip(&bytes).map(|(&r, b)| Weight::from_raw(ty, r, cols, b).unwrap()).collect();
+        let refs: Vec<&Weight> = parts.iter().collect();
+        let cat = Weight::concat_rows(&refs).unwrap();
+        assert_eq!((cat.rows(), cat.cols(), cat.ty()), (9, cols, ty));
+        assert_eq!(cat.size_bytes(), parts.iter().map(|p| p.size_bytes()).sum::<usize>());
+        let all: Vec<u8> = bytes.concat();
+        let direct = Weight::from_raw(ty, 9, cols, &all).unwrap();
+        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
+        for r in 0..9 {
+            cat.dequantize_row(r, &mut a);
+            direct.dequantize_row(r, &mut b);
+            assert_eq!(a, b, "{ty} row {r}");
+        }
+        let m = 2;
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let (mut oa, mut ob) = (vec![0.0; m * 9], vec![0.0; m * 9]);
+        cat.matmul(&pool, &x, m, &mut oa, &mut MatmulScratch::default());
+        direct.matmul(&pool, &x, m, &mut ob, &mut MatmulScratch::default());
+        assert_eq!(oa, ob, "{ty}");
+    }
+    let a = Weight::quantize(GgmlType::Q8_0, 1, 32, &[0.5; 32]).unwrap();
+    let b = Weight::quantize(GgmlType::Q4_0, 1, 32, &[0.5; 32]).unwrap();
+    let c = Weight::quantize(GgmlType::Q8_0, 1, 64, &[0.5; 64]).unwrap();
+    let err = Weight::concat_rows(&[&a, &b]).unwrap_err();
+    assert!(err.to_string().contains("part 1 is Q4_0"), "{err}");
+    assert!(Weight::concat_rows(&[&a, &c]).is_err());
+    assert!(matches!(Weight::concat_rows(&[]), Err(WeightError::ConcatEmpty)));
+}
+
+#[test]
+fn kernels_detect_corrupted_weights() {
+    // Guard against a vacuous check: flipping one code must break it.
+    let mut rng = StdRng::seed_from_u64(4);
+    let (rows, cols, m) = (4, 64, 1);
+    let ty = GgmlType::Q8_0;
+    let mut bytes = random_bytes(&mut rng, ty, rows, cols);
+    bytes[0..2].copy_from_slice(&f16b(0.05));
+    let wref = ref_matrix(ty, rows, cols, &bytes);
+    bytes[2] = bytes[2].wrapping_add(100);
+    let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+    let x: Vec<f32> = (0..cols).map(|i| if i == 0 { 1.0 } else { 0.01 }).collect();
+    let mut out = vec![0.0; rows];
+    w.matmul(&ThreadPool::new(1), &x, m, &mut out, &mut MatmulScratch::default());
+    let r = std::panic::catch_unwind(|| check(ty, &wref, rows, cols, &x, m, &out, "corrupt"));
+    assert!(r.is_err());
+}

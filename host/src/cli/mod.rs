@@ -1,0 +1,104 @@
+//! The `pagoda` command line: `generate`, `models` (and later `serve`,
+//! `bench`). Flags mirror `vllm serve` where vLLM has them.
+
+pub mod generate;
+pub mod models;
+
+use crate::engine::args::{parse_bytes, EngineArgs};
+use crate::engine::kv_cache::KvCacheDtype;
+use crate::engine::loader::DType;
+use crate::engine::scheduler::SchedulingPolicy;
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+
+/// Pagoda: a multi-tenant LLM inference server.
+#[derive(Parser, Debug)]
+#[command(name = "pagoda", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate text for one or more prompts, batched, and print it.
+    Generate(generate::GenerateArgs),
+    /// List the supported model architectures.
+    Models,
+}
+
+/// The flags that shape the engine, shared by `generate`, `serve` and `bench`.
+#[derive(Args, Debug, Clone)]
+pub struct EngineFlags {
+    /// A GGUF file or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// cpu, cuda, rocm or npu (accelerators need a build with their feature).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Weight dtype for float weights: auto, float32, bfloat16, float16.
+    #[arg(long, default_value = "auto")]
+    pub dtype: String,
+    /// Longest sequence (prompt + output); defaults to the model's context length.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// CPU threads (default: every core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per KV block: a power of two up to 256.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// KV cache size, such as 4GiB (default: a quarter of free memory, at most 4 GiB).
+    #[arg(long)]
+    pub kv_cache_memory: Option<String>,
+    /// KV cache element type: auto (f16), bf16, f16, f32.
+    #[arg(long, default_value = "auto")]
+    pub kv_cache_dtype: String,
+    /// Most sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_num_seqs: usize,
+    /// Most tokens in one step (prefill chunks plus decodes).
+    #[arg(long, default_value_t = 2048)]
+    pub max_num_batched_tokens: usize,
+    /// Reuse the KV of shared prompt prefixes (on by default).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Turn prefix caching off.
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// fcfs, or priority (a request's `priority` field orders the queue).
+    #[arg(long, default_value = "fcfs")]
+    pub scheduling_policy: String,
+}
+
+impl EngineFlags {
+    /// Turns the flags into engine arguments, rejecting bad values.
+    pub fn to_engine_args(&self) -> Result<EngineArgs> {
+        let mut a = EngineArgs::new(&self.model);
+        a.device = self.device.parse()?;
+        a.dtype = self.dtype.parse::<DType>()?;
+        a.max_model_len = self.max_model_len;
+        a.threads = self.threads;
+        a.block_size = self.block_size;
+        a.kv_cache_memory = self.kv_cache_memory.as_deref().map(parse_bytes).transpose()?;
+        a.kv_cache_dtype = self.kv_cache_dtype.parse::<KvCacheDtype>()?;
+        a.max_num_seqs = self.max_num_seqs;
+        a.max_num_batched_tokens = self.max_num_batched_tokens;
+        a.enable_prefix_caching = !self.no_enable_prefix_caching;
+        a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
+        Ok(a)
+    }
+}
+
+/// Runs the command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Models => {
+            models::run();
+            Ok(())
+        }
+    }
+}

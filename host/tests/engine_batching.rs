@@ -1,0 +1,158 @@
+//! The batched engine on the demo model: batching, chunked prefill,
+//! preemption and prefix caching must not change any greedy output, and
+//! every block must come back to the pool.
+
+mod common;
+
+use pagoda::engine::core::RequestOptions;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+
+const MAX_TOKENS: usize = 12;
+
+fn args() -> EngineArgs {
+    let mut a = EngineArgs::new(common::demo_gguf());
+    a.threads = 2;
+    a.max_model_len = Some(512);
+    a.kv_cache_memory = Some(64 << 20);
+    a
+}
+
+/// 32 prompts of mixed lengths (4 to ~150 tokens), some sharing prefixes.
+fn prompts() -> Vec<Prompt> {
+    let topics = ["the ocean", "a compiler", "Paris", "prime numbers", "tea", "a violin", "rain", "Rust"];
+    (0..32)
+        .map(|i| {
+            let topic = topics[i % topics.len()];
+            let mut p = format!("Write about {topic}.");
+            for k in 0..(i * 7) % 23 {
+                p.push_str(&format!(" Sentence {k} about {topic} goes on a little longer."));
+            }
+            Prompt::Text(p)
+        })
+        .collect()
+}
+
+fn solo_outputs(prompts: &[Prompt]) -> Vec<Vec<u32>> {
+    let mut llm = LLM::new(args()).expect("engine");
+    let params = SamplingParams::greedy(MAX_TOKENS);
+    prompts
+        .iter()
+        .map(|p| llm.generate(std::slice::from_ref(p), &params).expect("generate")[0].outputs[0].token_ids.clone())
+        .collect()
+}
+
+fn batched_outputs(a: EngineArgs, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
+    let mut llm = LLM::new(a).expect("engine");
+    let out = llm.generate(prompts, &SamplingParams::greedy(MAX_TOKENS)).expect("generate");
+    let ids = out.into_iter().map(|r| r.outputs[0].token_ids.clone()).collect();
+    (ids, llm)
+}
+
+fn assert_pool_clean(llm: &LLM) {
+    let kv = llm.engine().kv_cache();
+    assert_eq!(kv.pool().num_free(), kv.pool().num_blocks(), "blocks leaked");
+    assert_eq!(kv.num_seqs(), 0);
+    kv.pool().check_invariants().expect("pool invariants");
+}
+
+#[test]
+fn batching_chunking_preemption_and_prefix_caching_change_no_output() {
+    let prompts = prompts();
+    let solo = solo_outputs(&prompts);
+
+    let conditions: Vec<(&str, EngineArgs)> = vec![
+        ("prefix caching on", args()),
+        ("prefix caching off", {
+            let mut a = args();
+            a.enable_prefix_caching = false;
+            a
+        }),
+        ("chunked prefill (64-token steps)", {
+            let mut a = args();
+            a.max_num_batched_tokens = 64;
+            a
+        }),
+        ("preemption (48-block pool)", {
+            let mut a = args();
+            // 48 blocks of 16 tokens: far less than 32 sequences need.
+            let per_block = 2 * 30 * 16 * 192 * 2;
+            a.kv_cache_memory = Some(48 * per_block);
+            a
+        }),
+    ];
+    for (name, a) in conditions {
+        let (got, llm) = batched_outputs(a, &prompts);
+        for (i, (g, s)) in got.iter().zip(&solo).enumerate() {
+            assert_eq!(g, s, "{name}: prompt {i} differs from its solo run");
+        }
+        if name.starts_with("preemption") {
+            assert!(llm.engine().stats().num_preemptions > 0, "the small pool should force preemption");
+        }
+        if name.starts_with("chunked") {
+            assert!(llm.engine().stats().steps > 32, "64-token steps should chunk the prompts");
+        }
+        assert_pool_clean(&llm);
+    }
+}
+
+#[test]
+fn aborted_requests_free_their_blocks_at_once() {
+    let mut llm = LLM::new(args()).expect("engine");
+    let tok = llm.tokenizer().clone();
+    let core = llm.engine_mut();
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        let prompt = tok.encode(&format!("Count to {i} and then keep counting forever:"), true).expect("encode");
+        ids.push(core.add_request(format!("r{i}"), prompt, SamplingParams::greedy(64), RequestOptions::default()).expect("add"));
+    }
+    for _ in 0..3 {
+        core.step();
+    }
+    assert!(core.kv_cache().pool().num_free() < core.kv_cache().pool().num_blocks());
+    for &id in &ids {
+        assert!(core.abort(id).is_some());
+    }
+    assert_eq!(core.kv_cache().pool().num_free(), core.kv_cache().pool().num_blocks());
+    core.kv_cache().pool().check_invariants().expect("pool invariants");
+    assert!(!core.has_unfinished());
+}
+
+#[test]
+fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
+    let mut a = args();
+    a.max_model_len = Some(1200);
+    let mut llm = LLM::new(a).expect("engine");
+    let tok = llm.tokenizer().clone();
+    let mut prefix = String::new();
+    while tok.encode(&prefix, true).expect("encode").len() < 1000 {
+        prefix.push_str("Pagoda serves many tenants from one fleet of accelerators. ");
+    }
+    let core = llm.engine_mut();
+    let run = |core: &mut pagoda::engine::core::EngineCore, text: String, salt: u64| {
+        let ids = tok.encode(&text, true).expect("encode");
+        let n = ids.len();
+        let id = core
+            .add_request(text.clone(), ids, SamplingParams::greedy(2), RequestOptions { cache_salt: salt, priority: 0 })
+            .expect("add");
+        let mut cached = None;
+        while core.has_unfinished() {
+            for o in core.step() {
+                if o.id == id && o.finish_reason.is_some() {
+                    cached = Some(o.num_cached_tokens);
+                }
+            }
+        }
+        (n, cached.expect("finished"))
+    };
+    let (_, first) = run(core, format!("{prefix} First question?"), 1);
+    assert_eq!(first, 0);
+    let before = core.stats().prefix;
+    let (n, second) = run(core, format!("{prefix} Second, different question?"), 1);
+    let after = core.stats().prefix;
+    assert!(second >= 992, "only {second} of {n} prompt tokens came from the cache");
+    assert_eq!(after.hits - before.hits, second as u64);
+    assert_eq!(after.queries - before.queries, n as u64);
+    // The same prefix under another salt (another tenant) shares nothing.
+    let (_, other_salt) = run(core, format!("{prefix} Second, different question?"), 2);
+    assert_eq!(other_salt, 0);
+}

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Runs Pagoda's whole test suite: unit tests, kernel-vs-reference tests, the
+# demo-model reference checks and the end-to-end tests. This is what CI runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# One target dir inside the workspace, shared by every build below, so the
+# release artifacts the tests use are the ones `cargo build --release` made.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+
+# The real model the reference tests run (cached after the first fetch).
+PAGODA_DEMO_GGUF="$(scripts/fetch-demo-model.sh)"
+export PAGODA_DEMO_GGUF
+
+# Release mode: the tests run real models through the real kernels, and one
+# optimized build serves both the tests and the binary.
+cargo build --release --workspace --locked
+cargo test --release --workspace --locked -- --test-threads=2
