@@ -14,7 +14,10 @@ use std::sync::{Arc, OnceLock};
 
 /// The demo model's path, as printed by `scripts/fetch-demo-model.sh`.
 fn demo_model_path() -> PathBuf {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fetch-demo-model.sh");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/fetch-demo-model.sh"
+    );
     let out = std::process::Command::new(script)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
@@ -79,8 +82,14 @@ fn smollm2_gguf_metadata_and_tensors() {
     assert_eq!(g.version(), 3);
     assert_eq!(g.get_u64("llama.block_count").expect("u64"), Some(30));
     assert_eq!(g.get_u64("llama.embedding_length").expect("u64"), Some(576));
-    assert_eq!(g.get_f32("llama.rope.freq_base").expect("f32"), Some(100000.0));
-    assert_eq!(g.get_str("tokenizer.ggml.pre").expect("str"), Some("smollm"));
+    assert_eq!(
+        g.get_f32("llama.rope.freq_base").expect("f32"),
+        Some(100000.0)
+    );
+    assert_eq!(
+        g.get_str("tokenizer.ggml.pre").expect("str"),
+        Some("smollm")
+    );
     assert_eq!(g.tensors().len(), 272);
     let emb = g.tensor("token_embd.weight").expect("embedding");
     assert_eq!(emb.ty, GgmlType::Q8_0);
@@ -92,7 +101,10 @@ fn smollm2_gguf_metadata_and_tensors() {
     let norm = g.tensor("blk.0.attn_norm.weight").expect("norm");
     assert_eq!((norm.ty, norm.shape), (GgmlType::F32, &[576][..]));
     let err = g.tensor("blk.99.attn_q.weight").unwrap_err().to_string();
-    assert!(err.contains("blk.99.attn_q.weight") && err.contains("SmolLM2"), "{err}");
+    assert!(
+        err.contains("blk.99.attn_q.weight") && err.contains("SmolLM2"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -121,7 +133,9 @@ fn smollm2_special_tokens() {
     assert_eq!(tok.token_to_str(216).as_deref(), Some("Ġ"));
     assert!(tok.is_special(0) && tok.is_special(1) && tok.is_special(2));
     assert!(!tok.is_special(216));
-    let ids = tok.encode("<|im_start|>user\nhi<|im_end|>", false).expect("encode");
+    let ids = tok
+        .encode("<|im_start|>user\nhi<|im_end|>", false)
+        .expect("encode");
     assert_eq!(tok.decode(&ids, true).expect("decode"), "user\nhi");
     assert!(tok.decode(&[49152], false).is_err());
     assert!(tok.chat_template().is_some());
@@ -207,6 +221,27 @@ fn smollm2_incremental_detokenizer() {
         check_stream(tok, &prompt, &ids, false);
         check_stream(tok, &prompt, &ids, true);
     }
+    // A long stream (the detokenizer compacts its buffer as it goes), and
+    // pseudo-random mixes of ASCII, accents, CJK and emoji.
+    let long = "介绍一下深度学习 🚀🔥 café naïve 1234 ".repeat(30);
+    let ids = tok.encode(&long, false).expect("encode");
+    assert!(ids.len() > 300);
+    assert_eq!(check_stream(tok, &[], &ids, false), long);
+    assert_eq!(check_stream(tok, &prompt, &ids, true), long);
+    let alphabet: Vec<char> = "ab Z9\n\t.,'éü深度学习の한🚀🔥👍🏽\u{200d}".chars().collect();
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..50 {
+        let mut text = String::new();
+        for _ in 0..40 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            text.push(alphabet[(state % alphabet.len() as u64) as usize]);
+        }
+        let ids = tok.encode(&text, false).expect("encode");
+        assert_eq!(tok.decode(&ids, false).expect("decode"), text);
+        assert_eq!(check_stream(tok, &prompt, &ids, false), text);
+    }
     // A character split across byte tokens is held back until complete.
     let ids = tok.encode("深", false).expect("encode");
     assert!(ids.len() > 1, "{ids:?}");
@@ -238,7 +273,8 @@ fn byte_chars() -> Vec<char> {
     let mut table = vec!['\0'; 256];
     let mut extra = 0u32;
     for b in 0..256u32 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).expect("char")
         } else {
@@ -250,7 +286,11 @@ fn byte_chars() -> Vec<char> {
 }
 
 fn strings(v: &[&str]) -> GgufValue {
-    GgufValue::Array(v.iter().map(|s| GgufValue::String((*s).to_owned())).collect())
+    GgufValue::Array(
+        v.iter()
+            .map(|s| GgufValue::String((*s).to_owned()))
+            .collect(),
+    )
 }
 
 /// Writes a GGUF with only tokenizer metadata and returns its tokenizer.
@@ -324,7 +364,11 @@ fn byte_level_pre_tokenizers() {
             ["<|im_start|>", "h", "i", "<|im_end|>"],
             "pre = {pre}"
         );
-        assert_eq!(t.decode(&t.encode("a é 🚀 12345", false).expect("e"), false).expect("d"), "a é 🚀 12345");
+        assert_eq!(
+            t.decode(&t.encode("a é 🚀 12345", false).expect("e"), false)
+                .expect("d"),
+            "a é 🚀 12345"
+        );
         assert_eq!(t.bos_id(), None);
         assert_eq!(t.eos_ids().len(), 2);
     }
@@ -415,7 +459,10 @@ fn sentencepiece_bpe_with_byte_fallback() {
     let ids = t.encode(text, true).expect("encode");
     assert_eq!(t.decode(&ids, true).expect("decode"), text);
     // As in HF, the space of a word's `▁` is only stripped at the very start.
-    assert_eq!(t.decode(&ids, false).expect("decode"), format!("<s> {text}"));
+    assert_eq!(
+        t.decode(&ids, false).expect("decode"),
+        format!("<s> {text}")
+    );
     // Streaming keeps the spaces between words and holds partial bytes.
     let t = Arc::new(t);
     let ids = t.encode(text, false).expect("encode");
@@ -437,7 +484,10 @@ fn sentencepiece_bpe_with_byte_fallback() {
     assert_eq!(rendered, "<s>[x]</s>");
 
     let t = tiny_spm(dir.path(), false);
-    assert_eq!(token_texts(&t, "hello world"), ["<s>", "he", "ll", "o", "▁world"]);
+    assert_eq!(
+        token_texts(&t, "hello world"),
+        ["<s>", "he", "ll", "o", "▁world"]
+    );
     let ids = t.encode("hello world", false).expect("encode");
     assert_eq!(t.decode(&ids, false).expect("decode"), "hello world");
 }
@@ -446,17 +496,27 @@ fn sentencepiece_bpe_with_byte_fallback() {
 fn gguf_tokenizer_errors_name_the_file() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("notok.gguf");
-    write_gguf(&path, &[("general.architecture", GgufValue::String("llama".into()))], &[])
-        .expect("write");
+    write_gguf(
+        &path,
+        &[("general.architecture", GgufValue::String("llama".into()))],
+        &[],
+    )
+    .expect("write");
     let g = GgufFile::open(&path).expect("open");
     let err = format!("{:#}", Tokenizer::from_gguf(&g).unwrap_err());
-    assert!(err.contains("notok.gguf") && err.contains("tokenizer.ggml.model"), "{err}");
+    assert!(
+        err.contains("notok.gguf") && err.contains("tokenizer.ggml.model"),
+        "{err}"
+    );
 
     let path = dir.path().join("badmodel.gguf");
     write_gguf(
         &path,
         &[
-            ("tokenizer.ggml.model", GgufValue::String("wordpiece".into())),
+            (
+                "tokenizer.ggml.model",
+                GgufValue::String("wordpiece".into()),
+            ),
             ("tokenizer.ggml.tokens", strings(&["a"])),
         ],
         &[],
@@ -531,10 +591,16 @@ fn hf_dir_tokenizer() {
     assert_eq!(t.bos_token(), Some("<s>"));
     assert_eq!(t.eos_token(), Some("</s>"));
     assert_eq!(t.encode("hello world", true).expect("encode"), [1, 4, 5]);
-    assert_eq!(t.encode("<s> hello world", true).expect("encode"), [1, 4, 5]);
+    assert_eq!(
+        t.encode("<s> hello world", true).expect("encode"),
+        [1, 4, 5]
+    );
     assert_eq!(t.encode("hello world", false).expect("encode"), [4, 5]);
     assert!(t.is_special(3) && !t.is_special(4));
-    assert_eq!(t.decode(&[1, 4, 5, 2], true).expect("decode"), "hello world");
+    assert_eq!(
+        t.decode(&[1, 4, 5, 2], true).expect("decode"),
+        "hello world"
+    );
     let rendered = t
         .chat_template()
         .expect("template")
@@ -549,15 +615,21 @@ fn hf_dir_tokenizer() {
         r#"{"bos_token": "<s>", "eos_token": {"content": "</s>"}, "add_bos_token": false, "chat_template": "X"}"#,
     )
     .expect("write config");
-    std::fs::write(dir.path().join("generation_config.json"), r#"{"eos_token_id": 3}"#)
-        .expect("write generation config");
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": 3}"#,
+    )
+    .expect("write generation config");
     let t = Tokenizer::from_hf_dir(dir.path()).expect("load");
     assert_eq!(t.encode("hello world", true).expect("encode"), [4, 5]);
     assert_eq!(t.eos_ids(), &[2, 3]);
     let tmpl = t.chat_template().expect("template");
     assert_eq!(tmpl.render(&[], false).expect("render"), "X");
 
-    let err = format!("{:#}", Tokenizer::from_hf_dir(&dir.path().join("missing")).unwrap_err());
+    let err = format!(
+        "{:#}",
+        Tokenizer::from_hf_dir(&dir.path().join("missing")).unwrap_err()
+    );
     assert!(err.contains("missing"), "{err}");
 }
 

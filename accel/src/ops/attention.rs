@@ -319,7 +319,7 @@ pub(crate) fn paged_attention_at<T: KvElem>(
     );
     assert!(bs > 0, "paged_attention: block_size must be positive");
     assert!(
-        n_kv > 0 && n_heads >= n_kv && n_heads % n_kv == 0,
+        n_kv > 0 && n_heads >= n_kv && n_heads.is_multiple_of(n_kv),
         "paged_attention: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv}"
     );
     let group = n_heads / n_kv;
@@ -631,6 +631,8 @@ macro_rules! scratch {
 }
 
 /// The small kernel: head dimensions in the lanes (see the module docs).
+// Row loops index several per-row arrays (`pos`, `m`, `lsum`) at once.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     let c = t.ctx;

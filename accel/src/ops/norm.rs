@@ -38,7 +38,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let dim = weight.len();
     assert_eq!(x.len(), out.len(), "rms_norm: x and out differ in length");
     assert!(
-        dim > 0 && x.len() % dim == 0,
+        dim > 0 && x.len().is_multiple_of(dim),
         "rms_norm: length not a multiple of dim"
     );
     for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
@@ -56,7 +56,7 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
     let dim = weight.len();
     assert!(
-        dim > 0 && x.len() % dim == 0,
+        dim > 0 && x.len().is_multiple_of(dim),
         "rms_norm_inplace: length not a multiple of dim"
     );
     for xr in x.chunks_exact_mut(dim) {

@@ -99,7 +99,7 @@ impl RopeTable {
         style: RopeStyle,
     ) -> RopeTable {
         assert!(
-            head_dim > 0 && head_dim % 2 == 0,
+            head_dim > 0 && head_dim.is_multiple_of(2),
             "RoPE head_dim must be even, got {head_dim}"
         );
         let half = head_dim / 2;

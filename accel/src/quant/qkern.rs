@@ -76,12 +76,6 @@ struct ActOut {
 unsafe impl Send for ActOut {}
 unsafe impl Sync for ActOut {}
 
-pub(crate) fn pf_dist() -> usize {
-    use std::sync::OnceLock;
-    static PF: OnceLock<usize> = OnceLock::new();
-    *PF.get_or_init(|| std::env::var("PAGODA_PF").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
-}
-
 /// Activation rows per cache block: 64 rows of up to a few thousand bytes
 /// stay in L2 while a task's weight rows stream past them.
 const M_BLOCK: usize = 64;
@@ -359,7 +353,6 @@ mod x86 {
     ) {
         let l = lane_len(K);
         let lanes = w.lanes;
-        let pf = super::pf_dist();
         let m0f = _mm512_set1_epi8(0x0f);
         let zi = _mm512_setzero_si512();
         let mut facc = [[_mm512_setzero_ps(); M]; R];
@@ -388,7 +381,6 @@ mod x86 {
                     }
                     for r in 0..R {
                         let wv = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + c * stride) as *const i32);
-                        if pf > 0 { _mm_prefetch::<_MM_HINT_T0>(wrow[r].add(wbase + c * stride + pf) as *const i8); }
                         for i in 0..M {
                             iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], wv, av[i]);
                         }
@@ -411,7 +403,6 @@ mod x86 {
                     }
                     for r in 0..R {
                         let v = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + s * stride) as *const i32);
-                        if pf > 0 { _mm_prefetch::<_MM_HINT_T0>(wrow[r].add(wbase + s * stride + pf) as *const i8); }
                         let mut lo = _mm512_and_si512(v, m0f);
                         let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f);
                         if code_bits(K) == 6 {

@@ -68,11 +68,18 @@ impl Object for OrderedMap {
 
     fn get_value(self: &Arc<Self>, key: &Value) -> Option<Value> {
         let key = key.as_str()?;
-        self.0.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+        self.0
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.clone())
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        let keys: Vec<Value> = self.0.iter().map(|(k, _)| Value::from(k.as_str())).collect();
+        let keys: Vec<Value> = self
+            .0
+            .iter()
+            .map(|(k, _)| Value::from(k.as_str()))
+            .collect();
         Enumerator::Iter(Box::new(keys.into_iter()))
     }
 
@@ -100,7 +107,9 @@ pub fn json_to_value(j: &Json) -> Value {
         Json::String(s) => Value::from(s.as_str()),
         Json::Array(a) => Value::from(a.iter().map(json_to_value).collect::<Vec<_>>()),
         Json::Object(o) => Value::from_object(OrderedMap(
-            o.iter().map(|(k, v)| (k.clone(), json_to_value(v))).collect(),
+            o.iter()
+                .map(|(k, v)| (k.clone(), json_to_value(v)))
+                .collect(),
         )),
     }
 }
@@ -371,7 +380,11 @@ impl ChatTemplate {
     /// `tokenizer.chat_template` / `tokenizer_config.json`). `bos_token` and
     /// `eos_token` are exposed to the template under those names (empty
     /// strings when absent). A syntax error is reported here, not at render.
-    pub fn new(source: &str, bos_token: Option<&str>, eos_token: Option<&str>) -> Result<ChatTemplate> {
+    pub fn new(
+        source: &str,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -461,7 +474,10 @@ mod tests {
     use super::*;
 
     fn msgs(pairs: &[(&str, &str)]) -> Vec<ChatMessage> {
-        pairs.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+        pairs
+            .iter()
+            .map(|(r, c)| ChatMessage::new(*r, *c))
+            .collect()
     }
 
     #[test]
@@ -525,7 +541,8 @@ mod tests {
             .render(&msgs(&[("assistant", "x")]), false)
             .expect_err("must fail");
         assert!(
-            err.to_string().contains("Conversation must start with user"),
+            err.to_string()
+                .contains("Conversation must start with user"),
             "{err}"
         );
         assert_eq!(t.render(&msgs(&[("user", "x")]), false).expect("ok"), "ok");

@@ -165,8 +165,12 @@ fn vocab_map(tokens: &[&str]) -> tokenizers::models::bpe::Vocab {
 /// a normal token as the concatenation of two normal tokens is a merge, and
 /// merges that form higher-scoring tokens come first.
 fn merges_from_scores(tokens: &[&str], scores: &[f32], types: &[i32]) -> Vec<(String, String)> {
-    let is_normal =
-        |id: usize| matches!(types.get(id).copied().unwrap_or(token_type::NORMAL), token_type::NORMAL | token_type::USER_DEFINED);
+    let is_normal = |id: usize| {
+        matches!(
+            types.get(id).copied().unwrap_or(token_type::NORMAL),
+            token_type::NORMAL | token_type::USER_DEFINED
+        )
+    };
     let mut index = std::collections::HashMap::with_capacity(tokens.len());
     for (id, t) in tokens.iter().enumerate() {
         if is_normal(id) {
@@ -187,11 +191,7 @@ fn merges_from_scores(tokens: &[&str], scores: &[f32], types: &[i32]) -> Vec<(St
             }
         }
     }
-    found.sort_by(|a, b| {
-        b.0.total_cmp(&a.0)
-            .then(a.1.cmp(&b.1))
-            .then(a.2.cmp(&b.2))
-    });
+    found.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
     found
         .into_iter()
         .map(|(_, _, l, r)| (tokens[l].to_owned(), tokens[r].to_owned()))
@@ -245,7 +245,11 @@ fn read_json(path: &Path) -> Result<Option<Json>> {
 /// The ids in a `generation_config.json` field: an integer or a list.
 fn json_ids(v: Option<&Json>) -> Vec<u32> {
     match v {
-        Some(Json::Number(n)) => n.as_u64().and_then(|n| u32::try_from(n).ok()).into_iter().collect(),
+        Some(Json::Number(n)) => n
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .into_iter()
+            .collect(),
         Some(Json::Array(a)) => a
             .iter()
             .filter_map(|x| x.as_u64().and_then(|n| u32::try_from(n).ok()))
@@ -261,8 +265,8 @@ impl Tokenizer {
     /// with `tokenizer.ggml.merges` and the pre-tokenizer named by
     /// `tokenizer.ggml.pre` (unknown names fall back to GPT-2's, with a
     /// warning); `"llama"` is SentencePiece-style BPE over
-    /// `tokenizer.ggml.scores` with `<0xNN>` byte fallback. Control tokens
-    /// (token type 3) become special tokens and user-defined tokens (type 4)
+    /// `tokenizer.ggml.scores` with `<0xNN>` byte fallback. Control and unknown
+    /// tokens (token types 3 and 2) become special tokens and user-defined tokens (type 4)
     /// added tokens, so text such as `<|im_start|>` encodes as one token.
     /// BOS/EOS come from `tokenizer.ggml.{bos,eos,eot,eom}_token_id`, whether
     /// BOS is prepended from `tokenizer.ggml.add_bos_token`, and the chat
@@ -344,11 +348,18 @@ impl Tokenizer {
             other => bail!("tokenizer model '{other}' is not supported (only gpt2 and llama)"),
         };
 
+        // Control and unknown tokens are special (matched in text, left out
+        // by `decode(…, skip_special = true)`); user-defined tokens are
+        // matched in text as one token but kept when decoding, as in
+        // llama.cpp and for HF's non-special added tokens.
         let mut special = HashSet::new();
         let mut added = Vec::new();
         for (id, (&text, &ty)) in tokens.iter().zip(&types).enumerate() {
+            if text.is_empty() {
+                continue;
+            }
             match ty {
-                token_type::CONTROL => {
+                token_type::CONTROL | token_type::UNKNOWN => {
                     special.insert(id as u32);
                     added.push(AddedToken::from(text, true).normalized(false));
                 }
@@ -358,18 +369,9 @@ impl Tokenizer {
                 _ => {}
             }
         }
-        // Adding tokens whose text is in the model's vocabulary keeps their ids.
+        // The texts are already in the model's vocabulary, so adding them
+        // keeps their ids (on duplicate texts, the first id).
         inner.add_tokens(&added);
-        for (i, t) in added.iter().enumerate() {
-            let got = inner.token_to_id(&t.content);
-            let want = tokens.iter().position(|&x| x == t.content);
-            if got.map(|x| x as usize) != want {
-                bail!(
-                    "added token {i} {:?} got id {got:?} instead of {want:?}",
-                    t.content
-                );
-            }
-        }
 
         let add_bos = g
             .get_bool("tokenizer.ggml.add_bos_token")?
@@ -397,7 +399,11 @@ impl Tokenizer {
     }
 
     /// Byte-level BPE (GPT-2 style) with the pre-tokenizer named `pre`.
-    fn byte_level_bpe(tokens: &[&str], merges: &[&str], pre: &str) -> Result<tokenizers::Tokenizer> {
+    fn byte_level_bpe(
+        tokens: &[&str],
+        merges: &[&str],
+        pre: &str,
+    ) -> Result<tokenizers::Tokenizer> {
         let spec = pre_tokenizer_spec(pre).unwrap_or_else(|| {
             tracing::warn!(
                 "tokenizer.ggml.pre '{pre}' is not known; falling back to the GPT-2 pre-tokenizer, so tokenization may differ from the model's own"
@@ -495,8 +501,8 @@ impl Tokenizer {
 
     fn build_from_hf_dir(dir: &Path) -> Result<Tokenizer> {
         let tj = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&tj)
-            .map_err(|e| anyhow!("{}: {e}", tj.display()))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(&tj).map_err(|e| anyhow!("{}: {e}", tj.display()))?;
         let config = read_json(&dir.join("tokenizer_config.json"))?.unwrap_or(Json::Null);
         let gen = read_json(&dir.join("generation_config.json"))?.unwrap_or(Json::Null);
 
@@ -545,7 +551,9 @@ impl Tokenizer {
             match std::fs::read_to_string(&jinja) {
                 Ok(s) => template = Some(s),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e).with_context(|| format!("{}: cannot read", jinja.display())),
+                Err(e) => {
+                    return Err(e).with_context(|| format!("{}: cannot read", jinja.display()))
+                }
             }
         }
         if template.is_none() {
@@ -658,8 +666,9 @@ impl Tokenizer {
         self.inner.token_to_id(token)
     }
 
-    /// Whether `id` is a special (control) token, which
-    /// `decode(…, skip_special = true)` leaves out.
+    /// Whether `id` is a special token (GGUF control or unknown token, or an
+    /// HF added token marked special), which `decode(…, skip_special = true)`
+    /// leaves out.
     pub fn is_special(&self, id: u32) -> bool {
         self.special.contains(&id)
     }

@@ -588,7 +588,7 @@ impl<'a> Reader<'a> {
         match usize::try_from(n) {
             Ok(n) if n <= max => Ok(n),
             _ => bail!(
-                "{}: {} = {n} at offset {at} is impossible: only {} bytes are left in the file",
+                "{}: {} = {n} at offset {at} is impossible: only {} bytes are left in the file (truncated or corrupt)",
                 self.path.display(),
                 what(),
                 self.remaining()
@@ -661,9 +661,9 @@ impl<'a> Reader<'a> {
                 let n = self.count(min, &|| format!("the length of {}", what()))?;
                 let mut items = Vec::with_capacity(n);
                 for i in 0..n {
-                    items.push(self.value(elem_ty, depth + 1, &|| {
-                        format!("element {i} of {}", what())
-                    })?);
+                    items.push(
+                        self.value(elem_ty, depth + 1, &|| format!("element {i} of {}", what()))?,
+                    );
                 }
                 GgufValue::Array(items)
             }
@@ -729,7 +729,9 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             let v = usize::try_from(v)
                 .ok()
                 .filter(|&v| v <= i64::MAX as usize)
-                .ok_or_else(|| anyhow!("{shown}: tensor '{name}' has absurd dimension {d} = {v}"))?;
+                .ok_or_else(|| {
+                    anyhow!("{shown}: tensor '{name}' has absurd dimension {d} = {v}")
+                })?;
             ne.push(v);
         }
         let type_id = r.u32(&|| format!("the type of tensor '{name}'"))?;
@@ -747,12 +749,9 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         ne.iter()
             .try_fold(1usize, |acc, &d| acc.checked_mul(d))
             .ok_or_else(|| anyhow!("{shown}: tensor '{name}' shape {ne:?} overflows"))?;
-        let row_bytes = ty.row_bytes(cols).map_err(|e| {
-            anyhow!(
-                "{shown}: tensor '{name}' ({}, ne {ne:?}): {e}",
-                ty.name()
-            )
-        })?;
+        let row_bytes = ty
+            .row_bytes(cols)
+            .map_err(|e| anyhow!("{shown}: tensor '{name}' ({}, ne {ne:?}): {e}", ty.name()))?;
         let size = row_bytes
             .checked_mul(rows)
             .ok_or_else(|| anyhow!("{shown}: tensor '{name}' size overflows"))?;
@@ -890,13 +889,19 @@ mod tests {
         assert_eq!(g.get_u64("some.u64").expect("u64"), Some(1 << 40));
         assert!(g.get_u64("some.i8").is_err(), "negative is not a u64");
         assert_eq!(g.get_i64("some.i8").expect("i64"), Some(-3));
-        assert_eq!(g.get_f32("llama.rope.freq_base").expect("f32"), Some(10000.0));
+        assert_eq!(
+            g.get_f32("llama.rope.freq_base").expect("f32"),
+            Some(10000.0)
+        );
         assert_eq!(g.get_f32("some.f64").expect("f32"), Some(0.25));
         assert_eq!(g.get_f32("llama.block_count").expect("f32"), Some(2.0));
         assert_eq!(g.get_bool("some.bool").expect("bool"), Some(true));
         assert_eq!(g.get_u64("missing").expect("missing"), None);
         let err = g.get_str("llama.block_count").unwrap_err().to_string();
-        assert!(err.contains("llama.block_count") && err.contains("sample.gguf"), "{err}");
+        assert!(
+            err.contains("llama.block_count") && err.contains("sample.gguf"),
+            "{err}"
+        );
         assert_eq!(
             g.get_str_array("tokenizer.ggml.tokens").expect("strs"),
             Some(vec!["a", "héllo"])
@@ -926,7 +931,10 @@ mod tests {
             assert!(t.offset >= g.data_offset());
         }
         let err = g.tensor("nope.weight").unwrap_err().to_string();
-        assert!(err.contains("nope.weight") && err.contains("sample.gguf"), "{err}");
+        assert!(
+            err.contains("nope.weight") && err.contains("sample.gguf"),
+            "{err}"
+        );
     }
 
     fn expect_err(bytes: &[u8], needle: &str) {
@@ -935,7 +943,10 @@ mod tests {
         std::fs::write(&path, bytes).expect("write");
         let err = GgufFile::open(&path).expect_err("should fail");
         let msg = format!("{err:#}");
-        assert!(msg.contains("bad.gguf"), "error does not name the file: {msg}");
+        assert!(
+            msg.contains("bad.gguf"),
+            "error does not name the file: {msg}"
+        );
         assert!(msg.contains(needle), "expected '{needle}' in: {msg}");
         assert!(!msg.contains('\n'), "error is not one line: {msg}");
     }
@@ -1037,7 +1048,7 @@ mod tests {
             self.u32(ty).u64(offset)
         }
         fn pad_and_data(&mut self, align: usize, data: usize) -> Vec<u8> {
-            while self.0.len() % align != 0 {
+            while !self.0.len().is_multiple_of(align) {
                 self.0.push(0);
             }
             self.0.extend(std::iter::repeat_n(0u8, data));
