@@ -286,56 +286,339 @@ mod x86 {
     dispatch_tiles!(tile512_dispatch, tile512, 1, 2, 3, 4);
     dispatch_tiles!(tile256_dispatch, tile256, 1, 2);
 
-    /// Bits 4..6 of chunk `c`'s Q6_K codes: bits `2c..2c+2` of each `qh`
-    /// byte moved to bits 4..6. The 16-bit shifts leak bits across bytes only
-    /// into bit positions the 0x30 mask clears.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    #[inline]
-    unsafe fn hbits512(qh: __m512i, c: usize) -> __m512i {
-        let v = match c {
-            0 => _mm512_slli_epi16::<4>(qh),
-            1 => _mm512_slli_epi16::<2>(qh),
-            2 => qh,
-            _ => _mm512_srli_epi16::<2>(qh),
-        };
-        _mm512_and_si512(v, _mm512_set1_epi8(0x30))
+    /// The vector operations the AVX-512 kernel needs, at two widths: 16
+    /// lanes (`Zmm`) for full groups and 8 lanes (`Ymm`, AVX-512VL) for short
+    /// last groups, which would otherwise cost a full group's work (a
+    /// 576-column row is 18 lanes: a group of 16 and a tail of 2).
+    trait Width {
+        type I: Copy;
+        type F: Copy;
+        type Mask: Copy;
+        unsafe fn mask(gl: usize) -> Self::Mask;
+        unsafe fn zero() -> Self::I;
+        unsafe fn zerof() -> Self::F;
+        unsafe fn load(m: Self::Mask, p: *const u8) -> Self::I;
+        unsafe fn loadf(m: Self::Mask, p: *const f32) -> Self::F;
+        unsafe fn dpbusd(acc: Self::I, u: Self::I, a: Self::I) -> Self::I;
+        /// Low and high nibbles of each byte.
+        unsafe fn nibbles(v: Self::I) -> (Self::I, Self::I);
+        /// Q6_K: ORs bits 4..6 of chunk `c` (from `qh`) into `v`.
+        unsafe fn or_hbits(v: Self::I, qh: Self::I, c: usize) -> Self::I;
+        /// `acc − (sum << s)`.
+        unsafe fn sub_shl(acc: Self::I, sum: Self::I, s: u32) -> Self::I;
+        unsafe fn cvt(v: Self::I) -> Self::F;
+        unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+        /// `acc + a · b`, into a 16-lane accumulator.
+        unsafe fn fma_into(acc: __m512, a: Self::F, b: Self::F) -> __m512;
+        /// Per-lane scale and min of group `g` of row `r` (zero where masked).
+        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, m: Self::Mask) -> (Self::F, Self::F);
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    #[inline]
-    unsafe fn shl512(v: __m512i, s: u32) -> __m512i {
-        match s {
-            3 => _mm512_slli_epi32::<3>(v),
-            5 => _mm512_slli_epi32::<5>(v),
-            _ => _mm512_slli_epi32::<7>(v),
+    struct Zmm;
+    struct Ymm;
+
+    impl Width for Zmm {
+        type I = __m512i;
+        type F = __m512;
+        type Mask = __mmask16;
+        #[inline(always)]
+        unsafe fn mask(gl: usize) -> __mmask16 {
+            if gl >= 16 {
+                0xffff
+            } else {
+                (1u16 << gl) - 1
+            }
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn zero() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn zerof() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn load(m: __mmask16, p: *const u8) -> __m512i {
+            _mm512_maskz_loadu_epi32(m, p as *const i32)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn loadf(m: __mmask16, p: *const f32) -> __m512 {
+            _mm512_maskz_loadu_ps(m, p)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn dpbusd(acc: __m512i, u: __m512i, a: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(acc, u, a)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
+            let m = _mm512_set1_epi8(0x0f);
+            (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16::<4>(v), m))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn or_hbits(v: __m512i, qh: __m512i, c: usize) -> __m512i {
+            // The 16-bit shifts leak bits across bytes only into positions
+            // the 0x30 mask clears.
+            let h = match c {
+                0 => _mm512_slli_epi16::<4>(qh),
+                1 => _mm512_slli_epi16::<2>(qh),
+                2 => qh,
+                _ => _mm512_srli_epi16::<2>(qh),
+            };
+            _mm512_or_si512(v, _mm512_and_si512(h, _mm512_set1_epi8(0x30)))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn sub_shl(acc: __m512i, sum: __m512i, s: u32) -> __m512i {
+            let t = match s {
+                3 => _mm512_slli_epi32::<3>(sum),
+                5 => _mm512_slli_epi32::<5>(sum),
+                _ => _mm512_slli_epi32::<7>(sum),
+            };
+            _mm512_sub_epi32(acc, t)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn cvt(v: __m512i) -> __m512 {
+            _mm512_cvtepi32_ps(v)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn fma_into(acc: __m512, a: __m512, b: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, acc)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask16) -> (__m512, __m512) {
+            let lb = r * w.lanes + 16 * g;
+            let zero = _mm512_setzero_ps();
+            match K {
+                K_Q4_0 | K_Q8_0 => (f16x16(w.d, lb, mask), zero),
+                K_Q4_1 => (f16x16(w.d, lb, mask), f16x16(w.m, lb, mask)),
+                K_Q4K => {
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
+                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.m.add(lb) as *const i8)));
+                    // Lanes 0..8 belong to super-block 2g, lanes 8..16 to 2g + 1.
+                    let p = w.sd.add(r * w.nsb + 2 * g);
+                    let sd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
+                    let p = w.smin.add(r * w.nsb + 2 * g);
+                    let smin = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(-*p), _mm512_set1_ps(-*p.add(1)));
+                    (_mm512_mul_ps(sd, sc), _mm512_mul_ps(smin, mn))
+                }
+                _ => {
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
+                    (_mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+                }
+            }
         }
     }
 
-    /// Per-lane scale and min of group `g` of row `r` (zero in masked lanes).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[inline]
-    unsafe fn scales512<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask16) -> (__m512, __m512) {
-        let lb = r * w.lanes + 16 * g;
-        let zero = _mm512_setzero_ps();
-        let f16x16 = |p: *const u8| _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.add(2 * lb) as *const i16));
-        match K {
-            K_Q4_0 | K_Q8_0 => (f16x16(w.d), zero),
-            K_Q4_1 => (f16x16(w.d), f16x16(w.m)),
-            K_Q4K => {
-                let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
-                let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.m.add(lb) as *const i8)));
-                // Lanes 0..8 belong to super-block 2g, lanes 8..16 to 2g + 1.
-                // In a short last group the second scale is padding or the
-                // next row's, and only meets masked (zero) lanes.
-                let p = w.sd.add(r * w.nsb + 2 * g);
-                let sd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
-                let p = w.smin.add(r * w.nsb + 2 * g);
-                let smin = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(-*p), _mm512_set1_ps(-*p.add(1)));
-                (_mm512_mul_ps(sd, sc), _mm512_mul_ps(smin, mn))
+    unsafe fn f16x16(p: *const u8, lb: usize, mask: __mmask16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p.add(2 * lb) as *const i16))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn f16x8(p: *const u8, lb: usize, mask: __mmask8) -> __m256 {
+        _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, p.add(2 * lb) as *const i16))
+    }
+
+    impl Width for Ymm {
+        type I = __m256i;
+        type F = __m256;
+        type Mask = __mmask8;
+        #[inline(always)]
+        unsafe fn mask(gl: usize) -> __mmask8 {
+            if gl >= 8 {
+                0xff
+            } else {
+                (1u8 << gl) - 1
             }
-            _ => {
-                let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
-                (_mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn zero() -> __m256i {
+            _mm256_setzero_si256()
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn zerof() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn load(m: __mmask8, p: *const u8) -> __m256i {
+            _mm256_maskz_loadu_epi32(m, p as *const i32)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn loadf(m: __mmask8, p: *const f32) -> __m256 {
+            _mm256_maskz_loadu_ps(m, p)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn dpbusd(acc: __m256i, u: __m256i, a: __m256i) -> __m256i {
+            _mm256_dpbusd_epi32(acc, u, a)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn nibbles(v: __m256i) -> (__m256i, __m256i) {
+            let m = _mm256_set1_epi8(0x0f);
+            (_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn or_hbits(v: __m256i, qh: __m256i, c: usize) -> __m256i {
+            _mm256_or_si256(v, hbits256(qh, c))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn sub_shl(acc: __m256i, sum: __m256i, s: u32) -> __m256i {
+            _mm256_sub_epi32(acc, shl256(sum, s))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn cvt(v: __m256i) -> __m256 {
+            _mm256_cvtepi32_ps(v)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn fma_into(acc: __m512, a: __m256, b: __m256) -> __m512 {
+            _mm512_add_ps(acc, _mm512_zextps256_ps512(_mm256_mul_ps(a, b)))
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask8) -> (__m256, __m256) {
+            // Only used for groups of at most 8 lanes: lanes 16g..16g+8, which
+            // for Q4_K lie in super-block 2g and for Q6_K in super-block g.
+            let lb = r * w.lanes + 16 * g;
+            let zero = _mm256_setzero_ps();
+            let bytes8 = |p: *const u8| _mm_maskz_loadu_epi8(mask as u16, p.add(lb) as *const i8);
+            match K {
+                K_Q4_0 | K_Q8_0 => (f16x8(w.d, lb, mask), zero),
+                K_Q4_1 => (f16x8(w.d, lb, mask), f16x8(w.m, lb, mask)),
+                K_Q4K => {
+                    let sb = r * w.nsb + 2 * g;
+                    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.d)));
+                    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.m)));
+                    (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc), _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn))
+                }
+                _ => {
+                    let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(w.d)));
+                    (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+                }
+            }
+        }
+    }
+
+    /// One group (up to 16 lanes) of `R` weight rows × `M` activation rows:
+    /// integer dot products per lane, then per-lane scaling into `facc`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn group<V: Width, const K: u8, const R: usize, const M: usize>(
+        w: &QPtrs,
+        r0: usize,
+        a: &APtrs,
+        i0: usize,
+        g: usize,
+        wrow: &[*const u8; R],
+        hrow: &[*const u8; R],
+        arow: &[*const i8; M],
+        facc: &mut [[__m512; M]; R],
+    ) {
+        let l = lane_len(K);
+        let lanes = w.lanes;
+        let gl = group_lanes(lanes, g);
+        let mask = V::mask(gl);
+        let stride = 4 * gl;
+        let abase = 16 * g * l;
+        let mut iacc = [[V::zero(); M]; R];
+        if code_bits(K) == 8 {
+            let wbase = 16 * g * 32;
+            for c in 0..8 {
+                let mut av = [V::zero(); M];
+                for i in 0..M {
+                    av[i] = V::load(mask, arow[i].add(abase + c * stride) as *const u8);
+                }
+                for r in 0..R {
+                    let wv = V::load(mask, wrow[r].add(wbase + c * stride));
+                    for i in 0..M {
+                        iacc[r][i] = V::dpbusd(iacc[r][i], wv, av[i]);
+                    }
+                }
+            }
+        } else {
+            let wbase = 16 * g * l / 2;
+            let mut qh = [V::zero(); R];
+            if code_bits(K) == 6 {
+                for r in 0..R {
+                    qh[r] = V::load(mask, hrow[r].add(64 * g));
+                }
+            }
+            for s in 0..l / 8 {
+                let mut alo = [V::zero(); M];
+                let mut ahi = [V::zero(); M];
+                for i in 0..M {
+                    alo[i] = V::load(mask, arow[i].add(abase + 2 * s * stride) as *const u8);
+                    ahi[i] = V::load(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const u8);
+                }
+                for r in 0..R {
+                    let (mut lo, mut hi) = V::nibbles(V::load(mask, wrow[r].add(wbase + s * stride)));
+                    if code_bits(K) == 6 {
+                        lo = V::or_hbits(lo, qh[r], 2 * s);
+                        hi = V::or_hbits(hi, qh[r], 2 * s + 1);
+                    }
+                    for i in 0..M {
+                        iacc[r][i] = V::dpbusd(iacc[r][i], lo, alo[i]);
+                        iacc[r][i] = V::dpbusd(iacc[r][i], hi, ahi[i]);
+                    }
+                }
+            }
+        }
+        // Activation scales (and sums or scaled sums) once per activation row.
+        let mut da = [V::zerof(); M];
+        let mut extra_i = [V::zero(); M];
+        let mut extra_f = da;
+        for i in 0..M {
+            let b = (i0 + i) * lanes + 16 * g;
+            da[i] = V::loadf(mask, a.d.add(b));
+            if has_min(K) {
+                extra_f[i] = V::loadf(mask, a.s.add(b));
+            } else {
+                extra_i[i] = V::load(mask, a.sum.add(b) as *const u8);
+            }
+        }
+        for r in 0..R {
+            let (dv, mv) = V::scales::<K>(w, r0 + r, g, mask);
+            for i in 0..M {
+                let mut iv = iacc[r][i];
+                if !has_min(K) {
+                    // u = q + offset: subtract offset · Σa exactly, in integers.
+                    iv = V::sub_shl(iv, extra_i[i], off_shift(K));
+                }
+                facc[r][i] = V::fma_into(facc[r][i], V::cvt(iv), V::mul(dv, da[i]));
+                if has_min(K) {
+                    facc[r][i] = V::fma_into(facc[r][i], mv, extra_f[i]);
+                }
             }
         }
     }
@@ -351,10 +634,6 @@ mod x86 {
         out: *mut f32,
         ldo: usize,
     ) {
-        let l = lane_len(K);
-        let lanes = w.lanes;
-        let m0f = _mm512_set1_epi8(0x0f);
-        let zi = _mm512_setzero_si512();
         let mut facc = [[_mm512_setzero_ps(); M]; R];
         let mut wrow = [w.qs; R];
         let mut hrow = [w.qh; R];
@@ -366,73 +645,12 @@ mod x86 {
         for (i, p) in arow.iter_mut().enumerate() {
             *p = a.q.add((i0 + i) * a.row);
         }
-        for g in 0..lanes.div_ceil(16) {
-            let gl = group_lanes(lanes, g);
-            let mask: __mmask16 = if gl == 16 { 0xffff } else { (1u16 << gl) - 1 };
-            let stride = 4 * gl;
-            let abase = 16 * g * l;
-            let mut iacc = [[zi; M]; R];
-            if code_bits(K) == 8 {
-                let wbase = 16 * g * 32;
-                for c in 0..8 {
-                    let mut av = [zi; M];
-                    for i in 0..M {
-                        av[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + c * stride) as *const i32);
-                    }
-                    for r in 0..R {
-                        let wv = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + c * stride) as *const i32);
-                        for i in 0..M {
-                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], wv, av[i]);
-                        }
-                    }
-                }
+        let ng = w.lanes.div_ceil(16);
+        for g in 0..ng {
+            if group_lanes(w.lanes, g) > 8 {
+                group::<Zmm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             } else {
-                let wbase = 16 * g * l / 2;
-                let mut qh = [zi; R];
-                if code_bits(K) == 6 {
-                    for r in 0..R {
-                        qh[r] = _mm512_maskz_loadu_epi32(mask, hrow[r].add(64 * g) as *const i32);
-                    }
-                }
-                for s in 0..l / 8 {
-                    let mut alo = [zi; M];
-                    let mut ahi = [zi; M];
-                    for i in 0..M {
-                        alo[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + 2 * s * stride) as *const i32);
-                        ahi[i] = _mm512_maskz_loadu_epi32(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const i32);
-                    }
-                    for r in 0..R {
-                        let v = _mm512_maskz_loadu_epi32(mask, wrow[r].add(wbase + s * stride) as *const i32);
-                        let mut lo = _mm512_and_si512(v, m0f);
-                        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), m0f);
-                        if code_bits(K) == 6 {
-                            lo = _mm512_or_si512(lo, hbits512(qh[r], 2 * s));
-                            hi = _mm512_or_si512(hi, hbits512(qh[r], 2 * s + 1));
-                        }
-                        for i in 0..M {
-                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], lo, alo[i]);
-                            iacc[r][i] = _mm512_dpbusd_epi32(iacc[r][i], hi, ahi[i]);
-                        }
-                    }
-                }
-            }
-            for r in 0..R {
-                let (dv, mv) = scales512::<K>(w, r0 + r, g, mask);
-                for i in 0..M {
-                    let b = (i0 + i) * lanes + 16 * g;
-                    let da = _mm512_maskz_loadu_ps(mask, a.d.add(b));
-                    let mut iv = iacc[r][i];
-                    if !has_min(K) {
-                        // u = q + offset: subtract offset · Σa exactly, in integers.
-                        let su = _mm512_maskz_loadu_epi32(mask, a.sum.add(b));
-                        iv = _mm512_sub_epi32(iv, shl512(su, off_shift(K)));
-                    }
-                    facc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(dv, da), facc[r][i]);
-                    if has_min(K) {
-                        let s = _mm512_maskz_loadu_ps(mask, a.s.add(b));
-                        facc[r][i] = _mm512_fmadd_ps(mv, s, facc[r][i]);
-                    }
-                }
+                group::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             }
         }
         for r in 0..R {

@@ -520,3 +520,37 @@ fn kernels_detect_corrupted_weights() {
     let r = std::panic::catch_unwind(|| check(ty, &wref, rows, cols, &x, m, &out, "corrupt"));
     assert!(r.is_err());
 }
+
+#[test]
+fn activation_quantization_is_identical_at_every_level() {
+    let mut rng = StdRng::seed_from_u64(8);
+    for l in [16usize, 32] {
+        let lanes = 37;
+        let mut x: Vec<f32> = (0..lanes * l).map(|_| rng.random_range(-3.0..3.0)).collect();
+        // Exact ties after scaling (amax 127 makes id 1), zeros, and a zero block.
+        for (k, v) in x[..l].iter_mut().enumerate() {
+            *v = if k == 0 { 127.0 } else { k as f32 - 7.5 };
+        }
+        x[l..2 * l].fill(0.0);
+        let run = |level| {
+            let n = lanes * l;
+            let (mut q, mut d, mut sum, mut s) = (vec![0i8; n], vec![0f32; lanes], vec![0i32; lanes], vec![0f32; lanes]);
+            act::quantize_row(level, l, &x, &mut q, &mut d, &mut sum, &mut s);
+            (q, d, sum, s)
+        };
+        let base = run(SimdLevel::Scalar);
+        assert_eq!(base.0[1], -6, "1 - 7.5 = -6.5 rounds to even");
+        for level in levels() {
+            let got = run(level);
+            assert!(got == base, "{level:?} l {l}");
+        }
+        // The reference restated in the tests agrees with the layout: codes of
+        // lane 0 (its own group, 16 lanes wide) at chunk c, lane j = 0.
+        let want = ref_act(&x[..l], l);
+        for e in 0..l {
+            let c = e / 4;
+            let got = base.0[c * 64 + e % 4] as f64 * base.1[0] as f64;
+            assert_eq!(got, want[e]);
+        }
+    }
+}
