@@ -79,7 +79,7 @@ fn main() {
         }
         for (rows, cols) in shapes {
             let w = weight(ty, rows, cols, &mut rng);
-            for m in [1usize, 16] {
+            for m in [1usize, 16, 64] {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.next_f32()).collect();
                 let mut out = vec![0.0f32; m * rows];
                 let mut scratch = MatmulScratch::default();

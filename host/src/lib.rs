@@ -6,6 +6,7 @@
 //!   scheduler and the sampler;
 //! - [`cli`]: the `pagoda` command line.
 
+pub mod bench;
 pub mod cli;
 pub mod engine;
 pub mod tokenizer;

@@ -12,8 +12,8 @@
 //! accumulates one block's whole dot product; the per-block scales are then
 //! applied with one vector FMA per 16 blocks instead of one per block.
 //!
-//! Dense weights (f32/f16/bf16) use register-tiled SIMD dot products for the
-//! small `m` of decode and the `gemm` crate for prefill-sized `m`.
+//! Dense weights (f32/f16/bf16) use register-tiled SIMD dot products that
+//! widen f16/bf16 in registers ([`dense`]).
 
 mod act;
 mod dense;
@@ -409,7 +409,7 @@ impl Weight {
             return;
         }
         match &self.repr {
-            Repr::Dense(b) => dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out, scratch),
+            Repr::Dense(b) => dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out),
             Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
         }
     }
@@ -444,8 +444,8 @@ fn elem_bytes(ty: GgmlType) -> usize {
     ty.block_bytes()
 }
 
-/// Reusable buffers for [`Weight::matmul`]: the quantized activations and
-/// the dense path's per-task conversion tiles. Grows on demand, never
+/// Reusable buffers for [`Weight::matmul`]: the quantized activations of
+/// the quantized types (dense types need none). Grows on demand, never
 /// shrinks, so a warmed-up scratch makes matmul allocation-free.
 #[derive(Default)]
 pub struct MatmulScratch {
@@ -457,8 +457,6 @@ pub struct MatmulScratch {
     asum: Vec<i32>,
     /// `ad × asum` per lane block (for the min terms of Q4_1 / Q4_K).
     ascaled: Vec<f32>,
-    /// f32 tiles the dense path converts f16/bf16 weights into for `gemm`.
-    conv: Vec<f32>,
 }
 
 /// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).

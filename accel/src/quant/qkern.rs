@@ -199,7 +199,7 @@ fn tile(level: SimdLevel, _kind: u8, _rt: usize, left: usize) -> usize {
     // AVX-512 has 32 registers: 4 rows × 4 activations of integer and float
     // accumulators plus operands still fit. AVX2's 16 allow 4 × 2.
     let max = match level {
-        SimdLevel::Avx512Vnni => 4,
+        SimdLevel::Avx512Vnni => std::env::var("PAGODA_MT").ok().and_then(|v| v.parse().ok()).unwrap_or(4),
         SimdLevel::Avx2 => 2,
         SimdLevel::Scalar => 1,
     };

@@ -230,7 +230,7 @@ fn matmul_every_type_level_and_shape() {
 
 #[test]
 fn matmul_large_m_paths() {
-    // m beyond the activation cache block (64) and the dense gemm threshold.
+    // m beyond the activation cache block (64 rows).
     let mut rng = StdRng::seed_from_u64(11);
     let pool = ThreadPool::new(2);
     for ty in ALL {

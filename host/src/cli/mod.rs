@@ -1,6 +1,7 @@
 //! The `pagoda` command line: `generate`, `models` (and later `serve`,
 //! `bench`). Flags mirror `vllm serve` where vLLM has them.
 
+pub mod bench;
 pub mod generate;
 pub mod models;
 
@@ -27,6 +28,9 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// List the supported model architectures.
     Models,
+    /// Measure throughput and latency.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 /// The flags that shape the engine, shared by `generate`, `serve` and `bench`.
@@ -96,6 +100,7 @@ impl EngineFlags {
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
+        Command::Bench(b) => bench::run(b),
         Command::Models => {
             models::run();
             Ok(())

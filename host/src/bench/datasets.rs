@@ -1,0 +1,139 @@
+//! Benchmark workloads: what prompts to send and how long to generate.
+
+use crate::engine::llm::Prompt;
+use crate::tokenizer::Tokenizer;
+use anyhow::{bail, Context, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+
+/// The seed workload's prompt: "introduce deep learning" as a chat turn.
+pub const SEED_PROMPT: &str = "介绍一下深度学习";
+
+/// One benchmark request.
+#[derive(Clone, Debug)]
+pub struct BenchRequest {
+    pub prompt: Prompt,
+    /// The same prompt as text, for HTTP clients.
+    pub prompt_text: String,
+    pub prompt_len: usize,
+    pub output_len: usize,
+}
+
+/// Which workload to generate.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Dataset {
+    /// Random tokens, `input_len` in and `output_len` out.
+    Random,
+    /// The seed's workload: the same chat prompt for every request.
+    Seed,
+    /// A long shared prefix plus a short unique suffix per request.
+    PrefixRepetition { prefix_len: usize },
+    /// One prompt per line: `{"prompt": "...", "output_len": N}`.
+    Jsonl(std::path::PathBuf),
+}
+
+impl std::str::FromStr for Dataset {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "random" => Dataset::Random,
+            "seed" => Dataset::Seed,
+            "prefix-repetition" => Dataset::PrefixRepetition { prefix_len: 1024 },
+            path if path.ends_with(".jsonl") => Dataset::Jsonl(path.into()),
+            other => bail!("--dataset '{other}' is not random, seed, prefix-repetition or a .jsonl file"),
+        })
+    }
+}
+
+/// Random text of about `len` tokens: random ids from the ordinary part of
+/// the vocabulary, decoded and re-encoded so the text round-trips.
+fn random_text(tok: &Tokenizer, rng: &mut StdRng, len: usize) -> Result<(String, Vec<u32>)> {
+    let vocab = tok.vocab_size() as u32;
+    let lo = 256.min(vocab / 4);
+    let mut ids: Vec<u32> = Vec::with_capacity(len);
+    while ids.len() < len {
+        let id = rng.random_range(lo..vocab);
+        if !tok.is_special(id) {
+            ids.push(id);
+        }
+    }
+    let text = tok.decode(&ids, true)?;
+    let mut re = tok.encode(&text, false)?;
+    re.truncate(len);
+    let text = tok.decode(&re, true)?;
+    Ok((text, re))
+}
+
+/// Builds `num` requests of the dataset. Random prompts start with a
+/// per-run random prefix so that no cache (ours or a peer's) flatters them.
+pub fn generate(
+    dataset: &Dataset,
+    tok: &Tokenizer,
+    num: usize,
+    input_len: usize,
+    output_len: usize,
+    seed: u64,
+) -> Result<Vec<BenchRequest>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::with_capacity(num);
+    match dataset {
+        Dataset::Random => {
+            for _ in 0..num {
+                let (text, ids) = random_text(tok, &mut rng, input_len)?;
+                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: text, output_len });
+            }
+        }
+        Dataset::Seed => {
+            let text = match tok.chat_template() {
+                Some(t) => t.render(
+                    &[crate::tokenizer::chat_template::ChatMessage { role: "user".into(), content: SEED_PROMPT.into() }],
+                    true,
+                )?,
+                None => SEED_PROMPT.to_string(),
+            };
+            let ids = tok.encode(&text, true)?;
+            for _ in 0..num {
+                out.push(BenchRequest {
+                    prompt: Prompt::Tokens(ids.clone()),
+                    prompt_text: text.clone(),
+                    prompt_len: ids.len(),
+                    output_len,
+                });
+            }
+        }
+        Dataset::PrefixRepetition { prefix_len } => {
+            let (prefix, _) = random_text(tok, &mut rng, *prefix_len)?;
+            for _ in 0..num {
+                let (suffix, _) = random_text(tok, &mut rng, input_len.max(1))?;
+                let text = format!("{prefix}{suffix}");
+                let ids = tok.encode(&text, false)?;
+                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: text, output_len });
+            }
+        }
+        Dataset::Jsonl(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+            for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+                if out.len() == num {
+                    break;
+                }
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("{}:{}: not a JSON object", path.display(), i + 1))?;
+                let prompt = v["prompt"]
+                    .as_str()
+                    .with_context(|| format!("{}:{}: no \"prompt\" string", path.display(), i + 1))?;
+                let ids = tok.encode(prompt, true)?;
+                let n = v["output_len"].as_u64().map_or(output_len, |n| n as usize);
+                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: prompt.into(), output_len: n });
+            }
+            if out.is_empty() {
+                bail!("{}: no prompts", jsonl_name(path));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn jsonl_name(p: &Path) -> String {
+    p.display().to_string()
+}

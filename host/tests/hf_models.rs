@@ -1,0 +1,644 @@
+//! Hugging Face folders and GGUF files of tiny random Llama and Qwen2 models
+//! must compute what the model definition says, as an independent, plainly
+//! written f64 forward pass computes it.
+//!
+//! Specification checked here:
+//! - An HF folder (`config.json`, `model.safetensors` in F32, BF16 or F16,
+//!   or sharded through `model.safetensors.index.json`, plus tokenizer
+//!   files) loads, and `LlamaModel::forward` gives the logits of the f64
+//!   reference at every position: in prefill, in chunked prefill, in decode,
+//!   with several sequences in one batch and scattered KV blocks. F32
+//!   weights agree to 1e-4 of the logit scale; 16-bit weights agree to 1e-3
+//!   with a reference computed from the same rounded weights.
+//! - Qwen2's q/k/v biases and untied LM head are applied; Llama's tied head
+//!   reuses the embedding; grouped-query attention maps query head `h` to KV
+//!   head `h / (heads / kv_heads)`; RoPE rotates HF's half-split pairs.
+//! - `--dtype` converts weights on load (bf16 file as float32, f32 file as
+//!   float16 / bfloat16) to exactly the rounded values.
+//! - The same weights written as a GGUF F32 file (llama.cpp names; q/k rows
+//!   permuted for the llama architecture as llama.cpp's converter does, not
+//!   for qwen2) give the HF folder's logits to 1e-5.
+//! - The public `LLM` API's greedy tokens are the reference's argmax chain.
+//! - The comparisons are sensitive: a reference with the wrong RoPE pairing,
+//!   the wrong GQA mapping or without biases, and a llama GGUF without the
+//!   q/k permutation, all miss by far more than the tolerance.
+
+mod support;
+
+use pagoda::engine::args::{load_model, LoadedFrom};
+use pagoda::engine::config::Arch;
+use pagoda::engine::kv_cache::{KvCache, KvCacheDtype};
+use pagoda::engine::loader::gguf::GgufFile;
+use pagoda::engine::loader::DType;
+use pagoda::engine::models::{BatchInput, LlamaModel, Workspace};
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use pagoda::tokenizer::{ChatMessage, Tokenizer};
+use pagoda_accel::ops::{AttnSeq, KvLayout, RopeStyle};
+use pagoda_accel::CpuContext;
+use std::path::Path;
+use support::tiny_model::{
+    permute_rows_for_gguf, token_id, write_gguf_parts, Family, Storage, TinyModel, TinySpec, BOS, EOS,
+};
+
+/// Relative tolerance (of the largest reference logit) for f32 weights.
+const TOL_F32: f64 = 1e-4;
+/// Relative tolerance for 16-bit weights against the rounded-weight reference.
+const TOL_16BIT: f64 = 1e-3;
+/// Relative tolerance between two loads of the same f32 weights (HF vs GGUF).
+const TOL_SAME_WEIGHTS: f64 = 1e-5;
+/// Positions the model's RoPE table covers in these tests.
+const MAX_POSITIONS: usize = 64;
+
+// ---------------------------------------------------------------------------
+// The f64 reference: Hugging Face's LlamaForCausalLM / Qwen2ForCausalLM,
+// written out plainly.
+// ---------------------------------------------------------------------------
+
+/// Deliberate mistakes the reference can make, to prove that the comparison
+/// would notice the engine making them.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mistakes {
+    /// Rotate adjacent pairs `(2i, 2i+1)` instead of HF's `(i, i + d/2)`.
+    interleaved_rope: bool,
+    /// Map query head `h` to KV head `h % kv_heads` instead of `h / group`.
+    gqa_modulo: bool,
+    /// Leave out the q/k/v biases.
+    drop_bias: bool,
+}
+
+fn matvec(w: &[f64], rows: usize, cols: usize, x: &[f64]) -> Vec<f64> {
+    assert_eq!(w.len(), rows * cols);
+    assert_eq!(x.len(), cols);
+    (0..rows).map(|r| w[r * cols..(r + 1) * cols].iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+}
+
+fn rms_norm(x: &[f64], g: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(g).map(|(v, g)| v * inv * g).collect()
+}
+
+/// Rotates every head of `x` (`[heads * head_dim]`) to position `pos`.
+fn rope(x: &mut [f64], head_dim: usize, pos: usize, theta: f64, interleaved: bool) {
+    let half = head_dim / 2;
+    for head in x.chunks_exact_mut(head_dim) {
+        for i in 0..half {
+            let angle = pos as f64 * theta.powf(-2.0 * i as f64 / head_dim as f64);
+            let (s, c) = angle.sin_cos();
+            let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * s;
+            head[b] = x0 * s + x1 * c;
+        }
+    }
+}
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The next-token logits at every position of `tokens`, in f64.
+fn reference_logits(m: &TinyModel, tokens: &[u32], mistakes: Mistakes) -> Vec<Vec<f64>> {
+    let s = &m.spec;
+    let (d, nh, nkv, hd, f, vocab) =
+        (s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, s.intermediate_size, s.vocab_size());
+    let (qd, kvd) = (nh * hd, nkv * hd);
+    let eps = s.rms_norm_eps;
+    let w = |name: &str| -> Vec<f64> { m.get(name).data.iter().map(|&x| x as f64).collect() };
+    let bias = |name: &str, len: usize| -> Vec<f64> {
+        match m.find(name) {
+            Some(_) if !mistakes.drop_bias => w(name),
+            _ => vec![0.0; len],
+        }
+    };
+    let embed = w("model.embed_tokens.weight");
+    let mut xs: Vec<Vec<f64>> =
+        tokens.iter().map(|&t| embed[t as usize * d..(t as usize + 1) * d].to_vec()).collect();
+    for l in 0..s.num_layers {
+        let p = |name: &str| format!("model.layers.{l}.{name}");
+        let (attn_norm, ffn_norm) = (w(&p("input_layernorm.weight")), w(&p("post_attention_layernorm.weight")));
+        let (wq, wk, wv) = (w(&p("self_attn.q_proj.weight")), w(&p("self_attn.k_proj.weight")), w(&p("self_attn.v_proj.weight")));
+        let (bq, bk, bv) =
+            (bias(&p("self_attn.q_proj.bias"), qd), bias(&p("self_attn.k_proj.bias"), kvd), bias(&p("self_attn.v_proj.bias"), kvd));
+        let wo = w(&p("self_attn.o_proj.weight"));
+        let (wg, wu, wd) = (w(&p("mlp.gate_proj.weight")), w(&p("mlp.up_proj.weight")), w(&p("mlp.down_proj.weight")));
+
+        let (mut qs, mut ks, mut vs) = (Vec::new(), Vec::new(), Vec::new());
+        for (pos, x) in xs.iter().enumerate() {
+            let h = rms_norm(x, &attn_norm, eps);
+            let add = |mut y: Vec<f64>, b: &[f64]| {
+                y.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+                y
+            };
+            let mut q = add(matvec(&wq, qd, d, &h), &bq);
+            let mut k = add(matvec(&wk, kvd, d, &h), &bk);
+            let v = add(matvec(&wv, kvd, d, &h), &bv);
+            rope(&mut q, hd, pos, s.rope_theta, mistakes.interleaved_rope);
+            rope(&mut k, hd, pos, s.rope_theta, mistakes.interleaved_rope);
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for (t, x) in xs.iter_mut().enumerate() {
+            let mut attn = vec![0f64; qd];
+            for head in 0..nh {
+                let kvh = if mistakes.gqa_modulo { head % nkv } else { head / (nh / nkv) };
+                let q = &qs[t][head * hd..(head + 1) * hd];
+                let scores: Vec<f64> = (0..=t)
+                    .map(|j| {
+                        let k = &ks[j][kvh * hd..(kvh + 1) * hd];
+                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for (j, ej) in e.iter().enumerate() {
+                    let v = &vs[j][kvh * hd..(kvh + 1) * hd];
+                    for (o, vv) in attn[head * hd..(head + 1) * hd].iter_mut().zip(v) {
+                        *o += ej / sum * vv;
+                    }
+                }
+            }
+            let o = matvec(&wo, d, qd, &attn);
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+            let h = rms_norm(x, &ffn_norm, eps);
+            let g = matvec(&wg, f, d, &h);
+            let u = matvec(&wu, f, d, &h);
+            let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+            let down = matvec(&wd, d, f, &act);
+            x.iter_mut().zip(&down).for_each(|(x, o)| *x += o);
+        }
+    }
+    let norm = w("model.norm.weight");
+    let head = match m.find("lm_head.weight") {
+        Some(_) => w("lm_head.weight"),
+        None => embed,
+    };
+    xs.iter().map(|x| matvec(&head, vocab, d, &rms_norm(x, &norm, eps))).collect()
+}
+
+/// The largest difference between `got` and `want`, divided by the largest
+/// `|want|` (the logit scale), and where it occurs.
+fn relative_error(got: &[Vec<f32>], want: &[Vec<f64>]) -> (f64, usize, usize) {
+    assert_eq!(got.len(), want.len(), "number of positions");
+    let scale = want.iter().flatten().fold(0f64, |m, v| m.max(v.abs()));
+    assert!(scale > 1.0, "degenerate reference: logit scale {scale}");
+    let mut worst = (0f64, 0, 0);
+    for (pos, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.len(), w.len(), "vocabulary size at position {pos}");
+        for (i, (a, b)) in g.iter().zip(w).enumerate() {
+            let e = (*a as f64 - b).abs() / scale;
+            assert!(e.is_finite(), "non-finite logit {a} at position {pos}, token {i}");
+            if e > worst.0 {
+                worst = (e, pos, i);
+            }
+        }
+    }
+    worst
+}
+
+fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f64>], tol: f64) {
+    let (e, pos, tok) = relative_error(got, want);
+    assert!(
+        e <= tol,
+        "{what}: logits differ by {e:.3e} of the logit scale (tolerance {tol:e}) at position {pos}, token {tok}: got {}, want {}",
+        got[pos][tok],
+        want[pos][tok]
+    );
+}
+
+fn to_f64(rows: &[Vec<f32>]) -> Vec<Vec<f64>> {
+    rows.iter().map(|r| r.iter().map(|&x| x as f64).collect()).collect()
+}
+
+fn argmax(row: &[f64]) -> (u32, f64) {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+    (idx[0] as u32, row[idx[0]] - row[idx[1]])
+}
+
+// ---------------------------------------------------------------------------
+// Driving the engine's model directly.
+// ---------------------------------------------------------------------------
+
+/// Tokens per KV block: small, so that sequences span several blocks.
+const BLOCK: usize = 4;
+
+/// Loads `path` (HF folder or GGUF) with `dtype`.
+fn load(path: &Path, dtype: DType) -> (LlamaModel, pagoda::engine::args::LoadedModel) {
+    let mut args = EngineArgs::new(path);
+    args.dtype = dtype;
+    load_model(&args, |_| MAX_POSITIONS).unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()))
+}
+
+/// Runs `seqs` through `model` step by step as `schedule` says (each step a
+/// list of `(sequence, new tokens)`, so a step can mix prefill chunks and
+/// decodes of several sequences) with every sequence's KV in scattered,
+/// descending blocks of an f32 cache, asking for the logits of every token.
+/// Returns `logits[seq][position]`.
+fn run_schedule(model: &LlamaModel, seqs: &[Vec<u32>], schedule: &[Vec<(usize, usize)>]) -> Vec<Vec<Vec<f32>>> {
+    let c = model.config();
+    let vocab = c.vocab_size;
+    let need: Vec<usize> = seqs.iter().map(|s| s.len().div_ceil(BLOCK)).collect();
+    let num_blocks: usize = need.iter().sum::<usize>() + 1;
+    // Deal blocks from the top down, round-robin, so no table is contiguous
+    // or ascending and block 0 is never first.
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); seqs.len()];
+    let mut next = num_blocks as u32;
+    while tables.iter().zip(&need).any(|(t, n)| t.len() < *n) {
+        for (t, n) in tables.iter_mut().zip(&need) {
+            if t.len() < *n {
+                next -= 1;
+                t.push(next);
+            }
+        }
+    }
+    let ctx = CpuContext::new(2);
+    let layout = KvLayout { num_blocks, block_size: BLOCK, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let mut kv = KvCache::new(KvCacheDtype::F32, c.num_layers, layout);
+    let mut ws = Workspace::default();
+    let mut done = vec![0usize; seqs.len()];
+    let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); seqs.len()];
+    for step in schedule {
+        let (mut tokens, mut positions, mut slots, mut spans) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for &(s, n) in step {
+            let start = done[s];
+            assert!(start + n <= seqs[s].len(), "schedule runs past sequence {s}");
+            spans.push((s, tokens.len(), n, start + n));
+            for p in start..start + n {
+                tokens.push(seqs[s][p]);
+                positions.push(p as u32);
+                slots.push(tables[s][p / BLOCK] * BLOCK as u32 + (p % BLOCK) as u32);
+            }
+            done[s] += n;
+        }
+        let attn: Vec<AttnSeq<'_>> = spans
+            .iter()
+            .map(|&(s, q_start, q_len, ctx_len)| AttnSeq { q_start, q_len, ctx_len, block_table: &tables[s] })
+            .collect();
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        let mut logits = vec![f32::NAN; rows.len() * vocab];
+        let input =
+            BatchInput { tokens: &tokens, positions: &positions, slot_mapping: &slots, seqs: &attn, logit_rows: &rows };
+        model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
+        for &(s, q_start, q_len, _) in &spans {
+            for r in q_start..q_start + q_len {
+                out[s].push(logits[r * vocab..(r + 1) * vocab].to_vec());
+            }
+        }
+    }
+    for (s, seq) in seqs.iter().enumerate() {
+        assert_eq!(done[s], seq.len(), "schedule leaves sequence {s} unfinished");
+    }
+    out
+}
+
+/// Deterministic token ids spread over the vocabulary.
+fn some_tokens(n: usize, salt: u32, vocab: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 11 + 5) % vocab as u32).collect()
+}
+
+/// Two sequences in one batch: A (12-token prompt in one prefill, then 4
+/// decodes) and B (9-token prompt in chunks of 5 and 4, then 3 decodes),
+/// every step mixing both.
+fn two_sequences(vocab: usize) -> (Vec<Vec<u32>>, Vec<Vec<(usize, usize)>>) {
+    let seqs = vec![some_tokens(16, 1, vocab), some_tokens(12, 2, vocab)];
+    let schedule = vec![
+        vec![(0, 12), (1, 5)],
+        vec![(0, 1), (1, 4)],
+        vec![(1, 1), (0, 1)],
+        vec![(0, 1), (1, 1)],
+        vec![(0, 1), (1, 1)],
+    ];
+    (seqs, schedule)
+}
+
+/// One 40-token prompt (long enough for the prefill matmul's large-batch
+/// path) and two decodes.
+fn long_prompt(vocab: usize) -> (Vec<Vec<u32>>, Vec<Vec<(usize, usize)>>) {
+    (vec![some_tokens(42, 3, vocab)], vec![vec![(0, 40)], vec![(0, 1)], vec![(0, 1)]])
+}
+
+/// Runs both scenarios through `model` and compares every logit with the
+/// reference computed from `weights`.
+fn check_against_reference(what: &str, model: &LlamaModel, weights: &TinyModel, tol: f64) {
+    let vocab = weights.spec.vocab_size();
+    for (name, (seqs, schedule)) in [("two sequences", two_sequences(vocab)), ("long prompt", long_prompt(vocab))] {
+        let got = run_schedule(model, &seqs, &schedule);
+        for (s, seq) in seqs.iter().enumerate() {
+            let want = reference_logits(weights, seq, Mistakes::default());
+            assert_close(&format!("{what}, {name}, sequence {s}"), &got[s], &want, tol);
+        }
+    }
+}
+
+/// The engine's logits for the two-sequence scenario, all positions.
+fn engine_logits(model: &LlamaModel) -> Vec<Vec<Vec<f32>>> {
+    let (seqs, schedule) = two_sequences(model.config().vocab_size);
+    run_schedule(model, &seqs, &schedule)
+}
+
+// ---------------------------------------------------------------------------
+// HF folders against the reference.
+// ---------------------------------------------------------------------------
+
+#[test]
+fn llama_hf_f32_logits_match_the_f64_reference_in_prefill_chunked_prefill_and_decode() {
+    let m = TinyModel::random(TinySpec::llama());
+    let dir = tempfile::tempdir().expect("tempdir");
+    m.write_hf(dir.path(), Storage::F32, 1);
+    let (model, loaded) = load(dir.path(), DType::Auto);
+    assert_eq!(loaded.source, LoadedFrom::HuggingFace);
+    let c = &loaded.config;
+    assert_eq!(c.arch, Arch::Llama);
+    assert_eq!(
+        (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size),
+        (64, 2, 4, 2, 16, 96)
+    );
+    assert_eq!(c.vocab_size, m.spec.vocab_size());
+    assert!(c.tie_word_embeddings && !c.attention_bias);
+    assert_eq!(c.rope_style, RopeStyle::Neox, "HF weights rotate half-split pairs");
+    assert_eq!(model.weight_type(), "F32");
+    check_against_reference("llama HF f32", &model, &m, TOL_F32);
+}
+
+#[test]
+fn qwen2_hf_f32_with_qkv_biases_and_untied_head_matches_the_f64_reference() {
+    let m = TinyModel::random(TinySpec::qwen2());
+    let dir = tempfile::tempdir().expect("tempdir");
+    m.write_hf(dir.path(), Storage::F32, 1);
+    let (model, loaded) = load(dir.path(), DType::Auto);
+    let c = &loaded.config;
+    assert_eq!(c.arch, Arch::Qwen2);
+    assert_eq!(c.head_dim, 16, "head_dim is implied by hidden_size / num_attention_heads");
+    assert_eq!(c.num_layers, 3);
+    assert!(!c.tie_word_embeddings && c.attention_bias);
+    assert_eq!(c.rope_style, RopeStyle::Neox);
+    check_against_reference("qwen2 HF f32", &model, &m, TOL_F32);
+}
+
+#[test]
+fn sharded_safetensors_with_an_index_load_the_same_weights_as_one_file() {
+    for spec in [TinySpec::llama(), TinySpec::qwen2()] {
+        let m = TinyModel::random(spec);
+        let one = tempfile::tempdir().expect("tempdir");
+        let two = tempfile::tempdir().expect("tempdir");
+        m.write_hf(one.path(), Storage::F32, 1);
+        m.write_hf(two.path(), Storage::F32, 2);
+        assert!(two.path().join("model.safetensors.index.json").exists());
+        assert!(two.path().join("model-00002-of-00002.safetensors").exists());
+        let (single, _) = load(one.path(), DType::Auto);
+        let (sharded, _) = load(two.path(), DType::Auto);
+        let what = format!("{:?} sharded", m.spec.family);
+        check_against_reference(&what, &sharded, &m, TOL_F32);
+        let (a, b) = (engine_logits(&single), engine_logits(&sharded));
+        for s in 0..a.len() {
+            assert_close(&format!("{what} vs one file, sequence {s}"), &b[s], &to_f64(&a[s]), TOL_SAME_WEIGHTS);
+        }
+    }
+}
+
+#[test]
+fn bf16_and_f16_safetensors_match_the_reference_on_the_rounded_weights() {
+    for spec in [TinySpec::llama(), TinySpec::qwen2()] {
+        let m = TinyModel::random(spec);
+        for (storage, ty) in [(Storage::BF16, "BF16"), (Storage::F16, "F16")] {
+            let dir = tempfile::tempdir().expect("tempdir");
+            m.write_hf(dir.path(), storage, 1);
+            let (model, _) = load(dir.path(), DType::Auto);
+            assert_eq!(model.weight_type(), ty, "--dtype auto keeps the stored dtype");
+            let rounded = m.map(false, |x| storage.round(x));
+            let what = format!("{:?} HF {ty}", m.spec.family);
+            check_against_reference(&what, &model, &rounded, TOL_16BIT);
+        }
+    }
+}
+
+#[test]
+fn the_dtype_flag_converts_weights_to_exactly_the_rounded_values() {
+    let m = TinyModel::random(TinySpec::qwen2());
+    let f32_dir = tempfile::tempdir().expect("tempdir");
+    let bf16_dir = tempfile::tempdir().expect("tempdir");
+    m.write_hf(f32_dir.path(), Storage::F32, 1);
+    m.write_hf(bf16_dir.path(), Storage::BF16, 1);
+
+    // A bf16 file widened to f32: the bf16 values, computed in f32.
+    let (model, _) = load(bf16_dir.path(), DType::Float32);
+    assert_eq!(model.weight_type(), "F32");
+    check_against_reference("bf16 file as float32", &model, &m.map(false, |x| Storage::BF16.round(x)), TOL_F32);
+
+    // An f32 file narrowed: matrices rounded, norms and biases kept in f32.
+    for (dtype, storage, ty) in [(DType::Float16, Storage::F16, "F16"), (DType::BFloat16, Storage::BF16, "BF16")] {
+        let (model, _) = load(f32_dir.path(), dtype);
+        assert_eq!(model.weight_type(), ty);
+        let rounded = m.map(true, |x| storage.round(x));
+        check_against_reference(&format!("f32 file as {ty}"), &model, &rounded, TOL_16BIT);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// GGUF F32 against the HF folder.
+// ---------------------------------------------------------------------------
+
+/// Writes `m` as an HF folder and as a GGUF file; returns both models'
+/// logits for the two-sequence scenario, after checking the GGUF config.
+fn hf_and_gguf_logits(m: &TinyModel, dir: &Path) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>, LlamaModel) {
+    let hf = dir.join("hf");
+    let gguf = dir.join("tiny.gguf");
+    m.write_hf(&hf, Storage::F32, 1);
+    m.write_gguf(&gguf);
+    let (hf_model, hf_loaded) = load(&hf, DType::Auto);
+    let (gguf_model, gguf_loaded) = load(&gguf, DType::Auto);
+    assert_eq!(gguf_loaded.source, LoadedFrom::Gguf);
+    let (a, b) = (&hf_loaded.config, &gguf_loaded.config);
+    assert_eq!(
+        (a.arch, a.hidden_size, a.num_layers, a.num_heads, a.num_kv_heads, a.head_dim),
+        (b.arch, b.hidden_size, b.num_layers, b.num_heads, b.num_kv_heads, b.head_dim)
+    );
+    assert_eq!((a.intermediate_size, a.vocab_size), (b.intermediate_size, b.vocab_size));
+    assert_eq!((a.tie_word_embeddings, a.attention_bias), (b.tie_word_embeddings, b.attention_bias));
+    assert_eq!(a.rope_theta, b.rope_theta);
+    let want_style = if m.spec.family == Family::Llama { RopeStyle::Interleaved } else { RopeStyle::Neox };
+    assert_eq!(b.rope_style, want_style);
+    assert_eq!(gguf_model.weight_type(), "F32");
+    (engine_logits(&hf_model), engine_logits(&gguf_model), gguf_model)
+}
+
+#[test]
+fn llama_gguf_f32_with_llama_cpp_qk_permutation_matches_the_hf_folder() {
+    let m = TinyModel::random(TinySpec::llama());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (hf, gguf, gguf_model) = hf_and_gguf_logits(&m, dir.path());
+    for s in 0..hf.len() {
+        assert_close(&format!("llama GGUF vs HF, sequence {s}"), &gguf[s], &to_f64(&hf[s]), TOL_SAME_WEIGHTS);
+    }
+    check_against_reference("llama GGUF f32", &gguf_model, &m, TOL_F32);
+}
+
+#[test]
+fn qwen2_gguf_f32_unpermuted_with_biases_and_output_weight_matches_the_hf_folder() {
+    let m = TinyModel::random(TinySpec::qwen2());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (hf, gguf, gguf_model) = hf_and_gguf_logits(&m, dir.path());
+    for s in 0..hf.len() {
+        assert_close(&format!("qwen2 GGUF vs HF, sequence {s}"), &gguf[s], &to_f64(&hf[s]), TOL_SAME_WEIGHTS);
+    }
+    check_against_reference("qwen2 GGUF f32", &gguf_model, &m, TOL_F32);
+}
+
+#[test]
+fn a_llama_gguf_without_the_qk_permutation_does_not_match() {
+    // llama-arch GGUF is read with adjacent-pair RoPE; unpermuted HF rows
+    // would be rotated in the wrong pairs. The comparison must see that.
+    let m = TinyModel::random(TinySpec::llama());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("unpermuted.gguf");
+    write_gguf_parts(&path, &m.gguf_metadata(), &m.gguf_tensors(false));
+    let (model, _) = load(&path, DType::Auto);
+    let (seqs, _) = two_sequences(m.spec.vocab_size());
+    let got = engine_logits(&model);
+    let (e, _, _) = relative_error(&got[0], &reference_logits(&m, &seqs[0], Mistakes::default()));
+    assert!(e > 100.0 * TOL_F32, "unpermuted q/k went unnoticed: error only {e:.3e}");
+}
+
+#[test]
+fn gguf_row_permutation_turns_half_split_rope_into_adjacent_pair_rope() {
+    // For random q and k projections and inputs, in f64: rotating adjacent
+    // pairs of the permuted projection's output equals permuting the output
+    // of HF's half-split rotation, so every q·k score is unchanged.
+    let (hd, heads, cols) = (16, 3, 8);
+    let rows = hd * heads;
+    let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0) - 1.0).collect();
+    let x: Vec<f64> = (0..cols).map(|i| (i as f64 * 0.37).sin()).collect();
+    let wp = permute_rows_for_gguf(&w, rows, cols, hd);
+    let to64 = |v: &[f32]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+    for pos in [0, 1, 7, 33] {
+        let mut hf = matvec(&to64(&w), rows, cols, &x);
+        rope(&mut hf, hd, pos, 10_000.0, false);
+        let mut gg = matvec(&to64(&wp), rows, cols, &x);
+        rope(&mut gg, hd, pos, 10_000.0, true);
+        for h in 0..heads {
+            for i in 0..hd / 2 {
+                let base = h * hd;
+                assert!((gg[base + 2 * i] - hf[base + i]).abs() < 1e-12, "pos {pos} head {h} pair {i}");
+                assert!((gg[base + 2 * i + 1] - hf[base + i + hd / 2]).abs() < 1e-12, "pos {pos} head {h} pair {i}");
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The comparison is sensitive to the mistakes it is meant to catch.
+// ---------------------------------------------------------------------------
+
+#[test]
+fn wrong_rope_pairing_gqa_mapping_or_missing_biases_miss_by_far_more_than_the_tolerance() {
+    let m = TinyModel::random(TinySpec::qwen2());
+    let dir = tempfile::tempdir().expect("tempdir");
+    m.write_hf(dir.path(), Storage::F32, 1);
+    let (model, _) = load(dir.path(), DType::Auto);
+    let (seqs, _) = two_sequences(m.spec.vocab_size());
+    let got = engine_logits(&model);
+    let right = reference_logits(&m, &seqs[0], Mistakes::default());
+    assert!(relative_error(&got[0], &right).0 <= TOL_F32);
+    let mistakes = [
+        ("adjacent-pair RoPE", Mistakes { interleaved_rope: true, ..Default::default() }),
+        ("h % kv_heads GQA mapping", Mistakes { gqa_modulo: true, ..Default::default() }),
+        ("no q/k/v biases", Mistakes { drop_bias: true, ..Default::default() }),
+    ];
+    for (name, mistake) in mistakes {
+        let (e, _, _) = relative_error(&got[0], &reference_logits(&m, &seqs[0], mistake));
+        assert!(e > 100.0 * TOL_F32, "a reference with {name} is within {e:.3e} of the engine");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Tokenizers and the public LLM API.
+// ---------------------------------------------------------------------------
+
+const PROMPT: &str = "hello world the cat sat on the mat in the dog";
+
+fn prompt_ids() -> Vec<u32> {
+    ["<s>", "hello", "Ġworld", "Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġthe", "Ġmat", "Ġin", "Ġthe", "Ġdog"]
+        .iter()
+        .map(|t| token_id(t))
+        .collect()
+}
+
+#[test]
+fn hf_and_gguf_tokenizers_of_the_tiny_model_agree() {
+    let m = TinyModel::random(TinySpec::llama());
+    let dir = tempfile::tempdir().expect("tempdir");
+    m.write_hf(dir.path(), Storage::F32, 1);
+    let gguf = dir.path().join("tiny.gguf");
+    m.write_gguf(&gguf);
+    let hf = Tokenizer::from_hf_dir(dir.path()).expect("HF tokenizer");
+    let gg = Tokenizer::from_gguf(&GgufFile::open(&gguf).expect("open GGUF")).expect("GGUF tokenizer");
+    for t in [&hf, &gg] {
+        assert_eq!(t.vocab_size(), m.spec.vocab_size());
+        assert_eq!(t.bos_id(), Some(BOS));
+        assert!(t.add_bos());
+        assert_eq!(t.eos_ids(), &[EOS]);
+        assert!(t.is_special(BOS) && t.is_special(EOS));
+        assert_eq!(t.encode(PROMPT, true).expect("encode"), prompt_ids());
+        let ids = t.encode("hi world, 42!", false).expect("encode");
+        assert_eq!(t.decode(&ids, true).expect("decode"), "hi world, 42!");
+        let chat = t.chat_template().expect("chat template");
+        let text = chat.render(&[ChatMessage { role: "user".into(), content: "hi".into() }], true).expect("render");
+        assert_eq!(text, "user: hi\nassistant:");
+    }
+}
+
+/// Greedy generation of `n` tokens through the public API.
+fn llm_greedy(path: &Path, n: usize) -> (Vec<u32>, Vec<u32>, String) {
+    let mut args = EngineArgs::new(path);
+    args.threads = 2;
+    args.max_model_len = Some(MAX_POSITIONS);
+    args.kv_cache_memory = Some(4 << 20);
+    args.kv_cache_dtype = KvCacheDtype::F32;
+    let mut llm = LLM::new(args).unwrap_or_else(|e| panic!("LLM::new({}): {e:#}", path.display()));
+    let mut params = SamplingParams::greedy(n);
+    params.ignore_eos = true;
+    let out = llm.generate(&[Prompt::from(PROMPT)], &params).expect("generate");
+    let text = llm.tokenizer().decode(&out[0].outputs[0].token_ids, true).expect("decode");
+    assert_eq!(out[0].outputs[0].text, text, "streamed text equals the decoded ids");
+    (out[0].prompt_token_ids.clone(), out[0].outputs[0].token_ids.clone(), text)
+}
+
+/// The reference's greedy continuation of `prompt`, checking at each step
+/// that the winner leads by far more than the engine's error could bridge.
+fn reference_greedy(m: &TinyModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for step in 0..n {
+        let logits = reference_logits(m, &seq, Mistakes::default());
+        let last = logits.last().expect("logits");
+        let scale = last.iter().fold(0f64, |a, v| a.max(v.abs()));
+        let (tok, margin) = argmax(last);
+        assert!(
+            margin > 20.0 * TOL_F32 * scale,
+            "reference step {step}: top-2 margin {margin:.2e} is too small for a stable test; change the seed"
+        );
+        seq.push(tok);
+    }
+    seq[prompt.len()..].to_vec()
+}
+
+#[test]
+fn llm_api_greedy_tokens_follow_the_reference_argmax_chain() {
+    const N: usize = 8;
+    for spec in [TinySpec::llama(), TinySpec::qwen2()] {
+        let m = TinyModel::random(spec);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let hf = dir.path().join("hf");
+        m.write_hf(&hf, Storage::F32, 1);
+        let gguf = dir.path().join("tiny.gguf");
+        m.write_gguf(&gguf);
+        let want = reference_greedy(&m, &prompt_ids(), N);
+        for path in [&hf, &gguf] {
+            let (prompt, got, _) = llm_greedy(path, N);
+            assert_eq!(prompt, prompt_ids(), "{}: prompt tokens", path.display());
+            assert_eq!(got, want, "{}: greedy tokens", path.display());
+        }
+    }
+}
