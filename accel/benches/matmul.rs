@@ -14,7 +14,10 @@ use std::time::{Duration, Instant};
 struct Lcg(u64);
 impl Lcg {
     fn next_f32(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
@@ -59,9 +62,18 @@ fn time(budget: Duration, mut f: impl FnMut()) -> (f64, f64) {
 
 fn main() {
     let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let types = [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::BF16, GgmlType::F16, GgmlType::F32];
-    let types: Vec<GgmlType> =
-        types.into_iter().filter(|t| filter.as_deref().is_none_or(|f| t.name().contains(f))).collect();
+    let types = [
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::BF16,
+        GgmlType::F16,
+        GgmlType::F32,
+    ];
+    let types: Vec<GgmlType> = types
+        .into_iter()
+        .filter(|t| filter.as_deref().is_none_or(|f| t.name().contains(f)))
+        .collect();
     let pools = [ThreadPool::new(1), ThreadPool::new(2)];
     let mut rng = Lcg(42);
     let budget = Duration::from_millis(300);
@@ -119,7 +131,12 @@ fn main() {
             ]);
         }
         let head = weight(ty, 49152, 576, &mut rng);
-        let bytes: usize = layers.iter().flatten().map(|w| w.size_bytes()).sum::<usize>() + head.size_bytes();
+        let bytes: usize = layers
+            .iter()
+            .flatten()
+            .map(|w| w.size_bytes())
+            .sum::<usize>()
+            + head.size_bytes();
         for m in [1usize, 16] {
             let x: Vec<f32> = (0..m * 3072).map(|_| rng.next_f32()).collect();
             let mut out = vec![0.0f32; m * 49152];
@@ -128,7 +145,13 @@ fn main() {
                 let (t, cpu) = time(Duration::from_millis(1500), || {
                     for l in &layers {
                         for w in l {
-                            w.matmul(pool, &x[..m * w.cols()], m, &mut out[..m * w.rows()], &mut scratch);
+                            w.matmul(
+                                pool,
+                                &x[..m * w.cols()],
+                                m,
+                                &mut out[..m * w.rows()],
+                                &mut scratch,
+                            );
                         }
                     }
                     head.matmul(pool, &x[..m * 576], m, &mut out, &mut scratch);

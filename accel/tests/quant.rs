@@ -52,7 +52,9 @@ fn matmul_is_allocation_free_once_warm() {
                     Weight::from_raw(ty, rows, cols, &bytes).unwrap()
                 }
                 _ => {
-                    let data: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+                    let data: Vec<f32> = (0..rows * cols)
+                        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                        .collect();
                     Weight::quantize(ty, rows, cols, &data).unwrap()
                 }
             };
@@ -65,7 +67,12 @@ fn matmul_is_allocation_free_once_warm() {
                 let before = ALLOCS.load(Ordering::SeqCst);
                 w.matmul(&pool, &x[..m * cols], m, &mut out[..m * rows], &mut scratch);
                 let after = ALLOCS.load(Ordering::SeqCst);
-                assert_eq!(after, before, "{ty} m {m} threads {threads}: {} allocations", after - before);
+                assert_eq!(
+                    after,
+                    before,
+                    "{ty} m {m} threads {threads}: {} allocations",
+                    after - before
+                );
             }
         }
     }

@@ -9,4 +9,5 @@
 pub mod bench;
 pub mod cli;
 pub mod engine;
+pub mod server;
 pub mod tokenizer;

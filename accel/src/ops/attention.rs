@@ -630,8 +630,11 @@ macro_rules! scratch {
     };
 }
 
-/// The small kernel: head dimensions in the lanes (see the module docs).
-// Row loops index several per-row arrays (`pos`, `m`, `lsum`) at once.
+/// The small kernel (see the module docs). It computes exactly the wide
+/// kernel's arithmetic per row (see "Batch invariance" there), laid out for
+/// few rows: scores with the chunk's keys in the lanes (K transposed per
+/// chunk), `P·V` with head dimensions in the lanes.
+// Row loops index several per-row arrays (`pos`, `vis`, `m`, ...) at once.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
@@ -639,26 +642,39 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     let (d, g, l) = (c.d, c.group, S::LANES);
     let rows = t.nq * g;
     debug_assert!(rows <= SMALL_ROWS);
+    // Rows rounded up to whole vectors, for the per-row softmax state.
+    let rv = rows.div_ceil(l) * l;
     let mut qs = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
     let mut acc = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
     let mut sc = scratch!(SMALL_ROWS * KT);
     let mut kbuf = scratch!(KT * MAX_HEAD_DIM);
     let mut vbuf = scratch!(KT * MAX_HEAD_DIM);
-    let (qs, acc, sc) = (
+    let mut ktb = scratch!(MAX_HEAD_DIM * KT);
+    let (qs, acc, sc, kt) = (
         qs.as_mut_ptr() as *mut f32,
         acc.as_mut_ptr() as *mut f32,
         sc.as_mut_ptr() as *mut f32,
+        ktb.as_mut_ptr() as *mut f32,
     );
     let (kbuf, vbuf) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
-    let mut m = [f32::NEG_INFINITY; SMALL_ROWS];
+    // Per-row state. Rows `rows..rv` are padding with finite values, so the
+    // lane-wise updates below compute nothing undefined for them.
+    let mut m = [0.0f32; SMALL_ROWS];
     let mut lsum = [0.0f32; SMALL_ROWS];
+    let mut alpha = [0.0f32; SMALL_ROWS];
+    let mut cmax = [0.0f32; SMALL_ROWS];
+    let mut csum = [0.0f32; SMALL_ROWS];
     let mut pos = [0usize; SMALL_ROWS];
+    let mut vis = [0usize; SMALL_ROWS];
+    m[..rows].fill(f32::NEG_INFINITY);
     let first = t.seq.ctx_len - t.seq.q_len + t.q0;
     let token0 = t.seq.q_start + t.q0;
     // SAFETY (whole body): row `r < rows <= SMALL_ROWS` indexes `d <=
     // MAX_HEAD_DIM` elements of `qs`/`acc` and `KT` of `sc`; chunk rows are
-    // `n <= KT` rows of `d` in `kp`/`vp`; scores are written up to a multiple
-    // of the lanes not above `KT` before being read.
+    // `n <= KT` rows of `d` in `kp`/`vp`, `kt` holds `d` rows of `KT`; the
+    // state arrays are read in whole vectors up to `rv <= SMALL_ROWS`; scores
+    // are written up to `n` rounded up to whole vectors (not above `KT`)
+    // before being read.
     unsafe {
         for r in 0..rows {
             let (qi, hh) = (r / g, r % g);
@@ -680,44 +696,71 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
                 let n2 = c.chunk_len(c0 + n, n_keys);
                 c.prefetch_chunk(t.seq.block_table, t.kvh, c0 + n, n2);
             }
+            // Scores of all rows against all `n` keys (the causal mask is
+            // applied after): every score is the same sequence of FMAs over
+            // the head dimensions as in the wide kernel.
+            if l == 1 {
+                qk_direct::<S>(qs, rows, kp, d, n, sc);
+            } else {
+                transpose_chunk::<S>(kp, d, n, kt);
+                qk_keys::<S>(qs, rows, kt, d, n, sc);
+            }
+            let padded = n.div_ceil(l) * l;
             for r in 0..rows {
-                if pos[r] < c0 {
-                    continue; // the whole chunk is in this row's future
-                }
-                let vis = (pos[r] + 1 - c0).min(n);
+                vis[r] = if pos[r] < c0 {
+                    0 // the whole chunk is in this row's future
+                } else {
+                    (pos[r] + 1 - c0).min(n)
+                };
                 let sr = sc.add(r * KT);
-                let qr = qs.add(r * d);
-                let mut j = 0;
-                while j + 4 <= vis {
-                    dot4::<S>(qr, kp.add(j * d), d, sr.add(j));
-                    j += 4;
-                }
-                while j < vis {
-                    *sr.add(j) = dot1::<S>(qr, kp.add(j * d), d);
-                    j += 1;
-                }
-                // Pad to whole vectors with -inf, whose exp is 0.
-                let padded = vis.div_ceil(l) * l;
-                for j in vis..padded {
+                // Masked and padding keys get -inf, whose exp is 0.
+                for j in vis[r]..padded {
                     *sr.add(j) = f32::NEG_INFINITY;
                 }
                 let mut mx = S::splat(f32::NEG_INFINITY);
                 for j in (0..padded).step_by(l) {
                     mx = S::max(mx, S::load(sr.add(j)));
                 }
-                let m_new = m[r].max(S::hmax(mx));
-                // exp(-inf) = 0 on the first chunk: nothing to rescale yet.
-                let alpha = (m[r] - m_new).exp();
-                let mv = S::splat(m_new);
-                let mut sum = S::zero();
+                cmax[r] = S::hmax(mx);
+            }
+            // The running max and rescale factor, lane-wise over rows as in
+            // the wide kernel. A row that sees nothing of this chunk keeps
+            // its max (its max is finite: chunk 0 is visible to every row)
+            // and gets `alpha = exp(0) = 1`.
+            for r in (0..rv).step_by(l) {
+                let mo = S::load(m.as_ptr().add(r));
+                let mn = S::max(mo, S::load(cmax.as_ptr().add(r)));
+                S::store(alpha.as_mut_ptr().add(r), S::exp(S::sub(mo, mn)));
+                S::store(m.as_mut_ptr().add(r), mn);
+            }
+            for r in 0..rows {
+                let sr = sc.add(r * KT);
+                let mv = S::splat(m[r]);
                 for j in (0..padded).step_by(l) {
-                    let p = S::exp(S::sub(S::load(sr.add(j)), mv));
-                    S::store(sr.add(j), p);
-                    sum = S::add(sum, p);
+                    S::store(sr.add(j), S::exp(S::sub(S::load(sr.add(j)), mv)));
                 }
-                lsum[r] = lsum[r] * alpha + S::hsum(sum);
-                m[r] = m_new;
-                pv_row::<S>(acc.add(r * d), alpha, sr, vp, vis, d);
+                // Summed in key order, as each lane of the wide kernel does
+                // (the masked keys' exact zeros change no sum).
+                let mut s = 0.0f32;
+                for j in 0..vis[r] {
+                    s += *sr.add(j);
+                }
+                csum[r] = s;
+            }
+            for r in (0..rv).step_by(l) {
+                let ls = S::load(lsum.as_ptr().add(r));
+                let a = S::load(alpha.as_ptr().add(r));
+                S::store(
+                    lsum.as_mut_ptr().add(r),
+                    S::fma(ls, a, S::load(csum.as_ptr().add(r))),
+                );
+            }
+            for r in 0..rows {
+                // A row with nothing visible has alpha 1 and p 0: its
+                // accumulator would come out unchanged, so skip it.
+                if vis[r] > 0 {
+                    pv_row::<S>(acc.add(r * d), alpha[r], sc.add(r * KT), vp, vis[r], d);
+                }
             }
             c0 += n;
         }
@@ -732,50 +775,127 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     }
 }
 
-/// Four dot products of `q` with consecutive rows `k[0..4]` (row stride `d`),
-/// sharing each load of `q`.
+/// Transposes a chunk of `n` keys (`k[n][d]`) into `kt[d][KT]`, keys `n..`
+/// up to a whole vector zeroed (their scores are computed, then masked).
 #[inline(always)]
-unsafe fn dot4<S: Simd>(q: *const f32, k: *const f32, d: usize, out: *mut f32) {
+unsafe fn transpose_chunk<S: Simd>(k: *const f32, d: usize, n: usize, kt: *mut f32) {
     let l = S::LANES;
     let nv = d - d % l;
     unsafe {
-        let mut a = [S::zero(); 4];
-        let mut i = 0;
-        while i < nv {
-            let qv = S::load(q.add(i));
-            for (j, aj) in a.iter_mut().enumerate() {
-                *aj = S::fma(qv, S::load(k.add(j * d + i)), *aj);
+        for j0 in (0..n).step_by(l) {
+            let valid = (n - j0).min(l);
+            let src = k.add(j0 * d);
+            for i0 in (0..nv).step_by(l) {
+                S::transpose(src.add(i0), d, valid, kt.add(i0 * KT + j0), KT);
             }
-            i += l;
-        }
-        let sums = S::hsum4(a[0], a[1], a[2], a[3]);
-        for (j, &sj) in sums.iter().enumerate() {
-            let mut s = sj;
             for i in nv..d {
-                s += *q.add(i) * *k.add(j * d + i);
+                for j in 0..l {
+                    *kt.add(i * KT + j0 + j) = if j < valid {
+                        *src.add(j * d + i)
+                    } else {
+                        0.0
+                    };
+                }
             }
-            *out.add(j) = s;
         }
     }
 }
 
-/// One dot product of length `d`.
+/// Scores `sc[r][j] = Σ_i qs[r][i] · kt[i][j]` for all `rows` and the keys
+/// `j` of `n` rounded up to whole vectors: keys in the lanes, each lane one
+/// FMA per head dimension in order (the wide kernel's sequence).
 #[inline(always)]
-unsafe fn dot1<S: Simd>(q: *const f32, k: *const f32, d: usize) -> f32 {
-    let l = S::LANES;
-    let nv = d - d % l;
+unsafe fn qk_keys<S: Simd>(
+    qs: *const f32,
+    rows: usize,
+    kt: *const f32,
+    d: usize,
+    n: usize,
+    sc: *mut f32,
+) {
+    let nvec = n.div_ceil(S::LANES);
     unsafe {
-        let mut a = S::zero();
-        let mut i = 0;
-        while i < nv {
-            a = S::fma(S::load(q.add(i)), S::load(k.add(i)), a);
-            i += l;
+        let mut r = 0;
+        while r < rows {
+            let rb = match rows - r {
+                4.. => 4,
+                2 | 3 => 2,
+                _ => 1,
+            };
+            let mut v = 0;
+            while v < nvec {
+                let jv = if v + 2 <= nvec { 2 } else { 1 };
+                match (rb, jv) {
+                    (4, 2) => qk_keys_micro::<S, 4, 2>(qs, r, kt, d, v, sc),
+                    (4, _) => qk_keys_micro::<S, 4, 1>(qs, r, kt, d, v, sc),
+                    (2, 2) => qk_keys_micro::<S, 2, 2>(qs, r, kt, d, v, sc),
+                    (2, _) => qk_keys_micro::<S, 2, 1>(qs, r, kt, d, v, sc),
+                    (_, 2) => qk_keys_micro::<S, 1, 2>(qs, r, kt, d, v, sc),
+                    _ => qk_keys_micro::<S, 1, 1>(qs, r, kt, d, v, sc),
+                }
+                v += jv;
+            }
+            r += rb;
         }
-        let mut s = S::hsum(a);
-        for i in nv..d {
-            s += *q.add(i) * *k.add(i);
+    }
+}
+
+/// `RB` rows × `JV` key vectors (from vector `v0`) of [`qk_keys`].
+#[inline(always)]
+unsafe fn qk_keys_micro<S: Simd, const RB: usize, const JV: usize>(
+    qs: *const f32,
+    r0: usize,
+    kt: *const f32,
+    d: usize,
+    v0: usize,
+    sc: *mut f32,
+) {
+    let l = S::LANES;
+    unsafe {
+        let mut acc = [[S::zero(); JV]; RB];
+        for i in 0..d {
+            let mut kv = [S::zero(); JV];
+            for (v, kvv) in kv.iter_mut().enumerate() {
+                *kvv = S::load(kt.add(i * KT + (v0 + v) * l));
+            }
+            for (rr, accr) in acc.iter_mut().enumerate() {
+                let qb = S::splat(*qs.add((r0 + rr) * d + i));
+                for v in 0..JV {
+                    accr[v] = S::fma(qb, kv[v], accr[v]);
+                }
+            }
         }
-        s
+        for (rr, accr) in acc.iter().enumerate() {
+            for (v, a) in accr.iter().enumerate() {
+                S::store(sc.add((r0 + rr) * KT + (v0 + v) * l), *a);
+            }
+        }
+    }
+}
+
+/// Scores for one lane (scalar code): no transpose needed, each score is
+/// the FMA sequence over the head dimensions straight from `k[n][d]`.
+#[inline(always)]
+unsafe fn qk_direct<S: Simd>(
+    qs: *const f32,
+    rows: usize,
+    k: *const f32,
+    d: usize,
+    n: usize,
+    sc: *mut f32,
+) {
+    unsafe {
+        for r in 0..rows {
+            let qr = qs.add(r * d);
+            for j in 0..n {
+                let kj = k.add(j * d);
+                let mut a = 0.0f32;
+                for i in 0..d {
+                    a = S::fma1(*qr.add(i), *kj.add(i), a);
+                }
+                *sc.add(r * KT + j) = a;
+            }
+        }
     }
 }
 
@@ -823,7 +943,7 @@ unsafe fn pv_row<S: Simd>(
         for i in nv..d {
             let mut a = *acc.add(i) * alpha;
             for j in 0..n {
-                a += *p.add(j) * *v.add(j * d + i);
+                a = S::fma1(*p.add(j), *v.add(j * d + i), a);
             }
             *acc.add(i) = a;
         }

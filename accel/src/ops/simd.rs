@@ -51,6 +51,20 @@ pub(crate) trait Simd: Copy + 'static {
     /// Lane-wise `e^x`, within a couple of ulp; exactly 0 below about -87.3
     /// (so masked `-inf` scores contribute nothing) and finite above 88.3.
     unsafe fn exp(x: Self::V) -> Self::V;
+    /// `a * b + c` on one value, rounded exactly as one lane of
+    /// [`Simd::fma`] is (fused or not alike), so a kernel's scalar tail
+    /// computes what its vector lanes do.
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
+    /// Transposes one `LANES × LANES` block:
+    /// `dst[i * dst_stride + j] = src[j * src_stride + i]`. Source rows
+    /// `j >= rows` are not read and come out as zeros.
+    unsafe fn transpose(
+        src: *const f32,
+        src_stride: usize,
+        rows: usize,
+        dst: *mut f32,
+        dst_stride: usize,
+    );
     /// Widens `n` IEEE half floats at `src` into f32 at `dst`.
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize);
     /// Widens `n` bfloat16 values at `src` into f32 at `dst`.
@@ -126,6 +140,20 @@ impl Simd for Scalar {
     #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
         x.exp()
+    }
+    #[inline(always)]
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+    #[inline(always)]
+    unsafe fn transpose(
+        src: *const f32,
+        _src_stride: usize,
+        rows: usize,
+        dst: *mut f32,
+        _dst_stride: usize,
+    ) {
+        unsafe { *dst = if rows > 0 { *src } else { 0.0 } }
     }
     #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize) {
@@ -268,6 +296,22 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        // One fused rounding, as `_mm256_fmadd_ps` (an FMA instruction here:
+        // the entry enables `fma`).
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    unsafe fn transpose(
+        src: *const f32,
+        src_stride: usize,
+        rows: usize,
+        dst: *mut f32,
+        dst_stride: usize,
+    ) {
+        unsafe { transpose8(src, src_stride, rows, dst, dst_stride) }
+    }
+    #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize) {
         unsafe {
             let mut i = 0;
@@ -310,6 +354,56 @@ unsafe fn hsum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
         let mut out = [0.0f32; 4];
         _mm_storeu_ps(out.as_mut_ptr(), s);
         out
+    }
+}
+
+/// Transposes an 8×8 block (`dst[i][j] = src[j][i]`, strides in elements);
+/// source rows `j >= rows` are not read and come out as zeros.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn transpose8(
+    src: *const f32,
+    src_stride: usize,
+    rows: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+) {
+    unsafe {
+        let mut r = [_mm256_setzero_ps(); 8];
+        for (j, rj) in r.iter_mut().enumerate().take(rows) {
+            *rj = _mm256_loadu_ps(src.add(j * src_stride));
+        }
+        // Interleave pairs of rows, then pairs of pairs within each 128-bit
+        // half, then swap halves: column i ends up in one register.
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let cols = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ];
+        for (i, c) in cols.iter().enumerate() {
+            _mm256_storeu_ps(dst.add(i * dst_stride), *c);
+        }
     }
 }
 
@@ -414,6 +508,29 @@ impl Simd for Avx512 {
             let y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
             let under = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, lo);
             _mm512_mask_blend_ps(under, y, _mm512_setzero_ps())
+        }
+    }
+    #[inline(always)]
+    unsafe fn fma1(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+    #[inline(always)]
+    unsafe fn transpose(
+        src: *const f32,
+        src_stride: usize,
+        rows: usize,
+        dst: *mut f32,
+        dst_stride: usize,
+    ) {
+        // Four 8×8 blocks: 256-bit shuffles are as fast as 512-bit ones on
+        // the cores this targets, and simpler.
+        unsafe {
+            let (top, bottom) = (rows.min(8), rows.saturating_sub(8));
+            let s8 = src.add(8 * src_stride);
+            transpose8(src, src_stride, top, dst, dst_stride);
+            transpose8(src.add(8), src_stride, top, dst.add(8 * dst_stride), dst_stride);
+            transpose8(s8, src_stride, bottom, dst.add(8), dst_stride);
+            transpose8(s8.add(8), src_stride, bottom, dst.add(8 * dst_stride + 8), dst_stride);
         }
     }
     #[inline(always)]

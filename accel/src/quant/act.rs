@@ -11,7 +11,14 @@ use crate::cpu::SimdLevel;
 /// Quantizes one row `x` (`lanes · l` elements) into `q` (same length),
 /// per-lane scales `d`, code sums `sum`, and `s = d · sum`.
 #[inline(always)]
-fn quantize_row_impl(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
+fn quantize_row_impl(
+    l: usize,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    s: &mut [f32],
+) {
     let lanes = x.len() / l;
     let mut tmp = [0i8; 32];
     for b in 0..lanes {
@@ -44,7 +51,14 @@ fn quantize_row_impl(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_row_avx2(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
+unsafe fn quantize_row_avx2(
+    l: usize,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    s: &mut [f32],
+) {
     quantize_row_impl(l, x, q, d, sum, s)
 }
 
@@ -54,7 +68,14 @@ unsafe fn quantize_row_avx2(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], su
 /// conversion of integral floats are exact.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,f16c")]
-unsafe fn quantize_row_avx512(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], sum: &mut [i32], s: &mut [f32]) {
+unsafe fn quantize_row_avx512(
+    l: usize,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    sum: &mut [i32],
+    s: &mut [f32],
+) {
     use core::arch::x86_64::*;
     let lanes = x.len() / l;
     let nv = l / 16;
@@ -63,19 +84,28 @@ unsafe fn quantize_row_avx512(l: usize, x: &[f32], q: &mut [i8], d: &mut [f32], 
     for b in 0..lanes {
         let p = x.as_ptr().add(b * l);
         let v0 = _mm512_loadu_ps(p);
-        let v1 = if nv == 2 { _mm512_loadu_ps(p.add(16)) } else { _mm512_setzero_ps() };
+        let v1 = if nv == 2 {
+            _mm512_loadu_ps(p.add(16))
+        } else {
+            _mm512_setzero_ps()
+        };
         let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         let db = amax / 127.0;
         let id = _mm512_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
         let quant = |v: __m512| {
-            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(v, id));
+            let r = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm512_mul_ps(v, id),
+            );
             _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))
         };
         let q0 = quant(v0);
         let q1 = quant(v1);
         let acc = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
         _mm_storeu_si128(tmp.as_mut_ptr() as *mut __m128i, _mm512_cvtepi32_epi8(q0));
-        _mm_storeu_si128(tmp.as_mut_ptr().add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
+        _mm_storeu_si128(
+            tmp.as_mut_ptr().add(16) as *mut __m128i,
+            _mm512_cvtepi32_epi8(q1),
+        );
         d[b] = db;
         sum[b] = acc;
         s[b] = db * acc as f32;

@@ -10,6 +10,10 @@
 //! half the speed on 576×1536), and it allocates packing buffers on every
 //! call, which the allocation-free contract of `Weight::matmul` forbids.
 
+// The SIMD kernels index register tiles `acc[r][i]` by row and activation
+// on purpose: iterator chains would obscure which registers are live.
+#![allow(clippy::needless_range_loop)]
+
 use super::layout::ABuf;
 use super::{GgmlType, OutPtr};
 use crate::cpu::pool::ThreadPool;

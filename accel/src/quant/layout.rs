@@ -105,7 +105,10 @@ pub(crate) struct ABuf {
 impl ABuf {
     /// A zeroed buffer of `len` bytes.
     pub(crate) fn zeroed(len: usize) -> ABuf {
-        ABuf { lines: vec![Line([0; 64]); len.div_ceil(64) + 1], len }
+        ABuf {
+            lines: vec![Line([0; 64]); len.div_ceil(64) + 1],
+            len,
+        }
     }
 
     /// Logical length in bytes.
@@ -258,9 +261,17 @@ impl QMat {
     fn empty(kind: u8, rows: usize, cols: usize) -> QMat {
         let l = lane_len(kind);
         let lanes = cols / l;
-        let nsb = if kind == K_Q4K || kind == K_Q6K { cols / 256 } else { 0 };
+        let nsb = if kind == K_Q4K || kind == K_Q6K {
+            cols / 256
+        } else {
+            0
+        };
         let qs_row = lanes * qs_lane_bytes(kind);
-        let qh_row = if kind == K_Q6K { lanes.div_ceil(16) * 64 } else { 0 };
+        let qh_row = if kind == K_Q6K {
+            lanes.div_ceil(16) * 64
+        } else {
+            0
+        };
         let m_bytes = match kind {
             K_Q4_1 => 2,
             K_Q4K => 1,
@@ -293,7 +304,8 @@ impl QMat {
         let mut codes = vec![0u8; cols];
         for r in 0..rows {
             let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
-            let d = &mut q.d.bytes_mut()[r * lanes * d_bytes(kind)..(r + 1) * lanes * d_bytes(kind)];
+            let d =
+                &mut q.d.bytes_mut()[r * lanes * d_bytes(kind)..(r + 1) * lanes * d_bytes(kind)];
             match kind {
                 K_Q4_0 | K_Q4_1 | K_Q8_0 => {
                     let bb = ty.block_bytes();
@@ -356,14 +368,24 @@ impl QMat {
             let qh_row = q.qh_row;
             let qh_all = q.qh.bytes_mut();
             let qh = &mut qh_all[r * qh_row..(r + 1) * qh_row];
-            pack_codes(kind, &codes[..lanes * l], &mut q.qs.bytes_mut()[r * qs_row..(r + 1) * qs_row], qh);
+            pack_codes(
+                kind,
+                &codes[..lanes * l],
+                &mut q.qs.bytes_mut()[r * qs_row..(r + 1) * qs_row],
+                qh,
+            );
         }
         q
     }
 
     /// Bytes held (what a matmul streams).
     pub(crate) fn size_bytes(&self) -> usize {
-        self.qs.len() + self.qh.len() + self.d.len() + self.m.len() + self.sd.len() + self.smin.len()
+        self.qs.len()
+            + self.qh.len()
+            + self.d.len()
+            + self.m.len()
+            + self.sd.len()
+            + self.smin.len()
     }
 
     /// Stacks matrices of the same kind and width.
@@ -396,7 +418,10 @@ impl QMat {
                 let o = (1u32 << off_shift(self.kind)) as f32;
                 (d, -o * d)
             }
-            K_Q4_1 => (f16_at(db, 2 * (r * self.lanes + b)), f16_at(self.m.bytes(), 2 * (r * self.lanes + b))),
+            K_Q4_1 => (
+                f16_at(db, 2 * (r * self.lanes + b)),
+                f16_at(self.m.bytes(), 2 * (r * self.lanes + b)),
+            ),
             K_Q4K => {
                 let sb = r * self.nsb + b / 8;
                 let sc = db[r * self.lanes + b] as f32;
@@ -419,12 +444,20 @@ impl QMat {
         let qh = &self.qh.bytes()[r * self.qh_row..(r + 1) * self.qh_row];
         for b in 0..self.lanes {
             let (d, m) = self.lane_affine(r, b);
-            let off = if has_min(self.kind) { 0 } else { 1i32 << off_shift(self.kind) };
+            let off = if has_min(self.kind) {
+                0
+            } else {
+                1i32 << off_shift(self.kind)
+            };
             for e in 0..l {
                 let u = unpack_code(self.kind, self.lanes, qs, qh, b, e) as i32;
                 // Written as the formats define them (d·(q−o), d·sc·q − dmin·mn)
                 // so dequantization reproduces ggml's values exactly.
-                out[b * l + e] = if has_min(self.kind) { d * u as f32 + m } else { d * (u - off) as f32 };
+                out[b * l + e] = if has_min(self.kind) {
+                    d * u as f32 + m
+                } else {
+                    d * (u - off) as f32
+                };
             }
         }
     }

@@ -127,10 +127,16 @@ impl GgmlType {
     /// whole number of blocks.
     pub fn row_bytes(self, cols: usize) -> Result<usize, WeightError> {
         let bl = self.block_len();
-        if cols % bl != 0 {
-            return Err(WeightError::ColsNotBlockMultiple { ty: self, cols, block_len: bl });
+        if !cols.is_multiple_of(bl) {
+            return Err(WeightError::ColsNotBlockMultiple {
+                ty: self,
+                cols,
+                block_len: bl,
+            });
         }
-        (cols / bl).checked_mul(self.block_bytes()).ok_or(WeightError::TooLarge { rows: 1, cols })
+        (cols / bl)
+            .checked_mul(self.block_bytes())
+            .ok_or(WeightError::TooLarge { rows: 1, cols })
     }
 }
 
@@ -204,7 +210,7 @@ enum Repr {
     /// Row-major f32, f16 or bf16 elements (the type says which).
     Dense(ABuf),
     /// Repacked quantized blocks; see [`layout`].
-    Quant(QMat),
+    Quant(Box<QMat>),
 }
 
 /// A 2-D weight matrix `[rows = out_features, cols = in_features]`, kept in
@@ -223,13 +229,21 @@ impl std::fmt::Debug for Weight {
 }
 
 fn checked_len(rows: usize, cols: usize) -> Result<usize, WeightError> {
-    rows.checked_mul(cols).ok_or(WeightError::TooLarge { rows, cols })
+    rows.checked_mul(cols)
+        .ok_or(WeightError::TooLarge { rows, cols })
 }
 
 fn check_elems(ty: GgmlType, rows: usize, cols: usize, got: usize) -> Result<(), WeightError> {
     let expected = checked_len(rows, cols)?;
     if got != expected {
-        return Err(WeightError::WrongLength { ty, rows, cols, expected, got, unit: "elements" });
+        return Err(WeightError::WrongLength {
+            ty,
+            rows,
+            cols,
+            expected,
+            got,
+            unit: "elements",
+        });
     }
     Ok(())
 }
@@ -238,20 +252,39 @@ impl Weight {
     /// Builds a weight from GGUF bytes: row-major, each row `cols /
     /// block_len` little-endian blocks. Validates the length, then copies
     /// into aligned storage (quantized types are repacked for the kernels).
-    pub fn from_raw(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Result<Weight, WeightError> {
+    pub fn from_raw(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Weight, WeightError> {
         let row_bytes = ty.row_bytes(cols)?;
-        let expected = rows.checked_mul(row_bytes).ok_or(WeightError::TooLarge { rows, cols })?;
+        let expected = rows
+            .checked_mul(row_bytes)
+            .ok_or(WeightError::TooLarge { rows, cols })?;
         if bytes.len() != expected {
-            return Err(WeightError::WrongLength { ty, rows, cols, expected, got: bytes.len(), unit: "bytes" });
+            return Err(WeightError::WrongLength {
+                ty,
+                rows,
+                cols,
+                expected,
+                got: bytes.len(),
+                unit: "bytes",
+            });
         }
         let repr = if ty.is_float() {
             let mut buf = ABuf::zeroed(bytes.len());
             buf.bytes_mut().copy_from_slice(bytes);
             Repr::Dense(buf)
         } else {
-            Repr::Quant(QMat::from_gguf(ty, rows, cols, bytes))
+            Repr::Quant(Box::new(QMat::from_gguf(ty, rows, cols, bytes)))
         };
-        Ok(Weight { ty, rows, cols, repr })
+        Ok(Weight {
+            ty,
+            rows,
+            cols,
+            repr,
+        })
     }
 
     /// Builds an F32 weight from row-major data.
@@ -276,23 +309,37 @@ impl Weight {
     /// round-to-nearest reference quantizers, or converts it to F32, F16 or
     /// BF16 (round to nearest even). K-quants are an error: their quantizers
     /// search for scales, and Pagoda only ever loads them from files.
-    pub fn quantize(ty: GgmlType, rows: usize, cols: usize, data: &[f32]) -> Result<Weight, WeightError> {
+    pub fn quantize(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &[f32],
+    ) -> Result<Weight, WeightError> {
         check_elems(ty, rows, cols, data.len())?;
         match ty {
             GgmlType::F32 => Weight::from_f32(rows, cols, data),
             GgmlType::F16 => {
-                let bits: Vec<u16> = data.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                let bits: Vec<u16> = data
+                    .iter()
+                    .map(|&v| half::f16::from_f32(v).to_bits())
+                    .collect();
                 Weight::from_f16_bits(rows, cols, &bits)
             }
             GgmlType::BF16 => {
-                let bits: Vec<u16> = data.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                let bits: Vec<u16> = data
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
                 Weight::from_bf16_bits(rows, cols, &bits)
             }
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
                 let row_bytes = ty.row_bytes(cols)?;
                 let mut bytes = vec![0u8; rows * row_bytes];
                 if cols > 0 {
-                    for (src, dst) in data.chunks_exact(cols).zip(bytes.chunks_exact_mut(row_bytes)) {
+                    for (src, dst) in data
+                        .chunks_exact(cols)
+                        .zip(bytes.chunks_exact_mut(row_bytes))
+                    {
                         formats::quantize_row(ty, src, dst);
                     }
                 }
@@ -346,15 +393,20 @@ impl Weight {
                 Repr::Dense(b) => b,
                 Repr::Quant(_) => unreachable!("same type implies same representation"),
             }))),
-            Repr::Quant(_) => Repr::Quant(QMat::concat(
+            Repr::Quant(_) => Repr::Quant(Box::new(QMat::concat(
                 parts.iter().map(|p| match &p.repr {
-                    Repr::Quant(q) => q,
+                    Repr::Quant(q) => &**q,
                     Repr::Dense(_) => unreachable!("same type implies same representation"),
                 }),
                 rows,
-            )),
+            ))),
         };
-        Ok(Weight { ty: first.ty, rows, cols: first.cols, repr })
+        Ok(Weight {
+            ty: first.ty,
+            rows,
+            cols: first.cols,
+            repr,
+        })
     }
 
     /// Dequantizes row `row` into `out[..cols]` (the embedding gather).
@@ -362,11 +414,16 @@ impl Weight {
     /// # Panics
     /// If `row >= rows` or `out` is shorter than `cols`.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        assert!(row < self.rows, "dequantize_row: row {row} out of range ({} rows)", self.rows);
+        assert!(
+            row < self.rows,
+            "dequantize_row: row {row} out of range ({} rows)",
+            self.rows
+        );
         let out = &mut out[..self.cols];
         match &self.repr {
             Repr::Dense(b) => {
-                let bytes = &b.bytes()[row * self.cols * elem_bytes(self.ty)..][..self.cols * elem_bytes(self.ty)];
+                let bytes = &b.bytes()[row * self.cols * elem_bytes(self.ty)..]
+                    [..self.cols * elem_bytes(self.ty)];
                 dense::row_to_f32(self.ty, bytes, out);
             }
             Repr::Quant(q) => q.dequantize_row(row, out),
@@ -381,7 +438,14 @@ impl Weight {
     ///
     /// # Panics
     /// If `x` is shorter than `m × cols` or `out` shorter than `m × rows`.
-    pub fn matmul(&self, pool: &ThreadPool, x: &[f32], m: usize, out: &mut [f32], scratch: &mut MatmulScratch) {
+    pub fn matmul(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+    ) {
         self.matmul_at(crate::cpu::simd_level(), pool, x, m, out, scratch);
     }
 
@@ -397,8 +461,18 @@ impl Weight {
         scratch: &mut MatmulScratch,
     ) {
         let level = level.min(max_level());
-        assert!(x.len() >= m * self.cols, "matmul: x has {} elements, need {m} x {}", x.len(), self.cols);
-        assert!(out.len() >= m * self.rows, "matmul: out has {} elements, need {m} x {}", out.len(), self.rows);
+        assert!(
+            x.len() >= m * self.cols,
+            "matmul: x has {} elements, need {m} x {}",
+            x.len(),
+            self.cols
+        );
+        assert!(
+            out.len() >= m * self.rows,
+            "matmul: out has {} elements, need {m} x {}",
+            out.len(),
+            self.rows
+        );
         if m == 0 || self.rows == 0 {
             return;
         }
@@ -409,7 +483,9 @@ impl Weight {
             return;
         }
         match &self.repr {
-            Repr::Dense(b) => dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out),
+            Repr::Dense(b) => {
+                dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out)
+            }
             Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
         }
     }

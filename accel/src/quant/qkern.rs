@@ -8,8 +8,15 @@
 //! memory-bound) while the tile's weight rows stay in L1 across the `m`
 //! loop.
 
+// The SIMD kernels index register tiles `acc[r][i]` by row and activation
+// on purpose: iterator chains would obscure which registers are live.
+#![allow(clippy::needless_range_loop)]
+
 use super::act;
-use super::layout::{code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K, K_Q8_0};
+use super::layout::{
+    code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K,
+    K_Q8_0,
+};
 use super::{grow, MatmulScratch, OutPtr};
 use crate::cpu::pool::ThreadPool;
 use crate::cpu::SimdLevel;
@@ -107,7 +114,7 @@ pub(crate) fn matmul(
     };
     let quant_rows = |i0: usize, i1: usize| {
         // Capture the whole (Sync) struct, not its raw-pointer fields.
-        let ao = ao;
+        let ao = &ao;
         for i in i0..i1 {
             // SAFETY: row `i` of each buffer is in bounds (grown above) and
             // written by this call only.
@@ -144,7 +151,6 @@ pub(crate) fn matmul(
     let rows = q.rows;
     let kind = q.kind;
     pool.run_ranges(rows, 4, &|r0, r1| {
-        let o = o;
         // SAFETY: rows r0..r1 are in range, each task writes only its own
         // output columns, and `level` is supported by this CPU.
         unsafe {
@@ -182,7 +188,9 @@ unsafe fn run_rows<const K: u8>(
                 let mt = tile(level, K, rt, me - i);
                 match level {
                     #[cfg(target_arch = "x86_64")]
-                    SimdLevel::Avx512Vnni => x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo),
+                    SimdLevel::Avx512Vnni => {
+                        x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     SimdLevel::Avx2 => x86::tile256_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo),
                     _ => tile_scalar::<K>(q, r, rt, a, i, mt, o.0, ldo),
@@ -199,7 +207,7 @@ fn tile(level: SimdLevel, _kind: u8, _rt: usize, left: usize) -> usize {
     // AVX-512 has 32 registers: 4 rows × 4 activations of integer and float
     // accumulators plus operands still fit. AVX2's 16 allow 4 × 2.
     let max = match level {
-        SimdLevel::Avx512Vnni => std::env::var("PAGODA_MT").ok().and_then(|v| v.parse().ok()).unwrap_or(4),
+        SimdLevel::Avx512Vnni => 4,
         SimdLevel::Avx2 => 2,
         SimdLevel::Scalar => 1,
     };
@@ -311,7 +319,12 @@ mod x86 {
         /// `acc + a · b`, into a 16-lane accumulator.
         unsafe fn fma_into(acc: __m512, a: Self::F, b: Self::F) -> __m512;
         /// Per-lane scale and min of group `g` of row `r` (zero where masked).
-        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, m: Self::Mask) -> (Self::F, Self::F);
+        unsafe fn scales<const K: u8>(
+            w: &QPtrs,
+            r: usize,
+            g: usize,
+            m: Self::Mask,
+        ) -> (Self::F, Self::F);
     }
 
     struct Zmm;
@@ -358,7 +371,10 @@ mod x86 {
         #[inline]
         unsafe fn nibbles(v: __m512i) -> (__m512i, __m512i) {
             let m = _mm512_set1_epi8(0x0f);
-            (_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16::<4>(v), m))
+            (
+                _mm512_and_si512(v, m),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), m),
+            )
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
@@ -400,25 +416,47 @@ mod x86 {
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
-        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask16) -> (__m512, __m512) {
+        unsafe fn scales<const K: u8>(
+            w: &QPtrs,
+            r: usize,
+            g: usize,
+            mask: __mmask16,
+        ) -> (__m512, __m512) {
             let lb = r * w.lanes + 16 * g;
             let zero = _mm512_setzero_ps();
             match K {
                 K_Q4_0 | K_Q8_0 => (f16x16(w.d, lb, mask), zero),
                 K_Q4_1 => (f16x16(w.d, lb, mask), f16x16(w.m, lb, mask)),
                 K_Q4K => {
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
-                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.m.add(lb) as *const i8)));
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
+                        mask,
+                        w.d.add(lb) as *const i8,
+                    )));
+                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
+                        mask,
+                        w.m.add(lb) as *const i8,
+                    )));
                     // Lanes 0..8 belong to super-block 2g, lanes 8..16 to 2g + 1.
                     let p = w.sd.add(r * w.nsb + 2 * g);
-                    let sd = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
+                    let sd =
+                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
                     let p = w.smin.add(r * w.nsb + 2 * g);
-                    let smin = _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(-*p), _mm512_set1_ps(-*p.add(1)));
+                    let smin = _mm512_mask_blend_ps(
+                        0xff00,
+                        _mm512_set1_ps(-*p),
+                        _mm512_set1_ps(-*p.add(1)),
+                    );
                     (_mm512_mul_ps(sd, sc), _mm512_mul_ps(smin, mn))
                 }
                 _ => {
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w.d.add(lb) as *const i8)));
-                    (_mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(
+                        mask,
+                        w.d.add(lb) as *const i8,
+                    )));
+                    (
+                        _mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
+                        zero,
+                    )
                 }
             }
         }
@@ -477,7 +515,10 @@ mod x86 {
         #[inline]
         unsafe fn nibbles(v: __m256i) -> (__m256i, __m256i) {
             let m = _mm256_set1_epi8(0x0f);
-            (_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16::<4>(v), m))
+            (
+                _mm256_and_si256(v, m),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(v), m),
+            )
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
@@ -506,7 +547,12 @@ mod x86 {
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
-        unsafe fn scales<const K: u8>(w: &QPtrs, r: usize, g: usize, mask: __mmask8) -> (__m256, __m256) {
+        unsafe fn scales<const K: u8>(
+            w: &QPtrs,
+            r: usize,
+            g: usize,
+            mask: __mmask8,
+        ) -> (__m256, __m256) {
             // Only used for groups of at most 8 lanes: lanes 16g..16g+8, which
             // for Q4_K lie in super-block 2g and for Q6_K in super-block g.
             let lb = r * w.lanes + 16 * g;
@@ -519,11 +565,17 @@ mod x86 {
                     let sb = r * w.nsb + 2 * g;
                     let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.d)));
                     let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.m)));
-                    (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc), _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn))
+                    (
+                        _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
+                        _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn),
+                    )
                 }
                 _ => {
                     let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(w.d)));
-                    (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+                    (
+                        _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
+                        zero,
+                    )
                 }
             }
         }
@@ -582,7 +634,8 @@ mod x86 {
                     ahi[i] = V::load(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const u8);
                 }
                 for r in 0..R {
-                    let (mut lo, mut hi) = V::nibbles(V::load(mask, wrow[r].add(wbase + s * stride)));
+                    let (mut lo, mut hi) =
+                        V::nibbles(V::load(mask, wrow[r].add(wbase + s * stride)));
                     if code_bits(K) == 6 {
                         lo = V::or_hbits(lo, qh[r], 2 * s);
                         hi = V::or_hbits(hi, qh[r], 2 * s + 1);
@@ -705,17 +758,31 @@ mod x86 {
     /// Per-lane scale and min of half `h` (8 lanes, `hl` valid) of group `g`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn scales256<const K: u8>(w: &QPtrs, r: usize, g: usize, h: usize, hl: usize) -> (__m256, __m256) {
+    unsafe fn scales256<const K: u8>(
+        w: &QPtrs,
+        r: usize,
+        g: usize,
+        h: usize,
+        hl: usize,
+    ) -> (__m256, __m256) {
         let lb = r * w.lanes + 16 * g + 8 * h;
         let zero = _mm256_setzero_ps();
         let f16x8 = |p: *const u8| {
             let p = p.add(2 * lb) as *const u16;
-            let v = if hl == 8 { _mm_loadu_si128(p as *const __m128i) } else { _mm_loadu_si128(short8(p, hl).as_ptr() as *const __m128i) };
+            let v = if hl == 8 {
+                _mm_loadu_si128(p as *const __m128i)
+            } else {
+                _mm_loadu_si128(short8(p, hl).as_ptr() as *const __m128i)
+            };
             _mm256_cvtph_ps(v)
         };
         let u8x8 = |p: *const u8| {
             let p = p.add(lb);
-            if hl == 8 { _mm_loadl_epi64(p as *const __m128i) } else { _mm_loadl_epi64(short8(p, hl).as_ptr() as *const __m128i) }
+            if hl == 8 {
+                _mm_loadl_epi64(p as *const __m128i)
+            } else {
+                _mm_loadl_epi64(short8(p, hl).as_ptr() as *const __m128i)
+            }
         };
         match K {
             K_Q4_0 | K_Q8_0 => (f16x8(w.d), zero),
@@ -725,11 +792,17 @@ mod x86 {
                 let sb = r * w.nsb + 2 * g + h;
                 let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d)));
                 let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m)));
-                (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc), _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn))
+                (
+                    _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
+                    _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn),
+                )
             }
             _ => {
                 let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8x8(w.d)));
-                (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc), zero)
+                (
+                    _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
+                    zero,
+                )
             }
         }
     }
@@ -795,11 +868,15 @@ mod x86 {
                             av[i] = ld8(arow[i].add(abase + hoff + c * stride), full, maskv);
                         }
                         for r in 0..R {
-                            let ws = _mm256_xor_si256(ld8(wrow[r].add(wbase + c * stride), full, maskv), x80);
+                            let ws = _mm256_xor_si256(
+                                ld8(wrow[r].add(wbase + c * stride), full, maskv),
+                                x80,
+                            );
                             let wa = _mm256_abs_epi8(ws);
                             for i in 0..M {
                                 let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[i], ws));
-                                iacc[r][i] = _mm256_add_epi32(iacc[r][i], _mm256_madd_epi16(p, ones));
+                                iacc[r][i] =
+                                    _mm256_add_epi32(iacc[r][i], _mm256_madd_epi16(p, ones));
                             }
                         }
                     }
@@ -816,7 +893,11 @@ mod x86 {
                         let mut ahi = [zi; M];
                         for i in 0..M {
                             alo[i] = ld8(arow[i].add(abase + hoff + 2 * s * stride), full, maskv);
-                            ahi[i] = ld8(arow[i].add(abase + hoff + (2 * s + 1) * stride), full, maskv);
+                            ahi[i] = ld8(
+                                arow[i].add(abase + hoff + (2 * s + 1) * stride),
+                                full,
+                                maskv,
+                            );
                         }
                         for r in 0..R {
                             let v = ld8(wrow[r].add(wbase + s * stride), full, maskv);
@@ -848,7 +929,11 @@ mod x86 {
                             let su = _mm256_maskload_epi32(a.sum.add(b), maskv);
                             iv = _mm256_sub_epi32(iv, shl256(su, off_shift(K)));
                         }
-                        facc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dv, da), facc[r][i]);
+                        facc[r][i] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(iv),
+                            _mm256_mul_ps(dv, da),
+                            facc[r][i],
+                        );
                         if has_min(K) {
                             let s = _mm256_maskload_ps(a.s.add(b), maskv);
                             facc[r][i] = _mm256_fmadd_ps(mv, s, facc[r][i]);

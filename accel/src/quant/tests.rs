@@ -2,6 +2,8 @@
 //! has, against naive f64 references written straight from the format specs
 //! (independently of the decoders in `formats.rs`).
 
+#![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
+
 use super::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -18,7 +20,10 @@ const ALL: [GgmlType; 8] = [
 ];
 
 fn levels() -> Vec<SimdLevel> {
-    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni].into_iter().filter(|&l| l <= max_level()).collect()
+    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni]
+        .into_iter()
+        .filter(|&l| l <= max_level())
+        .collect()
 }
 
 fn f16b(v: f32) -> [u8; 2] {
@@ -48,7 +53,9 @@ fn ref_block(ty: GgmlType, blk: &[u8]) -> Vec<(f64, f64)> {
                 (q * rd16(blk, 0) + rd16(blk, 2), rd16(blk, 2).abs())
             })
             .collect(),
-        GgmlType::Q8_0 => (0..32).map(|e| (blk[2 + e] as i8 as f64 * rd16(blk, 0), 0.0)).collect(),
+        GgmlType::Q8_0 => (0..32)
+            .map(|e| (blk[2 + e] as i8 as f64 * rd16(blk, 0), 0.0))
+            .collect(),
         GgmlType::Q4_K => {
             let (d, dmin) = (rd16(blk, 0), rd16(blk, 2));
             let s = &blk[4..16];
@@ -60,10 +67,17 @@ fn ref_block(ty: GgmlType, blk: &[u8]) -> Vec<(f64, f64)> {
                     let (sc, mn) = if sb < 4 {
                         (s[sb] & 63, s[sb + 4] & 63)
                     } else {
-                        ((s[sb + 4] & 15) | ((s[sb - 4] >> 6) << 4), (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4))
+                        (
+                            (s[sb + 4] & 15) | ((s[sb - 4] >> 6) << 4),
+                            (s[sb + 4] >> 4) | ((s[sb] >> 6) << 4),
+                        )
                     };
                     let byte = blk[16 + 32 * (e / 64) + e % 32];
-                    let q = if (e / 32) % 2 == 0 { byte & 15 } else { byte >> 4 } as f64;
+                    let q = if (e / 32) % 2 == 0 {
+                        byte & 15
+                    } else {
+                        byte >> 4
+                    } as f64;
                     let m = dmin * mn as f64;
                     (d * sc as f64 * q - m, m.abs())
                 })
@@ -81,15 +95,24 @@ fn ref_block(ty: GgmlType, blk: &[u8]) -> Vec<(f64, f64)> {
                 })
                 .collect()
         }
-        GgmlType::F32 => vec![(f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]) as f64, 0.0)],
+        GgmlType::F32 => vec![(
+            f32::from_le_bytes([blk[0], blk[1], blk[2], blk[3]]) as f64,
+            0.0,
+        )],
         GgmlType::F16 => vec![(rd16(blk, 0), 0.0)],
-        GgmlType::BF16 => vec![(f32::from_bits((u16::from_le_bytes([blk[0], blk[1]]) as u32) << 16) as f64, 0.0)],
+        GgmlType::BF16 => vec![(
+            f32::from_bits((u16::from_le_bytes([blk[0], blk[1]]) as u32) << 16) as f64,
+            0.0,
+        )],
     }
 }
 
 /// Dequantizes a whole GGUF matrix with [`ref_block`].
 fn ref_matrix(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<(f64, f64)> {
-    let out: Vec<(f64, f64)> = bytes.chunks_exact(ty.block_bytes()).flat_map(|b| ref_block(ty, b)).collect();
+    let out: Vec<(f64, f64)> = bytes
+        .chunks_exact(ty.block_bytes())
+        .flat_map(|b| ref_block(ty, b))
+        .collect();
     assert_eq!(out.len(), rows * cols);
     out
 }
@@ -104,9 +127,11 @@ fn random_bytes(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec
         match ty {
             GgmlType::F32 => blk.copy_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes()),
             GgmlType::F16 => put16(0, rng.random_range(-1.0..1.0)),
-            GgmlType::BF16 => {
-                blk.copy_from_slice(&half::bf16::from_f32(rng.random_range(-1.0..1.0)).to_bits().to_le_bytes())
-            }
+            GgmlType::BF16 => blk.copy_from_slice(
+                &half::bf16::from_f32(rng.random_range(-1.0..1.0))
+                    .to_bits()
+                    .to_le_bytes(),
+            ),
             GgmlType::Q4_0 | GgmlType::Q8_0 => put16(0, rng.random_range(-0.05..0.05)),
             GgmlType::Q4_1 => {
                 put16(0, rng.random_range(0.0..0.05));
@@ -131,7 +156,10 @@ fn ref_act(x: &[f32], l: usize) -> Vec<f64> {
         let amax = b.iter().fold(0.0f32, |a, v| a.max(v.abs()));
         let d = amax / 127.0;
         let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-        out.extend(b.iter().map(|&v| (v * id).round_ties_even().clamp(-127.0, 127.0) as f64 * d as f64));
+        out.extend(
+            b.iter()
+                .map(|&v| (v * id).round_ties_even().clamp(-127.0, 127.0) as f64 * d as f64),
+        );
     }
     out
 }
@@ -151,9 +179,22 @@ fn lane_len_of(ty: GgmlType) -> usize {
 /// - the same-activation reference `Σ w·x̂` within f32 accumulation error:
 ///   at most ~(lanes + 16) roundings of 2^-24 relative to Σ(|w| + |min|)|x̂|
 ///   (the min term because Q4_1 / Q4_K add `m · Σx̂` separately).
-fn check(ty: GgmlType, wref: &[(f64, f64)], rows: usize, cols: usize, x: &[f32], m: usize, got: &[f32], what: &str) {
+fn check(
+    ty: GgmlType,
+    wref: &[(f64, f64)],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    m: usize,
+    got: &[f32],
+    what: &str,
+) {
     let l = lane_len_of(ty);
-    let xq = if l > 1 { ref_act(x, l) } else { x.iter().map(|&v| v as f64).collect() };
+    let xq = if l > 1 {
+        ref_act(x, l)
+    } else {
+        x.iter().map(|&v| v as f64).collect()
+    };
     for i in 0..m {
         let xr = &x[i * cols..(i + 1) * cols];
         let xqr = &xq[i * cols..(i + 1) * cols];
@@ -161,8 +202,16 @@ fn check(ty: GgmlType, wref: &[(f64, f64)], rows: usize, cols: usize, x: &[f32],
             let wr = &wref[n * cols..(n + 1) * cols];
             let exact: f64 = wr.iter().zip(xr).map(|(w, &v)| w.0 * v as f64).sum();
             let same: f64 = wr.iter().zip(xqr).map(|(w, &v)| w.0 * v).sum();
-            let mag: f64 = wr.iter().zip(xqr).map(|(w, &v)| (w.0.abs() + w.1) * v.abs()).sum();
-            let mag_x: f64 = wr.iter().zip(xr).map(|(w, &v)| w.0.abs() * (v as f64).abs()).sum();
+            let mag: f64 = wr
+                .iter()
+                .zip(xqr)
+                .map(|(w, &v)| (w.0.abs() + w.1) * v.abs())
+                .sum();
+            let mag_x: f64 = wr
+                .iter()
+                .zip(xr)
+                .map(|(w, &v)| w.0.abs() * (v as f64).abs())
+                .sum();
             let fl = ((cols / l.max(1)) as f64 + 16.0) * 2f64.powi(-24) * 1.5;
             let tight = fl * mag.max(mag_x) + 1e-30;
             let act_bound: f64 = if l > 1 {
@@ -243,7 +292,16 @@ fn matmul_large_m_paths() {
             let mut out = vec![f32::NAN; m * rows];
             let mut scratch = MatmulScratch::default();
             w.matmul_at(level, &pool, &x, m, &mut out, &mut scratch);
-            check(ty, &wref, rows, cols, &x, m, &out, &format!("{ty} {level:?} m {m}"));
+            check(
+                ty,
+                &wref,
+                rows,
+                cols,
+                &x,
+                m,
+                &out,
+                &format!("{ty} {level:?} m {m}"),
+            );
         }
     }
 }
@@ -281,15 +339,27 @@ fn scratch_reuse_across_shapes() {
     let mut rng = StdRng::seed_from_u64(5);
     let pool = ThreadPool::new(2);
     let mut scratch = MatmulScratch::default();
-    for (ty, rows, cols, m) in
-        [(GgmlType::Q8_0, 40, 1024, 9), (GgmlType::Q4_1, 7, 96, 2), (GgmlType::Q6_K, 5, 256, 1), (GgmlType::Q4_0, 3, 32, 1)]
-    {
+    for (ty, rows, cols, m) in [
+        (GgmlType::Q8_0, 40, 1024, 9),
+        (GgmlType::Q4_1, 7, 96, 2),
+        (GgmlType::Q6_K, 5, 256, 1),
+        (GgmlType::Q4_0, 3, 32, 1),
+    ] {
         let bytes = random_bytes(&mut rng, ty, rows, cols);
         let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
         let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         let mut out = vec![0.0; m * rows];
         w.matmul(&pool, &x, m, &mut out, &mut scratch);
-        check(ty, &ref_matrix(ty, rows, cols, &bytes), rows, cols, &x, m, &out, "reuse");
+        check(
+            ty,
+            &ref_matrix(ty, rows, cols, &bytes),
+            rows,
+            cols,
+            &x,
+            m,
+            &out,
+            "reuse",
+        );
     }
 }
 
@@ -307,7 +377,11 @@ fn dequantize_row_matches_reference_for_every_type() {
             for (c, (&got, want)) in row.iter().zip(&wref[r * cols..]).enumerate() {
                 // The kernels' formulas equal ggml's in f32; the f64
                 // reference differs only by the f32 rounding of the products.
-                assert!((got as f64 - want.0).abs() <= 1e-6 * want.0.abs() + 1e-12, "{ty} [{r}][{c}]: {got} vs {}", want.0);
+                assert!(
+                    (got as f64 - want.0).abs() <= 1e-6 * want.0.abs() + 1e-12,
+                    "{ty} [{r}][{c}]: {got} vs {}",
+                    want.0
+                );
             }
         }
     }
@@ -378,14 +452,27 @@ fn q6k_hand_built_block() {
 fn quantize_round_trip_bounds() {
     let mut rng = StdRng::seed_from_u64(9);
     let (rows, cols) = (6, 256);
-    let data: Vec<f32> = (0..rows * cols).map(|_| rng.random_range(-3.0..3.0)).collect();
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+    let data: Vec<f32> = (0..rows * cols)
+        .map(|_| rng.random_range(-3.0..3.0))
+        .collect();
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+    ] {
         let w = Weight::quantize(ty, rows, cols, &data).unwrap();
         assert_eq!(w.ty(), ty);
         let mut row = vec![0.0; cols];
         for r in 0..rows {
             w.dequantize_row(r, &mut row);
-            for (bi, (xb, yb)) in data[r * cols..(r + 1) * cols].chunks(32).zip(row.chunks(32)).enumerate() {
+            for (bi, (xb, yb)) in data[r * cols..(r + 1) * cols]
+                .chunks(32)
+                .zip(row.chunks(32))
+                .enumerate()
+            {
                 let amax = xb.iter().fold(0.0f32, |a, v| a.max(v.abs()));
                 let min = xb.iter().fold(f32::INFINITY, |a, &v| a.min(v));
                 let max = xb.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
@@ -396,19 +483,27 @@ fn quantize_round_trip_bounds() {
                     // The element at +amax opposite the -8 end maps to code 16
                     // and clamps to 15: error up to one step d = amax / 8.
                     GgmlType::Q4_0 => amax / 8.0 * (1.0 + 8.0 / 2048.0),
-                    GgmlType::Q4_1 => (max - min) / 15.0 * (0.5 + 15.0 / 2048.0) + min.abs() / 2048.0,
+                    GgmlType::Q4_1 => {
+                        (max - min) / 15.0 * (0.5 + 15.0 / 2048.0) + min.abs() / 2048.0
+                    }
                     GgmlType::F32 => 0.0,
                     GgmlType::F16 => amax / 2048.0,
                     _ => amax / 256.0,
                 } * 1.001
                     + 1e-7;
                 for (x, y) in xb.iter().zip(yb) {
-                    assert!((x - y).abs() <= bound, "{ty} row {r} block {bi}: {x} -> {y} (bound {bound})");
+                    assert!(
+                        (x - y).abs() <= bound,
+                        "{ty} row {r} block {bi}: {x} -> {y} (bound {bound})"
+                    );
                 }
             }
         }
     }
-    assert!(matches!(Weight::quantize(GgmlType::Q4_K, 1, 256, &[0.0; 256]), Err(WeightError::QuantizeUnsupported(_))));
+    assert!(matches!(
+        Weight::quantize(GgmlType::Q4_K, 1, 256, &[0.0; 256]),
+        Err(WeightError::QuantizeUnsupported(_))
+    ));
 }
 
 #[test]
@@ -437,14 +532,27 @@ fn from_raw_validates_lengths() {
         assert!(Weight::from_raw(ty, 3, cols, &ok).is_ok());
         let err = Weight::from_raw(ty, 3, cols, &ok[1..]).unwrap_err();
         let msg = err.to_string();
-        assert!(msg.contains(&format!("expected {}", ok.len())) && msg.contains(&format!("got {}", ok.len() - 1)), "{msg}");
+        assert!(
+            msg.contains(&format!("expected {}", ok.len()))
+                && msg.contains(&format!("got {}", ok.len() - 1)),
+            "{msg}"
+        );
         if ty.block_len() > 1 {
             let err = Weight::from_raw(ty, 1, cols + 1, &ok).unwrap_err();
-            assert!(matches!(err, WeightError::ColsNotBlockMultiple { .. }), "{err}");
+            assert!(
+                matches!(err, WeightError::ColsNotBlockMultiple { .. }),
+                "{err}"
+            );
             assert!(err.to_string().contains("not a multiple"), "{err}");
         }
     }
-    assert!(matches!(Weight::from_f32(2, 3, &[0.0; 5]), Err(WeightError::WrongLength { unit: "elements", .. })));
+    assert!(matches!(
+        Weight::from_f32(2, 3, &[0.0; 5]),
+        Err(WeightError::WrongLength {
+            unit: "elements",
+            ..
+        })
+    ));
     assert!(Weight::from_bf16_bits(2, 3, &[0; 6]).is_ok());
     assert!(Weight::from_f16_bits(2, 3, &[0; 7]).is_err());
     assert!(Weight::from_raw(GgmlType::Q8_0, usize::MAX, 32, &[]).is_err());
@@ -472,13 +580,22 @@ fn concat_rows_stacks_and_checks() {
     for ty in ALL {
         let cols = if ty.block_len() == 256 { 512 } else { 96 };
         let parts_rows = [3usize, 5, 1];
-        let bytes: Vec<Vec<u8>> = parts_rows.iter().map(|&r| random_bytes(&mut rng, ty, r, cols)).collect();
-        let parts: Vec<Weight> =
-            parts_rows.iter().zip(&bytes).map(|(&r, b)| Weight::from_raw(ty, r, cols, b).unwrap()).collect();
+        let bytes: Vec<Vec<u8>> = parts_rows
+            .iter()
+            .map(|&r| random_bytes(&mut rng, ty, r, cols))
+            .collect();
+        let parts: Vec<Weight> = parts_rows
+            .iter()
+            .zip(&bytes)
+            .map(|(&r, b)| Weight::from_raw(ty, r, cols, b).unwrap())
+            .collect();
         let refs: Vec<&Weight> = parts.iter().collect();
         let cat = Weight::concat_rows(&refs).unwrap();
         assert_eq!((cat.rows(), cat.cols(), cat.ty()), (9, cols, ty));
-        assert_eq!(cat.size_bytes(), parts.iter().map(|p| p.size_bytes()).sum::<usize>());
+        assert_eq!(
+            cat.size_bytes(),
+            parts.iter().map(|p| p.size_bytes()).sum::<usize>()
+        );
         let all: Vec<u8> = bytes.concat();
         let direct = Weight::from_raw(ty, 9, cols, &all).unwrap();
         let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
@@ -500,7 +617,10 @@ fn concat_rows_stacks_and_checks() {
     let err = Weight::concat_rows(&[&a, &b]).unwrap_err();
     assert!(err.to_string().contains("part 1 is Q4_0"), "{err}");
     assert!(Weight::concat_rows(&[&a, &c]).is_err());
-    assert!(matches!(Weight::concat_rows(&[]), Err(WeightError::ConcatEmpty)));
+    assert!(matches!(
+        Weight::concat_rows(&[]),
+        Err(WeightError::ConcatEmpty)
+    ));
 }
 
 #[test]
@@ -516,7 +636,13 @@ fn kernels_detect_corrupted_weights() {
     let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
     let x: Vec<f32> = (0..cols).map(|i| if i == 0 { 1.0 } else { 0.01 }).collect();
     let mut out = vec![0.0; rows];
-    w.matmul(&ThreadPool::new(1), &x, m, &mut out, &mut MatmulScratch::default());
+    w.matmul(
+        &ThreadPool::new(1),
+        &x,
+        m,
+        &mut out,
+        &mut MatmulScratch::default(),
+    );
     let r = std::panic::catch_unwind(|| check(ty, &wref, rows, cols, &x, m, &out, "corrupt"));
     assert!(r.is_err());
 }
@@ -526,7 +652,9 @@ fn activation_quantization_is_identical_at_every_level() {
     let mut rng = StdRng::seed_from_u64(8);
     for l in [16usize, 32] {
         let lanes = 37;
-        let mut x: Vec<f32> = (0..lanes * l).map(|_| rng.random_range(-3.0..3.0)).collect();
+        let mut x: Vec<f32> = (0..lanes * l)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
         // Exact ties after scaling (amax 127 makes id 1), zeros, and a zero block.
         for (k, v) in x[..l].iter_mut().enumerate() {
             *v = if k == 0 { 127.0 } else { k as f32 - 7.5 };
@@ -534,7 +662,12 @@ fn activation_quantization_is_identical_at_every_level() {
         x[l..2 * l].fill(0.0);
         let run = |level| {
             let n = lanes * l;
-            let (mut q, mut d, mut sum, mut s) = (vec![0i8; n], vec![0f32; lanes], vec![0i32; lanes], vec![0f32; lanes]);
+            let (mut q, mut d, mut sum, mut s) = (
+                vec![0i8; n],
+                vec![0f32; lanes],
+                vec![0i32; lanes],
+                vec![0f32; lanes],
+            );
             act::quantize_row(level, l, &x, &mut q, &mut d, &mut sum, &mut s);
             (q, d, sum, s)
         };

@@ -4,6 +4,8 @@
 pub mod bench;
 pub mod generate;
 pub mod models;
+pub mod serve;
+pub mod config_file;
 
 use crate::engine::args::{parse_bytes, EngineArgs};
 use crate::engine::kv_cache::KvCacheDtype;
@@ -26,6 +28,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text for one or more prompts, batched, and print it.
     Generate(generate::GenerateArgs),
+    /// Serve the OpenAI-compatible API.
+    Serve(serve::ServeArgs),
     /// List the supported model architectures.
     Models,
     /// Measure throughput and latency.
@@ -101,6 +105,7 @@ pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(b) => bench::run(b),
+        Command::Serve(a) => serve::run(a),
         Command::Models => {
             models::run();
             Ok(())

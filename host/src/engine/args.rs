@@ -39,6 +39,9 @@ pub struct EngineArgs {
     pub max_num_batched_tokens: usize,
     pub enable_prefix_caching: bool,
     pub scheduling_policy: SchedulingPolicy,
+    /// Seed for requests that give none (each request's RNG is derived
+    /// from it and the request id); `None` seeds from the OS.
+    pub seed: Option<u64>,
 }
 
 impl EngineArgs {
@@ -57,6 +60,7 @@ impl EngineArgs {
             max_num_batched_tokens: 2048,
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fcfs,
+            seed: None,
         }
     }
 }
@@ -185,5 +189,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         policy: args.scheduling_policy,
     });
-    Ok(EngineCore::new(scheduler, kvm, runner, Arc::new(loaded.tokenizer), max_model_len))
+    let mut core = EngineCore::new(scheduler, kvm, runner, Arc::new(loaded.tokenizer), max_model_len);
+    core.set_default_seed(args.seed);
+    Ok(core)
 }

@@ -68,6 +68,7 @@ pub struct EngineCore {
     max_model_len: usize,
     next_id: u64,
     stats: EngineStats,
+    default_seed: Option<u64>,
 }
 
 impl EngineCore {
@@ -88,7 +89,13 @@ impl EngineCore {
             max_model_len,
             next_id: 0,
             stats: EngineStats::default(),
+            default_seed: None,
         }
+    }
+
+    /// Seeds requests that give no seed of their own (`--seed`).
+    pub fn set_default_seed(&mut self, seed: Option<u64>) {
+        self.default_seed = seed;
     }
 
     /// The tokenizer requests are decoded with.
@@ -173,7 +180,7 @@ impl EngineCore {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             eos_ids,
-            rng: Request::new_rng(params.seed),
+            rng: Request::new_rng(params.seed.or(self.default_seed.map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)))),
             output_counts: Default::default(),
             detok,
             pending_text: String::new(),

@@ -8,6 +8,7 @@
 //! - [`llm`]: the offline `LLM` API.
 
 pub mod args;
+pub mod async_engine;
 pub mod config;
 pub mod core;
 pub mod kv_cache;

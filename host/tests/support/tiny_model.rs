@@ -194,13 +194,19 @@ pub fn vocab() -> Vec<String> {
 
 /// The id of the token spelled `text` (byte-level spelling).
 pub fn token_id(text: &str) -> u32 {
-    vocab().iter().position(|t| t == text).unwrap_or_else(|| panic!("no token {text:?}")) as u32
+    vocab()
+        .iter()
+        .position(|t| t == text)
+        .unwrap_or_else(|| panic!("no token {text:?}")) as u32
 }
 
 /// `tokenizer.json`: byte-level BPE with `<s>` and `</s>` as special tokens.
 pub fn tokenizer_json() -> Value {
-    let vocab: serde_json::Map<String, Value> =
-        vocab().into_iter().enumerate().map(|(i, t)| (t, json!(i))).collect();
+    let vocab: serde_json::Map<String, Value> = vocab()
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, json!(i)))
+        .collect();
     let merges: Vec<String> = MERGES.iter().map(|(a, b)| format!("{a} {b}")).collect();
     let special = |id: u32, content: &str| {
         json!({"id": id, "content": content, "single_word": false, "lstrip": false,
@@ -237,7 +243,10 @@ pub fn write_tokenizer_files(dir: &Path) {
             "model_max_length": 128
         }),
     );
-    write_json(&dir.join("generation_config.json"), &json!({"bos_token_id": BOS, "eos_token_id": EOS}));
+    write_json(
+        &dir.join("generation_config.json"),
+        &json!({"bos_token_id": BOS, "eos_token_id": EOS}),
+    );
 }
 
 /// Writes `v` as pretty JSON at `path`.
@@ -278,14 +287,21 @@ impl Storage {
 
     fn encode(self, data: &[f32]) -> (Dtype, Vec<u8>) {
         match self {
-            Storage::F32 => (Dtype::F32, data.iter().flat_map(|x| x.to_le_bytes()).collect()),
+            Storage::F32 => (
+                Dtype::F32,
+                data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ),
             Storage::BF16 => (
                 Dtype::BF16,
-                data.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect(),
+                data.iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+                    .collect(),
             ),
             Storage::F16 => (
                 Dtype::F16,
-                data.iter().flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes()).collect(),
+                data.iter()
+                    .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+                    .collect(),
             ),
         }
     }
@@ -331,12 +347,19 @@ impl TinyModel {
     ///
     /// Scales are chosen so that the model is far from degenerate: q/k
     /// projections are large enough that attention is peaked (so RoPE and
-    /// the GQA head mapping matter), biases are large enough to matter, and
-    /// norms are not all ones.
+    /// the GQA head mapping matter), biases are large enough to matter,
+    /// norms are not all ones, and the attention and MLP outputs outweigh
+    /// the token embedding in the residual stream (otherwise a tied LM head
+    /// just predicts the input token again, and greedy chains repeat it).
     pub fn random(spec: TinySpec) -> TinyModel {
         let mut rng = Rng(spec.seed);
-        let (d, q, kv, f, v) =
-            (spec.hidden_size, spec.q_dim(), spec.kv_dim(), spec.intermediate_size, spec.vocab_size());
+        let (d, q, kv, f, v) = (
+            spec.hidden_size,
+            spec.q_dim(),
+            spec.kv_dim(),
+            spec.intermediate_size,
+            spec.vocab_size(),
+        );
         let mut tensors = Vec::new();
         let mut add = |name: String, shape: Vec<usize>, scale: f32, offset: f32| {
             let n = shape.iter().product();
@@ -356,11 +379,11 @@ impl TinyModel {
                 add(p("self_attn.k_proj.bias"), vec![kv], 0.5, 0.0);
                 add(p("self_attn.v_proj.bias"), vec![kv], 0.5, 0.0);
             }
-            add(p("self_attn.o_proj.weight"), vec![d, q], fan(q), 0.0);
+            add(p("self_attn.o_proj.weight"), vec![d, q], 3.0 * fan(q), 0.0);
             add(p("post_attention_layernorm.weight"), vec![d], 0.3, 1.0);
             add(p("mlp.gate_proj.weight"), vec![f, d], 2.0 * fan(d), 0.0);
             add(p("mlp.up_proj.weight"), vec![f, d], fan(d), 0.0);
-            add(p("mlp.down_proj.weight"), vec![d, f], fan(f), 0.0);
+            add(p("mlp.down_proj.weight"), vec![d, f], 3.0 * fan(f), 0.0);
         }
         add("model.norm.weight".into(), vec![d], 0.3, 1.0);
         if !spec.tie_word_embeddings {
@@ -371,7 +394,10 @@ impl TinyModel {
 
     /// The tensor called `name` (HF name); panics if there is none.
     pub fn get(&self, name: &str) -> &Tensor {
-        self.tensors.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"))
     }
 
     /// The tensor called `name`, if any.
@@ -381,7 +407,10 @@ impl TinyModel {
 
     /// The tensor called `name`, mutably; panics if there is none.
     pub fn get_mut(&mut self, name: &str) -> &mut Tensor {
-        self.tensors.iter_mut().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
+        self.tensors
+            .iter_mut()
+            .find(|t| t.name == name)
+            .unwrap_or_else(|| panic!("no tensor {name}"))
     }
 
     /// A copy with every element of the matrices (and, unless
@@ -472,21 +501,54 @@ impl TinyModel {
         let k = |key: &str| format!("{arch}.{key}");
         let tokens = vocab();
         let types: Vec<GgufValue> = (0..tokens.len())
-            .map(|i| GgufValue::I32(if i as u32 == BOS || i as u32 == EOS { 3 } else { 1 }))
+            .map(|i| {
+                GgufValue::I32(if i as u32 == BOS || i as u32 == EOS {
+                    3
+                } else {
+                    1
+                })
+            })
             .collect();
         vec![
-            ("general.architecture".into(), GgufValue::String(arch.into())),
-            ("general.name".into(), GgufValue::String(format!("tiny-{arch}"))),
-            (k("context_length"), GgufValue::U32(s.max_position_embeddings as u32)),
+            (
+                "general.architecture".into(),
+                GgufValue::String(arch.into()),
+            ),
+            (
+                "general.name".into(),
+                GgufValue::String(format!("tiny-{arch}")),
+            ),
+            (
+                k("context_length"),
+                GgufValue::U32(s.max_position_embeddings as u32),
+            ),
             (k("embedding_length"), GgufValue::U32(s.hidden_size as u32)),
             (k("block_count"), GgufValue::U32(s.num_layers as u32)),
-            (k("feed_forward_length"), GgufValue::U32(s.intermediate_size as u32)),
-            (k("attention.head_count"), GgufValue::U32(s.num_heads as u32)),
-            (k("attention.head_count_kv"), GgufValue::U32(s.num_kv_heads as u32)),
+            (
+                k("feed_forward_length"),
+                GgufValue::U32(s.intermediate_size as u32),
+            ),
+            (
+                k("attention.head_count"),
+                GgufValue::U32(s.num_heads as u32),
+            ),
+            (
+                k("attention.head_count_kv"),
+                GgufValue::U32(s.num_kv_heads as u32),
+            ),
             (k("rope.freq_base"), GgufValue::F32(s.rope_theta as f32)),
-            (k("attention.layer_norm_rms_epsilon"), GgufValue::F32(s.rms_norm_eps as f32)),
-            ("tokenizer.ggml.model".into(), GgufValue::String("gpt2".into())),
-            ("tokenizer.ggml.pre".into(), GgufValue::String("default".into())),
+            (
+                k("attention.layer_norm_rms_epsilon"),
+                GgufValue::F32(s.rms_norm_eps as f32),
+            ),
+            (
+                "tokenizer.ggml.model".into(),
+                GgufValue::String("gpt2".into()),
+            ),
+            (
+                "tokenizer.ggml.pre".into(),
+                GgufValue::String("default".into()),
+            ),
             (
                 "tokenizer.ggml.tokens".into(),
                 GgufValue::Array(tokens.into_iter().map(GgufValue::String).collect()),
@@ -494,12 +556,20 @@ impl TinyModel {
             ("tokenizer.ggml.token_type".into(), GgufValue::Array(types)),
             (
                 "tokenizer.ggml.merges".into(),
-                GgufValue::Array(MERGES.iter().map(|(a, b)| GgufValue::String(format!("{a} {b}"))).collect()),
+                GgufValue::Array(
+                    MERGES
+                        .iter()
+                        .map(|(a, b)| GgufValue::String(format!("{a} {b}")))
+                        .collect(),
+                ),
             ),
             ("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(BOS)),
             ("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(EOS)),
             ("tokenizer.ggml.add_bos_token".into(), GgufValue::Bool(true)),
-            ("tokenizer.chat_template".into(), GgufValue::String(CHAT_TEMPLATE.into())),
+            (
+                "tokenizer.chat_template".into(),
+                GgufValue::String(CHAT_TEMPLATE.into()),
+            ),
         ]
     }
 
@@ -539,8 +609,15 @@ impl TinyModel {
 }
 
 /// Writes a GGUF file from owned metadata keys.
-pub fn write_gguf_parts(path: &Path, metadata: &[(String, GgufValue)], tensors: &[GgufTensorToWrite]) {
-    let meta: Vec<(&str, GgufValue)> = metadata.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+pub fn write_gguf_parts(
+    path: &Path,
+    metadata: &[(String, GgufValue)],
+    tensors: &[GgufTensorToWrite],
+) {
+    let meta: Vec<(&str, GgufValue)> = metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
     write_gguf(path, &meta, tensors).unwrap_or_else(|e| panic!("{}: {e:#}", path.display()));
 }
 
@@ -548,10 +625,14 @@ fn write_safetensors(path: &Path, tensors: &[(String, Vec<usize>, Dtype, Vec<u8>
     let views: BTreeMap<String, TensorView<'_>> = tensors
         .iter()
         .map(|(name, shape, dt, bytes)| {
-            (name.clone(), TensorView::new(*dt, shape.clone(), bytes).expect("a consistent tensor view"))
+            (
+                name.clone(),
+                TensorView::new(*dt, shape.clone(), bytes).expect("a consistent tensor view"),
+            )
         })
         .collect();
-    safetensors::serialize_to_file(views, None, path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    safetensors::serialize_to_file(views, None, path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
 }
 
 /// llama.cpp's name for an HF tensor name.
@@ -562,7 +643,9 @@ pub fn gguf_tensor_name(hf: &str) -> String {
         "lm_head.weight" => return "output.weight".into(),
         _ => {}
     }
-    let rest = hf.strip_prefix("model.layers.").unwrap_or_else(|| panic!("unexpected tensor {hf}"));
+    let rest = hf
+        .strip_prefix("model.layers.")
+        .unwrap_or_else(|| panic!("unexpected tensor {hf}"));
     let (layer, tail) = rest.split_once('.').expect("layer index");
     let table = [
         ("input_layernorm.weight", "attn_norm.weight"),
@@ -578,7 +661,10 @@ pub fn gguf_tensor_name(hf: &str) -> String {
         ("mlp.up_proj.weight", "ffn_up.weight"),
         ("mlp.down_proj.weight", "ffn_down.weight"),
     ];
-    let (_, g) = table.iter().find(|(h, _)| *h == tail).unwrap_or_else(|| panic!("unexpected tensor {hf}"));
+    let (_, g) = table
+        .iter()
+        .find(|(h, _)| *h == tail)
+        .unwrap_or_else(|| panic!("unexpected tensor {hf}"));
     format!("blk.{layer}.{g}")
 }
 

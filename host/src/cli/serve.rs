@@ -1,0 +1,120 @@
+//! `pagoda serve`: the OpenAI-compatible server, with `vllm serve`'s flags.
+
+use super::EngineFlags;
+use crate::server::{serve, ServerConfig};
+use anyhow::{bail, Result};
+use clap::Args;
+use std::time::Duration;
+
+/// Flags of `pagoda serve`.
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub engine: EngineFlags,
+    /// Names the model is served under (default: the model path's file name).
+    #[arg(long, num_args = 1..)]
+    pub served_model_name: Vec<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on the API.
+    #[arg(long, env = "PAGODA_API_KEY")]
+    pub api_key: Option<String>,
+    /// Seed for requests that do not give their own.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Tensor-parallel degree (only 1 is built so far).
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Pipeline-parallel degree (only 1 is built so far).
+    #[arg(long, default_value_t = 1)]
+    pub pipeline_parallel_size: usize,
+    /// Fraction of accelerator memory for weights and KV cache (accelerators only).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f32>,
+    /// The weights' quantization; must match the model (gguf for GGUF files).
+    #[arg(long)]
+    pub quantization: Option<String>,
+    /// A draft model for speculative decoding (not built yet).
+    #[arg(long)]
+    pub speculative_model: Option<String>,
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
+    #[arg(long)]
+    pub speculative_config: Option<String>,
+    /// Requests in flight beyond this get a 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_pending_requests: usize,
+    /// Largest request body, in bytes; larger ones get a 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Seconds SIGTERM waits for requests in flight.
+    #[arg(long, default_value_t = 30)]
+    pub shutdown_grace_seconds: u64,
+    /// Seconds the start-up warm-up forward may take before readiness fails.
+    #[arg(long, default_value_t = 600)]
+    pub ready_timeout_seconds: u64,
+}
+
+/// Rejects flags whose feature is not built yet, instead of ignoring them.
+fn check_unbuilt(a: &ServeArgs) -> Result<()> {
+    if a.tensor_parallel_size != 1 {
+        bail!("--tensor-parallel-size {} is not supported yet: this build runs one device context (use 1)", a.tensor_parallel_size);
+    }
+    if a.pipeline_parallel_size != 1 {
+        bail!("--pipeline-parallel-size {} is not supported yet: this build runs one device context (use 1)", a.pipeline_parallel_size);
+    }
+    if a.speculative_model.is_some() || a.num_speculative_tokens.is_some() || a.speculative_config.is_some() {
+        bail!("speculative decoding (--speculative-model, --num-speculative-tokens, --speculative-config) is not built yet; remove those flags");
+    }
+    if let Some(u) = a.gpu_memory_utilization {
+        if !(0.0..=1.0).contains(&u) || u == 0.0 {
+            bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
+        }
+        if a.engine.device == "cpu" || a.engine.device == "auto" {
+            bail!("--gpu-memory-utilization sizes accelerator memory; on the CPU size the KV cache with --kv-cache-memory (e.g. 4GiB)");
+        }
+    }
+    if let Some(q) = &a.quantization {
+        let is_gguf = a.engine.model.extension().is_some_and(|e| e == "gguf");
+        match (q.as_str(), is_gguf) {
+            ("gguf", true) => {}
+            ("gguf", false) => bail!("--quantization gguf needs a .gguf model file"),
+            (other, _) => bail!(
+                "--quantization {other} is not supported yet: quantized weights load from GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); use --quantization gguf or omit the flag"
+            ),
+        }
+    }
+    Ok(())
+}
+
+/// Runs `pagoda serve`.
+pub fn run(a: ServeArgs) -> Result<()> {
+    check_unbuilt(&a)?;
+    let mut engine = a.engine.to_engine_args()?;
+    engine.seed = a.seed;
+    let names = if a.served_model_name.is_empty() {
+        vec![a
+            .engine
+            .model
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| a.engine.model.display().to_string())]
+    } else {
+        a.served_model_name.clone()
+    };
+    serve(
+        engine,
+        ServerConfig {
+            host: a.host,
+            port: a.port,
+            served_model_names: names,
+            api_key: a.api_key,
+            max_body_bytes: a.max_body_bytes,
+            max_pending_requests: a.max_pending_requests,
+            shutdown_grace: Duration::from_secs(a.shutdown_grace_seconds),
+            ready_timeout: Duration::from_secs(a.ready_timeout_seconds),
+        },
+    )
+}

@@ -1,0 +1,245 @@
+//! The engine on its own thread, driven through channels: the async front
+//! end submits requests and receives each request's outputs on a channel;
+//! dropping a request's stream (a client that went away) aborts it, which
+//! frees its KV blocks at once.
+
+use crate::engine::core::{EngineCore, EngineStats, RequestOptions, StepOutput};
+use crate::engine::request::{FinishReason, ParamError, SamplingParams};
+use crate::tokenizer::Tokenizer;
+use std::collections::HashMap;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::{mpsc, oneshot};
+
+/// Prometheus metric names, as vLLM names them.
+pub mod metric_names {
+    pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
+    pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
+    pub const KV_CACHE_USAGE: &str = "vllm:kv_cache_usage_perc";
+    pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+    pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
+    pub const NUM_PREEMPTIONS: &str = "vllm:num_preemptions_total";
+    pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+    pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
+    pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+    pub const TTFT: &str = "vllm:time_to_first_token_seconds";
+    pub const ITL: &str = "vllm:inter_token_latency_seconds";
+    pub const E2E: &str = "vllm:e2e_request_latency_seconds";
+    pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
+}
+use metric_names as m;
+
+enum Command {
+    Add {
+        external_id: String,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        opts: RequestOptions,
+        outputs: mpsc::UnboundedSender<StepOutput>,
+        reply: oneshot::Sender<Result<u64, ParamError>>,
+    },
+    Abort(u64),
+    Shutdown,
+}
+
+/// A handle to the engine thread. Cheap to clone.
+#[derive(Clone)]
+pub struct AsyncEngine {
+    tx: std_mpsc::Sender<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+    tokenizer: Arc<Tokenizer>,
+    max_model_len: usize,
+    vocab_size: usize,
+}
+
+/// Aborts the engine requests it guards when dropped before they finish,
+/// so a client disconnect frees KV blocks at once.
+pub struct AbortGuard {
+    tx: std_mpsc::Sender<Command>,
+    ids: Vec<u64>,
+    done: bool,
+}
+
+impl AbortGuard {
+    /// Marks the requests finished: nothing to abort on drop.
+    pub fn disarm(&mut self) {
+        self.done = true;
+    }
+
+    /// Adds an engine request to guard.
+    pub fn push(&mut self, id: u64) {
+        self.ids.push(id);
+    }
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if !self.done {
+            for &id in &self.ids {
+                let _ = self.tx.send(Command::Abort(id));
+            }
+        }
+    }
+}
+
+struct Track {
+    outputs: mpsc::UnboundedSender<StepOutput>,
+    arrived: Instant,
+    first_scheduled: Option<Instant>,
+    last_token: Option<Instant>,
+}
+
+impl AsyncEngine {
+    /// Moves `core` onto a new thread and returns the handle.
+    pub fn start(core: EngineCore) -> std::io::Result<AsyncEngine> {
+        let (tx, rx) = std_mpsc::channel();
+        let stats = Arc::new(Mutex::new(core.stats()));
+        let tokenizer = core.tokenizer().clone();
+        let max_model_len = core.max_model_len();
+        let vocab_size = core.runner().model().config().vocab_size;
+        let s = Arc::clone(&stats);
+        std::thread::Builder::new().name("pagoda-engine".into()).spawn(move || engine_loop(core, rx, s))?;
+        Ok(AsyncEngine { tx, stats, tokenizer, max_model_len, vocab_size })
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// The longest sequence the engine accepts.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+    }
+
+    /// The model's vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The counters as of the last step.
+    pub fn stats(&self) -> EngineStats {
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A guard that aborts the requests pushed into it unless disarmed.
+    pub fn abort_guard(&self) -> AbortGuard {
+        AbortGuard { tx: self.tx.clone(), ids: Vec::new(), done: false }
+    }
+
+    /// Submits one sequence; its outputs arrive on `outputs`. Returns the
+    /// engine id, or why the request was refused.
+    pub async fn submit(
+        &self,
+        external_id: String,
+        prompt_ids: Vec<u32>,
+        params: SamplingParams,
+        opts: RequestOptions,
+        outputs: mpsc::UnboundedSender<StepOutput>,
+    ) -> Result<u64, SubmitError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Add { external_id, prompt_ids, params, opts, outputs, reply })
+            .map_err(|_| SubmitError::EngineDead)?;
+        match rx.await {
+            Ok(r) => r.map_err(SubmitError::Invalid),
+            Err(_) => Err(SubmitError::EngineDead),
+        }
+    }
+
+    /// Aborts an engine request.
+    pub fn abort(&self, id: u64) {
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Stops the engine thread after its current step.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// Why a submission failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error(transparent)]
+    Invalid(ParamError),
+    #[error("the engine has stopped")]
+    EngineDead,
+}
+
+fn engine_loop(mut core: EngineCore, rx: std_mpsc::Receiver<Command>, stats: Arc<Mutex<EngineStats>>) {
+    let mut tracks: HashMap<u64, Track> = HashMap::new();
+    let mut last = core.stats();
+    loop {
+        // Block only when there is nothing to run.
+        let first = if core.has_unfinished() {
+            rx.try_recv().ok()
+        } else {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return,
+            }
+        };
+        let mut next = first;
+        while let Some(cmd) = next {
+            match cmd {
+                Command::Add { external_id, prompt_ids, params, opts, outputs, reply } => {
+                    let n = prompt_ids.len();
+                    let r = core.add_request(external_id, prompt_ids, params, opts);
+                    if let Ok(id) = r {
+                        metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
+                        tracks.insert(id, Track { outputs, arrived: Instant::now(), first_scheduled: None, last_token: None });
+                    }
+                    let _ = reply.send(r);
+                }
+                Command::Abort(id) => {
+                    if let Some(out) = core.abort(id) {
+                        finish(&mut tracks, out);
+                    }
+                }
+                Command::Shutdown => return,
+            }
+            next = rx.try_recv().ok();
+        }
+        let outputs = core.step();
+        let now = Instant::now();
+        for out in outputs {
+            if let Some(t) = tracks.get_mut(&out.id) {
+                metrics::counter!(m::GENERATION_TOKENS).increment(out.new_token_ids.len() as u64);
+                match t.last_token {
+                    None => {
+                        metrics::histogram!(m::TTFT).record((now - t.arrived).as_secs_f64());
+                        let started = t.first_scheduled.get_or_insert(now);
+                        metrics::histogram!(m::QUEUE_TIME).record((*started - t.arrived).as_secs_f64().max(0.0));
+                    }
+                    Some(prev) => metrics::histogram!(m::ITL).record((now - prev).as_secs_f64()),
+                }
+                t.last_token = Some(now);
+            }
+            if out.finish_reason.is_some() {
+                finish(&mut tracks, out);
+            } else if let Some(t) = tracks.get(&out.id) {
+                let _ = t.outputs.send(out);
+            }
+        }
+        let s = core.stats();
+        metrics::gauge!(m::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
+        metrics::gauge!(m::NUM_REQUESTS_WAITING).set(s.num_waiting as f64);
+        metrics::gauge!(m::KV_CACHE_USAGE).set(s.kv_usage);
+        metrics::counter!(m::NUM_PREEMPTIONS).increment(s.num_preemptions - last.num_preemptions);
+        metrics::counter!(m::PREFIX_QUERIES).increment(s.prefix.queries - last.prefix.queries);
+        metrics::counter!(m::PREFIX_HITS).increment(s.prefix.hits - last.prefix.hits);
+        last = s;
+        *stats.lock().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+}
+
+fn finish(tracks: &mut HashMap<u64, Track>, out: StepOutput) {
+    if let Some(t) = tracks.remove(&out.id) {
+        let reason = out.finish_reason.unwrap_or(FinishReason::Abort).as_str();
+        metrics::counter!(m::REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
+        metrics::histogram!(m::E2E).record(t.arrived.elapsed().as_secs_f64());
+        let _ = t.outputs.send(out);
+    }
+}

@@ -1,0 +1,149 @@
+//! Errors in OpenAI's exact shape:
+//! `{"error": {"message", "type", "param", "code"}}` with string codes.
+
+use bytes::Bytes;
+use hyper::{Response, StatusCode};
+
+/// An error the API returns to the client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: &'static str,
+}
+
+impl ApiError {
+    /// 400: the request is malformed or a field is out of range.
+    pub fn invalid(param: impl Into<Option<String>>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.into(),
+            code: "invalid_request_error",
+        }
+    }
+
+    /// 400 with `context_length_exceeded`.
+    pub fn context_length(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { code: "context_length_exceeded", ..ApiError::invalid(Some(param.to_string()), message) }
+    }
+
+    /// 401: a missing or wrong API key.
+    pub fn invalid_api_key() -> ApiError {
+        ApiError {
+            status: StatusCode::UNAUTHORIZED,
+            message: "Incorrect API key provided. Pass it as 'Authorization: Bearer KEY'.".into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "invalid_api_key",
+        }
+    }
+
+    /// 404: the model named in the request is not served here.
+    pub fn model_not_found(model: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("The model `{model}` does not exist."),
+            kind: "invalid_request_error",
+            param: Some("model".into()),
+            code: "model_not_found",
+        }
+    }
+
+    /// 404: no such route.
+    pub fn not_found(path: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("No route for {path}."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "not_found",
+        }
+    }
+
+    /// 405: the route exists with another method.
+    pub fn method_not_allowed(method: &str, path: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::METHOD_NOT_ALLOWED,
+            message: format!("{method} is not allowed on {path}."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "method_not_allowed",
+        }
+    }
+
+    /// 413: the body is larger than the server accepts.
+    pub fn too_large(limit: usize) -> ApiError {
+        ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            message: format!("The request body exceeds the limit of {limit} bytes."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "request_too_large",
+        }
+    }
+
+    /// 429: too many requests queued.
+    pub fn overloaded(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: "rate_limit_exceeded",
+        }
+    }
+
+    /// 503: the server is starting, shutting down, or its engine stopped.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: "service_unavailable",
+        }
+    }
+
+    /// 500: a bug or an unexpected failure on our side.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: "internal_error",
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+
+    /// The full HTTP response.
+    pub fn response(&self) -> Response<super::Body> {
+        let mut r = Response::new(super::full(Bytes::from(self.body().to_string())));
+        *r.status_mut() = self.status;
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+        r
+    }
+}
+
+/// A JSON response with status 200.
+pub fn json_response(v: &serde_json::Value) -> Response<super::Body> {
+    let mut r = Response::new(super::full(Bytes::from(v.to_string())));
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+

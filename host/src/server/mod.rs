@@ -1,0 +1,414 @@
+//! The HTTP server: the OpenAI API, health probes and Prometheus metrics,
+//! on hyper 1 and tokio. The engine runs on its own thread behind an
+//! [`AsyncEngine`] handle.
+
+pub mod errors;
+pub mod openai;
+
+use crate::engine::async_engine::{metric_names as m, AsyncEngine};
+use crate::engine::EngineArgs;
+use anyhow::{Context, Result};
+use bytes::Bytes;
+use errors::{json_response, ApiError};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioIo;
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+/// The response body type of every route.
+pub type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::convert::Infallible>;
+
+/// A body of fixed bytes.
+pub fn full(b: Bytes) -> Body {
+    Full::new(b).boxed_unsync()
+}
+
+/// Server settings beyond the engine's.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub host: String,
+    pub port: u16,
+    /// Names the model answers to; the first is listed by `/v1/models`.
+    pub served_model_names: Vec<String>,
+    /// Requests must carry `Authorization: Bearer KEY` when set.
+    pub api_key: Option<String>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Requests in flight beyond this get a 429.
+    pub max_pending_requests: usize,
+    /// How long SIGTERM waits for requests in flight.
+    pub shutdown_grace: Duration,
+    /// How long the start-up warm-up forward may take.
+    pub ready_timeout: Duration,
+}
+
+/// What every request handler shares.
+pub struct AppState {
+    engine: OnceLock<AsyncEngine>,
+    config: ServerConfig,
+    ready: AtomicBool,
+    shutting_down: AtomicBool,
+    load_error: OnceLock<String>,
+    pub(crate) in_flight: AtomicUsize,
+    pub(crate) max_pending: usize,
+    metrics: PrometheusHandle,
+}
+
+impl AppState {
+    /// The engine, if `model` is one this server serves and the engine is up.
+    pub fn engine_for(&self, model: &str) -> Result<&AsyncEngine, ApiError> {
+        let engine = self.engine()?;
+        if !self.config.served_model_names.iter().any(|n| n == model) {
+            return Err(ApiError::model_not_found(model));
+        }
+        Ok(engine)
+    }
+
+    /// The engine, or a 503 while it loads or after shutdown began.
+    pub fn engine(&self) -> Result<&AsyncEngine, ApiError> {
+        if self.shutting_down.load(Ordering::Acquire) {
+            return Err(ApiError::unavailable("The server is shutting down."));
+        }
+        match (self.engine.get(), self.ready.load(Ordering::Acquire)) {
+            (Some(e), true) => Ok(e),
+            _ => Err(ApiError::unavailable(match self.load_error.get() {
+                Some(e) => format!("The model failed to load: {e}"),
+                None => "The model is still loading; retry when /health/ready answers 200.".into(),
+            })),
+        }
+    }
+}
+
+fn install_metrics() -> Result<PrometheusHandle> {
+    // Latency histograms get explicit buckets so they render as Prometheus
+    // histograms (vLLM's bucket edges), not summaries.
+    let latency = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+    let builder = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(m::TTFT.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(m::ITL.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(m::E2E.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), &latency)?;
+    let handle = match builder.install_recorder() {
+        Ok(h) => h,
+        Err(e) => anyhow::bail!("cannot install the metrics recorder: {e}"),
+    };
+    metrics::describe_gauge!(m::NUM_REQUESTS_RUNNING, "Requests running on the engine.");
+    metrics::describe_gauge!(m::NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.");
+    metrics::describe_gauge!(m::KV_CACHE_USAGE, "Fraction of KV-cache blocks in use (0 to 1).");
+    metrics::describe_counter!(m::PROMPT_TOKENS, "Prompt tokens processed.");
+    metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
+    metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
+    metrics::describe_counter!(m::PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.");
+    metrics::describe_counter!(m::PREFIX_HITS, "Prompt tokens found in the prefix cache.");
+    metrics::describe_counter!(m::REQUEST_SUCCESS, "Finished requests by finish reason.");
+    metrics::describe_histogram!(m::TTFT, "Time to first token, seconds.");
+    metrics::describe_histogram!(m::ITL, "Time between tokens, seconds.");
+    metrics::describe_histogram!(m::E2E, "Request latency, seconds.");
+    metrics::describe_histogram!(m::QUEUE_TIME, "Time waiting before first scheduled, seconds.");
+    // Counters start at zero so that they are present before any request.
+    for name in [m::PROMPT_TOKENS, m::GENERATION_TOKENS, m::NUM_PREEMPTIONS, m::PREFIX_QUERIES, m::PREFIX_HITS] {
+        metrics::counter!(name).absolute(0);
+    }
+    for g in [m::NUM_REQUESTS_RUNNING, m::NUM_REQUESTS_WAITING, m::KV_CACHE_USAGE] {
+        metrics::gauge!(g).set(0.0);
+    }
+    Ok(handle)
+}
+
+fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
+    let Some(key) = &state.config.api_key else { return true };
+    req.headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|k| k.trim() == key)
+}
+
+async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
+    let limit = state.config.max_body_bytes;
+    let body = Limited::new(req.into_body(), limit)
+        .collect()
+        .await
+        .map_err(|e| {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                ApiError::too_large(limit)
+            } else {
+                ApiError::invalid(None, format!("cannot read the request body: {e}"))
+            }
+        })?
+        .to_bytes();
+    serde_json::from_slice(&body).map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
+}
+
+async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let result = match (method.clone(), path.as_str()) {
+        (Method::GET, "/health") => Ok(if state.engine.get().is_some() || state.load_error.get().is_none() {
+            json_response(&json!({}))
+        } else {
+            ApiError::unavailable("the model failed to load").response()
+        }),
+        (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.engine() {
+            Ok(_) => json_response(&json!({"status": "ready"})),
+            Err(e) => e.response(),
+        }),
+        (Method::GET, "/metrics") => {
+            let mut r = Response::new(full(Bytes::from(state.metrics.render())));
+            r.headers_mut().insert(
+                hyper::header::CONTENT_TYPE,
+                hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"),
+            );
+            Ok(r)
+        }
+        (Method::GET, "/version") => Ok(json_response(&json!({"version": env!("CARGO_PKG_VERSION")}))),
+        (_, p) if p.starts_with("/v1/") || p == "/tokenize" || p == "/detokenize" => {
+            if !authorized(&state, &req) {
+                Err(ApiError::invalid_api_key())
+            } else {
+                api_route(Arc::clone(&state), method, &path, req).await
+            }
+        }
+        (_, p) => Err(ApiError::not_found(p)),
+    };
+    result.unwrap_or_else(|e| e.response())
+}
+
+async fn api_route(state: Arc<AppState>, method: Method, path: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    match (method, path) {
+        (Method::GET, "/v1/models") => {
+            state.engine()?;
+            let data: Vec<Value> = state
+                .config
+                .served_model_names
+                .iter()
+                .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "pagoda", "max_model_len": state.engine.get().map(|e| e.max_model_len())}))
+                .collect();
+            Ok(json_response(&json!({"object": "list", "data": data})))
+        }
+        (Method::POST, "/v1/completions") => {
+            let body = read_json(&state, req).await?;
+            openai::completions(state, body).await
+        }
+        (Method::POST, "/v1/chat/completions") => {
+            let body = read_json(&state, req).await?;
+            openai::chat(state, body).await
+        }
+        (Method::POST, "/tokenize") => {
+            let body = read_json(&state, req).await?;
+            tokenize(&state, &body)
+        }
+        (Method::POST, "/detokenize") => {
+            let body = read_json(&state, req).await?;
+            detokenize(&state, &body)
+        }
+        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => Err(ApiError::method_not_allowed(m.as_str(), p)),
+        (_, p) => Err(ApiError::not_found(p)),
+    }
+}
+
+fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
+    let f = openai::protocol::Fields::of(body)?;
+    let engine = match f.str("model")? {
+        Some(m) => state.engine_for(m)?,
+        None => state.engine()?,
+    };
+    let tok = engine.tokenizer();
+    let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
+    let text = if f.0.contains_key("messages") {
+        let messages = openai::protocol::parse_messages(&f)?;
+        let t = tok.chat_template().ok_or_else(|| ApiError::invalid(Some("messages".into()), "this model has no chat template"))?;
+        t.render(&messages, f.bool("add_generation_prompt")?.unwrap_or(true))
+            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?
+    } else {
+        f.str("prompt")?.ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required"))?.to_string()
+    };
+    let ids = tok.encode(&text, add_special).map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?;
+    Ok(json_response(&json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids})))
+}
+
+fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
+    let f = openai::protocol::Fields::of(body)?;
+    let engine = match f.str("model")? {
+        Some(m) => state.engine_for(m)?,
+        None => state.engine()?,
+    };
+    let ids = f.u32s("tokens")?;
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= engine.vocab_size()) {
+        return Err(ApiError::invalid(Some("tokens".into()), format!("token id {bad} is beyond the vocabulary")));
+    }
+    let text = engine.tokenizer().decode(&ids, false).map_err(|e| ApiError::invalid(Some("tokens".into()), format!("{e:#}")))?;
+    Ok(json_response(&json!({"prompt": text})))
+}
+
+/// Loads the model, then runs a one-token forward; marks the server ready
+/// only if both succeed within the timeout.
+fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
+    let core = crate::engine::build_engine(args)?;
+    let engine = AsyncEngine::start(core).context("cannot start the engine thread")?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let bos = engine.tokenizer().bos_id().unwrap_or(0);
+        let params = crate::engine::SamplingParams::greedy(1);
+        let warm = async {
+            engine
+                .submit("warmup".into(), vec![bos], params, Default::default(), tx)
+                .await
+                .map_err(|e| anyhow::anyhow!("warm-up request refused: {e}"))?;
+            while let Some(o) = rx.recv().await {
+                if o.finish_reason.is_some() {
+                    return Ok(());
+                }
+            }
+            anyhow::bail!("the engine stopped during warm-up")
+        };
+        tokio::time::timeout(state.config.ready_timeout, warm)
+            .await
+            .map_err(|_| anyhow::anyhow!("the warm-up forward took longer than {:?}", state.config.ready_timeout))?
+    })?;
+    let _ = state.engine.set(engine);
+    state.ready.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Runs `pagoda serve` until SIGTERM or Ctrl-C.
+pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
+    let metrics = install_metrics()?;
+    let state = Arc::new(AppState {
+        engine: OnceLock::new(),
+        max_pending: config.max_pending_requests,
+        config,
+        ready: AtomicBool::new(false),
+        shutting_down: AtomicBool::new(false),
+        load_error: OnceLock::new(),
+        in_flight: AtomicUsize::new(0),
+        metrics,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("pagoda-http")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        let addr: SocketAddr = format!("{}:{}", state.config.host, state.config.port)
+            .parse()
+            .with_context(|| format!("--host {} --port {} is not a socket address", state.config.host, state.config.port))?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        tracing::info!("listening on http://{addr} (model loading; /health/ready turns 200 when ready)");
+        // Probes answer while the model loads, so load it off the runtime.
+        let loader = {
+            let state = Arc::clone(&state);
+            tokio::task::spawn_blocking(move || {
+                if let Err(e) = load_and_warm_up(&state, &args) {
+                    tracing::error!("{e:#}");
+                    let _ = state.load_error.set(format!("{e:#}"));
+                    return Err(e);
+                }
+                tracing::info!("ready: serving {:?}", state.config.served_model_names);
+                Ok(())
+            })
+        };
+        tokio::spawn(log_stats(Arc::clone(&state)));
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let mut shutdown = Box::pin(shutdown_signal());
+        let mut loader = Box::pin(loader);
+        let mut load_failed = None;
+        loop {
+            tokio::select! {
+                conn = listener.accept() => {
+                    let (stream, _) = match conn {
+                        Ok(c) => c,
+                        Err(e) => { tracing::warn!("accept failed: {e}"); continue; }
+                    };
+                    let state = Arc::clone(&state);
+                    let svc = hyper::service::service_fn(move |req| {
+                        let state = Arc::clone(&state);
+                        async move { Ok::<_, std::convert::Infallible>(route(state, req).await) }
+                    });
+                    let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!("connection error: {e}");
+                        }
+                    });
+                }
+                r = &mut loader, if load_failed.is_none() => {
+                    match r {
+                        Ok(Ok(())) => load_failed = Some(false),
+                        Ok(Err(e)) => return Err(e),
+                        Err(e) => return Err(anyhow::anyhow!("the model loader panicked: {e}")),
+                    }
+                }
+                _ = &mut shutdown => break,
+            }
+        }
+        tracing::info!("shutting down: finishing requests in flight (grace {:?})", state.config.shutdown_grace);
+        drop(listener);
+        match tokio::time::timeout(state.config.shutdown_grace, graceful.shutdown()).await {
+            Ok(()) => tracing::info!("all connections closed"),
+            Err(_) => tracing::warn!("grace period over; closing remaining connections"),
+        }
+        state.shutting_down.store(true, Ordering::Release);
+        if let Some(e) = state.engine.get() {
+            e.shutdown();
+        }
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+}
+
+/// Logs a line like vLLM's every 10 s while there is activity.
+async fn log_stats(state: Arc<AppState>) {
+    let mut last: Option<(std::time::Instant, crate::engine::core::EngineStats)> = None;
+    let mut tick = tokio::time::interval(Duration::from_secs(10));
+    loop {
+        tick.tick().await;
+        let Some(engine) = state.engine.get() else { continue };
+        let s = engine.stats();
+        let now = std::time::Instant::now();
+        if let Some((t, prev)) = last {
+            let dt = (now - t).as_secs_f64();
+            let prompt = (s.prompt_tokens - prev.prompt_tokens) as f64 / dt;
+            let gen = (s.generation_tokens - prev.generation_tokens) as f64 / dt;
+            if prompt > 0.0 || gen > 0.0 || s.num_running > 0 || s.num_waiting > 0 {
+                let hit = if s.prefix.queries > 0 { 100.0 * s.prefix.hits as f64 / s.prefix.queries as f64 } else { 0.0 };
+                tracing::info!(
+                    "Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, Running: {} reqs, Waiting: {} reqs, KV cache usage: {:.1}%, Prefix cache hit rate: {hit:.1}%",
+                    s.num_running,
+                    s.num_waiting,
+                    100.0 * s.kv_usage
+                );
+            }
+        }
+        last = Some((now, s));
+    }
+}
+

@@ -1,0 +1,417 @@
+//! The OpenAI-compatible endpoints: `/v1/completions` and
+//! `/v1/chat/completions`, streamed (SSE) and not.
+
+pub mod protocol;
+
+use crate::engine::async_engine::{AbortGuard, SubmitError};
+use crate::engine::core::{StepOutput, StopReason};
+use crate::engine::request::TokenLogprob;
+use crate::server::errors::{json_response, ApiError};
+use crate::server::{AppState, Body};
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Frame;
+use hyper::Response;
+use protocol::{parse_common, parse_messages, parse_prompts, CommonParams, Fields, PromptInput};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// Which endpoint a generation serves; decides the response shapes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    Completions,
+    Chat,
+}
+
+fn now_secs() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn random_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(state: Arc<AppState>, body: Value) -> Result<Response<Body>, ApiError> {
+    let f = Fields::of(&body)?;
+    let common = parse_common(&f, false)?;
+    let engine = state.engine_for(&common.model)?;
+    let prompts = parse_prompts(&f)?;
+    let tok = engine.tokenizer().clone();
+    let mut ids = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        ids.push(match p {
+            PromptInput::Text(t) => tok.encode(&t, true).map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?,
+            PromptInput::Tokens(t) => t,
+        });
+    }
+    generate(state, common, ids, Api::Completions).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<Body>, ApiError> {
+    let f = Fields::of(&body)?;
+    let common = parse_common(&f, true)?;
+    let engine = state.engine_for(&common.model)?;
+    let messages = parse_messages(&f)?;
+    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let tok = engine.tokenizer().clone();
+    let template = tok.chat_template().ok_or_else(|| {
+        ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one.")
+    })?;
+    let text = template
+        .render(&messages, add_generation_prompt)
+        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("the chat template failed: {e:#}")))?;
+    // The rendered template already holds BOS where the model wants it.
+    let ids = tok.encode(&text, false).map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
+    generate(state, common, vec![ids], Api::Chat).await
+}
+
+/// Per choice: what has been produced so far.
+#[derive(Default, Clone)]
+struct Choice {
+    text: String,
+    tokens: usize,
+    logprobs: Vec<TokenLogprob>,
+    finish_reason: Option<&'static str>,
+    stop_reason: Option<Value>,
+}
+
+struct Run {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+    rx: mpsc::UnboundedReceiver<StepOutput>,
+    guard: AbortGuard,
+    /// engine id → choice index
+    choice_of: HashMap<u64, usize>,
+    choices: Vec<Choice>,
+    prompt_tokens: usize,
+    remaining: usize,
+    want_logprobs: bool,
+    tokenizer: Arc<crate::tokenizer::Tokenizer>,
+    _slot: InFlight,
+}
+
+/// Counts a request as in flight until dropped.
+struct InFlight(Arc<AppState>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+async fn generate(state: Arc<AppState>, common: CommonParams, prompts: Vec<Vec<u32>>, api: Api) -> Result<Response<Body>, ApiError> {
+    let engine = state.engine_for(&common.model)?.clone();
+    let max_len = engine.max_model_len();
+    let param = if api == Api::Chat { "messages" } else { "prompt" };
+    for ids in &prompts {
+        if ids.is_empty() {
+            return Err(ApiError::invalid(Some(param.into()), "the prompt is empty"));
+        }
+        let want = ids.len() + common.params.max_tokens.unwrap_or(1);
+        if ids.len() >= max_len || want > max_len {
+            return Err(ApiError::context_length(
+                param,
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {want} tokens ({} in the {}, {} in the completion). Please reduce the length of the {} or completion.",
+                    ids.len(),
+                    if api == Api::Chat { "messages" } else { "prompt" },
+                    common.params.max_tokens.unwrap_or(1),
+                    if api == Api::Chat { "messages" } else { "prompt" },
+                ),
+            ));
+        }
+    }
+    common
+        .params
+        .validate(engine.vocab_size())
+        .map_err(|e| ApiError::invalid(Some(e.param.to_string()), e.message))?;
+    let in_flight = state.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+    let slot = InFlight(Arc::clone(&state));
+    if in_flight > state.max_pending {
+        return Err(ApiError::overloaded(format!(
+            "The server has {} requests in flight, its limit (--max-pending-requests). Retry later.",
+            state.max_pending
+        )));
+    }
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut guard = engine.abort_guard();
+    let mut choice_of = HashMap::new();
+    let n = common.params.n;
+    let id = random_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" });
+    let mut prompt_tokens = 0;
+    for (pi, ids) in prompts.into_iter().enumerate() {
+        prompt_tokens += ids.len();
+        for si in 0..n {
+            let mut p = common.params.clone();
+            p.n = 1;
+            p.seed = common.params.seed.map(|s| s.wrapping_add(si as u64));
+            if p.max_tokens.is_none() {
+                p.max_tokens = Some(max_len - ids.len());
+            }
+            let eid = engine
+                .submit(format!("{id}-{pi}-{si}"), ids.clone(), p, common.opts.clone(), tx.clone())
+                .await
+                .map_err(|e| match e {
+                    SubmitError::Invalid(e) => ApiError::invalid(Some(e.param.to_string()), e.message),
+                    SubmitError::EngineDead => ApiError::unavailable("the engine has stopped"),
+                })?;
+            guard.push(eid);
+            choice_of.insert(eid, pi * n + si);
+        }
+    }
+    let total = choice_of.len();
+    let run = Run {
+        api,
+        id,
+        created: now_secs(),
+        model: common.model.clone(),
+        rx,
+        guard,
+        choice_of,
+        choices: vec![Choice::default(); total],
+        prompt_tokens: prompt_tokens * n,
+        remaining: total,
+        want_logprobs: common.params.logprobs.is_some(),
+        tokenizer: engine.tokenizer().clone(),
+        _slot: slot,
+    };
+    if common.stream {
+        Ok(stream_response(run, common.include_usage))
+    } else {
+        collect_response(run).await
+    }
+}
+
+fn stop_reason_json(r: &Option<StopReason>) -> Option<Value> {
+    match r {
+        Some(StopReason::Token(t)) => Some(json!(t)),
+        Some(StopReason::Text(s)) => Some(json!(s)),
+        None => None,
+    }
+}
+
+impl Run {
+    /// Folds one engine output into its choice; returns the choice index.
+    fn absorb(&mut self, o: &StepOutput) -> Option<usize> {
+        let &i = self.choice_of.get(&o.id)?;
+        let c = &mut self.choices[i];
+        c.text.push_str(&o.new_text);
+        c.tokens += o.new_token_ids.len();
+        if self.want_logprobs {
+            c.logprobs.extend(o.logprobs.iter().cloned());
+        }
+        if let Some(f) = o.finish_reason {
+            c.finish_reason = Some(f.as_str());
+            c.stop_reason = stop_reason_json(&o.stop_reason);
+            self.remaining -= 1;
+        }
+        Some(i)
+    }
+
+    fn usage(&self) -> Value {
+        let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        })
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn logprobs_json(&self, lps: &[TokenLogprob], text_offset: usize) -> Value {
+        if !self.want_logprobs {
+            return Value::Null;
+        }
+        match self.api {
+            Api::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let t = self.token_text(id);
+                    json!({"token": t, "logprob": lp, "bytes": t.as_bytes()})
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = entry(l.token_id, l.logprob);
+                        e["top_logprobs"] = l.top.iter().map(|&(t, lp)| entry(t, lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Api::Completions => {
+                let mut offset = text_offset;
+                let mut tokens = Vec::new();
+                let mut offsets = Vec::new();
+                for l in lps {
+                    let t = self.token_text(l.token_id);
+                    offsets.push(offset);
+                    offset += t.len();
+                    tokens.push(t);
+                }
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let m: serde_json::Map<String, Value> =
+                            l.top.iter().map(|&(t, lp)| (self.token_text(t), json!(lp))).collect();
+                        Value::Object(m)
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn final_body(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let lp = self.logprobs_json(&c.logprobs, 0);
+                match self.api {
+                    Api::Completions => json!({
+                        "index": i, "text": c.text, "logprobs": lp,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    }),
+                    Api::Chat => json!({
+                        "index": i,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    }),
+                }
+            })
+            .collect();
+        json!({
+            "id": self.id,
+            "object": if self.api == Api::Chat { "chat.completion" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(),
+        })
+    }
+
+    fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Bytes {
+        let body = json!({
+            "id": self.id,
+            "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        });
+        Bytes::from(format!("data: {body}\n\n"))
+    }
+
+    /// The SSE chunk for one engine output, if it carries anything.
+    fn delta_chunk(&self, i: usize, o: &StepOutput) -> Option<Bytes> {
+        let finish = o.finish_reason.map(|f| f.as_str());
+        if o.new_text.is_empty() && finish.is_none() && !(self.want_logprobs && !o.logprobs.is_empty()) {
+            return None;
+        }
+        let c = &self.choices[i];
+        let lp = self.logprobs_json(&o.logprobs, c.text.len() - o.new_text.len());
+        let choice = match self.api {
+            Api::Completions => json!({
+                "index": i, "text": o.new_text, "logprobs": lp,
+                "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
+            }),
+            Api::Chat => {
+                let delta = if o.new_text.is_empty() { json!({}) } else { json!({"content": o.new_text}) };
+                json!({
+                    "index": i, "delta": delta, "logprobs": lp,
+                    "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
+                })
+            }
+        };
+        Some(self.chunk(vec![choice], None))
+    }
+}
+
+async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
+    while run.remaining > 0 {
+        match run.rx.recv().await {
+            Some(o) => {
+                run.absorb(&o);
+            }
+            None => return Err(ApiError::unavailable("the engine stopped before the request finished")),
+        }
+    }
+    run.guard.disarm();
+    Ok(json_response(&run.final_body()))
+}
+
+fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
+    enum Phase {
+        Start,
+        Tokens,
+        Usage,
+        Done,
+        End,
+    }
+    let stream = futures_util::stream::unfold((run, Phase::Start), move |(mut run, phase)| async move {
+        match phase {
+            Phase::Start => {
+                let frame = if run.api == Api::Chat {
+                    // Chat streams open with the role, as OpenAI's do.
+                    let choices = (0..run.choices.len())
+                        .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+                        .collect();
+                    run.chunk(choices, None)
+                } else {
+                    Bytes::new()
+                };
+                Some((Ok(Frame::data(frame)), (run, Phase::Tokens)))
+            }
+            Phase::Tokens => loop {
+                if run.remaining == 0 {
+                    let next = if include_usage { Phase::Usage } else { Phase::Done };
+                    break Some((Ok(Frame::data(Bytes::new())), (run, next)));
+                }
+                match run.rx.recv().await {
+                    Some(o) => {
+                        let Some(i) = run.absorb(&o) else { continue };
+                        if let Some(b) = run.delta_chunk(i, &o) {
+                            break Some((Ok(Frame::data(b)), (run, Phase::Tokens)));
+                        }
+                    }
+                    None => {
+                        let err = ApiError::unavailable("the engine stopped before the request finished");
+                        let b = Bytes::from(format!("data: {}\n\n", err.body()));
+                        break Some((Ok(Frame::data(b)), (run, Phase::Done)));
+                    }
+                }
+            },
+            Phase::Usage => {
+                let b = run.chunk(Vec::new(), Some(run.usage()));
+                Some((Ok(Frame::data(b)), (run, Phase::Done)))
+            }
+            Phase::Done => {
+                run.guard.disarm();
+                Some((Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))), (run, Phase::End)))
+            }
+            Phase::End => None,
+        }
+    });
+    let body = http_body_util::StreamBody::new(stream).boxed_unsync();
+    let mut r = Response::new(body);
+    let h = r.headers_mut();
+    h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));
+    h.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
+    r
+}

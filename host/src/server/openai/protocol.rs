@@ -1,0 +1,301 @@
+//! Parsing and validation of OpenAI requests. Bodies are read as JSON
+//! values and fields are taken one by one, so a wrong type is reported with
+//! the field's name in `param`; unknown fields are ignored, as OpenAI does.
+
+use crate::engine::core::RequestOptions;
+use crate::engine::request::SamplingParams;
+use crate::server::errors::ApiError;
+use serde_json::{Map, Value};
+
+/// Typed access to a request object's fields, with OpenAI-style errors.
+pub struct Fields<'a>(pub &'a Map<String, Value>);
+
+fn type_error(name: &str, want: &str) -> ApiError {
+    ApiError::invalid(Some(name.to_string()), format!("'{name}' must be {want}"))
+}
+
+impl<'a> Fields<'a> {
+    /// The body as an object, or a 400.
+    pub fn of(v: &'a Value) -> Result<Fields<'a>, ApiError> {
+        v.as_object().map(Fields).ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))
+    }
+
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v),
+        }
+    }
+
+    pub fn str(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
+        self.get(name).map(|v| v.as_str().ok_or_else(|| type_error(name, "a string"))).transpose()
+    }
+
+    pub fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        self.get(name).map(|v| v.as_bool().ok_or_else(|| type_error(name, "a boolean"))).transpose()
+    }
+
+    pub fn f32(&self, name: &str) -> Result<Option<f32>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| type_error(name, "a number")))
+            .transpose()
+    }
+
+    pub fn i64(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_i64()
+                    .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64))
+                    .ok_or_else(|| type_error(name, "an integer"))
+            })
+            .transpose()
+    }
+
+    pub fn usize(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        match self.i64(name)? {
+            None => Ok(None),
+            Some(x) if x >= 0 => Ok(Some(x as usize)),
+            Some(x) => Err(ApiError::invalid(Some(name.to_string()), format!("'{name}' must be non-negative, got {x}"))),
+        }
+    }
+
+    pub fn u64(&self, name: &str) -> Result<Option<u64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(x) => Ok(Some(x)),
+                None => match v.as_i64() {
+                    // OpenAI accepts negative seeds; keep their bits.
+                    Some(x) => Ok(Some(x as u64)),
+                    None => Err(type_error(name, "an integer")),
+                },
+            },
+        }
+    }
+
+    /// A string or a list of strings (`stop`).
+    pub fn strings(&self, name: &str) -> Result<Vec<String>, ApiError> {
+        match self.get(name) {
+            None => Ok(Vec::new()),
+            Some(Value::String(s)) => Ok(vec![s.clone()]),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_str().map(str::to_string).ok_or_else(|| type_error(name, "a string or a list of strings")))
+                .collect(),
+            Some(_) => Err(type_error(name, "a string or a list of strings")),
+        }
+    }
+
+    pub fn u32s(&self, name: &str) -> Result<Vec<u32>, ApiError> {
+        match self.get(name) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| type_error(name, "a list of token ids")))
+                .collect(),
+            Some(_) => Err(type_error(name, "a list of token ids")),
+        }
+    }
+
+    pub fn object(&self, name: &str) -> Result<Option<&'a Map<String, Value>>, ApiError> {
+        self.get(name).map(|v| v.as_object().ok_or_else(|| type_error(name, "an object"))).transpose()
+    }
+}
+
+/// What both endpoints share once parsed: the sampling parameters, engine
+/// options and streaming flags.
+#[derive(Debug, Clone)]
+pub struct CommonParams {
+    pub model: String,
+    pub params: SamplingParams,
+    pub opts: RequestOptions,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// `max_tokens` was given (else it fills the context, capped).
+    pub max_tokens_given: bool,
+}
+
+/// Parses the sampling fields common to completions and chat.
+pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError> {
+    let model = f
+        .str("model")?
+        .ok_or_else(|| ApiError::invalid(Some("model".into()), "'model' is required"))?
+        .to_string();
+    let mut p = SamplingParams::default();
+    let max_tokens = if chat {
+        match f.usize("max_completion_tokens")? {
+            Some(x) => Some(x),
+            None => f.usize("max_tokens")?,
+        }
+    } else {
+        f.usize("max_tokens")?.or(Some(16))
+    };
+    p.max_tokens = max_tokens;
+    if let Some(n) = f.usize("n")? {
+        p.n = n;
+    }
+    if let Some(t) = f.f32("temperature")? {
+        p.temperature = t;
+    }
+    if let Some(x) = f.f32("top_p")? {
+        p.top_p = x;
+    }
+    if let Some(x) = f.i64("top_k")? {
+        p.top_k = i32::try_from(x).map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))?;
+    }
+    if let Some(x) = f.f32("min_p")? {
+        p.min_p = x;
+    }
+    if let Some(x) = f.f32("repetition_penalty")? {
+        p.repetition_penalty = x;
+    }
+    if let Some(x) = f.f32("presence_penalty")? {
+        p.presence_penalty = x;
+    }
+    if let Some(x) = f.f32("frequency_penalty")? {
+        p.frequency_penalty = x;
+    }
+    if let Some(bias) = f.object("logit_bias")? {
+        for (k, v) in bias {
+            let t: u32 = k
+                .parse()
+                .map_err(|_| ApiError::invalid(Some("logit_bias".into()), format!("logit_bias key '{k}' is not a token id")))?;
+            let b = v
+                .as_f64()
+                .ok_or_else(|| ApiError::invalid(Some("logit_bias".into()), "logit_bias values must be numbers"))?;
+            p.logit_bias.push((t, b as f32));
+        }
+    }
+    p.seed = f.u64("seed")?;
+    p.stop = f.strings("stop")?;
+    p.stop_token_ids = f.u32s("stop_token_ids")?;
+    if let Some(x) = f.bool("ignore_eos")? {
+        p.ignore_eos = x;
+    }
+    if let Some(x) = f.usize("min_tokens")? {
+        p.min_tokens = x;
+    }
+    if let Some(x) = f.bool("skip_special_tokens")? {
+        p.skip_special_tokens = x;
+    }
+    if let Some(x) = f.bool("include_stop_str_in_output")? {
+        p.include_stop_str_in_output = x;
+    }
+    if chat {
+        if f.bool("logprobs")?.unwrap_or(false) {
+            p.logprobs = Some(f.usize("top_logprobs")?.unwrap_or(0));
+        } else if f.usize("top_logprobs")?.is_some_and(|k| k > 0) {
+            return Err(ApiError::invalid(Some("top_logprobs".into()), "'top_logprobs' requires 'logprobs' to be true"));
+        }
+    } else {
+        p.logprobs = f.usize("logprobs")?;
+        if f.bool("echo")?.unwrap_or(false) {
+            return Err(ApiError::invalid(Some("echo".into()), "'echo' is not supported"));
+        }
+        if f.str("suffix")?.is_some() {
+            return Err(ApiError::invalid(Some("suffix".into()), "'suffix' is not supported"));
+        }
+    }
+    if let Some(best_of) = f.usize("best_of")? {
+        if best_of != p.n {
+            return Err(ApiError::invalid(Some("best_of".into()), "'best_of' other than n is not supported"));
+        }
+    }
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
+        None => false,
+    };
+    let priority = f.i64("priority")?.unwrap_or(0);
+    let cache_salt = match f.str("cache_salt")? {
+        Some(s) => salt_of(s),
+        None => 0,
+    };
+    Ok(CommonParams {
+        model,
+        max_tokens_given: max_tokens.is_some(),
+        params: p,
+        opts: RequestOptions { cache_salt, priority },
+        stream,
+        include_usage,
+    })
+}
+
+/// Hashes a salt string (the tenant and `cache_salt`) into the prefix
+/// cache's salt.
+pub fn salt_of(s: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    s.hash(&mut h);
+    h.finish()
+}
+
+/// A completions prompt: a string, a list of strings, a list of token ids
+/// or a list of lists of token ids.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// Parses `prompt` of a completions request.
+pub fn parse_prompts(f: &Fields<'_>) -> Result<Vec<PromptInput>, ApiError> {
+    let bad = || ApiError::invalid(Some("prompt".into()), "'prompt' must be a string, a list of strings, or token ids");
+    let v = f.get("prompt").ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' is required"))?;
+    let tokens = |a: &Vec<Value>| -> Option<Vec<u32>> {
+        a.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
+    };
+    let out = match v {
+        Value::String(s) => vec![PromptInput::Text(s.clone())],
+        Value::Array(a) if a.is_empty() => return Err(ApiError::invalid(Some("prompt".into()), "'prompt' must not be empty")),
+        Value::Array(a) if a[0].is_string() => a
+            .iter()
+            .map(|x| x.as_str().map(|s| PromptInput::Text(s.to_string())).ok_or_else(bad))
+            .collect::<Result<_, _>>()?,
+        Value::Array(a) if a[0].is_number() => vec![PromptInput::Tokens(tokens(a).ok_or_else(bad)?)],
+        Value::Array(a) if a[0].is_array() => a
+            .iter()
+            .map(|x| x.as_array().and_then(tokens).map(PromptInput::Tokens).ok_or_else(bad))
+            .collect::<Result<_, _>>()?,
+        _ => return Err(bad()),
+    };
+    if out.len() > 256 {
+        return Err(ApiError::invalid(Some("prompt".into()), "at most 256 prompts per request"));
+    }
+    Ok(out)
+}
+
+/// One chat message as the template sees it.
+pub fn parse_messages(f: &Fields<'_>) -> Result<Vec<crate::tokenizer::chat_template::ChatMessage>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("messages".into()), m);
+    let list = match f.get("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(Value::Array(_)) => return Err(bad("'messages' must not be empty".into())),
+        Some(_) => return Err(bad("'messages' must be a list of messages".into())),
+        None => return Err(bad("'messages' is required".into())),
+    };
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
+        let content = match m.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut s = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => s.push_str(t),
+                        _ => return Err(bad(format!("messages[{i}].content[{j}] must be a text part"))),
+                    }
+                }
+                s
+            }
+            Some(_) => return Err(bad(format!("messages[{i}].content must be a string or a list of parts"))),
+        };
+        out.push(crate::tokenizer::chat_template::ChatMessage { role: role.to_string(), content });
+    }
+    Ok(out)
+}
