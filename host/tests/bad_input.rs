@@ -83,6 +83,8 @@ fn expect_error(model: &Path, extra: &[&str], needles: &[&str]) -> String {
         "{}: last stderr line is not an error: {last:?}",
         model.display()
     );
+    // Shown with `--nocapture`, to review the wording of every message.
+    eprintln!("{last}");
     let lower = last.to_lowercase();
     for needle in needles {
         assert!(

@@ -1,0 +1,205 @@
+//! Shared pieces of the end-to-end tests: finding the built binary and the
+//! demo model, starting `pagoda serve` on a free port, and an HTTP client
+//! that returns 4xx/5xx responses instead of failing on them.
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The `pagoda` binary of the same build as this test (`target/<profile>/pagoda`).
+pub fn pagoda_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/pagoda
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let bin = dir.join("pagoda");
+    assert!(bin.exists(), "{} is missing: run `cargo build --release --workspace` first", bin.display());
+    bin
+}
+
+/// The demo GGUF: `$PAGODA_DEMO_GGUF`, or what scripts/fetch-demo-model.sh prints.
+pub fn demo_gguf() -> PathBuf {
+    if let Ok(p) = std::env::var("PAGODA_DEMO_GGUF") {
+        return PathBuf::from(p);
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fetch-demo-model.sh");
+    let out = Command::new(script).output().expect("running scripts/fetch-demo-model.sh");
+    assert!(out.status.success(), "fetch-demo-model.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// An HTTP client that hands back error statuses as responses.
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(300)))
+        .build()
+        .into()
+}
+
+/// A running `pagoda serve`, killed when dropped.
+pub struct Server {
+    pub child: Child,
+    pub base: String,
+    pub log: PathBuf,
+    _dir: TempDir,
+}
+
+/// A temporary directory removed on drop (no extra crate needed).
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("pagoda-e2e-{tag}-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&p).expect("temp dir");
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Server {
+    /// Starts the server on the demo model with `extra` flags and waits
+    /// until `/health/ready` answers 200.
+    pub fn start(extra: &[&str]) -> Server {
+        Self::start_with_model(&demo_gguf(), extra)
+    }
+
+    /// Starts the server on `model`.
+    pub fn start_with_model(model: &std::path::Path, extra: &[&str]) -> Server {
+        let port = free_port();
+        let dir = TempDir::new("server");
+        let log = dir.0.join("server.log");
+        let logf = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(pagoda_bin())
+            .arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--port", &port.to_string(), "--served-model-name", "smol", "--threads", "2"])
+            .args(["--kv-cache-memory", "256MiB", "--max-model-len", "2048"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .expect("starting pagoda serve");
+        let mut s = Server { child, base: format!("http://127.0.0.1:{port}"), log, _dir: dir };
+        s.wait_ready(Duration::from_secs(120));
+        s
+    }
+
+    fn wait_ready(&mut self, limit: Duration) {
+        let started = Instant::now();
+        let a = agent();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("pagoda serve exited with {status}:\n{}", self.log_text());
+            }
+            if let Ok(r) = a.get(&format!("{}/health/ready", self.base)).call() {
+                if r.status() == 200 {
+                    return;
+                }
+            }
+            assert!(started.elapsed() < limit, "server not ready after {limit:?}:\n{}", self.log_text());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The server's stderr so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `base + path`.
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs JSON; returns (status, parsed body).
+    pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let mut r = agent().post(&self.url(path)).send_json(body).expect("request");
+        let status = r.status().as_u16();
+        let text = r.body_mut().read_to_string().expect("body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    /// GETs a path; returns (status, body text).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        let mut r = agent().get(&self.url(path)).call().expect("request");
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_to_string().expect("body"))
+    }
+
+    /// The value of an unlabelled sample in `/metrics`.
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.get("/metrics");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
+    }
+
+    /// The process's resident memory in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Sends a signal to the server.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, sig);
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Reads an SSE body: the `data:` payloads of each event, in order, up to
+/// and including `[DONE]`. Events are separated by blank lines and may span
+/// several `data:` lines, as the SSE spec allows.
+pub fn read_sse(reader: impl std::io::Read) -> Vec<String> {
+    let mut events = Vec::new();
+    let mut data: Vec<String> = Vec::new();
+    for line in BufReader::new(reader).lines() {
+        let line = line.expect("SSE line");
+        if line.is_empty() {
+            if !data.is_empty() {
+                let ev = data.join("\n");
+                data.clear();
+                let done = ev == "[DONE]";
+                events.push(ev);
+                if done {
+                    break;
+                }
+            }
+            continue;
+        }
+        if let Some(d) = line.strip_prefix("data:") {
+            data.push(d.strip_prefix(' ').unwrap_or(d).to_string());
+        } else if line.starts_with(':') {
+            continue; // a comment
+        } else {
+            panic!("unexpected SSE line: {line:?}");
+        }
+    }
+    events
+}

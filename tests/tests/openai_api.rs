@@ -1,0 +1,239 @@
+//! The OpenAI-compatible API of the real binary, on the demo model.
+
+use pagoda_e2e::{agent, read_sse, Server};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+fn chat_body(stream: bool) -> Value {
+    json!({
+        "model": "smol",
+        "messages": [{"role": "user", "content": "What is 2+2? Answer briefly."}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "stream": stream,
+        "stream_options": {"include_usage": true},
+    })
+}
+
+#[test]
+fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
+    let s = Server::start(&[]);
+    // Non-streamed chat.
+    let (status, full) = s.post("/v1/chat/completions", &chat_body(false));
+    assert_eq!(status, 200, "{full}");
+    assert_eq!(full["object"], "chat.completion");
+    let text = full["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    assert!(!text.is_empty());
+    let usage = &full["usage"];
+    // The prompt count equals what /tokenize says for the same messages.
+    let (_, tok) = s.post("/tokenize", &json!({"model": "smol", "messages": chat_body(false)["messages"], "add_special_tokens": false}));
+    assert_eq!(usage["prompt_tokens"], tok["count"], "{tok}");
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap())
+    );
+
+    // Streamed chat: same greedy text, role first, usage last, then [DONE].
+    let r = agent().post(&s.url("/v1/chat/completions")).send_json(&chat_body(true)).expect("stream");
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers().get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
+    let events = read_sse(r.into_body().into_reader());
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("chunk JSON")).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str()).map(str::to_string))
+        .collect();
+    assert_eq!(streamed, text);
+    let last = chunks.last().expect("usage chunk");
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"], *usage);
+    let finish: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0).map(|ch| &ch["finish_reason"])).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish.len(), 1, "exactly one chunk carries the finish reason");
+    assert_eq!(*finish[0], full["choices"][0]["finish_reason"]);
+
+    // Completions, streamed and not, with n = 2 and logprobs.
+    let body = json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "n": 2, "logprobs": 3});
+    let (status, c) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{c}");
+    assert_eq!(c["choices"].as_array().map(Vec::len), Some(2));
+    assert_eq!(c["choices"][0]["text"], c["choices"][1]["text"], "greedy samples agree");
+    assert!(c["choices"][0]["text"].as_str().unwrap().starts_with(" Paris"), "{c}");
+    assert_eq!(c["usage"]["prompt_tokens"], 10, "two samples of a 5-token prompt");
+    assert_eq!(c["usage"]["completion_tokens"], 16);
+    let lp = &c["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(8));
+    assert_eq!(lp["top_logprobs"][0].as_object().map(|o| o.len()), Some(3));
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    let r = agent().post(&s.url("/v1/completions")).send_json(&sbody).expect("stream");
+    let events = read_sse(r.into_body().into_reader());
+    let mut texts = [String::new(), String::new()];
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).expect("chunk");
+        for ch in v["choices"].as_array().expect("choices") {
+            texts[ch["index"].as_u64().unwrap() as usize].push_str(ch["text"].as_str().unwrap());
+        }
+    }
+    assert_eq!(texts[0], c["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(texts[1], c["choices"][1]["text"].as_str().unwrap());
+
+    // Stop strings end the text before the stop string.
+    let (_, st) = s.post("/v1/completions", &json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0, "stop": ["."]}));
+    assert_eq!(st["choices"][0]["text"], " Paris");
+    assert_eq!(st["choices"][0]["finish_reason"], "stop");
+    assert_eq!(st["choices"][0]["stop_reason"], ".");
+
+    // Models, version, tokenize round trip.
+    let (_, models) = s.get("/v1/models");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "smol");
+    let (_, t) = s.post("/tokenize", &json!({"prompt": "Hello, world!", "add_special_tokens": false}));
+    assert_eq!(t["tokens"], json!([19556, 28, 905, 17]));
+    let (_, d) = s.post("/detokenize", &json!({"tokens": [19556, 28, 905, 17]}));
+    assert_eq!(d["prompt"], "Hello, world!");
+    assert_eq!(s.get("/version").0, 200);
+}
+
+fn assert_error(s: &Server, path: &str, body: &str, status: u16, code: &str, param: Option<&str>) {
+    let mut r = agent()
+        .post(&s.url(path))
+        .header("content-type", "application/json")
+        .send(body)
+        .expect("request");
+    assert_eq!(r.status().as_u16(), status, "{body}");
+    let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).expect("error JSON");
+    let e = v["error"].as_object().unwrap_or_else(|| panic!("no error object: {v}"));
+    let mut keys: Vec<&str> = e.keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(keys, ["code", "message", "param", "type"], "{v}");
+    assert_eq!(e["code"], code, "{v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
+    assert_eq!(e["param"].as_str(), param, "{v}");
+    assert!(e["type"].is_string());
+}
+
+#[test]
+fn every_error_class_has_the_exact_openai_shape() {
+    let s = Server::start(&["--api-key", "sekret", "--max-body-bytes", "4096"]);
+    let auth = |path: &str, body: &str| {
+        let mut r = agent()
+            .post(&s.url(path))
+            .header("authorization", "Bearer sekret")
+            .header("content-type", "application/json")
+            .send(body)
+            .expect("request");
+        let status = r.status().as_u16();
+        (status, serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap())
+    };
+    // 401 without or with a wrong key.
+    assert_error(&s, "/v1/completions", r#"{"model":"smol","prompt":"hi"}"#, 401, "invalid_api_key", None);
+    // With the key, the rest.
+    let cases: Vec<(&str, String, u16, &str, Option<&str>)> = vec![
+        ("/v1/completions", "{not json".into(), 400, "invalid_request_error", None),
+        ("/v1/completions", "[1,2]".into(), 400, "invalid_request_error", None),
+        ("/v1/completions", r#"{"prompt":"hi"}"#.into(), 400, "invalid_request_error", Some("model")),
+        ("/v1/completions", r#"{"model":"gpt-9","prompt":"hi"}"#.into(), 404, "model_not_found", Some("model")),
+        ("/v1/completions", r#"{"model":"smol","prompt":"hi","temperature":"warm"}"#.into(), 400, "invalid_request_error", Some("temperature")),
+        ("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":-3}"#.into(), 400, "invalid_request_error", Some("max_tokens")),
+        ("/v1/completions", r#"{"model":"smol","prompt":"hi","top_p":7}"#.into(), 400, "invalid_request_error", Some("top_p")),
+        ("/v1/completions", r#"{"model":"smol","prompt":{"a":1}}"#.into(), 400, "invalid_request_error", Some("prompt")),
+        ("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":4000}"#.into(), 400, "context_length_exceeded", Some("prompt")),
+        ("/v1/chat/completions", r#"{"model":"smol","messages":[]}"#.into(), 400, "invalid_request_error", Some("messages")),
+        ("/v1/chat/completions", r#"{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":4000}"#.into(), 400, "context_length_exceeded", Some("messages")),
+        ("/v1/completions", format!(r#"{{"model":"smol","prompt":"{}"}}"#, "a".repeat(5000)), 413, "request_too_large", None),
+        ("/v1/nothing", "{}".into(), 404, "not_found", None),
+    ];
+    for (path, body, status, code, param) in cases {
+        let (got, v) = auth(path, &body);
+        assert_eq!(got, status, "{path} {body:.80}: {v}");
+        assert_eq!(v["error"]["code"], code, "{v}");
+        assert_eq!(v["error"]["param"].as_str(), param, "{v}");
+    }
+    // Unknown fields are ignored.
+    let (got, v) = auth("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":2,"frobnicate":true}"#);
+    assert_eq!(got, 200, "{v}");
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_kv_blocks() {
+    let s = Server::start(&[]);
+    let body = json!({"model": "smol", "prompt": "Count forever:", "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    let r = agent().post(&s.url("/v1/completions")).send_json(&body).expect("stream");
+    let mut reader = std::io::BufReader::new(r.into_body().into_reader());
+    let mut line = String::new();
+    for _ in 0..6 {
+        line.clear();
+        std::io::BufRead::read_line(&mut reader, &mut line).expect("read");
+    }
+    assert!(s.metric("vllm:num_requests_running") >= 1.0);
+    assert!(s.metric("vllm:kv_cache_usage_perc") > 0.0);
+    drop(reader);
+    let started = Instant::now();
+    while s.metric("vllm:num_requests_running") != 0.0 || s.metric("vllm:kv_cache_usage_perc") != 0.0 {
+        assert!(started.elapsed() < Duration::from_secs(20), "the aborted request still holds KV");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, text) = s.get("/metrics");
+    assert!(text.contains("vllm:request_success_total{finished_reason=\"abort\"} 1"), "{text}");
+}
+
+#[test]
+fn overload_gets_answers_not_hangs_and_memory_stays_bounded() {
+    let s = Server::start(&["--max-num-seqs", "4", "--max-pending-requests", "48"]);
+    let rss_before = s.rss_kib();
+    let url = s.url("/v1/chat/completions");
+    let handles: Vec<_> = (0..64)
+        .map(|i| {
+            let url = url.clone();
+            std::thread::spawn(move || {
+                let body = json!({
+                    "model": "smol", "max_tokens": 16, "stream": true, "temperature": 0,
+                    "messages": [{"role": "user", "content": format!("Say something about the number {i}.")}],
+                });
+                let mut r = agent().post(&url).send_json(&body).expect("request");
+                let status = r.status().as_u16();
+                if status == 200 {
+                    let events = read_sse(r.into_body().into_reader());
+                    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+                } else {
+                    let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).expect("JSON error body");
+                    assert!(v["error"]["message"].is_string());
+                }
+                status
+            })
+        })
+        .collect();
+    let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().expect("client thread")).collect();
+    assert!(statuses.iter().all(|s| [200, 429, 503].contains(s)), "{statuses:?}");
+    assert!(statuses.iter().filter(|&&s| s == 200).count() >= 4);
+    let rss_after = s.rss_kib();
+    assert!(rss_after < rss_before + 512 * 1024, "RSS grew from {rss_before} KiB to {rss_after} KiB");
+}
+
+#[test]
+fn sigterm_finishes_requests_in_flight_and_exits_zero() {
+    let mut s = Server::start(&[]);
+    let url = s.url("/v1/completions");
+    let client = std::thread::spawn(move || {
+        let body = json!({"model": "smol", "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": true, "temperature": 0});
+        let mut r = agent().post(&url).send_json(&body).expect("request");
+        let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+        (r.status().as_u16(), v)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    s.signal(libc::SIGTERM);
+    let (status, v) = client.join().expect("client");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 48);
+    let started = Instant::now();
+    loop {
+        if let Some(code) = s.child.try_wait().expect("wait") {
+            assert!(code.success(), "exit status {code}:\n{}", s.log_text());
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "server did not exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
