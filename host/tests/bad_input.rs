@@ -466,3 +466,22 @@ fn dtype_float8_is_rejected_with_the_accepted_values() {
         ],
     );
 }
+
+#[test]
+fn zz_probe_write() {
+    let m = TinyModel::random(TinySpec::llama());
+    let base = Path::new("/tmp/probe");
+    let _ = std::fs::remove_dir_all(base);
+    m.write_hf(&base.join("hf"), Storage::F32, 1);
+    m.write_gguf(&base.join("tiny.gguf"));
+    // vocab smaller than the tokenizer's
+    let mut small = TinyModel::random(TinySpec::llama());
+    let t = small.get_mut("model.embed_tokens.weight");
+    t.shape = vec![40, 64];
+    t.data.truncate(40 * 64);
+    small.write_hf(&base.join("smallvocab"), Storage::F32, 1);
+    let p = base.join("smallvocab/config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    c["vocab_size"] = json!(40);
+    write_json(&p, &c);
+}

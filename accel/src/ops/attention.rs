@@ -1688,4 +1688,178 @@ mod tests {
             &mut out,
         );
     }
+
+    /// One prompt's K/V in a shuffled pool, plus a second sequence's for
+    /// batch mates, for the invariance tests.
+    struct Prompt<T> {
+        layout: KvLayout,
+        k: Vec<T>,
+        v: Vec<T>,
+        table: Vec<u32>,
+        mate_table: Vec<u32>,
+        q: Vec<f32>,
+        n_heads: usize,
+    }
+
+    const PROMPT_LEN: usize = 150;
+    const MATE_LEN: usize = 45;
+
+    fn prompt<T: KvElem>(
+        rng: &mut StdRng,
+        head_dim: usize,
+        n_heads: usize,
+        n_kv: usize,
+        block_size: usize,
+    ) -> Prompt<T> {
+        let blocks = PROMPT_LEN.div_ceil(block_size) + MATE_LEN.div_ceil(block_size);
+        let layout = KvLayout {
+            num_blocks: blocks + 3,
+            block_size,
+            n_kv_heads: n_kv,
+            head_dim,
+        };
+        let mut free: Vec<u32> = (0..layout.num_blocks as u32).collect();
+        free.shuffle(rng);
+        let table: Vec<u32> = free.drain(..PROMPT_LEN.div_ceil(block_size)).collect();
+        let mate_table: Vec<u32> = free.drain(..MATE_LEN.div_ceil(block_size)).collect();
+        let mut k = vec![T::from_f32(0.0); layout.elems()];
+        let mut v = vec![T::from_f32(0.0); layout.elems()];
+        let row = n_kv * head_dim;
+        for (t, len) in [(&table, PROMPT_LEN), (&mate_table, MATE_LEN)] {
+            // Keys with a drift over the positions, so the running max moves
+            // in later chunks and the online rescale is exercised.
+            let kv: Vec<f32> = (0..len * row)
+                .map(|i| rng.random_range(-1.0..1.0) + (i / row) as f32 * 0.01)
+                .collect();
+            let vv: Vec<f32> = (0..len * row)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let slots: Vec<u32> = (0..len)
+                .map(|p| t[p / block_size] * block_size as u32 + (p % block_size) as u32)
+                .collect();
+            write_kv(&layout, &mut k, &mut v, &kv, &vv, &slots);
+        }
+        // Large enough queries that scores spread over several units.
+        let q = (0..PROMPT_LEN * n_heads * head_dim)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        Prompt {
+            layout,
+            k,
+            v,
+            table,
+            mate_table,
+            q,
+            n_heads,
+        }
+    }
+
+    /// The prompt's output rows computed in chunks of `chunk` queries (each
+    /// call attending to the cache up to the chunk's end), each call with a
+    /// decode row and a short chunk of another sequence around it.
+    fn chunked<T: KvElem>(
+        p: &Prompt<T>,
+        level: SimdLevel,
+        pool: &ThreadPool,
+        chunk: usize,
+        rng: &mut StdRng,
+    ) -> Vec<f32> {
+        let w = p.n_heads * p.layout.head_dim;
+        let scale = 1.0 / (p.layout.head_dim as f32).sqrt();
+        let mut out = vec![f32::NAN; PROMPT_LEN * w];
+        let mut start = 0;
+        while start < PROMPT_LEN {
+            let len = chunk.min(PROMPT_LEN - start);
+            let mate_ctx = rng.random_range(3..=MATE_LEN);
+            let mate_q = rng.random_range(1..=3);
+            // Rows: [decode mate][our chunk][mate chunk].
+            let mut qb: Vec<f32> = (0..w).map(|_| rng.random_range(-3.0..3.0)).collect();
+            qb.extend_from_slice(&p.q[start * w..(start + len) * w]);
+            qb.extend((0..mate_q * w).map(|_| rng.random_range(-3.0..3.0)));
+            let seqs = [
+                AttnSeq {
+                    q_start: 0,
+                    q_len: 1,
+                    ctx_len: mate_ctx,
+                    block_table: &p.mate_table,
+                },
+                AttnSeq {
+                    q_start: 1,
+                    q_len: len,
+                    ctx_len: start + len,
+                    block_table: &p.table,
+                },
+                AttnSeq {
+                    q_start: 1 + len,
+                    q_len: mate_q,
+                    ctx_len: MATE_LEN,
+                    block_table: &p.mate_table,
+                },
+            ];
+            let mut ob = vec![f32::NAN; qb.len()];
+            paged_attention_at(
+                level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, &mut ob,
+            );
+            out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
+            start += len;
+        }
+        out
+    }
+
+    /// A query row's output is bitwise the same whatever tile it is
+    /// computed in: the prompt in chunks of 1 (decode), 2, 5, 17, 64 and all
+    /// 150 queries at once, on 1 or 3 threads, with batch mates.
+    fn check_tile_invariance<T: KvElem>(seed: u64) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        // (head_dim, n_heads, n_kv, block_size): group sizes 3, 4, 1 and 7,
+        // head dims with and without a partial vector, an f32 cache read in
+        // place in chunks of 8 (block size 8) and one gathered (bs 1).
+        for &(d, h, kv, bs) in &[
+            (64usize, 9usize, 3usize, 16usize),
+            (72, 8, 2, 8),
+            (40, 4, 4, 1),
+            (128, 14, 2, 32),
+        ] {
+            let p = prompt::<T>(&mut rng, d, h, kv, bs);
+            for level in levels() {
+                let want = chunked(&p, level, &ThreadPool::new(1), PROMPT_LEN, &mut rng);
+                assert!(want.iter().all(|x| x.is_finite()));
+                for threads in [1usize, 3] {
+                    let pool = ThreadPool::new(threads);
+                    for chunk in [1usize, 2, 5, 17, 64, PROMPT_LEN] {
+                        let got = chunked(&p, level, &pool, chunk, &mut rng);
+                        let w = h * d;
+                        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                            panic!(
+                                "{:?} {level:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
+                                 in chunks of {chunk}, position {} head {} dim {} is {} \
+                                 but {} in one prefill",
+                                T::DTYPE,
+                                i / w,
+                                i % w / d,
+                                i % d,
+                                got[i],
+                                want[i]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_tile_f32() {
+        check_tile_invariance::<f32>(21);
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_tile_f16() {
+        check_tile_invariance::<f16>(22);
+    }
+
+    #[test]
+    fn rows_do_not_depend_on_the_tile_bf16() {
+        check_tile_invariance::<bf16>(23);
+    }
 }

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The official `openai` package, unmodified, against a running Pagoda.
+
+usage: openai_client.py BASE_URL MODEL
+Covers model listing, chat and completions, streamed and not, and parses
+/metrics with prometheus_client's text parser. Exits non-zero on failure;
+the last line is a summary ('N passed, 0 failed').
+"""
+import sys
+import urllib.request
+
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+base, model = sys.argv[1], sys.argv[2]
+client = OpenAI(base_url=base + "/v1", api_key="unused")
+passed = 0
+
+
+def check(name, cond, detail=""):
+    global passed
+    if not cond:
+        print(f"FAIL {name}: {detail}")
+        print(f"{passed} passed, 1 failed")
+        sys.exit(1)
+    passed += 1
+    print(f"ok {name}")
+
+
+models = client.models.list()
+check("models.list", [m.id for m in models.data] == [model], models)
+
+chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is 2+2? Answer briefly."}], max_tokens=16, temperature=0
+)
+check("chat", chat.choices[0].message.role == "assistant" and chat.choices[0].message.content, chat)
+check("chat usage", chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens, chat.usage)
+
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "What is 2+2? Answer briefly."}],
+    max_tokens=16,
+    temperature=0,
+    stream=True,
+    stream_options={"include_usage": True},
+)
+parts, usage = [], None
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+    if chunk.usage:
+        usage = chunk.usage
+check("chat stream text", "".join(parts) == chat.choices[0].message.content, parts)
+check("chat stream usage", usage is not None and usage.completion_tokens == chat.usage.completion_tokens, usage)
+
+comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+check("completions", comp.choices[0].text.startswith(" Paris"), comp)
+text = "".join(
+    c.choices[0].text
+    for c in client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    if c.choices
+)
+check("completions stream", text == comp.choices[0].text, text)
+
+try:
+    client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])
+    check("404 raises", False, "no exception")
+except Exception as e:  # openai.NotFoundError
+    check("404 raises NotFoundError", type(e).__name__ == "NotFoundError" and getattr(e, "code", None) == "model_not_found", repr(e))
+
+metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+families = {f.name: f for f in text_string_to_metric_families(metrics)}
+for name in [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens",
+    "vllm:generation_tokens",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_success",
+]:
+    check(f"metric {name}", name in families, sorted(families))
+check("ttft is a histogram", families["vllm:time_to_first_token_seconds"].type == "histogram")
+print(f"{passed} passed, 0 failed")
