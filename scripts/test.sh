@@ -13,7 +13,7 @@ PAGODA_DEMO_GGUF="$(scripts/fetch-demo-model.sh)"
 export PAGODA_DEMO_GGUF
 
 # Real clients the end-to-end tests drive (from PyPI).
-python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40,<3" "prometheus_client>=0.20" kubernetes-validate >&2
+python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate >&2
 
 # Release mode: the tests run real models through the real kernels, and one
 # optimized build serves both the tests and the binary.
