@@ -23,6 +23,22 @@ impl Lcg {
 }
 
 fn weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut Lcg) -> Weight {
+    if matches!(ty, GgmlType::Q4_K | GgmlType::Q6_K) {
+        // No quantizer for K-quants: random blocks with small scales.
+        let bb = ty.block_bytes();
+        let mut bytes: Vec<u8> = (0..rows * cols / 256 * bb)
+            .map(|_| (rng.next_f32().to_bits() >> 3) as u8)
+            .collect();
+        let d = half::f16::from_f32(0.001).to_bits().to_le_bytes();
+        for blk in bytes.chunks_exact_mut(bb) {
+            let at = if ty == GgmlType::Q4_K { 0 } else { 208 };
+            blk[at..at + 2].copy_from_slice(&d);
+            if ty == GgmlType::Q4_K {
+                blk[2..4].copy_from_slice(&d);
+            }
+        }
+        return Weight::from_raw(ty, rows, cols, &bytes).expect("benchmark shapes are valid");
+    }
     let data: Vec<f32> = (0..rows * cols).map(|_| rng.next_f32() * 0.05).collect();
     Weight::quantize(ty, rows, cols, &data).expect("benchmark shapes are valid")
 }
@@ -69,6 +85,8 @@ fn main() {
         GgmlType::BF16,
         GgmlType::F16,
         GgmlType::F32,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
     ];
     let types: Vec<GgmlType> = types
         .into_iter()
@@ -89,6 +107,8 @@ fn main() {
         if ty == GgmlType::Q8_0 {
             shapes.push((49152, 576));
         }
+        // K-quant rows are 256-element super-blocks: 576 columns cannot be.
+        shapes.retain(|&(_, cols)| cols % ty.block_len() == 0);
         for (rows, cols) in shapes {
             let w = weight(ty, rows, cols, &mut rng);
             for m in [1usize, 16, 64] {
@@ -120,7 +140,7 @@ fn main() {
         "{:<5} {:>8} {:>3} {:>3} {:>10} {:>9} {:>8} {:>9}",
         "type", "MB", "m", "thr", "ms/step", "tok/s", "GB/s", "cpu-tok/s"
     );
-    for &ty in &types {
+    for &ty in types.iter().filter(|t| 576 % t.block_len() == 0) {
         let mut layers = Vec::new();
         for _ in 0..30 {
             layers.push([

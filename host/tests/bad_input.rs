@@ -60,7 +60,7 @@ fn generate(model: &Path, extra: &[&str]) -> (Option<i32>, String, String) {
 /// stderr line that starts with `error:` and contains every needle
 /// (case-insensitively); returns that line.
 fn expect_error(model: &Path, extra: &[&str], needles: &[&str]) -> String {
-    let (code, _, stderr) = generate(model, extra);
+    let (code, stdout, stderr) = generate(model, extra);
     assert!(
         !stderr.contains("panicked"),
         "{}: the binary panicked:\n{stderr}",
@@ -69,7 +69,7 @@ fn expect_error(model: &Path, extra: &[&str], needles: &[&str]) -> String {
     assert_eq!(
         code,
         Some(1),
-        "{}: expected exit status 1, got {code:?}; stderr:\n{stderr}",
+        "{}: expected exit status 1, got {code:?}; stdout:\n{stdout}\nstderr:\n{stderr}",
         model.display()
     );
     let last = stderr

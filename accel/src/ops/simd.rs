@@ -37,12 +37,6 @@ pub(crate) trait Simd: Copy + 'static {
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// Sum of the lanes.
     unsafe fn hsum(v: Self::V) -> f32;
-    /// The four lane sums of `a`, `b`, `c`, `d`; vector code shares the
-    /// shuffles between them (a third of the cost of four `hsum`s).
-    #[inline(always)]
-    unsafe fn hsum4(a: Self::V, b: Self::V, c: Self::V, d: Self::V) -> [f32; 4] {
-        unsafe { [Self::hsum(a), Self::hsum(b), Self::hsum(c), Self::hsum(d)] }
-    }
     /// Maximum of the lanes.
     unsafe fn hmax(v: Self::V) -> f32;
     /// Lane-wise `if a > b { -inf } else { s }`: the causal mask, with `a`
@@ -252,10 +246,6 @@ impl Simd for Avx2 {
         }
     }
     #[inline(always)]
-    unsafe fn hsum4(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
-        unsafe { hsum4_256(a, b, c, d) }
-    }
-    #[inline(always)]
     unsafe fn hmax(v: __m256) -> f32 {
         unsafe {
             let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
@@ -335,25 +325,6 @@ impl Simd for Avx2 {
             }
             Scalar::bf16_to_f32(src.add(i), dst.add(i), n - i);
         }
-    }
-}
-
-/// Lane sums of four 8-lane vectors: two rounds of pairwise horizontal adds
-/// leave `[a, b, c, d]` partial sums in each 128-bit half.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn hsum4_256(a: __m256, b: __m256, c: __m256, d: __m256) -> [f32; 4] {
-    unsafe {
-        let ab = _mm256_hadd_ps(a, b);
-        let cd = _mm256_hadd_ps(c, d);
-        let abcd = _mm256_hadd_ps(ab, cd);
-        let s = _mm_add_ps(
-            _mm256_castps256_ps128(abcd),
-            _mm256_extractf128_ps::<1>(abcd),
-        );
-        let mut out = [0.0f32; 4];
-        _mm_storeu_ps(out.as_mut_ptr(), s);
-        out
     }
 }
 
@@ -460,19 +431,6 @@ impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn hsum(v: __m512) -> f32 {
         unsafe { _mm512_reduce_add_ps(v) }
-    }
-    #[inline(always)]
-    unsafe fn hsum4(a: __m512, b: __m512, c: __m512, d: __m512) -> [f32; 4] {
-        // Fold each to 256 bits, then share the AVX2 reduction.
-        unsafe {
-            let f = |v: __m512| {
-                _mm256_add_ps(
-                    _mm512_castps512_ps256(v),
-                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-                )
-            };
-            hsum4_256(f(a), f(b), f(c), f(d))
-        }
     }
     #[inline(always)]
     unsafe fn hmax(v: __m512) -> f32 {
@@ -633,7 +591,12 @@ mod tests {
     struct Probe<'a> {
         x: &'a [f32],
         exp: &'a mut [f32],
-        sums: &'a mut [f32; 4],
+        /// `fma` of triples of `x`: lane 0 of the vector op, then `fma1`.
+        fma: &'a mut [[f32; 2]],
+        /// A `LANES × LANES` block of `x` (stride 20) transposed into
+        /// stride 24, its last source rows cut off.
+        transposed: &'a mut [f32],
+        rows: usize,
     }
 
     impl Kernel for Probe<'_> {
@@ -648,14 +611,28 @@ mod tests {
                         S::exp(S::load(self.x.as_ptr().add(i))),
                     );
                 }
-                let v = |k: usize| S::load(self.x.as_ptr().add(1024 + k * l));
-                *self.sums = S::hsum4(v(0), v(1), v(2), v(3));
+                let mut lane = [0.0f32; 16];
+                for (t, out) in self.fma.iter_mut().enumerate() {
+                    let (a, b, c) = (self.x[3 * t], self.x[3 * t + 1], self.x[3 * t + 2]);
+                    S::store(
+                        lane.as_mut_ptr(),
+                        S::fma(S::splat(a), S::splat(b), S::splat(c)),
+                    );
+                    *out = [lane[0], S::fma1(a, b, c)];
+                }
+                S::transpose(
+                    self.x.as_ptr(),
+                    20,
+                    self.rows,
+                    self.transposed.as_mut_ptr(),
+                    24,
+                );
             }
         }
     }
 
     #[test]
-    fn exp_and_hsum4_are_accurate_at_every_level() {
+    fn exp_fma1_and_transpose_at_every_level() {
         let mut x: Vec<f32> = (0..4096)
             .map(|i| -100.0 + i as f32 * (188.0 / 4096.0))
             .collect();
@@ -669,19 +646,32 @@ mod tests {
             1e-3,
             88.0,
         ]);
+        // Triples for fma: a product that rounds differently fused.
+        let e = 1.0 + f32::EPSILON * 2048.0;
+        let mut y: Vec<f32> = vec![e, e, -(1.0 + f32::EPSILON * 4096.0)];
+        y.extend((0..300).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173));
         for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
             if level > crate::cpu::simd_level() {
                 continue;
             }
+            let l = match level {
+                SimdLevel::Scalar => 1,
+                SimdLevel::Avx2 => 8,
+                SimdLevel::Avx512Vnni => 16,
+            };
+            let rows = l - l / 4;
             let mut e = vec![f32::NAN; x.len()];
-            let mut sums = [0.0f32; 4];
+            let mut fma = vec![[0.0f32; 2]; y.len() / 3];
+            let mut transposed = vec![f32::NAN; 24 * 16];
             unsafe {
                 dispatch(
                     level,
                     Probe {
                         x: &x,
                         exp: &mut e,
-                        sums: &mut sums,
+                        fma: &mut fma,
+                        transposed: &mut transposed,
+                        rows,
                     },
                 )
             };
@@ -698,20 +688,23 @@ mod tests {
                     );
                 }
             }
-            let l = match level {
-                SimdLevel::Scalar => 1,
-                SimdLevel::Avx2 => 8,
-                SimdLevel::Avx512Vnni => 16,
-            };
-            for (k, &s) in sums.iter().enumerate() {
-                let want: f64 = x[1024 + k * l..1024 + (k + 1) * l]
-                    .iter()
-                    .map(|&v| v as f64)
-                    .sum();
-                assert!(
-                    (s as f64 - want).abs() <= 1e-3,
-                    "{level:?} hsum4[{k}] = {s}, want {want}"
+            for (t, &[vector, scalar]) in fma.iter().enumerate() {
+                assert_eq!(
+                    vector.to_bits(),
+                    scalar.to_bits(),
+                    "{level:?} fma of triple {t}: lane {vector}, fma1 {scalar}"
                 );
+            }
+            for i in 0..16 {
+                for j in 0..24 {
+                    let got = transposed[i * 24 + j];
+                    if i < l && j < l {
+                        let want = if j < rows { x[j * 20 + i] } else { 0.0 };
+                        assert_eq!(got, want, "{level:?} transposed [{i}][{j}]");
+                    } else {
+                        assert!(got.is_nan(), "{level:?} wrote outside the block at [{i}][{j}]");
+                    }
+                }
             }
         }
     }

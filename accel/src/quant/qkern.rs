@@ -182,7 +182,15 @@ unsafe fn run_rows<const K: u8>(
         let me = (mb + M_BLOCK).min(m);
         let mut r = r0;
         while r < r1 {
-            let rt = if r1 - r >= 4 { 4 } else { 1 };
+            // Decode (m = 1) takes 8 rows at a time: twice the independent
+            // accumulator chains, and half the per-tile overhead.
+            let rt = if me - mb == 1 && level == SimdLevel::Avx512Vnni && r1 - r >= 8 {
+                8
+            } else if r1 - r >= 4 {
+                4
+            } else {
+                1
+            };
             let mut i = mb;
             while i < me {
                 let mt = (me - i).min(max_m_tile(level));
@@ -284,6 +292,7 @@ mod x86 {
                 rt: usize, mt: usize, w: &QPtrs, r0: usize, a: &APtrs, i0: usize, out: *mut f32, ldo: usize,
             ) {
                 match (rt, mt) {
+                    (8, 1) => $kernel::<K, 8, 1>(w, r0, a, i0, out, ldo),
                     $( (4, $m) => $kernel::<K, 4, $m>(w, r0, a, i0, out, ldo), )+
                     $( (1, $m) => $kernel::<K, 1, $m>(w, r0, a, i0, out, ldo), )+
                     _ => unreachable!("tile shape {rt}x{mt}"),

@@ -3,5 +3,6 @@
 
 pub mod datasets;
 pub mod latency;
+pub mod serve;
 pub mod stats;
 pub mod throughput;

@@ -17,6 +17,53 @@ pub enum BenchCommand {
     Throughput(ThroughputArgs),
     /// Single-stream latency: prompt (prefill) tok/s and decode tok/s, like llama-bench's pp/tg.
     Latency(LatencyArgs),
+    /// Online load against any OpenAI-compatible server, like `vllm bench serve`.
+    Serve(ServeBenchArgs),
+}
+
+/// Flags of `pagoda bench serve`.
+#[derive(Args, Debug)]
+pub struct ServeBenchArgs {
+    /// The server, e.g. http://127.0.0.1:8000 (Pagoda or a peer).
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    pub base_url: String,
+    /// The served model name to put in requests.
+    #[arg(long)]
+    pub model: String,
+    /// A GGUF file or HF folder whose tokenizer builds the prompts.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    #[arg(long, default_value = "/v1/completions")]
+    pub endpoint: String,
+    /// random, seed, prefix-repetition, or a .jsonl file.
+    #[arg(long, default_value = "random")]
+    pub dataset: String,
+    #[arg(long, default_value_t = 100)]
+    pub num_prompts: usize,
+    #[arg(long, default_value_t = 128)]
+    pub input_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Shared prefix length of the prefix-repetition dataset.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_len: usize,
+    /// Most requests in flight.
+    #[arg(long)]
+    pub max_concurrency: Option<usize>,
+    /// Mean requests per second (Poisson arrivals); inf sends all at once.
+    #[arg(long, default_value = "inf")]
+    pub request_rate: f64,
+    /// Gamma shape of inter-arrival times: 1 is Poisson, below 1 is burstier.
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Write the results (vLLM's key names) here.
+    #[arg(long)]
+    pub result_json: Option<PathBuf>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
 /// Flags of `pagoda bench throughput`.
@@ -62,6 +109,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Throughput(a) => run_throughput(a),
         BenchCommand::Latency(a) => run_latency(a),
+        BenchCommand::Serve(a) => run_serve(a),
     }
 }
 
@@ -117,4 +165,58 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
             "samples": samples,
         }),
     )
+}
+
+fn load_tokenizer(path: &std::path::Path) -> Result<crate::tokenizer::Tokenizer> {
+    if path.is_dir() {
+        crate::tokenizer::Tokenizer::from_hf_dir(path)
+    } else {
+        let g = crate::engine::loader::gguf::GgufFile::open(path)?;
+        crate::tokenizer::Tokenizer::from_gguf(&g)
+    }
+}
+
+fn run_serve(a: ServeBenchArgs) -> Result<()> {
+    if !(a.burstiness > 0.0) {
+        anyhow::bail!("--burstiness must be positive");
+    }
+    let tok = load_tokenizer(&a.tokenizer)?;
+    let mut dataset: Dataset = a.dataset.parse()?;
+    if let Dataset::PrefixRepetition { prefix_len } = &mut dataset {
+        *prefix_len = a.prefix_len;
+    }
+    // Random prompts get a per-run seed unless one is given, so that peers'
+    // prompt caches do not flatter repeated runs.
+    let seed = if a.seed == 0 { rand::random() } else { a.seed };
+    let reqs = datasets::generate(&dataset, &tok, a.num_prompts, a.input_len, a.output_len, seed)?;
+    let cfg = crate::bench::serve::ServeConfig {
+        base_url: a.base_url.trim_end_matches('/').to_string(),
+        model: a.model.clone(),
+        endpoint: a.endpoint.clone(),
+        max_concurrency: a.max_concurrency,
+        request_rate: a.request_rate,
+        burstiness: a.burstiness,
+        seed,
+        progress: !a.no_progress,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let v = rt.block_on(crate::bench::serve::run(cfg, reqs))?;
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    println!("============ Serving Benchmark Result ============");
+    println!("{:<40} {}", "Successful requests:", v["completed"]);
+    println!("{:<40} {}", "Failed requests:", v["failed"]);
+    println!("{:<40} {:.2}", "Benchmark duration (s):", f("duration"));
+    println!("{:<40} {}", "Total input tokens:", v["total_input_tokens"]);
+    println!("{:<40} {}", "Total generated tokens:", v["total_output_tokens"]);
+    println!("{:<40} {:.2}", "Request throughput (req/s):", f("request_throughput"));
+    println!("{:<40} {:.2}", "Output token throughput (tok/s):", f("output_throughput"));
+    println!("{:<40} {:.2}", "Total token throughput (tok/s):", f("total_token_throughput"));
+    for (title, key) in [("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"), ("Inter-token Latency", "itl"), ("End-to-end Latency", "e2el")] {
+        println!("{:-^50}", title);
+        for stat in ["mean", "median", "p99"] {
+            println!("{:<40} {:.2}", format!("{} {} (ms):", stat[..1].to_uppercase() + &stat[1..], key.to_uppercase()), f(&format!("{stat}_{key}_ms")));
+        }
+    }
+    println!("==================================================");
+    write_json(&a.result_json, &v)
 }
