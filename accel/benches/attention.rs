@@ -8,7 +8,9 @@
 //! several layers' caches so they come from DRAM as in a real step rather
 //! than from a warm last-level cache. `BENCH_THREADS=n` sets the pool size
 //! (default: all CPUs), `BENCH_LAYERS=n` the number of decode caches
-//! cycled (default 8; 1 keeps them cache-resident).
+//! cycled (default 8; 1 keeps them cache-resident), `BENCH_WINDOW_MS` /
+//! `BENCH_BUDGET_MS` the timing window (default 100) and the time spent per
+//! scenario (default 1000).
 
 use half::{bf16, f16};
 use pagoda_accel::ops::{paged_attention, write_kv, AttnSeq, KvElem, KvLayout};
@@ -27,17 +29,19 @@ impl Lcg {
     }
 }
 
-/// Seconds per call of `f`: the best mean over several ~100 ms windows
-/// within `budget`. The best window rather than the overall mean, because
-/// on a shared 2-vCPU VM other processes' bursts otherwise dominate.
-fn time(budget: Duration, mut f: impl FnMut()) -> f64 {
+/// Seconds per call of `f`: the best mean over several windows of
+/// `window` (at least 2 calls) within `budget`. The best window rather than
+/// the overall mean, because on a shared 2-vCPU VM other processes' bursts
+/// otherwise dominate; shorter windows (`BENCH_WINDOW_MS`) find quiet
+/// stretches on a busier machine.
+fn time(budget: Duration, window: Duration, mut f: impl FnMut()) -> f64 {
     f();
     let start = Instant::now();
     let mut best = f64::INFINITY;
     while start.elapsed() < budget || best.is_infinite() {
         let w = Instant::now();
         let mut n = 0u32;
-        while w.elapsed() < Duration::from_millis(100) || n < 2 {
+        while w.elapsed() < window || n < 2 {
             f();
             n += 1;
         }
@@ -120,7 +124,9 @@ fn run<T: KvElem>(s: &Scenario, dtype: &str, pool: &ThreadPool, rng: &mut Lcg) {
     }
     let scale = 1.0 / (d as f32).sqrt();
     let mut layer = 0;
-    let secs = time(Duration::from_millis(1000), || {
+    let window = Duration::from_millis(env_or("BENCH_WINDOW_MS", 100) as u64);
+    let budget = Duration::from_millis(env_or("BENCH_BUDGET_MS", 1000) as u64);
+    let secs = time(budget, window, || {
         let (kc, vc) = &caches[layer % s.layers];
         layer += 1;
         paged_attention(pool, &layout, kc, vc, &q, s.n_heads, &seqs, scale, &mut out);

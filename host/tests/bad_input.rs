@@ -40,10 +40,9 @@ fn generate(model: &Path, extra: &[&str]) -> (Option<i32>, String, String) {
             "2",
             "--threads",
             "1",
-            "--max-model-len",
-            "64",
+            "--kv-cache-memory",
+            "4MiB",
         ])
-        .args(["--kv-cache-memory", "4MiB"])
         .args(extra)
         .env("RUST_LOG", "warn")
         .env_remove("RUST_BACKTRACE")

@@ -3,7 +3,8 @@
 //! of [`super::layout`].
 //!
 //! Work is split over output rows; each task walks its rows in tiles of `R`
-//! rows × `M` activation rows, so one load of a weight vector feeds `M`
+//! rows (8 for decode, else 4) × `M` activation rows (up to 4 with AVX-512,
+//! 2 with AVX2), so one load of a weight vector feeds `M`
 //! dot products (batched decode and prefill are compute-bound, not
 //! memory-bound) while the tile's weight rows stay in L1 across the `m`
 //! loop.

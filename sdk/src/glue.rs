@@ -1,0 +1,131 @@
+//! Wires a [`Plugin`] to the world's exports: JSON in and out, error
+//! mapping, and the per-instance plugin value.
+
+use crate::host::{self, LogLevel};
+use crate::{Plugin, RouteDecision, RouteRequest};
+use std::any::Any;
+use std::cell::RefCell;
+use std::marker::PhantomData;
+
+/// The type [`export_plugin!`](crate::export_plugin) exports for a plugin
+/// `P`. Its functions are the hooks as the world declares them (JSON text
+/// in and out); they are public so that tests can drive a plugin exactly as
+/// the host does.
+pub struct Adapter<P>(PhantomData<P>);
+
+thread_local! {
+    // The plugin value of this instance. The host makes one instance per
+    // request and wasm32 components are single-threaded, so this is
+    // per-request state. `Any` because a `static` inside a generic function
+    // would not be per type; a component exports exactly one plugin type.
+    static INSTANCE: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
+}
+
+/// Runs `f` on this instance's plugin value, creating it on first use.
+fn with_instance<P: Plugin, R>(f: impl FnOnce(&mut P) -> R) -> R {
+    INSTANCE.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        if !slot.as_ref().is_some_and(|b| b.is::<P>()) {
+            *slot = Some(Box::new(P::default()));
+        }
+        let plugin = slot
+            .as_mut()
+            .and_then(|b| b.downcast_mut::<P>())
+            .expect("plugin instance was just created");
+        f(plugin)
+    })
+}
+
+/// Drops this thread's plugin value, so the next hook starts a new request.
+#[cfg(not(target_arch = "wasm32"))]
+pub(crate) fn reset_instance() {
+    INSTANCE.with(|cell| *cell.borrow_mut() = None);
+}
+
+impl<P: Plugin> Adapter<P> {
+    /// `route` as the host calls it. Errors (a request the SDK cannot parse,
+    /// or an `Err` from the plugin) become a 500 rejection and a log line.
+    pub fn route(request: &str) -> RouteDecision {
+        let result = RouteRequest::from_json(request)
+            .and_then(|req| with_instance::<P, _>(|p| p.route(req)));
+        match result {
+            Ok(decision) => decision,
+            Err(e) => {
+                let message = e.into_message();
+                host::log(LogLevel::Error, format!("route failed: {message}"));
+                RouteDecision::reject(500, format!("plugin error: {message}"))
+            }
+        }
+    }
+
+    /// `render-prompt` as the host calls it.
+    pub fn render_prompt(request: &str, template: Option<String>) -> Result<Option<String>, String> {
+        let request = crate::parse_json(request, "render-prompt request").map_err(|e| e.into_message())?;
+        with_instance::<P, _>(|p| p.render_prompt(request, template)).map_err(|e| e.into_message())
+    }
+
+    /// `on-chunk` as the host calls it.
+    pub fn on_chunk(choice: u32, text: String, finish: bool) -> String {
+        with_instance::<P, _>(|p| p.on_chunk(choice, text, finish))
+    }
+
+    /// `post-process` as the host calls it.
+    pub fn post_process(choice: u32, text: String) -> Result<String, String> {
+        with_instance::<P, _>(|p| p.post_process(choice, text)).map_err(|e| e.into_message())
+    }
+}
+
+#[cfg(target_arch = "wasm32")]
+mod wasm {
+    use super::Adapter;
+    use crate::bindings::pagoda::plugin::types as wit;
+    use crate::{Hook, Plugin, RouteDecision};
+
+    impl<P: Plugin> crate::bindings::Guest for Adapter<P> {
+        fn abi_version() -> u32 {
+            crate::ABI_VERSION
+        }
+
+        fn metadata() -> wit::Metadata {
+            let m = P::metadata();
+            wit::Metadata {
+                name: m.name,
+                version: m.version,
+                hooks: m
+                    .hooks
+                    .into_iter()
+                    .map(|h| match h {
+                        Hook::Route => wit::Hook::Route,
+                        Hook::RenderPrompt => wit::Hook::RenderPrompt,
+                        Hook::OnChunk => wit::Hook::OnChunk,
+                        Hook::PostProcess => wit::Hook::PostProcess,
+                    })
+                    .collect(),
+                config_schema: m.config_schema,
+            }
+        }
+
+        fn route(request: String) -> wit::RouteDecision {
+            match Adapter::<P>::route(&request) {
+                RouteDecision::Continue => wit::RouteDecision::Continue,
+                RouteDecision::Reject(r) => wit::RouteDecision::Reject(wit::Rejection {
+                    status: r.status,
+                    message: r.message,
+                }),
+                RouteDecision::Modify(body) => wit::RouteDecision::Modify(body.to_string()),
+            }
+        }
+
+        fn render_prompt(request: String, template: Option<String>) -> Result<Option<String>, String> {
+            Adapter::<P>::render_prompt(&request, template)
+        }
+
+        fn on_chunk(choice: u32, text: String, finish: bool) -> String {
+            Adapter::<P>::on_chunk(choice, text, finish)
+        }
+
+        fn post_process(choice: u32, text: String) -> Result<String, String> {
+            Adapter::<P>::post_process(choice, text)
+        }
+    }
+}

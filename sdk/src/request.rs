@@ -1,0 +1,190 @@
+//! The request [`Plugin::route`](crate::Plugin::route) receives.
+
+use crate::set_key;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// The chat endpoint's path.
+pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
+/// The (legacy) completions endpoint's path.
+pub const COMPLETIONS: &str = "/v1/completions";
+
+/// The request `route` sees: the endpoint and the client's OpenAI request
+/// body as parsed. The body is kept as JSON (rather than a typed struct) so
+/// that fields this SDK does not know about survive a
+/// [`RouteDecision::modify`](crate::RouteDecision::modify) unchanged; the
+/// accessors cover the fields plugins usually look at.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouteRequest {
+    /// `"/v1/chat/completions"` or `"/v1/completions"`.
+    pub endpoint: String,
+    /// The OpenAI request body.
+    pub body: Value,
+}
+
+impl RouteRequest {
+    /// A request for `endpoint` with `body`.
+    pub fn new(endpoint: impl Into<String>, body: Value) -> RouteRequest {
+        RouteRequest {
+            endpoint: endpoint.into(),
+            body,
+        }
+    }
+
+    /// Parses the JSON text the host passes to `route`.
+    pub fn from_json(text: &str) -> crate::Result<RouteRequest> {
+        crate::parse_json(text, "route request")
+    }
+
+    /// Whether this is a chat request (`/v1/chat/completions`).
+    pub fn is_chat(&self) -> bool {
+        self.endpoint == CHAT_COMPLETIONS
+    }
+
+    /// A field of the body.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.body.get(key)
+    }
+
+    /// Sets a field of the body.
+    pub fn set(&mut self, key: &str, value: impl Into<Value>) {
+        set_key(&mut self.body, key, value.into());
+    }
+
+    /// Removes a field of the body, returning it.
+    pub fn remove(&mut self, key: &str) -> Option<Value> {
+        self.body.as_object_mut()?.remove(key)
+    }
+
+    /// The requested model.
+    pub fn model(&self) -> Option<&str> {
+        self.get("model")?.as_str()
+    }
+
+    /// Sets the model.
+    pub fn set_model(&mut self, model: impl Into<String>) {
+        self.set("model", model.into());
+    }
+
+    /// `max_tokens`, if given as a non-negative integer.
+    pub fn max_tokens(&self) -> Option<u64> {
+        self.get("max_tokens")?.as_u64()
+    }
+
+    /// Sets `max_tokens`.
+    pub fn set_max_tokens(&mut self, n: u64) {
+        self.set("max_tokens", n);
+    }
+
+    /// `max_completion_tokens` (the chat API's newer name for `max_tokens`),
+    /// if given as a non-negative integer.
+    pub fn max_completion_tokens(&self) -> Option<u64> {
+        self.get("max_completion_tokens")?.as_u64()
+    }
+
+    /// Sets `max_completion_tokens`.
+    pub fn set_max_completion_tokens(&mut self, n: u64) {
+        self.set("max_completion_tokens", n);
+    }
+
+    /// `temperature`, if given as a number.
+    pub fn temperature(&self) -> Option<f64> {
+        self.get("temperature")?.as_f64()
+    }
+
+    /// Sets `temperature`.
+    pub fn set_temperature(&mut self, t: f64) {
+        self.set("temperature", t);
+    }
+
+    /// Whether the client asked for a streamed response.
+    pub fn stream(&self) -> bool {
+        self.get("stream").and_then(Value::as_bool).unwrap_or(false)
+    }
+
+    /// The chat request's messages (`None` for completions requests).
+    pub fn messages(&self) -> Option<&Vec<Value>> {
+        self.get("messages")?.as_array()
+    }
+
+    /// The chat request's messages, mutable.
+    pub fn messages_mut(&mut self) -> Option<&mut Vec<Value>> {
+        self.body.get_mut("messages")?.as_array_mut()
+    }
+
+    /// Every piece of prompt text the client sent: each message's `content`
+    /// (a string, or the `text` of its parts) for chat, each prompt string
+    /// for completions. For checks such as blocked words.
+    pub fn prompt_texts(&self) -> Vec<&str> {
+        let mut out = Vec::new();
+        if let Some(messages) = self.messages() {
+            for m in messages {
+                collect_text(m.get("content"), &mut out);
+            }
+        }
+        collect_text(self.get("prompt"), &mut out);
+        out
+    }
+}
+
+/// Pushes the strings in a `content`/`prompt` value: a string, a list of
+/// strings, or a list of content parts with `text`.
+fn collect_text<'a>(v: Option<&'a Value>, out: &mut Vec<&'a str>) {
+    match v {
+        Some(Value::String(s)) => out.push(s),
+        Some(Value::Array(items)) => {
+            for item in items {
+                match item {
+                    Value::String(s) => out.push(s),
+                    Value::Object(part) => {
+                        if let Some(Value::String(s)) = part.get("text") {
+                            out.push(s);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn accessors() {
+        let mut r = RouteRequest::from_json(
+            r#"{"endpoint":"/v1/chat/completions","body":{"model":"fast","max_tokens":900,
+                "temperature":1.5,"stream":true,"messages":[
+                {"role":"system","content":"sys"},
+                {"role":"user","content":[{"type":"text","text":"hi"},{"type":"image_url"}]}]}}"#,
+        )
+        .unwrap();
+        assert!(r.is_chat());
+        assert!(r.stream());
+        assert_eq!(r.model(), Some("fast"));
+        assert_eq!(r.max_tokens(), Some(900));
+        assert_eq!(r.max_completion_tokens(), None);
+        assert_eq!(r.temperature(), Some(1.5));
+        assert_eq!(r.prompt_texts(), vec!["sys", "hi"]);
+        r.set_model("smol");
+        r.set_max_tokens(10);
+        r.set_temperature(1.0);
+        assert_eq!(r.body["model"], "smol");
+        assert_eq!(r.body["max_tokens"], 10);
+        assert_eq!(r.body["temperature"], 1.0);
+        assert_eq!(r.messages().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn completions_prompts() {
+        let r = RouteRequest::new(COMPLETIONS, json!({"prompt": ["a", "b"]}));
+        assert!(!r.is_chat());
+        assert_eq!(r.prompt_texts(), vec!["a", "b"]);
+        let r = RouteRequest::new(COMPLETIONS, json!({"prompt": "c"}));
+        assert_eq!(r.prompt_texts(), vec!["c"]);
+    }
+}
