@@ -22,7 +22,7 @@
 //! requests and logs the model that was asked for.
 //!
 //! ```no_run
-//! (starter example goes here)
+#![doc = include_str!("../../examples/plugins/starter/src/lib.rs")]
 //! ```
 //!
 //! Its `Cargo.toml` needs only the SDK, serde (for the config type) and a

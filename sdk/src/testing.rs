@@ -52,9 +52,11 @@ pub fn take_logs() -> Vec<(LogLevel, String)> {
     HOST.with(|h| std::mem::take(&mut h.borrow_mut().logs))
 }
 
-/// Puts this thread's stand-in host back to its initial state.
+/// Puts this thread's stand-in host back to its initial state and starts a
+/// new request (see [`new_request`]).
 pub fn reset() {
     HOST.with(|h| *h.borrow_mut() = Host::default());
+    new_request();
 }
 
 /// Ends the current "request": drops the plugin value that

@@ -55,6 +55,23 @@ pub struct ServeArgs {
     /// Seconds the start-up warm-up forward may take before readiness fails.
     #[arg(long, default_value_t = 600)]
     pub ready_timeout_seconds: u64,
+    /// Token of the admin API (tenants, plugins); admin routes answer 404 without one.
+    #[arg(long, env = "PAGODA_ADMIN_TOKEN")]
+    pub admin_token: Option<String>,
+    /// Serve the admin API on its own address (with --admin-port).
+    #[arg(long)]
+    pub admin_host: Option<String>,
+    #[arg(long)]
+    pub admin_port: Option<u16>,
+    /// Where tenants and plugin versions persist across restarts.
+    #[arg(long)]
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Meter plugin calls with fuel (tenants set the fuel per call in plugin_limits.fuel).
+    #[arg(long)]
+    pub plugin_fuel: bool,
+    /// Plugin instances alive at once, across all requests.
+    #[arg(long, default_value_t = 256)]
+    pub plugin_max_instances: u32,
 }
 
 /// Rejects flags whose feature is not built yet, instead of ignoring them.
@@ -115,6 +132,13 @@ pub fn run(a: ServeArgs) -> Result<()> {
             max_pending_requests: a.max_pending_requests,
             shutdown_grace: Duration::from_secs(a.shutdown_grace_seconds),
             ready_timeout: Duration::from_secs(a.ready_timeout_seconds),
+            admin_token: a.admin_token,
+            admin_addr: match (a.admin_host, a.admin_port) {
+                (None, None) => None,
+                (h, p) => Some((h.unwrap_or_else(|| "127.0.0.1".into()), p.unwrap_or(8001))),
+            },
+            state_dir: a.state_dir,
+            plugins: crate::plugins::RuntimeConfig { fuel: a.plugin_fuel, max_instances: a.plugin_max_instances, ..Default::default() },
         },
     )
 }

@@ -12,6 +12,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: &'static str,
+    /// Seconds for a `Retry-After` header (429s of rate limits).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -23,6 +25,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.into(),
             code: "invalid_request_error",
+            retry_after: None,
         }
     }
 
@@ -39,6 +42,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: "invalid_api_key",
+            retry_after: None,
         }
     }
 
@@ -50,6 +54,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: "model_not_found",
+            retry_after: None,
         }
     }
 
@@ -61,6 +66,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: "not_found",
+            retry_after: None,
         }
     }
 
@@ -72,6 +78,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: "method_not_allowed",
+            retry_after: None,
         }
     }
 
@@ -83,6 +90,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: "request_too_large",
+            retry_after: None,
         }
     }
 
@@ -94,6 +102,7 @@ impl ApiError {
             kind: "rate_limit_error",
             param: None,
             code: "rate_limit_exceeded",
+            retry_after: None,
         }
     }
 
@@ -105,6 +114,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: "service_unavailable",
+            retry_after: None,
         }
     }
 
@@ -116,6 +126,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: "internal_error",
+            retry_after: None,
         }
     }
 
@@ -136,9 +147,30 @@ impl ApiError {
         let mut r = Response::new(super::full(Bytes::from(self.body().to_string())));
         *r.status_mut() = self.status;
         r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(s));
+        }
         r
     }
-}
+
+    /// An error of a plugin: `status` with `code` (e.g. `plugin_error`,
+    /// `plugin_rejected`); `type` follows the status class.
+    pub fn plugin(status: u16, code: &'static str, message: impl Into<String>) -> ApiError {
+        let status = StatusCode::from_u16(status).ok().filter(|s| s.is_client_error() || s.is_server_error()).unwrap_or(StatusCode::BAD_REQUEST);
+        ApiError {
+            status,
+            message: message.into(),
+            kind: if status.is_server_error() { "server_error" } else { "invalid_request_error" },
+            param: None,
+            code,
+            retry_after: None,
+        }
+    }
+
+    /// 403: authenticated, but not allowed here.
+    pub fn forbidden(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::FORBIDDEN, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden", retry_after: None }
+    }
 
 /// A JSON response with status 200.
 pub fn json_response(v: &serde_json::Value) -> Response<super::Body> {

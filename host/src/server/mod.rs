@@ -2,6 +2,7 @@
 //! on hyper 1 and tokio. The engine runs on its own thread behind an
 //! [`AsyncEngine`] handle.
 
+pub mod admin;
 pub mod errors;
 pub mod openai;
 
@@ -46,6 +47,14 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// How long the start-up warm-up forward may take.
     pub ready_timeout: Duration,
+    /// The admin API's token; admin routes answer 404 without one.
+    pub admin_token: Option<String>,
+    /// Serve the admin API on its own address instead of the main one.
+    pub admin_addr: Option<(String, u16)>,
+    /// Where tenants and plugin versions persist (in memory only if None).
+    pub state_dir: Option<std::path::PathBuf>,
+    /// Plugin runtime settings.
+    pub plugins: crate::plugins::RuntimeConfig,
 }
 
 /// What every request handler shares.
@@ -58,9 +67,16 @@ pub struct AppState {
     pub(crate) in_flight: AtomicUsize,
     pub(crate) max_pending: usize,
     metrics: PrometheusHandle,
+    pub(crate) tenants: Arc<crate::tenants::Tenants>,
+    pub(crate) admin_token: Option<String>,
 }
 
 impl AppState {
+    /// The names this server answers to.
+    pub fn served_model_names(&self) -> &[String] {
+        &self.config.served_model_names
+    }
+
     /// The engine, if `model` is one this server serves and the engine is up.
     pub fn engine_for(&self, model: &str) -> Result<&AsyncEngine, ApiError> {
         let engine = self.engine()?;
@@ -93,11 +109,13 @@ fn install_metrics() -> Result<PrometheusHandle> {
         .set_buckets_for_metric(Matcher::Full(m::TTFT.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(m::ITL.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(m::E2E.into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), &latency)?;
+        .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full(crate::plugins::metrics::LATENCY.into()), crate::plugins::metrics::BUCKETS)?;
     let handle = match builder.install_recorder() {
         Ok(h) => h,
         Err(e) => anyhow::bail!("cannot install the metrics recorder: {e}"),
     };
+    crate::plugins::metrics::describe();
     metrics::describe_gauge!(m::NUM_REQUESTS_RUNNING, "Requests running on the engine.");
     metrics::describe_gauge!(m::NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.");
     metrics::describe_gauge!(m::KV_CACHE_USAGE, "Fraction of KV-cache blocks in use (0 to 1).");
@@ -121,13 +139,24 @@ fn install_metrics() -> Result<PrometheusHandle> {
     Ok(handle)
 }
 
-fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
-    let Some(key) = &state.config.api_key else { return true };
-    req.headers()
+/// Who a request is: a tenant (by its key), the server-wide `--api-key`,
+/// or anyone when neither keys nor tenants exist.
+fn authenticate(state: &AppState, req: &Request<Incoming>) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
+    let key = req
+        .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .is_some_and(|k| k.trim() == key)
+        .map(str::trim);
+    if let Some(t) = key.and_then(|k| state.tenants.by_key(k)) {
+        return Ok(Some(t));
+    }
+    match &state.config.api_key {
+        Some(a) if key == Some(a.as_str()) => Ok(None),
+        Some(_) => Err(ApiError::invalid_api_key()),
+        None if state.tenants.is_empty() => Ok(None),
+        None => Err(ApiError::invalid_api_key()),
+    }
 }
 
 async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
@@ -146,10 +175,32 @@ async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, Ap
     serde_json::from_slice(&body).map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
 }
 
-async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+/// Which listener a request came in on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Listener {
+    /// The main address, also serving the admin API.
+    Both,
+    /// The main address; the admin API has its own.
+    Main,
+    /// The admin address.
+    Admin,
+}
+
+async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener) -> Response<Body> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
+    let is_admin = path == "/admin" || path.starts_with("/admin/");
+    if listener == Listener::Admin && !is_admin && !path.starts_with("/health") {
+        return ApiError::not_found(&path).response();
+    }
     let result = match (method.clone(), path.as_str()) {
+        (_, _) if is_admin => {
+            if listener == Listener::Main {
+                Err(ApiError::not_found(&path))
+            } else {
+                admin::route(Arc::clone(&state), req).await
+            }
+        }
         (Method::GET, "/health") => Ok(if state.engine.get().is_some() || state.load_error.get().is_none() {
             json_response(&json!({}))
         } else {
@@ -169,10 +220,9 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
         }
         (Method::GET, "/version") => Ok(json_response(&json!({"version": env!("CARGO_PKG_VERSION")}))),
         (_, p) if p.starts_with("/v1/") || p == "/tokenize" || p == "/detokenize" => {
-            if !authorized(&state, &req) {
-                Err(ApiError::invalid_api_key())
-            } else {
-                api_route(Arc::clone(&state), method, &path, req).await
+            match authenticate(&state, &req) {
+                Err(e) => Err(e),
+                Ok(tenant) => api_route(Arc::clone(&state), method, &path, req, tenant).await,
             }
         }
         (_, p) => Err(ApiError::not_found(p)),
@@ -180,7 +230,15 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     result.unwrap_or_else(|e| e.response())
 }
 
-async fn api_route(state: Arc<AppState>, method: Method, path: &str, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+async fn api_route(
+    state: Arc<AppState>,
+    method: Method,
+    path: &str,
+    req: Request<Incoming>,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let snapshot = tenant.as_ref().map(|t| t.snapshot());
+    let allowed = |m: &str| snapshot.as_ref().is_none_or(|s| s.allows_model(m));
     match (method, path) {
         (Method::GET, "/v1/models") => {
             state.engine()?;
@@ -188,28 +246,38 @@ async fn api_route(state: Arc<AppState>, method: Method, path: &str, req: Reques
                 .config
                 .served_model_names
                 .iter()
+                .filter(|n| allowed(n))
                 .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "pagoda", "max_model_len": state.engine.get().map(|e| e.max_model_len())}))
                 .collect();
             Ok(json_response(&json!({"object": "list", "data": data})))
         }
         (Method::POST, "/v1/completions") => {
             let body = read_json(&state, req).await?;
-            openai::completions(state, body).await
+            openai::completions(state, body, tenant).await
         }
         (Method::POST, "/v1/chat/completions") => {
             let body = read_json(&state, req).await?;
-            openai::chat(state, body).await
+            openai::chat(state, body, tenant).await
         }
         (Method::POST, "/tokenize") => {
             let body = read_json(&state, req).await?;
+            check_model_field(&body, &allowed)?;
             tokenize(&state, &body)
         }
         (Method::POST, "/detokenize") => {
             let body = read_json(&state, req).await?;
+            check_model_field(&body, &allowed)?;
             detokenize(&state, &body)
         }
         (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => Err(ApiError::method_not_allowed(m.as_str(), p)),
         (_, p) => Err(ApiError::not_found(p)),
+    }
+}
+
+fn check_model_field(body: &Value, allowed: &dyn Fn(&str) -> bool) -> Result<(), ApiError> {
+    match body.get("model").and_then(Value::as_str) {
+        Some(m) if !allowed(m) => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
     }
 }
 
@@ -281,7 +349,17 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
 /// Runs `pagoda serve` until SIGTERM or Ctrl-C.
 pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let metrics = install_metrics()?;
+    let runtime = crate::plugins::PluginRuntime::new(config.plugins.clone())?;
+    let tenants = Arc::new(crate::tenants::Tenants::new(runtime, config.state_dir.clone()));
+    if let Some(dir) = &config.state_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
+        let n = tenants.load_all().context("cannot load the tenants from --state-dir")?;
+        tracing::info!("loaded {n} tenants from {}", dir.display());
+    }
+    let admin_token = config.admin_token.clone().filter(|t| !t.is_empty());
     let state = Arc::new(AppState {
+        tenants,
+        admin_token,
         engine: OnceLock::new(),
         max_pending: config.max_pending_requests,
         config,
@@ -304,6 +382,40 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
+        let main_kind = if state.config.admin_addr.is_some() { Listener::Main } else { Listener::Both };
+        let admin_listener = match &state.config.admin_addr {
+            Some((h, p)) => {
+                let a: SocketAddr = format!("{h}:{p}").parse().with_context(|| format!("--admin-host {h} --admin-port {p} is not a socket address"))?;
+                let l = tokio::net::TcpListener::bind(a).await.with_context(|| format!("cannot listen on {a}"))?;
+                tracing::info!("admin API on http://{a}");
+                Some(l)
+            }
+            None => None,
+        };
+        if let Some(l) = admin_listener {
+            let state = Arc::clone(&state);
+            tokio::spawn(async move {
+                loop {
+                    let (stream, _) = match l.accept().await {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!("admin accept failed: {e}");
+                            continue;
+                        }
+                    };
+                    let state = Arc::clone(&state);
+                    let svc = hyper::service::service_fn(move |req| {
+                        let state = Arc::clone(&state);
+                        async move { Ok::<_, std::convert::Infallible>(route(state, req, Listener::Admin).await) }
+                    });
+                    tokio::spawn(async move {
+                        if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await {
+                            tracing::debug!("admin connection error: {e}");
+                        }
+                    });
+                }
+            });
+        }
         tracing::info!("listening on http://{addr} (model loading; /health/ready turns 200 when ready)");
         // Probes answer while the model loads, so load it off the runtime.
         let loader = {
@@ -333,7 +445,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                     let state = Arc::clone(&state);
                     let svc = hyper::service::service_fn(move |req| {
                         let state = Arc::clone(&state);
-                        async move { Ok::<_, std::convert::Infallible>(route(state, req).await) }
+                        async move { Ok::<_, std::convert::Infallible>(route(state, req, main_kind).await) }
                     });
                     let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
                     let conn = graceful.watch(conn);

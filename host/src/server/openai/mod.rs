@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod protocol;
+pub mod tenant;
 
 use crate::engine::async_engine::{AbortGuard, SubmitError};
 use crate::engine::core::{StepOutput, StopReason};
@@ -17,6 +18,7 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use tenant::TenantCtx;
 use tokio::sync::mpsc;
 
 /// Which endpoint a generation serves; decides the response shapes.
@@ -35,9 +37,14 @@ fn random_id(prefix: &str) -> String {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(state: Arc<AppState>, body: Value) -> Result<Response<Body>, ApiError> {
+pub async fn completions(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::tenants::Tenant>>) -> Result<Response<Body>, ApiError> {
+    let id = random_id("cmpl");
+    let (body, ctx) = admit(&state, tenant, &id, "/v1/completions", body).await?;
     let f = Fields::of(&body)?;
     let common = parse_common(&f, false)?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
     let engine = state.engine_for(&common.model)?;
     let prompts = parse_prompts(&f)?;
     let tok = engine.tokenizer().clone();
@@ -48,26 +55,57 @@ pub async fn completions(state: Arc<AppState>, body: Value) -> Result<Response<B
             PromptInput::Tokens(t) => t,
         });
     }
-    generate(state, common, ids, Api::Completions).await
+    generate(state, common, ids, Api::Completions, id, ctx).await
+}
+
+/// For a tenant's request: admission, the model allowlist, and `route`.
+async fn admit(
+    state: &Arc<AppState>,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    id: &str,
+    endpoint: &str,
+    body: Value,
+) -> Result<(Value, Option<TenantCtx>), ApiError> {
+    let Some(t) = tenant else { return Ok((body, None)) };
+    let mut ctx = TenantCtx::admit(state, &t, id)?;
+    if let Some(m) = body.get("model").and_then(Value::as_str) {
+        ctx.check_model(m)?;
+    }
+    let body = ctx.route(endpoint, body).await?;
+    Ok((body, Some(ctx)))
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(state: Arc<AppState>, body: Value) -> Result<Response<Body>, ApiError> {
+pub async fn chat(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::tenants::Tenant>>) -> Result<Response<Body>, ApiError> {
+    let id = random_id("chatcmpl");
+    let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
     let f = Fields::of(&body)?;
     let common = parse_common(&f, true)?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
     let engine = state.engine_for(&common.model)?;
     let messages = parse_messages(&f)?;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
-    let template = tok.chat_template().ok_or_else(|| {
-        ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one.")
-    })?;
-    let text = template
-        .render(&messages, add_generation_prompt)
-        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("the chat template failed: {e:#}")))?;
+    let rendered = match &mut ctx {
+        Some(c) => c.render(&body, tok.chat_template().map(|t| t.source().to_string())).await?,
+        None => None,
+    };
+    let text = match rendered {
+        Some(t) => t,
+        None => {
+            let template = tok.chat_template().ok_or_else(|| {
+                ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one.")
+            })?;
+            template
+                .render(&messages, add_generation_prompt)
+                .map_err(|e| ApiError::invalid(Some("messages".into()), format!("the chat template failed: {e:#}")))?
+        }
+    };
     // The rendered template already holds BOS where the model wants it.
     let ids = tok.encode(&text, false).map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
-    generate(state, common, vec![ids], Api::Chat).await
+    generate(state, common, vec![ids], Api::Chat, id, ctx).await
 }
 
 /// Per choice: what has been produced so far.
@@ -94,7 +132,18 @@ struct Run {
     remaining: usize,
     want_logprobs: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
+    /// The tenant's admission and plugin session, if any.
+    tenant: Option<TenantCtx>,
     _slot: InFlight,
+}
+
+impl Drop for Run {
+    fn drop(&mut self) {
+        if let Some(t) = &self.tenant {
+            let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
+            t.admission.charge((self.prompt_tokens + completion) as u64);
+        }
+    }
 }
 
 /// Counts a request as in flight until dropped.
@@ -106,7 +155,18 @@ impl Drop for InFlight {
     }
 }
 
-async fn generate(state: Arc<AppState>, common: CommonParams, prompts: Vec<Vec<u32>>, api: Api) -> Result<Response<Body>, ApiError> {
+async fn generate(
+    state: Arc<AppState>,
+    mut common: CommonParams,
+    prompts: Vec<Vec<u32>>,
+    api: Api,
+    id: String,
+    tenant: Option<TenantCtx>,
+) -> Result<Response<Body>, ApiError> {
+    if let Some(t) = &tenant {
+        // Tenants never share prefix-cache blocks.
+        common.opts.cache_salt = protocol::salt_of(&format!("tenant:{}:{:x}", t.tenant_id(), common.opts.cache_salt));
+    }
     let engine = state.engine_for(&common.model)?.clone();
     let max_len = engine.max_model_len();
     let param = if api == Api::Chat { "messages" } else { "prompt" };
@@ -144,7 +204,6 @@ async fn generate(state: Arc<AppState>, common: CommonParams, prompts: Vec<Vec<u
     let mut guard = engine.abort_guard();
     let mut choice_of = HashMap::new();
     let n = common.params.n;
-    let id = random_id(if api == Api::Chat { "chatcmpl" } else { "cmpl" });
     let mut prompt_tokens = 0;
     for (pi, ids) in prompts.into_iter().enumerate() {
         prompt_tokens += ids.len();
@@ -180,6 +239,7 @@ async fn generate(state: Arc<AppState>, common: CommonParams, prompts: Vec<Vec<u
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
         tokenizer: engine.tokenizer().clone(),
+        tenant,
         _slot: slot,
     };
     if common.stream {
@@ -353,6 +413,19 @@ async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
         }
     }
     run.guard.disarm();
+    if let Some(mut t) = run.tenant.take() {
+        let completion: usize = run.choices.iter().map(|c| c.tokens).sum();
+        let r = async {
+            for i in 0..run.choices.len() {
+                let text = std::mem::take(&mut run.choices[i].text);
+                run.choices[i].text = t.post_process(i, text, (run.prompt_tokens as u32, completion as u32)).await?;
+            }
+            Ok::<_, ApiError>(())
+        }
+        .await;
+        run.tenant = Some(t);
+        r?;
+    }
     Ok(json_response(&run.final_body()))
 }
 
@@ -384,7 +457,25 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                     break Some((Ok(Frame::data(Bytes::new())), (run, next)));
                 }
                 match run.rx.recv().await {
-                    Some(o) => {
+                    Some(mut o) => {
+                        if let Some(mut t) = run.tenant.take() {
+                            if t.has_on_chunk() {
+                                if let Some(&i) = run.choice_of.get(&o.id) {
+                                    let done: usize = run.choices.iter().map(|c| c.tokens).sum::<usize>() + o.new_token_ids.len();
+                                    let text = std::mem::take(&mut o.new_text);
+                                    match t.on_chunk(i, text, o.finish_reason.is_some(), (run.prompt_tokens as u32, done as u32)).await {
+                                        Ok(s) => o.new_text = s,
+                                        Err(e) => {
+                                            run.tenant = Some(t);
+                                            // The guard stays armed: dropping the run aborts the engine requests.
+                                            let b = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
+                                            break Some((Ok(Frame::data(b)), (run, Phase::End)));
+                                        }
+                                    }
+                                }
+                            }
+                            run.tenant = Some(t);
+                        }
                         let Some(i) = run.absorb(&o) else { continue };
                         if let Some(b) = run.delta_chunk(i, &o) {
                             break Some((Ok(Frame::data(b)), (run, Phase::Tokens)));

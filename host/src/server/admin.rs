@@ -1,0 +1,196 @@
+//! The admin API: tenants and their plugins. Guarded by its own token
+//! (`--admin-token` / `PAGODA_ADMIN_TOKEN`); without one every admin route
+//! answers 404. Tenant API keys get a 403 here.
+//!
+//! - `GET /admin/v1/tenants`
+//! - `PUT|GET|DELETE /admin/v1/tenants/{id}`
+//! - `GET /admin/v1/tenants/{id}/plugins`
+//! - `PUT /admin/v1/tenants/{id}/plugins/{name}` (body: component bytes;
+//!   config: `?config=<urlencoded JSON>` or header `x-pagoda-plugin-config`)
+//! - `POST /admin/v1/tenants/{id}/plugins/{name}/rollback`
+
+use super::errors::{json_response, ApiError};
+use super::{AppState, Body};
+use crate::tenants::TenantSpec;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+use std::sync::Arc;
+
+/// Largest component accepted.
+pub const MAX_PLUGIN_BYTES: usize = 64 << 20;
+
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    req.headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// Compares in time independent of where the strings differ.
+fn same(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn percent_decode(s: &str) -> Result<String, ApiError> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let h = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match h {
+                    Some(x) => out.push(x),
+                    None => return Err(ApiError::invalid(Some("config".into()), "bad percent-encoding in the query")),
+                }
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| ApiError::invalid(Some("config".into()), "the config is not UTF-8"))
+}
+
+fn query_param(req: &Request<Incoming>, name: &str) -> Result<Option<String>, ApiError> {
+    let Some(q) = req.uri().query() else { return Ok(None) };
+    for pair in q.split('&') {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == name {
+            return percent_decode(v).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
+    Limited::new(req.into_body(), limit)
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .map_err(|e| {
+            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+                ApiError::too_large(limit)
+            } else {
+                ApiError::invalid(None, format!("cannot read the request body: {e}"))
+            }
+        })
+}
+
+fn bad(e: anyhow::Error) -> ApiError {
+    ApiError::invalid(None, format!("{e:#}"))
+}
+
+fn tenant_not_found(id: &str) -> ApiError {
+    ApiError { code: "tenant_not_found", ..ApiError::not_found(&format!("tenant '{id}'")) }
+}
+
+fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Value {
+    let s = t.snapshot();
+    let c = &s.config;
+    json!({
+        "id": c.id,
+        "api_key_hashes": c.api_key_hashes,
+        "models": c.models,
+        "limits": c.limits,
+        "plugins": c.plugins,
+        "plugin_limits": c.plugin_limits,
+        "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),
+        "installed": state.tenants.list_plugins(t)["data"],
+    })
+}
+
+/// Handles `/admin/...`.
+pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+    let path = req.uri().path().to_string();
+    let Some(token) = state.admin_token.as_deref() else {
+        return Err(ApiError::not_found(&path));
+    };
+    match bearer(&req) {
+        Some(k) if same(k, token) => {}
+        Some(k) if state.tenants.by_key(k).is_some() || state.config.api_key.as_deref().is_some_and(|a| same(a, k)) => {
+            return Err(ApiError::forbidden("This key may not use the admin API; pass the admin token."));
+        }
+        _ => {
+            return Err(ApiError { message: "Incorrect admin token. Pass it as 'Authorization: Bearer TOKEN'.".into(), ..ApiError::invalid_api_key() })
+        }
+    }
+    let parts: Vec<String> = path.trim_end_matches('/').split('/').skip(1).map(str::to_string).collect();
+    let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
+    let method = req.method().clone();
+    match (method, parts.as_slice()) {
+        (Method::GET, ["admin", "v1", "tenants"]) => {
+            let ids = state.tenants.ids();
+            Ok(json_response(&json!({"object": "list", "data": ids})))
+        }
+        (Method::PUT, ["admin", "v1", "tenants", id]) => {
+            let body = read_body(req, 1 << 20).await?;
+            let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(None, format!("bad tenant body: {e}")))?;
+            let (created, _) = state.tenants.put(id, spec).await.map_err(bad)?;
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            let mut r = json_response(&tenant_view(&state, &t));
+            if created {
+                *r.status_mut() = StatusCode::CREATED;
+            }
+            Ok(r)
+        }
+        (Method::GET, ["admin", "v1", "tenants", id]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            Ok(json_response(&tenant_view(&state, &t)))
+        }
+        (Method::DELETE, ["admin", "v1", "tenants", id]) => {
+            if state.tenants.delete(id).await.map_err(|e| ApiError::internal(format!("{e:#}")))? {
+                Ok(json_response(&json!({"id": id, "deleted": true})))
+            } else {
+                Err(tenant_not_found(id))
+            }
+        }
+        (Method::GET, ["admin", "v1", "tenants", id, "plugins"]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            Ok(json_response(&state.tenants.list_plugins(&t)))
+        }
+        (Method::PUT, ["admin", "v1", "tenants", id, "plugins", name]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            let mut config = query_param(&req, "config")?;
+            if config.is_none() {
+                if let Some(h) = req.headers().get("x-pagoda-plugin-config") {
+                    config = Some(h.to_str().map_err(|_| ApiError::invalid(Some("config".into()), "x-pagoda-plugin-config is not text"))?.to_string());
+                }
+            }
+            let name = name.to_string();
+            let body = read_body(req, MAX_PLUGIN_BYTES).await?;
+            if body.is_empty() {
+                return Err(ApiError::invalid(None, "the body must be the plugin's component bytes (.wasm)"));
+            }
+            let r = state.tenants.upload(&t, &name, body, config).await.map_err(|e| {
+                tracing::warn!(tenant = %t.id, plugin = %name, "upload refused: {e:#}");
+                bad(e)
+            })?;
+            tracing::info!(tenant = %t.id, plugin = %name, version = r.version, sha256 = %r.sha256, "plugin version active");
+            let mut resp = json_response(&json!({
+                "tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "size": r.size,
+                "plugin_name": r.meta.name, "plugin_version": r.meta.version, "hooks": r.meta.hooks, "active": true,
+            }));
+            *resp.status_mut() = StatusCode::CREATED;
+            Ok(resp)
+        }
+        (Method::POST, ["admin", "v1", "tenants", id, "plugins", name, "rollback"]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            let r = state.tenants.rollback(&t, name).await.map_err(bad)?;
+            Ok(json_response(&json!({"tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "active": true})))
+        }
+        (m, _) if parts.first() == Some(&"admin") => Err(ApiError::not_found(&format!("{} {path}", m.as_str()))),
+        _ => Err(ApiError::not_found(&path)),
+    }
+}

@@ -1,0 +1,544 @@
+//! Tenants: API keys (sha256 hashes only), a model allowlist, limits
+//! (concurrency, tokens per minute), and an ordered chain of WASM plugins
+//! with per-hook failure policies.
+//!
+//! Each tenant's live view is an immutable [`Snapshot`] behind an
+//! `ArcSwap`: a request takes one at admission and keeps it to the end, so
+//! swapping a plugin version never changes a request in flight.
+//!
+//! State on disk (`--state-dir`), each file written atomically (temp file,
+//! fsync, rename, fsync of the directory):
+//! ```text
+//! tenants/<id>/tenant.json
+//! tenants/<id>/plugins/<name>/<v>.wasm    the uploaded component
+//! tenants/<id>/plugins/<name>/<v>.cwasm   its precompiled artifact (a cache)
+//! tenants/<id>/plugins/<name>/<v>.json    the version record (written last)
+//! tenants/<id>/plugins/<name>/active.json the active version and rollback history
+//! ```
+
+pub mod store;
+
+use crate::plugins::{validate_config, ChainEntry, HookKind, Limits, LoadedPlugin, PluginMeta, PluginRuntime};
+use crate::server::errors::ApiError;
+use anyhow::{anyhow, bail, Result};
+use arc_swap::ArcSwap;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+/// sha256 of an API key, hex.
+pub fn hash_key(key: &str) -> String {
+    hex::encode(Sha256::digest(key.as_bytes()))
+}
+
+pub fn sha256_hex(b: &[u8]) -> String {
+    hex::encode(Sha256::digest(b))
+}
+
+/// A tenant's or plugin's name: 1–64 of `[A-Za-z0-9_.-]`, not starting with '.'.
+pub fn valid_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && !s.starts_with('.') && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+/// A tenant's request limits.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantLimits {
+    /// Requests in flight at once; more get a 429.
+    pub max_concurrent: Option<usize>,
+    /// Prompt plus completion tokens per minute; beyond, 429 with Retry-After.
+    pub tokens_per_minute: Option<u64>,
+}
+
+/// A plugin of the chain and its per-hook policies.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChainSpec {
+    pub name: String,
+    /// hook name → "fail_open" | "fail_closed" (default fail_closed).
+    #[serde(default)]
+    pub policies: BTreeMap<String, String>,
+}
+
+/// A tenant's configuration as stored (keys hashed).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantConfig {
+    pub id: String,
+    pub api_key_hashes: Vec<String>,
+    /// Served model names this tenant may use; empty: all.
+    pub models: Vec<String>,
+    pub limits: TenantLimits,
+    /// The chain, in order. None: every uploaded plugin, by name.
+    pub plugins: Option<Vec<ChainSpec>>,
+    /// Limits of each plugin hook call.
+    pub plugin_limits: Limits,
+}
+
+/// The body of `PUT /admin/v1/tenants/{id}`.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantSpec {
+    /// Plaintext keys; stored as sha256 hashes. Absent: keep the current keys.
+    pub api_keys: Option<Vec<String>>,
+    pub models: Vec<String>,
+    pub limits: TenantLimits,
+    pub plugins: Option<Vec<PluginChainItem>>,
+    pub plugin_limits: Option<Limits>,
+}
+
+/// A chain entry in a PUT body: a name, or a name with policies.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PluginChainItem {
+    Name(String),
+    Spec(ChainSpec),
+}
+
+/// What a request sees of its tenant, fixed at admission.
+pub struct Snapshot {
+    pub config: TenantConfig,
+    pub chain: Vec<ChainEntry>,
+}
+
+impl Snapshot {
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.config.models.is_empty() || self.config.models.iter().any(|m| m == model)
+    }
+}
+
+/// The record of one uploaded plugin version.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VersionRecord {
+    pub version: u64,
+    pub sha256: String,
+    pub size: usize,
+    pub meta: PluginMeta,
+    pub config: String,
+    pub uploaded_at: u64,
+}
+
+/// A plugin's versions and which one is active.
+#[derive(Default)]
+pub struct PluginSlot {
+    pub versions: BTreeMap<u64, VersionRecord>,
+    pub loaded: HashMap<u64, Arc<LoadedPlugin>>,
+    pub active: Option<u64>,
+    /// Earlier active versions, most recent last (for rollback).
+    pub history: Vec<u64>,
+}
+
+/// Token bucket of the tokens-per-minute limit.
+struct Bucket {
+    level: f64,
+    at: Instant,
+}
+
+pub struct Tenant {
+    pub id: String,
+    snapshot: ArcSwap<Snapshot>,
+    in_flight: AtomicUsize,
+    bucket: Mutex<Bucket>,
+    pub(crate) plugins: Mutex<BTreeMap<String, PluginSlot>>,
+    /// Serializes admin changes of this tenant (uploads, rollbacks, PUT).
+    pub(crate) admin: tokio::sync::Mutex<()>,
+}
+
+/// A request admitted for a tenant: holds its concurrency slot and snapshot.
+pub struct Admission {
+    pub tenant: Arc<Tenant>,
+    pub snapshot: Arc<Snapshot>,
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.tenant.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Admission {
+    /// Charges the request's tokens to the tenant's per-minute budget.
+    pub fn charge(&self, tokens: u64) {
+        if self.snapshot.config.limits.tokens_per_minute.is_some() {
+            let mut b = self.tenant.bucket.lock().unwrap();
+            b.level -= tokens as f64;
+        }
+    }
+}
+
+impl Tenant {
+    fn new(config: TenantConfig) -> Tenant {
+        let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
+        Tenant {
+            id: config.id.clone(),
+            snapshot: ArcSwap::from_pointee(Snapshot { config, chain: Vec::new() }),
+            in_flight: AtomicUsize::new(0),
+            bucket: Mutex::new(Bucket { level: tpm, at: Instant::now() }),
+            plugins: Mutex::new(BTreeMap::new()),
+            admin: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.snapshot.load_full()
+    }
+
+    /// Admits a request or answers 429.
+    pub fn admit(self: &Arc<Self>) -> Result<Admission, ApiError> {
+        let snapshot = self.snapshot.load_full();
+        let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+        let adm = Admission { tenant: Arc::clone(self), snapshot };
+        let limits = &adm.snapshot.config.limits;
+        if let Some(max) = limits.max_concurrent {
+            if n > max {
+                return Err(ApiError::overloaded(format!("Tenant '{}' has {max} requests in flight, its limit. Retry later.", self.id)));
+            }
+        }
+        if let Some(tpm) = limits.tokens_per_minute {
+            let rate = tpm as f64 / 60.0;
+            let mut b = self.bucket.lock().unwrap();
+            let now = Instant::now();
+            b.level = (b.level + rate * (now - b.at).as_secs_f64()).min(tpm as f64);
+            b.at = now;
+            if b.level <= 0.0 {
+                let wait = ((1.0 - b.level) / rate.max(1e-9)).ceil().max(1.0) as u64;
+                let mut e = ApiError::overloaded(format!(
+                    "Tenant '{}' used its {tpm} tokens per minute. Retry after {wait} s.",
+                    self.id
+                ));
+                e.retry_after = Some(wait);
+                return Err(e);
+            }
+        }
+        Ok(adm)
+    }
+
+    /// Rebuilds the snapshot from `config` and the active plugin versions.
+    pub(crate) fn publish(&self, config: TenantConfig) {
+        let slots = self.plugins.lock().unwrap();
+        let active = |name: &str| -> Option<Arc<LoadedPlugin>> {
+            let s = slots.get(name)?;
+            s.loaded.get(&s.active?).cloned()
+        };
+        let mut chain = Vec::new();
+        match &config.plugins {
+            Some(specs) => {
+                for spec in specs {
+                    if let Some(p) = active(&spec.name) {
+                        chain.push(ChainEntry { plugin: p, fail_open: policies(&spec.policies) });
+                    }
+                }
+            }
+            None => {
+                for name in slots.keys() {
+                    if let Some(p) = active(name) {
+                        chain.push(ChainEntry { plugin: p, fail_open: [false; 4] });
+                    }
+                }
+            }
+        }
+        drop(slots);
+        {
+            let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
+            let mut b = self.bucket.lock().unwrap();
+            if b.level > tpm {
+                b.level = tpm;
+            }
+        }
+        self.snapshot.store(Arc::new(Snapshot { config, chain }));
+    }
+}
+
+fn policies(p: &BTreeMap<String, String>) -> [bool; 4] {
+    let mut out = [false; 4];
+    for (i, h) in [HookKind::Route, HookKind::RenderPrompt, HookKind::OnChunk, HookKind::PostProcess].into_iter().enumerate() {
+        let v = p.get(h.as_str()).or_else(|| p.get(&h.as_str().replace('-', "_")));
+        out[i] = v.is_some_and(|v| v == "fail_open" || v == "fail-open" || v == "open");
+    }
+    out
+}
+
+fn check_policies(specs: &[ChainSpec]) -> Result<()> {
+    for s in specs {
+        if !valid_name(&s.name) {
+            bail!("plugin name '{}' is not valid (1-64 of A-Z a-z 0-9 _ - .)", s.name);
+        }
+        for (k, v) in &s.policies {
+            if HookKind::parse(k).is_none() {
+                bail!("plugin '{}': unknown hook '{k}' in policies (route, render-prompt, on-chunk, post-process)", s.name);
+            }
+            if !matches!(v.as_str(), "fail_open" | "fail-open" | "open" | "fail_closed" | "fail-closed" | "closed") {
+                bail!("plugin '{}': policy '{v}' for {k} must be fail_open or fail_closed", s.name);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// All tenants, their keys, and the plugin runtime.
+pub struct Tenants {
+    pub runtime: Arc<PluginRuntime>,
+    pub dir: Option<PathBuf>,
+    map: RwLock<HashMap<String, Arc<Tenant>>>,
+    /// key hash → tenant id
+    keys: RwLock<HashMap<String, String>>,
+}
+
+impl Tenants {
+    pub fn new(runtime: Arc<PluginRuntime>, dir: Option<PathBuf>) -> Tenants {
+        Tenants { runtime, dir, map: RwLock::new(HashMap::new()), keys: RwLock::new(HashMap::new()) }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.read().unwrap().is_empty()
+    }
+
+    pub fn ids(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.map.read().unwrap().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
+        self.map.read().unwrap().get(id).cloned()
+    }
+
+    /// The tenant an API key belongs to.
+    pub fn by_key(&self, key: &str) -> Option<Arc<Tenant>> {
+        let h = hash_key(key);
+        let id = self.keys.read().unwrap().get(&h).cloned()?;
+        self.get(&id)
+    }
+
+    fn index_keys(&self, id: &str, old: &[String], new: &[String]) {
+        let mut k = self.keys.write().unwrap();
+        for h in old {
+            if k.get(h).is_some_and(|t| t == id) {
+                k.remove(h);
+            }
+        }
+        for h in new {
+            k.insert(h.clone(), id.to_string());
+        }
+    }
+
+    /// Creates or replaces a tenant's configuration. Returns (created, config).
+    pub async fn put(&self, id: &str, spec: TenantSpec) -> Result<(bool, TenantConfig)> {
+        if !valid_name(id) {
+            bail!("tenant id '{id}' is not valid (1-64 of A-Z a-z 0-9 _ - .)");
+        }
+        let existing = self.get(id);
+        let old = existing.as_ref().map(|t| t.snapshot().config.clone());
+        let api_key_hashes = match spec.api_keys {
+            Some(keys) => {
+                if keys.iter().any(|k| k.trim().len() < 8) {
+                    bail!("api_keys must be at least 8 characters each");
+                }
+                let hashes: Vec<String> = keys.iter().map(|k| hash_key(k.trim())).collect();
+                let index = self.keys.read().unwrap();
+                if let Some(h) = hashes.iter().find(|h| index.get(*h).is_some_and(|t| t != id)) {
+                    let _ = h;
+                    bail!("one of the api_keys already belongs to another tenant");
+                }
+                hashes
+            }
+            None => old.as_ref().map(|c| c.api_key_hashes.clone()).unwrap_or_default(),
+        };
+        let plugins = spec.plugins.map(|items| {
+            items
+                .into_iter()
+                .map(|i| match i {
+                    PluginChainItem::Name(name) => ChainSpec { name, policies: BTreeMap::new() },
+                    PluginChainItem::Spec(s) => s,
+                })
+                .collect::<Vec<_>>()
+        });
+        if let Some(p) = &plugins {
+            check_policies(p)?;
+        }
+        let plugin_limits = spec.plugin_limits.unwrap_or_else(|| old.as_ref().map(|c| c.plugin_limits.clone()).unwrap_or_default());
+        if plugin_limits.memory_bytes > self.runtime.config().max_memory_bytes {
+            bail!("plugin_limits.memory_bytes may be at most {}", self.runtime.config().max_memory_bytes);
+        }
+        if plugin_limits.timeout_ms == 0 || plugin_limits.timeout_ms > 60_000 || plugin_limits.chunk_timeout_ms == 0 || plugin_limits.chunk_timeout_ms > 60_000 {
+            bail!("plugin_limits timeouts must be between 1 and 60000 ms");
+        }
+        let config = TenantConfig { id: id.to_string(), api_key_hashes, models: spec.models, limits: spec.limits, plugins, plugin_limits };
+        let tenant = match existing {
+            Some(t) => t,
+            None => {
+                let t = Arc::new(Tenant::new(config.clone()));
+                self.map.write().unwrap().entry(id.to_string()).or_insert(t).clone()
+            }
+        };
+        let _g = tenant.admin.lock().await;
+        if let Some(dir) = &self.dir {
+            let dir = dir.clone();
+            let c = config.clone();
+            tokio::task::spawn_blocking(move || store::save_tenant(&dir, &c)).await.map_err(|e| anyhow!("{e}"))??;
+        }
+        self.index_keys(id, old.as_ref().map_or(&[][..], |c| &c.api_key_hashes[..]), &config.api_key_hashes);
+        tenant.publish(config.clone());
+        Ok((old.is_none(), config))
+    }
+
+    pub async fn delete(&self, id: &str) -> Result<bool> {
+        let Some(t) = self.get(id) else { return Ok(false) };
+        let _g = t.admin.lock().await;
+        if let Some(dir) = &self.dir {
+            let dir = dir.clone();
+            let id2 = id.to_string();
+            tokio::task::spawn_blocking(move || store::delete_tenant(&dir, &id2)).await.map_err(|e| anyhow!("{e}"))??;
+        }
+        let c = t.snapshot().config.clone();
+        self.index_keys(id, &c.api_key_hashes, &[]);
+        self.map.write().unwrap().remove(id);
+        Ok(true)
+    }
+
+    /// Compiles, checks and smoke-tests a component, validates its config,
+    /// persists it as a new version and makes it active.
+    pub async fn upload(&self, tenant: &Arc<Tenant>, name: &str, wasm: bytes::Bytes, config: Option<String>) -> Result<VersionRecord> {
+        if !valid_name(name) {
+            bail!("plugin name '{name}' is not valid (1-64 of A-Z a-z 0-9 _ - .)");
+        }
+        let limits = tenant.snapshot().config.plugin_limits.clone();
+        let rt = Arc::clone(&self.runtime);
+        let sha = sha256_hex(&wasm);
+        let size = wasm.len();
+        let bytes = wasm.clone();
+        // Compile and check off the request path.
+        let (pre, meta, cwasm, config) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let component = rt.compile(&bytes)?;
+            let cwasm = rt.serialize(&component)?;
+            let (pre, meta) = rt.prepare(component, &limits)?;
+            let config = validate_config(&meta, config.as_deref())?;
+            Ok((pre, meta, cwasm, config))
+        })
+        .await
+        .map_err(|e| anyhow!("the compiler task failed: {e}"))??;
+        let _g = tenant.admin.lock().await;
+        let (version, history) = {
+            let slots = tenant.plugins.lock().unwrap();
+            let s = slots.get(name);
+            let version = s.and_then(|s| s.versions.keys().next_back().copied()).unwrap_or(0) + 1;
+            let mut h = s.map(|s| s.history.clone()).unwrap_or_default();
+            if let Some(p) = s.and_then(|s| s.active) {
+                h.push(p);
+            }
+            (version, h)
+        };
+        let record = VersionRecord {
+            version,
+            sha256: sha.clone(),
+            size,
+            meta: meta.clone(),
+            config: config.clone(),
+            uploaded_at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        };
+        let loaded = Arc::new(LoadedPlugin::new(name.to_string(), version, sha, meta, config, pre));
+        if let Some(dir) = &self.dir {
+            let dir = dir.clone();
+            let (tid, n, r, h) = (tenant.id.clone(), name.to_string(), record.clone(), history.clone());
+            tokio::task::spawn_blocking(move || store::save_version(&dir, &tid, &n, &r, &wasm, &cwasm, version, &h))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
+        }
+        {
+            let mut slots = tenant.plugins.lock().unwrap();
+            let s = slots.entry(name.to_string()).or_default();
+            s.versions.insert(version, record.clone());
+            s.loaded.insert(version, loaded);
+            s.active = Some(version);
+            s.history = history;
+        }
+        let cfg = tenant.snapshot().config.clone();
+        tenant.publish(cfg);
+        Ok(record)
+    }
+
+    /// Makes the previously active version active again.
+    pub async fn rollback(&self, tenant: &Arc<Tenant>, name: &str) -> Result<VersionRecord> {
+        let _g = tenant.admin.lock().await;
+        let (target, history, record, loaded) = {
+            let slots = tenant.plugins.lock().unwrap();
+            let s = slots.get(name).ok_or_else(|| anyhow!("tenant '{}' has no plugin '{name}'", tenant.id))?;
+            let mut h = s.history.clone();
+            let target = h.pop().ok_or_else(|| anyhow!("plugin '{name}' has no earlier version to roll back to"))?;
+            let record = s.versions.get(&target).cloned().ok_or_else(|| anyhow!("version {target} of '{name}' is missing"))?;
+            (target, h, record, s.loaded.get(&target).cloned())
+        };
+        let loaded = match loaded {
+            Some(l) => l,
+            None => {
+                let dir = self.dir.clone().ok_or_else(|| anyhow!("version {target} is not loaded"))?;
+                let rt = Arc::clone(&self.runtime);
+                let (tid, n, r) = (tenant.id.clone(), name.to_string(), record.clone());
+                let limits = tenant.snapshot().config.plugin_limits.clone();
+                tokio::task::spawn_blocking(move || store::load_version(&rt, &dir, &tid, &n, &r, &limits))
+                    .await
+                    .map_err(|e| anyhow!("{e}"))??
+            }
+        };
+        if let Some(dir) = &self.dir {
+            let dir = dir.clone();
+            let (tid, n, h) = (tenant.id.clone(), name.to_string(), history.clone());
+            tokio::task::spawn_blocking(move || store::save_active(&dir, &tid, &n, target, &h)).await.map_err(|e| anyhow!("{e}"))??;
+        }
+        {
+            let mut slots = tenant.plugins.lock().unwrap();
+            let s = slots.entry(name.to_string()).or_default();
+            s.loaded.insert(target, loaded);
+            s.active = Some(target);
+            s.history = history;
+        }
+        let cfg = tenant.snapshot().config.clone();
+        tenant.publish(cfg);
+        Ok(record)
+    }
+
+    /// The plugins of a tenant, as the admin API lists them.
+    pub fn list_plugins(&self, tenant: &Tenant) -> serde_json::Value {
+        let slots = tenant.plugins.lock().unwrap();
+        let list: Vec<serde_json::Value> = slots
+            .iter()
+            .map(|(name, s)| {
+                serde_json::json!({
+                    "name": name,
+                    "active_version": s.active,
+                    "versions": s.versions.values().map(|r| serde_json::json!({
+                        "version": r.version,
+                        "sha256": r.sha256,
+                        "size": r.size,
+                        "plugin_name": r.meta.name,
+                        "plugin_version": r.meta.version,
+                        "hooks": r.meta.hooks,
+                        "config": serde_json::from_str::<serde_json::Value>(&r.config).unwrap_or_default(),
+                        "uploaded_at": r.uploaded_at,
+                        "active": Some(r.version) == s.active,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        serde_json::json!({"object": "list", "data": list})
+    }
+
+    /// Loads every tenant and active plugin version from the state dir.
+    pub fn load_all(&self) -> Result<usize> {
+        let Some(dir) = &self.dir else { return Ok(0) };
+        let loaded = store::load_all(&self.runtime, dir)?;
+        let n = loaded.len();
+        for (config, slots) in loaded {
+            let t = Arc::new(Tenant::new(config.clone()));
+            *t.plugins.lock().unwrap() = slots;
+            self.index_keys(&config.id, &[], &config.api_key_hashes);
+            t.publish(config.clone());
+            self.map.write().unwrap().insert(config.id.clone(), t);
+        }
+        Ok(n)
+    }
+}
