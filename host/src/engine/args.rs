@@ -139,6 +139,11 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
     if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--max-num-seqs and --max-num-batched-tokens must be positive");
     }
+    if let Some(l) = args.max_model_len {
+        if l == 0 || l > crate::engine::config::MAX_CONTEXT {
+            bail!("--max-model-len {l} must be between 1 and {}", crate::engine::config::MAX_CONTEXT);
+        }
+    }
     let ctx = args.device.open(args.threads)?;
     let (model, loaded) = load_model(args, |c| args.max_model_len.unwrap_or(c.max_position_embeddings))?;
     let c = &loaded.config;

@@ -16,6 +16,9 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     ("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5 (attention q/k/v bias)"),
 ];
 
+/// The longest context the engine accepts (16M tokens).
+pub const MAX_CONTEXT: usize = 1 << 24;
+
 /// Which member of the family; decides the small differences between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -222,6 +225,40 @@ impl ModelConfig {
         for (name, x) in positive {
             if x == 0 {
                 bail!("'{name}' must be positive");
+            }
+        }
+        // Bounds far above any real model, so a corrupt or hostile config
+        // fails here instead of in a giant allocation.
+        let limits = [
+            ("num_hidden_layers", self.num_layers, 1 << 10),
+            ("hidden_size", self.hidden_size, 1 << 17),
+            ("intermediate_size", self.intermediate_size, 1 << 19),
+            ("num_attention_heads", self.num_heads, 1 << 10),
+            ("vocab_size", self.vocab_size, 1 << 22),
+            ("max_position_embeddings", self.max_position_embeddings, MAX_CONTEXT),
+        ];
+        for (name, x, max) in limits {
+            if x > max {
+                bail!("'{name}' = {x} is beyond the supported maximum of {max}");
+            }
+        }
+        match self.rope_scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => {
+                if !(factor.is_finite() && factor > 0.0) {
+                    bail!("rope_scaling factor {factor} must be a positive number");
+                }
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+                if !(factor.is_finite() && factor > 0.0) {
+                    bail!("rope_scaling factor {factor} must be a positive number");
+                }
+                if !(low_freq_factor > 0.0 && high_freq_factor > low_freq_factor && high_freq_factor.is_finite()) {
+                    bail!("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {low_freq_factor} and {high_freq_factor}");
+                }
+                if original_max_position == 0 {
+                    bail!("llama3 rope_scaling needs a positive original_max_position_embeddings");
+                }
             }
         }
         if self.num_heads % self.num_kv_heads != 0 {

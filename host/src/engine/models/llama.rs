@@ -126,6 +126,9 @@ impl LlamaModel {
     /// `config`. `max_positions` bounds the RoPE table (the engine's
     /// `--max-model-len`).
     pub fn load(source: &dyn WeightSource, config: ModelConfig, max_positions: usize) -> Result<LlamaModel> {
+        if max_positions == 0 || max_positions > crate::engine::config::MAX_CONTEXT {
+            bail!("max_model_len {max_positions} must be between 1 and {}", crate::engine::config::MAX_CONTEXT);
+        }
         let c = &config;
         let (d, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let embed = source.matrix("model.embed_tokens.weight", c.vocab_size, d)?;
@@ -134,7 +137,7 @@ impl LlamaModel {
         } else {
             Some(source.matrix("lm_head.weight", c.vocab_size, d)?)
         };
-        let mut layers = Vec::with_capacity(c.num_layers);
+        let mut layers = Vec::new();
         for i in 0..c.num_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
             let qkv = Projection::new(vec![
@@ -167,9 +170,6 @@ impl LlamaModel {
             });
         }
         let norm = source.vector("model.norm.weight", d)?;
-        if max_positions == 0 {
-            bail!("max_model_len must be positive");
-        }
         let rope = RopeTable::new(c.head_dim, c.rope_theta, max_positions, &c.rope_scaling, c.rope_style);
         Ok(LlamaModel { config, embed, lm_head, layers, norm, rope })
     }
