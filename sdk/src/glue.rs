@@ -59,8 +59,12 @@ impl<P: Plugin> Adapter<P> {
     }
 
     /// `render-prompt` as the host calls it.
-    pub fn render_prompt(request: &str, template: Option<String>) -> Result<Option<String>, String> {
-        let request = crate::parse_json(request, "render-prompt request").map_err(|e| e.into_message())?;
+    pub fn render_prompt(
+        request: &str,
+        template: Option<String>,
+    ) -> Result<Option<String>, String> {
+        let request =
+            crate::parse_json(request, "render-prompt request").map_err(|e| e.into_message())?;
         with_instance::<P, _>(|p| p.render_prompt(request, template)).map_err(|e| e.into_message())
     }
 
@@ -116,7 +120,10 @@ mod wasm {
             }
         }
 
-        fn render_prompt(request: String, template: Option<String>) -> Result<Option<String>, String> {
+        fn render_prompt(
+            request: String,
+            template: Option<String>,
+        ) -> Result<Option<String>, String> {
             Adapter::<P>::render_prompt(&request, template)
         }
 
@@ -127,5 +134,121 @@ mod wasm {
         fn post_process(choice: u32, text: String) -> Result<String, String> {
             Adapter::<P>::post_process(choice, text)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::LogLevel;
+    use crate::{json, metadata, testing, Error, Hook, Metadata, Result};
+    use serde_json::Value;
+
+    /// Counts calls, to show that one value serves a whole request.
+    #[derive(Default)]
+    struct Counter {
+        calls: u32,
+    }
+
+    impl Plugin for Counter {
+        fn metadata() -> Metadata {
+            metadata!().hooks([Hook::Route, Hook::OnChunk])
+        }
+
+        fn route(&mut self, request: RouteRequest) -> Result<RouteDecision> {
+            match request.model() {
+                Some("fail") => Err(Error::msg("no such luck")),
+                Some("num") => Ok(RouteDecision::Modify(json!({"n": "x".parse::<u32>()?}))),
+                _ => Ok(RouteDecision::Continue),
+            }
+        }
+
+        fn on_chunk(&mut self, _choice: u32, text: String, _finish: bool) -> String {
+            self.calls += 1;
+            format!("{text}{}", self.calls)
+        }
+    }
+
+    #[test]
+    fn state_lives_for_one_request() {
+        testing::reset();
+        assert_eq!(Adapter::<Counter>::on_chunk(0, "a".into(), false), "a1");
+        assert_eq!(Adapter::<Counter>::on_chunk(1, "b".into(), true), "b2");
+        testing::new_request();
+        assert_eq!(Adapter::<Counter>::on_chunk(0, "c".into(), false), "c1");
+    }
+
+    #[test]
+    fn route_errors_reject_with_500() {
+        testing::reset();
+        let req = |model: &str| {
+            json!({"endpoint": "/v1/completions", "body": {"model": model}}).to_string()
+        };
+        assert_eq!(
+            Adapter::<Counter>::route(&req("ok")),
+            RouteDecision::Continue
+        );
+        assert_eq!(
+            Adapter::<Counter>::route(&req("fail")),
+            RouteDecision::reject(500, "plugin error: no such luck")
+        );
+        assert_eq!(
+            testing::take_logs(),
+            vec![(LogLevel::Error, "route failed: no such luck".to_owned())]
+        );
+        // `?` on a foreign error type.
+        match Adapter::<Counter>::route(&req("num")) {
+            RouteDecision::Reject(r) => {
+                assert!(r.message.contains("invalid digit"), "{}", r.message)
+            }
+            d => panic!("{d:?}"),
+        }
+        // A request the SDK cannot parse.
+        match Adapter::<Counter>::route("{") {
+            RouteDecision::Reject(r) => assert!(
+                r.status == 500 && r.message.contains("route request"),
+                "{r:?}"
+            ),
+            d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn defaults_pass_through() {
+        testing::reset();
+        let req = json!({"messages": []}).to_string();
+        assert_eq!(
+            Adapter::<Counter>::render_prompt(&req, Some("t".into())),
+            Ok(None)
+        );
+        assert!(Adapter::<Counter>::render_prompt("[", None).is_err());
+        assert_eq!(
+            Adapter::<Counter>::post_process(0, "x".into()),
+            Ok("x".to_owned())
+        );
+    }
+
+    #[test]
+    fn metadata_and_config() {
+        testing::reset();
+        let m = Counter::metadata();
+        assert_eq!(
+            (m.name.as_str(), m.version.as_str()),
+            ("pagoda-sdk", env!("CARGO_PKG_VERSION"))
+        );
+        assert_eq!(m.config_schema, "");
+        #[derive(serde::Deserialize, Debug)]
+        struct C {
+            n: u32,
+        }
+        testing::set_config(json!({"n": 3}));
+        assert_eq!(crate::host::config::<C>().unwrap().n, 3);
+        testing::set_config(json!({"n": "x"}));
+        let err = crate::host::config::<C>().unwrap_err();
+        assert!(
+            err.message().starts_with("invalid plugin config"),
+            "{err:?}"
+        );
+        assert_eq!(crate::host::config::<Value>().unwrap(), json!({"n": "x"}));
     }
 }

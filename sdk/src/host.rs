@@ -2,9 +2,9 @@
 //! about the request. There is no filesystem, network, clock or environment
 //! beyond this.
 //!
-//! On targets other than `wasm32` these functions talk to the stand-in host
-//! of [`testing`](crate::testing), so plugin code that calls them runs in
-//! native unit tests.
+//! On targets other than `wasm32` these functions talk to the stand-in
+//! host of `pagoda_sdk::testing` (native targets only), so plugin code
+//! that calls them runs in native unit tests.
 
 use crate::{parse_json, Result};
 use serde::de::DeserializeOwned;

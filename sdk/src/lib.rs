@@ -35,7 +35,6 @@
 //! [dependencies]
 //! pagoda-sdk = { path = "../../../sdk" }
 //! serde = { version = "1", features = ["derive"] }
-//! serde_json = "1"
 //! ```
 //!
 //! `cargo build --target wasm32-wasip2 --release` then writes the component
@@ -66,9 +65,10 @@
 //! On any target other than `wasm32` the SDK compiles without the WIT
 //! bindings: [`export_plugin!`] only checks that the type implements
 //! [`Plugin`], and the [`host`] functions talk to a stand-in host that
-//! tests set up through [`testing`]. So a plugin's `#[cfg(test)]` unit tests
-//! run with `cargo test` on the developer's machine, calling the hooks as
-//! ordinary methods.
+//! tests set up through `pagoda_sdk::testing` (native targets only). So a
+//! plugin's `#[cfg(test)]` unit tests run with `cargo test` on the
+//! developer's machine, calling the hooks as ordinary methods (or through
+//! `Adapter`, exactly as the host calls them, JSON included).
 
 #![warn(missing_docs)]
 
@@ -259,7 +259,11 @@ pub trait Plugin: Default + 'static {
     /// (possibly modified) chat request body; `template` is the model's own
     /// chat template, if it has one. `Ok(None)` leaves rendering to the
     /// model's template; `Err` fails the request with a 400.
-    fn render_prompt(&mut self, request: Value, template: Option<String>) -> Result<Option<String>> {
+    fn render_prompt(
+        &mut self,
+        request: Value,
+        template: Option<String>,
+    ) -> Result<Option<String>> {
         let _ = (request, template);
         Ok(None)
     }

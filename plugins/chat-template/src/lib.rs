@@ -63,7 +63,11 @@ pub fn render(config: &Config, request: &Value, model_template: Option<&str>) ->
         .template
         .as_deref()
         .or(model_template)
-        .ok_or_else(|| Error::msg("no chat template: the model has none and the plugin config sets no \"template\""))?;
+        .ok_or_else(|| {
+            Error::msg(
+                "no chat template: the model has none and the plugin config sets no \"template\"",
+            )
+        })?;
     let mut messages = match request.get("messages") {
         Some(Value::Array(m)) => m.clone(),
         _ => return Err(Error::msg("the request has no \"messages\" list")),
@@ -87,9 +91,18 @@ pub fn render(config: &Config, request: &Value, model_template: Option<&str>) ->
         .and_then(Value::as_bool)
         .unwrap_or(true);
     vars.insert("messages".into(), Value::Array(messages));
-    vars.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
-    vars.insert("bos_token".into(), json!(config.bos_token.as_deref().unwrap_or("")));
-    vars.insert("eos_token".into(), json!(config.eos_token.as_deref().unwrap_or("")));
+    vars.insert(
+        "add_generation_prompt".into(),
+        Value::Bool(add_generation_prompt),
+    );
+    vars.insert(
+        "bos_token".into(),
+        json!(config.bos_token.as_deref().unwrap_or("")),
+    );
+    vars.insert(
+        "eos_token".into(),
+        json!(config.eos_token.as_deref().unwrap_or("")),
+    );
 
     template::render(source, &vars).map_err(Error::msg)
 }
@@ -98,7 +111,9 @@ pub fn render(config: &Config, request: &Value, model_template: Option<&str>) ->
 /// inserts a system message with it.
 fn set_system_prompt(messages: &mut Vec<Value>, prompt: &str) {
     match messages.first_mut() {
-        Some(Value::Object(first)) if first.get("role").and_then(Value::as_str) == Some("system") => {
+        Some(Value::Object(first))
+            if first.get("role").and_then(Value::as_str) == Some("system") =>
+        {
             first.insert("content".into(), json!(prompt));
         }
         _ => messages.insert(0, json!({"role": "system", "content": prompt})),
@@ -111,10 +126,16 @@ pub struct ChatTemplate;
 
 impl Plugin for ChatTemplate {
     fn metadata() -> Metadata {
-        metadata!().hooks([Hook::RenderPrompt]).config_schema(schema())
+        metadata!()
+            .hooks([Hook::RenderPrompt])
+            .config_schema(schema())
     }
 
-    fn render_prompt(&mut self, request: Value, template: Option<String>) -> Result<Option<String>> {
+    fn render_prompt(
+        &mut self,
+        request: Value,
+        template: Option<String>,
+    ) -> Result<Option<String>> {
         let config: Config = host::config()?;
         render(&config, &request, template.as_deref()).map(Some)
     }
@@ -142,7 +163,9 @@ mod tests {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
         let req = json!({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false});
-        assert!(!render(&Config::default(), &req, Some(SMOL)).unwrap().ends_with("assistant\n"));
+        assert!(!render(&Config::default(), &req, Some(SMOL))
+            .unwrap()
+            .ends_with("assistant\n"));
     }
 
     #[test]
@@ -150,10 +173,16 @@ mod tests {
         let c = config(json!({"system_prompt": "Be brief."}));
         let req = json!({"messages": [{"role": "user", "content": "Hi"}]});
         let out = render(&c, &req, Some(SMOL)).unwrap();
-        assert!(out.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi"), "{out}");
+        assert!(
+            out.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi"),
+            "{out}"
+        );
         let req = json!({"messages": [{"role": "system", "content": "Be long."}, {"role": "user", "content": "Hi"}]});
         let out = render(&c, &req, Some(SMOL)).unwrap();
-        assert!(out.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user"), "{out}");
+        assert!(
+            out.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user"),
+            "{out}"
+        );
         assert!(!out.contains("Be long."));
     }
 
@@ -167,20 +196,40 @@ mod tests {
             {"role": "user", "content": " a "}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}
         ]});
         // trim_blocks + lstrip_blocks: block tags leave no whitespace behind.
-        assert_eq!(render(&c, &req, Some(SMOL)).unwrap(), "<s>[INST] a [/INST]\nb</s>\n[INST] c [/INST]\n");
+        assert_eq!(
+            render(&c, &req, Some(SMOL)).unwrap(),
+            "<s>[INST] a [/INST]\nb</s>\n[INST] c [/INST]\n"
+        );
     }
 
     #[test]
     fn raise_exception_message_is_the_error() {
-        let c = config(json!({"template": "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok"}));
-        let err = render(&c, &json!({"messages": [{"role": "assistant", "content": "x"}]}), None).unwrap_err();
+        let c = config(
+            json!({"template": "{% if messages[0].role != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok"}),
+        );
+        let err = render(
+            &c,
+            &json!({"messages": [{"role": "assistant", "content": "x"}]}),
+            None,
+        )
+        .unwrap_err();
         assert_eq!(err.message(), "Conversation must start with user");
-        assert_eq!(render(&c, &json!({"messages": [{"role": "user", "content": "x"}]}), None).unwrap(), "ok");
+        assert_eq!(
+            render(
+                &c,
+                &json!({"messages": [{"role": "user", "content": "x"}]}),
+                None
+            )
+            .unwrap(),
+            "ok"
+        );
     }
 
     #[test]
     fn tools_kwargs_and_tojson() {
-        let c = config(json!({"template": "{{ tools | tojson }}|{{ enable_thinking }}|{{ messages[0] | tojson(indent=2) }}|{{ messages[0].content.strip().upper() }}"}));
+        let c = config(
+            json!({"template": "{{ tools | tojson }}|{{ enable_thinking }}|{{ messages[0] | tojson(indent=2) }}|{{ messages[0].content.strip().upper() }}"}),
+        );
         let req = json!({
             "messages": [{"role": "user", "content": " hé \"q\" "}],
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2.5}}}],
@@ -195,17 +244,28 @@ mod tests {
     #[test]
     fn errors() {
         let req = json!({"messages": []});
-        assert!(render(&Config::default(), &req, None).unwrap_err().message().contains("no chat template"));
-        assert!(render(&Config::default(), &json!({}), Some(SMOL)).unwrap_err().message().contains("messages"));
+        assert!(render(&Config::default(), &req, None)
+            .unwrap_err()
+            .message()
+            .contains("no chat template"));
+        assert!(render(&Config::default(), &json!({}), Some(SMOL))
+            .unwrap_err()
+            .message()
+            .contains("messages"));
         let c = config(json!({"template": "{% for %}"}));
-        assert!(render(&c, &req, None).unwrap_err().message().contains("chat template"));
+        assert!(render(&c, &req, None)
+            .unwrap_err()
+            .message()
+            .contains("chat template"));
     }
 
     #[test]
     fn hook_uses_host_config() {
         testing::reset();
         testing::set_config(json!({"template": "{{ messages | length }}"}));
-        let out = ChatTemplate.render_prompt(json!({"messages": [1, 2, 3]}), Some(SMOL.into())).unwrap();
+        let out = ChatTemplate
+            .render_prompt(json!({"messages": [1, 2, 3]}), Some(SMOL.into()))
+            .unwrap();
         assert_eq!(out.as_deref(), Some("3"));
     }
 }

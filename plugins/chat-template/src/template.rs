@@ -35,10 +35,12 @@ pub fn render(source: &str, vars: &Map<String, Json>) -> Result<String, String> 
         .map_err(|e| format!("chat template does not compile: {e}"))?;
     let ctx = Value::from_pairs(vars.iter().map(|(k, v)| (k.as_str(), from_json(v))));
     RAISED.with(|r| r.borrow_mut().take());
-    template.render(ctx).map_err(|e| match RAISED.with(|r| r.borrow_mut().take()) {
-        Some(message) => message,
-        None => format!("chat template error: {e}"),
-    })
+    template
+        .render(ctx)
+        .map_err(|e| match RAISED.with(|r| r.borrow_mut().take()) {
+            Some(message) => message,
+            None => format!("chat template error: {e}"),
+        })
 }
 
 fn environment() -> Environment<'static> {
@@ -116,7 +118,10 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
     let sort_keys = present(arg(3, "sort_keys")?).is_some_and(|v| v.is_true());
     kwargs.assert_all_used()?;
     // Python's defaults: "," with indentation (lines end there), ", " without.
-    let (mut item_sep, mut key_sep) = (if indent.is_some() { "," } else { ", " }.to_owned(), ": ".to_owned());
+    let (mut item_sep, mut key_sep) = (
+        if indent.is_some() { "," } else { ", " }.to_owned(),
+        ": ".to_owned(),
+    );
     if let Some(seps) = separators {
         let seps: Vec<Value> = seps.try_iter()?.collect();
         match seps.as_slice() {
@@ -124,7 +129,12 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
                 item_sep = i.as_str().unwrap_or(",").to_owned();
                 key_sep = k.as_str().unwrap_or(":").to_owned();
             }
-            _ => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair")),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: separators must be a pair",
+                ))
+            }
         }
     }
     let style = Style {
@@ -145,7 +155,10 @@ const MAX_DEPTH: usize = 128;
 
 fn write_json(out: &mut String, v: &Value, style: &Style, depth: usize) -> Result<(), Error> {
     if depth > MAX_DEPTH {
-        return Err(Error::new(ErrorKind::InvalidOperation, "tojson: value nests too deeply"));
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            "tojson: value nests too deeply",
+        ));
     }
     let newline = |out: &mut String, level: usize| {
         if let Some(indent) = &style.indent {
@@ -267,7 +280,9 @@ mod tests {
     use pagoda_sdk::json;
 
     fn render_with(source: &str, vars: Json) -> Result<String, String> {
-        let Json::Object(map) = vars else { panic!("vars must be an object") };
+        let Json::Object(map) = vars else {
+            panic!("vars must be an object")
+        };
         render(source, &map)
     }
 
@@ -304,7 +319,10 @@ mod tests {
             render_with("{{ x.b | tojson(separators=(',', ':')) }}", vars.clone()).unwrap(),
             "[1,2.0,null,true]"
         );
-        assert_eq!(render_with("{{ '😀' | tojson(true) }}", vars).unwrap(), r#""\ud83d\ude00""#);
+        assert_eq!(
+            render_with("{{ '😀' | tojson(true) }}", vars).unwrap(),
+            r#""\ud83d\ude00""#
+        );
     }
 
     #[test]

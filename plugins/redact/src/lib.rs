@@ -82,12 +82,18 @@ mod tests {
         testing::set_config(json!({"patterns": ["(?i)project x"], "replacement": "***"}));
         let mut p = Redact::default();
         assert_eq!(
-            p.post_process(0, "Mail a@b.io about Project X".into()).unwrap(),
+            p.post_process(0, "Mail a@b.io about Project X".into())
+                .unwrap(),
             "Mail *** about ***"
         );
         // Two interleaved streamed choices keep separate buffers.
         let mut out = [String::new(), String::new()];
-        for (choice, piece) in [(0, "write to bo"), (1, "call +1 555"), (0, "b@exa"), (1, " 123 4567 now")] {
+        for (choice, piece) in [
+            (0, "write to bo"),
+            (1, "call +1 555"),
+            (0, "b@exa"),
+            (1, " 123 4567 now"),
+        ] {
             out[choice as usize] += &p.on_chunk(choice, piece.into(), false);
         }
         out[0] += &p.on_chunk(0, "mple.com!".into(), true);

@@ -46,8 +46,7 @@ pub const PHONE_INTERNATIONAL: &str =
 /// `1 555.123.4567`, `5551234567`. Numbers in other national formats
 /// without `+` are left to configured patterns, since short digit groups
 /// alone are too often not phone numbers.
-pub const PHONE_NANP: &str =
-    r"(?:(?-u:\b)1[ .-]?)?(?:\([0-9]{3}\)[ .-]?|(?-u:\b)[0-9]{3}[ .-]?)[0-9]{3}[ .-]?[0-9]{4}(?-u:\b)";
+pub const PHONE_NANP: &str = r"(?:(?-u:\b)1[ .-]?)?(?:\([0-9]{3}\)[ .-]?|(?-u:\b)[0-9]{3}[ .-]?)[0-9]{3}[ .-]?[0-9]{4}(?-u:\b)";
 
 /// The replacement when the config names none.
 pub const DEFAULT_REPLACEMENT: &str = "[REDACTED]";
@@ -149,7 +148,8 @@ impl Redactor {
         let set = if patterns.is_empty() {
             None
         } else {
-            let regex = meta::Regex::new_many(&patterns).map_err(|e| format!("patterns do not compile: {e}"))?;
+            let regex = meta::Regex::new_many(&patterns)
+                .map_err(|e| format!("patterns do not compile: {e}"))?;
             let dfa = DFA::builder()
                 // Without this a configured `\b` would fail the build;
                 // with it the DFA gives up on non-ASCII bytes instead.
@@ -183,7 +183,9 @@ impl Redactor {
             if !finish {
                 // Text before the match is final up to the first live
                 // position; a match is final if its start is not live.
-                let stop = set.first_live(buf, pos, m.start()).or_else(|| set.is_live(buf, m.start()).then_some(m.start()));
+                let stop = set
+                    .first_live(buf, pos, m.start())
+                    .or_else(|| set.is_live(buf, m.start()).then_some(m.start()));
                 if let Some(s) = stop {
                     out.push_str(&buf[pos..s]);
                     return (out, s);
@@ -193,7 +195,11 @@ impl Redactor {
             out.push_str(&self.replacement);
             pos = m.end();
         }
-        let end = if finish { buf.len() } else { set.first_live(buf, pos, buf.len()).unwrap_or(buf.len()) };
+        let end = if finish {
+            buf.len()
+        } else {
+            set.first_live(buf, pos, buf.len()).unwrap_or(buf.len())
+        };
         out.push_str(&buf[pos..end]);
         (out, end)
     }
@@ -257,7 +263,10 @@ impl Stream {
             self.start = 0;
         } else {
             // Keep one released character before `pos` as context.
-            let keep_from = self.buf[..pos].char_indices().next_back().map_or(0, |(i, _)| i);
+            let keep_from = self.buf[..pos]
+                .char_indices()
+                .next_back()
+                .map_or(0, |(i, _)| i);
             self.buf.drain(..keep_from);
             self.start = pos - keep_from;
         }
@@ -292,9 +301,18 @@ mod tests {
     #[test]
     fn emails() {
         let r = redactor(json!({}));
-        assert_eq!(r.redact("Write to john.doe+x@mail.example.co.uk."), "Write to [REDACTED].");
-        assert_eq!(r.redact("a@b.c is no address, a@b.cd is"), "a@b.c is no address, [REDACTED] is");
-        assert_eq!(r.redact("user@localhost and @home and x@"), "user@localhost and @home and x@");
+        assert_eq!(
+            r.redact("Write to john.doe+x@mail.example.co.uk."),
+            "Write to [REDACTED]."
+        );
+        assert_eq!(
+            r.redact("a@b.c is no address, a@b.cd is"),
+            "a@b.c is no address, [REDACTED] is"
+        );
+        assert_eq!(
+            r.redact("user@localhost and @home and x@"),
+            "user@localhost and @home and x@"
+        );
     }
 
     #[test]
@@ -312,17 +330,33 @@ mod tests {
             "+15551234567",
             "+49 (30) 1234 5678",
         ] {
-            assert_eq!(r.redact(&format!("call {phone} now")), "call [REDACTED] now", "{phone}");
+            assert_eq!(
+                r.redact(&format!("call {phone} now")),
+                "call [REDACTED] now",
+                "{phone}"
+            );
         }
-        for not_phone in ["2024-07-26", "12 34 56", "555-1234", "in 1999 2000 2001", "v1.2.3", "12345678901234"] {
+        for not_phone in [
+            "2024-07-26",
+            "12 34 56",
+            "555-1234",
+            "in 1999 2000 2001",
+            "v1.2.3",
+            "12345678901234",
+        ] {
             assert_eq!(r.redact(not_phone), not_phone);
         }
     }
 
     #[test]
     fn configured_patterns_and_replacement() {
-        let r = redactor(json!({"patterns": [r"\bAcme\w*", "(?i)secret"], "replacement": "#", "phones": false}));
-        assert_eq!(r.redact("AcmeCorp's SeCrEt: x@y.org; notAcme"), "#'s #: #; notAcme");
+        let r = redactor(
+            json!({"patterns": [r"\bAcme\w*", "(?i)secret"], "replacement": "#", "phones": false}),
+        );
+        assert_eq!(
+            r.redact("AcmeCorp's SeCrEt: x@y.org; notAcme"),
+            "#'s #: #; notAcme"
+        );
         let none = redactor(json!({"emails": false, "phones": false}));
         assert_eq!(none.redact("x@y.org 555-123-4567"), "x@y.org 555-123-4567");
         assert_eq!(stream_all(&none, &["x@y", ".org"]), "x@y.org");
@@ -334,15 +368,29 @@ mod tests {
             patterns: vec![p.to_owned()],
             ..Config::default()
         };
-        assert!(Redactor::new(&config("(")).unwrap_err().contains("not a valid regex"));
-        assert!(Redactor::new(&config("a*")).unwrap_err().contains("empty string"));
+        assert!(Redactor::new(&config("("))
+            .unwrap_err()
+            .contains("not a valid regex"));
+        assert!(Redactor::new(&config("a*"))
+            .unwrap_err()
+            .contains("empty string"));
     }
 
     #[test]
     fn streaming_across_boundaries() {
         let r = redactor(json!({}));
         assert_eq!(
-            stream_all(&r, &["Mail jo", "hn@exa", "mple.", "com or call 555-", "123-45", "67."]),
+            stream_all(
+                &r,
+                &[
+                    "Mail jo",
+                    "hn@exa",
+                    "mple.",
+                    "com or call 555-",
+                    "123-45",
+                    "67."
+                ]
+            ),
             "Mail [REDACTED] or call [REDACTED]."
         );
         // An address that grows after looking complete.
@@ -380,15 +428,25 @@ mod tests {
     struct Lcg(u64);
     impl Lcg {
         fn next(&mut self, n: usize) -> usize {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             ((self.0 >> 33) as usize) % n
         }
     }
 
     /// Splits `text` at random character boundaries into 1..=n pieces.
     fn random_split<'a>(rng: &mut Lcg, text: &'a str) -> Vec<&'a str> {
-        let bounds: Vec<usize> = (1..text.len()).filter(|&i| text.is_char_boundary(i)).collect();
-        let mut cuts: Vec<usize> = (0..rng.next(8)).filter_map(|_| (!bounds.is_empty()).then(|| bounds[rng.next(bounds.len())])).collect();
+        let bounds: Vec<usize> = (1..text.len())
+            .filter(|&i| text.is_char_boundary(i))
+            .collect();
+        if bounds.is_empty() {
+            return vec![text];
+        }
+        let mut cuts: Vec<usize> = (0..rng.next(8))
+            .map(|_| bounds[rng.next(bounds.len())])
+            .collect();
         cuts.sort_unstable();
         cuts.dedup();
         let mut pieces = Vec::new();
@@ -423,12 +481,20 @@ mod tests {
                 let whole = r.redact(text);
                 for _ in 0..200 {
                     let pieces = random_split(&mut rng, text);
-                    assert_eq!(stream_all(&r, &pieces), whole, "config {config}, pieces {pieces:?}");
+                    assert_eq!(
+                        stream_all(&r, &pieces),
+                        whole,
+                        "config {config}, pieces {pieces:?}"
+                    );
                 }
                 // One character at a time, the hardest split.
                 let chars: Vec<String> = text.chars().map(String::from).collect();
                 let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
-                assert_eq!(stream_all(&r, &pieces), whole, "config {config}, char by char");
+                assert_eq!(
+                    stream_all(&r, &pieces),
+                    whole,
+                    "config {config}, char by char"
+                );
             }
         }
     }

@@ -37,7 +37,9 @@ pub struct Router;
 
 impl Plugin for Router {
     fn metadata() -> Metadata {
-        metadata!().hooks([Hook::Route]).config_schema(logic::schema())
+        metadata!()
+            .hooks([Hook::Route])
+            .config_schema(logic::schema())
     }
 
     fn route(&mut self, request: RouteRequest) -> Result<RouteDecision> {

@@ -54,7 +54,10 @@ pub fn decide(config: &Config, mut request: RouteRequest, served: &[String]) -> 
     if has_blocked_word(config, &request) {
         // The word itself is not repeated to the client: the message is
         // the tenant's to choose.
-        let message = config.reject_message.as_deref().unwrap_or(DEFAULT_REJECT_MESSAGE);
+        let message = config
+            .reject_message
+            .as_deref()
+            .unwrap_or(DEFAULT_REJECT_MESSAGE);
         return RouteDecision::reject(400, message);
     }
 
@@ -68,9 +71,9 @@ pub fn decide(config: &Config, mut request: RouteRequest, served: &[String]) -> 
             modified = true;
         }
         if let Some(allowed) = &config.allowed_models {
-            if !allowed.iter().any(|m| *m == model) {
+            if !allowed.contains(&model) {
                 let list = allowed.join(", ");
-                return if served.iter().any(|m| *m == model) {
+                return if served.contains(&model) {
                     RouteDecision::reject(
                         403,
                         format!("The model `{model}` is not allowed for this API key; allowed models: {list}."),
@@ -137,7 +140,11 @@ fn has_blocked_word(config: &Config, request: &RouteRequest) -> bool {
     if config.blocked_words.is_empty() {
         return false;
     }
-    let texts: Vec<String> = request.prompt_texts().iter().map(|t| t.to_lowercase()).collect();
+    let texts: Vec<String> = request
+        .prompt_texts()
+        .iter()
+        .map(|t| t.to_lowercase())
+        .collect();
     config.blocked_words.iter().any(|word| {
         let word = word.trim().to_lowercase();
         !word.is_empty() && texts.iter().any(|t| contains_word(t, &word))
@@ -203,8 +210,10 @@ mod tests {
 
     #[test]
     fn within_limits_continues() {
-        let r = chat(json!({"model": "smol", "max_tokens": 10, "temperature": 0.5,
-            "messages": [{"role": "user", "content": "hello"}]}));
+        let r = chat(
+            json!({"model": "smol", "max_tokens": 10, "temperature": 0.5,
+            "messages": [{"role": "user", "content": "hello"}]}),
+        );
         assert_eq!(decide(&example(), r, &served()), RouteDecision::Continue);
     }
 
@@ -222,7 +231,11 @@ mod tests {
         match decide(&example(), r, &served()) {
             RouteDecision::Reject(rej) => {
                 assert_eq!(rej.status, 403);
-                assert!(rej.message.contains("`big`") && rej.message.contains("smol"), "{}", rej.message);
+                assert!(
+                    rej.message.contains("`big`") && rej.message.contains("smol"),
+                    "{}",
+                    rej.message
+                );
             }
             d => panic!("{d:?}"),
         }
@@ -242,7 +255,9 @@ mod tests {
 
     #[test]
     fn max_tokens_clamped() {
-        let r = chat(json!({"model": "smol", "max_tokens": 1000, "max_completion_tokens": 300, "messages": []}));
+        let r = chat(
+            json!({"model": "smol", "max_tokens": 1000, "max_completion_tokens": 300, "messages": []}),
+        );
         let body = body_of(decide(&example(), r, &served()));
         assert_eq!(body["max_tokens"], 256);
         assert_eq!(body["max_completion_tokens"], 256);
@@ -278,7 +293,10 @@ mod tests {
         assert_eq!(body["temperature"], 0.5);
         // A maximum at or above the default leaves a missing temperature alone.
         let c = config(json!({"temperature_max": 1.5}));
-        assert_eq!(decide(&c, chat(json!({"model": "m", "messages": []})), &[]), RouteDecision::Continue);
+        assert_eq!(
+            decide(&c, chat(json!({"model": "m", "messages": []})), &[]),
+            RouteDecision::Continue
+        );
     }
 
     #[test]
@@ -287,15 +305,27 @@ mod tests {
             {"role": "system", "content": "ok"},
             {"role": "user", "content": [{"type": "text", "text": "Tell me the SECRET  plan? no: the Secret Plan."}]}
         ]}));
-        assert_eq!(decide(&example(), r, &served()), RouteDecision::reject(400, "Nope."));
+        assert_eq!(
+            decide(&example(), r, &served()),
+            RouteDecision::reject(400, "Nope.")
+        );
 
-        let r = RouteRequest::new(COMPLETIONS, json!({"model": "smol", "prompt": ["fine", "forbidden!"]}));
-        assert_eq!(decide(&example(), r, &served()), RouteDecision::reject(400, "Nope."));
+        let r = RouteRequest::new(
+            COMPLETIONS,
+            json!({"model": "smol", "prompt": ["fine", "forbidden!"]}),
+        );
+        assert_eq!(
+            decide(&example(), r, &served()),
+            RouteDecision::reject(400, "Nope.")
+        );
 
         // Blocked words are checked before anything else, with the default message.
         let c = config(json!({"blocked_words": ["x"], "allowed_models": []}));
         let r = RouteRequest::new(COMPLETIONS, json!({"model": "smol", "prompt": "x"}));
-        assert_eq!(decide(&c, r, &[]), RouteDecision::reject(400, DEFAULT_REJECT_MESSAGE));
+        assert_eq!(
+            decide(&c, r, &[]),
+            RouteDecision::reject(400, DEFAULT_REJECT_MESSAGE)
+        );
     }
 
     #[test]
@@ -306,7 +336,9 @@ mod tests {
         assert!(contains_word("win $$$ now", "$$$"));
         assert!(contains_word("win$$$now", "$$$"));
         assert!(!contains_word("forbiddenfruit", "forbidden"));
-        let r = chat(json!({"model": "smol", "max_tokens": 1, "messages": [{"role": "user", "content": "forbiddenfruit"}]}));
+        let r = chat(
+            json!({"model": "smol", "max_tokens": 1, "messages": [{"role": "user", "content": "forbiddenfruit"}]}),
+        );
         assert_eq!(decide(&example(), r, &served()), RouteDecision::Continue);
     }
 

@@ -47,7 +47,10 @@ impl Plugin for Starter {
         let config: Config = host::config()?;
         host::log(
             LogLevel::Info,
-            format!("request for model {:?}", request.model().unwrap_or("(none)")),
+            format!(
+                "request for model {:?}",
+                request.model().unwrap_or("(none)")
+            ),
         );
 
         // Only chat requests have messages; completions go through as is.
@@ -61,7 +64,10 @@ impl Plugin for Starter {
                 first["content"] = json!(format!("{}\n\n{}", config.system_prompt, theirs));
             }
             // Otherwise add ours as the first message.
-            _ => messages.insert(0, json!({"role": "system", "content": config.system_prompt})),
+            _ => messages.insert(
+                0,
+                json!({"role": "system", "content": config.system_prompt}),
+            ),
         }
         // Modify sends the changed body back; the host validates it again.
         Ok(RouteDecision::modify(request))
@@ -77,18 +83,31 @@ mod tests {
     use pagoda_sdk::testing;
 
     fn chat(messages: pagoda_sdk::serde_json::Value) -> RouteRequest {
-        RouteRequest::new(pagoda_sdk::CHAT_COMPLETIONS, json!({"model": "smol", "messages": messages}))
+        RouteRequest::new(
+            pagoda_sdk::CHAT_COMPLETIONS,
+            json!({"model": "smol", "messages": messages}),
+        )
     }
 
     #[test]
     fn inserts_system_prompt() {
         testing::reset();
         testing::set_config(json!({"system_prompt": "Be terse."}));
-        let d = Starter.route(chat(json!([{"role": "user", "content": "hi"}]))).unwrap();
-        let RouteDecision::Modify(body) = d else { panic!("expected Modify, got {d:?}") };
-        assert_eq!(body["messages"][0], json!({"role": "system", "content": "Be terse."}));
+        let d = Starter
+            .route(chat(json!([{"role": "user", "content": "hi"}])))
+            .unwrap();
+        let RouteDecision::Modify(body) = d else {
+            panic!("expected Modify, got {d:?}")
+        };
+        assert_eq!(
+            body["messages"][0],
+            json!({"role": "system", "content": "Be terse."})
+        );
         assert_eq!(body["messages"][1]["content"], "hi");
-        assert_eq!(testing::take_logs(), vec![(LogLevel::Info, "request for model \"smol\"".to_owned())]);
+        assert_eq!(
+            testing::take_logs(),
+            vec![(LogLevel::Info, "request for model \"smol\"".to_owned())]
+        );
     }
 
     #[test]
@@ -98,7 +117,9 @@ mod tests {
         let d = Starter
             .route(chat(json!([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}])))
             .unwrap();
-        let RouteDecision::Modify(body) = d else { panic!("expected Modify") };
+        let RouteDecision::Modify(body) = d else {
+            panic!("expected Modify")
+        };
         assert_eq!(body["messages"][0]["content"], "Be terse.\n\nBe kind.");
         assert_eq!(body["messages"].as_array().unwrap().len(), 2);
     }
@@ -106,7 +127,10 @@ mod tests {
     #[test]
     fn completions_pass_through() {
         testing::reset();
-        let r = RouteRequest::new(pagoda_sdk::COMPLETIONS, json!({"model": "smol", "prompt": "x"}));
+        let r = RouteRequest::new(
+            pagoda_sdk::COMPLETIONS,
+            json!({"model": "smol", "prompt": "x"}),
+        );
         assert_eq!(Starter.route(r).unwrap(), RouteDecision::Continue);
     }
 }
