@@ -15,6 +15,12 @@ export PAGODA_DEMO_GGUF
 # Real clients the end-to-end tests drive (from PyPI).
 python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate >&2
 
+# Plugins: the guest crates' own unit tests (natively), then the WASI
+# components the host's end-to-end tests upload (target/plugins/*.wasm).
+scripts/build-plugins.sh --test
+PAGODA_PLUGIN_DIR="$(scripts/build-plugins.sh)"
+export PAGODA_PLUGIN_DIR
+
 # Release mode: the tests run real models through the real kernels, and one
 # optimized build serves both the tests and the binary.
 cargo build --release --workspace --locked
