@@ -41,11 +41,25 @@ fn solo_outputs(prompts: &[Prompt]) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Runs all prompts together, stepping the engine by hand so the KV
+/// accounting can be checked after every step.
 fn batched_outputs(a: EngineArgs, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
     let mut llm = LLM::new(a).expect("engine");
-    let out = llm.generate(prompts, &SamplingParams::greedy(MAX_TOKENS)).expect("generate");
-    let ids = out.into_iter().map(|r| r.outputs[0].token_ids.clone()).collect();
-    (ids, llm)
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| llm.encode(p).expect("encode")).collect();
+    let core = llm.engine_mut();
+    let mut engine_ids = Vec::new();
+    for (i, p) in ids.into_iter().enumerate() {
+        engine_ids.push(core.add_request(format!("p{i}"), p, SamplingParams::greedy(MAX_TOKENS), RequestOptions::default()).expect("add"));
+    }
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); engine_ids.len()];
+    while core.has_unfinished() {
+        for o in core.step() {
+            let i = engine_ids.iter().position(|&e| e == o.id).expect("known request");
+            out[i].extend_from_slice(&o.new_token_ids);
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    (out, llm)
 }
 
 fn assert_pool_clean(llm: &LLM) {
@@ -155,4 +169,19 @@ fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
     // The same prefix under another salt (another tenant) shares nothing.
     let (_, other_salt) = run(core, format!("{prefix} Second, different question?"), 2);
     assert_eq!(other_salt, 0);
+}
+
+#[test]
+fn samples_of_one_prompt_share_its_blocks() {
+    let mut llm = LLM::new(args()).expect("engine");
+    let prompt = Prompt::Text("Sharing is caring. ".repeat(20));
+    let n_tokens = llm.encode(&prompt).expect("encode").len();
+    let params = SamplingParams { n: 4, temperature: 0.8, seed: Some(3), max_tokens: Some(4), ..Default::default() };
+    let out = llm.generate(&[prompt], &params).expect("generate");
+    assert_eq!(out[0].outputs.len(), 4);
+    // The first sample computes the prompt; the other three find its full
+    // blocks in the prefix cache, even when admitted in the same step.
+    let full_blocks = (n_tokens - 1) / 16 * 16;
+    assert_eq!(llm.engine().stats().prefix.hits, 3 * full_blocks as u64);
+    assert_pool_clean(&llm);
 }

@@ -15,10 +15,11 @@
 //! row counts:
 //!
 //! * **small** (decode, short chunks: fewer rows than a vector's lanes):
-//!   head dimensions in the SIMD lanes. Scores are dot products reduced
-//!   across lanes; the output accumulates `p · v` rows. Putting rows in the
-//!   lanes here would leave most lanes idle (a group of 4 fills a quarter of
-//!   an AVX-512 register).
+//!   each K chunk is transposed (`[head_dim][KT]`) so scores are computed
+//!   with the chunk's keys in the SIMD lanes (FMAs of a broadcast q element
+//!   against a vector of keys), and the output accumulates `p · v` rows with
+//!   head dimensions in the lanes. Putting rows in the lanes here would leave
+//!   most lanes idle (a group of 4 fills a quarter of an AVX-512 register).
 //! * **wide** (prefill: up to [`WIDE_ROWS`] rows): rows in the SIMD lanes,
 //!   like a small matrix multiply. The tile's queries are transposed once
 //!   (`[head_dim][rows]`), so `Q·Kᵀ` is a sequence of FMAs of a broadcast K
@@ -27,6 +28,34 @@
 //!
 //! Both are written once over [`Simd`] and instantiated for AVX-512, AVX2 and
 //! scalar code; the level is chosen once per call.
+//!
+//! # Batch invariance
+//! A row's output is bitwise a function of its q vector, its position, the
+//! cache up to that position and the scale: it does not depend on `q_len`,
+//! the tile or kernel it lands in, the other rows or sequences of the call,
+//! or the thread count (at a given SIMD level; levels differ from each
+//! other). Chunked prefill, recomputation after preemption and decode thus
+//! give the same numbers as one prefill. Both kernels perform, per row, the
+//! same sequence of f32 operations:
+//!
+//! * `q' = q * scale`;
+//! * chunks of the cache at absolute positions (`[0, KT)`, `[KT, 2KT)`, …,
+//!   or block boundaries for an f32 cache read in place; see
+//!   `Ctx::chunk_len`), whatever position the tile starts at — a tile that
+//!   ends earlier only drops positions that are masked for the row anyway;
+//! * each score `s_j` is `fma(q'_i, k_ji, acc)` over `i = 0..head_dim` in
+//!   order from 0 ([`Simd::fma`], fused or not as the level does it);
+//! * per chunk: `m' = max(m, max_j s_j)`, `alpha = exp(m - m')` and
+//!   `p_j = exp(s_j - m')` with [`Simd::exp`], the chunk sum `Σ p_j` added in
+//!   key order, `l = fma(l, alpha, sum)`, and each output element
+//!   `acc = acc * alpha` followed by `fma(p_j, v_ji, acc)` in key order;
+//! * `out = acc * (1 / l)`.
+//!
+//! Masked positions get a score of `-inf`: their `p` is exactly 0, which
+//! leaves every max, sum and accumulator bit unchanged, so whether a masked
+//! key was computed (wide tile), skipped (small tile) or never loaded (a
+//! shorter tile) makes no difference. `tests::rows_do_not_depend_on_the_tile_*`
+//! check this bitwise for every cache type and level.
 
 use std::mem::MaybeUninit;
 
@@ -392,7 +421,8 @@ pub(crate) fn paged_attention_at<T: KvElem>(
         group,
         n_heads,
         // Below one vector of rows (and below 8 in any case, so the scalar
-        // build exercises both kernels) the small kernel wins.
+        // build exercises both kernels) the small kernel wins. The choice
+        // changes no result bit (see "Batch invariance" above).
         wide_min_rows: lanes.max(8),
         k: T::view(k_cache),
         v: T::view(v_cache),
@@ -790,11 +820,7 @@ unsafe fn transpose_chunk<S: Simd>(k: *const f32, d: usize, n: usize, kt: *mut f
             }
             for i in nv..d {
                 for j in 0..l {
-                    *kt.add(i * KT + j0 + j) = if j < valid {
-                        *src.add(j * d + i)
-                    } else {
-                        0.0
-                    };
+                    *kt.add(i * KT + j0 + j) = if j < valid { *src.add(j * d + i) } else { 0.0 };
                 }
             }
         }
@@ -1829,7 +1855,9 @@ mod tests {
                     for chunk in [1usize, 2, 5, 17, 64, PROMPT_LEN] {
                         let got = chunked(&p, level, &pool, chunk, &mut rng);
                         let w = h * d;
-                        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+                        if let Some(i) =
+                            (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits())
+                        {
                             panic!(
                                 "{:?} {level:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
                                  in chunks of {chunk}, position {} head {} dim {} is {} \

@@ -486,9 +486,21 @@ impl Simd for Avx512 {
             let (top, bottom) = (rows.min(8), rows.saturating_sub(8));
             let s8 = src.add(8 * src_stride);
             transpose8(src, src_stride, top, dst, dst_stride);
-            transpose8(src.add(8), src_stride, top, dst.add(8 * dst_stride), dst_stride);
+            transpose8(
+                src.add(8),
+                src_stride,
+                top,
+                dst.add(8 * dst_stride),
+                dst_stride,
+            );
             transpose8(s8, src_stride, bottom, dst.add(8), dst_stride);
-            transpose8(s8.add(8), src_stride, bottom, dst.add(8 * dst_stride + 8), dst_stride);
+            transpose8(
+                s8.add(8),
+                src_stride,
+                bottom,
+                dst.add(8 * dst_stride + 8),
+                dst_stride,
+            );
         }
     }
     #[inline(always)]
@@ -702,7 +714,10 @@ mod tests {
                         let want = if j < rows { x[j * 20 + i] } else { 0.0 };
                         assert_eq!(got, want, "{level:?} transposed [{i}][{j}]");
                     } else {
-                        assert!(got.is_nan(), "{level:?} wrote outside the block at [{i}][{j}]");
+                        assert!(
+                            got.is_nan(),
+                            "{level:?} wrote outside the block at [{i}][{j}]"
+                        );
                     }
                 }
             }

@@ -210,6 +210,24 @@ impl EngineCore {
         })
     }
 
+    /// Checks the KV accounting: the pool's own invariants, and that every
+    /// running sequence holds exactly the blocks its computed tokens need,
+    /// so no sequence wastes more than its one partly filled block. Tests
+    /// call this after every step.
+    pub fn check_kv_accounting(&self) -> Result<(), String> {
+        self.kv.pool().check_invariants()?;
+        let bs = self.kv.block_size();
+        for &id in self.scheduler.running_ids() {
+            let Some(req) = self.scheduler.get(id) else { continue };
+            let held = self.kv.block_table(id).len();
+            let need = req.num_computed.div_ceil(bs);
+            if held != need {
+                return Err(format!("request {id} holds {held} blocks for {} computed tokens (needs {need})", req.num_computed));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether any request is unfinished.
     pub fn has_unfinished(&self) -> bool {
         self.scheduler.has_unfinished()
