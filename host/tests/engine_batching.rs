@@ -86,11 +86,13 @@ fn batching_chunking_preemption_and_prefix_caching_change_no_output() {
             a.max_num_batched_tokens = 64;
             a
         }),
-        ("preemption (48-block pool)", {
+        ("preemption (20-block pool)", {
             let mut a = args();
-            // 48 blocks of 16 tokens: far less than 32 sequences need.
+            // 20 blocks of 16 tokens (320 tokens): a few sequences fill the
+            // pool, and their decodes then need blocks that are not there.
             let per_block = 2 * 30 * 16 * 192 * 2;
-            a.kv_cache_memory = Some(48 * per_block);
+            a.max_model_len = Some(320);
+            a.kv_cache_memory = Some(20 * per_block);
             a
         }),
     ];

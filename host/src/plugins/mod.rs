@@ -163,13 +163,13 @@ struct MemLimiter {
 }
 
 impl wasmtime::ResourceLimiter for MemLimiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> Result<bool> {
+    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         if desired > self.cap {
-            return Err(MemoryCapExceeded { desired, cap: self.cap }.into());
+            return Err(wasmtime::Error::new(MemoryCapExceeded { desired, cap: self.cap }));
         }
         Ok(true)
     }
-    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> Result<bool> {
+    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
         Ok(desired <= 100_000)
     }
 }
@@ -398,18 +398,18 @@ pub struct PluginMeta {
 }
 
 /// Classifies a wasmtime error.
-fn classify(e: &anyhow::Error) -> ErrorKind {
+fn classify(e: &wasmtime::Error) -> ErrorKind {
     if e.chain().any(|c| c.downcast_ref::<MemoryCapExceeded>().is_some()) {
         return ErrorKind::Oom;
     }
-    match e.downcast_ref::<Trap>() {
+    match e.downcast_ref::<Trap>().or_else(|| e.chain().find_map(|c| c.downcast_ref::<Trap>())) {
         Some(Trap::Interrupt) => ErrorKind::Timeout,
         Some(Trap::OutOfFuel) => ErrorKind::OutOfFuel,
         _ => ErrorKind::Trap,
     }
 }
 
-fn describe(e: &anyhow::Error) -> String {
+fn describe(e: &wasmtime::Error) -> String {
     match classify(e) {
         ErrorKind::Timeout => "the deadline passed".into(),
         ErrorKind::Oom => format!("{}", e.chain().find_map(|c| c.downcast_ref::<MemoryCapExceeded>()).map_or_else(|| "out of memory".to_string(), |m| m.to_string())),
@@ -530,7 +530,7 @@ impl Session {
 
     /// Runs `f` on plugin `i`'s instance with the hook's limits, records
     /// metrics, and poisons the instance on any fault.
-    fn call<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
+    fn call<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
         let started = Instant::now();
         let labels = metrics::Labels::new(&self.tenant, &self.chain[i].plugin.name, hook);
         let r = self.call_inner(i, hook, f, out_len);
@@ -542,7 +542,7 @@ impl Session {
         r
     }
 
-    fn call_inner<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
+    fn call_inner<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
         if self.poisoned[i] {
             return Err(self.err(i, hook, ErrorKind::Poisoned, "an earlier call of this request failed"));
         }

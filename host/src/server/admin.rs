@@ -194,3 +194,16 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
         _ => Err(ApiError::not_found(&path)),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percent_decoding() {
+        assert_eq!(percent_decode("%7B%22tag%22%3A%22%20x%22%7D").unwrap(), r#"{"tag":" x"}"#);
+        assert_eq!(percent_decode("a+b").unwrap(), "a b");
+        assert!(percent_decode("%zz").is_err());
+        assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+    }
+}

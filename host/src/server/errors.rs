@@ -171,6 +171,7 @@ impl ApiError {
     pub fn forbidden(message: impl Into<String>) -> ApiError {
         ApiError { status: StatusCode::FORBIDDEN, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden", retry_after: None }
     }
+}
 
 /// A JSON response with status 200.
 pub fn json_response(v: &serde_json::Value) -> Response<super::Body> {

@@ -542,3 +542,22 @@ impl Tenants {
         Ok(n)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_keys_and_policies() {
+        assert!(valid_name("acme-1.prod_x"));
+        assert!(!valid_name("") && !valid_name("../etc") && !valid_name(".hidden") && !valid_name("a/b"));
+        assert_eq!(hash_key("k").len(), 64);
+        assert_ne!(hash_key("k"), hash_key("k2"));
+        let mut p = BTreeMap::new();
+        p.insert("route".to_string(), "fail_open".to_string());
+        p.insert("on-chunk".to_string(), "fail_closed".to_string());
+        assert_eq!(policies(&p), [true, false, false, false]);
+        let bad = vec![ChainSpec { name: "x".into(), policies: [("routing".to_string(), "fail_open".to_string())].into() }];
+        assert!(check_policies(&bad).is_err());
+    }
+}
