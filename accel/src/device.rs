@@ -27,7 +27,11 @@ pub enum DeviceError {
     #[error(
         "device '{device}' is not available in this build: rebuild with `cargo build --release --features pagoda-accel/{feature}` on a machine with {runtime}, or use --device cpu"
     )]
-    NotBuilt { device: Device, feature: &'static str, runtime: &'static str },
+    NotBuilt {
+        device: Device,
+        feature: &'static str,
+        runtime: &'static str,
+    },
 }
 
 impl fmt::Display for Device {
@@ -89,11 +93,15 @@ impl CpuContext {
     /// A context with `threads` worker threads (0 means all cores).
     pub fn new(threads: usize) -> CpuContext {
         let threads = if threads == 0 {
-            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
         } else {
             threads
         };
-        CpuContext { pool: ThreadPool::new(threads) }
+        CpuContext {
+            pool: ThreadPool::new(threads),
+        }
     }
 
     /// The pool kernels split their work over.

@@ -404,7 +404,11 @@ fn an_absurd_layer_count_is_an_error_not_an_allocation_failure() {
     let dir = tempfile::tempdir().expect("tempdir");
     hf_folder_with_config(dir.path(), |c| c["num_hidden_layers"] = json!(1u64 << 40));
     // Refused from the config alone, before any weight is read.
-    expect_error(dir.path(), &[], &[&shown(dir.path()), "num_hidden_layers", "maximum"]);
+    expect_error(
+        dir.path(),
+        &[],
+        &[&shown(dir.path()), "num_hidden_layers", "maximum"],
+    );
 }
 
 #[test]

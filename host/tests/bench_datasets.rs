@@ -29,13 +29,22 @@ fn random_prompts_have_the_requested_length_and_differ_by_seed() {
         assert_eq!(ids(&r.prompt).len(), 64);
         assert_eq!(r.output_len, 7);
         // The text round-trips to the same ids, so HTTP peers see the same prompt.
-        assert_eq!(tok.encode(&r.prompt_text, false).expect("encode"), ids(&r.prompt));
+        assert_eq!(
+            tok.encode(&r.prompt_text, false).expect("encode"),
+            ids(&r.prompt)
+        );
     }
     assert_ne!(a[0].prompt_text, a[1].prompt_text);
     let b = generate(&Dataset::Random, &tok, 5, 64, 7, 2).expect("random");
-    assert_ne!(a[0].prompt_text, b[0].prompt_text, "another seed, other prompts");
+    assert_ne!(
+        a[0].prompt_text, b[0].prompt_text,
+        "another seed, other prompts"
+    );
     let again = generate(&Dataset::Random, &tok, 5, 64, 7, 1).expect("random");
-    assert_eq!(a[3].prompt_text, again[3].prompt_text, "the same seed, the same prompts");
+    assert_eq!(
+        a[3].prompt_text, again[3].prompt_text,
+        "the same seed, the same prompts"
+    );
 }
 
 #[test]
@@ -45,14 +54,28 @@ fn the_seed_workload_is_the_chat_templated_prompt_every_time() {
     assert_eq!(r.len(), 3);
     assert!(r[0].prompt_text.contains(SEED_PROMPT));
     assert!(r[0].prompt_text.starts_with("<|im_start|>"));
-    assert!(r.iter().all(|x| x.prompt_text == r[0].prompt_text && x.output_len == 256));
+    assert!(r
+        .iter()
+        .all(|x| x.prompt_text == r[0].prompt_text && x.output_len == 256));
 }
 
 #[test]
 fn prefix_repetition_shares_a_long_prefix() {
     let tok = tokenizer();
-    let r = generate(&Dataset::PrefixRepetition { prefix_len: 200 }, &tok, 4, 16, 8, 3).expect("prefix");
-    let shared = ids(&r[0].prompt).iter().zip(ids(&r[1].prompt)).take_while(|(a, b)| a == b).count();
+    let r = generate(
+        &Dataset::PrefixRepetition { prefix_len: 200 },
+        &tok,
+        4,
+        16,
+        8,
+        3,
+    )
+    .expect("prefix");
+    let shared = ids(&r[0].prompt)
+        .iter()
+        .zip(ids(&r[1].prompt))
+        .take_while(|(a, b)| a == b)
+        .count();
     assert!(shared >= 190, "only {shared} shared tokens");
     assert_ne!(r[0].prompt_text, r[1].prompt_text);
 }
@@ -62,11 +85,18 @@ fn jsonl_prompts_are_read_with_their_output_lengths_and_bad_lines_are_named() {
     let tok = tokenizer();
     let dir = tempfile::tempdir().expect("tempdir");
     let f = dir.path().join("p.jsonl");
-    std::fs::write(&f, "{\"prompt\": \"Hello\", \"output_len\": 3}\n\n{\"prompt\": \"World\"}\n").expect("write");
+    std::fs::write(
+        &f,
+        "{\"prompt\": \"Hello\", \"output_len\": 3}\n\n{\"prompt\": \"World\"}\n",
+    )
+    .expect("write");
     let r = generate(&Dataset::Jsonl(f.clone()), &tok, 10, 0, 9, 0).expect("jsonl");
     assert_eq!(r.len(), 2);
     assert_eq!((r[0].output_len, r[1].output_len), (3, 9));
     std::fs::write(&f, "{\"prompt\": \"ok\"}\n{\"text\": 1}\n").expect("write");
-    let e = format!("{:#}", generate(&Dataset::Jsonl(f), &tok, 10, 0, 9, 0).expect_err("bad line"));
+    let e = format!(
+        "{:#}",
+        generate(&Dataset::Jsonl(f), &tok, 10, 0, 9, 0).expect_err("bad line")
+    );
     assert!(e.contains(":2:") && e.contains("prompt"), "{e}");
 }

@@ -46,13 +46,19 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     let c = loaded.config;
     let ctx = CpuContext::new(2);
     let bs = 16;
-    let layout = KvLayout { num_blocks: 64, block_size: bs, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let layout = KvLayout {
+        num_blocks: 64,
+        block_size: bs,
+        n_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
     let mut kv = KvCache::new(KvCacheDtype::F16, c.num_layers, layout);
     let mut ws = Workspace::default();
     // Four sequences, each with its own 8 blocks.
     let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (s * 8..s * 8 + 8).collect()).collect();
-    let prompts: Vec<Vec<u32>> =
-        (0..4u32).map(|s| (0..10 + 3 * s).map(|i| 100 + 7 * i + s).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|s| (0..10 + 3 * s).map(|i| 100 + 7 * i + s).collect())
+        .collect();
     let slot = |s: usize, p: usize| tables[s][p / bs] * bs as u32 + (p % bs) as u32;
 
     // Prefill all four in one batch.
@@ -62,7 +68,12 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     let mut seqs = Vec::new();
     let mut rows = Vec::new();
     for (s, p) in prompts.iter().enumerate() {
-        seqs.push(AttnSeq { q_start: tokens.len(), q_len: p.len(), ctx_len: p.len(), block_table: &tables[s] });
+        seqs.push(AttnSeq {
+            q_start: tokens.len(),
+            q_len: p.len(),
+            ctx_len: p.len(),
+            block_table: &tables[s],
+        });
         for (i, &t) in p.iter().enumerate() {
             tokens.push(t);
             positions.push(i as u32);
@@ -71,11 +82,24 @@ fn a_warm_batched_decode_step_allocates_nothing() {
         rows.push(tokens.len() - 1);
     }
     let mut logits = vec![0f32; 4 * c.vocab_size];
-    let input = BatchInput { tokens: &tokens, positions: &positions, slot_mapping: &slots, seqs: &seqs, logit_rows: &rows };
+    let input = BatchInput {
+        tokens: &tokens,
+        positions: &positions,
+        slot_mapping: &slots,
+        seqs: &seqs,
+        logit_rows: &rows,
+    };
     model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
 
-    let argmax = |row: &[f32]| row.iter().enumerate().fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b }).0 as u32;
-    let mut next: Vec<u32> = (0..4).map(|s| argmax(&logits[s * c.vocab_size..(s + 1) * c.vocab_size])).collect();
+    let argmax = |row: &[f32]| {
+        row.iter()
+            .enumerate()
+            .fold((0, f32::MIN), |b, (i, &v)| if v > b.1 { (i, v) } else { b })
+            .0 as u32
+    };
+    let mut next: Vec<u32> = (0..4)
+        .map(|s| argmax(&logits[s * c.vocab_size..(s + 1) * c.vocab_size]))
+        .collect();
     let mut lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let mut dec_pos = vec![0u32; 4];
     let mut dec_slots = vec![0u32; 4];
@@ -86,9 +110,20 @@ fn a_warm_batched_decode_step_allocates_nothing() {
             dec_slots[s] = slot(s, lens[s]);
         }
         let seqs: Vec<AttnSeq<'_>> = (0..4)
-            .map(|s| AttnSeq { q_start: s, q_len: 1, ctx_len: lens[s] + 1, block_table: &tables[s] })
+            .map(|s| AttnSeq {
+                q_start: s,
+                q_len: 1,
+                ctx_len: lens[s] + 1,
+                block_table: &tables[s],
+            })
             .collect();
-        let input = BatchInput { tokens: &next, positions: &dec_pos, slot_mapping: &dec_slots, seqs: &seqs, logit_rows: &dec_rows };
+        let input = BatchInput {
+            tokens: &next,
+            positions: &dec_pos,
+            slot_mapping: &dec_slots,
+            seqs: &seqs,
+            logit_rows: &dec_rows,
+        };
         // The first decode step may size buffers for the new shape; later
         // ones must not allocate.
         ALLOCATIONS.store(0, Ordering::Relaxed);
@@ -96,11 +131,17 @@ fn a_warm_batched_decode_step_allocates_nothing() {
         model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
         ARMED.store(false, Ordering::Relaxed);
         if step > 0 {
-            assert_eq!(ALLOCATIONS.load(Ordering::Relaxed), 0, "decode step {step} allocated");
+            assert_eq!(
+                ALLOCATIONS.load(Ordering::Relaxed),
+                0,
+                "decode step {step} allocated"
+            );
         }
         for s in 0..4 {
             lens[s] += 1;
         }
-        next = (0..4).map(|s| argmax(&logits[s * c.vocab_size..(s + 1) * c.vocab_size])).collect();
+        next = (0..4)
+            .map(|s| argmax(&logits[s * c.vocab_size..(s + 1) * c.vocab_size]))
+            .collect();
     }
 }

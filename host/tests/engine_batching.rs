@@ -19,13 +19,24 @@ fn args() -> EngineArgs {
 
 /// 32 prompts of mixed lengths (4 to ~150 tokens), some sharing prefixes.
 fn prompts() -> Vec<Prompt> {
-    let topics = ["the ocean", "a compiler", "Paris", "prime numbers", "tea", "a violin", "rain", "Rust"];
+    let topics = [
+        "the ocean",
+        "a compiler",
+        "Paris",
+        "prime numbers",
+        "tea",
+        "a violin",
+        "rain",
+        "Rust",
+    ];
     (0..32)
         .map(|i| {
             let topic = topics[i % topics.len()];
             let mut p = format!("Write about {topic}.");
             for k in 0..(i * 7) % 23 {
-                p.push_str(&format!(" Sentence {k} about {topic} goes on a little longer."));
+                p.push_str(&format!(
+                    " Sentence {k} about {topic} goes on a little longer."
+                ));
             }
             Prompt::Text(p)
         })
@@ -37,7 +48,13 @@ fn solo_outputs(prompts: &[Prompt]) -> Vec<Vec<u32>> {
     let params = SamplingParams::greedy(MAX_TOKENS);
     prompts
         .iter()
-        .map(|p| llm.generate(std::slice::from_ref(p), &params).expect("generate")[0].outputs[0].token_ids.clone())
+        .map(|p| {
+            llm.generate(std::slice::from_ref(p), &params)
+                .expect("generate")[0]
+                .outputs[0]
+                .token_ids
+                .clone()
+        })
         .collect()
 }
 
@@ -45,16 +62,30 @@ fn solo_outputs(prompts: &[Prompt]) -> Vec<Vec<u32>> {
 /// accounting can be checked after every step.
 fn batched_outputs(a: EngineArgs, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
     let mut llm = LLM::new(a).expect("engine");
-    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| llm.encode(p).expect("encode")).collect();
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| llm.encode(p).expect("encode"))
+        .collect();
     let core = llm.engine_mut();
     let mut engine_ids = Vec::new();
     for (i, p) in ids.into_iter().enumerate() {
-        engine_ids.push(core.add_request(format!("p{i}"), p, SamplingParams::greedy(MAX_TOKENS), RequestOptions::default()).expect("add"));
+        engine_ids.push(
+            core.add_request(
+                format!("p{i}"),
+                p,
+                SamplingParams::greedy(MAX_TOKENS),
+                RequestOptions::default(),
+            )
+            .expect("add"),
+        );
     }
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); engine_ids.len()];
     while core.has_unfinished() {
         for o in core.step() {
-            let i = engine_ids.iter().position(|&e| e == o.id).expect("known request");
+            let i = engine_ids
+                .iter()
+                .position(|&e| e == o.id)
+                .expect("known request");
             out[i].extend_from_slice(&o.new_token_ids);
         }
         core.check_kv_accounting().expect("KV accounting");
@@ -64,7 +95,11 @@ fn batched_outputs(a: EngineArgs, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
 
 fn assert_pool_clean(llm: &LLM) {
     let kv = llm.engine().kv_cache();
-    assert_eq!(kv.pool().num_free(), kv.pool().num_blocks(), "blocks leaked");
+    assert_eq!(
+        kv.pool().num_free(),
+        kv.pool().num_blocks(),
+        "blocks leaked"
+    );
     assert_eq!(kv.num_seqs(), 0);
     kv.pool().check_invariants().expect("pool invariants");
 }
@@ -102,10 +137,16 @@ fn batching_chunking_preemption_and_prefix_caching_change_no_output() {
             assert_eq!(g, s, "{name}: prompt {i} differs from its solo run");
         }
         if name.starts_with("preemption") {
-            assert!(llm.engine().stats().num_preemptions > 0, "the small pool should force preemption");
+            assert!(
+                llm.engine().stats().num_preemptions > 0,
+                "the small pool should force preemption"
+            );
         }
         if name.starts_with("chunked") {
-            assert!(llm.engine().stats().steps > 32, "64-token steps should chunk the prompts");
+            assert!(
+                llm.engine().stats().steps > 32,
+                "64-token steps should chunk the prompts"
+            );
         }
         assert_pool_clean(&llm);
     }
@@ -118,8 +159,21 @@ fn aborted_requests_free_their_blocks_at_once() {
     let core = llm.engine_mut();
     let mut ids = Vec::new();
     for i in 0..8 {
-        let prompt = tok.encode(&format!("Count to {i} and then keep counting forever:"), true).expect("encode");
-        ids.push(core.add_request(format!("r{i}"), prompt, SamplingParams::greedy(64), RequestOptions::default()).expect("add"));
+        let prompt = tok
+            .encode(
+                &format!("Count to {i} and then keep counting forever:"),
+                true,
+            )
+            .expect("encode");
+        ids.push(
+            core.add_request(
+                format!("r{i}"),
+                prompt,
+                SamplingParams::greedy(64),
+                RequestOptions::default(),
+            )
+            .expect("add"),
+        );
     }
     for _ in 0..3 {
         core.step();
@@ -128,8 +182,14 @@ fn aborted_requests_free_their_blocks_at_once() {
     for &id in &ids {
         assert!(core.abort(id).is_some());
     }
-    assert_eq!(core.kv_cache().pool().num_free(), core.kv_cache().pool().num_blocks());
-    core.kv_cache().pool().check_invariants().expect("pool invariants");
+    assert_eq!(
+        core.kv_cache().pool().num_free(),
+        core.kv_cache().pool().num_blocks()
+    );
+    core.kv_cache()
+        .pool()
+        .check_invariants()
+        .expect("pool invariants");
     assert!(!core.has_unfinished());
 }
 
@@ -148,7 +208,15 @@ fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
         let ids = tok.encode(&text, true).expect("encode");
         let n = ids.len();
         let id = core
-            .add_request(text.clone(), ids, SamplingParams::greedy(2), RequestOptions { cache_salt: salt, priority: 0 })
+            .add_request(
+                text.clone(),
+                ids,
+                SamplingParams::greedy(2),
+                RequestOptions {
+                    cache_salt: salt,
+                    priority: 0,
+                },
+            )
             .expect("add");
         let mut cached = None;
         while core.has_unfinished() {
@@ -165,7 +233,10 @@ fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
     let before = core.stats().prefix;
     let (n, second) = run(core, format!("{prefix} Second, different question?"), 1);
     let after = core.stats().prefix;
-    assert!(second >= 992, "only {second} of {n} prompt tokens came from the cache");
+    assert!(
+        second >= 992,
+        "only {second} of {n} prompt tokens came from the cache"
+    );
     assert_eq!(after.hits - before.hits, second as u64);
     assert_eq!(after.queries - before.queries, n as u64);
     // The same prefix under another salt (another tenant) shares nothing.
@@ -178,7 +249,13 @@ fn samples_of_one_prompt_share_its_blocks() {
     let mut llm = LLM::new(args()).expect("engine");
     let prompt = Prompt::Text("Sharing is caring. ".repeat(20));
     let n_tokens = llm.encode(&prompt).expect("encode").len();
-    let params = SamplingParams { n: 4, temperature: 0.8, seed: Some(3), max_tokens: Some(4), ..Default::default() };
+    let params = SamplingParams {
+        n: 4,
+        temperature: 0.8,
+        seed: Some(3),
+        max_tokens: Some(4),
+        ..Default::default()
+    };
     let out = llm.generate(&[prompt], &params).expect("generate");
     assert_eq!(out[0].outputs.len(), 4);
     // The first sample computes the prompt; the other three find its full

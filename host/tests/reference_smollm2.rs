@@ -25,10 +25,16 @@ fn run_cases(llm: &mut LLM) -> Vec<(String, Vec<u32>)> {
     // own params; they still share the engine's batches as they run.
     for case in greedy {
         let name = case["name"].as_str().expect("name").to_string();
-        let mut p = SamplingParams::greedy(case["max_tokens"].as_u64().expect("max_tokens") as usize);
+        let mut p =
+            SamplingParams::greedy(case["max_tokens"].as_u64().expect("max_tokens") as usize);
         p.stop_token_ids = case["stop_ids"]
             .as_array()
-            .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_u64())
+                    .map(|x| x as u32)
+                    .collect()
+            })
             .unwrap_or_default();
         p.ignore_eos = true; // stop only where the reference stops: at its stop_ids
         let prompt = case["prompt"].as_str().expect("prompt");
@@ -44,11 +50,15 @@ fn prompt_token_ids_match_the_reference() {
     let reference = common::reference_json("smollm2_llamacpp.json");
     for case in reference["greedy"].as_array().expect("greedy") {
         let want: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).expect("ids");
-        let got = llm.encode(&Prompt::from(case["prompt"].as_str().expect("prompt"))).expect("encode");
+        let got = llm
+            .encode(&Prompt::from(case["prompt"].as_str().expect("prompt")))
+            .expect("encode");
         assert_eq!(got, want, "{}", case["name"]);
     }
     // Keep the engine used so the test also proves a model loads.
-    let _ = llm.generate(&[Prompt::from("Hi")], &SamplingParams::greedy(1)).expect("generate");
+    let _ = llm
+        .generate(&[Prompt::from("Hi")], &SamplingParams::greedy(1))
+        .expect("generate");
 }
 
 #[test]
@@ -57,8 +67,15 @@ fn greedy_continuations_pass_the_reference_checker() {
     let ours = run_cases(&mut llm);
     let dir = tempfile::tempdir().expect("tempdir");
     let ours_path = dir.path().join("ours.json");
-    let rows: Vec<_> = ours.iter().map(|(n, ids)| serde_json::json!({"name": n, "output_ids": ids})).collect();
-    std::fs::write(&ours_path, serde_json::json!({ "greedy": rows }).to_string()).expect("write");
+    let rows: Vec<_> = ours
+        .iter()
+        .map(|(n, ids)| serde_json::json!({"name": n, "output_ids": ids}))
+        .collect();
+    std::fs::write(
+        &ours_path,
+        serde_json::json!({ "greedy": rows }).to_string(),
+    )
+    .expect("write");
     let checker = common::reference_dir().join("check_greedy.py");
     let mut passed: HashMap<String, Vec<String>> = HashMap::new();
     let mut report = String::new();
@@ -74,13 +91,19 @@ fn greedy_continuations_pass_the_reference_checker() {
         for line in text.lines() {
             if let Some((name, rest)) = line.split_once(": ") {
                 if rest.starts_with("ok") {
-                    passed.entry(name.to_string()).or_default().push(reference.to_string());
+                    passed
+                        .entry(name.to_string())
+                        .or_default()
+                        .push(reference.to_string());
                 }
             }
         }
     }
     eprintln!("{report}");
     for (name, _) in &ours {
-        assert!(passed.contains_key(name), "case {name} passes against neither reference:\n{report}");
+        assert!(
+            passed.contains_key(name),
+            "case {name} passes against neither reference:\n{report}"
+        );
     }
 }

@@ -14,7 +14,11 @@ pub fn pagoda_bin() -> PathBuf {
     // target/<profile>/deps/<test> → target/<profile>/pagoda
     let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
     let bin = dir.join("pagoda");
-    assert!(bin.exists(), "{} is missing: run `cargo build --release --workspace` first", bin.display());
+    assert!(
+        bin.exists(),
+        "{} is missing: run `cargo build --release --workspace` first",
+        bin.display()
+    );
     bin
 }
 
@@ -23,15 +27,28 @@ pub fn demo_gguf() -> PathBuf {
     if let Ok(p) = std::env::var("PAGODA_DEMO_GGUF") {
         return PathBuf::from(p);
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fetch-demo-model.sh");
-    let out = Command::new(script).output().expect("running scripts/fetch-demo-model.sh");
-    assert!(out.status.success(), "fetch-demo-model.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/fetch-demo-model.sh"
+    );
+    let out = Command::new(script)
+        .output()
+        .expect("running scripts/fetch-demo-model.sh");
+    assert!(
+        out.status.success(),
+        "fetch-demo-model.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
 }
 
 /// A free TCP port on loopback.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 /// An HTTP client that hands back error statuses as responses.
@@ -56,7 +73,11 @@ pub struct TempDir(pub PathBuf);
 
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("pagoda-e2e-{tag}-{}-{}", std::process::id(), free_port()));
+        let p = std::env::temp_dir().join(format!(
+            "pagoda-e2e-{tag}-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
         std::fs::create_dir_all(&p).expect("temp dir");
         TempDir(p)
     }
@@ -85,14 +106,26 @@ impl Server {
             .arg("serve")
             .arg("--model")
             .arg(model)
-            .args(["--port", &port.to_string(), "--served-model-name", "smol", "--threads", "2"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--served-model-name",
+                "smol",
+                "--threads",
+                "2",
+            ])
             .args(["--kv-cache-memory", "256MiB", "--max-model-len", "2048"])
             .args(extra)
             .stdout(Stdio::null())
             .stderr(logf)
             .spawn()
             .expect("starting pagoda serve");
-        let mut s = Server { child, base: format!("http://127.0.0.1:{port}"), log, _dir: dir };
+        let mut s = Server {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            log,
+            _dir: dir,
+        };
         s.wait_ready(Duration::from_secs(120));
         s
     }
@@ -109,7 +142,11 @@ impl Server {
                     return;
                 }
             }
-            assert!(started.elapsed() < limit, "server not ready after {limit:?}:\n{}", self.log_text());
+            assert!(
+                started.elapsed() < limit,
+                "server not ready after {limit:?}:\n{}",
+                self.log_text()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -126,10 +163,16 @@ impl Server {
 
     /// POSTs JSON; returns (status, parsed body).
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let mut r = agent().post(&self.url(path)).send_json(body).expect("request");
+        let mut r = agent()
+            .post(&self.url(path))
+            .send_json(body)
+            .expect("request");
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().expect("body");
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     /// GETs a path; returns (status, body text).
@@ -143,13 +186,18 @@ impl Server {
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|r| r.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse().ok())
+            })
             .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
     }
 
     /// The process's resident memory in KiB.
     pub fn rss_kib(&self) -> u64 {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap_or_default();
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
         status
             .lines()
             .find_map(|l| l.strip_prefix("VmRSS:"))

@@ -10,20 +10,54 @@ fn bench_serve_against_our_server_writes_every_key() {
     let dir = TempDir::new("bench");
     let out = dir.0.join("result.json");
     let status = std::process::Command::new(pagoda_bin())
-        .args(["bench", "serve", "--base-url", &s.base, "--model", "smol", "--no-progress"])
+        .args([
+            "bench",
+            "serve",
+            "--base-url",
+            &s.base,
+            "--model",
+            "smol",
+            "--no-progress",
+        ])
         .arg("--tokenizer")
         .arg(demo_gguf())
-        .args(["--num-prompts", "6", "--input-len", "32", "--output-len", "8", "--max-concurrency", "3", "--seed", "5"])
+        .args([
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "32",
+            "--output-len",
+            "8",
+            "--max-concurrency",
+            "3",
+            "--seed",
+            "5",
+        ])
         .arg("--result-json")
         .arg(&out)
         .status()
         .expect("pagoda bench serve");
     assert!(status.success());
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).expect("result")).expect("JSON");
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("result")).expect("JSON");
     for key in [
-        "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-        "output_throughput", "total_token_throughput", "max_concurrency", "request_rate", "burstiness",
-        "input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors",
+        "duration",
+        "completed",
+        "failed",
+        "total_input_tokens",
+        "total_output_tokens",
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "max_concurrency",
+        "request_rate",
+        "burstiness",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "generated_texts",
+        "errors",
     ] {
         assert!(v.get(key).is_some(), "missing {key}");
     }
@@ -35,7 +69,10 @@ fn bench_serve_against_our_server_writes_every_key() {
     }
     assert_eq!(v["completed"], 6);
     assert_eq!(v["failed"], 0);
-    assert_eq!(v["total_output_tokens"], 48, "ignore_eos gives exactly output_len tokens each");
+    assert_eq!(
+        v["total_output_tokens"], 48,
+        "ignore_eos gives exactly output_len tokens each"
+    );
     for l in v["input_lens"].as_array().unwrap() {
         assert_eq!(l.as_u64(), Some(32));
     }
@@ -48,8 +85,26 @@ fn bench_throughput_runs_each_dataset() {
     for dataset in ["random", "seed", "prefix-repetition"] {
         let out = dir.0.join(format!("{dataset}.json"));
         let o = std::process::Command::new(pagoda_bin())
-            .args(["bench", "throughput", "--dataset", dataset, "--num-prompts", "4", "--input-len", "24", "--output-len", "6"])
-            .args(["--threads", "2", "--max-model-len", "2048", "--kv-cache-memory", "256MiB"])
+            .args([
+                "bench",
+                "throughput",
+                "--dataset",
+                dataset,
+                "--num-prompts",
+                "4",
+                "--input-len",
+                "24",
+                "--output-len",
+                "6",
+            ])
+            .args([
+                "--threads",
+                "2",
+                "--max-model-len",
+                "2048",
+                "--kv-cache-memory",
+                "256MiB",
+            ])
             .arg("--model")
             .arg(demo_gguf())
             .arg("--result-json")
@@ -57,7 +112,8 @@ fn bench_throughput_runs_each_dataset() {
             .output()
             .expect("pagoda bench throughput");
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).expect("result")).expect("JSON");
+        let v: Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).expect("result")).expect("JSON");
         assert_eq!(v["num_requests"], 4);
         assert_eq!(v["total_output_tokens"], 24, "{dataset}");
         assert!(v["tokens_per_second"].as_f64().is_some_and(|x| x > 0.0));

@@ -25,8 +25,16 @@ fn manifests_validate_against_the_kubernetes_schemas() {
             String::from_utf8_lossy(&out.stderr)
         );
         let text = std::fs::read_to_string(f).expect("read");
-        for probe in ["path: /health\n", "path: /health/ready", "path: /health/startup"] {
-            assert!(text.contains(probe), "{} lacks a probe on {probe}", f.display());
+        for probe in [
+            "path: /health\n",
+            "path: /health/ready",
+            "path: /health/startup",
+        ] {
+            assert!(
+                text.contains(probe),
+                "{} lacks a probe on {probe}",
+                f.display()
+            );
         }
     }
 }

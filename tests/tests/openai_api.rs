@@ -22,7 +22,10 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     let (status, full) = s.post("/v1/chat/completions", &chat_body(false));
     assert_eq!(status, 200, "{full}");
     assert_eq!(full["object"], "chat.completion");
-    let text = full["choices"][0]["message"]["content"].as_str().expect("content").to_string();
+    let text = full["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
     assert!(!text.is_empty());
     let usage = &full["usage"];
     // The prompt count equals what /tokenize says for the same messages.
@@ -30,27 +33,53 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     assert_eq!(usage["prompt_tokens"], tok["count"], "{tok}");
     assert_eq!(
         usage["total_tokens"].as_u64(),
-        Some(usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap())
+        Some(
+            usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap()
+        )
     );
 
     // Streamed chat: same greedy text, role first, usage last, then [DONE].
-    let r = agent().post(&s.url("/v1/chat/completions")).send_json(&chat_body(true)).expect("stream");
+    let r = agent()
+        .post(&s.url("/v1/chat/completions"))
+        .send_json(&chat_body(true))
+        .expect("stream");
     assert_eq!(r.status(), 200);
-    assert_eq!(r.headers().get("content-type").and_then(|v| v.to_str().ok()), Some("text/event-stream"));
+    assert_eq!(
+        r.headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("text/event-stream")
+    );
     let events = read_sse(r.into_body().into_reader());
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("chunk JSON")).collect();
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).expect("chunk JSON"))
+        .collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let streamed: String = chunks
         .iter()
-        .filter_map(|c| c["choices"].get(0).and_then(|ch| ch["delta"]["content"].as_str()).map(str::to_string))
+        .filter_map(|c| {
+            c["choices"]
+                .get(0)
+                .and_then(|ch| ch["delta"]["content"].as_str())
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(streamed, text);
     let last = chunks.last().expect("usage chunk");
     assert_eq!(last["choices"], json!([]));
     assert_eq!(last["usage"], *usage);
-    let finish: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0).map(|ch| &ch["finish_reason"])).filter(|f| !f.is_null()).collect();
-    assert_eq!(finish.len(), 1, "exactly one chunk carries the finish reason");
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0).map(|ch| &ch["finish_reason"]))
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(
+        finish.len(),
+        1,
+        "exactly one chunk carries the finish reason"
+    );
     assert_eq!(*finish[0], full["choices"][0]["finish_reason"]);
 
     // Completions, streamed and not, with n = 2 and logprobs.
@@ -58,16 +87,31 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     let (status, c) = s.post("/v1/completions", &body);
     assert_eq!(status, 200, "{c}");
     assert_eq!(c["choices"].as_array().map(Vec::len), Some(2));
-    assert_eq!(c["choices"][0]["text"], c["choices"][1]["text"], "greedy samples agree");
-    assert!(c["choices"][0]["text"].as_str().unwrap().starts_with(" Paris"), "{c}");
-    assert_eq!(c["usage"]["prompt_tokens"], 10, "two samples of a 5-token prompt");
+    assert_eq!(
+        c["choices"][0]["text"], c["choices"][1]["text"],
+        "greedy samples agree"
+    );
+    assert!(
+        c["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(" Paris"),
+        "{c}"
+    );
+    assert_eq!(
+        c["usage"]["prompt_tokens"], 10,
+        "two samples of a 5-token prompt"
+    );
     assert_eq!(c["usage"]["completion_tokens"], 16);
     let lp = &c["choices"][0]["logprobs"];
     assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(8));
     assert_eq!(lp["top_logprobs"][0].as_object().map(|o| o.len()), Some(3));
     let mut sbody = body.clone();
     sbody["stream"] = json!(true);
-    let r = agent().post(&s.url("/v1/completions")).send_json(&sbody).expect("stream");
+    let r = agent()
+        .post(&s.url("/v1/completions"))
+        .send_json(&sbody)
+        .expect("stream");
     let events = read_sse(r.into_body().into_reader());
     let mut texts = [String::new(), String::new()];
     for e in &events[..events.len() - 1] {
@@ -89,7 +133,10 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     let (_, models) = s.get("/v1/models");
     let models: Value = serde_json::from_str(&models).unwrap();
     assert_eq!(models["data"][0]["id"], "smol");
-    let (_, t) = s.post("/tokenize", &json!({"prompt": "Hello, world!", "add_special_tokens": false}));
+    let (_, t) = s.post(
+        "/tokenize",
+        &json!({"prompt": "Hello, world!", "add_special_tokens": false}),
+    );
     assert_eq!(t["tokens"], json!([19556, 28, 905, 17]));
     let (_, d) = s.post("/detokenize", &json!({"tokens": [19556, 28, 905, 17]}));
     assert_eq!(d["prompt"], "Hello, world!");
@@ -103,8 +150,11 @@ fn assert_error(s: &Server, path: &str, body: &str, status: u16, code: &str, par
         .send(body)
         .expect("request");
     assert_eq!(r.status().as_u16(), status, "{body}");
-    let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).expect("error JSON");
-    let e = v["error"].as_object().unwrap_or_else(|| panic!("no error object: {v}"));
+    let v: Value =
+        serde_json::from_str(&r.body_mut().read_to_string().unwrap()).expect("error JSON");
+    let e = v["error"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no error object: {v}"));
     let mut keys: Vec<&str> = e.keys().map(String::as_str).collect();
     keys.sort();
     assert_eq!(keys, ["code", "message", "param", "type"], "{v}");
@@ -125,24 +175,107 @@ fn every_error_class_has_the_exact_openai_shape() {
             .send(body)
             .expect("request");
         let status = r.status().as_u16();
-        (status, serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap())
+        (
+            status,
+            serde_json::from_str::<Value>(&r.body_mut().read_to_string().unwrap()).unwrap(),
+        )
     };
     // 401 without or with a wrong key.
-    assert_error(&s, "/v1/completions", r#"{"model":"smol","prompt":"hi"}"#, 401, "invalid_api_key", None);
+    assert_error(
+        &s,
+        "/v1/completions",
+        r#"{"model":"smol","prompt":"hi"}"#,
+        401,
+        "invalid_api_key",
+        None,
+    );
     // With the key, the rest.
     let cases: Vec<(&str, String, u16, &str, Option<&str>)> = vec![
-        ("/v1/completions", "{not json".into(), 400, "invalid_request_error", None),
-        ("/v1/completions", "[1,2]".into(), 400, "invalid_request_error", None),
-        ("/v1/completions", r#"{"prompt":"hi"}"#.into(), 400, "invalid_request_error", Some("model")),
-        ("/v1/completions", r#"{"model":"gpt-9","prompt":"hi"}"#.into(), 404, "model_not_found", Some("model")),
-        ("/v1/completions", r#"{"model":"smol","prompt":"hi","temperature":"warm"}"#.into(), 400, "invalid_request_error", Some("temperature")),
-        ("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":-3}"#.into(), 400, "invalid_request_error", Some("max_tokens")),
-        ("/v1/completions", r#"{"model":"smol","prompt":"hi","top_p":7}"#.into(), 400, "invalid_request_error", Some("top_p")),
-        ("/v1/completions", r#"{"model":"smol","prompt":{"a":1}}"#.into(), 400, "invalid_request_error", Some("prompt")),
-        ("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":4000}"#.into(), 400, "context_length_exceeded", Some("prompt")),
-        ("/v1/chat/completions", r#"{"model":"smol","messages":[]}"#.into(), 400, "invalid_request_error", Some("messages")),
-        ("/v1/chat/completions", r#"{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":4000}"#.into(), 400, "context_length_exceeded", Some("messages")),
-        ("/v1/completions", format!(r#"{{"model":"smol","prompt":"{}"}}"#, "a".repeat(5000)), 413, "request_too_large", None),
+        (
+            "/v1/completions",
+            "{not json".into(),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            "/v1/completions",
+            "[1,2]".into(),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi"}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"gpt-9","prompt":"hi"}"#.into(),
+            404,
+            "model_not_found",
+            Some("model"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":"hi","temperature":"warm"}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("temperature"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":"hi","max_tokens":-3}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":"hi","top_p":7}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("top_p"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":{"a":1}}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":"hi","max_tokens":4000}"#.into(),
+            400,
+            "context_length_exceeded",
+            Some("prompt"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"smol","messages":[]}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"smol","messages":[{"role":"user","content":"hi"}],"max_tokens":4000}"#
+                .into(),
+            400,
+            "context_length_exceeded",
+            Some("messages"),
+        ),
+        (
+            "/v1/completions",
+            format!(r#"{{"model":"smol","prompt":"{}"}}"#, "a".repeat(5000)),
+            413,
+            "request_too_large",
+            None,
+        ),
         ("/v1/nothing", "{}".into(), 404, "not_found", None),
     ];
     for (path, body, status, code, param) in cases {
@@ -152,7 +285,10 @@ fn every_error_class_has_the_exact_openai_shape() {
         assert_eq!(v["error"]["param"].as_str(), param, "{v}");
     }
     // Unknown fields are ignored.
-    let (got, v) = auth("/v1/completions", r#"{"model":"smol","prompt":"hi","max_tokens":2,"frobnicate":true}"#);
+    let (got, v) = auth(
+        "/v1/completions",
+        r#"{"model":"smol","prompt":"hi","max_tokens":2,"frobnicate":true}"#,
+    );
     assert_eq!(got, 200, "{v}");
 }
 
@@ -160,7 +296,10 @@ fn every_error_class_has_the_exact_openai_shape() {
 fn a_client_that_disconnects_frees_its_kv_blocks() {
     let s = Server::start(&[]);
     let body = json!({"model": "smol", "prompt": "Count forever:", "max_tokens": 1500, "ignore_eos": true, "stream": true});
-    let r = agent().post(&s.url("/v1/completions")).send_json(&body).expect("stream");
+    let r = agent()
+        .post(&s.url("/v1/completions"))
+        .send_json(&body)
+        .expect("stream");
     let mut reader = std::io::BufReader::new(r.into_body().into_reader());
     let mut line = String::new();
     for _ in 0..6 {
@@ -171,12 +310,20 @@ fn a_client_that_disconnects_frees_its_kv_blocks() {
     assert!(s.metric("vllm:kv_cache_usage_perc") > 0.0);
     drop(reader);
     let started = Instant::now();
-    while s.metric("vllm:num_requests_running") != 0.0 || s.metric("vllm:kv_cache_usage_perc") != 0.0 {
-        assert!(started.elapsed() < Duration::from_secs(20), "the aborted request still holds KV");
+    while s.metric("vllm:num_requests_running") != 0.0
+        || s.metric("vllm:kv_cache_usage_perc") != 0.0
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the aborted request still holds KV"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let (_, text) = s.get("/metrics");
-    assert!(text.contains("vllm:request_success_total{finished_reason=\"abort\"} 1"), "{text}");
+    assert!(
+        text.contains("vllm:request_success_total{finished_reason=\"abort\"} 1"),
+        "{text}"
+    );
 }
 
 #[test]
@@ -205,11 +352,20 @@ fn overload_gets_answers_not_hangs_and_memory_stays_bounded() {
             })
         })
         .collect();
-    let statuses: Vec<u16> = handles.into_iter().map(|h| h.join().expect("client thread")).collect();
-    assert!(statuses.iter().all(|s| [200, 429, 503].contains(s)), "{statuses:?}");
+    let statuses: Vec<u16> = handles
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect();
+    assert!(
+        statuses.iter().all(|s| [200, 429, 503].contains(s)),
+        "{statuses:?}"
+    );
     assert!(statuses.iter().filter(|&&s| s == 200).count() >= 4);
     let rss_after = s.rss_kib();
-    assert!(rss_after < rss_before + 512 * 1024, "RSS grew from {rss_before} KiB to {rss_after} KiB");
+    assert!(
+        rss_after < rss_before + 512 * 1024,
+        "RSS grew from {rss_before} KiB to {rss_after} KiB"
+    );
 }
 
 #[test]
@@ -233,7 +389,10 @@ fn sigterm_finishes_requests_in_flight_and_exits_zero() {
             assert!(code.success(), "exit status {code}:\n{}", s.log_text());
             break;
         }
-        assert!(started.elapsed() < Duration::from_secs(30), "server did not exit after SIGTERM");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "server did not exit after SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -10,7 +10,11 @@ use serde_json::json;
 use std::io::Write;
 
 fn tag_of(p: &PServer) -> String {
-    let (st, v) = p.post_as("key-k-123456", "/v1/completions", &json!({"model": "smol", "prompt": "Hello", "max_tokens": 3, "temperature": 0}));
+    let (st, v) = p.post_as(
+        "key-k-123456",
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    );
     assert_eq!(st, 200, "{v}");
     let t = v["choices"][0]["text"].as_str().unwrap().to_string();
     if t.ends_with(" [v1]") {
@@ -26,7 +30,10 @@ fn tag_of(p: &PServer) -> String {
 fn kill_during_upload_keeps_previous_version() {
     let dir = TempDir::new("crash");
     let p = start(&dir, &[]);
-    p.put_tenant("k", json!({"api_keys": ["key-k-123456"], "plugins": ["tag"]}));
+    p.put_tenant(
+        "k",
+        json!({"api_keys": ["key-k-123456"], "plugins": ["tag"]}),
+    );
     p.upload_ok("k", "tag", "tag-v1", None);
     p.upload_ok("k", "tag", "tag-v2", None);
     let (st, _) = p.admin("POST", "/admin/v1/tenants/k/plugins/tag/rollback", None);
@@ -52,7 +59,12 @@ fn kill_during_upload_keeps_previous_version() {
     drop(p);
 
     // Restart on the same state dir: v1 (the active version) is intact.
-    let s = pagoda_e2e::Server::start(&["--state-dir", &state.to_string_lossy(), "--admin-token", ADMIN]);
+    let s = pagoda_e2e::Server::start(&[
+        "--state-dir",
+        &state.to_string_lossy(),
+        "--admin-token",
+        ADMIN,
+    ]);
     let p = PServer { s, state };
     assert_eq!(tag_of(&p), "v1");
     let (_, v) = p.admin("GET", "/admin/v1/tenants/k/plugins", None);
@@ -64,12 +76,21 @@ fn kill_during_upload_keeps_previous_version() {
     p.s.signal(9);
     let state = p.state.clone();
     drop(p);
-    let s = pagoda_e2e::Server::start(&["--state-dir", &state.to_string_lossy(), "--admin-token", ADMIN]);
+    let s = pagoda_e2e::Server::start(&[
+        "--state-dir",
+        &state.to_string_lossy(),
+        "--admin-token",
+        ADMIN,
+    ]);
     let p = PServer { s, state };
     assert_eq!(tag_of(&p), "v2");
     // Rollback history survived the restart too.
     let (st, v) = p.admin("POST", "/admin/v1/tenants/k/plugins/tag/rollback", None);
     assert_eq!(st, 200, "{v}");
     assert_eq!(tag_of(&p), "v1");
-    assert!(!p.s.log_text().contains("recompiling"), "the precompiled artifacts should load:\n{}", p.s.log_text());
+    assert!(
+        !p.s.log_text().contains("recompiling"),
+        "the precompiled artifacts should load:\n{}",
+        p.s.log_text()
+    );
 }

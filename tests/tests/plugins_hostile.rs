@@ -16,9 +16,17 @@ fn hostile_plugins_fail_only_their_own_requests() {
     let dir = TempDir::new("hostile");
     let p = Arc::new(start(&dir, &[]));
     p.put_tenant("good", json!({"api_keys": ["key-good-123456"]}));
-    let hostile = [("loop", "timeout"), ("oom", "oom"), ("trap", "trap"), ("big-output", "output_too_large")];
+    let hostile = [
+        ("loop", "timeout"),
+        ("oom", "oom"),
+        ("trap", "trap"),
+        ("big-output", "output_too_large"),
+    ];
     for (name, _) in hostile {
-        p.put_tenant(&format!("h-{name}"), json!({"api_keys": [format!("key-{name}-123456")], "plugins": [name]}));
+        p.put_tenant(
+            &format!("h-{name}"),
+            json!({"api_keys": [format!("key-{name}-123456")], "plugins": [name]}),
+        );
         p.upload_ok(&format!("h-{name}"), name, name, None);
     }
     // The good tenant keeps working meanwhile.
@@ -28,7 +36,11 @@ fn hostile_plugins_fail_only_their_own_requests() {
         let (p, stop, ok) = (Arc::clone(&p), Arc::clone(&stop), Arc::clone(&ok));
         std::thread::spawn(move || {
             while !stop.load(Ordering::Relaxed) {
-                let (st, v) = p.post_as("key-good-123456", "/v1/chat/completions", &chat("Say hi", 4));
+                let (st, v) = p.post_as(
+                    "key-good-123456",
+                    "/v1/chat/completions",
+                    &chat("Say hi", 4),
+                );
                 assert_eq!(st, 200, "the good tenant failed: {v}");
                 ok.fetch_add(1, Ordering::Relaxed);
             }
@@ -40,7 +52,8 @@ fn hostile_plugins_fail_only_their_own_requests() {
                 let started = Instant::now();
                 let key = format!("key-{name}-123456");
                 let err = if stream {
-                    let (st, _text, err) = p.stream_as(&key, "/v1/chat/completions", &chat("Say hi", 8));
+                    let (st, _text, err) =
+                        p.stream_as(&key, "/v1/chat/completions", &chat("Say hi", 8));
                     assert!(st == 200 || st >= 500, "{name}: status {st}");
                     err.unwrap_or_else(|| panic!("{name} (stream, round {round}): no error event"))
                 } else {
@@ -48,10 +61,20 @@ fn hostile_plugins_fail_only_their_own_requests() {
                     assert!(st == 500 || st == 503, "{name}: status {st}: {v}");
                     v
                 };
-                let msg = err["error"]["message"].as_str().unwrap_or_default().to_string();
+                let msg = err["error"]["message"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string();
                 assert_eq!(err["error"]["code"], "plugin_error", "{name}: {err}");
-                assert!(msg.contains(name) && msg.contains(kind), "{name}: message should name the plugin and '{kind}': {msg}");
-                assert!(started.elapsed() < Duration::from_secs(20), "{name} took {:?}", started.elapsed());
+                assert!(
+                    msg.contains(name) && msg.contains(kind),
+                    "{name}: message should name the plugin and '{kind}': {msg}"
+                );
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "{name} took {:?}",
+                    started.elapsed()
+                );
             }
         }
     }
@@ -64,7 +87,11 @@ fn hostile_plugins_fail_only_their_own_requests() {
     let (_, metrics) = p.s.get("/metrics");
     for (name, kind) in hostile {
         assert!(
-            metrics.lines().any(|l| l.starts_with("pagoda_plugin_errors_total") && l.contains(&format!("plugin=\"{name}\"")) && l.contains(&format!("kind=\"{kind}\""))),
+            metrics
+                .lines()
+                .any(|l| l.starts_with("pagoda_plugin_errors_total")
+                    && l.contains(&format!("plugin=\"{name}\""))
+                    && l.contains(&format!("kind=\"{kind}\""))),
             "no error metric for {name}/{kind}"
         );
     }

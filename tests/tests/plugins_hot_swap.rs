@@ -16,7 +16,10 @@ use std::time::Instant;
 fn hot_swap_under_load_keeps_each_request_on_its_admission_version() {
     let dir = TempDir::new("hotswap");
     let p = Arc::new(start(&dir, &[]));
-    p.put_tenant("t", json!({"api_keys": ["key-t-123456"], "plugins": ["tag"]}));
+    p.put_tenant(
+        "t",
+        json!({"api_keys": ["key-t-123456"], "plugins": ["tag"]}),
+    );
     p.upload_ok("t", "tag", "tag-v1", None);
     let t0 = Instant::now();
     let stop = Arc::new(AtomicBool::new(false));
@@ -58,7 +61,11 @@ fn hot_swap_under_load_keeps_each_request_on_its_admission_version() {
     let mut swaps = vec![(0.0, 0.0, "v1".to_string())];
     std::thread::sleep(std::time::Duration::from_millis(500));
     for i in 0..10 {
-        let (file, tag) = if i % 2 == 0 { ("tag-v2", "v2") } else { ("tag-v1", "v1") };
+        let (file, tag) = if i % 2 == 0 {
+            ("tag-v2", "v2")
+        } else {
+            ("tag-v1", "v1")
+        };
         let start = t0.elapsed().as_secs_f64();
         p.upload_ok("t", "tag", file, None);
         swaps.push((start, t0.elapsed().as_secs_f64(), tag.to_string()));
@@ -74,11 +81,18 @@ fn hot_swap_under_load_keeps_each_request_on_its_admission_version() {
     for (sent, headers, tag) in results.iter() {
         // Admission happens between sending and the response headers; skip
         // requests whose window overlaps a swap.
-        if swaps.iter().skip(1).any(|(s, e, _)| s <= headers && e >= sent) {
+        if swaps
+            .iter()
+            .skip(1)
+            .any(|(s, e, _)| s <= headers && e >= sent)
+        {
             continue;
         }
         let expect = &swaps.iter().rev().find(|(_, e, _)| e <= sent).unwrap().2;
-        assert_eq!(tag, expect, "request sent at {sent:.3}s got {tag}, active was {expect}; swaps {swaps:?}");
+        assert_eq!(
+            tag, expect,
+            "request sent at {sent:.3}s got {tag}, active was {expect}; swaps {swaps:?}"
+        );
         checked += 1;
     }
     assert!(checked > 0, "no request fell between swaps");

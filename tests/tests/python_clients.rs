@@ -8,9 +8,24 @@ use pagoda_e2e::Server;
 fn the_official_openai_client_works_unmodified() {
     let s = Server::start(&[]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_client.py");
-    let out = std::process::Command::new("python3").arg(script).arg(&s.base).arg("smol").output().expect("python3");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(&s.base)
+        .arg("smol")
+        .output()
+        .expect("python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "openai client failed:\n{stdout}\n{stderr}\nserver log:\n{}", s.log_text());
-    assert!(stdout.lines().last().is_some_and(|l| l.ends_with("passed, 0 failed")), "{stdout}");
+    assert!(
+        out.status.success(),
+        "openai client failed:\n{stdout}\n{stderr}\nserver log:\n{}",
+        s.log_text()
+    );
+    assert!(
+        stdout
+            .lines()
+            .last()
+            .is_some_and(|l| l.ends_with("passed, 0 failed")),
+        "{stdout}"
+    );
 }

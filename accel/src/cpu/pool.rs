@@ -80,7 +80,12 @@ impl ThreadPool {
                     .expect("spawning a CPU worker thread")
             })
             .collect();
-        ThreadPool { shared, workers, threads, region: Mutex::new(()) }
+        ThreadPool {
+            shared,
+            workers,
+            threads,
+            region: Mutex::new(()),
+        }
     }
 
     /// The number of threads a region runs on, the caller included.
@@ -206,7 +211,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Relaxed);
         {
-            let _g = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _g = self
+                .shared
+                .sleep_lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {
@@ -228,7 +237,10 @@ mod tests {
             pool.run(n, &|i| {
                 hits[i].fetch_add(1, Ordering::Relaxed);
             });
-            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "n = {n}");
+            assert!(
+                hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
+                "n = {n}"
+            );
         }
     }
 

@@ -41,7 +41,9 @@ impl std::str::FromStr for Dataset {
             "seed" => Dataset::Seed,
             "prefix-repetition" => Dataset::PrefixRepetition { prefix_len: 1024 },
             path if path.ends_with(".jsonl") => Dataset::Jsonl(path.into()),
-            other => bail!("--dataset '{other}' is not random, seed, prefix-repetition or a .jsonl file"),
+            other => {
+                bail!("--dataset '{other}' is not random, seed, prefix-repetition or a .jsonl file")
+            }
         })
     }
 }
@@ -81,13 +83,21 @@ pub fn generate(
         Dataset::Random => {
             for _ in 0..num {
                 let (text, ids) = random_text(tok, &mut rng, input_len)?;
-                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: text, output_len });
+                out.push(BenchRequest {
+                    prompt_len: ids.len(),
+                    prompt: Prompt::Tokens(ids),
+                    prompt_text: text,
+                    output_len,
+                });
             }
         }
         Dataset::Seed => {
             let text = match tok.chat_template() {
                 Some(t) => t.render(
-                    &[crate::tokenizer::chat_template::ChatMessage { role: "user".into(), content: SEED_PROMPT.into() }],
+                    &[crate::tokenizer::chat_template::ChatMessage {
+                        role: "user".into(),
+                        content: SEED_PROMPT.into(),
+                    }],
                     true,
                 )?,
                 None => SEED_PROMPT.to_string(),
@@ -108,23 +118,34 @@ pub fn generate(
                 let (suffix, _) = random_text(tok, &mut rng, input_len.max(1))?;
                 let text = format!("{prefix}{suffix}");
                 let ids = tok.encode(&text, false)?;
-                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: text, output_len });
+                out.push(BenchRequest {
+                    prompt_len: ids.len(),
+                    prompt: Prompt::Tokens(ids),
+                    prompt_text: text,
+                    output_len,
+                });
             }
         }
         Dataset::Jsonl(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("{}: cannot read", path.display()))?;
             for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
                 if out.len() == num {
                     break;
                 }
                 let v: serde_json::Value = serde_json::from_str(line)
                     .with_context(|| format!("{}:{}: not a JSON object", path.display(), i + 1))?;
-                let prompt = v["prompt"]
-                    .as_str()
-                    .with_context(|| format!("{}:{}: no \"prompt\" string", path.display(), i + 1))?;
+                let prompt = v["prompt"].as_str().with_context(|| {
+                    format!("{}:{}: no \"prompt\" string", path.display(), i + 1)
+                })?;
                 let ids = tok.encode(prompt, true)?;
                 let n = v["output_len"].as_u64().map_or(output_len, |n| n as usize);
-                out.push(BenchRequest { prompt_len: ids.len(), prompt: Prompt::Tokens(ids), prompt_text: prompt.into(), output_len: n });
+                out.push(BenchRequest {
+                    prompt_len: ids.len(),
+                    prompt: Prompt::Tokens(ids),
+                    prompt_text: prompt.into(),
+                    output_len: n,
+                });
             }
             if out.is_empty() {
                 bail!("{}: no prompts", jsonl_name(path));

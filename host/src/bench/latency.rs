@@ -31,11 +31,28 @@ impl LatencySample {
 }
 
 /// Runs one request of `prompt` with exactly `output_len` generated tokens.
-pub fn run_once(core: &mut EngineCore, prompt: Vec<u32>, output_len: usize, tag: usize) -> Result<LatencySample> {
-    let params = SamplingParams { max_tokens: Some(output_len), ignore_eos: true, ..SamplingParams::greedy(output_len) };
+pub fn run_once(
+    core: &mut EngineCore,
+    prompt: Vec<u32>,
+    output_len: usize,
+    tag: usize,
+) -> Result<LatencySample> {
+    let params = SamplingParams {
+        max_tokens: Some(output_len),
+        ignore_eos: true,
+        ..SamplingParams::greedy(output_len)
+    };
     let prompt_tokens = prompt.len();
     let started = Instant::now();
-    core.add_request(format!("latency-{tag}"), prompt, params, RequestOptions { cache_salt: tag as u64, priority: 0 })?;
+    core.add_request(
+        format!("latency-{tag}"),
+        prompt,
+        params,
+        RequestOptions {
+            cache_salt: tag as u64,
+            priority: 0,
+        },
+    )?;
     let mut first = None;
     let mut output_tokens = 0;
     while core.has_unfinished() {

@@ -58,7 +58,11 @@ fn authority(base: &str) -> Result<(String, String)> {
         .strip_prefix("http://")
         .with_context(|| format!("--base-url {base}: only http:// URLs are supported"))?;
     let host_port = rest.split('/').next().unwrap_or(rest);
-    let addr = if host_port.contains(':') { host_port.to_string() } else { format!("{host_port}:80") };
+    let addr = if host_port.contains(':') {
+        host_port.to_string()
+    } else {
+        format!("{host_port}:80")
+    };
     Ok((addr, host_port.to_string()))
 }
 
@@ -88,7 +92,10 @@ fn gamma(rng: &mut StdRng, shape: f64, scale: f64) -> f64 {
 
 /// Sends one streaming request and times its chunks.
 async fn one_request(cfg: &ServeConfig, req: &BenchRequest) -> RequestResult {
-    let mut r = RequestResult { prompt_len: req.prompt_len, ..Default::default() };
+    let mut r = RequestResult {
+        prompt_len: req.prompt_len,
+        ..Default::default()
+    };
     match run_request(cfg, req, &mut r).await {
         Ok(()) => r.success = true,
         Err(e) => r.error = format!("{e:#}"),
@@ -113,7 +120,9 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
     }
     let (addr, host) = authority(&cfg.base_url)?;
     let started = Instant::now();
-    let stream = tokio::net::TcpStream::connect(&addr).await.with_context(|| format!("connect {addr}"))?;
+    let stream = tokio::net::TcpStream::connect(&addr)
+        .await
+        .with_context(|| format!("connect {addr}"))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
     tokio::spawn(async move {
         let _ = conn.await;
@@ -125,8 +134,19 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
     let mut resp = sender.send_request(http).await?;
     let status = resp.status();
     if !status.is_success() {
-        let text = resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        bail!("HTTP {status}: {}", String::from_utf8_lossy(&text).chars().take(200).collect::<String>());
+        let text = resp
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        bail!(
+            "HTTP {status}: {}",
+            String::from_utf8_lossy(&text)
+                .chars()
+                .take(200)
+                .collect::<String>()
+        );
     }
     let mut buf = Vec::new();
     let mut last: Option<Instant> = None;
@@ -134,25 +154,38 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
     let mut usage_tokens = None;
     'read: while let Some(frame) = resp.body_mut().frame().await {
         let frame = frame?;
-        let Some(data) = frame.data_ref() else { continue };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
         buf.extend_from_slice(data);
         while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
             let event: Vec<u8> = buf.drain(..pos + 2).collect();
             let text = String::from_utf8_lossy(&event);
             for line in text.lines() {
-                let Some(payload) = line.strip_prefix("data:").map(str::trim) else { continue };
+                let Some(payload) = line.strip_prefix("data:").map(str::trim) else {
+                    continue;
+                };
                 if payload == "[DONE]" {
                     break 'read;
                 }
-                let v: Value = serde_json::from_str(payload).with_context(|| format!("bad SSE payload: {payload:.100}"))?;
+                let v: Value = serde_json::from_str(payload)
+                    .with_context(|| format!("bad SSE payload: {payload:.100}"))?;
                 if let Some(e) = v.get("error") {
                     bail!("server error mid-stream: {e}");
                 }
-                if let Some(n) = v.get("usage").and_then(|u| u.get("completion_tokens")).and_then(Value::as_u64) {
+                if let Some(n) = v
+                    .get("usage")
+                    .and_then(|u| u.get("completion_tokens"))
+                    .and_then(Value::as_u64)
+                {
                     usage_tokens = Some(n as usize);
                 }
                 let piece = v["choices"].get(0).and_then(|c| {
-                    if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() }
+                    if chat {
+                        c["delta"]["content"].as_str()
+                    } else {
+                        c["text"].as_str()
+                    }
                 });
                 if let Some(p) = piece.filter(|p| !p.is_empty()) {
                     let now = Instant::now();
@@ -216,7 +249,13 @@ pub fn report(cfg: &ServeConfig, results: &[RequestResult], duration: f64) -> Va
         "errors": results.iter().map(|r| r.error.clone()).collect::<Vec<_>>(),
     });
     for (name, s) in [("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2el", e2el)] {
-        let Summary { mean, median, std, p90, p99 } = s;
+        let Summary {
+            mean,
+            median,
+            std,
+            p90,
+            p99,
+        } = s;
         v[format!("mean_{name}_ms")] = json!(mean);
         v[format!("median_{name}_ms")] = json!(median);
         v[format!("std_{name}_ms")] = json!(std);
@@ -227,14 +266,19 @@ pub fn report(cfg: &ServeConfig, results: &[RequestResult], duration: f64) -> Va
 }
 
 fn chrono_like_now() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     format!("{secs}")
 }
 
 /// Runs the load and returns the report.
 pub async fn run(cfg: ServeConfig, requests: Vec<BenchRequest>) -> Result<Value> {
     let cfg = Arc::new(cfg);
-    let limit = Arc::new(tokio::sync::Semaphore::new(cfg.max_concurrency.unwrap_or(tokio::sync::Semaphore::MAX_PERMITS)));
+    let limit = Arc::new(tokio::sync::Semaphore::new(
+        cfg.max_concurrency
+            .unwrap_or(tokio::sync::Semaphore::MAX_PERMITS),
+    ));
     let done = Arc::new(AtomicUsize::new(0));
     let total = requests.len();
     let mut rng = StdRng::seed_from_u64(cfg.seed);
@@ -246,7 +290,11 @@ pub async fn run(cfg: ServeConfig, requests: Vec<BenchRequest>) -> Result<Value>
                 let d = done.load(Ordering::Relaxed);
                 let width = 40;
                 let filled = d * width / total.max(1);
-                eprint!("\r[{}{}] {d}/{total} requests", "#".repeat(filled), " ".repeat(width - filled));
+                eprint!(
+                    "\r[{}{}] {d}/{total} requests",
+                    "#".repeat(filled),
+                    " ".repeat(width - filled)
+                );
                 if d >= total {
                     eprintln!();
                     break;
@@ -260,7 +308,11 @@ pub async fn run(cfg: ServeConfig, requests: Vec<BenchRequest>) -> Result<Value>
     let mut tasks = Vec::with_capacity(total);
     for req in requests {
         if cfg.request_rate.is_finite() && cfg.request_rate > 0.0 {
-            let wait = gamma(&mut rng, cfg.burstiness, 1.0 / (cfg.request_rate * cfg.burstiness));
+            let wait = gamma(
+                &mut rng,
+                cfg.burstiness,
+                1.0 / (cfg.request_rate * cfg.burstiness),
+            );
             tokio::time::sleep(Duration::from_secs_f64(wait)).await;
         }
         let permit = Arc::clone(&limit).acquire_owned().await?;
@@ -293,7 +345,10 @@ mod tests {
         for (shape, scale) in [(1.0, 0.5), (0.5, 2.0), (4.0, 0.25)] {
             let n = 200_000;
             let mean: f64 = (0..n).map(|_| gamma(&mut rng, shape, scale)).sum::<f64>() / n as f64;
-            assert!((mean - shape * scale).abs() < 0.02 * shape * scale + 0.005, "shape {shape}: mean {mean}");
+            assert!(
+                (mean - shape * scale).abs() < 0.02 * shape * scale + 0.005,
+                "shape {shape}: mean {mean}"
+            );
         }
     }
 
@@ -318,7 +373,18 @@ mod tests {
             latency: 1.1,
             ..Default::default()
         };
-        let v = report(&cfg, &[r.clone(), RequestResult { ttft: 0.3, latency: 0.7, ..r }], 2.0);
+        let v = report(
+            &cfg,
+            &[
+                r.clone(),
+                RequestResult {
+                    ttft: 0.3,
+                    latency: 0.7,
+                    ..r
+                },
+            ],
+            2.0,
+        );
         assert!((v["mean_ttft_ms"].as_f64().unwrap() - 400.0).abs() < 1e-9);
         // TPOT = (latency - ttft) / (tokens - 1): 150 ms and 100 ms.
         assert!((v["mean_tpot_ms"].as_f64().unwrap() - 125.0).abs() < 1e-9);

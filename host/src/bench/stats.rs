@@ -35,7 +35,13 @@ pub fn summarize(values: &[f64]) -> Summary {
     let n = v.len() as f64;
     let mean = v.iter().sum::<f64>() / n;
     let var = v.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n;
-    Summary { mean, median: percentile(&v, 50.0), std: var.sqrt(), p90: percentile(&v, 90.0), p99: percentile(&v, 99.0) }
+    Summary {
+        mean,
+        median: percentile(&v, 50.0),
+        std: var.sqrt(),
+        p90: percentile(&v, 90.0),
+        p99: percentile(&v, 99.0),
+    }
 }
 
 #[cfg(test)]

@@ -115,7 +115,8 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
 
 fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> Result<()> {
     if let Some(p) = path {
-        std::fs::write(p, serde_json::to_string_pretty(v)?).with_context(|| format!("{}: cannot write", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(v)?)
+            .with_context(|| format!("{}: cannot write", p.display()))?;
     }
     Ok(())
 }
@@ -123,23 +124,42 @@ fn write_json(path: &Option<PathBuf>, v: &serde_json::Value) -> Result<()> {
 fn run_throughput(a: ThroughputArgs) -> Result<()> {
     let mut core = build_engine(&a.engine.to_engine_args()?)?;
     let dataset: Dataset = a.dataset.parse()?;
-    let reqs = datasets::generate(&dataset, core.tokenizer(), a.num_prompts, a.input_len, a.output_len, a.seed)?;
+    let reqs = datasets::generate(
+        &dataset,
+        core.tokenizer(),
+        a.num_prompts,
+        a.input_len,
+        a.output_len,
+        a.seed,
+    )?;
     let r = throughput::run(&mut core, &reqs)?;
     println!(
         "Throughput: {:.2} requests/s, {:.2} total tokens/s, {:.2} output tokens/s ({} requests, {} output tokens in {:.2} s)",
         r.requests_per_second, r.tokens_per_second, r.output_tokens_per_second, r.num_requests, r.total_output_tokens, r.elapsed_time
     );
     let s = core.stats();
-    println!("Preemptions: {}, prefix cache hits: {} of {} tokens", s.num_preemptions, s.prefix.hits, s.prefix.queries);
+    println!(
+        "Preemptions: {}, prefix cache hits: {} of {} tokens",
+        s.num_preemptions, s.prefix.hits, s.prefix.queries
+    );
     write_json(&a.result_json, &serde_json::to_value(&r)?)
 }
 
 fn run_latency(a: LatencyArgs) -> Result<()> {
     let mut core = build_engine(&a.engine.to_engine_args()?)?;
-    let reqs = datasets::generate(&Dataset::Random, core.tokenizer(), a.num_iters + 1, a.input_len, a.output_len, 7)?;
+    let reqs = datasets::generate(
+        &Dataset::Random,
+        core.tokenizer(),
+        a.num_iters + 1,
+        a.input_len,
+        a.output_len,
+        7,
+    )?;
     let mut samples = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
-        let Prompt::Tokens(ids) = &r.prompt else { continue };
+        let Prompt::Tokens(ids) = &r.prompt else {
+            continue;
+        };
         let s = latency::run_once(&mut core, ids.clone(), a.output_len, i)?;
         if i > 0 {
             samples.push(s);
@@ -188,7 +208,14 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
     // Random prompts get a per-run seed unless one is given, so that peers'
     // prompt caches do not flatter repeated runs.
     let seed = if a.seed == 0 { rand::random() } else { a.seed };
-    let reqs = datasets::generate(&dataset, &tok, a.num_prompts, a.input_len, a.output_len, seed)?;
+    let reqs = datasets::generate(
+        &dataset,
+        &tok,
+        a.num_prompts,
+        a.input_len,
+        a.output_len,
+        seed,
+    )?;
     let cfg = crate::bench::serve::ServeConfig {
         base_url: a.base_url.trim_end_matches('/').to_string(),
         model: a.model.clone(),
@@ -199,7 +226,10 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
         seed,
         progress: !a.no_progress,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
     let v = rt.block_on(crate::bench::serve::run(cfg, reqs))?;
     let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
     println!("============ Serving Benchmark Result ============");
@@ -207,14 +237,42 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
     println!("{:<40} {}", "Failed requests:", v["failed"]);
     println!("{:<40} {:.2}", "Benchmark duration (s):", f("duration"));
     println!("{:<40} {}", "Total input tokens:", v["total_input_tokens"]);
-    println!("{:<40} {}", "Total generated tokens:", v["total_output_tokens"]);
-    println!("{:<40} {:.2}", "Request throughput (req/s):", f("request_throughput"));
-    println!("{:<40} {:.2}", "Output token throughput (tok/s):", f("output_throughput"));
-    println!("{:<40} {:.2}", "Total token throughput (tok/s):", f("total_token_throughput"));
-    for (title, key) in [("Time to First Token", "ttft"), ("Time per Output Token (excl. 1st token)", "tpot"), ("Inter-token Latency", "itl"), ("End-to-end Latency", "e2el")] {
+    println!(
+        "{:<40} {}",
+        "Total generated tokens:", v["total_output_tokens"]
+    );
+    println!(
+        "{:<40} {:.2}",
+        "Request throughput (req/s):",
+        f("request_throughput")
+    );
+    println!(
+        "{:<40} {:.2}",
+        "Output token throughput (tok/s):",
+        f("output_throughput")
+    );
+    println!(
+        "{:<40} {:.2}",
+        "Total token throughput (tok/s):",
+        f("total_token_throughput")
+    );
+    for (title, key) in [
+        ("Time to First Token", "ttft"),
+        ("Time per Output Token (excl. 1st token)", "tpot"),
+        ("Inter-token Latency", "itl"),
+        ("End-to-end Latency", "e2el"),
+    ] {
         println!("{:-^50}", title);
         for stat in ["mean", "median", "p99"] {
-            println!("{:<40} {:.2}", format!("{} {} (ms):", stat[..1].to_uppercase() + &stat[1..], key.to_uppercase()), f(&format!("{stat}_{key}_ms")));
+            println!(
+                "{:<40} {:.2}",
+                format!(
+                    "{} {} (ms):",
+                    stat[..1].to_uppercase() + &stat[1..],
+                    key.to_uppercase()
+                ),
+                f(&format!("{stat}_{key}_ms"))
+            );
         }
     }
     println!("==================================================");

@@ -9,13 +9,18 @@ use std::path::Path;
 
 /// Reads `path` into `--flag value` arguments.
 pub fn flags_from_file(path: &Path) -> Result<Vec<OsString>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read the config file", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read the config file", path.display()))?;
     let pairs: Vec<(String, serde_json::Value)> = if text.trim_start().starts_with('{') {
-        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
-        let obj = v.as_object().with_context(|| format!("{}: must be a JSON object of flags", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", path.display()))?;
+        let obj = v
+            .as_object()
+            .with_context(|| format!("{}: must be a JSON object of flags", path.display()))?;
         obj.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     } else {
-        parse_flat_yaml(&text).with_context(|| format!("{}: not a flat YAML mapping", path.display()))?
+        parse_flat_yaml(&text)
+            .with_context(|| format!("{}: not a flat YAML mapping", path.display()))?
     };
     let mut out = Vec::new();
     for (key, value) in pairs {
@@ -59,9 +64,14 @@ fn parse_flat_yaml(text: &str) -> Result<Vec<(String, serde_json::Value)>> {
             continue;
         }
         if line.starts_with(' ') || line.starts_with('\t') {
-            bail!("line {}: nested values are not supported; use one `flag: value` per line", n + 1);
+            bail!(
+                "line {}: nested values are not supported; use one `flag: value` per line",
+                n + 1
+            );
         }
-        let (k, v) = line.split_once(':').with_context(|| format!("line {}: expected `flag: value`", n + 1))?;
+        let (k, v) = line
+            .split_once(':')
+            .with_context(|| format!("line {}: expected `flag: value`", n + 1))?;
         let v = v.trim();
         let value = match v {
             "true" | "True" | "yes" => serde_json::Value::Bool(true),
@@ -77,7 +87,9 @@ fn parse_flat_yaml(text: &str) -> Result<Vec<(String, serde_json::Value)>> {
 /// Expands `--config FILE` in `args`: the file's flags go right after the
 /// subcommand, so flags given on the command line (later) override them.
 pub fn expand(args: Vec<OsString>) -> Result<Vec<OsString>> {
-    let Some(pos) = args.iter().position(|a| a == "--config") else { return Ok(args) };
+    let Some(pos) = args.iter().position(|a| a == "--config") else {
+        return Ok(args);
+    };
     let path = args.get(pos + 1).context("--config needs a file")?.clone();
     let file_flags = flags_from_file(Path::new(&path))?;
     let mut rest: Vec<OsString> = args[..pos].to_vec();
@@ -101,10 +113,18 @@ mod tests {
         std::fs::write(&y, "# serve config\nmodel: /m.gguf\nmax_model_len: 2048\nenable-prefix-caching: false\nport: 9000\n").unwrap();
         let j = dir.path().join("c.json");
         std::fs::write(&j, r#"{"model": "/m.gguf", "max_model_len": 2048, "enable-prefix-caching": false, "port": 9000}"#).unwrap();
-        let want: Vec<OsString> = ["--model", "/m.gguf", "--max-model-len", "2048", "--no-enable-prefix-caching", "--port", "9000"]
-            .iter()
-            .map(OsString::from)
-            .collect();
+        let want: Vec<OsString> = [
+            "--model",
+            "/m.gguf",
+            "--max-model-len",
+            "2048",
+            "--no-enable-prefix-caching",
+            "--port",
+            "9000",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
         assert_eq!(flags_from_file(&y).unwrap(), want);
         let mut jf = flags_from_file(&j).unwrap();
         // JSON objects come back in key order; compare as sets of pairs.
@@ -119,9 +139,22 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let y = dir.path().join("c.yaml");
         std::fs::write(&y, "port: 9000\n").unwrap();
-        let args: Vec<OsString> = ["pagoda", "serve", "--config", y.to_str().unwrap(), "--port", "8001"].iter().map(OsString::from).collect();
+        let args: Vec<OsString> = [
+            "pagoda",
+            "serve",
+            "--config",
+            y.to_str().unwrap(),
+            "--port",
+            "8001",
+        ]
+        .iter()
+        .map(OsString::from)
+        .collect();
         let out = expand(args).unwrap();
-        let s: Vec<String> = out.iter().map(|a| a.to_string_lossy().to_string()).collect();
+        let s: Vec<String> = out
+            .iter()
+            .map(|a| a.to_string_lossy().to_string())
+            .collect();
         assert_eq!(s, ["pagoda", "serve", "--port", "9000", "--port", "8001"]);
     }
 }

@@ -46,8 +46,14 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         args.prompts
             .iter()
             .map(|p| {
-                tmpl.render(&[ChatMessage { role: "user".into(), content: p.clone() }], true)
-                    .map(Prompt::Text)
+                tmpl.render(
+                    &[ChatMessage {
+                        role: "user".into(),
+                        content: p.clone(),
+                    }],
+                    true,
+                )
+                .map(Prompt::Text)
             })
             .collect::<Result<_>>()?
     } else {

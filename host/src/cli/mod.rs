@@ -2,10 +2,10 @@
 //! `bench`). Flags mirror `vllm serve` where vLLM has them.
 
 pub mod bench;
+pub mod config_file;
 pub mod generate;
 pub mod models;
 pub mod serve;
-pub mod config_file;
 
 use crate::engine::args::{parse_bytes, EngineArgs};
 use crate::engine::kv_cache::KvCacheDtype;
@@ -90,7 +90,11 @@ impl EngineFlags {
         a.max_model_len = self.max_model_len;
         a.threads = self.threads;
         a.block_size = self.block_size;
-        a.kv_cache_memory = self.kv_cache_memory.as_deref().map(parse_bytes).transpose()?;
+        a.kv_cache_memory = self
+            .kv_cache_memory
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()?;
         a.kv_cache_dtype = self.kv_cache_dtype.parse::<KvCacheDtype>()?;
         a.max_num_seqs = self.max_num_seqs;
         a.max_num_batched_tokens = self.max_num_batched_tokens;

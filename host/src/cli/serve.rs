@@ -82,7 +82,10 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
     if a.pipeline_parallel_size != 1 {
         bail!("--pipeline-parallel-size {} is not supported yet: this build runs one device context (use 1)", a.pipeline_parallel_size);
     }
-    if a.speculative_model.is_some() || a.num_speculative_tokens.is_some() || a.speculative_config.is_some() {
+    if a.speculative_model.is_some()
+        || a.num_speculative_tokens.is_some()
+        || a.speculative_config.is_some()
+    {
         bail!("speculative decoding (--speculative-model, --num-speculative-tokens, --speculative-config) is not built yet; remove those flags");
     }
     if let Some(u) = a.gpu_memory_utilization {
@@ -138,7 +141,11 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 (h, p) => Some((h.unwrap_or_else(|| "127.0.0.1".into()), p.unwrap_or(8001))),
             },
             state_dir: a.state_dir,
-            plugins: crate::plugins::RuntimeConfig { fuel: a.plugin_fuel, max_instances: a.plugin_max_instances, ..Default::default() },
+            plugins: crate::plugins::RuntimeConfig {
+                fuel: a.plugin_fuel,
+                max_instances: a.plugin_max_instances,
+                ..Default::default()
+            },
         },
     )
 }

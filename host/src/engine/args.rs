@@ -80,17 +80,30 @@ pub enum LoadedFrom {
 }
 
 /// Loads the model weights, config and tokenizer named by `args`.
-pub fn load_model(args: &EngineArgs, max_positions: impl Fn(&ModelConfig) -> usize) -> Result<(LlamaModel, LoadedModel)> {
+pub fn load_model(
+    args: &EngineArgs,
+    max_positions: impl Fn(&ModelConfig) -> usize,
+) -> Result<(LlamaModel, LoadedModel)> {
     let path = &args.model;
     if !path.exists() {
-        bail!("{}: no such file or directory (give a GGUF file or a Hugging Face model folder)", path.display());
+        bail!(
+            "{}: no such file or directory (give a GGUF file or a Hugging Face model folder)",
+            path.display()
+        );
     }
     if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
         let source = SafetensorsSource::open(path, args.dtype)?;
         let model = LlamaModel::load(&source, config.clone(), max_positions(&config))?;
-        Ok((model, LoadedModel { config, tokenizer, source: LoadedFrom::HuggingFace }))
+        Ok((
+            model,
+            LoadedModel {
+                config,
+                tokenizer,
+                source: LoadedFrom::HuggingFace,
+            },
+        ))
     } else {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
@@ -101,8 +114,19 @@ pub fn load_model(args: &EngineArgs, max_positions: impl Fn(&ModelConfig) -> usi
             );
         }
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let model = LlamaModel::load(&GgufWeights::new(&file, args.dtype), config.clone(), max_positions(&config))?;
-        Ok((model, LoadedModel { config, tokenizer, source: LoadedFrom::Gguf }))
+        let model = LlamaModel::load(
+            &GgufWeights::new(&file, args.dtype),
+            config.clone(),
+            max_positions(&config),
+        )?;
+        Ok((
+            model,
+            LoadedModel {
+                config,
+                tokenizer,
+                source: LoadedFrom::Gguf,
+            },
+        ))
     }
 }
 
@@ -117,9 +141,13 @@ fn available_memory() -> Option<u64> {
 /// Parses sizes such as `4GiB`, `512MiB`, `2G` or a plain byte count.
 pub fn parse_bytes(s: &str) -> Result<u64> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let x: f64 = num.parse().with_context(|| format!("'{s}' is not a size (try 4GiB or 512MiB)"))?;
+    let x: f64 = num
+        .parse()
+        .with_context(|| format!("'{s}' is not a size (try 4GiB or 512MiB)"))?;
     let mul = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1u64,
         "k" | "kb" | "kib" => 1 << 10,
@@ -134,18 +162,26 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
 /// Builds the engine: model, tokenizer, KV pool, scheduler. Logs the pool.
 pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
     if !args.block_size.is_power_of_two() || args.block_size > 256 {
-        bail!("--block-size {} must be a power of two no larger than 256", args.block_size);
+        bail!(
+            "--block-size {} must be a power of two no larger than 256",
+            args.block_size
+        );
     }
     if args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         bail!("--max-num-seqs and --max-num-batched-tokens must be positive");
     }
     if let Some(l) = args.max_model_len {
         if l == 0 || l > crate::engine::config::MAX_CONTEXT {
-            bail!("--max-model-len {l} must be between 1 and {}", crate::engine::config::MAX_CONTEXT);
+            bail!(
+                "--max-model-len {l} must be between 1 and {}",
+                crate::engine::config::MAX_CONTEXT
+            );
         }
     }
     let ctx = args.device.open(args.threads)?;
-    let (model, loaded) = load_model(args, |c| args.max_model_len.unwrap_or(c.max_position_embeddings))?;
+    let (model, loaded) = load_model(args, |c| {
+        args.max_model_len.unwrap_or(c.max_position_embeddings)
+    })?;
     let c = &loaded.config;
     let max_model_len = args.max_model_len.unwrap_or(c.max_position_embeddings);
     if max_model_len > c.max_position_embeddings {
@@ -154,7 +190,12 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             c.max_position_embeddings
         );
     }
-    let per_block = KvCache::bytes_per_block(args.kv_cache_dtype, c.num_layers, args.block_size, c.kv_dim());
+    let per_block = KvCache::bytes_per_block(
+        args.kv_cache_dtype,
+        c.num_layers,
+        args.block_size,
+        c.kv_dim(),
+    );
     let budget = match args.kv_cache_memory {
         Some(b) => b,
         // A quarter of free memory, at most 4 GiB (vLLM CPU's default
@@ -185,7 +226,12 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         model.weight_bytes() as f64 / (1 << 20) as f64,
         ctx.pool().threads()
     );
-    let layout = KvLayout { num_blocks, block_size: args.block_size, n_kv_heads: c.num_kv_heads, head_dim: c.head_dim };
+    let layout = KvLayout {
+        num_blocks,
+        block_size: args.block_size,
+        n_kv_heads: c.num_kv_heads,
+        head_dim: c.head_dim,
+    };
     let kv = KvCache::new(args.kv_cache_dtype, c.num_layers, layout);
     let runner = ModelRunner::new(model, ctx, kv);
     let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
@@ -194,7 +240,13 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         policy: args.scheduling_policy,
     });
-    let mut core = EngineCore::new(scheduler, kvm, runner, Arc::new(loaded.tokenizer), max_model_len);
+    let mut core = EngineCore::new(
+        scheduler,
+        kvm,
+        runner,
+        Arc::new(loaded.tokenizer),
+        max_model_len,
+    );
     core.set_default_seed(args.seed);
     Ok(core)
 }

@@ -99,8 +99,16 @@ impl AsyncEngine {
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().model().config().vocab_size;
         let s = Arc::clone(&stats);
-        std::thread::Builder::new().name("pagoda-engine".into()).spawn(move || engine_loop(core, rx, s))?;
-        Ok(AsyncEngine { tx, stats, tokenizer, max_model_len, vocab_size })
+        std::thread::Builder::new()
+            .name("pagoda-engine".into())
+            .spawn(move || engine_loop(core, rx, s))?;
+        Ok(AsyncEngine {
+            tx,
+            stats,
+            tokenizer,
+            max_model_len,
+            vocab_size,
+        })
     }
 
     /// The tokenizer.
@@ -125,7 +133,11 @@ impl AsyncEngine {
 
     /// A guard that aborts the requests pushed into it unless disarmed.
     pub fn abort_guard(&self) -> AbortGuard {
-        AbortGuard { tx: self.tx.clone(), ids: Vec::new(), done: false }
+        AbortGuard {
+            tx: self.tx.clone(),
+            ids: Vec::new(),
+            done: false,
+        }
     }
 
     /// Submits one sequence; its outputs arrive on `outputs`. Returns the
@@ -140,7 +152,14 @@ impl AsyncEngine {
     ) -> Result<u64, SubmitError> {
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Command::Add { external_id, prompt_ids, params, opts, outputs, reply })
+            .send(Command::Add {
+                external_id,
+                prompt_ids,
+                params,
+                opts,
+                outputs,
+                reply,
+            })
             .map_err(|_| SubmitError::EngineDead)?;
         match rx.await {
             Ok(r) => r.map_err(SubmitError::Invalid),
@@ -168,7 +187,11 @@ pub enum SubmitError {
     EngineDead,
 }
 
-fn engine_loop(mut core: EngineCore, rx: std_mpsc::Receiver<Command>, stats: Arc<Mutex<EngineStats>>) {
+fn engine_loop(
+    mut core: EngineCore,
+    rx: std_mpsc::Receiver<Command>,
+    stats: Arc<Mutex<EngineStats>>,
+) {
     let mut tracks: HashMap<u64, Track> = HashMap::new();
     let mut last = core.stats();
     loop {
@@ -184,12 +207,27 @@ fn engine_loop(mut core: EngineCore, rx: std_mpsc::Receiver<Command>, stats: Arc
         let mut next = first;
         while let Some(cmd) = next {
             match cmd {
-                Command::Add { external_id, prompt_ids, params, opts, outputs, reply } => {
+                Command::Add {
+                    external_id,
+                    prompt_ids,
+                    params,
+                    opts,
+                    outputs,
+                    reply,
+                } => {
                     let n = prompt_ids.len();
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
                         metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
-                        tracks.insert(id, Track { outputs, arrived: Instant::now(), first_scheduled: None, last_token: None });
+                        tracks.insert(
+                            id,
+                            Track {
+                                outputs,
+                                arrived: Instant::now(),
+                                first_scheduled: None,
+                                last_token: None,
+                            },
+                        );
                     }
                     let _ = reply.send(r);
                 }
@@ -211,7 +249,8 @@ fn engine_loop(mut core: EngineCore, rx: std_mpsc::Receiver<Command>, stats: Arc
                     None => {
                         metrics::histogram!(m::TTFT).record((now - t.arrived).as_secs_f64());
                         let started = t.first_scheduled.get_or_insert(now);
-                        metrics::histogram!(m::QUEUE_TIME).record((*started - t.arrived).as_secs_f64().max(0.0));
+                        metrics::histogram!(m::QUEUE_TIME)
+                            .record((*started - t.arrived).as_secs_f64().max(0.0));
                     }
                     Some(prev) => metrics::histogram!(m::ITL).record((now - prev).as_secs_f64()),
                 }

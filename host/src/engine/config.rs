@@ -11,9 +11,17 @@ use std::path::Path;
 /// they carry in HF `config.json` (`architectures`) and in GGUF
 /// (`general.architecture`).
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
-    ("LlamaForCausalLM", "llama", "Llama 2, Llama 3.x, SmolLM2, TinyLlama, Vicuna"),
+    (
+        "LlamaForCausalLM",
+        "llama",
+        "Llama 2, Llama 3.x, SmolLM2, TinyLlama, Vicuna",
+    ),
     ("MistralForCausalLM", "llama", "Mistral 7B (v0.1 to v0.3)"),
-    ("Qwen2ForCausalLM", "qwen2", "Qwen2, Qwen2.5 (attention q/k/v bias)"),
+    (
+        "Qwen2ForCausalLM",
+        "qwen2",
+        "Qwen2, Qwen2.5 (attention q/k/v bias)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -130,9 +138,14 @@ impl ModelConfig {
                 None | Some(Value::Null) => 2048,
                 Some(_) => usize_of("max_position_embeddings")?,
             },
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            tie_word_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
             attention_bias: arch == Arch::Qwen2
-                || v.get("attention_bias").and_then(Value::as_bool).unwrap_or(false),
+                || v.get("attention_bias")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -152,9 +165,9 @@ impl ModelConfig {
         };
         let key = |k: &str| format!("{name}.{k}");
         let req = |k: &str| -> Result<usize> {
-            let x = g
-                .get_u64(&key(k))?
-                .with_context(|| format!("{}: missing metadata '{}'", g.path().display(), key(k)))?;
+            let x = g.get_u64(&key(k))?.with_context(|| {
+                format!("{}: missing metadata '{}'", g.path().display(), key(k))
+            })?;
             usize::try_from(x).with_context(|| format!("'{}' is too large", key(k)))
         };
         let hidden_size = req("embedding_length")?;
@@ -173,7 +186,9 @@ impl ModelConfig {
             None => g
                 .get_str_array("tokenizer.ggml.tokens")?
                 .map(|t| t.len())
-                .with_context(|| format!("{}: no vocab_size and no tokenizer", g.path().display()))?,
+                .with_context(|| {
+                    format!("{}: no vocab_size and no tokenizer", g.path().display())
+                })?,
         };
         let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
             None | Some("none") => RopeScaling::None,
@@ -195,18 +210,25 @@ impl ModelConfig {
             head_dim,
             intermediate_size: req("feed_forward_length")?,
             vocab_size,
-            rms_norm_eps: g.get_f32(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+            rms_norm_eps: g
+                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5),
             rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp's converter permutes the q/k rows of llama-arch
             // models so that rotation pairs are adjacent; qwen2 keeps HF's
             // half-split layout.
-            rope_style: if arch == Arch::Llama { RopeStyle::Interleaved } else { RopeStyle::Neox },
+            rope_style: if arch == Arch::Llama {
+                RopeStyle::Interleaved
+            } else {
+                RopeStyle::Neox
+            },
             max_position_embeddings: g.get_u64(&key("context_length"))?.unwrap_or(2048) as usize,
             tie_word_embeddings,
             attention_bias: arch == Arch::Qwen2,
         };
-        cfg.validate().with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
+        cfg.validate()
+            .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
         Ok(cfg)
     }
 
@@ -235,7 +257,11 @@ impl ModelConfig {
             ("intermediate_size", self.intermediate_size, 1 << 19),
             ("num_attention_heads", self.num_heads, 1 << 10),
             ("vocab_size", self.vocab_size, 1 << 22),
-            ("max_position_embeddings", self.max_position_embeddings, MAX_CONTEXT),
+            (
+                "max_position_embeddings",
+                self.max_position_embeddings,
+                MAX_CONTEXT,
+            ),
         ];
         for (name, x, max) in limits {
             if x > max {
@@ -249,11 +275,19 @@ impl ModelConfig {
                     bail!("rope_scaling factor {factor} must be a positive number");
                 }
             }
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position,
+            } => {
                 if !(factor.is_finite() && factor > 0.0) {
                     bail!("rope_scaling factor {factor} must be a positive number");
                 }
-                if !(low_freq_factor > 0.0 && high_freq_factor > low_freq_factor && high_freq_factor.is_finite()) {
+                if !(low_freq_factor > 0.0
+                    && high_freq_factor > low_freq_factor
+                    && high_freq_factor.is_finite())
+                {
                     bail!("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got {low_freq_factor} and {high_freq_factor}");
                 }
                 if original_max_position == 0 {
@@ -269,16 +303,25 @@ impl ModelConfig {
             );
         }
         if self.num_heads / self.num_kv_heads > 16 {
-            bail!("a GQA group of {} query heads per KV head is more than the 16 supported", self.num_heads / self.num_kv_heads);
+            bail!(
+                "a GQA group of {} query heads per KV head is more than the 16 supported",
+                self.num_heads / self.num_kv_heads
+            );
         }
         if self.head_dim % 2 != 0 || self.head_dim > 256 {
-            bail!("head_dim {} is not supported (must be even and at most 256)", self.head_dim);
+            bail!(
+                "head_dim {} is not supported (must be even and at most 256)",
+                self.head_dim
+            );
         }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             bail!("rope_theta {} must be a positive number", self.rope_theta);
         }
         if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            bail!("rms_norm_eps {} must be a non-negative number", self.rms_norm_eps);
+            bail!(
+                "rms_norm_eps {} must be a non-negative number",
+                self.rms_norm_eps
+            );
         }
         Ok(())
     }
@@ -306,17 +349,25 @@ fn parse_hf_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
     let num = |k: &str, d: f64| obj.get(k).and_then(Value::as_f64).unwrap_or(d) as f32;
     match kind {
         "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear { factor: num("factor", 1.0) }),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor", 1.0),
+        }),
         "llama3" => Ok(RopeScaling::Llama3 {
             factor: num("factor", 8.0),
             low_freq_factor: num("low_freq_factor", 1.0),
             high_freq_factor: num("high_freq_factor", 4.0),
             original_max_position: num("original_max_position_embeddings", 8192.0) as usize,
         }),
-        other => bail!("rope_scaling type '{other}' is not supported (supported: default, linear, llama3)"),
+        other => bail!(
+            "rope_scaling type '{other}' is not supported (supported: default, linear, llama3)"
+        ),
     }
 }
 
 fn supported_list() -> String {
-    SUPPORTED_ARCHITECTURES.iter().map(|(a, _, _)| *a).collect::<Vec<_>>().join(", ")
+    SUPPORTED_ARCHITECTURES
+        .iter()
+        .map(|(a, _, _)| *a)
+        .collect::<Vec<_>>()
+        .join(", ")
 }

@@ -3,7 +3,9 @@
 //! the async front end talks to it through channels.
 
 use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
-use crate::engine::request::{FinishReason, ParamError, Request, RequestStatus, SamplingParams, TokenLogprob};
+use crate::engine::request::{
+    FinishReason, ParamError, Request, RequestStatus, SamplingParams, TokenLogprob,
+};
 use crate::engine::runner::ModelRunner;
 use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
@@ -129,7 +131,10 @@ impl EngineCore {
         let vocab = self.runner.model().config().vocab_size;
         params.validate(vocab)?;
         if prompt_ids.is_empty() {
-            return Err(ParamError { param: "prompt", message: "the prompt must contain at least one token".into() });
+            return Err(ParamError {
+                param: "prompt",
+                message: "the prompt must contain at least one token".into(),
+            });
         }
         if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(ParamError {
@@ -163,8 +168,16 @@ impl EngineCore {
         };
         let id = self.next_id;
         self.next_id += 1;
-        let eos_ids = if params.ignore_eos { Vec::new() } else { self.tokenizer.eos_ids().to_vec() };
-        let detok = IncrementalDetokenizer::new(self.tokenizer.clone(), &prompt_ids, params.skip_special_tokens);
+        let eos_ids = if params.ignore_eos {
+            Vec::new()
+        } else {
+            self.tokenizer.eos_ids().to_vec()
+        };
+        let detok = IncrementalDetokenizer::new(
+            self.tokenizer.clone(),
+            &prompt_ids,
+            params.skip_special_tokens,
+        );
         let req = Request {
             id,
             external_id,
@@ -180,7 +193,11 @@ impl EngineCore {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             eos_ids,
-            rng: Request::new_rng(params.seed.or(self.default_seed.map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15)))),
+            rng: Request::new_rng(
+                params.seed.or(self
+                    .default_seed
+                    .map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15))),
+            ),
             output_counts: Default::default(),
             detok,
             pending_text: String::new(),
@@ -195,7 +212,9 @@ impl EngineCore {
     /// Aborts a request and frees its blocks at once. Returns its final
     /// output, or `None` if it had already finished.
     pub fn abort(&mut self, id: u64) -> Option<StepOutput> {
-        let req = self.scheduler.remove(id, FinishReason::Abort, &mut self.kv)?;
+        let req = self
+            .scheduler
+            .remove(id, FinishReason::Abort, &mut self.kv)?;
         Some(StepOutput {
             id,
             external_id: req.external_id,
@@ -218,11 +237,16 @@ impl EngineCore {
         self.kv.pool().check_invariants()?;
         let bs = self.kv.block_size();
         for &id in self.scheduler.running_ids() {
-            let Some(req) = self.scheduler.get(id) else { continue };
+            let Some(req) = self.scheduler.get(id) else {
+                continue;
+            };
             let held = self.kv.block_table(id).len();
             let need = req.num_computed.div_ceil(bs);
             if held != need {
-                return Err(format!("request {id} holds {held} blocks for {} computed tokens (needs {need})", req.num_computed));
+                return Err(format!(
+                    "request {id} holds {held} blocks for {} computed tokens (needs {need})",
+                    req.num_computed
+                ));
             }
         }
         Ok(())
@@ -262,14 +286,22 @@ impl EngineCore {
             if !s.sample {
                 continue;
             }
-            let Some(req) = self.scheduler.get_mut(s.id) else { continue };
-            let sampled = self.sampler.sample(&mut logits[row * vocab..(row + 1) * vocab], req);
+            let Some(req) = self.scheduler.get_mut(s.id) else {
+                continue;
+            };
+            let sampled = self
+                .sampler
+                .sample(&mut logits[row * vocab..(row + 1) * vocab], req);
             row += 1;
             self.stats.generation_tokens += 1;
             let out = append_token(req, sampled.token, sampled.logprob);
             if let Some(out) = out {
                 if out.finish_reason.is_some() {
-                    self.scheduler.remove(s.id, out.finish_reason.unwrap_or(FinishReason::Stop), &mut self.kv);
+                    self.scheduler.remove(
+                        s.id,
+                        out.finish_reason.unwrap_or(FinishReason::Stop),
+                        &mut self.kv,
+                    );
                 }
                 outputs.push(out);
             }
@@ -280,7 +312,11 @@ impl EngineCore {
 
 /// Appends a sampled token, applies the stop conditions and releases the
 /// text that can no longer turn into a stop string.
-fn append_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob>) -> Option<StepOutput> {
+fn append_token(
+    req: &mut Request,
+    token: u32,
+    logprob: Option<TokenLogprob>,
+) -> Option<StepOutput> {
     req.token_ids.push(token);
     *req.output_counts.entry(token).or_insert(0) += 1;
     let delta = req.detok.push(token).unwrap_or_default();
@@ -300,14 +336,25 @@ fn append_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob>) ->
     if finish.is_none() && !p.stop.is_empty() {
         // Only the tail can hold a stop string that the new text completed.
         let longest = p.stop.iter().map(String::len).max().unwrap_or(0);
-        let from = floor_char_boundary(&req.pending_text, req.pending_text.len().saturating_sub(delta.len() + longest));
+        let from = floor_char_boundary(
+            &req.pending_text,
+            req.pending_text.len().saturating_sub(delta.len() + longest),
+        );
         let found = p
             .stop
             .iter()
-            .filter_map(|s| req.pending_text[from..].find(s.as_str()).map(|i| (from + i, s)))
+            .filter_map(|s| {
+                req.pending_text[from..]
+                    .find(s.as_str())
+                    .map(|i| (from + i, s))
+            })
             .min_by_key(|(i, _)| *i);
         if let Some((at, s)) = found {
-            let keep = if p.include_stop_str_in_output { at + s.len() } else { at };
+            let keep = if p.include_stop_str_in_output {
+                at + s.len()
+            } else {
+                at
+            };
             req.pending_text.truncate(keep);
             finish = Some(FinishReason::Stop);
             stop_reason = Some(StopReason::Text(s.clone()));
@@ -317,14 +364,25 @@ fn append_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob>) ->
         finish = Some(FinishReason::Length);
     }
     let new_text = if finish.is_some() {
-        if stop_reason.as_ref().is_none_or(|r| !matches!(r, StopReason::Text(_))) {
+        if stop_reason
+            .as_ref()
+            .is_none_or(|r| !matches!(r, StopReason::Text(_)))
+        {
             req.pending_text.push_str(&req.detok.finish());
         }
         std::mem::take(&mut req.pending_text)
     } else {
         // Hold back what could still be the start of a stop string.
-        let hold = p.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
-        let cut = floor_char_boundary(&req.pending_text, req.pending_text.len().saturating_sub(hold));
+        let hold = p
+            .stop
+            .iter()
+            .map(|s| s.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0);
+        let cut = floor_char_boundary(
+            &req.pending_text,
+            req.pending_text.len().saturating_sub(hold),
+        );
         let rest = req.pending_text.split_off(cut);
         std::mem::replace(&mut req.pending_text, rest)
     };

@@ -63,7 +63,10 @@ pub struct LLM {
 impl LLM {
     /// Loads the model and builds the engine.
     pub fn new(args: EngineArgs) -> Result<LLM> {
-        Ok(LLM { core: build_engine(&args)?, next_request: 0 })
+        Ok(LLM {
+            core: build_engine(&args)?,
+            next_request: 0,
+        })
     }
 
     /// The model's tokenizer.
@@ -92,7 +95,11 @@ impl LLM {
 
     /// Generates completions for every prompt, batched, and returns them in
     /// prompt order.
-    pub fn generate(&mut self, prompts: &[Prompt], params: &SamplingParams) -> Result<Vec<RequestOutput>> {
+    pub fn generate(
+        &mut self,
+        prompts: &[Prompt],
+        params: &SamplingParams,
+    ) -> Result<Vec<RequestOutput>> {
         let mut results = Vec::with_capacity(prompts.len());
         // engine id → (prompt index, sample index)
         let mut owner: HashMap<u64, (usize, usize)> = HashMap::new();
@@ -106,7 +113,12 @@ impl LLM {
                 p.seed = params.seed.map(|s| s.wrapping_add(si as u64));
                 let id = self
                     .core
-                    .add_request(format!("{request_id}-{si}"), ids.clone(), p, RequestOptions::default())
+                    .add_request(
+                        format!("{request_id}-{si}"),
+                        ids.clone(),
+                        p,
+                        RequestOptions::default(),
+                    )
                     .with_context(|| format!("prompt {pi}"))?;
                 owner.insert(id, (pi, si));
             }
@@ -118,14 +130,21 @@ impl LLM {
                 },
                 prompt_token_ids: ids,
                 num_cached_tokens: 0,
-                outputs: (0..params.n).map(|index| CompletionOutput { index, ..Default::default() }).collect(),
+                outputs: (0..params.n)
+                    .map(|index| CompletionOutput {
+                        index,
+                        ..Default::default()
+                    })
+                    .collect(),
                 finished: false,
             });
         }
         let mut remaining = owner.len();
         while remaining > 0 {
             for o in self.core.step() {
-                let Some(&(pi, si)) = owner.get(&o.id) else { continue };
+                let Some(&(pi, si)) = owner.get(&o.id) else {
+                    continue;
+                };
                 let r = &mut results[pi];
                 r.num_cached_tokens = r.num_cached_tokens.max(o.num_cached_tokens);
                 let c = &mut r.outputs[si];

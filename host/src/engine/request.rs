@@ -85,52 +85,104 @@ fn bad(param: &'static str, message: String) -> ParamError {
 impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> Self {
-        SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ..Default::default() }
+        SamplingParams {
+            temperature: 0.0,
+            max_tokens: Some(max_tokens),
+            ..Default::default()
+        }
     }
 
     /// Checks every field against its range.
     pub fn validate(&self, vocab_size: usize) -> Result<(), ParamError> {
         if self.n == 0 || self.n > 128 {
-            return Err(bad("n", format!("n must be between 1 and 128, got {}", self.n)));
+            return Err(bad(
+                "n",
+                format!("n must be between 1 and 128, got {}", self.n),
+            ));
         }
         if self.max_tokens == Some(0) {
             return Err(bad("max_tokens", "max_tokens must be at least 1".into()));
         }
         if !(self.temperature.is_finite() && self.temperature >= 0.0 && self.temperature <= 100.0) {
-            return Err(bad("temperature", format!("temperature must be between 0 and 100, got {}", self.temperature)));
+            return Err(bad(
+                "temperature",
+                format!(
+                    "temperature must be between 0 and 100, got {}",
+                    self.temperature
+                ),
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(bad("top_p", format!("top_p must be in (0, 1], got {}", self.top_p)));
+            return Err(bad(
+                "top_p",
+                format!("top_p must be in (0, 1], got {}", self.top_p),
+            ));
         }
         if self.top_k < -1 {
-            return Err(bad("top_k", format!("top_k must be -1 (disabled) or positive, got {}", self.top_k)));
+            return Err(bad(
+                "top_k",
+                format!(
+                    "top_k must be -1 (disabled) or positive, got {}",
+                    self.top_k
+                ),
+            ));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(bad("min_p", format!("min_p must be in [0, 1], got {}", self.min_p)));
+            return Err(bad(
+                "min_p",
+                format!("min_p must be in [0, 1], got {}", self.min_p),
+            ));
         }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0 && self.repetition_penalty <= 10.0) {
+        if !(self.repetition_penalty.is_finite()
+            && self.repetition_penalty > 0.0
+            && self.repetition_penalty <= 10.0)
+        {
             return Err(bad(
                 "repetition_penalty",
-                format!("repetition_penalty must be in (0, 10], got {}", self.repetition_penalty),
+                format!(
+                    "repetition_penalty must be in (0, 10], got {}",
+                    self.repetition_penalty
+                ),
             ));
         }
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
-            return Err(bad("presence_penalty", format!("presence_penalty must be in [-2, 2], got {}", self.presence_penalty)));
+            return Err(bad(
+                "presence_penalty",
+                format!(
+                    "presence_penalty must be in [-2, 2], got {}",
+                    self.presence_penalty
+                ),
+            ));
         }
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
-            return Err(bad("frequency_penalty", format!("frequency_penalty must be in [-2, 2], got {}", self.frequency_penalty)));
+            return Err(bad(
+                "frequency_penalty",
+                format!(
+                    "frequency_penalty must be in [-2, 2], got {}",
+                    self.frequency_penalty
+                ),
+            ));
         }
         for &(t, b) in &self.logit_bias {
             if t as usize >= vocab_size {
-                return Err(bad("logit_bias", format!("logit_bias names token {t}, beyond the vocabulary of {vocab_size}")));
+                return Err(bad(
+                    "logit_bias",
+                    format!("logit_bias names token {t}, beyond the vocabulary of {vocab_size}"),
+                ));
             }
             if !(-100.0..=100.0).contains(&b) {
-                return Err(bad("logit_bias", format!("logit_bias values must be in [-100, 100], got {b}")));
+                return Err(bad(
+                    "logit_bias",
+                    format!("logit_bias values must be in [-100, 100], got {b}"),
+                ));
             }
         }
         for &t in &self.stop_token_ids {
             if t as usize >= vocab_size {
-                return Err(bad("stop_token_ids", format!("stop token {t} is beyond the vocabulary of {vocab_size}")));
+                return Err(bad(
+                    "stop_token_ids",
+                    format!("stop token {t} is beyond the vocabulary of {vocab_size}"),
+                ));
             }
         }
         if self.stop.iter().any(String::is_empty) {
@@ -138,12 +190,18 @@ impl SamplingParams {
         }
         if let Some(k) = self.logprobs {
             if k > 20 {
-                return Err(bad("logprobs", format!("at most 20 logprobs per token, got {k}")));
+                return Err(bad(
+                    "logprobs",
+                    format!("at most 20 logprobs per token, got {k}"),
+                ));
             }
         }
         if let Some(m) = self.max_tokens {
             if self.min_tokens > m {
-                return Err(bad("min_tokens", format!("min_tokens ({}) exceeds max_tokens ({m})", self.min_tokens)));
+                return Err(bad(
+                    "min_tokens",
+                    format!("min_tokens ({}) exceeds max_tokens ({m})", self.min_tokens),
+                ));
             }
         }
         Ok(())

@@ -52,7 +52,12 @@ impl ModelRunner {
 
     /// Runs the step planned in `plan`. Returns the logits of the sampling
     /// sequences, one `vocab`-wide row each, in plan order.
-    pub fn execute(&mut self, plan: &SchedulerOutput, sched: &Scheduler, kvm: &KvCacheManager) -> &mut [f32] {
+    pub fn execute(
+        &mut self,
+        plan: &SchedulerOutput,
+        sched: &Scheduler,
+        kvm: &KvCacheManager,
+    ) -> &mut [f32] {
         let bs = kvm.block_size();
         self.tokens.clear();
         self.positions.clear();
@@ -64,7 +69,8 @@ impl ModelRunner {
         // element type reinterprets no element; this only lets a step reuse
         // the buffer's capacity instead of allocating a new one. It is
         // cleared again before being stored back below.
-        let mut seqs: Vec<AttnSeq<'_>> = unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
+        let mut seqs: Vec<AttnSeq<'_>> =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
         for s in &plan.seqs {
             let Some(req) = sched.get(s.id) else { continue };
             let table = kvm.block_table(s.id);
@@ -77,7 +83,12 @@ impl ModelRunner {
             if s.sample {
                 self.logit_rows.push(self.tokens.len() - 1);
             }
-            seqs.push(AttnSeq { q_start, q_len: s.num_tokens, ctx_len: s.start + s.num_tokens, block_table: table });
+            seqs.push(AttnSeq {
+                q_start,
+                q_len: s.num_tokens,
+                ctx_len: s.start + s.num_tokens,
+                block_table: table,
+            });
         }
         let vocab = self.model.config().vocab_size;
         let need = self.logit_rows.len() * vocab;
@@ -92,11 +103,18 @@ impl ModelRunner {
             logit_rows: &self.logit_rows,
         };
         if !self.tokens.is_empty() {
-            self.model.forward(&self.ctx, &input, &mut self.kv, &mut self.ws, &mut self.logits[..need]);
+            self.model.forward(
+                &self.ctx,
+                &input,
+                &mut self.kv,
+                &mut self.ws,
+                &mut self.logits[..need],
+            );
         }
         seqs.clear();
         // SAFETY: empty again; see above.
-        self.attn_seqs = unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
+        self.attn_seqs =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
         &mut self.logits[..need]
     }
 }

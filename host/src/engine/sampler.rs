@@ -65,13 +65,20 @@ impl Sampler {
             let mut top = Vec::with_capacity(k);
             if k > 0 {
                 self.candidates.clear();
-                self.candidates.extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
+                self.candidates
+                    .extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
                 let k = k.min(self.candidates.len());
-                self.candidates.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                self.candidates[..k].sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                self.candidates
+                    .select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                self.candidates[..k]
+                    .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                 top.extend(self.candidates[..k].iter().map(|&(v, i)| (i, v)));
             }
-            TokenLogprob { token_id: token, logprob: lp[token as usize], top }
+            TokenLogprob {
+                token_id: token,
+                logprob: lp[token as usize],
+                top,
+            }
         });
         Sampled { token, logprob }
     }
@@ -94,7 +101,11 @@ impl Sampler {
                 if w < words && self.seen[w] & bit == 0 {
                     self.seen[w] |= bit;
                     let l = &mut logits[t as usize];
-                    *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
             }
             for &t in &req.token_ids {
@@ -131,7 +142,11 @@ impl Sampler {
             total += e as f64;
         }
         let vocab = logits.len();
-        let top_k = if p.top_k > 0 { (p.top_k as usize).min(vocab) } else { vocab };
+        let top_k = if p.top_k > 0 {
+            (p.top_k as usize).min(vocab)
+        } else {
+            vocab
+        };
         let cands = &mut self.candidates;
         if top_k == vocab && p.top_p >= 1.0 && p.min_p <= 0.0 {
             // Plain temperature sampling: one scan, no sorting.

@@ -72,7 +72,13 @@ pub struct Scheduler {
 impl Scheduler {
     /// An empty scheduler.
     pub fn new(config: SchedulerConfig) -> Scheduler {
-        Scheduler { config, requests: HashMap::new(), waiting: VecDeque::new(), running: Vec::new(), num_preemptions: 0 }
+        Scheduler {
+            config,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            num_preemptions: 0,
+        }
     }
 
     /// Queues a new request.
@@ -112,7 +118,12 @@ impl Scheduler {
     }
 
     /// Removes a request, wherever it is, and frees its blocks at once.
-    pub fn remove(&mut self, id: u64, reason: FinishReason, kv: &mut KvCacheManager) -> Option<Request> {
+    pub fn remove(
+        &mut self,
+        id: u64,
+        reason: FinishReason,
+        kv: &mut KvCacheManager,
+    ) -> Option<Request> {
         let mut req = self.requests.remove(&id)?;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
@@ -139,7 +150,14 @@ impl Scheduler {
             }
             let scheduled = loop {
                 let req = &self.requests[&id];
-                if kv.allocate(id, &req.token_ids, req.salt, None, req.num_computed, num_new) {
+                if kv.allocate(
+                    id,
+                    &req.token_ids,
+                    req.salt,
+                    None,
+                    req.num_computed,
+                    num_new,
+                ) {
                     break true;
                 }
                 let victim = self.pick_victim(i);
@@ -168,7 +186,9 @@ impl Scheduler {
         // now would only preempt again.
         if out.preempted.is_empty() {
             while budget > 0 && self.running.len() < self.config.max_num_seqs {
-                let Some(pos) = self.next_waiting() else { break };
+                let Some(pos) = self.next_waiting() else {
+                    break;
+                };
                 let id = self.waiting[pos];
                 let Some(req) = self.requests.get_mut(&id) else {
                     self.waiting.remove(pos);
@@ -185,7 +205,8 @@ impl Scheduler {
                 }
                 req.num_computed = cached;
                 req.status = RequestStatus::Running;
-                req.first_scheduled_at.get_or_insert_with(std::time::Instant::now);
+                req.first_scheduled_at
+                    .get_or_insert_with(std::time::Instant::now);
                 self.waiting.remove(pos);
                 self.running.push(id);
                 out.seqs.push(ScheduledSeq {

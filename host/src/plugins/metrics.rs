@@ -10,7 +10,10 @@ pub const LATENCY: &str = "pagoda_plugin_hook_duration_seconds";
 pub const FUEL: &str = "pagoda_plugin_fuel_consumed_total";
 
 /// Latency buckets: hooks take microseconds, deadlines are ~100 ms.
-pub const BUCKETS: &[f64] = &[0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0];
+pub const BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 1.0,
+];
 
 pub struct Labels {
     tenant: String,
@@ -20,19 +23,33 @@ pub struct Labels {
 
 impl Labels {
     pub fn new(tenant: &str, plugin: &str, hook: HookKind) -> Labels {
-        Labels { tenant: tenant.to_string(), plugin: plugin.to_string(), hook: hook.as_str() }
+        Labels {
+            tenant: tenant.to_string(),
+            plugin: plugin.to_string(),
+            hook: hook.as_str(),
+        }
     }
 }
 
 pub fn describe() {
     metrics::describe_counter!(CALLS, "Plugin hook calls, by tenant, plugin and hook.");
-    metrics::describe_counter!(ERRORS, "Plugin hook failures by kind (trap, timeout, oom, output_too_large, reject, ...).");
+    metrics::describe_counter!(
+        ERRORS,
+        "Plugin hook failures by kind (trap, timeout, oom, output_too_large, reject, ...)."
+    );
     metrics::describe_histogram!(LATENCY, "Plugin hook call latency, seconds.");
-    metrics::describe_counter!(FUEL, "Fuel consumed by plugin hook calls (with --plugin-fuel).");
+    metrics::describe_counter!(
+        FUEL,
+        "Fuel consumed by plugin hook calls (with --plugin-fuel)."
+    );
 }
 
 pub fn record(l: &Labels, took: Duration, error: Option<ErrorKind>, fuel: Option<u64>) {
-    let base = [("tenant", l.tenant.clone()), ("plugin", l.plugin.clone()), ("hook", l.hook.to_string())];
+    let base = [
+        ("tenant", l.tenant.clone()),
+        ("plugin", l.plugin.clone()),
+        ("hook", l.hook.to_string()),
+    ];
     metrics::counter!(CALLS, &base).increment(1);
     metrics::histogram!(LATENCY, &base).record(took.as_secs_f64());
     if let Some(k) = error {
@@ -47,6 +64,11 @@ pub fn record(l: &Labels, took: Duration, error: Option<ErrorKind>, fuel: Option
 
 /// A `route` rejection counts as an error of kind `reject`.
 pub fn reject(l: &Labels) {
-    let labels = [("tenant", l.tenant.clone()), ("plugin", l.plugin.clone()), ("hook", l.hook.to_string()), ("kind", "reject".to_string())];
+    let labels = [
+        ("tenant", l.tenant.clone()),
+        ("plugin", l.plugin.clone()),
+        ("hook", l.hook.to_string()),
+        ("kind", "reject".to_string()),
+    ];
     metrics::counter!(ERRORS, &labels).increment(1);
 }

@@ -20,7 +20,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
+use wasmtime::{
+    Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap,
+    UpdateDeadline,
+};
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 pub mod bindings {
@@ -93,7 +96,13 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { timeout_ms: 100, chunk_timeout_ms: 100, memory_bytes: 64 << 20, fuel: None, max_output_bytes: 1 << 20 }
+        Limits {
+            timeout_ms: 100,
+            chunk_timeout_ms: 100,
+            memory_bytes: 64 << 20,
+            fuel: None,
+            max_output_bytes: 1 << 20,
+        }
     }
 }
 
@@ -139,7 +148,14 @@ pub struct HookError {
 
 impl std::fmt::Display for HookError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "plugin '{}' failed in {} ({}): {}", self.plugin, self.hook.as_str(), self.kind.as_str(), self.detail)
+        write!(
+            f,
+            "plugin '{}' failed in {} ({}): {}",
+            self.plugin,
+            self.hook.as_str(),
+            self.kind.as_str(),
+            self.detail
+        )
     }
 }
 
@@ -153,7 +169,11 @@ struct MemoryCapExceeded {
 
 impl std::fmt::Display for MemoryCapExceeded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "memory growth to {} bytes exceeds the cap of {} bytes", self.desired, self.cap)
+        write!(
+            f,
+            "memory growth to {} bytes exceeds the cap of {} bytes",
+            self.desired, self.cap
+        )
     }
 }
 impl std::error::Error for MemoryCapExceeded {}
@@ -163,13 +183,26 @@ struct MemLimiter {
 }
 
 impl wasmtime::ResourceLimiter for MemLimiter {
-    fn memory_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         if desired > self.cap {
-            return Err(wasmtime::Error::new(MemoryCapExceeded { desired, cap: self.cap }));
+            return Err(wasmtime::Error::new(MemoryCapExceeded {
+                desired,
+                cap: self.cap,
+            }));
         }
         Ok(true)
     }
-    fn table_growing(&mut self, _current: usize, desired: usize, _maximum: Option<usize>) -> wasmtime::Result<bool> {
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
         Ok(desired <= 100_000)
     }
 }
@@ -193,7 +226,10 @@ pub struct HostState {
 
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
-        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
     }
 }
 
@@ -209,19 +245,30 @@ impl bindings::pagoda::plugin::host::Host for HostState {
             }
             message.truncate(cut);
         }
-        let plugin = self.plugins.get(self.current).map_or("?", |p| p.name.as_str());
+        let plugin = self
+            .plugins
+            .get(self.current)
+            .map_or("?", |p| p.name.as_str());
         let tenant = self.tenant.as_str();
         match level {
-            LogLevel::Trace => tracing::trace!(target: "pagoda::plugin", tenant, plugin, "{message}"),
-            LogLevel::Debug => tracing::debug!(target: "pagoda::plugin", tenant, plugin, "{message}"),
+            LogLevel::Trace => {
+                tracing::trace!(target: "pagoda::plugin", tenant, plugin, "{message}")
+            }
+            LogLevel::Debug => {
+                tracing::debug!(target: "pagoda::plugin", tenant, plugin, "{message}")
+            }
             LogLevel::Info => tracing::info!(target: "pagoda::plugin", tenant, plugin, "{message}"),
             LogLevel::Warn => tracing::warn!(target: "pagoda::plugin", tenant, plugin, "{message}"),
-            LogLevel::Error => tracing::error!(target: "pagoda::plugin", tenant, plugin, "{message}"),
+            LogLevel::Error => {
+                tracing::error!(target: "pagoda::plugin", tenant, plugin, "{message}")
+            }
         }
     }
 
     fn config(&mut self) -> String {
-        self.plugins.get(self.current).map_or_else(|| "{}".into(), |p| p.config.clone())
+        self.plugins
+            .get(self.current)
+            .map_or_else(|| "{}".into(), |p| p.config.clone())
     }
 
     fn facts(&mut self) -> Facts {
@@ -242,7 +289,11 @@ pub struct RuntimeConfig {
 
 impl Default for RuntimeConfig {
     fn default() -> Self {
-        RuntimeConfig { fuel: false, max_instances: 256, max_memory_bytes: 256 << 20 }
+        RuntimeConfig {
+            fuel: false,
+            max_instances: 256,
+            max_memory_bytes: 256 << 20,
+        }
     }
 }
 
@@ -279,7 +330,8 @@ impl PluginRuntime {
         let engine = Engine::new(&c).map_err(|e| anyhow!("cannot start the wasm engine: {e:#}"))?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| anyhow!("{e:#}"))?;
-        Plugin::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s).map_err(|e| anyhow!("{e:#}"))?;
+        Plugin::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(|e| anyhow!("{e:#}"))?;
         let stop = Arc::new(AtomicBool::new(false));
         {
             let engine = engine.clone();
@@ -294,12 +346,19 @@ impl PluginRuntime {
                 })
                 .context("cannot start the epoch ticker")?;
         }
-        Ok(Arc::new(PluginRuntime { engine, linker, config, stop }))
+        Ok(Arc::new(PluginRuntime {
+            engine,
+            linker,
+            config,
+            stop,
+        }))
     }
 
     /// The fuel of one call, when metering is on.
     fn fuel(&self, limits: &Limits) -> Option<u64> {
-        self.config.fuel.then(|| limits.fuel.unwrap_or(u64::MAX / 2))
+        self.config
+            .fuel
+            .then(|| limits.fuel.unwrap_or(u64::MAX / 2))
     }
 
     pub fn config(&self) -> &RuntimeConfig {
@@ -312,7 +371,8 @@ impl PluginRuntime {
         if wasmtime::Engine::detect_precompiled(wasm).is_some() {
             bail!("precompiled artifacts are not accepted; upload the component (.wasm)");
         }
-        Component::new(&self.engine, wasm).map_err(|e| anyhow!("not a valid WebAssembly component: {e:#}"))
+        Component::new(&self.engine, wasm)
+            .map_err(|e| anyhow!("not a valid WebAssembly component: {e:#}"))
     }
 
     /// The precompiled form of a component, to cache on disk.
@@ -331,22 +391,40 @@ impl PluginRuntime {
 
     /// Type-checks a compiled component against the world, instantiates
     /// it once within `limits`, checks its ABI and reads its metadata.
-    pub fn prepare(self: &Arc<Self>, component: Component, limits: &Limits) -> Result<(PluginPre<HostState>, PluginMeta)> {
+    pub fn prepare(
+        self: &Arc<Self>,
+        component: Component,
+        limits: &Limits,
+    ) -> Result<(PluginPre<HostState>, PluginMeta)> {
         let pre = self
             .linker
             .instantiate_pre(&component)
             .map_err(|e| anyhow!("the component does not fit the pagoda:plugin world: {e:#}"))?;
-        let pre = PluginPre::new(pre).map_err(|e| anyhow!("the component does not export the pagoda:plugin world: {e:#}"))?;
-        let mut store = self.store("admin", vec![PluginCtx { name: "upload".into(), config: "{}".into() }], limits);
+        let pre = PluginPre::new(pre)
+            .map_err(|e| anyhow!("the component does not export the pagoda:plugin world: {e:#}"))?;
+        let mut store = self.store(
+            "admin",
+            vec![PluginCtx {
+                name: "upload".into(),
+                config: "{}".into(),
+            }],
+            limits,
+        );
         arm(&mut store, limits.timeout_ms, self.fuel(limits));
-        let inst = pre.instantiate(&mut store).map_err(|e| anyhow!("instantiating the component failed: {}", describe(&e)))?;
+        let inst = pre
+            .instantiate(&mut store)
+            .map_err(|e| anyhow!("instantiating the component failed: {}", describe(&e)))?;
         arm(&mut store, limits.timeout_ms, self.fuel(limits));
-        let abi = inst.call_abi_version(&mut store).map_err(|e| anyhow!("abi-version failed: {}", describe(&e)))?;
+        let abi = inst
+            .call_abi_version(&mut store)
+            .map_err(|e| anyhow!("abi-version failed: {}", describe(&e)))?;
         if abi != ABI_VERSION {
             bail!("the component speaks plugin ABI {abi}; this server speaks ABI {ABI_VERSION} (pagoda:plugin@0.1.0)");
         }
         arm(&mut store, limits.timeout_ms, self.fuel(limits));
-        let m = inst.call_metadata(&mut store).map_err(|e| anyhow!("metadata failed: {}", describe(&e)))?;
+        let m = inst
+            .call_metadata(&mut store)
+            .map_err(|e| anyhow!("metadata failed: {}", describe(&e)))?;
         let meta = PluginMeta {
             name: m.name,
             version: m.version,
@@ -360,11 +438,19 @@ impl PluginRuntime {
         let state = HostState {
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
-            limiter: MemLimiter { cap: limits.memory_bytes.min(self.config.max_memory_bytes) },
+            limiter: MemLimiter {
+                cap: limits.memory_bytes.min(self.config.max_memory_bytes),
+            },
             tenant: tenant.to_string(),
             plugins,
             current: 0,
-            facts: Facts { tenant_id: tenant.to_string(), request_id: String::new(), models: Vec::new(), prompt_tokens: 0, completion_tokens: 0 },
+            facts: Facts {
+                tenant_id: tenant.to_string(),
+                request_id: String::new(),
+                models: Vec::new(),
+                prompt_tokens: 0,
+                completion_tokens: 0,
+            },
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -399,10 +485,15 @@ pub struct PluginMeta {
 
 /// Classifies a wasmtime error.
 fn classify(e: &wasmtime::Error) -> ErrorKind {
-    if e.chain().any(|c| c.downcast_ref::<MemoryCapExceeded>().is_some()) {
+    if e.chain()
+        .any(|c| c.downcast_ref::<MemoryCapExceeded>().is_some())
+    {
         return ErrorKind::Oom;
     }
-    match e.downcast_ref::<Trap>().or_else(|| e.chain().find_map(|c| c.downcast_ref::<Trap>())) {
+    match e
+        .downcast_ref::<Trap>()
+        .or_else(|| e.chain().find_map(|c| c.downcast_ref::<Trap>()))
+    {
         Some(Trap::Interrupt) => ErrorKind::Timeout,
         Some(Trap::OutOfFuel) => ErrorKind::OutOfFuel,
         _ => ErrorKind::Trap,
@@ -412,11 +503,21 @@ fn classify(e: &wasmtime::Error) -> ErrorKind {
 fn describe(e: &wasmtime::Error) -> String {
     match classify(e) {
         ErrorKind::Timeout => "the deadline passed".into(),
-        ErrorKind::Oom => format!("{}", e.chain().find_map(|c| c.downcast_ref::<MemoryCapExceeded>()).map_or_else(|| "out of memory".to_string(), |m| m.to_string())),
+        ErrorKind::Oom => format!(
+            "{}",
+            e.chain()
+                .find_map(|c| c.downcast_ref::<MemoryCapExceeded>())
+                .map_or_else(|| "out of memory".to_string(), |m| m.to_string())
+        ),
         ErrorKind::OutOfFuel => "all fuel consumed".into(),
         _ => {
             let s = format!("{e:#}");
-            s.lines().next().unwrap_or("trap").chars().take(300).collect()
+            s.lines()
+                .next()
+                .unwrap_or("trap")
+                .chars()
+                .take(300)
+                .collect()
         }
     }
 }
@@ -433,8 +534,22 @@ pub struct LoadedPlugin {
 }
 
 impl LoadedPlugin {
-    pub fn new(name: String, version: u64, sha256: String, meta: PluginMeta, config: String, pre: PluginPre<HostState>) -> LoadedPlugin {
-        LoadedPlugin { name, version, sha256, meta, config, pre }
+    pub fn new(
+        name: String,
+        version: u64,
+        sha256: String,
+        meta: PluginMeta,
+        config: String,
+        pre: PluginPre<HostState>,
+    ) -> LoadedPlugin {
+        LoadedPlugin {
+            name,
+            version,
+            sha256,
+            meta,
+            config,
+            pre,
+        }
     }
     pub fn has(&self, h: HookKind) -> bool {
         self.meta.hooks.contains(&h)
@@ -444,21 +559,41 @@ impl LoadedPlugin {
 /// Validates `config` against the plugin's schema ("" = no config, only
 /// "{}" accepted). Returns the normalized JSON.
 pub fn validate_config(meta: &PluginMeta, config: Option<&str>) -> Result<String> {
-    let raw = config.map(str::trim).filter(|s| !s.is_empty()).unwrap_or("{}");
-    let value: serde_json::Value = serde_json::from_str(raw).map_err(|e| anyhow!("the plugin config is not valid JSON: {e}"))?;
+    let raw = config
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .unwrap_or("{}");
+    let value: serde_json::Value = serde_json::from_str(raw)
+        .map_err(|e| anyhow!("the plugin config is not valid JSON: {e}"))?;
     if meta.config_schema.trim().is_empty() {
         if value != serde_json::json!({}) {
             bail!("plugin '{}' takes no config (its metadata has no config schema); only {{}} is accepted", meta.name);
         }
         return Ok("{}".into());
     }
-    let schema: serde_json::Value =
-        serde_json::from_str(&meta.config_schema).map_err(|e| anyhow!("plugin '{}' declares a config schema that is not JSON: {e}", meta.name))?;
-    let validator =
-        jsonschema::validator_for(&schema).map_err(|e| anyhow!("plugin '{}' declares an invalid config schema: {e}", meta.name))?;
-    let errors: Vec<String> = validator.iter_errors(&value).take(5).map(|e| format!("{} (at '{}')", e, e.instance_path)).collect();
+    let schema: serde_json::Value = serde_json::from_str(&meta.config_schema).map_err(|e| {
+        anyhow!(
+            "plugin '{}' declares a config schema that is not JSON: {e}",
+            meta.name
+        )
+    })?;
+    let validator = jsonschema::validator_for(&schema).map_err(|e| {
+        anyhow!(
+            "plugin '{}' declares an invalid config schema: {e}",
+            meta.name
+        )
+    })?;
+    let errors: Vec<String> = validator
+        .iter_errors(&value)
+        .take(5)
+        .map(|e| format!("{} (at '{}')", e, e.instance_path))
+        .collect();
     if !errors.is_empty() {
-        bail!("the config does not match plugin '{}''s schema: {}", meta.name, errors.join("; "));
+        bail!(
+            "the config does not match plugin '{}''s schema: {}",
+            meta.name,
+            errors.join("; ")
+        );
     }
     Ok(value.to_string())
 }
@@ -500,13 +635,34 @@ pub struct Session {
 
 /// The result of a hook, wrapped with the store's fault handling.
 impl Session {
-    pub fn new(runtime: Arc<PluginRuntime>, tenant: &str, request_id: &str, models: Vec<String>, chain: Vec<ChainEntry>, limits: Limits) -> Session {
-        let ctxs = chain.iter().map(|c| PluginCtx { name: c.plugin.name.clone(), config: c.plugin.config.clone() }).collect();
+    pub fn new(
+        runtime: Arc<PluginRuntime>,
+        tenant: &str,
+        request_id: &str,
+        models: Vec<String>,
+        chain: Vec<ChainEntry>,
+        limits: Limits,
+    ) -> Session {
+        let ctxs = chain
+            .iter()
+            .map(|c| PluginCtx {
+                name: c.plugin.name.clone(),
+                config: c.plugin.config.clone(),
+            })
+            .collect();
         let mut store = runtime.store(tenant, ctxs, &limits);
         store.data_mut().facts.request_id = request_id.to_string();
         store.data_mut().facts.models = models;
         let n = chain.len();
-        Session { runtime, store, chain, instances: (0..n).map(|_| None).collect(), poisoned: vec![false; n], limits, tenant: tenant.to_string() }
+        Session {
+            runtime,
+            store,
+            chain,
+            instances: (0..n).map(|_| None).collect(),
+            poisoned: vec![false; n],
+            limits,
+            tenant: tenant.to_string(),
+        }
     }
 
     pub fn chain(&self) -> &[ChainEntry] {
@@ -521,30 +677,70 @@ impl Session {
 
     /// The entries that implement `h`, in chain order.
     pub fn with_hook(&self, h: HookKind) -> Vec<usize> {
-        (0..self.chain.len()).filter(|&i| self.chain[i].plugin.has(h)).collect()
+        (0..self.chain.len())
+            .filter(|&i| self.chain[i].plugin.has(h))
+            .collect()
     }
 
-    fn err(&self, i: usize, hook: HookKind, kind: ErrorKind, detail: impl Into<String>) -> HookError {
-        HookError { plugin: self.chain[i].plugin.name.clone(), hook, kind, detail: detail.into() }
+    fn err(
+        &self,
+        i: usize,
+        hook: HookKind,
+        kind: ErrorKind,
+        detail: impl Into<String>,
+    ) -> HookError {
+        HookError {
+            plugin: self.chain[i].plugin.name.clone(),
+            hook,
+            kind,
+            detail: detail.into(),
+        }
     }
 
     /// Runs `f` on plugin `i`'s instance with the hook's limits, records
     /// metrics, and poisons the instance on any fault.
-    fn call<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
+    fn call<R>(
+        &mut self,
+        i: usize,
+        hook: HookKind,
+        f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>,
+        out_len: impl Fn(&R) -> usize,
+    ) -> Result<R, HookError> {
         let started = Instant::now();
         let labels = metrics::Labels::new(&self.tenant, &self.chain[i].plugin.name, hook);
         let r = self.call_inner(i, hook, f, out_len);
-        let fuel_used = self.runtime.fuel(&self.limits).and_then(|given| self.store.get_fuel().ok().map(|left| given.saturating_sub(left)));
-        metrics::record(&labels, started.elapsed(), r.as_ref().err().map(|e| e.kind), fuel_used);
+        let fuel_used = self.runtime.fuel(&self.limits).and_then(|given| {
+            self.store
+                .get_fuel()
+                .ok()
+                .map(|left| given.saturating_sub(left))
+        });
+        metrics::record(
+            &labels,
+            started.elapsed(),
+            r.as_ref().err().map(|e| e.kind),
+            fuel_used,
+        );
         if let Err(e) = &r {
             tracing::warn!(tenant = %self.tenant, plugin = %e.plugin, hook = hook.as_str(), kind = e.kind.as_str(), "{e}");
         }
         r
     }
 
-    fn call_inner<R>(&mut self, i: usize, hook: HookKind, f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>, out_len: impl Fn(&R) -> usize) -> Result<R, HookError> {
+    fn call_inner<R>(
+        &mut self,
+        i: usize,
+        hook: HookKind,
+        f: impl FnOnce(&Plugin, &mut Store<HostState>) -> wasmtime::Result<R>,
+        out_len: impl Fn(&R) -> usize,
+    ) -> Result<R, HookError> {
         if self.poisoned[i] {
-            return Err(self.err(i, hook, ErrorKind::Poisoned, "an earlier call of this request failed"));
+            return Err(self.err(
+                i,
+                hook,
+                ErrorKind::Poisoned,
+                "an earlier call of this request failed",
+            ));
         }
         let timeout = match hook {
             HookKind::Route | HookKind::RenderPrompt => self.limits.timeout_ms,
@@ -558,7 +754,11 @@ impl Session {
                 Err(e) => {
                     self.poisoned[i] = true;
                     let k = classify(&e);
-                    let k = if k == ErrorKind::Trap { ErrorKind::Instantiate } else { k };
+                    let k = if k == ErrorKind::Trap {
+                        ErrorKind::Instantiate
+                    } else {
+                        k
+                    };
                     return Err(self.err(i, hook, k, describe(&e)));
                 }
             }
@@ -574,7 +774,10 @@ impl Session {
                         i,
                         hook,
                         ErrorKind::OutputTooLarge,
-                        format!("returned {n} bytes; the limit is {} bytes", self.limits.max_output_bytes),
+                        format!(
+                            "returned {n} bytes; the limit is {} bytes",
+                            self.limits.max_output_bytes
+                        ),
                     ));
                 }
                 Ok(r)
@@ -592,31 +795,71 @@ impl Session {
     }
 
     pub fn route(&mut self, i: usize, request: &str) -> Result<RouteDecision, HookError> {
-        let r = self.call(i, HookKind::Route, |p, s| p.call_route(s, request), |d| match d {
-            RouteDecision::Modify(s) => s.len(),
-            RouteDecision::Reject(r) => r.message.len(),
-            RouteDecision::Continue => 0,
-        })?;
+        let r = self.call(
+            i,
+            HookKind::Route,
+            |p, s| p.call_route(s, request),
+            |d| match d {
+                RouteDecision::Modify(s) => s.len(),
+                RouteDecision::Reject(r) => r.message.len(),
+                RouteDecision::Continue => 0,
+            },
+        )?;
         if let RouteDecision::Reject(_) = &r {
-            metrics::reject(&metrics::Labels::new(&self.tenant, &self.chain[i].plugin.name, HookKind::Route));
+            metrics::reject(&metrics::Labels::new(
+                &self.tenant,
+                &self.chain[i].plugin.name,
+                HookKind::Route,
+            ));
         }
         Ok(r)
     }
 
-    pub fn render_prompt(&mut self, i: usize, request: &str, template: Option<&str>) -> Result<Result<Option<String>, String>, HookError> {
-        self.call(i, HookKind::RenderPrompt, |p, s| p.call_render_prompt(s, request, template), |r| match r {
-            Ok(Some(s)) | Err(s) => s.len(),
-            Ok(None) => 0,
-        })
+    pub fn render_prompt(
+        &mut self,
+        i: usize,
+        request: &str,
+        template: Option<&str>,
+    ) -> Result<Result<Option<String>, String>, HookError> {
+        self.call(
+            i,
+            HookKind::RenderPrompt,
+            |p, s| p.call_render_prompt(s, request, template),
+            |r| match r {
+                Ok(Some(s)) | Err(s) => s.len(),
+                Ok(None) => 0,
+            },
+        )
     }
 
-    pub fn on_chunk(&mut self, i: usize, choice: u32, text: &str, finish: bool) -> Result<String, HookError> {
-        self.call(i, HookKind::OnChunk, |p, s| p.call_on_chunk(s, choice, text, finish), String::len)
+    pub fn on_chunk(
+        &mut self,
+        i: usize,
+        choice: u32,
+        text: &str,
+        finish: bool,
+    ) -> Result<String, HookError> {
+        self.call(
+            i,
+            HookKind::OnChunk,
+            |p, s| p.call_on_chunk(s, choice, text, finish),
+            String::len,
+        )
     }
 
-    pub fn post_process(&mut self, i: usize, choice: u32, text: &str) -> Result<Result<String, String>, HookError> {
-        self.call(i, HookKind::PostProcess, |p, s| p.call_post_process(s, choice, text), |r| match r {
-            Ok(s) | Err(s) => s.len(),
-        })
+    pub fn post_process(
+        &mut self,
+        i: usize,
+        choice: u32,
+        text: &str,
+    ) -> Result<Result<String, String>, HookError> {
+        self.call(
+            i,
+            HookKind::PostProcess,
+            |p, s| p.call_post_process(s, choice, text),
+            |r| match r {
+                Ok(s) | Err(s) => s.len(),
+            },
+        )
     }
 }

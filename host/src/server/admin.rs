@@ -43,10 +43,17 @@ fn percent_decode(s: &str) -> Result<String, ApiError> {
     while i < b.len() {
         match b[i] {
             b'%' if i + 2 < b.len() => {
-                let h = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                let h = std::str::from_utf8(&b[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
                 match h {
                     Some(x) => out.push(x),
-                    None => return Err(ApiError::invalid(Some("config".into()), "bad percent-encoding in the query")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            Some("config".into()),
+                            "bad percent-encoding in the query",
+                        ))
+                    }
                 }
                 i += 3;
             }
@@ -60,11 +67,14 @@ fn percent_decode(s: &str) -> Result<String, ApiError> {
             }
         }
     }
-    String::from_utf8(out).map_err(|_| ApiError::invalid(Some("config".into()), "the config is not UTF-8"))
+    String::from_utf8(out)
+        .map_err(|_| ApiError::invalid(Some("config".into()), "the config is not UTF-8"))
 }
 
 fn query_param(req: &Request<Incoming>, name: &str) -> Result<Option<String>, ApiError> {
-    let Some(q) = req.uri().query() else { return Ok(None) };
+    let Some(q) = req.uri().query() else {
+        return Ok(None);
+    };
     for pair in q.split('&') {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         if k == name {
@@ -80,7 +90,9 @@ async fn read_body(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiErr
         .await
         .map(|c| c.to_bytes())
         .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 ApiError::too_large(limit)
             } else {
                 ApiError::invalid(None, format!("cannot read the request body: {e}"))
@@ -93,7 +105,10 @@ fn bad(e: anyhow::Error) -> ApiError {
 }
 
 fn tenant_not_found(id: &str) -> ApiError {
-    ApiError { code: "tenant_not_found", ..ApiError::not_found(&format!("tenant '{id}'")) }
+    ApiError {
+        code: "tenant_not_found",
+        ..ApiError::not_found(&format!("tenant '{id}'"))
+    }
 }
 
 fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Value {
@@ -112,21 +127,37 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
 }
 
 /// Handles `/admin/...`.
-pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+pub async fn route(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+) -> Result<Response<Body>, ApiError> {
     let path = req.uri().path().to_string();
     let Some(token) = state.admin_token.as_deref() else {
         return Err(ApiError::not_found(&path));
     };
     match bearer(&req) {
         Some(k) if same(k, token) => {}
-        Some(k) if state.tenants.by_key(k).is_some() || state.config.api_key.as_deref().is_some_and(|a| same(a, k)) => {
-            return Err(ApiError::forbidden("This key may not use the admin API; pass the admin token."));
+        Some(k)
+            if state.tenants.by_key(k).is_some()
+                || state.config.api_key.as_deref().is_some_and(|a| same(a, k)) =>
+        {
+            return Err(ApiError::forbidden(
+                "This key may not use the admin API; pass the admin token.",
+            ));
         }
         _ => {
-            return Err(ApiError { message: "Incorrect admin token. Pass it as 'Authorization: Bearer TOKEN'.".into(), ..ApiError::invalid_api_key() })
+            return Err(ApiError {
+                message: "Incorrect admin token. Pass it as 'Authorization: Bearer TOKEN'.".into(),
+                ..ApiError::invalid_api_key()
+            })
         }
     }
-    let parts: Vec<String> = path.trim_end_matches('/').split('/').skip(1).map(str::to_string).collect();
+    let parts: Vec<String> = path
+        .trim_end_matches('/')
+        .split('/')
+        .skip(1)
+        .map(str::to_string)
+        .collect();
     let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
     let method = req.method().clone();
     match (method, parts.as_slice()) {
@@ -136,7 +167,8 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
         }
         (Method::PUT, ["admin", "v1", "tenants", id]) => {
             let body = read_body(req, 1 << 20).await?;
-            let spec: TenantSpec = serde_json::from_slice(&body).map_err(|e| ApiError::invalid(None, format!("bad tenant body: {e}")))?;
+            let spec: TenantSpec = serde_json::from_slice(&body)
+                .map_err(|e| ApiError::invalid(None, format!("bad tenant body: {e}")))?;
             let (created, _) = state.tenants.put(id, spec).await.map_err(bad)?;
             let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
             let mut r = json_response(&tenant_view(&state, &t));
@@ -150,7 +182,12 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
             Ok(json_response(&tenant_view(&state, &t)))
         }
         (Method::DELETE, ["admin", "v1", "tenants", id]) => {
-            if state.tenants.delete(id).await.map_err(|e| ApiError::internal(format!("{e:#}")))? {
+            if state
+                .tenants
+                .delete(id)
+                .await
+                .map_err(|e| ApiError::internal(format!("{e:#}")))?
+            {
                 Ok(json_response(&json!({"id": id, "deleted": true})))
             } else {
                 Err(tenant_not_found(id))
@@ -165,18 +202,34 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
             let mut config = query_param(&req, "config")?;
             if config.is_none() {
                 if let Some(h) = req.headers().get("x-pagoda-plugin-config") {
-                    config = Some(h.to_str().map_err(|_| ApiError::invalid(Some("config".into()), "x-pagoda-plugin-config is not text"))?.to_string());
+                    config = Some(
+                        h.to_str()
+                            .map_err(|_| {
+                                ApiError::invalid(
+                                    Some("config".into()),
+                                    "x-pagoda-plugin-config is not text",
+                                )
+                            })?
+                            .to_string(),
+                    );
                 }
             }
             let name = name.to_string();
             let body = read_body(req, MAX_PLUGIN_BYTES).await?;
             if body.is_empty() {
-                return Err(ApiError::invalid(None, "the body must be the plugin's component bytes (.wasm)"));
+                return Err(ApiError::invalid(
+                    None,
+                    "the body must be the plugin's component bytes (.wasm)",
+                ));
             }
-            let r = state.tenants.upload(&t, &name, body, config).await.map_err(|e| {
-                tracing::warn!(tenant = %t.id, plugin = %name, "upload refused: {e:#}");
-                bad(e)
-            })?;
+            let r = state
+                .tenants
+                .upload(&t, &name, body, config)
+                .await
+                .map_err(|e| {
+                    tracing::warn!(tenant = %t.id, plugin = %name, "upload refused: {e:#}");
+                    bad(e)
+                })?;
             tracing::info!(tenant = %t.id, plugin = %name, version = r.version, sha256 = %r.sha256, "plugin version active");
             let mut resp = json_response(&json!({
                 "tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "size": r.size,
@@ -188,9 +241,13 @@ pub async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Result<Respo
         (Method::POST, ["admin", "v1", "tenants", id, "plugins", name, "rollback"]) => {
             let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
             let r = state.tenants.rollback(&t, name).await.map_err(bad)?;
-            Ok(json_response(&json!({"tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "active": true})))
+            Ok(json_response(
+                &json!({"tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "active": true}),
+            ))
         }
-        (m, _) if parts.first() == Some(&"admin") => Err(ApiError::not_found(&format!("{} {path}", m.as_str()))),
+        (m, _) if parts.first() == Some(&"admin") => {
+            Err(ApiError::not_found(&format!("{} {path}", m.as_str())))
+        }
         _ => Err(ApiError::not_found(&path)),
     }
 }
@@ -201,7 +258,10 @@ mod tests {
 
     #[test]
     fn percent_decoding() {
-        assert_eq!(percent_decode("%7B%22tag%22%3A%22%20x%22%7D").unwrap(), r#"{"tag":" x"}"#);
+        assert_eq!(
+            percent_decode("%7B%22tag%22%3A%22%20x%22%7D").unwrap(),
+            r#"{"tag":" x"}"#
+        );
         assert_eq!(percent_decode("a+b").unwrap(), "a b");
         assert!(percent_decode("%zz").is_err());
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));

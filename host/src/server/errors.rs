@@ -31,7 +31,10 @@ impl ApiError {
 
     /// 400 with `context_length_exceeded`.
     pub fn context_length(param: &str, message: impl Into<String>) -> ApiError {
-        ApiError { code: "context_length_exceeded", ..ApiError::invalid(Some(param.to_string()), message) }
+        ApiError {
+            code: "context_length_exceeded",
+            ..ApiError::invalid(Some(param.to_string()), message)
+        }
     }
 
     /// 401: a missing or wrong API key.
@@ -146,9 +149,15 @@ impl ApiError {
     pub fn response(&self) -> Response<super::Body> {
         let mut r = Response::new(super::full(Bytes::from(self.body().to_string())));
         *r.status_mut() = self.status;
-        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+        r.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
         if let Some(s) = self.retry_after {
-            r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from(s));
+            r.headers_mut().insert(
+                hyper::header::RETRY_AFTER,
+                hyper::header::HeaderValue::from(s),
+            );
         }
         r
     }
@@ -156,11 +165,18 @@ impl ApiError {
     /// An error of a plugin: `status` with `code` (e.g. `plugin_error`,
     /// `plugin_rejected`); `type` follows the status class.
     pub fn plugin(status: u16, code: &'static str, message: impl Into<String>) -> ApiError {
-        let status = StatusCode::from_u16(status).ok().filter(|s| s.is_client_error() || s.is_server_error()).unwrap_or(StatusCode::BAD_REQUEST);
+        let status = StatusCode::from_u16(status)
+            .ok()
+            .filter(|s| s.is_client_error() || s.is_server_error())
+            .unwrap_or(StatusCode::BAD_REQUEST);
         ApiError {
             status,
             message: message.into(),
-            kind: if status.is_server_error() { "server_error" } else { "invalid_request_error" },
+            kind: if status.is_server_error() {
+                "server_error"
+            } else {
+                "invalid_request_error"
+            },
             param: None,
             code,
             retry_after: None,
@@ -169,14 +185,23 @@ impl ApiError {
 
     /// 403: authenticated, but not allowed here.
     pub fn forbidden(message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::FORBIDDEN, message: message.into(), kind: "invalid_request_error", param: None, code: "forbidden", retry_after: None }
+        ApiError {
+            status: StatusCode::FORBIDDEN,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "forbidden",
+            retry_after: None,
+        }
     }
 }
 
 /// A JSON response with status 200.
 pub fn json_response(v: &serde_json::Value) -> Response<super::Body> {
     let mut r = Response::new(super::full(Bytes::from(v.to_string())));
-    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
     r
 }
-

@@ -104,13 +104,19 @@ impl AppState {
 fn install_metrics() -> Result<PrometheusHandle> {
     // Latency histograms get explicit buckets so they render as Prometheus
     // histograms (vLLM's bucket edges), not summaries.
-    let latency = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0];
+    let latency = [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0,
+    ];
     let builder = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Full(m::TTFT.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(m::ITL.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(m::E2E.into()), &latency)?
         .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full(crate::plugins::metrics::LATENCY.into()), crate::plugins::metrics::BUCKETS)?;
+        .set_buckets_for_metric(
+            Matcher::Full(crate::plugins::metrics::LATENCY.into()),
+            crate::plugins::metrics::BUCKETS,
+        )?;
     let handle = match builder.install_recorder() {
         Ok(h) => h,
         Err(e) => anyhow::bail!("cannot install the metrics recorder: {e}"),
@@ -118,22 +124,41 @@ fn install_metrics() -> Result<PrometheusHandle> {
     crate::plugins::metrics::describe();
     metrics::describe_gauge!(m::NUM_REQUESTS_RUNNING, "Requests running on the engine.");
     metrics::describe_gauge!(m::NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.");
-    metrics::describe_gauge!(m::KV_CACHE_USAGE, "Fraction of KV-cache blocks in use (0 to 1).");
+    metrics::describe_gauge!(
+        m::KV_CACHE_USAGE,
+        "Fraction of KV-cache blocks in use (0 to 1)."
+    );
     metrics::describe_counter!(m::PROMPT_TOKENS, "Prompt tokens processed.");
     metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
     metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
-    metrics::describe_counter!(m::PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache.");
+    metrics::describe_counter!(
+        m::PREFIX_QUERIES,
+        "Prompt tokens looked up in the prefix cache."
+    );
     metrics::describe_counter!(m::PREFIX_HITS, "Prompt tokens found in the prefix cache.");
     metrics::describe_counter!(m::REQUEST_SUCCESS, "Finished requests by finish reason.");
     metrics::describe_histogram!(m::TTFT, "Time to first token, seconds.");
     metrics::describe_histogram!(m::ITL, "Time between tokens, seconds.");
     metrics::describe_histogram!(m::E2E, "Request latency, seconds.");
-    metrics::describe_histogram!(m::QUEUE_TIME, "Time waiting before first scheduled, seconds.");
+    metrics::describe_histogram!(
+        m::QUEUE_TIME,
+        "Time waiting before first scheduled, seconds."
+    );
     // Counters start at zero so that they are present before any request.
-    for name in [m::PROMPT_TOKENS, m::GENERATION_TOKENS, m::NUM_PREEMPTIONS, m::PREFIX_QUERIES, m::PREFIX_HITS] {
+    for name in [
+        m::PROMPT_TOKENS,
+        m::GENERATION_TOKENS,
+        m::NUM_PREEMPTIONS,
+        m::PREFIX_QUERIES,
+        m::PREFIX_HITS,
+    ] {
         metrics::counter!(name).absolute(0);
     }
-    for g in [m::NUM_REQUESTS_RUNNING, m::NUM_REQUESTS_WAITING, m::KV_CACHE_USAGE] {
+    for g in [
+        m::NUM_REQUESTS_RUNNING,
+        m::NUM_REQUESTS_WAITING,
+        m::KV_CACHE_USAGE,
+    ] {
         metrics::gauge!(g).set(0.0);
     }
     Ok(handle)
@@ -141,7 +166,10 @@ fn install_metrics() -> Result<PrometheusHandle> {
 
 /// Who a request is: a tenant (by its key), the server-wide `--api-key`,
 /// or anyone when neither keys nor tenants exist.
-fn authenticate(state: &AppState, req: &Request<Incoming>) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
+fn authenticate(
+    state: &AppState,
+    req: &Request<Incoming>,
+) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
     let key = req
         .headers()
         .get(hyper::header::AUTHORIZATION)
@@ -165,14 +193,17 @@ async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, Ap
         .collect()
         .await
         .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 ApiError::too_large(limit)
             } else {
                 ApiError::invalid(None, format!("cannot read the request body: {e}"))
             }
         })?
         .to_bytes();
-    serde_json::from_slice(&body).map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
 }
 
 /// Which listener a request came in on.
@@ -201,11 +232,13 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
                 admin::route(Arc::clone(&state), req).await
             }
         }
-        (Method::GET, "/health") => Ok(if state.engine.get().is_some() || state.load_error.get().is_none() {
-            json_response(&json!({}))
-        } else {
-            ApiError::unavailable("the model failed to load").response()
-        }),
+        (Method::GET, "/health") => Ok(
+            if state.engine.get().is_some() || state.load_error.get().is_none() {
+                json_response(&json!({}))
+            } else {
+                ApiError::unavailable("the model failed to load").response()
+            },
+        ),
         (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.engine() {
             Ok(_) => json_response(&json!({"status": "ready"})),
             Err(e) => e.response(),
@@ -218,7 +251,9 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
             );
             Ok(r)
         }
-        (Method::GET, "/version") => Ok(json_response(&json!({"version": env!("CARGO_PKG_VERSION")}))),
+        (Method::GET, "/version") => Ok(json_response(
+            &json!({"version": env!("CARGO_PKG_VERSION")}),
+        )),
         (_, p) if p.starts_with("/v1/") || p == "/tokenize" || p == "/detokenize" => {
             match authenticate(&state, &req) {
                 Err(e) => Err(e),
@@ -269,7 +304,9 @@ async fn api_route(
             check_model_field(&body, &allowed)?;
             detokenize(&state, &body)
         }
-        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => Err(ApiError::method_not_allowed(m.as_str(), p)),
+        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => {
+            Err(ApiError::method_not_allowed(m.as_str(), p))
+        }
         (_, p) => Err(ApiError::not_found(p)),
     }
 }
@@ -291,14 +328,24 @@ fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> 
     let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
     let text = if f.0.contains_key("messages") {
         let messages = openai::protocol::parse_messages(&f)?;
-        let t = tok.chat_template().ok_or_else(|| ApiError::invalid(Some("messages".into()), "this model has no chat template"))?;
+        let t = tok.chat_template().ok_or_else(|| {
+            ApiError::invalid(Some("messages".into()), "this model has no chat template")
+        })?;
         t.render(&messages, f.bool("add_generation_prompt")?.unwrap_or(true))
             .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?
     } else {
-        f.str("prompt")?.ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required"))?.to_string()
+        f.str("prompt")?
+            .ok_or_else(|| {
+                ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
+            })?
+            .to_string()
     };
-    let ids = tok.encode(&text, add_special).map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?;
-    Ok(json_response(&json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids})))
+    let ids = tok
+        .encode(&text, add_special)
+        .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?;
+    Ok(json_response(
+        &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
+    ))
 }
 
 fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
@@ -309,9 +356,15 @@ fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError
     };
     let ids = f.u32s("tokens")?;
     if let Some(&bad) = ids.iter().find(|&&t| t as usize >= engine.vocab_size()) {
-        return Err(ApiError::invalid(Some("tokens".into()), format!("token id {bad} is beyond the vocabulary")));
+        return Err(ApiError::invalid(
+            Some("tokens".into()),
+            format!("token id {bad} is beyond the vocabulary"),
+        ));
     }
-    let text = engine.tokenizer().decode(&ids, false).map_err(|e| ApiError::invalid(Some("tokens".into()), format!("{e:#}")))?;
+    let text = engine
+        .tokenizer()
+        .decode(&ids, false)
+        .map_err(|e| ApiError::invalid(Some("tokens".into()), format!("{e:#}")))?;
     Ok(json_response(&json!({"prompt": text})))
 }
 
@@ -320,7 +373,9 @@ fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError
 fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
     let core = crate::engine::build_engine(args)?;
     let engine = AsyncEngine::start(core).context("cannot start the engine thread")?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let bos = engine.tokenizer().bos_id().unwrap_or(0);
@@ -339,7 +394,12 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
         };
         tokio::time::timeout(state.config.ready_timeout, warm)
             .await
-            .map_err(|_| anyhow::anyhow!("the warm-up forward took longer than {:?}", state.config.ready_timeout))?
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "the warm-up forward took longer than {:?}",
+                    state.config.ready_timeout
+                )
+            })?
     })?;
     let _ = state.engine.set(engine);
     state.ready.store(true, Ordering::Release);
@@ -350,10 +410,16 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
 pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let metrics = install_metrics()?;
     let runtime = crate::plugins::PluginRuntime::new(config.plugins.clone())?;
-    let tenants = Arc::new(crate::tenants::Tenants::new(runtime, config.state_dir.clone()));
+    let tenants = Arc::new(crate::tenants::Tenants::new(
+        runtime,
+        config.state_dir.clone(),
+    ));
     if let Some(dir) = &config.state_dir {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
-        let n = tenants.load_all().context("cannot load the tenants from --state-dir")?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
+        let n = tenants
+            .load_all()
+            .context("cannot load the tenants from --state-dir")?;
         tracing::info!("loaded {n} tenants from {}", dir.display());
     }
     let admin_token = config.admin_token.clone().filter(|t| !t.is_empty());
@@ -503,7 +569,9 @@ async fn log_stats(state: Arc<AppState>) {
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let Some(engine) = state.engine.get() else { continue };
+        let Some(engine) = state.engine.get() else {
+            continue;
+        };
         let s = engine.stats();
         let now = std::time::Instant::now();
         if let Some((t, prev)) = last {
@@ -511,7 +579,11 @@ async fn log_stats(state: Arc<AppState>) {
             let prompt = (s.prompt_tokens - prev.prompt_tokens) as f64 / dt;
             let gen = (s.generation_tokens - prev.generation_tokens) as f64 / dt;
             if prompt > 0.0 || gen > 0.0 || s.num_running > 0 || s.num_waiting > 0 {
-                let hit = if s.prefix.queries > 0 { 100.0 * s.prefix.hits as f64 / s.prefix.queries as f64 } else { 0.0 };
+                let hit = if s.prefix.queries > 0 {
+                    100.0 * s.prefix.hits as f64 / s.prefix.queries as f64
+                } else {
+                    0.0
+                };
                 tracing::info!(
                     "Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, Running: {} reqs, Waiting: {} reqs, KV cache usage: {:.1}%, Prefix cache hit rate: {hit:.1}%",
                     s.num_running,
@@ -523,4 +595,3 @@ async fn log_stats(state: Arc<AppState>) {
         last = Some((now, s));
     }
 }
-

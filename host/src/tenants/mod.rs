@@ -18,7 +18,9 @@
 
 pub mod store;
 
-use crate::plugins::{validate_config, ChainEntry, HookKind, Limits, LoadedPlugin, PluginMeta, PluginRuntime};
+use crate::plugins::{
+    validate_config, ChainEntry, HookKind, Limits, LoadedPlugin, PluginMeta, PluginRuntime,
+};
 use crate::server::errors::ApiError;
 use anyhow::{anyhow, bail, Result};
 use arc_swap::ArcSwap;
@@ -41,7 +43,11 @@ pub fn sha256_hex(b: &[u8]) -> String {
 
 /// A tenant's or plugin's name: 1–64 of `[A-Za-z0-9_.-]`, not starting with '.'.
 pub fn valid_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 64 && !s.starts_with('.') && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+    !s.is_empty()
+        && s.len() <= 64
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 /// A tenant's request limits.
@@ -175,9 +181,15 @@ impl Tenant {
         let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
         Tenant {
             id: config.id.clone(),
-            snapshot: ArcSwap::from_pointee(Snapshot { config, chain: Vec::new() }),
+            snapshot: ArcSwap::from_pointee(Snapshot {
+                config,
+                chain: Vec::new(),
+            }),
             in_flight: AtomicUsize::new(0),
-            bucket: Mutex::new(Bucket { level: tpm, at: Instant::now() }),
+            bucket: Mutex::new(Bucket {
+                level: tpm,
+                at: Instant::now(),
+            }),
             plugins: Mutex::new(BTreeMap::new()),
             admin: tokio::sync::Mutex::new(()),
         }
@@ -191,11 +203,17 @@ impl Tenant {
     pub fn admit(self: &Arc<Self>) -> Result<Admission, ApiError> {
         let snapshot = self.snapshot.load_full();
         let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
-        let adm = Admission { tenant: Arc::clone(self), snapshot };
+        let adm = Admission {
+            tenant: Arc::clone(self),
+            snapshot,
+        };
         let limits = &adm.snapshot.config.limits;
         if let Some(max) = limits.max_concurrent {
             if n > max {
-                return Err(ApiError::overloaded(format!("Tenant '{}' has {max} requests in flight, its limit. Retry later.", self.id)));
+                return Err(ApiError::overloaded(format!(
+                    "Tenant '{}' has {max} requests in flight, its limit. Retry later.",
+                    self.id
+                )));
             }
         }
         if let Some(tpm) = limits.tokens_per_minute {
@@ -229,14 +247,20 @@ impl Tenant {
             Some(specs) => {
                 for spec in specs {
                     if let Some(p) = active(&spec.name) {
-                        chain.push(ChainEntry { plugin: p, fail_open: policies(&spec.policies) });
+                        chain.push(ChainEntry {
+                            plugin: p,
+                            fail_open: policies(&spec.policies),
+                        });
                     }
                 }
             }
             None => {
                 for name in slots.keys() {
                     if let Some(p) = active(name) {
-                        chain.push(ChainEntry { plugin: p, fail_open: [false; 4] });
+                        chain.push(ChainEntry {
+                            plugin: p,
+                            fail_open: [false; 4],
+                        });
                     }
                 }
             }
@@ -255,8 +279,18 @@ impl Tenant {
 
 fn policies(p: &BTreeMap<String, String>) -> [bool; 4] {
     let mut out = [false; 4];
-    for (i, h) in [HookKind::Route, HookKind::RenderPrompt, HookKind::OnChunk, HookKind::PostProcess].into_iter().enumerate() {
-        let v = p.get(h.as_str()).or_else(|| p.get(&h.as_str().replace('-', "_")));
+    for (i, h) in [
+        HookKind::Route,
+        HookKind::RenderPrompt,
+        HookKind::OnChunk,
+        HookKind::PostProcess,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let v = p
+            .get(h.as_str())
+            .or_else(|| p.get(&h.as_str().replace('-', "_")));
         out[i] = v.is_some_and(|v| v == "fail_open" || v == "fail-open" || v == "open");
     }
     out
@@ -265,14 +299,23 @@ fn policies(p: &BTreeMap<String, String>) -> [bool; 4] {
 fn check_policies(specs: &[ChainSpec]) -> Result<()> {
     for s in specs {
         if !valid_name(&s.name) {
-            bail!("plugin name '{}' is not valid (1-64 of A-Z a-z 0-9 _ - .)", s.name);
+            bail!(
+                "plugin name '{}' is not valid (1-64 of A-Z a-z 0-9 _ - .)",
+                s.name
+            );
         }
         for (k, v) in &s.policies {
             if HookKind::parse(k).is_none() {
                 bail!("plugin '{}': unknown hook '{k}' in policies (route, render-prompt, on-chunk, post-process)", s.name);
             }
-            if !matches!(v.as_str(), "fail_open" | "fail-open" | "open" | "fail_closed" | "fail-closed" | "closed") {
-                bail!("plugin '{}': policy '{v}' for {k} must be fail_open or fail_closed", s.name);
+            if !matches!(
+                v.as_str(),
+                "fail_open" | "fail-open" | "open" | "fail_closed" | "fail-closed" | "closed"
+            ) {
+                bail!(
+                    "plugin '{}': policy '{v}' for {k} must be fail_open or fail_closed",
+                    s.name
+                );
             }
         }
     }
@@ -290,7 +333,12 @@ pub struct Tenants {
 
 impl Tenants {
     pub fn new(runtime: Arc<PluginRuntime>, dir: Option<PathBuf>) -> Tenants {
-        Tenants { runtime, dir, map: RwLock::new(HashMap::new()), keys: RwLock::new(HashMap::new()) }
+        Tenants {
+            runtime,
+            dir,
+            map: RwLock::new(HashMap::new()),
+            keys: RwLock::new(HashMap::new()),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -340,19 +388,28 @@ impl Tenants {
                 }
                 let hashes: Vec<String> = keys.iter().map(|k| hash_key(k.trim())).collect();
                 let index = self.keys.read().unwrap();
-                if let Some(h) = hashes.iter().find(|h| index.get(*h).is_some_and(|t| t != id)) {
+                if let Some(h) = hashes
+                    .iter()
+                    .find(|h| index.get(*h).is_some_and(|t| t != id))
+                {
                     let _ = h;
                     bail!("one of the api_keys already belongs to another tenant");
                 }
                 hashes
             }
-            None => old.as_ref().map(|c| c.api_key_hashes.clone()).unwrap_or_default(),
+            None => old
+                .as_ref()
+                .map(|c| c.api_key_hashes.clone())
+                .unwrap_or_default(),
         };
         let plugins = spec.plugins.map(|items| {
             items
                 .into_iter()
                 .map(|i| match i {
-                    PluginChainItem::Name(name) => ChainSpec { name, policies: BTreeMap::new() },
+                    PluginChainItem::Name(name) => ChainSpec {
+                        name,
+                        policies: BTreeMap::new(),
+                    },
                     PluginChainItem::Spec(s) => s,
                 })
                 .collect::<Vec<_>>()
@@ -360,39 +417,72 @@ impl Tenants {
         if let Some(p) = &plugins {
             check_policies(p)?;
         }
-        let plugin_limits = spec.plugin_limits.unwrap_or_else(|| old.as_ref().map(|c| c.plugin_limits.clone()).unwrap_or_default());
+        let plugin_limits = spec.plugin_limits.unwrap_or_else(|| {
+            old.as_ref()
+                .map(|c| c.plugin_limits.clone())
+                .unwrap_or_default()
+        });
         if plugin_limits.memory_bytes > self.runtime.config().max_memory_bytes {
-            bail!("plugin_limits.memory_bytes may be at most {}", self.runtime.config().max_memory_bytes);
+            bail!(
+                "plugin_limits.memory_bytes may be at most {}",
+                self.runtime.config().max_memory_bytes
+            );
         }
-        if plugin_limits.timeout_ms == 0 || plugin_limits.timeout_ms > 60_000 || plugin_limits.chunk_timeout_ms == 0 || plugin_limits.chunk_timeout_ms > 60_000 {
+        if plugin_limits.timeout_ms == 0
+            || plugin_limits.timeout_ms > 60_000
+            || plugin_limits.chunk_timeout_ms == 0
+            || plugin_limits.chunk_timeout_ms > 60_000
+        {
             bail!("plugin_limits timeouts must be between 1 and 60000 ms");
         }
-        let config = TenantConfig { id: id.to_string(), api_key_hashes, models: spec.models, limits: spec.limits, plugins, plugin_limits };
+        let config = TenantConfig {
+            id: id.to_string(),
+            api_key_hashes,
+            models: spec.models,
+            limits: spec.limits,
+            plugins,
+            plugin_limits,
+        };
         let tenant = match existing {
             Some(t) => t,
             None => {
                 let t = Arc::new(Tenant::new(config.clone()));
-                self.map.write().unwrap().entry(id.to_string()).or_insert(t).clone()
+                self.map
+                    .write()
+                    .unwrap()
+                    .entry(id.to_string())
+                    .or_insert(t)
+                    .clone()
             }
         };
         let _g = tenant.admin.lock().await;
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
             let c = config.clone();
-            tokio::task::spawn_blocking(move || store::save_tenant(&dir, &c)).await.map_err(|e| anyhow!("{e}"))??;
+            tokio::task::spawn_blocking(move || store::save_tenant(&dir, &c))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
         }
-        self.index_keys(id, old.as_ref().map_or(&[][..], |c| &c.api_key_hashes[..]), &config.api_key_hashes);
+        self.index_keys(
+            id,
+            old.as_ref().map_or(&[][..], |c| &c.api_key_hashes[..]),
+            &config.api_key_hashes,
+        );
         tenant.publish(config.clone());
         Ok((old.is_none(), config))
     }
 
     pub async fn delete(&self, id: &str) -> Result<bool> {
-        let Some(t) = self.get(id) else { return Ok(false) };
+        let Some(t) = self.get(id) else {
+            return Ok(false);
+        };
         let _g = t.admin.lock().await;
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
             let id2 = id.to_string();
-            tokio::task::spawn_blocking(move || store::delete_tenant(&dir, &id2)).await.map_err(|e| anyhow!("{e}"))??;
+            tokio::task::spawn_blocking(move || store::delete_tenant(&dir, &id2))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
         }
         let c = t.snapshot().config.clone();
         self.index_keys(id, &c.api_key_hashes, &[]);
@@ -402,7 +492,13 @@ impl Tenants {
 
     /// Compiles, checks and smoke-tests a component, validates its config,
     /// persists it as a new version and makes it active.
-    pub async fn upload(&self, tenant: &Arc<Tenant>, name: &str, wasm: bytes::Bytes, config: Option<String>) -> Result<VersionRecord> {
+    pub async fn upload(
+        &self,
+        tenant: &Arc<Tenant>,
+        name: &str,
+        wasm: bytes::Bytes,
+        config: Option<String>,
+    ) -> Result<VersionRecord> {
         if !valid_name(name) {
             bail!("plugin name '{name}' is not valid (1-64 of A-Z a-z 0-9 _ - .)");
         }
@@ -425,7 +521,10 @@ impl Tenants {
         let (version, history) = {
             let slots = tenant.plugins.lock().unwrap();
             let s = slots.get(name);
-            let version = s.and_then(|s| s.versions.keys().next_back().copied()).unwrap_or(0) + 1;
+            let version = s
+                .and_then(|s| s.versions.keys().next_back().copied())
+                .unwrap_or(0)
+                + 1;
             let mut h = s.map(|s| s.history.clone()).unwrap_or_default();
             if let Some(p) = s.and_then(|s| s.active) {
                 h.push(p);
@@ -438,15 +537,31 @@ impl Tenants {
             size,
             meta: meta.clone(),
             config: config.clone(),
-            uploaded_at: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            uploaded_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
         };
-        let loaded = Arc::new(LoadedPlugin::new(name.to_string(), version, sha, meta, config, pre));
+        let loaded = Arc::new(LoadedPlugin::new(
+            name.to_string(),
+            version,
+            sha,
+            meta,
+            config,
+            pre,
+        ));
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
-            let (tid, n, r, h) = (tenant.id.clone(), name.to_string(), record.clone(), history.clone());
-            tokio::task::spawn_blocking(move || store::save_version(&dir, &tid, &n, &r, &wasm, &cwasm, version, &h))
-                .await
-                .map_err(|e| anyhow!("{e}"))??;
+            let (tid, n, r, h) = (
+                tenant.id.clone(),
+                name.to_string(),
+                record.clone(),
+                history.clone(),
+            );
+            tokio::task::spawn_blocking(move || {
+                store::save_version(&dir, &tid, &n, &r, &wasm, &cwasm, version, &h)
+            })
+            .await
+            .map_err(|e| anyhow!("{e}"))??;
         }
         {
             let mut slots = tenant.plugins.lock().unwrap();
@@ -466,28 +581,43 @@ impl Tenants {
         let _g = tenant.admin.lock().await;
         let (target, history, record, loaded) = {
             let slots = tenant.plugins.lock().unwrap();
-            let s = slots.get(name).ok_or_else(|| anyhow!("tenant '{}' has no plugin '{name}'", tenant.id))?;
+            let s = slots
+                .get(name)
+                .ok_or_else(|| anyhow!("tenant '{}' has no plugin '{name}'", tenant.id))?;
             let mut h = s.history.clone();
-            let target = h.pop().ok_or_else(|| anyhow!("plugin '{name}' has no earlier version to roll back to"))?;
-            let record = s.versions.get(&target).cloned().ok_or_else(|| anyhow!("version {target} of '{name}' is missing"))?;
+            let target = h
+                .pop()
+                .ok_or_else(|| anyhow!("plugin '{name}' has no earlier version to roll back to"))?;
+            let record = s
+                .versions
+                .get(&target)
+                .cloned()
+                .ok_or_else(|| anyhow!("version {target} of '{name}' is missing"))?;
             (target, h, record, s.loaded.get(&target).cloned())
         };
         let loaded = match loaded {
             Some(l) => l,
             None => {
-                let dir = self.dir.clone().ok_or_else(|| anyhow!("version {target} is not loaded"))?;
+                let dir = self
+                    .dir
+                    .clone()
+                    .ok_or_else(|| anyhow!("version {target} is not loaded"))?;
                 let rt = Arc::clone(&self.runtime);
                 let (tid, n, r) = (tenant.id.clone(), name.to_string(), record.clone());
                 let limits = tenant.snapshot().config.plugin_limits.clone();
-                tokio::task::spawn_blocking(move || store::load_version(&rt, &dir, &tid, &n, &r, &limits))
-                    .await
-                    .map_err(|e| anyhow!("{e}"))??
+                tokio::task::spawn_blocking(move || {
+                    store::load_version(&rt, &dir, &tid, &n, &r, &limits)
+                })
+                .await
+                .map_err(|e| anyhow!("{e}"))??
             }
         };
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
             let (tid, n, h) = (tenant.id.clone(), name.to_string(), history.clone());
-            tokio::task::spawn_blocking(move || store::save_active(&dir, &tid, &n, target, &h)).await.map_err(|e| anyhow!("{e}"))??;
+            tokio::task::spawn_blocking(move || store::save_active(&dir, &tid, &n, target, &h))
+                .await
+                .map_err(|e| anyhow!("{e}"))??;
         }
         {
             let mut slots = tenant.plugins.lock().unwrap();
@@ -550,14 +680,22 @@ mod tests {
     #[test]
     fn names_keys_and_policies() {
         assert!(valid_name("acme-1.prod_x"));
-        assert!(!valid_name("") && !valid_name("../etc") && !valid_name(".hidden") && !valid_name("a/b"));
+        assert!(
+            !valid_name("")
+                && !valid_name("../etc")
+                && !valid_name(".hidden")
+                && !valid_name("a/b")
+        );
         assert_eq!(hash_key("k").len(), 64);
         assert_ne!(hash_key("k"), hash_key("k2"));
         let mut p = BTreeMap::new();
         p.insert("route".to_string(), "fail_open".to_string());
         p.insert("on-chunk".to_string(), "fail_closed".to_string());
         assert_eq!(policies(&p), [true, false, false, false]);
-        let bad = vec![ChainSpec { name: "x".into(), policies: [("routing".to_string(), "fail_open".to_string())].into() }];
+        let bad = vec![ChainSpec {
+            name: "x".into(),
+            policies: [("routing".to_string(), "fail_open".to_string())].into(),
+        }];
         assert!(check_policies(&bad).is_err());
     }
 }

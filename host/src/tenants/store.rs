@@ -21,20 +21,30 @@ fn plugin_dir(root: &Path, id: &str, name: &str) -> PathBuf {
 }
 
 fn fsync_dir(dir: &Path) -> Result<()> {
-    std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dir.display()))
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("cannot fsync {}", dir.display()))
 }
 
 /// Writes `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = path.parent().ok_or_else(|| anyhow!("{} has no parent", path.display()))?;
+    let dir = path
+        .parent()
+        .ok_or_else(|| anyhow!("{} has no parent", path.display()))?;
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tmp = dir.join(format!(".tmp-{}-{:x}", path.file_name().and_then(|n| n.to_str()).unwrap_or("f"), rand::random::<u64>()));
+    let tmp = dir.join(format!(
+        ".tmp-{}-{:x}",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("f"),
+        rand::random::<u64>()
+    ));
     let r = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let mut f = std::fs::File::create(&tmp)
+            .with_context(|| format!("cannot create {}", tmp.display()))?;
         f.write_all(bytes)?;
         f.sync_all()?;
         drop(f);
-        std::fs::rename(&tmp, path).with_context(|| format!("cannot rename into {}", path.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("cannot rename into {}", path.display()))?;
         fsync_dir(dir)
     })();
     if r.is_err() {
@@ -44,7 +54,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 pub fn save_tenant(root: &Path, c: &TenantConfig) -> Result<()> {
-    write_atomic(&tenant_dir(root, &c.id).join("tenant.json"), &serde_json::to_vec_pretty(c)?)
+    write_atomic(
+        &tenant_dir(root, &c.id).join("tenant.json"),
+        &serde_json::to_vec_pretty(c)?,
+    )
 }
 
 pub fn delete_tenant(root: &Path, id: &str) -> Result<()> {
@@ -53,7 +66,9 @@ pub fn delete_tenant(root: &Path, id: &str) -> Result<()> {
         return Ok(());
     }
     // Rename first so a crash never leaves a half-deleted tenant that loads.
-    let gone = root.join("tenants").join(format!(".deleted-{id}-{:x}", rand::random::<u64>()));
+    let gone = root
+        .join("tenants")
+        .join(format!(".deleted-{id}-{:x}", rand::random::<u64>()));
     std::fs::rename(&dir, &gone)?;
     fsync_dir(&root.join("tenants"))?;
     let _ = std::fs::remove_dir_all(&gone);
@@ -67,28 +82,56 @@ struct Active {
 }
 
 pub fn save_active(root: &Path, id: &str, name: &str, active: u64, history: &[u64]) -> Result<()> {
-    let a = Active { active, history: history.to_vec() };
-    write_atomic(&plugin_dir(root, id, name).join("active.json"), &serde_json::to_vec(&a)?)
+    let a = Active {
+        active,
+        history: history.to_vec(),
+    };
+    write_atomic(
+        &plugin_dir(root, id, name).join("active.json"),
+        &serde_json::to_vec(&a)?,
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn save_version(root: &Path, id: &str, name: &str, r: &VersionRecord, wasm: &[u8], cwasm: &[u8], active: u64, history: &[u64]) -> Result<()> {
+pub fn save_version(
+    root: &Path,
+    id: &str,
+    name: &str,
+    r: &VersionRecord,
+    wasm: &[u8],
+    cwasm: &[u8],
+    active: u64,
+    history: &[u64],
+) -> Result<()> {
     let dir = plugin_dir(root, id, name);
     write_atomic(&dir.join(format!("{}.wasm", r.version)), wasm)?;
     write_atomic(&dir.join(format!("{}.cwasm", r.version)), cwasm)?;
-    write_atomic(&dir.join(format!("{}.json", r.version)), &serde_json::to_vec_pretty(r)?)?;
+    write_atomic(
+        &dir.join(format!("{}.json", r.version)),
+        &serde_json::to_vec_pretty(r)?,
+    )?;
     save_active(root, id, name, active, history)
 }
 
 /// Loads one version: the cached artifact if this engine accepts it, else
 /// recompiles the component and rewrites the artifact.
-pub fn load_version(rt: &Arc<PluginRuntime>, root: &Path, id: &str, name: &str, r: &VersionRecord, limits: &Limits) -> Result<Arc<LoadedPlugin>> {
+pub fn load_version(
+    rt: &Arc<PluginRuntime>,
+    root: &Path,
+    id: &str,
+    name: &str,
+    r: &VersionRecord,
+    limits: &Limits,
+) -> Result<Arc<LoadedPlugin>> {
     let dir = plugin_dir(root, id, name);
     let cpath = dir.join(format!("{}.cwasm", r.version));
     let component = match rt.load_precompiled(&cpath) {
         Ok(c) => c,
         Err(e) => {
-            tracing::info!("recompiling {id}/{name} v{}: cached artifact unusable ({e})", r.version);
+            tracing::info!(
+                "recompiling {id}/{name} v{}: cached artifact unusable ({e})",
+                r.version
+            );
             let wasm = std::fs::read(dir.join(format!("{}.wasm", r.version)))
                 .with_context(|| format!("cannot read {id}/{name} v{}", r.version))?;
             let c = rt.compile(&wasm)?;
@@ -100,24 +143,42 @@ pub fn load_version(rt: &Arc<PluginRuntime>, root: &Path, id: &str, name: &str, 
     };
     let (pre, meta) = rt.prepare(component, limits)?;
     let config = validate_config(&meta, Some(&r.config))?;
-    Ok(Arc::new(LoadedPlugin::new(name.to_string(), r.version, r.sha256.clone(), meta, config, pre)))
+    Ok(Arc::new(LoadedPlugin::new(
+        name.to_string(),
+        r.version,
+        r.sha256.clone(),
+        meta,
+        config,
+        pre,
+    )))
 }
 
 /// Every tenant with its plugin slots (active versions loaded).
-pub fn load_all(rt: &Arc<PluginRuntime>, root: &Path) -> Result<Vec<(TenantConfig, BTreeMap<String, PluginSlot>)>> {
+pub fn load_all(
+    rt: &Arc<PluginRuntime>,
+    root: &Path,
+) -> Result<Vec<(TenantConfig, BTreeMap<String, PluginSlot>)>> {
     let tdir = root.join("tenants");
     let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(&tdir) else { return Ok(out) };
+    let Ok(entries) = std::fs::read_dir(&tdir) else {
+        return Ok(out);
+    };
     for e in entries.flatten() {
         let id = e.file_name().to_string_lossy().to_string();
         if !valid_name(&id) {
             continue;
         }
         let path = e.path().join("tenant.json");
-        let config: TenantConfig = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
+        let config: TenantConfig = match std::fs::read(&path)
+            .map_err(anyhow::Error::from)
+            .and_then(|b| Ok(serde_json::from_slice(&b)?))
+        {
             Ok(c) => c,
             Err(err) => {
-                tracing::warn!("skipping tenant {id}: cannot read {}: {err:#}", path.display());
+                tracing::warn!(
+                    "skipping tenant {id}: cannot read {}: {err:#}",
+                    path.display()
+                );
                 continue;
             }
         };
@@ -131,12 +192,21 @@ pub fn load_all(rt: &Arc<PluginRuntime>, root: &Path) -> Result<Vec<(TenantConfi
                 let mut slot = PluginSlot::default();
                 for f in std::fs::read_dir(p.path()).into_iter().flatten().flatten() {
                     let fname = f.file_name().to_string_lossy().to_string();
-                    if let Some(v) = fname.strip_suffix(".json").and_then(|v| v.parse::<u64>().ok()) {
-                        match std::fs::read(f.path()).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice::<VersionRecord>(&b)?)) {
+                    if let Some(v) = fname
+                        .strip_suffix(".json")
+                        .and_then(|v| v.parse::<u64>().ok())
+                    {
+                        match std::fs::read(f.path())
+                            .map_err(anyhow::Error::from)
+                            .and_then(|b| Ok(serde_json::from_slice::<VersionRecord>(&b)?))
+                        {
                             Ok(r) if r.version == v => {
                                 slot.versions.insert(v, r);
                             }
-                            _ => tracing::warn!("ignoring unreadable version record {}", f.path().display()),
+                            _ => tracing::warn!(
+                                "ignoring unreadable version record {}",
+                                f.path().display()
+                            ),
                         }
                     } else if fname.starts_with(".tmp-") {
                         let _ = std::fs::remove_file(f.path());
@@ -145,19 +215,29 @@ pub fn load_all(rt: &Arc<PluginRuntime>, root: &Path) -> Result<Vec<(TenantConfi
                 if let Ok(b) = std::fs::read(p.path().join("active.json")) {
                     if let Ok(a) = serde_json::from_slice::<Active>(&b) {
                         slot.active = Some(a.active);
-                        slot.history = a.history.into_iter().filter(|v| slot.versions.contains_key(v)).collect();
+                        slot.history = a
+                            .history
+                            .into_iter()
+                            .filter(|v| slot.versions.contains_key(v))
+                            .collect();
                     }
                 }
                 if let Some(v) = slot.active {
                     match slot.versions.get(&v) {
-                        Some(r) => match load_version(rt, root, &id, &name, r, &config.plugin_limits) {
-                            Ok(l) => {
-                                slot.loaded.insert(v, l);
+                        Some(r) => {
+                            match load_version(rt, root, &id, &name, r, &config.plugin_limits) {
+                                Ok(l) => {
+                                    slot.loaded.insert(v, l);
+                                }
+                                Err(err) => tracing::error!(
+                                    "tenant {id}: plugin {name} v{v} failed to load: {err:#}"
+                                ),
                             }
-                            Err(err) => tracing::error!("tenant {id}: plugin {name} v{v} failed to load: {err:#}"),
-                        },
+                        }
                         None => {
-                            tracing::error!("tenant {id}: plugin {name}: active version {v} has no record");
+                            tracing::error!(
+                                "tenant {id}: plugin {name}: active version {v} has no record"
+                            );
                             slot.active = None;
                         }
                     }

@@ -11,9 +11,18 @@ pub fn demo_gguf() -> PathBuf {
     if let Ok(p) = std::env::var("PAGODA_DEMO_GGUF") {
         return PathBuf::from(p);
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fetch-demo-model.sh");
-    let out = std::process::Command::new(script).output().expect("running scripts/fetch-demo-model.sh");
-    assert!(out.status.success(), "fetch-demo-model.sh failed: {}", String::from_utf8_lossy(&out.stderr));
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/fetch-demo-model.sh"
+    );
+    let out = std::process::Command::new(script)
+        .output()
+        .expect("running scripts/fetch-demo-model.sh");
+    assert!(
+        out.status.success(),
+        "fetch-demo-model.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     PathBuf::from(String::from_utf8(out.stdout).expect("a UTF-8 path").trim())
 }
 
@@ -22,7 +31,10 @@ pub fn reference_dir() -> PathBuf {
     if let Ok(p) = std::env::var("PAGODA_REFERENCE_DIR") {
         return PathBuf::from(p);
     }
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/reference"))
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/reference"
+    ))
 }
 
 /// Reads a JSON file of the reference directory.

@@ -23,7 +23,10 @@ pub fn plugin_dir() -> PathBuf {
         if !std::path::Path::new(script).exists() {
             return PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/plugins"));
         }
-        let out = Command::new("bash").arg(script).output().expect("running scripts/build-plugins.sh");
+        let out = Command::new("bash")
+            .arg(script)
+            .output()
+            .expect("running scripts/build-plugins.sh");
         assert!(
             out.status.success(),
             "build-plugins.sh failed:\n{}\n{}",
@@ -31,7 +34,14 @@ pub fn plugin_dir() -> PathBuf {
             String::from_utf8_lossy(&out.stderr)
         );
         let stdout = String::from_utf8(out.stdout).expect("utf-8");
-        PathBuf::from(stdout.lines().rev().find(|l| !l.trim().is_empty()).expect("a directory").trim())
+        PathBuf::from(
+            stdout
+                .lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .expect("a directory")
+                .trim(),
+        )
     })
     .clone()
 }
@@ -53,7 +63,10 @@ pub fn start(state: &TempDir, extra: &[&str]) -> PServer {
     let d = dir.to_string_lossy().to_string();
     let mut args = vec!["--state-dir", d.as_str(), "--admin-token", ADMIN];
     args.extend_from_slice(extra);
-    PServer { s: Server::start(&args), state: dir }
+    PServer {
+        s: Server::start(&args),
+        state: dir,
+    }
 }
 
 impl PServer {
@@ -61,7 +74,13 @@ impl PServer {
         self.admin_as(ADMIN, method, path, body)
     }
 
-    pub fn admin_as(&self, token: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    pub fn admin_as(
+        &self,
+        token: &str,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
         let url = self.s.url(path);
         let auth = format!("Bearer {token}");
         let a = agent();
@@ -76,7 +95,10 @@ impl PServer {
         let mut r = r.expect("admin request");
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().unwrap_or_default();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     pub fn put_tenant(&self, id: &str, body: Value) {
@@ -85,8 +107,16 @@ impl PServer {
     }
 
     /// Uploads a component; returns (status, body).
-    pub fn upload(&self, tenant: &str, name: &str, wasm: &[u8], config: Option<&Value>) -> (u16, Value) {
-        let mut url = self.s.url(&format!("/admin/v1/tenants/{tenant}/plugins/{name}"));
+    pub fn upload(
+        &self,
+        tenant: &str,
+        name: &str,
+        wasm: &[u8],
+        config: Option<&Value>,
+    ) -> (u16, Value) {
+        let mut url = self
+            .s
+            .url(&format!("/admin/v1/tenants/{tenant}/plugins/{name}"));
         if let Some(c) = config {
             url.push_str("?config=");
             url.push_str(&urlencode(&c.to_string()));
@@ -99,12 +129,20 @@ impl PServer {
             .expect("upload");
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().unwrap_or_default();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     pub fn upload_ok(&self, tenant: &str, name: &str, file: &str, config: Option<&Value>) -> Value {
         let (st, v) = self.upload(tenant, name, &component(file), config);
-        assert_eq!(st, 201, "upload {file} as {tenant}/{name}: {v}\n{}", self.s.log_text());
+        assert_eq!(
+            st,
+            201,
+            "upload {file} as {tenant}/{name}: {v}\n{}",
+            self.s.log_text()
+        );
         v
     }
 
@@ -117,7 +155,10 @@ impl PServer {
             .expect("request");
         let status = r.status().as_u16();
         let text = r.body_mut().read_to_string().unwrap_or_default();
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     /// A streamed chat or completion as a tenant; returns (status, text, error event if any).
@@ -144,7 +185,10 @@ impl PServer {
                 continue;
             }
             for ch in v["choices"].as_array().into_iter().flatten() {
-                if let Some(t) = ch["delta"]["content"].as_str().or_else(|| ch["text"].as_str()) {
+                if let Some(t) = ch["delta"]["content"]
+                    .as_str()
+                    .or_else(|| ch["text"].as_str())
+                {
                     text.push_str(t);
                 }
             }

@@ -57,7 +57,9 @@ impl BlockPool {
             hash: vec![None; num_blocks],
             cached: HashMap::with_capacity(num_blocks),
             prev: (0..n).map(|i| if i == 0 { NIL } else { i - 1 }).collect(),
-            next: (0..n).map(|i| if i + 1 == n { NIL } else { i + 1 }).collect(),
+            next: (0..n)
+                .map(|i| if i + 1 == n { NIL } else { i + 1 })
+                .collect(),
             head: if n == 0 { NIL } else { 0 },
             tail: if n == 0 { NIL } else { n - 1 },
             num_free: num_blocks,
@@ -155,7 +157,10 @@ impl BlockPool {
                 return Err(format!("block {b} has a broken back link"));
             }
             if self.ref_cnt[b as usize] != 0 {
-                return Err(format!("block {b} is free but referenced {} times", self.ref_cnt[b as usize]));
+                return Err(format!(
+                    "block {b} is free but referenced {} times",
+                    self.ref_cnt[b as usize]
+                ));
             }
             count += 1;
             prev = b;
@@ -165,16 +170,23 @@ impl BlockPool {
             return Err("the free queue's tail is wrong".into());
         }
         if count != self.num_free {
-            return Err(format!("free queue holds {count} blocks but num_free is {}", self.num_free));
+            return Err(format!(
+                "free queue holds {count} blocks but num_free is {}",
+                self.num_free
+            ));
         }
         for (i, &rc) in self.ref_cnt.iter().enumerate() {
             if rc == 0 && !seen[i] {
-                return Err(format!("block {i} has no references but is not in the free queue"));
+                return Err(format!(
+                    "block {i} has no references but is not in the free queue"
+                ));
             }
         }
         for (h, &b) in &self.cached {
             if self.hash[b as usize] != Some(*h) {
-                return Err(format!("the prefix map points at block {b}, which holds another hash"));
+                return Err(format!(
+                    "the prefix map points at block {b}, which holds another hash"
+                ));
             }
         }
         Ok(())

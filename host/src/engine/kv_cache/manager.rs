@@ -46,7 +46,11 @@ impl PrefixHit {
 
 impl KvCacheManager {
     /// A manager over `num_blocks` blocks of `block_size` tokens.
-    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> KvCacheManager {
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+    ) -> KvCacheManager {
         KvCacheManager {
             pool: BlockPool::new(num_blocks),
             block_size,
@@ -122,11 +126,17 @@ impl KvCacheManager {
         let new_blocks = needed_blocks.saturating_sub(held + hit_blocks.len());
         // Hit blocks nobody holds sit in the free queue; taking them shrinks
         // what is left for fresh blocks.
-        let revived = hit_blocks.iter().filter(|&&b| self.pool.ref_count(b) == 0).count();
+        let revived = hit_blocks
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
         if new_blocks + revived > self.pool.num_free() {
             return false;
         }
-        let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks { salt, ..Default::default() });
+        let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks {
+            salt,
+            ..Default::default()
+        });
         if let Some(hit) = hit {
             if entry.blocks.is_empty() {
                 self.stats.queries += tokens.len() as u64;
@@ -148,7 +158,11 @@ impl KvCacheManager {
             let full = total.min(tokens.len()) / bs;
             while entry.hashes.len() < full {
                 let j = entry.hashes.len();
-                let h = BlockHash::new(entry.hashes.last().copied(), &tokens[j * bs..(j + 1) * bs], entry.salt);
+                let h = BlockHash::new(
+                    entry.hashes.last().copied(),
+                    &tokens[j * bs..(j + 1) * bs],
+                    entry.salt,
+                );
                 self.pool.cache(entry.blocks[j], h);
                 entry.hashes.push(h);
             }
@@ -188,7 +202,13 @@ mod tests {
         assert_eq!(hit.num_tokens(4), 8);
         assert!(m.allocate(2, &b, 7, Some(hit), 8, 3));
         assert_eq!(m.block_table(2)[..2], m.block_table(1)[..2]);
-        assert_eq!(m.prefix_stats(), PrefixStats { queries: 21, hits: 8 });
+        assert_eq!(
+            m.prefix_stats(),
+            PrefixStats {
+                queries: 21,
+                hits: 8
+            }
+        );
         // Another salt sees nothing.
         assert_eq!(m.lookup_prefix(&b, 8).num_tokens(4), 0);
         m.free(1);

@@ -55,7 +55,10 @@ fn layers<T: KvElem + bytemuck::Zeroable>(num_layers: usize, layout: &KvLayout) 
     // Zeroed allocations come from calloc, so the OS commits pages only as
     // blocks are first written: a large pool costs address space, not RSS.
     (0..num_layers)
-        .map(|_| LayerKv { k: bytemuck::zeroed_vec(layout.elems()), v: bytemuck::zeroed_vec(layout.elems()) })
+        .map(|_| LayerKv {
+            k: bytemuck::zeroed_vec(layout.elems()),
+            v: bytemuck::zeroed_vec(layout.elems()),
+        })
         .collect()
 }
 
@@ -70,7 +73,12 @@ impl KvCache {
     }
 
     /// Bytes one block takes across all layers, K and V.
-    pub fn bytes_per_block(dtype: KvCacheDtype, num_layers: usize, block_size: usize, kv_dim: usize) -> usize {
+    pub fn bytes_per_block(
+        dtype: KvCacheDtype,
+        num_layers: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> usize {
         2 * num_layers * block_size * kv_dim * dtype.size()
     }
 

@@ -62,9 +62,11 @@ impl WeightSource for GgufWeights<'_> {
             );
         }
         let w = match (self.dtype, t.ty) {
-            (DType::Auto, _) | (_, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K) => {
-                Weight::from_raw(t.ty, rows, cols, t.data)
-            }
+            (DType::Auto, _)
+            | (
+                _,
+                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K,
+            ) => Weight::from_raw(t.ty, rows, cols, t.data),
             (want, _) => {
                 let mut f = vec![0f32; rows * cols];
                 let raw = Weight::from_raw(t.ty, rows, cols, t.data)
@@ -89,9 +91,13 @@ impl WeightSource for GgufWeights<'_> {
         let t = self.file.tensor(&gname)?;
         let path = self.file.path().display();
         if t.shape != [len] {
-            bail!("{path}: tensor '{gname}' has shape {:?}, but the metadata implies [{len}]", t.shape);
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies [{len}]",
+                t.shape
+            );
         }
-        let w = Weight::from_raw(t.ty, 1, len, t.data).with_context(|| format!("{path}: tensor '{gname}'"))?;
+        let w = Weight::from_raw(t.ty, 1, len, t.data)
+            .with_context(|| format!("{path}: tensor '{gname}'"))?;
         let mut out = vec![0f32; len];
         w.dequantize_row(0, &mut out);
         Ok(out)
@@ -112,7 +118,10 @@ mod tests {
 
     #[test]
     fn maps_hf_names_to_gguf_names() {
-        assert_eq!(gguf_name("model.embed_tokens.weight").as_deref(), Some("token_embd.weight"));
+        assert_eq!(
+            gguf_name("model.embed_tokens.weight").as_deref(),
+            Some("token_embd.weight")
+        );
         assert_eq!(
             gguf_name("model.layers.12.self_attn.q_proj.bias").as_deref(),
             Some("blk.12.attn_q.bias")

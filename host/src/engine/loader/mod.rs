@@ -5,8 +5,8 @@
 //! the model never knows which file format it came from.
 
 pub mod gguf;
-pub mod gguf_writer;
 pub mod gguf_weights;
+pub mod gguf_writer;
 pub mod safetensors;
 
 use anyhow::Result;
@@ -31,9 +31,9 @@ impl std::str::FromStr for DType {
             "float32" | "f32" | "float" => DType::Float32,
             "bfloat16" | "bf16" => DType::BFloat16,
             "float16" | "f16" | "half" => DType::Float16,
-            other => anyhow::bail!(
-                "--dtype '{other}' is not one of auto, float32, bfloat16, float16"
-            ),
+            other => {
+                anyhow::bail!("--dtype '{other}' is not one of auto, float32, bfloat16, float16")
+            }
         })
     }
 }

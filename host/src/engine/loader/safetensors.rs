@@ -50,7 +50,10 @@ impl SafetensorsSource {
             names
         };
         if files.is_empty() {
-            bail!("{}: no *.safetensors files in the model folder", dir.display());
+            bail!(
+                "{}: no *.safetensors files in the model folder",
+                dir.display()
+            );
         }
         let mut shards = Vec::with_capacity(files.len());
         let mut index = HashMap::new();
@@ -62,20 +65,28 @@ impl SafetensorsSource {
             let mmap = unsafe { Mmap::map(&file) }
                 .with_context(|| format!("{}: cannot memory-map", path.display()))?;
             let names = SafeTensors::read_metadata(&mmap)
-                .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?
+                .map_err(|e| {
+                    anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display())
+                })?
                 .1
                 .tensors()
                 .into_keys()
                 .collect::<Vec<_>>();
             // Checks every tensor's offsets against the file length.
-            SafeTensors::deserialize(&mmap)
-                .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display()))?;
+            SafeTensors::deserialize(&mmap).map_err(|e| {
+                anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display())
+            })?;
             for n in names {
                 index.insert(n, i);
             }
             shards.push((path, mmap));
         }
-        Ok(SafetensorsSource { dir: dir.to_path_buf(), shards, index, dtype })
+        Ok(SafetensorsSource {
+            dir: dir.to_path_buf(),
+            shards,
+            index,
+            dtype,
+        })
     }
 
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
@@ -104,19 +115,31 @@ fn check_shape(path: &Path, name: &str, got: &[usize], want: &[usize]) -> Result
 }
 
 fn u16s(bytes: &[u8]) -> Vec<u16> {
-    bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+    bytes
+        .chunks_exact(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect()
 }
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 /// Converts raw little-endian tensor bytes of a float dtype to f32.
 fn to_f32(path: &Path, name: &str, dtype: StDtype, bytes: &[u8]) -> Result<Vec<f32>> {
     Ok(match dtype {
         StDtype::F32 => f32s(bytes),
-        StDtype::F16 => u16s(bytes).into_iter().map(|b| half::f16::from_bits(b).to_f32()).collect(),
-        StDtype::BF16 => u16s(bytes).into_iter().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
+        StDtype::F16 => u16s(bytes)
+            .into_iter()
+            .map(|b| half::f16::from_bits(b).to_f32())
+            .collect(),
+        StDtype::BF16 => u16s(bytes)
+            .into_iter()
+            .map(|b| half::bf16::from_bits(b).to_f32())
+            .collect(),
         other => bail!(
             "{}: tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported",
             path.display()
@@ -131,10 +154,18 @@ impl WeightSource for SafetensorsSource {
         let ctx = || format!("{}: tensor '{name}'", path.display());
         let stored = t.dtype();
         let w = match (self.dtype, stored) {
-            (DType::Auto | DType::BFloat16, StDtype::BF16) => Weight::from_bf16_bits(rows, cols, &u16s(t.data())),
-            (DType::Auto | DType::Float16, StDtype::F16) => Weight::from_f16_bits(rows, cols, &u16s(t.data())),
-            (DType::Auto | DType::Float32, StDtype::F32) => Weight::from_f32(rows, cols, &f32s(t.data())),
-            (DType::Float32, _) => Weight::from_f32(rows, cols, &to_f32(path, name, stored, t.data())?),
+            (DType::Auto | DType::BFloat16, StDtype::BF16) => {
+                Weight::from_bf16_bits(rows, cols, &u16s(t.data()))
+            }
+            (DType::Auto | DType::Float16, StDtype::F16) => {
+                Weight::from_f16_bits(rows, cols, &u16s(t.data()))
+            }
+            (DType::Auto | DType::Float32, StDtype::F32) => {
+                Weight::from_f32(rows, cols, &f32s(t.data()))
+            }
+            (DType::Float32, _) => {
+                Weight::from_f32(rows, cols, &to_f32(path, name, stored, t.data())?)
+            }
             (DType::BFloat16, _) => {
                 let bits: Vec<u16> = to_f32(path, name, stored, t.data())?
                     .into_iter()

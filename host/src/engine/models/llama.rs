@@ -31,7 +31,15 @@ impl Projection {
     }
 
     /// out: [m, Σ rows], each row the parts' outputs side by side.
-    fn matmul(&self, ctx: &CpuContext, x: &[f32], m: usize, out: &mut [f32], tmp: &mut Vec<f32>, scratch: &mut MatmulScratch) {
+    fn matmul(
+        &self,
+        ctx: &CpuContext,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        tmp: &mut Vec<f32>,
+        scratch: &mut MatmulScratch,
+    ) {
         match self {
             Projection::Fused(w) => w.matmul(ctx.pool(), x, m, out, scratch),
             Projection::Split(parts) => {
@@ -125,9 +133,16 @@ impl LlamaModel {
     /// Builds the model from `source`, checking every tensor's shape against
     /// `config`. `max_positions` bounds the RoPE table (the engine's
     /// `--max-model-len`).
-    pub fn load(source: &dyn WeightSource, config: ModelConfig, max_positions: usize) -> Result<LlamaModel> {
+    pub fn load(
+        source: &dyn WeightSource,
+        config: ModelConfig,
+        max_positions: usize,
+    ) -> Result<LlamaModel> {
         if max_positions == 0 || max_positions > crate::engine::config::MAX_CONTEXT {
-            bail!("max_model_len {max_positions} must be between 1 and {}", crate::engine::config::MAX_CONTEXT);
+            bail!(
+                "max_model_len {max_positions} must be between 1 and {}",
+                crate::engine::config::MAX_CONTEXT
+            );
         }
         let c = &config;
         let (d, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
@@ -170,8 +185,21 @@ impl LlamaModel {
             });
         }
         let norm = source.vector("model.norm.weight", d)?;
-        let rope = RopeTable::new(c.head_dim, c.rope_theta, max_positions, &c.rope_scaling, c.rope_style);
-        Ok(LlamaModel { config, embed, lm_head, layers, norm, rope })
+        let rope = RopeTable::new(
+            c.head_dim,
+            c.rope_theta,
+            max_positions,
+            &c.rope_scaling,
+            c.rope_style,
+        );
+        Ok(LlamaModel {
+            config,
+            embed,
+            lm_head,
+            layers,
+            norm,
+            rope,
+        })
     }
 
     /// The model's shape.
@@ -184,7 +212,9 @@ impl LlamaModel {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes())
+            .map(|l| {
+                l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes()
+            })
             .sum();
         layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, Weight::size_bytes)
     }
@@ -197,11 +227,24 @@ impl LlamaModel {
     /// Runs one flattened batch and writes the logits of `input.logit_rows`
     /// into `logits` (`[logit_rows.len(), vocab]`). K/V of every token are
     /// written into `kv` at the slots given.
-    pub fn forward(&self, ctx: &CpuContext, input: &BatchInput<'_>, kv: &mut KvCache, ws: &mut Workspace, logits: &mut [f32]) {
+    pub fn forward(
+        &self,
+        ctx: &CpuContext,
+        input: &BatchInput<'_>,
+        kv: &mut KvCache,
+        ws: &mut Workspace,
+        logits: &mut [f32],
+    ) {
         match kv {
-            KvCache::F32(layers, layout) => self.forward_typed(ctx, input, layers, layout, ws, logits),
-            KvCache::F16(layers, layout) => self.forward_typed(ctx, input, layers, layout, ws, logits),
-            KvCache::Bf16(layers, layout) => self.forward_typed(ctx, input, layers, layout, ws, logits),
+            KvCache::F32(layers, layout) => {
+                self.forward_typed(ctx, input, layers, layout, ws, logits)
+            }
+            KvCache::F16(layers, layout) => {
+                self.forward_typed(ctx, input, layers, layout, ws, logits)
+            }
+            KvCache::Bf16(layers, layout) => {
+                self.forward_typed(ctx, input, layers, layout, ws, logits)
+            }
         }
     }
 
@@ -229,8 +272,14 @@ impl LlamaModel {
             let h = grow(&mut ws.h, n * d);
             ops::rms_norm(x, &layer.attn_norm, c.rms_norm_eps, h);
             let qkv = grow(&mut ws.qkv, n * qkv_w);
-            layer.qkv.matmul(ctx, h, n, qkv, &mut ws.split_tmp, &mut ws.scratch);
-            let (q, k, v) = (grow(&mut ws.q, n * qd), grow(&mut ws.k, n * kvd), grow(&mut ws.v, n * kvd));
+            layer
+                .qkv
+                .matmul(ctx, h, n, qkv, &mut ws.split_tmp, &mut ws.scratch);
+            let (q, k, v) = (
+                grow(&mut ws.q, n * qd),
+                grow(&mut ws.k, n * kvd),
+                grow(&mut ws.v, n * kvd),
+            );
             for t in 0..n {
                 let row = &mut qkv[t * qkv_w..(t + 1) * qkv_w];
                 if let Some(b) = &layer.qkv_bias {
@@ -244,14 +293,26 @@ impl LlamaModel {
             ops::rope_inplace(&self.rope, k, c.num_kv_heads, input.positions);
             ops::write_kv(layout, &mut cache.k, &mut cache.v, k, v, input.slot_mapping);
             let attn = grow(&mut ws.attn, n * qd);
-            ops::paged_attention(ctx.pool(), layout, &cache.k, &cache.v, q, c.num_heads, input.seqs, scale, attn);
+            ops::paged_attention(
+                ctx.pool(),
+                layout,
+                &cache.k,
+                &cache.v,
+                q,
+                c.num_heads,
+                input.seqs,
+                scale,
+                attn,
+            );
             let proj = grow(&mut ws.proj, n * d);
             layer.o.matmul(ctx.pool(), attn, n, proj, &mut ws.scratch);
             ops::add_inplace(x, proj);
 
             ops::rms_norm(x, &layer.ffn_norm, c.rms_norm_eps, h);
             let gu = grow(&mut ws.gate_up, n * 2 * f);
-            layer.gate_up.matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch);
+            layer
+                .gate_up
+                .matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch);
             let act = grow(&mut ws.act, n * f);
             ops::silu_mul(gu, f, act);
             layer.down.matmul(ctx.pool(), act, n, proj, &mut ws.scratch);
@@ -267,6 +328,12 @@ impl LlamaModel {
         }
         ops::rms_norm_inplace(rows, &self.norm, c.rms_norm_eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.matmul(ctx.pool(), rows, r, &mut logits[..r * c.vocab_size], &mut ws.scratch);
+        head.matmul(
+            ctx.pool(),
+            rows,
+            r,
+            &mut logits[..r * c.vocab_size],
+            &mut ws.scratch,
+        );
     }
 }

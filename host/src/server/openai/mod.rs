@@ -29,7 +29,9 @@ enum Api {
 }
 
 fn now_secs() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 fn random_id(prefix: &str) -> String {
@@ -37,7 +39,11 @@ fn random_id(prefix: &str) -> String {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::tenants::Tenant>>) -> Result<Response<Body>, ApiError> {
+pub async fn completions(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
     let id = random_id("cmpl");
     let (body, ctx) = admit(&state, tenant, &id, "/v1/completions", body).await?;
     let f = Fields::of(&body)?;
@@ -51,7 +57,9 @@ pub async fn completions(state: Arc<AppState>, body: Value, tenant: Option<Arc<c
     let mut ids = Vec::with_capacity(prompts.len());
     for p in prompts {
         ids.push(match p {
-            PromptInput::Text(t) => tok.encode(&t, true).map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?,
+            PromptInput::Text(t) => tok
+                .encode(&t, true)
+                .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?,
             PromptInput::Tokens(t) => t,
         });
     }
@@ -66,7 +74,9 @@ async fn admit(
     endpoint: &str,
     body: Value,
 ) -> Result<(Value, Option<TenantCtx>), ApiError> {
-    let Some(t) = tenant else { return Ok((body, None)) };
+    let Some(t) = tenant else {
+        return Ok((body, None));
+    };
     let mut ctx = TenantCtx::admit(state, &t, id)?;
     if let Some(m) = body.get("model").and_then(Value::as_str) {
         ctx.check_model(m)?;
@@ -76,7 +86,11 @@ async fn admit(
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::tenants::Tenant>>) -> Result<Response<Body>, ApiError> {
+pub async fn chat(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
     let f = Fields::of(&body)?;
@@ -89,7 +103,10 @@ pub async fn chat(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::t
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
     let rendered = match &mut ctx {
-        Some(c) => c.render(&body, tok.chat_template().map(|t| t.source().to_string())).await?,
+        Some(c) => {
+            c.render(&body, tok.chat_template().map(|t| t.source().to_string()))
+                .await?
+        }
         None => None,
     };
     let text = match rendered {
@@ -100,11 +117,18 @@ pub async fn chat(state: Arc<AppState>, body: Value, tenant: Option<Arc<crate::t
             })?;
             template
                 .render(&messages, add_generation_prompt)
-                .map_err(|e| ApiError::invalid(Some("messages".into()), format!("the chat template failed: {e:#}")))?
+                .map_err(|e| {
+                    ApiError::invalid(
+                        Some("messages".into()),
+                        format!("the chat template failed: {e:#}"),
+                    )
+                })?
         }
     };
     // The rendered template already holds BOS where the model wants it.
-    let ids = tok.encode(&text, false).map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
+    let ids = tok
+        .encode(&text, false)
+        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
     generate(state, common, vec![ids], Api::Chat, id, ctx).await
 }
 
@@ -165,11 +189,19 @@ async fn generate(
 ) -> Result<Response<Body>, ApiError> {
     if let Some(t) = &tenant {
         // Tenants never share prefix-cache blocks.
-        common.opts.cache_salt = protocol::salt_of(&format!("tenant:{}:{:x}", t.tenant_id(), common.opts.cache_salt));
+        common.opts.cache_salt = protocol::salt_of(&format!(
+            "tenant:{}:{:x}",
+            t.tenant_id(),
+            common.opts.cache_salt
+        ));
     }
     let engine = state.engine_for(&common.model)?.clone();
     let max_len = engine.max_model_len();
-    let param = if api == Api::Chat { "messages" } else { "prompt" };
+    let param = if api == Api::Chat {
+        "messages"
+    } else {
+        "prompt"
+    };
     for ids in &prompts {
         if ids.is_empty() {
             return Err(ApiError::invalid(Some(param.into()), "the prompt is empty"));
@@ -215,10 +247,18 @@ async fn generate(
                 p.max_tokens = Some(max_len - ids.len());
             }
             let eid = engine
-                .submit(format!("{id}-{pi}-{si}"), ids.clone(), p, common.opts.clone(), tx.clone())
+                .submit(
+                    format!("{id}-{pi}-{si}"),
+                    ids.clone(),
+                    p,
+                    common.opts.clone(),
+                    tx.clone(),
+                )
                 .await
                 .map_err(|e| match e {
-                    SubmitError::Invalid(e) => ApiError::invalid(Some(e.param.to_string()), e.message),
+                    SubmitError::Invalid(e) => {
+                        ApiError::invalid(Some(e.param.to_string()), e.message)
+                    }
                     SubmitError::EngineDead => ApiError::unavailable("the engine has stopped"),
                 })?;
             guard.push(eid);
@@ -321,8 +361,11 @@ impl Run {
                 let top: Vec<Value> = lps
                     .iter()
                     .map(|l| {
-                        let m: serde_json::Map<String, Value> =
-                            l.top.iter().map(|&(t, lp)| (self.token_text(t), json!(lp))).collect();
+                        let m: serde_json::Map<String, Value> = l
+                            .top
+                            .iter()
+                            .map(|&(t, lp)| (self.token_text(t), json!(lp)))
+                            .collect();
                         Value::Object(m)
                     })
                     .collect();
@@ -381,7 +424,10 @@ impl Run {
     /// The SSE chunk for one engine output, if it carries anything.
     fn delta_chunk(&self, i: usize, o: &StepOutput) -> Option<Bytes> {
         let finish = o.finish_reason.map(|f| f.as_str());
-        if o.new_text.is_empty() && finish.is_none() && !(self.want_logprobs && !o.logprobs.is_empty()) {
+        if o.new_text.is_empty()
+            && finish.is_none()
+            && !(self.want_logprobs && !o.logprobs.is_empty())
+        {
             return None;
         }
         let c = &self.choices[i];
@@ -392,7 +438,11 @@ impl Run {
                 "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
             }),
             Api::Chat => {
-                let delta = if o.new_text.is_empty() { json!({}) } else { json!({"content": o.new_text}) };
+                let delta = if o.new_text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": o.new_text})
+                };
                 json!({
                     "index": i, "delta": delta, "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
@@ -409,7 +459,11 @@ async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
             Some(o) => {
                 run.absorb(&o);
             }
-            None => return Err(ApiError::unavailable("the engine stopped before the request finished")),
+            None => {
+                return Err(ApiError::unavailable(
+                    "the engine stopped before the request finished",
+                ))
+            }
         }
     }
     run.guard.disarm();
@@ -418,7 +472,9 @@ async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
         let r = async {
             for i in 0..run.choices.len() {
                 let text = std::mem::take(&mut run.choices[i].text);
-                run.choices[i].text = t.post_process(i, text, (run.prompt_tokens as u32, completion as u32)).await?;
+                run.choices[i].text = t
+                    .post_process(i, text, (run.prompt_tokens as u32, completion as u32))
+                    .await?;
             }
             Ok::<_, ApiError>(())
         }
@@ -437,72 +493,106 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
         Done,
         End,
     }
-    let stream = futures_util::stream::unfold((run, Phase::Start), move |(mut run, phase)| async move {
-        match phase {
-            Phase::Start => {
-                let frame = if run.api == Api::Chat {
-                    // Chat streams open with the role, as OpenAI's do.
-                    let choices = (0..run.choices.len())
+    let stream = futures_util::stream::unfold(
+        (run, Phase::Start),
+        move |(mut run, phase)| async move {
+            match phase {
+                Phase::Start => {
+                    let frame = if run.api == Api::Chat {
+                        // Chat streams open with the role, as OpenAI's do.
+                        let choices = (0..run.choices.len())
                         .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
                         .collect();
-                    run.chunk(choices, None)
-                } else {
-                    Bytes::new()
-                };
-                Some((Ok(Frame::data(frame)), (run, Phase::Tokens)))
-            }
-            Phase::Tokens => loop {
-                if run.remaining == 0 {
-                    let next = if include_usage { Phase::Usage } else { Phase::Done };
-                    break Some((Ok(Frame::data(Bytes::new())), (run, next)));
+                        run.chunk(choices, None)
+                    } else {
+                        Bytes::new()
+                    };
+                    Some((Ok(Frame::data(frame)), (run, Phase::Tokens)))
                 }
-                match run.rx.recv().await {
-                    Some(mut o) => {
-                        if let Some(mut t) = run.tenant.take() {
-                            if t.has_on_chunk() {
-                                if let Some(&i) = run.choice_of.get(&o.id) {
-                                    let done: usize = run.choices.iter().map(|c| c.tokens).sum::<usize>() + o.new_token_ids.len();
-                                    let text = std::mem::take(&mut o.new_text);
-                                    match t.on_chunk(i, text, o.finish_reason.is_some(), (run.prompt_tokens as u32, done as u32)).await {
-                                        Ok(s) => o.new_text = s,
-                                        Err(e) => {
-                                            run.tenant = Some(t);
-                                            // The guard stays armed: dropping the run aborts the engine requests.
-                                            let b = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
-                                            break Some((Ok(Frame::data(b)), (run, Phase::End)));
+                Phase::Tokens => loop {
+                    if run.remaining == 0 {
+                        let next = if include_usage {
+                            Phase::Usage
+                        } else {
+                            Phase::Done
+                        };
+                        break Some((Ok(Frame::data(Bytes::new())), (run, next)));
+                    }
+                    match run.rx.recv().await {
+                        Some(mut o) => {
+                            if let Some(mut t) = run.tenant.take() {
+                                if t.has_on_chunk() {
+                                    if let Some(&i) = run.choice_of.get(&o.id) {
+                                        let done: usize =
+                                            run.choices.iter().map(|c| c.tokens).sum::<usize>()
+                                                + o.new_token_ids.len();
+                                        let text = std::mem::take(&mut o.new_text);
+                                        match t
+                                            .on_chunk(
+                                                i,
+                                                text,
+                                                o.finish_reason.is_some(),
+                                                (run.prompt_tokens as u32, done as u32),
+                                            )
+                                            .await
+                                        {
+                                            Ok(s) => o.new_text = s,
+                                            Err(e) => {
+                                                run.tenant = Some(t);
+                                                // The guard stays armed: dropping the run aborts the engine requests.
+                                                let b = Bytes::from(format!(
+                                                    "data: {}\n\ndata: [DONE]\n\n",
+                                                    e.body()
+                                                ));
+                                                break Some((
+                                                    Ok(Frame::data(b)),
+                                                    (run, Phase::End),
+                                                ));
+                                            }
                                         }
                                     }
                                 }
+                                run.tenant = Some(t);
                             }
-                            run.tenant = Some(t);
+                            let Some(i) = run.absorb(&o) else { continue };
+                            if let Some(b) = run.delta_chunk(i, &o) {
+                                break Some((Ok(Frame::data(b)), (run, Phase::Tokens)));
+                            }
                         }
-                        let Some(i) = run.absorb(&o) else { continue };
-                        if let Some(b) = run.delta_chunk(i, &o) {
-                            break Some((Ok(Frame::data(b)), (run, Phase::Tokens)));
+                        None => {
+                            let err = ApiError::unavailable(
+                                "the engine stopped before the request finished",
+                            );
+                            let b = Bytes::from(format!("data: {}\n\n", err.body()));
+                            break Some((Ok(Frame::data(b)), (run, Phase::Done)));
                         }
                     }
-                    None => {
-                        let err = ApiError::unavailable("the engine stopped before the request finished");
-                        let b = Bytes::from(format!("data: {}\n\n", err.body()));
-                        break Some((Ok(Frame::data(b)), (run, Phase::Done)));
-                    }
+                },
+                Phase::Usage => {
+                    let b = run.chunk(Vec::new(), Some(run.usage()));
+                    Some((Ok(Frame::data(b)), (run, Phase::Done)))
                 }
-            },
-            Phase::Usage => {
-                let b = run.chunk(Vec::new(), Some(run.usage()));
-                Some((Ok(Frame::data(b)), (run, Phase::Done)))
+                Phase::Done => {
+                    run.guard.disarm();
+                    Some((
+                        Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))),
+                        (run, Phase::End),
+                    ))
+                }
+                Phase::End => None,
             }
-            Phase::Done => {
-                run.guard.disarm();
-                Some((Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))), (run, Phase::End)))
-            }
-            Phase::End => None,
-        }
-    });
+        },
+    );
     let body = http_body_util::StreamBody::new(stream).boxed_unsync();
     let mut r = Response::new(body);
     let h = r.headers_mut();
-    h.insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/event-stream"));
-    h.insert(hyper::header::CACHE_CONTROL, hyper::header::HeaderValue::from_static("no-cache"));
+    h.insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        hyper::header::CACHE_CONTROL,
+        hyper::header::HeaderValue::from_static("no-cache"),
+    );
     r
 }

@@ -17,7 +17,9 @@ fn type_error(name: &str, want: &str) -> ApiError {
 impl<'a> Fields<'a> {
     /// The body as an object, or a 400.
     pub fn of(v: &'a Value) -> Result<Fields<'a>, ApiError> {
-        v.as_object().map(Fields).ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))
+        v.as_object()
+            .map(Fields)
+            .ok_or_else(|| ApiError::invalid(None, "The request body must be a JSON object."))
     }
 
     fn get(&self, name: &str) -> Option<&'a Value> {
@@ -28,16 +30,24 @@ impl<'a> Fields<'a> {
     }
 
     pub fn str(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
-        self.get(name).map(|v| v.as_str().ok_or_else(|| type_error(name, "a string"))).transpose()
+        self.get(name)
+            .map(|v| v.as_str().ok_or_else(|| type_error(name, "a string")))
+            .transpose()
     }
 
     pub fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
-        self.get(name).map(|v| v.as_bool().ok_or_else(|| type_error(name, "a boolean"))).transpose()
+        self.get(name)
+            .map(|v| v.as_bool().ok_or_else(|| type_error(name, "a boolean")))
+            .transpose()
     }
 
     pub fn f32(&self, name: &str) -> Result<Option<f32>, ApiError> {
         self.get(name)
-            .map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| type_error(name, "a number")))
+            .map(|v| {
+                v.as_f64()
+                    .map(|x| x as f32)
+                    .ok_or_else(|| type_error(name, "a number"))
+            })
             .transpose()
     }
 
@@ -45,7 +55,11 @@ impl<'a> Fields<'a> {
         self.get(name)
             .map(|v| {
                 v.as_i64()
-                    .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64))
+                    .or_else(|| {
+                        v.as_f64()
+                            .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
+                            .map(|f| f as i64)
+                    })
                     .ok_or_else(|| type_error(name, "an integer"))
             })
             .transpose()
@@ -55,7 +69,10 @@ impl<'a> Fields<'a> {
         match self.i64(name)? {
             None => Ok(None),
             Some(x) if x >= 0 => Ok(Some(x as usize)),
-            Some(x) => Err(ApiError::invalid(Some(name.to_string()), format!("'{name}' must be non-negative, got {x}"))),
+            Some(x) => Err(ApiError::invalid(
+                Some(name.to_string()),
+                format!("'{name}' must be non-negative, got {x}"),
+            )),
         }
     }
 
@@ -80,7 +97,11 @@ impl<'a> Fields<'a> {
             Some(Value::String(s)) => Ok(vec![s.clone()]),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_str().map(str::to_string).ok_or_else(|| type_error(name, "a string or a list of strings")))
+                .map(|x| {
+                    x.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| type_error(name, "a string or a list of strings"))
+                })
                 .collect(),
             Some(_) => Err(type_error(name, "a string or a list of strings")),
         }
@@ -91,14 +112,20 @@ impl<'a> Fields<'a> {
             None => Ok(Vec::new()),
             Some(Value::Array(a)) => a
                 .iter()
-                .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| type_error(name, "a list of token ids")))
+                .map(|x| {
+                    x.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| type_error(name, "a list of token ids"))
+                })
                 .collect(),
             Some(_) => Err(type_error(name, "a list of token ids")),
         }
     }
 
     pub fn object(&self, name: &str) -> Result<Option<&'a Map<String, Value>>, ApiError> {
-        self.get(name).map(|v| v.as_object().ok_or_else(|| type_error(name, "an object"))).transpose()
+        self.get(name)
+            .map(|v| v.as_object().ok_or_else(|| type_error(name, "an object")))
+            .transpose()
     }
 }
 
@@ -141,7 +168,8 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         p.top_p = x;
     }
     if let Some(x) = f.i64("top_k")? {
-        p.top_k = i32::try_from(x).map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))?;
+        p.top_k = i32::try_from(x)
+            .map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))?;
     }
     if let Some(x) = f.f32("min_p")? {
         p.min_p = x;
@@ -157,12 +185,18 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
     }
     if let Some(bias) = f.object("logit_bias")? {
         for (k, v) in bias {
-            let t: u32 = k
-                .parse()
-                .map_err(|_| ApiError::invalid(Some("logit_bias".into()), format!("logit_bias key '{k}' is not a token id")))?;
-            let b = v
-                .as_f64()
-                .ok_or_else(|| ApiError::invalid(Some("logit_bias".into()), "logit_bias values must be numbers"))?;
+            let t: u32 = k.parse().map_err(|_| {
+                ApiError::invalid(
+                    Some("logit_bias".into()),
+                    format!("logit_bias key '{k}' is not a token id"),
+                )
+            })?;
+            let b = v.as_f64().ok_or_else(|| {
+                ApiError::invalid(
+                    Some("logit_bias".into()),
+                    "logit_bias values must be numbers",
+                )
+            })?;
             p.logit_bias.push((t, b as f32));
         }
     }
@@ -185,20 +219,32 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         if f.bool("logprobs")?.unwrap_or(false) {
             p.logprobs = Some(f.usize("top_logprobs")?.unwrap_or(0));
         } else if f.usize("top_logprobs")?.is_some_and(|k| k > 0) {
-            return Err(ApiError::invalid(Some("top_logprobs".into()), "'top_logprobs' requires 'logprobs' to be true"));
+            return Err(ApiError::invalid(
+                Some("top_logprobs".into()),
+                "'top_logprobs' requires 'logprobs' to be true",
+            ));
         }
     } else {
         p.logprobs = f.usize("logprobs")?;
         if f.bool("echo")?.unwrap_or(false) {
-            return Err(ApiError::invalid(Some("echo".into()), "'echo' is not supported"));
+            return Err(ApiError::invalid(
+                Some("echo".into()),
+                "'echo' is not supported",
+            ));
         }
         if f.str("suffix")?.is_some() {
-            return Err(ApiError::invalid(Some("suffix".into()), "'suffix' is not supported"));
+            return Err(ApiError::invalid(
+                Some("suffix".into()),
+                "'suffix' is not supported",
+            ));
         }
     }
     if let Some(best_of) = f.usize("best_of")? {
         if best_of != p.n {
-            return Err(ApiError::invalid(Some("best_of".into()), "'best_of' other than n is not supported"));
+            return Err(ApiError::invalid(
+                Some("best_of".into()),
+                "'best_of' other than n is not supported",
+            ));
         }
     }
     let stream = f.bool("stream")?.unwrap_or(false);
@@ -215,7 +261,10 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         model,
         max_tokens_given: max_tokens.is_some(),
         params: p,
-        opts: RequestOptions { cache_salt, priority },
+        opts: RequestOptions {
+            cache_salt,
+            priority,
+        },
         stream,
         include_usage,
     })
@@ -240,33 +289,63 @@ pub enum PromptInput {
 
 /// Parses `prompt` of a completions request.
 pub fn parse_prompts(f: &Fields<'_>) -> Result<Vec<PromptInput>, ApiError> {
-    let bad = || ApiError::invalid(Some("prompt".into()), "'prompt' must be a string, a list of strings, or token ids");
-    let v = f.get("prompt").ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' is required"))?;
+    let bad = || {
+        ApiError::invalid(
+            Some("prompt".into()),
+            "'prompt' must be a string, a list of strings, or token ids",
+        )
+    };
+    let v = f
+        .get("prompt")
+        .ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' is required"))?;
     let tokens = |a: &Vec<Value>| -> Option<Vec<u32>> {
-        a.iter().map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
+        a.iter()
+            .map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok()))
+            .collect()
     };
     let out = match v {
         Value::String(s) => vec![PromptInput::Text(s.clone())],
-        Value::Array(a) if a.is_empty() => return Err(ApiError::invalid(Some("prompt".into()), "'prompt' must not be empty")),
+        Value::Array(a) if a.is_empty() => {
+            return Err(ApiError::invalid(
+                Some("prompt".into()),
+                "'prompt' must not be empty",
+            ))
+        }
         Value::Array(a) if a[0].is_string() => a
             .iter()
-            .map(|x| x.as_str().map(|s| PromptInput::Text(s.to_string())).ok_or_else(bad))
+            .map(|x| {
+                x.as_str()
+                    .map(|s| PromptInput::Text(s.to_string()))
+                    .ok_or_else(bad)
+            })
             .collect::<Result<_, _>>()?,
-        Value::Array(a) if a[0].is_number() => vec![PromptInput::Tokens(tokens(a).ok_or_else(bad)?)],
+        Value::Array(a) if a[0].is_number() => {
+            vec![PromptInput::Tokens(tokens(a).ok_or_else(bad)?)]
+        }
         Value::Array(a) if a[0].is_array() => a
             .iter()
-            .map(|x| x.as_array().and_then(tokens).map(PromptInput::Tokens).ok_or_else(bad))
+            .map(|x| {
+                x.as_array()
+                    .and_then(tokens)
+                    .map(PromptInput::Tokens)
+                    .ok_or_else(bad)
+            })
             .collect::<Result<_, _>>()?,
         _ => return Err(bad()),
     };
     if out.len() > 256 {
-        return Err(ApiError::invalid(Some("prompt".into()), "at most 256 prompts per request"));
+        return Err(ApiError::invalid(
+            Some("prompt".into()),
+            "at most 256 prompts per request",
+        ));
     }
     Ok(out)
 }
 
 /// One chat message as the template sees it.
-pub fn parse_messages(f: &Fields<'_>) -> Result<Vec<crate::tokenizer::chat_template::ChatMessage>, ApiError> {
+pub fn parse_messages(
+    f: &Fields<'_>,
+) -> Result<Vec<crate::tokenizer::chat_template::ChatMessage>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages".into()), m);
     let list = match f.get("messages") {
         Some(Value::Array(a)) if !a.is_empty() => a,
@@ -286,16 +365,30 @@ pub fn parse_messages(f: &Fields<'_>) -> Result<Vec<crate::tokenizer::chat_templ
             Some(Value::Array(parts)) => {
                 let mut s = String::new();
                 for (j, p) in parts.iter().enumerate() {
-                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    match (
+                        p.get("type").and_then(Value::as_str),
+                        p.get("text").and_then(Value::as_str),
+                    ) {
                         (Some("text"), Some(t)) => s.push_str(t),
-                        _ => return Err(bad(format!("messages[{i}].content[{j}] must be a text part"))),
+                        _ => {
+                            return Err(bad(format!(
+                                "messages[{i}].content[{j}] must be a text part"
+                            )))
+                        }
                     }
                 }
                 s
             }
-            Some(_) => return Err(bad(format!("messages[{i}].content must be a string or a list of parts"))),
+            Some(_) => {
+                return Err(bad(format!(
+                    "messages[{i}].content must be a string or a list of parts"
+                )))
+            }
         };
-        out.push(crate::tokenizer::chat_template::ChatMessage { role: role.to_string(), content });
+        out.push(crate::tokenizer::chat_template::ChatMessage {
+            role: role.to_string(),
+            content,
+        });
     }
     Ok(out)
 }

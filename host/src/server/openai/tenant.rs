@@ -33,13 +33,22 @@ pub fn hook_error(e: &HookError) -> ApiError {
 impl TenantCtx {
     /// Admits a request: concurrency and token limits, one snapshot of the
     /// tenant's config and chain for the whole request.
-    pub fn admit(state: &AppState, tenant: &Arc<Tenant>, request_id: &str) -> Result<TenantCtx, ApiError> {
+    pub fn admit(
+        state: &AppState,
+        tenant: &Arc<Tenant>,
+        request_id: &str,
+    ) -> Result<TenantCtx, ApiError> {
         let admission = tenant.admit()?;
         let snap = Arc::clone(&admission.snapshot);
         let session = if snap.chain.is_empty() {
             None
         } else {
-            let models: Vec<String> = state.served_model_names().iter().filter(|m| snap.allows_model(m)).cloned().collect();
+            let models: Vec<String> = state
+                .served_model_names()
+                .iter()
+                .filter(|m| snap.allows_model(m))
+                .cloned()
+                .collect();
             Some(Box::new(Session::new(
                 Arc::clone(&state.tenants.runtime),
                 &tenant.id,
@@ -69,7 +78,13 @@ impl TenantCtx {
             None => (Vec::new(), Vec::new()),
         };
         let n = snap.chain.len();
-        Ok(TenantCtx { admission, session, on_chunk, post, failed: vec![false; n] })
+        Ok(TenantCtx {
+            admission,
+            session,
+            on_chunk,
+            post,
+            failed: vec![false; n],
+        })
     }
 
     pub fn tenant_id(&self) -> &str {
@@ -90,8 +105,14 @@ impl TenantCtx {
     }
 
     /// Runs `f` on the session on a blocking thread.
-    async fn run<R: Send + 'static>(&mut self, f: impl FnOnce(&mut Session) -> R + Send + 'static) -> Result<R, ApiError> {
-        let mut s = self.session.take().ok_or_else(|| ApiError::internal("the plugin session was lost"))?;
+    async fn run<R: Send + 'static>(
+        &mut self,
+        f: impl FnOnce(&mut Session) -> R + Send + 'static,
+    ) -> Result<R, ApiError> {
+        let mut s = self
+            .session
+            .take()
+            .ok_or_else(|| ApiError::internal("the plugin session was lost"))?;
         let (s, r) = tokio::task::spawn_blocking(move || {
             let r = f(&mut s);
             (s, r)
@@ -103,7 +124,10 @@ impl TenantCtx {
     }
 
     fn has_hook(&self, h: HookKind) -> Vec<usize> {
-        self.session.as_ref().map(|s| s.with_hook(h)).unwrap_or_default()
+        self.session
+            .as_ref()
+            .map(|s| s.with_hook(h))
+            .unwrap_or_default()
     }
 
     /// `route` of each plugin in order; `modify` feeds the next.
@@ -141,11 +165,18 @@ impl TenantCtx {
     }
 
     /// `render-prompt`: the first plugin that returns a prompt wins.
-    pub async fn render(&mut self, body: &Value, template: Option<String>) -> Result<Option<String>, ApiError> {
+    pub async fn render(
+        &mut self,
+        body: &Value,
+        template: Option<String>,
+    ) -> Result<Option<String>, ApiError> {
         let req = body.to_string();
         for i in self.has_hook(HookKind::RenderPrompt) {
             let (r, t) = (req.clone(), template.clone());
-            match self.run(move |s| s.render_prompt(i, &r, t.as_deref())).await? {
+            match self
+                .run(move |s| s.render_prompt(i, &r, t.as_deref()))
+                .await?
+            {
                 Ok(Ok(Some(p))) => return Ok(Some(p)),
                 Ok(Ok(None)) => {}
                 Ok(Err(msg)) => return Err(ApiError::plugin(400, "plugin_rejected", msg)),
@@ -166,9 +197,18 @@ impl TenantCtx {
     }
 
     /// Streamed text of `choice` through the `on-chunk` chain.
-    pub async fn on_chunk(&mut self, choice: usize, text: String, finish: bool, tokens: (u32, u32)) -> Result<String, ApiError> {
+    pub async fn on_chunk(
+        &mut self,
+        choice: usize,
+        text: String,
+        finish: bool,
+        tokens: (u32, u32),
+    ) -> Result<String, ApiError> {
         let order = self.on_chunk.clone();
-        let fail_open: Vec<bool> = order.iter().map(|&i| self.fail_open(i, HookKind::OnChunk)).collect();
+        let fail_open: Vec<bool> = order
+            .iter()
+            .map(|&i| self.fail_open(i, HookKind::OnChunk))
+            .collect();
         let failed = self.failed.clone();
         let (out, newly_failed) = self
             .run(move |s| {
@@ -200,7 +240,12 @@ impl TenantCtx {
 
     /// The complete text of a non-streamed choice through `post-process`
     /// (or, for plugins without it, one final `on-chunk`).
-    pub async fn post_process(&mut self, choice: usize, text: String, tokens: (u32, u32)) -> Result<String, ApiError> {
+    pub async fn post_process(
+        &mut self,
+        choice: usize,
+        text: String,
+        tokens: (u32, u32),
+    ) -> Result<String, ApiError> {
         let mut text = text;
         for (i, has_post) in self.post.clone() {
             if self.failed[i] {
@@ -219,10 +264,26 @@ impl TenantCtx {
                 .await?;
             match r {
                 Ok(Ok(t)) => text = t,
-                Ok(Err(msg)) => return Err(ApiError::plugin(500, "plugin_error", format!("plugin '{}' failed the response: {msg}", self.admission.snapshot.chain[i].plugin.name))),
+                Ok(Err(msg)) => {
+                    return Err(ApiError::plugin(
+                        500,
+                        "plugin_error",
+                        format!(
+                            "plugin '{}' failed the response: {msg}",
+                            self.admission.snapshot.chain[i].plugin.name
+                        ),
+                    ))
+                }
                 Err(e) => {
                     self.failed[i] = true;
-                    if !self.fail_open(i, if has_post { HookKind::PostProcess } else { HookKind::OnChunk }) {
+                    if !self.fail_open(
+                        i,
+                        if has_post {
+                            HookKind::PostProcess
+                        } else {
+                            HookKind::OnChunk
+                        },
+                    ) {
                         return Err(hook_error(&e));
                     }
                 }
