@@ -708,6 +708,17 @@ mod x86 {
         for (i, p) in arow.iter_mut().enumerate() {
             *p = a.q.add((i0 + i) * a.row);
         }
+        if M == 1 {
+            // Decode streams every weight once from DRAM; asking for the
+            // next tile's quants now overlaps that fetch with this tile's
+            // arithmetic. A prefetch past the end of the matrix is harmless.
+            let next = w.qs.add((r0 + R) * w.qs_row);
+            let mut off = 0;
+            while off < R * w.qs_row {
+                _mm_prefetch::<_MM_HINT_T0>(next.add(off) as *const i8);
+                off += 64;
+            }
+        }
         let ng = w.lanes.div_ceil(16);
         for g in 0..ng {
             if group_lanes(w.lanes, g) > 8 {
