@@ -170,7 +170,11 @@ impl Admission {
     /// Charges the request's tokens to the tenant's per-minute budget.
     pub fn charge(&self, tokens: u64) {
         if self.snapshot.config.limits.tokens_per_minute.is_some() {
-            let mut b = self.tenant.bucket.lock().unwrap();
+            let mut b = self
+                .tenant
+                .bucket
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             b.level -= tokens as f64;
         }
     }
@@ -218,7 +222,10 @@ impl Tenant {
         }
         if let Some(tpm) = limits.tokens_per_minute {
             let rate = tpm as f64 / 60.0;
-            let mut b = self.bucket.lock().unwrap();
+            let mut b = self
+                .bucket
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let now = Instant::now();
             b.level = (b.level + rate * (now - b.at).as_secs_f64()).min(tpm as f64);
             b.at = now;
@@ -237,7 +244,10 @@ impl Tenant {
 
     /// Rebuilds the snapshot from `config` and the active plugin versions.
     pub(crate) fn publish(&self, config: TenantConfig) {
-        let slots = self.plugins.lock().unwrap();
+        let slots = self
+            .plugins
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let active = |name: &str| -> Option<Arc<LoadedPlugin>> {
             let s = slots.get(name)?;
             s.loaded.get(&s.active?).cloned()
@@ -268,7 +278,10 @@ impl Tenant {
         drop(slots);
         {
             let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
-            let mut b = self.bucket.lock().unwrap();
+            let mut b = self
+                .bucket
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             if b.level > tpm {
                 b.level = tpm;
             }
@@ -342,28 +355,49 @@ impl Tenants {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.map.read().unwrap().is_empty()
+        self.map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_empty()
     }
 
     pub fn ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.map.read().unwrap().keys().cloned().collect();
+        let mut v: Vec<String> = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect();
         v.sort();
         v
     }
 
     pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
-        self.map.read().unwrap().get(id).cloned()
+        self.map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(id)
+            .cloned()
     }
 
     /// The tenant an API key belongs to.
     pub fn by_key(&self, key: &str) -> Option<Arc<Tenant>> {
         let h = hash_key(key);
-        let id = self.keys.read().unwrap().get(&h).cloned()?;
+        let id = self
+            .keys
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&h)
+            .cloned()?;
         self.get(&id)
     }
 
     fn index_keys(&self, id: &str, old: &[String], new: &[String]) {
-        let mut k = self.keys.write().unwrap();
+        let mut k = self
+            .keys
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         for h in old {
             if k.get(h).is_some_and(|t| t == id) {
                 k.remove(h);
@@ -387,7 +421,10 @@ impl Tenants {
                     bail!("api_keys must be at least 8 characters each");
                 }
                 let hashes: Vec<String> = keys.iter().map(|k| hash_key(k.trim())).collect();
-                let index = self.keys.read().unwrap();
+                let index = self
+                    .keys
+                    .read()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
                 if let Some(h) = hashes
                     .iter()
                     .find(|h| index.get(*h).is_some_and(|t| t != id))
@@ -449,7 +486,7 @@ impl Tenants {
                 let t = Arc::new(Tenant::new(config.clone()));
                 self.map
                     .write()
-                    .unwrap()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
                     .entry(id.to_string())
                     .or_insert(t)
                     .clone()
@@ -486,7 +523,10 @@ impl Tenants {
         }
         let c = t.snapshot().config.clone();
         self.index_keys(id, &c.api_key_hashes, &[]);
-        self.map.write().unwrap().remove(id);
+        self.map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(id);
         Ok(true)
     }
 
@@ -519,7 +559,10 @@ impl Tenants {
         .map_err(|e| anyhow!("the compiler task failed: {e}"))??;
         let _g = tenant.admin.lock().await;
         let (version, history) = {
-            let slots = tenant.plugins.lock().unwrap();
+            let slots = tenant
+                .plugins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let s = slots.get(name);
             let version = s
                 .and_then(|s| s.versions.keys().next_back().copied())
@@ -564,7 +607,10 @@ impl Tenants {
             .map_err(|e| anyhow!("{e}"))??;
         }
         {
-            let mut slots = tenant.plugins.lock().unwrap();
+            let mut slots = tenant
+                .plugins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let s = slots.entry(name.to_string()).or_default();
             s.versions.insert(version, record.clone());
             s.loaded.insert(version, loaded);
@@ -580,7 +626,10 @@ impl Tenants {
     pub async fn rollback(&self, tenant: &Arc<Tenant>, name: &str) -> Result<VersionRecord> {
         let _g = tenant.admin.lock().await;
         let (target, history, record, loaded) = {
-            let slots = tenant.plugins.lock().unwrap();
+            let slots = tenant
+                .plugins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let s = slots
                 .get(name)
                 .ok_or_else(|| anyhow!("tenant '{}' has no plugin '{name}'", tenant.id))?;
@@ -620,7 +669,10 @@ impl Tenants {
                 .map_err(|e| anyhow!("{e}"))??;
         }
         {
-            let mut slots = tenant.plugins.lock().unwrap();
+            let mut slots = tenant
+                .plugins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             let s = slots.entry(name.to_string()).or_default();
             s.loaded.insert(target, loaded);
             s.active = Some(target);
@@ -633,7 +685,10 @@ impl Tenants {
 
     /// The plugins of a tenant, as the admin API lists them.
     pub fn list_plugins(&self, tenant: &Tenant) -> serde_json::Value {
-        let slots = tenant.plugins.lock().unwrap();
+        let slots = tenant
+            .plugins
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let list: Vec<serde_json::Value> = slots
             .iter()
             .map(|(name, s)| {
@@ -664,10 +719,15 @@ impl Tenants {
         let n = loaded.len();
         for (config, slots) in loaded {
             let t = Arc::new(Tenant::new(config.clone()));
-            *t.plugins.lock().unwrap() = slots;
+            *t.plugins
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = slots;
             self.index_keys(&config.id, &[], &config.api_key_hashes);
             t.publish(config.clone());
-            self.map.write().unwrap().insert(config.id.clone(), t);
+            self.map
+                .write()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(config.id.clone(), t);
         }
         Ok(n)
     }
