@@ -23,6 +23,15 @@
 //!   separate 64-byte-per-group array whose byte `4j + t` holds the top two
 //!   bits of element `4c + t` at bits `2c..2c+2`.
 //!
+//! The offsets above are within one row. In memory, rows are further
+//! interleaved in *panels* of [`PANEL`] rows: within a group, each `4·gl`-byte
+//! unit (one load of one row) of the panel's rows is stored side by side, so
+//! the decode kernel, which walks a panel's rows together unit by unit,
+//! reads one sequential stream. Walking rows separately meant `PANEL`
+//! interleaved short streams, which the hardware prefetchers follow poorly:
+//! measured on Zen 4, a 92 MB weight stream with the same arithmetic ran at
+//! about 10 GB/s row-interleaved and about 18 GB/s sequential.
+//!
 //! Scales stay in their file precision (f16 for the 32-element types, the
 //! 6-bit or 8-bit sub-block scales plus an f32 super-block scale for
 //! K-quants), so the repacked matrix is within ~5% of the GGUF size and
@@ -79,6 +88,10 @@ pub(crate) const fn d_bytes(k: u8) -> usize {
         2
     }
 }
+
+/// Rows interleaved unit by unit in the `qs` array (see the module docs).
+/// The decode kernel's row tile is this many rows.
+pub(crate) const PANEL: usize = 8;
 
 /// Bytes of packed codes per lane (the low-nibble part for Q6_K).
 pub(crate) const fn qs_lane_bytes(k: u8) -> usize {
@@ -163,7 +176,8 @@ pub(crate) struct QMat {
     pub(crate) lanes: usize,
     /// Super-blocks per row (K-quants; 0 otherwise).
     pub(crate) nsb: usize,
-    /// Interleaved codes; `qs_row` bytes per row.
+    /// Interleaved codes, `qs_row` bytes per row, in panels of [`PANEL`]
+    /// rows (the last panel padded with zero rows).
     pub(crate) qs: ABuf,
     pub(crate) qs_row: usize,
     /// Q6_K high code bits; 64 bytes per group, `qh_row` bytes per row.
@@ -228,16 +242,24 @@ fn pack_codes(kind: u8, codes: &[u8], qs: &mut [u8], qh: &mut [u8]) {
     }
 }
 
-/// The unsigned code of element `e` of lane `b` in a packed row.
-fn unpack_code(kind: u8, lanes: usize, qs: &[u8], qh: &[u8], b: usize, e: usize) -> u8 {
+/// The unsigned code of element `e` of lane `b` in a packed row, whose
+/// row-major byte `o` is `qs(o)`.
+fn unpack_code(
+    kind: u8,
+    lanes: usize,
+    qs: impl Fn(usize) -> u8,
+    qh: &[u8],
+    b: usize,
+    e: usize,
+) -> u8 {
     let l = lane_len(kind);
     let (g, j) = (b / 16, b % 16);
     let gl = group_lanes(lanes, g);
     let t = e % 4;
     if code_bits(kind) == 8 {
-        return qs[16 * g * l + (e / 4) * 4 * gl + 4 * j + t];
+        return qs(16 * g * l + (e / 4) * 4 * gl + 4 * j + t);
     }
-    let byte = qs[16 * g * l / 2 + (e / 8) * 4 * gl + 4 * j + t];
+    let byte = qs(16 * g * l / 2 + (e / 8) * 4 * gl + 4 * j + t);
     let low = if e % 8 < 4 { byte & 0x0f } else { byte >> 4 };
     if code_bits(kind) == 6 {
         low | (((qh[64 * g + 4 * j + t] >> (2 * (e / 4))) & 3) << 4)
@@ -283,7 +305,7 @@ impl QMat {
             cols,
             lanes,
             nsb,
-            qs: ABuf::zeroed(rows * qs_row),
+            qs: ABuf::zeroed(rows.div_ceil(PANEL) * PANEL * qs_row),
             qs_row,
             qh: ABuf::zeroed(rows * qh_row),
             qh_row,
@@ -302,6 +324,7 @@ impl QMat {
         let lanes = q.lanes;
         let row_bytes = cols / ty.block_len() * ty.block_bytes();
         let mut codes = vec![0u8; cols];
+        let mut row_qs = vec![0u8; q.qs_row];
         for r in 0..rows {
             let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
             let d =
@@ -364,23 +387,64 @@ impl QMat {
                 }
                 _ => unreachable!(),
             }
-            let qs_row = q.qs_row;
             let qh_row = q.qh_row;
             let qh_all = q.qh.bytes_mut();
             let qh = &mut qh_all[r * qh_row..(r + 1) * qh_row];
-            pack_codes(
-                kind,
-                &codes[..lanes * l],
-                &mut q.qs.bytes_mut()[r * qs_row..(r + 1) * qs_row],
-                qh,
-            );
+            pack_codes(kind, &codes[..lanes * l], &mut row_qs, qh);
+            q.write_qs_row(r, &row_qs);
         }
         q
     }
 
-    /// Bytes held (what a matmul streams).
+    /// Calls `f(row_offset, qs_index, len)` for each unit of row `r`: `len`
+    /// bytes at `row_offset` in the row's own packed codes live at
+    /// `qs_index` in the panel layout.
+    fn for_each_unit(&self, r: usize, mut f: impl FnMut(usize, usize, usize)) {
+        let gbytes = 16 * qs_lane_bytes(self.kind);
+        let panel = r / PANEL * PANEL * self.qs_row;
+        let j = r % PANEL;
+        for g in 0..self.lanes.div_ceil(16) {
+            let stride = 4 * group_lanes(self.lanes, g);
+            let units = group_lanes(self.lanes, g) * qs_lane_bytes(self.kind) / stride;
+            for k in 0..units {
+                let at = panel + PANEL * g * gbytes + (k * PANEL + j) * stride;
+                f(g * gbytes + k * stride, at, stride);
+            }
+        }
+    }
+
+    /// Index in `qs` of byte `o` of row `r`'s row-major packed codes (the
+    /// scalar kernel's addressing; the SIMD kernels walk units directly).
+    pub(crate) fn qs_index(&self, r: usize, o: usize) -> usize {
+        let gbytes = 16 * qs_lane_bytes(self.kind);
+        let g = o / gbytes;
+        let stride = 4 * group_lanes(self.lanes, g);
+        let (k, x) = ((o - g * gbytes) / stride, (o - g * gbytes) % stride);
+        r / PANEL * PANEL * self.qs_row + PANEL * g * gbytes + (k * PANEL + r % PANEL) * stride + x
+    }
+
+    /// Stores row `r`'s packed codes (`qs_row` bytes, row-major order).
+    fn write_qs_row(&mut self, r: usize, src: &[u8]) {
+        let mut units = Vec::with_capacity(self.lanes);
+        self.for_each_unit(r, |o, at, n| units.push((o, at, n)));
+        let qs = self.qs.bytes_mut();
+        for (o, at, n) in units {
+            qs[at..at + n].copy_from_slice(&src[o..o + n]);
+        }
+    }
+
+    /// Row `r`'s packed codes in row-major order.
+    fn read_qs_row(&self, r: usize) -> Vec<u8> {
+        let mut out = vec![0u8; self.qs_row];
+        let qs = self.qs.bytes();
+        self.for_each_unit(r, |o, at, n| out[o..o + n].copy_from_slice(&qs[at..at + n]));
+        out
+    }
+
+    /// Bytes held (what a matmul streams), not counting the zero rows that
+    /// pad the last panel.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.qs.len()
+        self.rows * self.qs_row
             + self.qh.len()
             + self.d.len()
             + self.m.len()
@@ -391,21 +455,30 @@ impl QMat {
     /// Stacks matrices of the same kind and width.
     pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a QMat> + Clone, rows: usize) -> QMat {
         let first = parts.clone().next().expect("concat of at least one part");
-        QMat {
+        let mut out = QMat {
             kind: first.kind,
             rows,
             cols: first.cols,
             lanes: first.lanes,
             nsb: first.nsb,
-            qs: ABuf::concat(parts.clone().map(|p| &p.qs)),
+            // Panels may straddle the parts: re-place every row.
+            qs: ABuf::zeroed(rows.div_ceil(PANEL) * PANEL * first.qs_row),
             qs_row: first.qs_row,
             qh: ABuf::concat(parts.clone().map(|p| &p.qh)),
             qh_row: first.qh_row,
             d: ABuf::concat(parts.clone().map(|p| &p.d)),
             m: ABuf::concat(parts.clone().map(|p| &p.m)),
             sd: ABuf::concat(parts.clone().map(|p| &p.sd)),
-            smin: ABuf::concat(parts.map(|p| &p.smin)),
+            smin: ABuf::concat(parts.clone().map(|p| &p.smin)),
+        };
+        let mut r = 0;
+        for p in parts {
+            for pr in 0..p.rows {
+                out.write_qs_row(r, &p.read_qs_row(pr));
+                r += 1;
+            }
         }
+        out
     }
 
     /// The scale and min (value = `scale · u + min`, offsets folded into the
@@ -440,7 +513,10 @@ impl QMat {
     /// Dequantizes row `r` into `out[..cols]`.
     pub(crate) fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let l = lane_len(self.kind);
-        let qs = &self.qs.bytes()[r * self.qs_row..(r + 1) * self.qs_row];
+        // Byte by byte through the panel index: this serves embedding
+        // lookups during decode, which must not allocate a row buffer.
+        let all = self.qs.bytes();
+        let qs = |o: usize| all[self.qs_index(r, o)];
         let qh = &self.qh.bytes()[r * self.qh_row..(r + 1) * self.qh_row];
         for b in 0..self.lanes {
             let (d, m) = self.lane_affine(r, b);

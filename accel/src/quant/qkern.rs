@@ -16,7 +16,7 @@
 use super::act;
 use super::layout::{
     code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K,
-    K_Q8_0,
+    K_Q8_0, PANEL,
 };
 use super::{grow, MatmulScratch, OutPtr};
 use crate::cpu::pool::ThreadPool;
@@ -151,7 +151,7 @@ pub(crate) fn matmul(
     let o = OutPtr(out.as_mut_ptr());
     let rows = q.rows;
     let kind = q.kind;
-    pool.run_ranges(rows, 4, &|r0, r1| {
+    pool.run_ranges(rows, PANEL, &|r0, r1| {
         // SAFETY: rows r0..r1 are in range, each task writes only its own
         // output columns, and `level` is supported by this CPU.
         unsafe {
@@ -240,7 +240,7 @@ unsafe fn tile_scalar<const K: u8>(
     let qs_all = q.qs.bytes();
     let qh_all = q.qh.bytes();
     for r in r0..r0 + rt {
-        let qs = &qs_all[r * q.qs_row..(r + 1) * q.qs_row];
+        let qs = |o: usize| qs_all[q.qs_index(r, o)];
         let qh = &qh_all[r * q.qh_row..(r + 1) * q.qh_row];
         for i in i0..i0 + mt {
             let aq = std::slice::from_raw_parts(a.q.add(i * a.row), a.row);
@@ -252,9 +252,9 @@ unsafe fn tile_scalar<const K: u8>(
                 for c in 0..l / 4 {
                     for t in 0..4 {
                         let u = if code_bits(K) == 8 {
-                            qs[16 * g * l + c * 4 * gl + 4 * j + t]
+                            qs(16 * g * l + c * 4 * gl + 4 * j + t)
                         } else {
-                            let byte = qs[16 * g * l / 2 + (c / 2) * 4 * gl + 4 * j + t];
+                            let byte = qs(16 * g * l / 2 + (c / 2) * 4 * gl + 4 * j + t);
                             let low = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
                             if code_bits(K) == 6 {
                                 low | (((qh[64 * g + 4 * j + t] >> (2 * c)) & 3) << 4)
@@ -302,6 +302,48 @@ mod x86 {
         };
     }
     dispatch_tiles!(tile512_dispatch, tile512, 1, 2, 3, 4);
+
+    /// Where rows `r0..r0 + R` start: for `qs`, the row's first unit in its
+    /// panel before scaling by the group's unit stride, i.e. the panel base
+    /// and the row's index in the panel (see [`group_ptrs`]); for `qh`, the
+    /// row itself.
+    #[inline(always)]
+    unsafe fn row_ptrs<const R: usize>(w: &QPtrs, r0: usize) -> ([QRow; R], [*const u8; R]) {
+        let mut wrow = [QRow { panel: w.qs, j: 0 }; R];
+        let mut hrow = [w.qh; R];
+        for r in 0..R {
+            let row = r0 + r;
+            wrow[r] = QRow {
+                panel: w.qs.add(row / PANEL * PANEL * w.qs_row),
+                j: row % PANEL,
+            };
+            hrow[r] = w.qh.add(row * w.qh_row);
+        }
+        (wrow, hrow)
+    }
+
+    /// A weight row's place in the panel layout.
+    #[derive(Clone, Copy)]
+    struct QRow {
+        panel: *const u8,
+        j: usize,
+    }
+
+    /// Each row's first unit of the group that starts at per-row byte
+    /// `wbase` with units of `stride` bytes; unit `k` is `k · PANEL · stride`
+    /// further on.
+    #[inline(always)]
+    unsafe fn group_ptrs<const R: usize>(
+        wrow: &[QRow; R],
+        wbase: usize,
+        stride: usize,
+    ) -> [*const u8; R] {
+        let mut p = [wrow[0].panel; R];
+        for r in 0..R {
+            p[r] = wrow[r].panel.add(PANEL * wbase + wrow[r].j * stride);
+        }
+        p
+    }
     dispatch_tiles!(tile256_dispatch, tile256, 1, 2);
 
     /// The vector operations the AVX-512 kernel needs, at two widths: 16
@@ -602,7 +644,7 @@ mod x86 {
         a: &APtrs,
         i0: usize,
         g: usize,
-        wrow: &[*const u8; R],
+        wrow: &[QRow; R],
         hrow: &[*const u8; R],
         arow: &[*const i8; M],
         facc: &mut [[__m512; M]; R],
@@ -614,22 +656,23 @@ mod x86 {
         let stride = 4 * gl;
         let abase = 16 * g * l;
         let mut iacc = [[V::zero(); M]; R];
+        let unit = PANEL * stride;
         if code_bits(K) == 8 {
-            let wbase = 16 * g * 32;
+            let wg = group_ptrs(wrow, 16 * g * 32, stride);
             for c in 0..8 {
                 let mut av = [V::zero(); M];
                 for i in 0..M {
                     av[i] = V::load(mask, arow[i].add(abase + c * stride) as *const u8);
                 }
                 for r in 0..R {
-                    let wv = V::load(mask, wrow[r].add(wbase + c * stride));
+                    let wv = V::load(mask, wg[r].add(c * unit));
                     for i in 0..M {
                         iacc[r][i] = V::dpbusd(iacc[r][i], wv, av[i]);
                     }
                 }
             }
         } else {
-            let wbase = 16 * g * l / 2;
+            let wg = group_ptrs(wrow, 16 * g * l / 2, stride);
             let mut qh = [V::zero(); R];
             if code_bits(K) == 6 {
                 for r in 0..R {
@@ -644,8 +687,7 @@ mod x86 {
                     ahi[i] = V::load(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const u8);
                 }
                 for r in 0..R {
-                    let (mut lo, mut hi) =
-                        V::nibbles(V::load(mask, wrow[r].add(wbase + s * stride)));
+                    let (mut lo, mut hi) = V::nibbles(V::load(mask, wg[r].add(s * unit)));
                     if code_bits(K) == 6 {
                         lo = V::or_hbits(lo, qh[r], 2 * s);
                         hi = V::or_hbits(hi, qh[r], 2 * s + 1);
@@ -698,26 +740,10 @@ mod x86 {
         ldo: usize,
     ) {
         let mut facc = [[_mm512_setzero_ps(); M]; R];
-        let mut wrow = [w.qs; R];
-        let mut hrow = [w.qh; R];
-        for r in 0..R {
-            wrow[r] = w.qs.add((r0 + r) * w.qs_row);
-            hrow[r] = w.qh.add((r0 + r) * w.qh_row);
-        }
+        let (wrow, hrow) = row_ptrs::<R>(w, r0);
         let mut arow = [a.q; M];
         for (i, p) in arow.iter_mut().enumerate() {
             *p = a.q.add((i0 + i) * a.row);
-        }
-        if M == 1 {
-            // Decode streams every weight once from DRAM; asking for the
-            // next tile's quants now overlaps that fetch with this tile's
-            // arithmetic. A prefetch past the end of the matrix is harmless.
-            let next = w.qs.add((r0 + R) * w.qs_row);
-            let mut off = 0;
-            while off < R * w.qs_row {
-                _mm_prefetch::<_MM_HINT_T0>(next.add(off) as *const i8);
-                off += 64;
-            }
         }
         let ng = w.lanes.div_ceil(16);
         for g in 0..ng {
@@ -858,12 +884,7 @@ mod x86 {
         let zi = _mm256_setzero_si256();
         let lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let mut facc = [[_mm256_setzero_ps(); M]; R];
-        let mut wrow = [w.qs; R];
-        let mut hrow = [w.qh; R];
-        for r in 0..R {
-            wrow[r] = w.qs.add((r0 + r) * w.qs_row);
-            hrow[r] = w.qh.add((r0 + r) * w.qh_row);
-        }
+        let (wrow, hrow) = row_ptrs::<R>(w, r0);
         let mut arow = [a.q as *const u8; M];
         for (i, p) in arow.iter_mut().enumerate() {
             *p = a.q.add((i0 + i) * a.row) as *const u8;
@@ -881,18 +902,17 @@ mod x86 {
                 let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
                 let hoff = 32 * h;
                 let mut iacc = [[zi; M]; R];
+                let unit = PANEL * stride;
                 if code_bits(K) == 8 {
-                    let wbase = 16 * g * 32 + hoff;
+                    let wg = group_ptrs(&wrow, 16 * g * 32, stride);
                     for c in 0..8 {
                         let mut av = [zi; M];
                         for i in 0..M {
                             av[i] = ld8(arow[i].add(abase + hoff + c * stride), full, maskv);
                         }
                         for r in 0..R {
-                            let ws = _mm256_xor_si256(
-                                ld8(wrow[r].add(wbase + c * stride), full, maskv),
-                                x80,
-                            );
+                            let ws =
+                                _mm256_xor_si256(ld8(wg[r].add(hoff + c * unit), full, maskv), x80);
                             let wa = _mm256_abs_epi8(ws);
                             for i in 0..M {
                                 let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[i], ws));
@@ -902,7 +922,7 @@ mod x86 {
                         }
                     }
                 } else {
-                    let wbase = 16 * g * l / 2 + hoff;
+                    let wg = group_ptrs(&wrow, 16 * g * l / 2, stride);
                     let mut qh = [zi; R];
                     if code_bits(K) == 6 {
                         for r in 0..R {
@@ -921,7 +941,7 @@ mod x86 {
                             );
                         }
                         for r in 0..R {
-                            let v = ld8(wrow[r].add(wbase + s * stride), full, maskv);
+                            let v = ld8(wg[r].add(hoff + s * unit), full, maskv);
                             let mut lo = _mm256_and_si256(v, m0f);
                             let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
                             if code_bits(K) == 6 {
