@@ -351,9 +351,18 @@ mod x86 {
     /// last groups, which would otherwise cost a full group's work (a
     /// 576-column row is 18 lanes: a group of 16 and a tail of 2).
     trait Width {
+        /// Lanes of 32 bits.
+        const LANES: usize;
         type I: Copy;
         type F: Copy;
         type Mask: Copy;
+        /// The `4 · n` bytes at `p` (`n` = 1, 2 or 4 lanes) repeated across
+        /// the vector.
+        unsafe fn bcast(p: *const u8, n: usize) -> Self::I;
+        unsafe fn as_f(v: Self::I) -> Self::F;
+        /// Lanes `first..first + n` of `v` moved to lanes `0..n` of a
+        /// 16-lane vector, zero elsewhere.
+        unsafe fn lanes_to_front(v: Self::F, first: usize, n: usize) -> __m512;
         unsafe fn mask(gl: usize) -> Self::Mask;
         unsafe fn zero() -> Self::I;
         unsafe fn zerof() -> Self::F;
@@ -383,6 +392,30 @@ mod x86 {
     struct Ymm;
 
     impl Width for Zmm {
+        const LANES: usize = 16;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn bcast(p: *const u8, n: usize) -> __m512i {
+            match n {
+                1 => _mm512_set1_epi32(std::ptr::read_unaligned(p as *const i32)),
+                2 => _mm512_set1_epi64(std::ptr::read_unaligned(p as *const i64)),
+                _ => _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i)),
+            }
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn as_f(v: __m512i) -> __m512 {
+            _mm512_castsi512_ps(v)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn lanes_to_front(v: __m512, first: usize, n: usize) -> __m512 {
+            let idx = _mm512_add_epi32(
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                _mm512_set1_epi32(first as i32),
+            );
+            _mm512_maskz_permutexvar_ps(Self::mask(n), idx, v)
+        }
         type I = __m512i;
         type F = __m512;
         type Mask = __mmask16;
@@ -527,6 +560,26 @@ mod x86 {
     }
 
     impl Width for Ymm {
+        const LANES: usize = 8;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn bcast(p: *const u8, n: usize) -> __m256i {
+            match n {
+                1 => _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32)),
+                2 => _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64)),
+                _ => _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i)),
+            }
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn as_f(v: __m256i) -> __m256 {
+            _mm256_castsi256_ps(v)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn lanes_to_front(v: __m256, first: usize, n: usize) -> __m512 {
+            Zmm::lanes_to_front(_mm512_zextps256_ps512(v), first, n)
+        }
         type I = __m256i;
         type F = __m256;
         type Mask = __mmask8;
@@ -728,6 +781,104 @@ mod x86 {
         }
     }
 
+    /// A short last group (`gl` lanes, `R · gl` = one vector) of `R` rows ×
+    /// `M` activation rows, with the rows packed side by side: lane
+    /// `ρ · gl + j` is row `ρ`'s lane `j`. In the panel layout the `R` rows'
+    /// units are contiguous, so one load takes all of them, and each
+    /// activation unit is broadcast to every row. Processing such a group
+    /// row by row (as [`group`] does) costs as much as a full group of 16
+    /// lanes for a fraction of the work: 576 columns are 16 + 2 lanes, and
+    /// that tail made SmolLM2's 576-column matmuls 1.8× slower per MAC than
+    /// its 1536-column ones.
+    ///
+    /// Each row's lanes get exactly the arithmetic [`group`] gives them with
+    /// `Ymm` (products rounded, then added into lanes `0..gl` of the row's
+    /// accumulator, `+0.0` into the rest), so results are bitwise those of
+    /// the row-by-row path: batch invariance does not depend on `R`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn tail_packed<V: Width, const K: u8, const R: usize, const M: usize>(
+        w: &QPtrs,
+        r0: usize,
+        a: &APtrs,
+        i0: usize,
+        g: usize,
+        wrow: &[QRow; R],
+        arow: &[*const i8; M],
+        facc: &mut [[__m512; M]; R],
+    ) {
+        let l = lane_len(K);
+        let lanes = w.lanes;
+        let gl = group_lanes(lanes, g);
+        debug_assert_eq!(R * gl, V::LANES);
+        debug_assert!(wrow[0].j + R <= PANEL);
+        let stride = 4 * gl;
+        let unit = PANEL * stride;
+        let abase = 16 * g * l;
+        let full = V::mask(V::LANES);
+        let mut iacc = [V::zero(); M];
+        if code_bits(K) == 8 {
+            let wp = group_ptrs(&[wrow[0]], 16 * g * 32, stride)[0];
+            for c in 0..8 {
+                let wv = V::load(full, wp.add(c * unit));
+                for i in 0..M {
+                    let av = V::bcast(arow[i].add(abase + c * stride) as *const u8, gl);
+                    iacc[i] = V::dpbusd(iacc[i], wv, av);
+                }
+            }
+        } else {
+            let wp = group_ptrs(&[wrow[0]], 16 * g * l / 2, stride)[0];
+            for s in 0..l / 8 {
+                let (lo, hi) = V::nibbles(V::load(full, wp.add(s * unit)));
+                for i in 0..M {
+                    let alo = V::bcast(arow[i].add(abase + 2 * s * stride) as *const u8, gl);
+                    let ahi = V::bcast(arow[i].add(abase + (2 * s + 1) * stride) as *const u8, gl);
+                    iacc[i] = V::dpbusd(iacc[i], lo, alo);
+                    iacc[i] = V::dpbusd(iacc[i], hi, ahi);
+                }
+            }
+        }
+        // Per-lane weight scales (and mins), gathered row by row.
+        let mut dw = [0.0f32; 16];
+        let mut mw = [0.0f32; 16];
+        for rho in 0..R {
+            for j in 0..gl {
+                let lb = (r0 + rho) * lanes + 16 * g + j;
+                let f16 = |p: *const u8| {
+                    half::f16::from_bits(std::ptr::read_unaligned(p.add(2 * lb) as *const u16))
+                        .to_f32()
+                };
+                dw[rho * gl + j] = f16(w.d);
+                if K == K_Q4_1 {
+                    mw[rho * gl + j] = f16(w.m);
+                }
+            }
+        }
+        let dv = V::loadf(full, dw.as_ptr());
+        let mv = V::loadf(full, mw.as_ptr());
+        for i in 0..M {
+            let b = ((i0 + i) * lanes + 16 * g) * 4;
+            let da = V::as_f(V::bcast((a.d as *const u8).add(b), gl));
+            let mut iv = iacc[i];
+            if !has_min(K) {
+                iv = V::sub_shl(iv, V::bcast((a.sum as *const u8).add(b), gl), off_shift(K));
+            }
+            let p = V::mul(V::cvt(iv), V::mul(dv, da));
+            let q = if has_min(K) {
+                V::mul(mv, V::as_f(V::bcast((a.s as *const u8).add(b), gl)))
+            } else {
+                V::zerof()
+            };
+            for rho in 0..R {
+                facc[rho][i] = _mm512_add_ps(facc[rho][i], V::lanes_to_front(p, rho * gl, gl));
+                if has_min(K) {
+                    facc[rho][i] = _mm512_add_ps(facc[rho][i], V::lanes_to_front(q, rho * gl, gl));
+                }
+            }
+        }
+    }
+
     /// `R` weight rows × `M` activation rows with AVX-512 VNNI: one 64-byte
     /// load per row per chunk, one `vpdpbusd` per (row, activation) pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
@@ -747,8 +898,16 @@ mod x86 {
         }
         let ng = w.lanes.div_ceil(16);
         for g in 0..ng {
-            if group_lanes(w.lanes, g) > 8 {
+            let gl = group_lanes(w.lanes, g);
+            // A short last group packs its lanes of all R rows into one
+            // vector (see `tail_packed`) where they fill it exactly.
+            let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R > 1;
+            if gl > 8 {
                 group::<Zmm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+            } else if packable && R * gl == 16 {
+                tail_packed::<Zmm, K, R, M>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
+            } else if packable && R * gl == 8 {
+                tail_packed::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
             } else {
                 group::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             }

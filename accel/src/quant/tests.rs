@@ -278,6 +278,31 @@ fn matmul_every_type_level_and_shape() {
 }
 
 #[test]
+fn short_tail_groups_packed_across_rows_match_the_reference() {
+    // Widths whose last group is 1, 2 or 4 lanes, with enough rows for the
+    // 8-row decode tile and the 4-row batched tile: the kernels then pack
+    // the tail lanes of all the tile's rows into one vector.
+    let mut rng = StdRng::seed_from_u64(13);
+    let pool = ThreadPool::new(2);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for cols in [32usize, 64, 128, 544, 576] {
+            for (rows, m) in [(16usize, 1usize), (24, 1), (12, 3), (20, 6)] {
+                let bytes = random_bytes(&mut rng, ty, rows, cols);
+                let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+                let wref = ref_matrix(ty, rows, cols, &bytes);
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+                for level in levels() {
+                    let mut out = vec![f32::NAN; m * rows];
+                    w.matmul_at(level, &pool, &x, m, &mut out, &mut MatmulScratch::default());
+                    let what = format!("{ty} {level:?} rows {rows} cols {cols} m {m}");
+                    check(ty, &wref, rows, cols, &x, m, &out, &what);
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn matmul_large_m_paths() {
     // m beyond the activation cache block (64 rows).
     let mut rng = StdRng::seed_from_u64(11);
