@@ -7,10 +7,13 @@
 //!   empty WASI p2 context.
 //! - A [`LoadedPlugin`] is one uploaded version: its compiled `Component`,
 //!   its cached `InstancePre`, its metadata and its validated config.
-//! - A [`Session`] serves one request: one `Store`, reused by every hook of
-//!   that request (an instance per plugin, created on first use, never per
-//!   chunk). A hook call that traps, times out, runs out of memory or
-//!   returns too much poisons its instance; it is never called again.
+//! - A [`Session`] serves one request: one `Store` and one instance per
+//!   plugin of the chain, created on first use and reused by every hook of
+//!   that request (never per chunk). A hook call that traps, times out,
+//!   runs out of memory or returns too much poisons its instance; it is
+//!   never called again. Plugins never share a `Store`: wasmtime refuses
+//!   every later call into a `Store` in which a call trapped, so a shared
+//!   one would let a failing fail-open plugin disable the rest of the chain.
 
 pub mod metrics;
 
@@ -213,14 +216,13 @@ struct PluginCtx {
     config: String,
 }
 
-/// The data of a request's `Store`.
+/// The data of the `Store` of one plugin of a request.
 pub struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
     limiter: MemLimiter,
     tenant: String,
-    plugins: Vec<PluginCtx>,
-    current: usize,
+    plugin: PluginCtx,
     facts: Facts,
 }
 
@@ -245,10 +247,7 @@ impl bindings::pagoda::plugin::host::Host for HostState {
             }
             message.truncate(cut);
         }
-        let plugin = self
-            .plugins
-            .get(self.current)
-            .map_or("?", |p| p.name.as_str());
+        let plugin = self.plugin.name.as_str();
         let tenant = self.tenant.as_str();
         match level {
             LogLevel::Trace => {
@@ -266,9 +265,7 @@ impl bindings::pagoda::plugin::host::Host for HostState {
     }
 
     fn config(&mut self) -> String {
-        self.plugins
-            .get(self.current)
-            .map_or_else(|| "{}".into(), |p| p.config.clone())
+        self.plugin.config.clone()
     }
 
     fn facts(&mut self) -> Facts {
@@ -404,10 +401,10 @@ impl PluginRuntime {
             .map_err(|e| anyhow!("the component does not export the pagoda:plugin world: {e:#}"))?;
         let mut store = self.store(
             "admin",
-            vec![PluginCtx {
+            PluginCtx {
                 name: "upload".into(),
                 config: "{}".into(),
-            }],
+            },
             limits,
         );
         arm(&mut store, limits.timeout_ms, self.fuel(limits));
@@ -434,7 +431,7 @@ impl PluginRuntime {
         Ok((pre, meta))
     }
 
-    fn store(&self, tenant: &str, plugins: Vec<PluginCtx>, limits: &Limits) -> Store<HostState> {
+    fn store(&self, tenant: &str, plugin: PluginCtx, limits: &Limits) -> Store<HostState> {
         let state = HostState {
             wasi: WasiCtx::builder().build(),
             table: ResourceTable::new(),
@@ -442,8 +439,7 @@ impl PluginRuntime {
                 cap: limits.memory_bytes.min(self.config.max_memory_bytes),
             },
             tenant: tenant.to_string(),
-            plugins,
-            current: 0,
+            plugin,
             facts: Facts {
                 tenant_id: tenant.to_string(),
                 request_id: String::new(),
@@ -621,16 +617,22 @@ impl ChainEntry {
     }
 }
 
-/// One request's plugin state: one Store, one lazily created instance per
-/// chain entry.
+/// One request's plugin state: per chain entry, a Store and an instance,
+/// both created lazily on the entry's first hook call.
 pub struct Session {
     runtime: Arc<PluginRuntime>,
-    store: Store<HostState>,
+    /// One Store per chain entry. A call that traps (deadline, fuel, memory
+    /// cap, or a trap of the guest's own) leaves its Store refusing every
+    /// later call, so entries must not share one: a fail-open plugin's
+    /// failure would otherwise fail every plugin after it in the chain.
+    stores: Vec<Option<Store<HostState>>>,
     chain: Vec<ChainEntry>,
     instances: Vec<Option<Plugin>>,
     poisoned: Vec<bool>,
     limits: Limits,
     tenant: String,
+    /// What `facts` answers, copied into each Store (token counts kept current).
+    facts: Facts,
 }
 
 /// The result of a hook, wrapped with the store's fault handling.
@@ -643,25 +645,22 @@ impl Session {
         chain: Vec<ChainEntry>,
         limits: Limits,
     ) -> Session {
-        let ctxs = chain
-            .iter()
-            .map(|c| PluginCtx {
-                name: c.plugin.name.clone(),
-                config: c.plugin.config.clone(),
-            })
-            .collect();
-        let mut store = runtime.store(tenant, ctxs, &limits);
-        store.data_mut().facts.request_id = request_id.to_string();
-        store.data_mut().facts.models = models;
         let n = chain.len();
         Session {
             runtime,
-            store,
+            stores: (0..n).map(|_| None).collect(),
             chain,
             instances: (0..n).map(|_| None).collect(),
             poisoned: vec![false; n],
             limits,
             tenant: tenant.to_string(),
+            facts: Facts {
+                tenant_id: tenant.to_string(),
+                request_id: request_id.to_string(),
+                models,
+                prompt_tokens: 0,
+                completion_tokens: 0,
+            },
         }
     }
 
@@ -670,9 +669,13 @@ impl Session {
     }
 
     pub fn set_tokens(&mut self, prompt: u32, completion: u32) {
-        let f = &mut self.store.data_mut().facts;
-        f.prompt_tokens = prompt;
-        f.completion_tokens = completion;
+        self.facts.prompt_tokens = prompt;
+        self.facts.completion_tokens = completion;
+        for store in self.stores.iter_mut().flatten() {
+            let f = &mut store.data_mut().facts;
+            f.prompt_tokens = prompt;
+            f.completion_tokens = completion;
+        }
     }
 
     /// The entries that implement `h`, in chain order.
@@ -709,12 +712,19 @@ impl Session {
         let started = Instant::now();
         let labels = metrics::Labels::new(&self.tenant, &self.chain[i].plugin.name, hook);
         let r = self.call_inner(i, hook, f, out_len);
-        let fuel_used = self.runtime.fuel(&self.limits).and_then(|given| {
-            self.store
-                .get_fuel()
-                .ok()
-                .map(|left| given.saturating_sub(left))
-        });
+        // A call refused because of an earlier failure ran nothing.
+        let ran = !matches!(&r, Err(e) if e.kind == ErrorKind::Poisoned);
+        let fuel_used = self
+            .runtime
+            .fuel(&self.limits)
+            .filter(|_| ran)
+            .and_then(|given| {
+                self.stores[i]
+                    .as_ref()?
+                    .get_fuel()
+                    .ok()
+                    .map(|left| given.saturating_sub(left))
+            });
         metrics::record(
             &labels,
             started.elapsed(),
@@ -746,10 +756,19 @@ impl Session {
             HookKind::Route | HookKind::RenderPrompt => self.limits.timeout_ms,
             _ => self.limits.chunk_timeout_ms,
         };
-        self.store.data_mut().current = i;
+        let fuel = self.runtime.fuel(&self.limits);
+        let store = self.stores[i].get_or_insert_with(|| {
+            let ctx = PluginCtx {
+                name: self.chain[i].plugin.name.clone(),
+                config: self.chain[i].plugin.config.clone(),
+            };
+            let mut store = self.runtime.store(&self.tenant, ctx, &self.limits);
+            store.data_mut().facts = self.facts.clone();
+            store
+        });
         if self.instances[i].is_none() {
-            arm(&mut self.store, timeout, self.runtime.fuel(&self.limits));
-            match self.chain[i].plugin.pre.instantiate(&mut self.store) {
+            arm(store, timeout, fuel);
+            match self.chain[i].plugin.pre.instantiate(&mut *store) {
                 Ok(p) => self.instances[i] = Some(p),
                 Err(e) => {
                     self.poisoned[i] = true;
@@ -763,9 +782,9 @@ impl Session {
                 }
             }
         }
-        arm(&mut self.store, timeout, self.runtime.fuel(&self.limits));
+        arm(store, timeout, fuel);
         let inst = self.instances[i].as_ref().expect("instance");
-        match f(inst, &mut self.store) {
+        match f(inst, store) {
             Ok(r) => {
                 let n = out_len(&r);
                 if n > self.limits.max_output_bytes {

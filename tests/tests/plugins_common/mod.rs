@@ -218,3 +218,45 @@ pub fn chat(content: &str, max_tokens: u32) -> Value {
         "temperature": 0,
     })
 }
+
+/// Asserts that `v` is an error body in OpenAI's shape,
+/// `{"error": {"message", "type", "param", "code"}}` with a non-empty
+/// message and string type and code, and returns the inner object.
+pub fn openai_error(v: &Value) -> &Value {
+    let e = &v["error"];
+    assert!(
+        e["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "no error message in {v}"
+    );
+    assert!(e["type"].is_string(), "no error type in {v}");
+    assert!(e["code"].is_string(), "no error code in {v}");
+    assert!(
+        e.as_object().is_some_and(|o| o.contains_key("param")),
+        "no error param in {v}"
+    );
+    e
+}
+
+/// The sum of the samples of metric `name` in a Prometheus text whose
+/// labels include every pair of `labels` (0 when none match).
+pub fn metric_sum(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix(name))
+        .filter_map(|rest| {
+            let (labels_part, value) = match rest.strip_prefix('{') {
+                Some(r) => r.split_once("} ")?,
+                None => ("", rest.strip_prefix(' ')?),
+            };
+            labels
+                .iter()
+                .all(|(k, v)| {
+                    labels_part
+                        .split(',')
+                        .any(|pair| pair == format!("{k}=\"{v}\""))
+                })
+                .then(|| value.trim().parse::<f64>().ok())
+                .flatten()
+        })
+        .sum()
+}
