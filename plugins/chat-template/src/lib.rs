@@ -1,8 +1,12 @@
 //! Built-in plugin `chat-template` (hook: `render-prompt`).
 //!
 //! Renders a chat request's `messages` into the prompt with a Jinja chat
-//! template, set up as Hugging Face's `apply_chat_template` does (see
-//! [`template`]). Config (every field optional):
+//! template, set up as Hugging Face's `apply_chat_template` does: the
+//! environment of [`pagoda_chat_template`], shared with the host, without a
+//! clock (a plugin has none, so `strftime_now` is undefined; templates that
+//! use it test `strftime_now is defined` and fall back to a fixed date, and
+//! clients can pass `date_string` through `chat_template_kwargs`). Config
+//! (every field optional):
 //!
 //! ```json
 //! {"template": "{% for m in messages %}...{% endfor %}",
@@ -21,9 +25,11 @@
 //! the request's `tools` and `documents` if given, and the entries of the
 //! request's `chat_template_kwargs` object (vLLM's extension, e.g.
 //! `enable_thinking`).
+//!
+//! Errors are messages for the client; a template's
+//! `raise_exception(msg)` is `msg`, verbatim.
 
-pub mod template;
-
+use pagoda_chat_template::{json_to_value, ordered_map, Clock, RenderError};
 use pagoda_sdk::serde_json::{Map, Value};
 use pagoda_sdk::{host, json, metadata, Error, Hook, Metadata, Plugin, Result};
 use serde::Deserialize;
@@ -104,7 +110,22 @@ pub fn render(config: &Config, request: &Value, model_template: Option<&str>) ->
         json!(config.eos_token.as_deref().unwrap_or("")),
     );
 
-    template::render(source, &vars).map_err(Error::msg)
+    render_template(source, &vars).map_err(Error::msg)
+}
+
+/// Renders template `source` with the variables `vars`. A
+/// `raise_exception(msg)` fails with `msg` as the whole message; other
+/// errors say whether the template did not compile or failed to render.
+fn render_template(source: &str, vars: &Map<String, Value>) -> std::result::Result<String, String> {
+    let env = pagoda_chat_template::environment(Clock::None);
+    let template = env
+        .template_from_str(source)
+        .map_err(|e| format!("chat template does not compile: {e}"))?;
+    let ctx = ordered_map(vars.iter().map(|(k, v)| (k.as_str(), json_to_value(v))));
+    pagoda_chat_template::render(&template, ctx).map_err(|e| match e {
+        RenderError::Raised(message) => message,
+        e => format!("chat template error: {e}"),
+    })
 }
 
 /// Replaces the content of a leading system message with `prompt`, or
@@ -253,10 +274,25 @@ mod tests {
             .message()
             .contains("messages"));
         let c = config(json!({"template": "{% for %}"}));
-        assert!(render(&c, &req, None)
-            .unwrap_err()
-            .message()
-            .contains("chat template"));
+        let err = render(&c, &req, None).unwrap_err();
+        assert!(
+            err.message().starts_with("chat template does not compile"),
+            "{}",
+            err.message()
+        );
+        let c = config(json!({"template": "{{ 1 + 'a' }}"}));
+        let err = render(&c, &req, None).unwrap_err();
+        assert!(
+            err.message().starts_with("chat template error"),
+            "{}",
+            err.message()
+        );
+        // No clock in a plugin.
+        let c = config(
+            json!({"template": "{% if strftime_now is defined %}{{ strftime_now('%Y') }}{% else %}{{ date_string }}{% endif %}"}),
+        );
+        let req = json!({"messages": [], "chat_template_kwargs": {"date_string": "26 Jul 2024"}});
+        assert_eq!(render(&c, &req, None).unwrap(), "26 Jul 2024");
     }
 
     #[test]
