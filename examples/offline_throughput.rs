@@ -35,8 +35,8 @@ fn main() -> anyhow::Result<()> {
     let prompts: Vec<Prompt> = (0..100).map(|_| Prompt::Text(text.clone())).collect();
     let params = SamplingParams {
         max_tokens: Some(256),
-        temperature: 0.8,
-        top_p: 0.95,
+        temperature: Some(0.8),
+        top_p: Some(0.95),
         seed: Some(0),
         ..Default::default()
     };

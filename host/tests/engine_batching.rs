@@ -251,7 +251,7 @@ fn samples_of_one_prompt_share_its_blocks() {
     let n_tokens = llm.encode(&prompt).expect("encode").len();
     let params = SamplingParams {
         n: 4,
-        temperature: 0.8,
+        temperature: Some(0.8),
         seed: Some(3),
         max_tokens: Some(4),
         ..Default::default()

@@ -32,8 +32,8 @@ pub fn run(core: &mut EngineCore, requests: &[BenchRequest]) -> Result<Throughpu
         let params = SamplingParams {
             max_tokens: Some(r.output_len),
             ignore_eos: true,
-            temperature: 1.0,
-            top_p: 1.0,
+            temperature: Some(1.0),
+            top_p: Some(1.0),
             seed: Some(i as u64),
             ..Default::default()
         };

@@ -3,7 +3,7 @@
 
 use super::EngineFlags;
 use crate::engine::llm::{Prompt, LLM};
-use crate::engine::request::SamplingParams;
+use crate::engine::request::{SamplingDefaults, SamplingParams};
 use crate::tokenizer::chat_template::ChatMessage;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -16,15 +16,18 @@ pub struct GenerateArgs {
     /// A prompt; repeat for several, which run batched.
     #[arg(long = "prompt", required = true)]
     pub prompts: Vec<String>,
-    #[arg(long, default_value_t = 128)]
-    pub max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    #[arg(long, default_value_t = 0)]
-    pub top_k: i32,
+    /// Default: the model's max_new_tokens (generation_config.json), else 128.
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// 0 is greedy. Default: the model's temperature, else 0.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Default: the model's top_p, else 1.
+    #[arg(long)]
+    pub top_p: Option<f32>,
+    /// Default: the model's top_k, else 0 (off).
+    #[arg(long)]
+    pub top_k: Option<i32>,
     #[arg(long)]
     pub seed: Option<u64>,
     /// Apply the model's chat template to each prompt as a user message.
@@ -59,14 +62,21 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         args.prompts.iter().cloned().map(Prompt::Text).collect()
     };
-    let params = SamplingParams {
-        max_tokens: Some(args.max_tokens),
+    let mut params = SamplingParams {
+        max_tokens: args.max_tokens,
         temperature: args.temperature,
         top_p: args.top_p,
         top_k: args.top_k,
         seed: args.seed,
         ..Default::default()
     };
+    // This command's own defaults (greedy, 128 tokens) sit under the
+    // model's: the engine fills the rest from its generation config.
+    params.apply_defaults(&llm.sampling_defaults().fallback_under(SamplingDefaults {
+        temperature: Some(0.0),
+        max_tokens: Some(128),
+        ..Default::default()
+    }));
     let started = std::time::Instant::now();
     let outputs = llm.generate(&prompts, &params)?;
     let secs = started.elapsed().as_secs_f64();

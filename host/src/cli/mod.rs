@@ -8,6 +8,7 @@ pub mod models;
 pub mod serve;
 
 use crate::engine::args::{parse_bytes, EngineArgs};
+use crate::engine::generation_config::GenerationConfigSource;
 use crate::engine::kv_cache::KvCacheDtype;
 use crate::engine::loader::DType;
 use crate::engine::scheduler::SchedulingPolicy;
@@ -79,6 +80,11 @@ pub struct EngineFlags {
     /// fcfs, or priority (a request's `priority` field orders the queue).
     #[arg(long, default_value = "fcfs")]
     pub scheduling_policy: String,
+    /// Defaults for sampling parameters a request leaves unset: auto (the
+    /// model folder's generation_config.json), vllm (vLLM's own defaults),
+    /// or a folder holding a generation_config.json.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
 }
 
 impl EngineFlags {
@@ -100,6 +106,7 @@ impl EngineFlags {
         a.max_num_batched_tokens = self.max_num_batched_tokens;
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
+        a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
         Ok(a)
     }
 }

@@ -4,6 +4,7 @@
 
 use crate::engine::config::ModelConfig;
 use crate::engine::core::EngineCore;
+use crate::engine::generation_config::{self, GenerationConfig, GenerationConfigSource};
 use crate::engine::kv_cache::storage::KvCache;
 use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
 use crate::engine::loader::gguf::GgufFile;
@@ -42,6 +43,10 @@ pub struct EngineArgs {
     /// Seed for requests that give none (each request's RNG is derived
     /// from it and the request id); `None` seeds from the OS.
     pub seed: Option<u64>,
+    /// Where the defaults for unset sampling parameters come from
+    /// (`--generation-config`: the model folder's `generation_config.json`
+    /// by default).
+    pub generation_config: GenerationConfigSource,
 }
 
 impl EngineArgs {
@@ -61,6 +66,7 @@ impl EngineArgs {
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fcfs,
             seed: None,
+            generation_config: GenerationConfigSource::Auto,
         }
     }
 }
@@ -70,6 +76,9 @@ pub struct LoadedModel {
     pub config: ModelConfig,
     pub tokenizer: Tokenizer,
     pub source: LoadedFrom,
+    /// The `generation_config.json` that `--generation-config` selects, if
+    /// any: the defaults for what requests leave unset.
+    pub generation_config: Option<GenerationConfig>,
 }
 
 /// Which format the model came from.
@@ -91,8 +100,18 @@ pub fn load_model(
             path.display()
         );
     }
+    // Read before the weights, so that a bad file fails fast.
+    let generation_config = generation_config::load(&args.generation_config, path)?;
+    let check_generation_config = |c: &ModelConfig| -> Result<()> {
+        match &generation_config {
+            Some(g) => generation_config::validate(&g.defaults, c.vocab_size)
+                .with_context(|| format!("{}: invalid", g.path.display())),
+            None => Ok(()),
+        }
+    };
     if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+        check_generation_config(&config)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
         let source = SafetensorsSource::open(path, args.dtype)?;
         let model = LlamaModel::load(&source, config.clone(), max_positions(&config))?;
@@ -102,11 +121,13 @@ pub fn load_model(
                 config,
                 tokenizer,
                 source: LoadedFrom::HuggingFace,
+                generation_config,
             },
         ))
     } else {
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
+        check_generation_config(&config)?;
         if file.tensors().iter().any(|t| t.name == "rope_freqs.weight") {
             bail!(
                 "{}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1 GGUF) are not supported yet; load the HF folder instead, whose rope_scaling is supported",
@@ -125,6 +146,7 @@ pub fn load_model(
                 config,
                 tokenizer,
                 source: LoadedFrom::Gguf,
+                generation_config,
             },
         ))
     }
@@ -248,5 +270,18 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         max_model_len,
     );
     core.set_default_seed(args.seed);
+    if let Some(g) = loaded.generation_config {
+        core.set_sampling_defaults(g.defaults);
+        // What actually changes: the sampling defaults, and EOS ids the
+        // tokenizer does not already stop on.
+        let applied = core.sampling_defaults().describe();
+        if !applied.is_empty() {
+            tracing::info!(
+                "Default sampling parameters have been overridden by the model's Hugging Face generation config ({}): {}. Requests that set these values keep their own; to use vLLM's defaults instead, restart with --generation-config vllm",
+                g.path.display(),
+                applied.join(", ")
+            );
+        }
+    }
     Ok(core)
 }

@@ -4,7 +4,7 @@
 //! frees its KV blocks at once.
 
 use crate::engine::core::{EngineCore, EngineStats, RequestOptions, StepOutput};
-use crate::engine::request::{FinishReason, ParamError, SamplingParams};
+use crate::engine::request::{FinishReason, ParamError, SamplingDefaults, SamplingParams};
 use crate::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
@@ -51,6 +51,7 @@ pub struct AsyncEngine {
     tokenizer: Arc<Tokenizer>,
     max_model_len: usize,
     vocab_size: usize,
+    sampling_defaults: Arc<SamplingDefaults>,
 }
 
 /// Aborts the engine requests it guards when dropped before they finish,
@@ -98,6 +99,7 @@ impl AsyncEngine {
         let tokenizer = core.tokenizer().clone();
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().model().config().vocab_size;
+        let sampling_defaults = Arc::new(core.sampling_defaults().clone());
         let s = Arc::clone(&stats);
         std::thread::Builder::new()
             .name("pagoda-engine".into())
@@ -108,7 +110,15 @@ impl AsyncEngine {
             tokenizer,
             max_model_len,
             vocab_size,
+            sampling_defaults,
         })
+    }
+
+    /// The model's defaults for sampling fields a request leaves unset
+    /// (the engine applies them; front ends read them to place their own
+    /// fallbacks under them).
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling_defaults
     }
 
     /// The tokenizer.

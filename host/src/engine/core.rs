@@ -4,7 +4,8 @@
 
 use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
 use crate::engine::request::{
-    FinishReason, ParamError, Request, RequestStatus, SamplingParams, TokenLogprob,
+    FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
+    TokenLogprob,
 };
 use crate::engine::runner::ModelRunner;
 use crate::engine::sampler::Sampler;
@@ -71,6 +72,11 @@ pub struct EngineCore {
     next_id: u64,
     stats: EngineStats,
     default_seed: Option<u64>,
+    /// The model's defaults for what requests leave unset.
+    sampling_defaults: SamplingDefaults,
+    /// The ids that end a sequence unless `ignore_eos`: the tokenizer's
+    /// EOS ids and the generation config's `eos_token_id`.
+    eos_ids: Vec<u32>,
 }
 
 impl EngineCore {
@@ -82,6 +88,7 @@ impl EngineCore {
         tokenizer: Arc<Tokenizer>,
         max_model_len: usize,
     ) -> EngineCore {
+        let eos_ids = tokenizer.eos_ids().to_vec();
         EngineCore {
             scheduler,
             kv,
@@ -92,12 +99,38 @@ impl EngineCore {
             next_id: 0,
             stats: EngineStats::default(),
             default_seed: None,
+            sampling_defaults: SamplingDefaults::default(),
+            eos_ids,
         }
     }
 
     /// Seeds requests that give no seed of their own (`--seed`).
     pub fn set_default_seed(&mut self, seed: Option<u64>) {
         self.default_seed = seed;
+    }
+
+    /// Sets the model's sampling defaults (its `generation_config.json`):
+    /// every request that leaves a field unset takes the default, and the
+    /// `eos_token_ids` end sequences as EOS does.
+    pub fn set_sampling_defaults(&mut self, mut defaults: SamplingDefaults) {
+        let tokenizer_eos = self.tokenizer.eos_ids();
+        defaults
+            .eos_token_ids
+            .retain(|t| !tokenizer_eos.contains(t));
+        self.eos_ids = tokenizer_eos.to_vec();
+        self.eos_ids.extend_from_slice(&defaults.eos_token_ids);
+        self.sampling_defaults = defaults;
+    }
+
+    /// The model's sampling defaults in effect (`eos_token_ids` lists only
+    /// the ids beyond the tokenizer's own EOS ids).
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling_defaults
+    }
+
+    /// Every id that ends a sequence unless the request ignores EOS.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
     }
 
     /// The tokenizer requests are decoded with.
@@ -121,13 +154,20 @@ impl EngineCore {
     }
 
     /// Validates and queues one sequence. Returns its engine id.
+    ///
+    /// Sampling fields the request leaves unset take the model's defaults
+    /// here, whichever front end submitted it. A `max_tokens` the request
+    /// set must fit in the context; one that came from the defaults (or
+    /// none at all) is capped to the room the prompt leaves.
     pub fn add_request(
         &mut self,
         external_id: String,
         prompt_ids: Vec<u32>,
-        params: SamplingParams,
+        mut params: SamplingParams,
         opts: RequestOptions,
     ) -> Result<u64, ParamError> {
+        let max_tokens_set = params.max_tokens.is_some();
+        params.apply_defaults(&self.sampling_defaults);
         let vocab = self.runner.model().config().vocab_size;
         params.validate(vocab)?;
         if prompt_ids.is_empty() {
@@ -153,7 +193,7 @@ impl EngineCore {
             });
         }
         let max_len = match params.max_tokens {
-            Some(m) if prompt_len + m > self.max_model_len => {
+            Some(m) if prompt_len + m > self.max_model_len && max_tokens_set => {
                 return Err(ParamError {
                     param: "max_tokens",
                     message: format!(
@@ -163,7 +203,7 @@ impl EngineCore {
                     ),
                 });
             }
-            Some(m) => prompt_len + m,
+            Some(m) => (prompt_len + m).min(self.max_model_len),
             None => self.max_model_len,
         };
         let id = self.next_id;
@@ -171,7 +211,7 @@ impl EngineCore {
         let eos_ids = if params.ignore_eos {
             Vec::new()
         } else {
-            self.tokenizer.eos_ids().to_vec()
+            self.eos_ids.clone()
         };
         let detok = IncrementalDetokenizer::new(
             self.tokenizer.clone(),

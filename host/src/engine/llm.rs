@@ -4,7 +4,7 @@
 
 use crate::engine::args::{build_engine, EngineArgs};
 use crate::engine::core::{EngineCore, RequestOptions, StopReason};
-use crate::engine::request::{FinishReason, SamplingParams, TokenLogprob};
+use crate::engine::request::{FinishReason, SamplingDefaults, SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -74,6 +74,13 @@ impl LLM {
         self.core.tokenizer()
     }
 
+    /// The model's defaults for sampling fields a request leaves unset
+    /// (from its `generation_config.json`, per `--generation-config`);
+    /// `generate` applies them.
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        self.core.sampling_defaults()
+    }
+
     /// The engine core, for statistics and tests.
     pub fn engine(&self) -> &EngineCore {
         &self.core
@@ -94,7 +101,8 @@ impl LLM {
     }
 
     /// Generates completions for every prompt, batched, and returns them in
-    /// prompt order.
+    /// prompt order. Fields of `params` left unset take the model's
+    /// defaults ([`LLM::sampling_defaults`]).
     pub fn generate(
         &mut self,
         prompts: &[Prompt],

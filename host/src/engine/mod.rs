@@ -5,12 +5,14 @@
 //! - [`sampler`]: logits → next token;
 //! - [`core`]: the step loop tying them together, and output processing;
 //! - [`models`] and [`loader`]: model definitions and weight formats;
+//! - [`generation_config`]: sampling defaults from `generation_config.json`;
 //! - [`llm`]: the offline `LLM` API.
 
 pub mod args;
 pub mod async_engine;
 pub mod config;
 pub mod core;
+pub mod generation_config;
 pub mod kv_cache;
 pub mod llm;
 pub mod loader;
@@ -21,5 +23,6 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use args::{build_engine, EngineArgs};
+pub use generation_config::GenerationConfigSource;
 pub use llm::{CompletionOutput, Prompt, RequestOutput, LLM};
-pub use request::{FinishReason, SamplingParams};
+pub use request::{FinishReason, SamplingDefaults, SamplingParams};

@@ -8,22 +8,35 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 /// How to pick tokens and when to stop, with vLLM's names and defaults.
+///
+/// The `Option` fields are the ones a model may give defaults for in its
+/// `generation_config.json` ([`SamplingDefaults`]): `None` means "not set".
+/// The engine fills them from the model's defaults when it admits the
+/// request ([`SamplingParams::apply_defaults`]); what is still unset then
+/// reads as vLLM's built-in default through the accessor of the same name
+/// ([`SamplingParams::temperature()`] and so on). A value the request sets
+/// always wins over the model's.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
     /// Completions to return for the prompt.
     pub n: usize,
-    /// Tokens to generate at most; `None` fills the context.
+    /// Tokens to generate at most. `None`: the model's `max_new_tokens`,
+    /// else up to the end of the context (either capped to the room the
+    /// prompt leaves). A value set here that does not fit is an error.
     pub max_tokens: Option<usize>,
     /// Tokens to generate before EOS or stop token ids may end the output.
     pub min_tokens: usize,
-    /// 0 means greedy.
-    pub temperature: f32,
-    pub top_p: f32,
-    /// 0 or -1 disables top-k.
-    pub top_k: i32,
-    pub min_p: f32,
-    /// Multiplicative penalty (>1 discourages) on tokens of the prompt and output.
-    pub repetition_penalty: f32,
+    /// 0 means greedy. Unset: the model's default, else 1.
+    pub temperature: Option<f32>,
+    /// Unset: the model's default, else 1 (off).
+    pub top_p: Option<f32>,
+    /// 0 or -1 disables top-k. Unset: the model's default, else off.
+    pub top_k: Option<i32>,
+    /// Unset: the model's default, else 0 (off).
+    pub min_p: Option<f32>,
+    /// Multiplicative penalty (>1 discourages) on tokens of the prompt and
+    /// output. Unset: the model's default, else 1 (off).
+    pub repetition_penalty: Option<f32>,
     /// Additive penalty on tokens that appeared in the output.
     pub presence_penalty: f32,
     /// Additive penalty scaled by how often a token appeared in the output.
@@ -36,7 +49,8 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Token ids that end the output, besides EOS.
     pub stop_token_ids: Vec<u32>,
-    /// Keep generating past EOS.
+    /// Keep generating past EOS (the tokenizer's and the generation
+    /// config's `eos_token_id`).
     pub ignore_eos: bool,
     /// Return this many top alternatives (plus the chosen token) per step.
     pub logprobs: Option<usize>,
@@ -48,13 +62,13 @@ impl Default for SamplingParams {
     fn default() -> Self {
         SamplingParams {
             n: 1,
-            max_tokens: Some(16),
+            max_tokens: None,
             min_tokens: 0,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            min_p: None,
+            repetition_penalty: None,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
@@ -66,6 +80,80 @@ impl Default for SamplingParams {
             skip_special_tokens: true,
             include_stop_str_in_output: false,
         }
+    }
+}
+
+/// Defaults for what a request leaves unset, as a model's Hugging Face
+/// `generation_config.json` recommends them (see
+/// [`crate::engine::generation_config`]). Every field is optional: `None`
+/// leaves vLLM's built-in default in place.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SamplingDefaults {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    /// `max_new_tokens`: the default `max_tokens`.
+    pub max_tokens: Option<usize>,
+    /// `eos_token_id`: ids that end generation as EOS does (unless
+    /// `ignore_eos`), besides the tokenizer's own.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl SamplingDefaults {
+    /// Whether it sets nothing at all.
+    pub fn is_empty(&self) -> bool {
+        *self == SamplingDefaults::default()
+    }
+
+    /// A front end's own fallbacks placed under these defaults: each field
+    /// of `fallback` is kept only where these defaults leave that field
+    /// unset. Apply the result to a request with
+    /// [`SamplingParams::apply_defaults`] and the engine applies the
+    /// model's defaults to the rest, so the order is always: the request,
+    /// then the model, then the front end's fallback.
+    pub fn fallback_under(&self, fallback: SamplingDefaults) -> SamplingDefaults {
+        fn keep<T>(model: &Option<T>, fallback: Option<T>) -> Option<T> {
+            if model.is_some() {
+                None
+            } else {
+                fallback
+            }
+        }
+        SamplingDefaults {
+            temperature: keep(&self.temperature, fallback.temperature),
+            top_p: keep(&self.top_p, fallback.top_p),
+            top_k: keep(&self.top_k, fallback.top_k),
+            min_p: keep(&self.min_p, fallback.min_p),
+            repetition_penalty: keep(&self.repetition_penalty, fallback.repetition_penalty),
+            max_tokens: keep(&self.max_tokens, fallback.max_tokens),
+            eos_token_ids: Vec::new(),
+        }
+    }
+
+    /// The sampling fields it sets, as `name=value` in vLLM's names, for
+    /// the start-up log.
+    pub fn describe(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut put = |name: &str, v: Option<String>| {
+            if let Some(v) = v {
+                out.push(format!("{name}={v}"));
+            }
+        };
+        put("temperature", self.temperature.map(|x| x.to_string()));
+        put("top_p", self.top_p.map(|x| x.to_string()));
+        put("top_k", self.top_k.map(|x| x.to_string()));
+        put("min_p", self.min_p.map(|x| x.to_string()));
+        put(
+            "repetition_penalty",
+            self.repetition_penalty.map(|x| x.to_string()),
+        );
+        put("max_tokens", self.max_tokens.map(|x| x.to_string()));
+        if !self.eos_token_ids.is_empty() {
+            out.push(format!("eos_token_id={:?}", self.eos_token_ids));
+        }
+        out
     }
 }
 
@@ -86,10 +174,53 @@ impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> Self {
         SamplingParams {
-            temperature: 0.0,
+            temperature: Some(0.0),
             max_tokens: Some(max_tokens),
             ..Default::default()
         }
+    }
+
+    /// Fills every field the request left unset from `d`; fields it set
+    /// are kept. Idempotent. The engine calls this with the model's
+    /// defaults when it admits a request, on every path (the OpenAI
+    /// server, the offline `LLM` API, `pagoda generate`, the benchmarks).
+    pub fn apply_defaults(&mut self, d: &SamplingDefaults) {
+        fn fill<T: Copy>(field: &mut Option<T>, default: Option<T>) {
+            if field.is_none() {
+                *field = default;
+            }
+        }
+        fill(&mut self.temperature, d.temperature);
+        fill(&mut self.top_p, d.top_p);
+        fill(&mut self.top_k, d.top_k);
+        fill(&mut self.min_p, d.min_p);
+        fill(&mut self.repetition_penalty, d.repetition_penalty);
+        fill(&mut self.max_tokens, d.max_tokens);
+    }
+
+    /// The temperature in effect: as set, else vLLM's 1.
+    pub fn temperature(&self) -> f32 {
+        self.temperature.unwrap_or(1.0)
+    }
+
+    /// The nucleus mass in effect: as set, else 1 (off).
+    pub fn top_p(&self) -> f32 {
+        self.top_p.unwrap_or(1.0)
+    }
+
+    /// The top-k in effect: as set, else 0 (off).
+    pub fn top_k(&self) -> i32 {
+        self.top_k.unwrap_or(0)
+    }
+
+    /// The min-p in effect: as set, else 0 (off).
+    pub fn min_p(&self) -> f32 {
+        self.min_p.unwrap_or(0.0)
+    }
+
+    /// The repetition penalty in effect: as set, else 1 (off).
+    pub fn repetition_penalty(&self) -> f32 {
+        self.repetition_penalty.unwrap_or(1.0)
     }
 
     /// Checks every field against its range.
@@ -103,46 +234,39 @@ impl SamplingParams {
         if self.max_tokens == Some(0) {
             return Err(bad("max_tokens", "max_tokens must be at least 1".into()));
         }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0 && self.temperature <= 100.0) {
+        let temperature = self.temperature();
+        if !(temperature.is_finite() && (0.0..=100.0).contains(&temperature)) {
             return Err(bad(
                 "temperature",
-                format!(
-                    "temperature must be between 0 and 100, got {}",
-                    self.temperature
-                ),
+                format!("temperature must be between 0 and 100, got {temperature}"),
             ));
         }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+        let top_p = self.top_p();
+        if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(bad(
                 "top_p",
-                format!("top_p must be in (0, 1], got {}", self.top_p),
+                format!("top_p must be in (0, 1], got {top_p}"),
             ));
         }
-        if self.top_k < -1 {
+        let top_k = self.top_k();
+        if top_k < -1 {
             return Err(bad(
                 "top_k",
-                format!(
-                    "top_k must be -1 (disabled) or positive, got {}",
-                    self.top_k
-                ),
+                format!("top_k must be -1 (disabled) or positive, got {top_k}"),
             ));
         }
-        if !(0.0..=1.0).contains(&self.min_p) {
+        let min_p = self.min_p();
+        if !(0.0..=1.0).contains(&min_p) {
             return Err(bad(
                 "min_p",
-                format!("min_p must be in [0, 1], got {}", self.min_p),
+                format!("min_p must be in [0, 1], got {min_p}"),
             ));
         }
-        if !(self.repetition_penalty.is_finite()
-            && self.repetition_penalty > 0.0
-            && self.repetition_penalty <= 10.0)
-        {
+        let rp = self.repetition_penalty();
+        if !(rp.is_finite() && rp > 0.0 && rp <= 10.0) {
             return Err(bad(
                 "repetition_penalty",
-                format!(
-                    "repetition_penalty must be in (0, 10], got {}",
-                    self.repetition_penalty
-                ),
+                format!("repetition_penalty must be in (0, 10], got {rp}"),
             ));
         }
         if !(-2.0..=2.0).contains(&self.presence_penalty) {
@@ -209,7 +333,7 @@ impl SamplingParams {
 
     /// Whether sampling is plain argmax.
     pub fn is_greedy(&self) -> bool {
-        self.temperature == 0.0 || self.top_k == 1
+        self.temperature() == 0.0 || self.top_k() == 1
     }
 }
 

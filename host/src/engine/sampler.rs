@@ -91,7 +91,8 @@ impl Sampler {
                 *l += b;
             }
         }
-        if p.repetition_penalty != 1.0 {
+        let repetition_penalty = p.repetition_penalty();
+        if repetition_penalty != 1.0 {
             let words = logits.len().div_ceil(64);
             if self.seen.len() < words {
                 self.seen.resize(words, 0);
@@ -102,9 +103,9 @@ impl Sampler {
                     self.seen[w] |= bit;
                     let l = &mut logits[t as usize];
                     *l = if *l > 0.0 {
-                        *l / p.repetition_penalty
+                        *l / repetition_penalty
                     } else {
-                        *l * p.repetition_penalty
+                        *l * repetition_penalty
                     };
                 }
             }
@@ -132,7 +133,8 @@ impl Sampler {
 
     fn sample_random(&mut self, logits: &mut [f32], req: &mut Request) -> u32 {
         let p = &req.params;
-        let inv_t = 1.0 / p.temperature;
+        let (top_k, top_p, min_p) = (p.top_k(), p.top_p(), p.min_p());
+        let inv_t = 1.0 / p.temperature();
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         // Probabilities up to a common factor, in place.
         let mut total = 0f64;
@@ -142,13 +144,13 @@ impl Sampler {
             total += e as f64;
         }
         let vocab = logits.len();
-        let top_k = if p.top_k > 0 {
-            (p.top_k as usize).min(vocab)
+        let top_k = if top_k > 0 {
+            (top_k as usize).min(vocab)
         } else {
             vocab
         };
         let cands = &mut self.candidates;
-        if top_k == vocab && p.top_p >= 1.0 && p.min_p <= 0.0 {
+        if top_k == vocab && top_p >= 1.0 && min_p <= 0.0 {
             // Plain temperature sampling: one scan, no sorting.
             let mut u = req.rng.random::<f64>() * total;
             for (i, &w) in logits.iter().enumerate() {
@@ -170,27 +172,27 @@ impl Sampler {
             cands.truncate(k);
             cands.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             let mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
-            if k == top_k || k == vocab || mass >= p.top_p as f64 * total {
+            if k == top_k || k == vocab || mass >= top_p as f64 * total {
                 break;
             }
             k = (k * 8).min(top_k).min(vocab);
         }
         // Top-k renormalizes before top-p is applied, as in vLLM.
         let kept_mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
-        if p.top_p < 1.0 {
+        if top_p < 1.0 {
             let mut cum = 0f64;
             let mut keep = cands.len();
             for (i, c) in cands.iter().enumerate() {
                 cum += c.0 as f64;
-                if cum >= p.top_p as f64 * kept_mass {
+                if cum >= top_p as f64 * kept_mass {
                     keep = i + 1;
                     break;
                 }
             }
             cands.truncate(keep.max(1));
         }
-        if p.min_p > 0.0 {
-            let threshold = cands[0].0 * p.min_p;
+        if min_p > 0.0 {
+            let threshold = cands[0].0 * min_p;
             cands.retain(|c| c.0 >= threshold);
         }
         let sum: f64 = cands.iter().map(|c| c.0 as f64).sum();

@@ -6,7 +6,7 @@ pub mod tenant;
 
 use crate::engine::async_engine::{AbortGuard, SubmitError};
 use crate::engine::core::{StepOutput, StopReason};
-use crate::engine::request::TokenLogprob;
+use crate::engine::request::{SamplingDefaults, TokenLogprob};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
 use bytes::Bytes;
@@ -197,6 +197,20 @@ async fn generate(
     }
     let engine = state.engine_for(&common.model)?.clone();
     let max_len = engine.max_model_len();
+    if api == Api::Completions {
+        // OpenAI's default of 16 for completions, where neither the request
+        // nor the model's generation config gives a max_tokens. Otherwise
+        // the engine applies the model's defaults to what is unset (capped
+        // to the context), and chat without one fills the context.
+        common
+            .params
+            .apply_defaults(
+                &engine.sampling_defaults().fallback_under(SamplingDefaults {
+                    max_tokens: Some(16),
+                    ..Default::default()
+                }),
+            );
+    }
     let param = if api == Api::Chat {
         "messages"
     } else {
@@ -243,9 +257,6 @@ async fn generate(
             let mut p = common.params.clone();
             p.n = 1;
             p.seed = common.params.seed.map(|s| s.wrapping_add(si as u64));
-            if p.max_tokens.is_none() {
-                p.max_tokens = Some(max_len - ids.len());
-            }
             let eid = engine
                 .submit(
                     format!("{id}-{pi}-{si}"),

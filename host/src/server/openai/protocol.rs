@@ -138,11 +138,14 @@ pub struct CommonParams {
     pub opts: RequestOptions,
     pub stream: bool,
     pub include_usage: bool,
-    /// `max_tokens` was given (else it fills the context, capped).
+    /// `max_tokens` was given (else the model's `max_new_tokens`, else the
+    /// endpoint's default).
     pub max_tokens_given: bool,
 }
 
-/// Parses the sampling fields common to completions and chat.
+/// Parses the sampling fields common to completions and chat. Fields the
+/// request leaves out stay unset in the [`SamplingParams`], so that the
+/// model's defaults (its `generation_config.json`) can fill them.
 pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError> {
     let model = f
         .str("model")?
@@ -155,28 +158,23 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
             None => f.usize("max_tokens")?,
         }
     } else {
-        f.usize("max_tokens")?.or(Some(16))
+        f.usize("max_tokens")?
     };
     p.max_tokens = max_tokens;
     if let Some(n) = f.usize("n")? {
         p.n = n;
     }
-    if let Some(t) = f.f32("temperature")? {
-        p.temperature = t;
-    }
-    if let Some(x) = f.f32("top_p")? {
-        p.top_p = x;
-    }
-    if let Some(x) = f.i64("top_k")? {
-        p.top_k = i32::try_from(x)
-            .map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))?;
-    }
-    if let Some(x) = f.f32("min_p")? {
-        p.min_p = x;
-    }
-    if let Some(x) = f.f32("repetition_penalty")? {
-        p.repetition_penalty = x;
-    }
+    p.temperature = f.f32("temperature")?;
+    p.top_p = f.f32("top_p")?;
+    p.top_k = f
+        .i64("top_k")?
+        .map(|x| {
+            i32::try_from(x)
+                .map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))
+        })
+        .transpose()?;
+    p.min_p = f.f32("min_p")?;
+    p.repetition_penalty = f.f32("repetition_penalty")?;
     if let Some(x) = f.f32("presence_penalty")? {
         p.presence_penalty = x;
     }
