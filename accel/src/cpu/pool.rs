@@ -33,6 +33,15 @@ struct Shared {
     /// Workers that have not yet finished the current region.
     active: AtomicUsize,
     shutdown: AtomicBool,
+    /// Workers blocked (or about to block) on `wake`. Notifying a condvar
+    /// is a futex syscall even when nobody waits; at two regions per layer
+    /// op that was ~600 syscalls per decoded token, so `run` notifies only
+    /// when this is non-zero. SeqCst on both sides: a worker that registers
+    /// after `run` read zero re-checks the generation and sees the bump.
+    sleepers: AtomicUsize,
+    /// Whether `run`'s caller is blocked (or about to block) on `done`;
+    /// the last worker notifies only then, for the same reason.
+    caller_sleeping: AtomicBool,
     sleep_lock: Mutex<()>,
     wake: Condvar,
     done_lock: Mutex<()>,
@@ -66,6 +75,8 @@ impl ThreadPool {
             next_task: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            caller_sleeping: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
             done_lock: Mutex::new(()),
@@ -116,8 +127,8 @@ impl ThreadPool {
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
         s.active.store(self.threads - 1, Ordering::Relaxed);
-        s.generation.fetch_add(1, Ordering::Release);
-        {
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
@@ -130,12 +141,14 @@ impl ThreadPool {
                 std::hint::spin_loop();
             } else {
                 let g = s.done_lock.lock().unwrap_or_else(|e| e.into_inner());
-                if s.active.load(Ordering::Acquire) != 0 {
+                s.caller_sleeping.store(true, Ordering::SeqCst);
+                if s.active.load(Ordering::SeqCst) != 0 {
                     let _g = s
                         .done
                         .wait_timeout(g, std::time::Duration::from_millis(1))
                         .unwrap_or_else(|e| e.into_inner());
                 }
+                s.caller_sleeping.store(false, Ordering::SeqCst);
             }
         }
         unsafe {
@@ -187,9 +200,13 @@ fn worker_loop(s: &Shared) {
                 continue;
             }
             let guard = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-            if s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
+            s.sleepers.fetch_add(1, Ordering::SeqCst);
+            if s.generation.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
                 drop(s.wake.wait(guard).unwrap_or_else(|e| e.into_inner()));
+            } else {
+                drop(guard);
             }
+            s.sleepers.fetch_sub(1, Ordering::SeqCst);
         };
         if s.shutdown.load(Ordering::Relaxed) {
             return;
@@ -200,7 +217,8 @@ fn worker_loop(s: &Shared) {
         let job = unsafe { (*s.job.get()).expect("a job is published with each generation") };
         let f: &(dyn Fn(usize) + Sync) = unsafe { &*job };
         drain_tasks(s, f);
-        if s.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if s.active.fetch_sub(1, Ordering::SeqCst) == 1 && s.caller_sleeping.load(Ordering::SeqCst)
+        {
             let _g = s.done_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.done.notify_all();
         }
