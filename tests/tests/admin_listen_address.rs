@@ -12,24 +12,7 @@ use serde_json::{json, Value};
 
 /// One HTTP call to `base + path` with a bearer token; returns (status, body).
 fn call(base: &str, method: &str, path: &str, token: &str, body: Option<&Value>) -> (u16, Value) {
-    let url = format!("{base}{path}");
-    let auth = format!("Bearer {token}");
-    let a = agent();
-    let r = match (method, body) {
-        ("GET", _) => a.get(&url).header("Authorization", &auth).call(),
-        ("DELETE", _) => a.delete(&url).header("Authorization", &auth).call(),
-        ("PUT", Some(b)) => a.put(&url).header("Authorization", &auth).send_json(b),
-        ("POST", Some(b)) => a.post(&url).header("Authorization", &auth).send_json(b),
-        ("POST", None) => a.post(&url).header("Authorization", &auth).send_empty(),
-        _ => panic!("unsupported {method}"),
-    };
-    let mut r = r.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
-    let status = r.status().as_u16();
-    let text = r.body_mut().read_to_string().unwrap_or_default();
-    (
-        status,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
+    call_url(&format!("{base}{path}"), method, token, body)
 }
 
 /// Asserts a 404 `not_found` in OpenAI's error shape.

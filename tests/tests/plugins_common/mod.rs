@@ -58,6 +58,28 @@ pub struct PServer {
     pub state: PathBuf,
 }
 
+/// One HTTP call to `url` with a bearer token; returns (status, body as
+/// JSON, or as a JSON string when it is not JSON).
+pub fn call_url(url: &str, method: &str, token: &str, body: Option<&Value>) -> (u16, Value) {
+    let auth = format!("Bearer {token}");
+    let a = agent();
+    let r = match (method, body) {
+        ("GET", _) => a.get(url).header("Authorization", &auth).call(),
+        ("DELETE", _) => a.delete(url).header("Authorization", &auth).call(),
+        ("PUT", Some(b)) => a.put(url).header("Authorization", &auth).send_json(b),
+        ("POST", Some(b)) => a.post(url).header("Authorization", &auth).send_json(b),
+        ("POST", None) => a.post(url).header("Authorization", &auth).send_empty(),
+        _ => panic!("unsupported {method}"),
+    };
+    let mut r = r.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap_or_default();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
 pub fn start(state: &TempDir, extra: &[&str]) -> PServer {
     let dir = state.0.join("state");
     let d = dir.to_string_lossy().to_string();
@@ -81,24 +103,7 @@ impl PServer {
         path: &str,
         body: Option<&Value>,
     ) -> (u16, Value) {
-        let url = self.s.url(path);
-        let auth = format!("Bearer {token}");
-        let a = agent();
-        let r = match (method, body) {
-            ("GET", _) => a.get(&url).header("Authorization", &auth).call(),
-            ("DELETE", _) => a.delete(&url).header("Authorization", &auth).call(),
-            ("PUT", Some(b)) => a.put(&url).header("Authorization", &auth).send_json(b),
-            ("POST", Some(b)) => a.post(&url).header("Authorization", &auth).send_json(b),
-            ("POST", None) => a.post(&url).header("Authorization", &auth).send_empty(),
-            _ => panic!("unsupported {method}"),
-        };
-        let mut r = r.expect("admin request");
-        let status = r.status().as_u16();
-        let text = r.body_mut().read_to_string().unwrap_or_default();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        call_url(&self.s.url(path), method, token, body)
     }
 
     pub fn put_tenant(&self, id: &str, body: Value) {
