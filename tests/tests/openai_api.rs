@@ -41,7 +41,7 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     // Streamed chat: same greedy text, role first, usage last, then [DONE].
     let r = agent()
         .post(&s.url("/v1/chat/completions"))
-        .send_json(&chat_body(true))
+        .send_json(chat_body(true))
         .expect("stream");
     assert_eq!(r.status(), 200);
     assert_eq!(

@@ -197,6 +197,8 @@ fn load_tokenizer(path: &std::path::Path) -> Result<crate::tokenizer::Tokenizer>
 }
 
 fn run_serve(a: ServeBenchArgs) -> Result<()> {
+    // Negated on purpose: NaN must be refused too.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
     if !(a.burstiness > 0.0) {
         anyhow::bail!("--burstiness must be positive");
     }

@@ -295,7 +295,7 @@ impl ModelConfig {
                 }
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_heads,
@@ -308,7 +308,7 @@ impl ModelConfig {
                 self.num_heads / self.num_kv_heads
             );
         }
-        if self.head_dim % 2 != 0 || self.head_dim > 256 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim > 256 {
             bail!(
                 "head_dim {} is not supported (must be even and at most 256)",
                 self.head_dim

@@ -499,12 +499,10 @@ fn classify(e: &wasmtime::Error) -> ErrorKind {
 fn describe(e: &wasmtime::Error) -> String {
     match classify(e) {
         ErrorKind::Timeout => "the deadline passed".into(),
-        ErrorKind::Oom => format!(
-            "{}",
-            e.chain()
-                .find_map(|c| c.downcast_ref::<MemoryCapExceeded>())
-                .map_or_else(|| "out of memory".to_string(), |m| m.to_string())
-        ),
+        ErrorKind::Oom => e
+            .chain()
+            .find_map(|c| c.downcast_ref::<MemoryCapExceeded>())
+            .map_or_else(|| "out of memory".to_string(), |m| m.to_string()),
         ErrorKind::OutOfFuel => "all fuel consumed".into(),
         _ => {
             let s = format!("{e:#}");

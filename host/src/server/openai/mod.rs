@@ -435,10 +435,8 @@ impl Run {
     /// The SSE chunk for one engine output, if it carries anything.
     fn delta_chunk(&self, i: usize, o: &StepOutput) -> Option<Bytes> {
         let finish = o.finish_reason.map(|f| f.as_str());
-        if o.new_text.is_empty()
-            && finish.is_none()
-            && !(self.want_logprobs && !o.logprobs.is_empty())
-        {
+        let has_logprobs = self.want_logprobs && !o.logprobs.is_empty();
+        if o.new_text.is_empty() && finish.is_none() && !has_logprobs {
             return None;
         }
         let c = &self.choices[i];
