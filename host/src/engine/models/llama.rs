@@ -270,7 +270,11 @@ impl LlamaModel {
         for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
             let x = &mut ws.x[..n * d];
             let h = grow(&mut ws.h, n * d);
-            ops::rms_norm(x, &layer.attn_norm, c.rms_norm_eps, h);
+            let eps = c.rms_norm_eps;
+            let attn_norm = &layer.attn_norm;
+            ops::for_row_ranges(ctx.pool(), x, d, h, d, &|xr, hr| {
+                ops::rms_norm(xr, attn_norm, eps, hr)
+            });
             let qkv = grow(&mut ws.qkv, n * qkv_w);
             layer
                 .qkv
@@ -308,13 +312,18 @@ impl LlamaModel {
             layer.o.matmul(ctx.pool(), attn, n, proj, &mut ws.scratch);
             ops::add_inplace(x, proj);
 
-            ops::rms_norm(x, &layer.ffn_norm, c.rms_norm_eps, h);
+            let ffn_norm = &layer.ffn_norm;
+            ops::for_row_ranges(ctx.pool(), x, d, h, d, &|xr, hr| {
+                ops::rms_norm(xr, ffn_norm, eps, hr)
+            });
             let gu = grow(&mut ws.gate_up, n * 2 * f);
             layer
                 .gate_up
                 .matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch);
             let act = grow(&mut ws.act, n * f);
-            ops::silu_mul(gu, f, act);
+            ops::for_row_ranges(ctx.pool(), gu, 2 * f, act, f, &|g, a| {
+                ops::silu_mul(g, f, a)
+            });
             layer.down.matmul(ctx.pool(), act, n, proj, &mut ws.scratch);
             ops::add_inplace(x, proj);
         }
