@@ -578,7 +578,7 @@ unsafe fn entry_avx2<K: Kernel>(k: K) -> K::Output {
 pub(crate) unsafe fn dispatch<K: Kernel>(level: SimdLevel, k: K) -> K::Output {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512Vnni => unsafe { entry_avx512(k) },
+        SimdLevel::Avx512Vnni | SimdLevel::Amx => unsafe { entry_avx512(k) },
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => unsafe { entry_avx2(k) },
         _ => unsafe { k.run::<Scalar>() },
@@ -669,7 +669,7 @@ mod tests {
             let l = match level {
                 SimdLevel::Scalar => 1,
                 SimdLevel::Avx2 => 8,
-                SimdLevel::Avx512Vnni => 16,
+                SimdLevel::Avx512Vnni | SimdLevel::Amx => 16,
             };
             let rows = l - l / 4;
             let mut e = vec![f32::NAN; x.len()];

@@ -134,7 +134,9 @@ pub(crate) fn quantize_row(
     match level {
         // SAFETY: the level was clamped to what the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512Vnni => unsafe { quantize_row_avx512(l, x, q, d, sum, s) },
+        SimdLevel::Avx512Vnni | SimdLevel::Amx => unsafe {
+            quantize_row_avx512(l, x, q, d, sum, s)
+        },
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => unsafe { quantize_row_avx2(l, x, q, d, sum, s) },
         _ => quantize_row_impl(l, x, q, d, sum, s),

@@ -11,11 +11,16 @@
 //! quants are repacked ([`layout`]) so that each 32-bit lane of a SIMD register
 //! accumulates one block's whole dot product; the per-block scales are then
 //! applied with one vector FMA per 16 blocks instead of one per block.
+//! Batched calls (from about 12 activation rows) on CPUs with AMX-INT8 run the
+//! integer products on the tile unit instead ([`amx`]), with the same float
+//! arithmetic, so a row's result is bitwise the same at any batch size.
 //!
 //! Dense weights (f32/f16/bf16) use register-tiled SIMD dot products that
 //! widen f16/bf16 in registers ([`dense`]).
 
 mod act;
+#[cfg(target_arch = "x86_64")]
+mod amx;
 mod dense;
 mod formats;
 mod layout;
@@ -494,26 +499,7 @@ impl Weight {
 /// The best level this CPU can run, ignoring `PAGODA_SIMD` (which only lowers
 /// the default that [`crate::cpu::simd_level`] reports).
 fn max_level() -> SimdLevel {
-    use std::sync::OnceLock;
-    static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
-    *LEVEL.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let f16c = is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-            if f16c
-                && is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-            {
-                return SimdLevel::Avx512Vnni;
-            }
-            if f16c && is_x86_feature_detected!("avx2") {
-                return SimdLevel::Avx2;
-            }
-        }
-        SimdLevel::Scalar
-    })
+    crate::cpu::detected_level()
 }
 
 fn elem_bytes(ty: GgmlType) -> usize {
@@ -533,6 +519,9 @@ pub struct MatmulScratch {
     asum: Vec<i32>,
     /// `ad × asum` per lane block (for the min terms of Q4_1 / Q4_K).
     ascaled: Vec<f32>,
+    /// The activations rearranged for the AMX tile kernel.
+    #[cfg(target_arch = "x86_64")]
+    tiles: amx::ActTiles,
 }
 
 /// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).

@@ -1,6 +1,7 @@
 //! Quantized matmul: activation quantization, threading, and the integer
 //! dot-product kernels (AVX-512 VNNI, AVX2, scalar) over the repacked layout
-//! of [`super::layout`].
+//! of [`super::layout`]; batched calls at [`SimdLevel::Amx`] hand whole
+//! 16-row tiles to [`super::amx`].
 //!
 //! Work is split over output rows; each task walks its rows in tiles of `R`
 //! rows (8 for decode, else 4) × `M` activation rows (up to 4 with AVX-512,
@@ -14,6 +15,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::act;
+#[cfg(target_arch = "x86_64")]
+use super::amx;
 use super::layout::{
     code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K,
     K_Q8_0, PANEL,
@@ -151,6 +154,42 @@ pub(crate) fn matmul(
     let o = OutPtr(out.as_mut_ptr());
     let rows = q.rows;
     let kind = q.kind;
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Amx && amx::supports(kind) && amx::worth(m, lanes) {
+        let aq = amx::ActQuant {
+            // SAFETY: `aq` holds `m · cols` codes, written above; the i8
+            // view only reinterprets them.
+            q: &scratch.aq[..m * cols],
+            d: &scratch.ad[..m * lanes],
+            sum: &scratch.asum[..m * lanes],
+            scaled: &scratch.ascaled[..m * lanes],
+        };
+        scratch.tiles.build(pool, kind, m, cols, lanes, &aq);
+        let tiles = &scratch.tiles;
+        pool.run_ranges(rows, 16, &|r0, r1| {
+            // Whole 16-row tiles go to the tile unit, a ragged end to the
+            // VNNI kernel: the two agree bitwise.
+            let r16 = r0 + (r1 - r0) / 16 * 16;
+            // SAFETY: the level is Amx (so the CPU and OS support it), the
+            // tiles were built for this matmul, and each task owns its rows.
+            unsafe {
+                match kind {
+                    K_Q4_0 => amx::run_rows::<K_Q4_0>(q, tiles, m, r0, r16, o, rows),
+                    K_Q4_1 => amx::run_rows::<K_Q4_1>(q, tiles, m, r0, r16, o, rows),
+                    _ => amx::run_rows::<K_Q8_0>(q, tiles, m, r0, r16, o, rows),
+                }
+                if r16 < r1 {
+                    let vnni = SimdLevel::Avx512Vnni;
+                    match kind {
+                        K_Q4_0 => run_rows::<K_Q4_0>(vnni, q, &w, &a, m, r16, r1, o, rows),
+                        K_Q4_1 => run_rows::<K_Q4_1>(vnni, q, &w, &a, m, r16, r1, o, rows),
+                        _ => run_rows::<K_Q8_0>(vnni, q, &w, &a, m, r16, r1, o, rows),
+                    }
+                }
+            }
+        });
+        return;
+    }
     pool.run_ranges(rows, PANEL, &|r0, r1| {
         // SAFETY: rows r0..r1 are in range, each task writes only its own
         // output columns, and `level` is supported by this CPU.
@@ -185,7 +224,7 @@ unsafe fn run_rows<const K: u8>(
         while r < r1 {
             // Decode (m = 1) takes 8 rows at a time: twice the independent
             // accumulator chains, and half the per-tile overhead.
-            let rt = if me - mb == 1 && level == SimdLevel::Avx512Vnni && r1 - r >= 8 {
+            let rt = if me - mb == 1 && level.has_avx512() && r1 - r >= 8 {
                 8
             } else if r1 - r >= 4 {
                 4
@@ -197,7 +236,7 @@ unsafe fn run_rows<const K: u8>(
                 let mt = (me - i).min(max_m_tile(level));
                 match level {
                     #[cfg(target_arch = "x86_64")]
-                    SimdLevel::Avx512Vnni => {
+                    SimdLevel::Avx512Vnni | SimdLevel::Amx => {
                         x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo)
                     }
                     #[cfg(target_arch = "x86_64")]
@@ -217,7 +256,7 @@ unsafe fn run_rows<const K: u8>(
 /// on Zen 4 at m = 16, 4 × 4 beat 4 × 3 and 4 × 2.
 fn max_m_tile(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512Vnni => 4,
+        SimdLevel::Avx512Vnni | SimdLevel::Amx => 4,
         SimdLevel::Avx2 => 2,
         SimdLevel::Scalar => 1,
     }
@@ -914,9 +953,24 @@ mod x86 {
         }
         for r in 0..R {
             for i in 0..M {
-                *out.add((i0 + i) * ldo + r0 + r) = _mm512_reduce_add_ps(facc[r][i]);
+                *out.add((i0 + i) * ldo + r0 + r) = hsum16(facc[r][i]);
             }
         }
+    }
+
+    /// The sum of a vector's 16 lanes, by a fixed tree: lanes `k` and
+    /// `k + 8`, then `k` and `k + 4`, `k` and `k + 2`, and the last two. The
+    /// AMX kernel ([`super::amx`]) repeats this tree across tokens to stay
+    /// bitwise equal to this kernel, so the order is spelled out here rather
+    /// than left to `_mm512_reduce_add_ps`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn hsum16(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        let s8 = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
     /// Loads 8 lanes of 4 bytes, only the first `hl` when the half is short.

@@ -20,10 +20,15 @@ const ALL: [GgmlType; 8] = [
 ];
 
 fn levels() -> Vec<SimdLevel> {
-    [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni]
-        .into_iter()
-        .filter(|&l| l <= max_level())
-        .collect()
+    [
+        SimdLevel::Scalar,
+        SimdLevel::Avx2,
+        SimdLevel::Avx512Vnni,
+        SimdLevel::Amx,
+    ]
+    .into_iter()
+    .filter(|&l| l <= max_level())
+    .collect()
 }
 
 fn f16b(v: f32) -> [u8; 2] {
@@ -327,6 +332,64 @@ fn matmul_large_m_paths() {
                 &out,
                 &format!("{ty} {level:?} m {m}"),
             );
+        }
+    }
+}
+
+/// Batch invariance: a row of a batched matmul is bitwise the row computed
+/// alone (m = 1, the decode kernel), whatever kernel the batch size picks:
+/// the VNNI tiles of every shape, or the AMX tiles (where the CPU has them)
+/// with their ragged row and token ends.
+#[test]
+fn batched_rows_are_bitwise_the_single_row_results() {
+    let mut rng = StdRng::seed_from_u64(29);
+    let pool = ThreadPool::new(2);
+    let wide = [SimdLevel::Avx512Vnni, SimdLevel::Amx];
+    let levels: Vec<SimdLevel> = wide.into_iter().filter(|&l| l <= max_level()).collect();
+    if !levels.contains(&SimdLevel::Amx) {
+        eprintln!("note: no AMX on this CPU; checking the VNNI kernel only");
+    }
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for (k, (rows, cols)) in [
+            (16usize, 32usize),
+            (48, 576),
+            (33, 1536),
+            (130, 160),
+            (32, 288),
+            (40, 96),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let w =
+                Weight::from_raw(ty, rows, cols, &random_bytes(&mut rng, ty, rows, cols)).unwrap();
+            let m = [12usize, 16, 40, 33, 70, 150][k];
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut single = vec![0.0f32; m * rows];
+            for i in 0..m {
+                let mut s = MatmulScratch::default();
+                w.matmul_at(
+                    SimdLevel::Avx512Vnni,
+                    &pool,
+                    &x[i * cols..(i + 1) * cols],
+                    1,
+                    &mut single[i * rows..(i + 1) * rows],
+                    &mut s,
+                );
+            }
+            for &level in &levels {
+                let mut out = vec![f32::NAN; m * rows];
+                w.matmul_at(level, &pool, &x, m, &mut out, &mut MatmulScratch::default());
+                for (e, (a, b)) in out.iter().zip(&single).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} {level:?} rows {rows} cols {cols} m {m}: out[{}][{}] = {a}, alone {b}",
+                        e / rows,
+                        e % rows
+                    );
+                }
+            }
         }
     }
 }
