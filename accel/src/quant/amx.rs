@@ -33,8 +33,8 @@
 //! the tiles save is its integer work (nibble unpacking and `vpdpbusd` per
 //! 4 tokens), at the price of unpacking A, storing C (1 KiB per block and
 //! row tile) and reading it back. On SmolLM2 shapes at 16 tokens that nets
-//! 1.3–1.6× on 576-column matrices and is a loss on 1536-column ones (see
-//! [`worth`]); prefill-sized batches gain 1.2–2.3×. Running the next unit's
+//! 1.3–1.6× on 576-column matrices and nothing on 1536-column ones (see
+//! [`worth`]); prefill-sized batches of 576 columns gain 1.7×. Running the next unit's
 //! tile products interleaved with this unit's epilogue was measured to gain
 //! nothing (the tile instructions stall the core until they complete), so
 //! the phases simply alternate.
@@ -52,15 +52,17 @@ use std::arch::asm;
 use std::cell::RefCell;
 
 /// Whether the tile kernel beats the VNNI one for `m` activation rows of
-/// `lanes` lane blocks. Measured on Sapphire Rapids-class cores (one thread,
-/// SmolLM2 shapes): a tile always holds 16 tokens, so below about 12 the
-/// padding costs more than the integer work saved; and with more than 32
-/// lanes (over 1024 columns) the C tiles of a row tile outgrow L1 and the
-/// VNNI kernel, whose per-row costs shrink with row length, stays ahead up
-/// to about 32 rows (576 × 1536, m = 16: VNNI 104 µs, tiles 126 µs; m = 32:
-/// 218 vs 212 µs; m = 128: 883 vs 735 µs).
+/// `lanes` lane blocks. Measured on a Sapphire Rapids-class Xeon (SmolLM2
+/// shapes, `cargo bench -p pagoda-accel --bench matmul`): a tile always
+/// holds 16 tokens, so below about 12 the padding costs more than the
+/// integer work saved. With more than 32 lanes (over 1024 columns) a row
+/// tile's C tiles outgrow L1 and the VNNI kernel, whose per-row costs shrink
+/// with row length, keeps up: 576 × 1536 on 2 threads, VNNI against tiles,
+/// m = 16: 58 vs 59 µs; m = 64: 231 vs 254 µs; m = 512: 2003 vs 1910 µs;
+/// m = 2048: 7977 vs 7717 µs. On 576 columns the tiles win from m = 12 up
+/// (1536 × 576, m = 16: 92 vs 73 µs; m = 64: 375 vs 222 µs).
 pub(crate) fn worth(m: usize, lanes: usize) -> bool {
-    m >= 12 && (lanes <= 32 || m >= 32)
+    m >= 12 && (lanes <= 32 || m >= 128)
 }
 
 /// Whether the tile kernel handles weights of kind `k` (the 32-element
