@@ -20,6 +20,7 @@ RESULTS="$(mktemp -d /tmp/pagoda-compare.XXXXXX)"
 MODEL="$(scripts/fetch-demo-model.sh)"
 cargo build --release --locked -p pagoda -p pagoda-bench-report >&2
 LLAMA_BIN="$(bench/build-llamacpp.sh)"
+. bench/llamacpp-env.sh
 PAGODA="$CARGO_TARGET_DIR/release/pagoda"
 
 pids=()

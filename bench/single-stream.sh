@@ -9,11 +9,12 @@ ROUNDS="${ROUNDS:-2}"
 MODEL="$(scripts/fetch-demo-model.sh)"
 cargo build --release --locked -p pagoda >&2
 LLAMA_BIN="$(bench/build-llamacpp.sh)"
+. bench/llamacpp-env.sh
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 for round in $(seq 1 "$ROUNDS"); do
   for t in 1 2; do
     echo "--- round $round, $t thread(s)"
-    "$LLAMA_BIN/llama-bench" -m "$MODEL" -t "$t" -p 256 -n 128 -r 3 -o md 2>/dev/null | grep -E "pp256|tg128" | sed 's/^/llama.cpp: /'
+    "$LLAMA_BIN/llama-bench" -m "$MODEL" -t "$t" -p 256 -n 128 -r 3 --repack "$LLAMA_REPACK" -o md 2>/dev/null | grep -E "pp256|tg128" | sed 's/^/llama.cpp: /'
     "$CARGO_TARGET_DIR/release/pagoda" bench latency --model "$MODEL" --threads "$t" --input-len 256 --output-len 128 \
       --num-iters 3 --max-model-len 1024 --kv-cache-memory 256MiB 2>/dev/null | sed 's/^/pagoda:    /'
   done
