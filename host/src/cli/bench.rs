@@ -169,13 +169,21 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
     let tg: Vec<f64> = samples.iter().map(|s| s.decode_tps()).collect();
     let (pp, tg) = (stats::summarize(&pp), stats::summarize(&tg));
     let threads = core.runner().context().pool().threads();
+    // The first output token comes from the prefill step, so one output
+    // token means no decode steps to time.
+    let decode = if a.output_len > 1 {
+        format!(
+            "decode {} tokens: {:.1} tok/s (median)",
+            a.output_len, tg.median
+        )
+    } else {
+        "no decode steps (output length 1)".to_string()
+    };
     println!(
-        "threads {threads}: prompt {} tokens: {:.1} tok/s (median of {}); decode {} tokens: {:.1} tok/s (median)",
+        "threads {threads}: prompt {} tokens: {:.1} tok/s (median of {}); {decode}",
         a.input_len,
         pp.median,
         samples.len(),
-        a.output_len,
-        tg.median
     );
     write_json(
         &a.result_json,

@@ -69,7 +69,7 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = 256)]
     pub max_num_seqs: usize,
     /// Most tokens in one step (prefill chunks plus decodes).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = crate::engine::args::DEFAULT_MAX_NUM_BATCHED_TOKENS)]
     pub max_num_batched_tokens: usize,
     /// Reuse the KV of shared prompt prefixes (on by default).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
