@@ -311,7 +311,8 @@ pub(crate) unsafe fn run_rows<const K: u8>(
                             c: cbuf,
                         };
                         p.run(lanes);
-                        epilogue::<K>(t, tt, lanes, cbuf, &s.dw, &s.mw, m, rt, out, ldo);
+                        let ahead = (tt == tb).then_some(q);
+                        epilogue::<K>(t, tt, lanes, cbuf, &s.dw, &s.mw, m, rt, out, ldo, ahead);
                     }
                 }
             }
@@ -341,20 +342,8 @@ unsafe fn unpack<const K: u8>(
     // a time while this one is unpacked. The access pattern inside a panel
     // (unit `k` of row `j` at `(8k + j) · 64`) defeats the hardware
     // prefetchers, and on the LM head the weights come from DRAM.
-    let next = r0 + ROWS < q.rows;
     for n in 0..ROWS {
         let r = r0 + n;
-        if next {
-            let ahead = qs.add((r0 + ROWS) * q.qs_row + n * q.qs_row);
-            for off in (0..q.qs_row).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T1>(ahead.add(off) as *const i8);
-            }
-            let d = q.d.ptr().add(2 * (r + ROWS) * lanes);
-            _mm_prefetch::<_MM_HINT_T1>(d as *const i8);
-            if K == K_Q4_1 {
-                _mm_prefetch::<_MM_HINT_T1>(q.m.ptr().add(2 * (r + ROWS) * lanes) as *const i8);
-            }
-        }
         let panel = qs.add(r / PANEL * PANEL * q.qs_row);
         let row = a.add(n * pitch);
         for g in 0..lanes.div_ceil(16) {
@@ -414,6 +403,30 @@ unsafe fn unpack<const K: u8>(
                 _mm512_mask_storeu_ps(mw.as_mut_ptr().add(n * lanes + b0), mask, mn);
             }
         }
+    }
+}
+
+/// Prefetches into L2 the `r`-th `qs_row`-byte slice of the codes (a row
+/// tile's two panels are one contiguous run of 16 such slices, though rows
+/// interleave inside them) and row `r`'s scales and mins, if row `r`
+/// exists. The epilogue issues these for the next row tile, one slice per
+/// output row: spread out, they keep a few misses in flight while the
+/// vector units work, where a burst at the start of unpacking stalled on
+/// fill buffers (16 × 16/256 decode, 3 alternating runs: 737–776 →
+/// 773–785 output tok/s).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+#[inline]
+unsafe fn prefetch_row<const K: u8>(q: &QMat, r: usize) {
+    if r >= q.rows {
+        return;
+    }
+    let at = q.qs.ptr().add(r * q.qs_row);
+    for off in (0..q.qs_row).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T1>(at.add(off) as *const i8);
+    }
+    _mm_prefetch::<_MM_HINT_T1>(q.d.ptr().add(2 * r * q.lanes) as *const i8);
+    if K == K_Q4_1 {
+        _mm_prefetch::<_MM_HINT_T1>(q.m.ptr().add(2 * r * q.lanes) as *const i8);
     }
 }
 
@@ -547,6 +560,7 @@ unsafe fn epilogue<const K: u8>(
     r0: usize,
     out: OutPtr,
     ldo: usize,
+    ahead: Option<&QMat>,
 ) {
     let live = (m - tt * TOK).min(TOK);
     // Row `n`'s 16 token sums, transposed below into 16 tokens' row runs.
@@ -619,6 +633,9 @@ unsafe fn epilogue<const K: u8>(
         }
         let s2 = [_mm512_add_ps(s4[0], s4[2]), _mm512_add_ps(s4[1], s4[3])];
         sums[n] = _mm512_add_ps(s2[0], s2[1]);
+        if let Some(q) = ahead {
+            prefetch_row::<K>(q, r0 + ROWS + n);
+        }
     }
     // One 64-byte store per token instead of a 16-line scatter per row.
     let by_token = transpose16(&sums);
