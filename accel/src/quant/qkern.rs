@@ -157,8 +157,6 @@ pub(crate) fn matmul(
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Amx && amx::supports(kind) && amx::worth(m, lanes) {
         let aq = amx::ActQuant {
-            // SAFETY: `aq` holds `m · cols` codes, written above; the i8
-            // view only reinterprets them.
             q: &scratch.aq[..m * cols],
             d: &scratch.ad[..m * lanes],
             sum: &scratch.asum[..m * lanes],
