@@ -152,9 +152,13 @@ unsafe impl Sync for TilesOut {}
 
 /// Quantized activations as laid out by [`super::act`] (read-only views).
 pub(crate) struct ActQuant<'a> {
+    /// Codes, `cols` per row, in the weights' interleaved order.
     pub(crate) q: &'a [i8],
+    /// Scale per row and lane block.
     pub(crate) d: &'a [f32],
+    /// Sum of the codes per row and lane block.
     pub(crate) sum: &'a [i32],
+    /// `d · sum` per row and lane block (the min types' term).
     pub(crate) scaled: &'a [f32],
 }
 
@@ -337,11 +341,10 @@ unsafe fn unpack<const K: u8>(
     let qs = q.qs.ptr();
     let units = if code_bits(K) == 8 { 8 } else { 4 };
     let gbytes = 16 * units * 4;
-    // A row tile is two whole panels, one contiguous run of `16 · qs_row`
-    // bytes; the next tile's run (and scales) is prefetched a row's share at
-    // a time while this one is unpacked. The access pattern inside a panel
+    // The rows read here were prefetched during the previous row tile's
+    // epilogue (see `prefetch_row`): the access pattern inside a panel
     // (unit `k` of row `j` at `(8k + j) · 64`) defeats the hardware
-    // prefetchers, and on the LM head the weights come from DRAM.
+    // prefetchers.
     for n in 0..ROWS {
         let r = r0 + n;
         let panel = qs.add(r / PANEL * PANEL * q.qs_row);
