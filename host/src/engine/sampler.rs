@@ -274,35 +274,35 @@ mod tests {
     #[test]
     fn top_k_top_p_and_min_p_keep_only_their_candidates() {
         let draws = 50_000;
-        // Tokens by probability: 0, 1, 4, 2, 3, 5.
-        let top_k = SamplingParams {
-            top_k: Some(2),
-            ..SamplingParams::default()
-        };
-        assert_close(
-            &frequencies(&top_k, draws),
-            &reference(1.0, |i| i <= 1),
-            draws,
-        );
-        // p(0) ≈ 0.44 and p(1) ≈ 0.27: a nucleus of 0.5 needs both.
-        let top_p = SamplingParams {
-            top_p: Some(0.5),
-            ..SamplingParams::default()
-        };
-        assert_close(
-            &frequencies(&top_p, draws),
-            &reference(1.0, |i| i <= 1),
-            draws,
-        );
-        // min_p 0.3 keeps tokens with at least 0.3 × p(0): tokens 0, 1, 4.
-        let min_p = SamplingParams {
-            min_p: Some(0.3),
-            ..SamplingParams::default()
-        };
-        assert_close(
-            &frequencies(&min_p, draws),
-            &reference(1.0, |i| matches!(i, 0 | 1 | 4)),
-            draws,
-        );
+        let any = SamplingParams::default();
+        // Tokens by probability: 0, 1, 4, 2, 3, 5 (p(0) ≈ 0.44, p(1) ≈ 0.27,
+        // p(4) ≈ 0.18): top-k 2 keeps 0 and 1; a nucleus of 0.5 needs both;
+        // min_p 0.3 keeps tokens with at least 0.3 × p(0), i.e. 0, 1 and 4.
+        let cases: [(SamplingParams, &dyn Fn(usize) -> bool); 3] = [
+            (
+                SamplingParams {
+                    top_k: Some(2),
+                    ..any.clone()
+                },
+                &|i| i <= 1,
+            ),
+            (
+                SamplingParams {
+                    top_p: Some(0.5),
+                    ..any.clone()
+                },
+                &|i| i <= 1,
+            ),
+            (
+                SamplingParams {
+                    min_p: Some(0.3),
+                    ..any.clone()
+                },
+                &|i| matches!(i, 0 | 1 | 4),
+            ),
+        ];
+        for (p, keep) in cases {
+            assert_close(&frequencies(&p, draws), &reference(1.0, keep), draws);
+        }
     }
 }
