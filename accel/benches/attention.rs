@@ -165,6 +165,15 @@ fn main() {
             layers: env_or("BENCH_LAYERS", 8),
         },
         Scenario {
+            // SmolLM2-135M's shape, mid-way through 16 × 128/128.
+            name: "decode b16 ctx192 9/3x64",
+            n_heads: 9,
+            n_kv: 3,
+            head_dim: 64,
+            seqs: vec![(1, 192); 16],
+            layers: env_or("BENCH_LAYERS", 30),
+        },
+        Scenario {
             name: "decode b16 ctx256 32/8x128",
             n_heads: 32,
             n_kv: 8,

@@ -15,11 +15,13 @@
 //! row counts:
 //!
 //! * **small** (decode, short chunks: fewer rows than a vector's lanes):
-//!   each K chunk is transposed (`[head_dim][KT]`) so scores are computed
-//!   with the chunk's keys in the SIMD lanes (FMAs of a broadcast q element
-//!   against a vector of keys), and the output accumulates `p · v` rows with
-//!   head dimensions in the lanes. Putting rows in the lanes here would leave
-//!   most lanes idle (a group of 4 fills a quarter of an AVX-512 register).
+//!   scores are computed with the chunk's keys in the SIMD lanes (FMAs of a
+//!   broadcast q element against a vector of keys, which the cache's
+//!   transposed K slabs hold contiguously, see [`KvLayout`]), and the output
+//!   accumulates `p · v` rows with head dimensions in the lanes. Both read
+//!   the cache in place, widening as they load. Putting rows in the lanes
+//!   here would leave most lanes idle (a group of 4 fills a quarter of an
+//!   AVX-512 register).
 //! * **wide** (prefill: up to [`WIDE_ROWS`] rows): rows in the SIMD lanes,
 //!   like a small matrix multiply. The tile's queries are transposed once
 //!   (`[head_dim][rows]`), so `Q·Kᵀ` is a sequence of FMAs of a broadcast K
@@ -180,10 +182,15 @@ impl KvElem for bf16 {
     }
 }
 
-/// Shape of one layer's K (or V) cache:
-/// `[num_blocks, n_kv_heads, block_size, head_dim]`. For each (block, KV
-/// head) the `block_size × head_dim` slab is contiguous, so a task streams
-/// its KV head's rows of a block without striding over the other heads.
+/// Shape of one layer's K (or V) cache: `[num_blocks, n_kv_heads, slab]`,
+/// one contiguous `block_size × head_dim` slab per (block, KV head), so a
+/// task streams its KV head's part of a block without striding over the
+/// other heads.
+///
+/// Inside a slab, V is stored by position (`[block_size][head_dim]`) and K
+/// transposed (`[head_dim][block_size]`): decode scores put keys in the SIMD
+/// lanes (see the module docs), and with K stored this way a vector of keys'
+/// `i`-th elements is one load instead of a transpose per chunk.
 #[derive(Clone, Copy, Debug)]
 pub struct KvLayout {
     /// Blocks in the pool.
@@ -202,10 +209,10 @@ impl KvLayout {
         self.num_blocks * self.n_kv_heads * self.block_size * self.head_dim
     }
 
-    /// Index of the first element of `(block, kv_head, offset)`.
+    /// Index of the first element of the slab of `(block, kv_head)`.
     #[inline(always)]
-    fn index(&self, block: usize, kv_head: usize, offset: usize) -> usize {
-        ((block * self.n_kv_heads + kv_head) * self.block_size + offset) * self.head_dim
+    fn slab(&self, block: usize, kv_head: usize) -> usize {
+        (block * self.n_kv_heads + kv_head) * self.block_size * self.head_dim
     }
 }
 
@@ -255,11 +262,19 @@ pub fn write_kv<T: KvElem>(
         );
         let (block, off) = (slot / layout.block_size, slot % layout.block_size);
         for h in 0..layout.n_kv_heads {
-            let dst = layout.index(block, h, off);
+            let slab = layout.slab(block, h);
             let src = t * row + h * d;
-            for (c, &x) in k_cache[dst..dst + d].iter_mut().zip(&k[src..src + d]) {
+            // K transposed: element `i` of this position is `block_size` apart
+            // from element `i + 1`.
+            let k_slab = &mut k_cache[slab..slab + d * layout.block_size];
+            for (c, &x) in k_slab[off..]
+                .iter_mut()
+                .step_by(layout.block_size)
+                .zip(&k[src..src + d])
+            {
                 *c = T::from_f32(x);
             }
+            let dst = slab + off * d;
             for (c, &x) in v_cache[dst..dst + d].iter_mut().zip(&v[src..src + d]) {
                 *c = T::from_f32(x);
             }
@@ -575,30 +590,41 @@ impl Ctx<'_> {
             KvView::F32(_) => 4,
             _ => 2,
         };
+        // Prefetches never fault; the addresses are only computed (with
+        // wrapping arithmetic), never dereferenced.
+        let lines = |from: *const u8, bytes: usize| {
+            let mut a = from as usize & !63;
+            while a < from as usize + bytes {
+                super::simd::prefetch(a as *const u8);
+                a += 64;
+            }
+        };
         let end = start + n;
         let mut p = start;
         while p < end {
             let seg = (bs - p % bs).min(end - p);
-            let base = ((table[p / bs] as usize * self.n_kv + kvh) * bs + p % bs) * d;
-            let (kb, vb) = (self.k.addr(base), self.v.addr(base));
-            let bytes = seg * d * elem;
-            for off in (0..bytes).step_by(64) {
-                // SAFETY: prefetches never fault; the addresses are only
-                // computed (with wrapping arithmetic), not dereferenced.
-                super::simd::prefetch(kb.wrapping_add(off));
-                super::simd::prefetch(vb.wrapping_add(off));
+            let slab = (table[p / bs] as usize * self.n_kv + kvh) * bs * d;
+            let off = p % bs;
+            lines(self.v.addr(slab + off * d), seg * d * elem);
+            if seg == bs {
+                lines(self.k.addr(slab), bs * d * elem);
+            } else {
+                // K is transposed: the positions are a run in each of the
+                // slab's `d` rows.
+                for i in 0..d {
+                    lines(self.k.addr(slab + i * bs + off), seg * elem);
+                }
             }
             p += seg;
         }
     }
 
-    /// Returns positions `start..start + n` of KV head `kvh` from `view` as
+    /// Returns values at positions `start..start + n` of KV head `kvh` as
     /// contiguous f32 rows (`[n][d]`): in place for an f32 chunk within one
     /// block, else widened/gathered into `buf` (room for `KT * d`).
     #[inline(always)]
-    unsafe fn load_chunk<S: Simd>(
+    unsafe fn load_values<S: Simd>(
         &self,
-        view: KvView<'_>,
         table: &[u32],
         kvh: usize,
         start: usize,
@@ -606,7 +632,8 @@ impl Ctx<'_> {
         buf: *mut f32,
     ) -> *const f32 {
         let (d, bs) = (self.d, self.bs);
-        let index = |p: usize| ((table[p / bs] as usize * self.n_kv + kvh) * bs + p % bs) * d;
+        let view = self.v;
+        let index = |p: usize| (table[p / bs] as usize * self.n_kv + kvh) * bs * d + p % bs * d;
         if let KvView::F32(data) = view {
             if start % bs + n <= bs {
                 let base = index(start);
@@ -637,6 +664,53 @@ impl Ctx<'_> {
         }
         buf
     }
+
+    /// Writes the keys at positions `start..start + n` of KV head `kvh`,
+    /// widened to f32 and transposed, into `kt`: `kt[i · KT + j]` is element
+    /// `i` of key `start + j`. Keys from `n` up to a whole vector of `S` are
+    /// zero (their scores are computed, then masked).
+    #[inline(always)]
+    unsafe fn load_keys<S: Simd>(
+        &self,
+        table: &[u32],
+        kvh: usize,
+        start: usize,
+        n: usize,
+        kt: *mut f32,
+    ) {
+        let (d, bs) = (self.d, self.bs);
+        let end = start + n;
+        let mut p = start;
+        while p < end {
+            // A block's part of the chunk is a run in each row of its slab.
+            let seg = (bs - p % bs).min(end - p);
+            let slab = (table[p / bs] as usize * self.n_kv + kvh) * bs * d;
+            let (off, j) = (p % bs, p - start);
+            for i in 0..d {
+                let at = slab + i * bs + off;
+                // SAFETY: the source is bounds-checked by slicing; the
+                // destination is within row `i` of `kt` (`j + seg <= KT`).
+                unsafe {
+                    let dst = kt.add(i * KT + j);
+                    match self.k {
+                        KvView::F32(data) => {
+                            std::ptr::copy_nonoverlapping(data[at..at + seg].as_ptr(), dst, seg)
+                        }
+                        KvView::F16(data) => S::f16_to_f32(data[at..at + seg].as_ptr(), dst, seg),
+                        KvView::Bf16(data) => S::bf16_to_f32(data[at..at + seg].as_ptr(), dst, seg),
+                    }
+                }
+            }
+            p += seg;
+        }
+        let padded = n.div_ceil(S::LANES) * S::LANES;
+        for i in 0..d {
+            for j in n..padded {
+                // SAFETY: `padded <= KT` (KT is a multiple of every lane count).
+                unsafe { *kt.add(i * KT + j) = 0.0 };
+            }
+        }
+    }
 }
 
 impl Kernel for Tile<'_, '_> {
@@ -662,8 +736,8 @@ macro_rules! scratch {
 
 /// The small kernel (see the module docs). It computes exactly the wide
 /// kernel's arithmetic per row (see "Batch invariance" there), laid out for
-/// few rows: scores with the chunk's keys in the lanes (K transposed per
-/// chunk), `P·V` with head dimensions in the lanes.
+/// few rows: scores with the chunk's keys in the lanes (K is stored
+/// transposed), `P·V` with head dimensions in the lanes.
 // Row loops index several per-row arrays (`pos`, `vis`, `m`, ...) at once.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -677,7 +751,6 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     let mut qs = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
     let mut acc = scratch!(SMALL_ROWS * MAX_HEAD_DIM);
     let mut sc = scratch!(SMALL_ROWS * KT);
-    let mut kbuf = scratch!(KT * MAX_HEAD_DIM);
     let mut vbuf = scratch!(KT * MAX_HEAD_DIM);
     let mut ktb = scratch!(MAX_HEAD_DIM * KT);
     let (qs, acc, sc, kt) = (
@@ -686,7 +759,7 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
         sc.as_mut_ptr() as *mut f32,
         ktb.as_mut_ptr() as *mut f32,
     );
-    let (kbuf, vbuf) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
+    let vbuf = vbuf.as_mut_ptr() as *mut f32;
     // Per-row state. Rows `rows..rv` are padding with finite values, so the
     // lane-wise updates below compute nothing undefined for them.
     let mut m = [0.0f32; SMALL_ROWS];
@@ -717,23 +790,40 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
             }
         }
         let n_keys = first + t.nq;
+        // Chunks start at multiples of `min(bs, KT)`, so with blocks a whole
+        // number of vectors every vector of keys lies inside one block and
+        // the cache can be read in place; otherwise (scalar code, tiny
+        // blocks) chunks are gathered into scratch first.
+        let in_place = l > 1 && c.bs.is_multiple_of(l);
+        let table = t.seq.block_table;
+        let mut vp: *const f32 = std::ptr::null();
         let mut c0 = 0;
         while c0 < n_keys {
             let n = c.chunk_len(c0, n_keys);
-            let kp = c.load_chunk::<S>(c.k, t.seq.block_table, t.kvh, c0, n, kbuf);
-            let vp = c.load_chunk::<S>(c.v, t.seq.block_table, t.kvh, c0, n, vbuf);
+            let at = if in_place {
+                ChunkAt::new(c, table, t.kvh, c0, n, l)
+            } else {
+                c.load_keys::<S>(table, t.kvh, c0, n, kt);
+                vp = c.load_values::<S>(table, t.kvh, c0, n, vbuf);
+                ChunkAt::EMPTY
+            };
+            let reader = Reader::new(c, &at, in_place);
             if c0 + n < n_keys {
                 let n2 = c.chunk_len(c0 + n, n_keys);
-                c.prefetch_chunk(t.seq.block_table, t.kvh, c0 + n, n2);
+                c.prefetch_chunk(table, t.kvh, c0 + n, n2);
             }
             // Scores of all rows against all `n` keys (the causal mask is
             // applied after): every score is the same sequence of FMAs over
             // the head dimensions as in the wide kernel.
-            if l == 1 {
-                qk_direct::<S>(qs, rows, kp, d, n, sc);
-            } else {
-                transpose_chunk::<S>(kp, d, n, kt);
-                qk_keys::<S>(qs, rows, kt, d, n, sc);
+            match &reader {
+                Reader::F32(r) => r.scores::<S>(qs, rows, d, n, sc),
+                Reader::F16(r) => r.scores::<S>(qs, rows, d, n, sc),
+                Reader::Bf16(r) => r.scores::<S>(qs, rows, d, n, sc),
+                Reader::Scratch if l == 1 => qk_direct::<S>(qs, rows, kt, d, n, sc),
+                Reader::Scratch => {
+                    let keys = |v: usize, i: usize| S::load(kt.add(i * KT + v * l));
+                    qk_keys::<S>(qs, rows, &keys, d, n, sc)
+                }
             }
             let padded = n.div_ceil(l) * l;
             for r in 0..rows {
@@ -769,13 +859,24 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
                 for j in (0..padded).step_by(l) {
                     S::store(sr.add(j), S::exp(S::sub(S::load(sr.add(j)), mv)));
                 }
-                // Summed in key order, as each lane of the wide kernel does
-                // (the masked keys' exact zeros change no sum).
-                let mut s = 0.0f32;
-                for j in 0..vis[r] {
-                    s += *sr.add(j);
+            }
+            // Summed in key order, as each lane of the wide kernel does,
+            // masked keys included (their exact zeros change no sum). Four
+            // rows at a time in registers, so their dependency chains
+            // overlap instead of running one after another; a group past
+            // the last row re-reads that row and drops the result.
+            for r0 in (0..rows).step_by(4) {
+                let row = |q: usize| sc.add((r0 + q).min(rows - 1) * KT);
+                let (s0, s1, s2, s3) = (row(0), row(1), row(2), row(3));
+                let mut a = [0.0f32; 4];
+                for j in 0..n {
+                    a[0] += *s0.add(j);
+                    a[1] += *s1.add(j);
+                    a[2] += *s2.add(j);
+                    a[3] += *s3.add(j);
                 }
-                csum[r] = s;
+                let k = 4.min(rows - r0);
+                csum[r0..r0 + k].copy_from_slice(&a[..k]);
             }
             for r in (0..rv).step_by(l) {
                 let ls = S::load(lsum.as_ptr().add(r));
@@ -789,7 +890,17 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
                 // A row with nothing visible has alpha 1 and p 0: its
                 // accumulator would come out unchanged, so skip it.
                 if vis[r] > 0 {
-                    pv_row::<S>(acc.add(r * d), alpha[r], sc.add(r * KT), vp, vis[r], d);
+                    let (a, al, p, nv) = (acc.add(r * d), alpha[r], sc.add(r * KT), vis[r]);
+                    match &reader {
+                        Reader::F32(r) => r.accumulate::<S>(a, al, p, nv, d),
+                        Reader::F16(r) => r.accumulate::<S>(a, al, p, nv, d),
+                        Reader::Bf16(r) => r.accumulate::<S>(a, al, p, nv, d),
+                        Reader::Scratch => {
+                            let vals = |j: usize, i: usize| S::load(vp.add(j * d + i));
+                            let val = |j: usize, i: usize| *vp.add(j * d + i);
+                            pv_row::<S>(a, al, p, &vals, &val, nv, d)
+                        }
+                    }
                 }
             }
             c0 += n;
@@ -805,36 +916,16 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     }
 }
 
-/// Transposes a chunk of `n` keys (`k[n][d]`) into `kt[d][KT]`, keys `n..`
-/// up to a whole vector zeroed (their scores are computed, then masked).
-#[inline(always)]
-unsafe fn transpose_chunk<S: Simd>(k: *const f32, d: usize, n: usize, kt: *mut f32) {
-    let l = S::LANES;
-    let nv = d - d % l;
-    unsafe {
-        for j0 in (0..n).step_by(l) {
-            let valid = (n - j0).min(l);
-            let src = k.add(j0 * d);
-            for i0 in (0..nv).step_by(l) {
-                S::transpose(src.add(i0), d, valid, kt.add(i0 * KT + j0), KT);
-            }
-            for i in nv..d {
-                for j in 0..l {
-                    *kt.add(i * KT + j0 + j) = if j < valid { *src.add(j * d + i) } else { 0.0 };
-                }
-            }
-        }
-    }
-}
-
-/// Scores `sc[r][j] = Σ_i qs[r][i] · kt[i][j]` for all `rows` and the keys
+/// Scores `sc[r][j] = Σ_i qs[r][i] · k_j[i]` for all `rows` and the keys
 /// `j` of `n` rounded up to whole vectors: keys in the lanes, each lane one
 /// FMA per head dimension in order (the wide kernel's sequence).
+/// `keys(v, i)` returns element `i` of the keys of vector `v` (keys
+/// `v · LANES ..`), from the transposed scratch or straight from the cache.
 #[inline(always)]
 unsafe fn qk_keys<S: Simd>(
     qs: *const f32,
     rows: usize,
-    kt: *const f32,
+    keys: &impl Fn(usize, usize) -> S::V,
     d: usize,
     n: usize,
     sc: *mut f32,
@@ -852,12 +943,12 @@ unsafe fn qk_keys<S: Simd>(
             while v < nvec {
                 let jv = if v + 2 <= nvec { 2 } else { 1 };
                 match (rb, jv) {
-                    (4, 2) => qk_keys_micro::<S, 4, 2>(qs, r, kt, d, v, sc),
-                    (4, _) => qk_keys_micro::<S, 4, 1>(qs, r, kt, d, v, sc),
-                    (2, 2) => qk_keys_micro::<S, 2, 2>(qs, r, kt, d, v, sc),
-                    (2, _) => qk_keys_micro::<S, 2, 1>(qs, r, kt, d, v, sc),
-                    (_, 2) => qk_keys_micro::<S, 1, 2>(qs, r, kt, d, v, sc),
-                    _ => qk_keys_micro::<S, 1, 1>(qs, r, kt, d, v, sc),
+                    (4, 2) => qk_keys_micro::<S, 4, 2>(qs, r, keys, d, v, sc),
+                    (4, _) => qk_keys_micro::<S, 4, 1>(qs, r, keys, d, v, sc),
+                    (2, 2) => qk_keys_micro::<S, 2, 2>(qs, r, keys, d, v, sc),
+                    (2, _) => qk_keys_micro::<S, 2, 1>(qs, r, keys, d, v, sc),
+                    (_, 2) => qk_keys_micro::<S, 1, 2>(qs, r, keys, d, v, sc),
+                    _ => qk_keys_micro::<S, 1, 1>(qs, r, keys, d, v, sc),
                 }
                 v += jv;
             }
@@ -871,7 +962,7 @@ unsafe fn qk_keys<S: Simd>(
 unsafe fn qk_keys_micro<S: Simd, const RB: usize, const JV: usize>(
     qs: *const f32,
     r0: usize,
-    kt: *const f32,
+    keys: &impl Fn(usize, usize) -> S::V,
     d: usize,
     v0: usize,
     sc: *mut f32,
@@ -882,7 +973,7 @@ unsafe fn qk_keys_micro<S: Simd, const RB: usize, const JV: usize>(
         for i in 0..d {
             let mut kv = [S::zero(); JV];
             for (v, kvv) in kv.iter_mut().enumerate() {
-                *kvv = S::load(kt.add(i * KT + (v0 + v) * l));
+                *kvv = keys(v0 + v, i);
             }
             for (rr, accr) in acc.iter_mut().enumerate() {
                 let qb = S::splat(*qs.add((r0 + rr) * d + i));
@@ -899,13 +990,13 @@ unsafe fn qk_keys_micro<S: Simd, const RB: usize, const JV: usize>(
     }
 }
 
-/// Scores for one lane (scalar code): no transpose needed, each score is
-/// the FMA sequence over the head dimensions straight from `k[n][d]`.
+/// Scores for one lane (scalar code): each score is the FMA sequence over
+/// the head dimensions, reading `kt[d][KT]` one key at a time.
 #[inline(always)]
 unsafe fn qk_direct<S: Simd>(
     qs: *const f32,
     rows: usize,
-    k: *const f32,
+    kt: *const f32,
     d: usize,
     n: usize,
     sc: *mut f32,
@@ -914,10 +1005,9 @@ unsafe fn qk_direct<S: Simd>(
         for r in 0..rows {
             let qr = qs.add(r * d);
             for j in 0..n {
-                let kj = k.add(j * d);
                 let mut a = 0.0f32;
                 for i in 0..d {
-                    a = S::fma1(*qr.add(i), *kj.add(i), a);
+                    a = S::fma1(*qr.add(i), *kt.add(i * KT + j), a);
                 }
                 *sc.add(r * KT + j) = a;
             }
@@ -925,14 +1015,17 @@ unsafe fn qk_direct<S: Simd>(
     }
 }
 
-/// `acc = acc * alpha + Σ_j p[j] · v[j]` over `n` rows of `v` (stride `d`),
-/// four vectors of `acc` held in registers at a time.
+/// `acc = acc * alpha + Σ_j p[j] · v_j` over `n` value rows, four vectors
+/// of `acc` held in registers at a time. `vals(j, i)` returns elements
+/// `i .. i + LANES` of row `j` and `val(j, i)` element `i` alone (for a
+/// head dimension that is not a whole number of vectors).
 #[inline(always)]
 unsafe fn pv_row<S: Simd>(
     acc: *mut f32,
     alpha: f32,
     p: *const f32,
-    v: *const f32,
+    vals: &impl Fn(usize, usize) -> S::V,
+    val: &impl Fn(usize, usize) -> f32,
     n: usize,
     d: usize,
 ) {
@@ -948,9 +1041,8 @@ unsafe fn pv_row<S: Simd>(
             }
             for j in 0..n {
                 let pj = S::splat(*p.add(j));
-                let vr = v.add(j * d + i);
                 for (k, ak) in a.iter_mut().enumerate() {
-                    *ak = S::fma(pj, S::load(vr.add(k * l)), *ak);
+                    *ak = S::fma(pj, vals(j, i + k * l), *ak);
                 }
             }
             for (k, ak) in a.iter().enumerate() {
@@ -961,7 +1053,7 @@ unsafe fn pv_row<S: Simd>(
         while i < nv {
             let mut a = S::mul(S::load(acc.add(i)), av);
             for j in 0..n {
-                a = S::fma(S::splat(*p.add(j)), S::load(v.add(j * d + i)), a);
+                a = S::fma(S::splat(*p.add(j)), vals(j, i), a);
             }
             S::store(acc.add(i), a);
             i += l;
@@ -969,10 +1061,173 @@ unsafe fn pv_row<S: Simd>(
         for i in nv..d {
             let mut a = *acc.add(i) * alpha;
             for j in 0..n {
-                a = S::fma1(*p.add(j), *v.add(j * d + i), a);
+                a = S::fma1(*p.add(j), val(j, i), a);
             }
             *acc.add(i) = a;
         }
+    }
+}
+
+/// How the small kernel reads one cache element type in place.
+trait Widen {
+    /// The cache's storage type.
+    type Raw: Copy;
+    /// `S::LANES` elements at `p`, widened to f32.
+    unsafe fn load<S: Simd>(p: *const Self::Raw) -> S::V;
+}
+
+struct FromF32;
+struct FromF16;
+struct FromBf16;
+
+impl Widen for FromF32 {
+    type Raw = f32;
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+        unsafe { S::load(p) }
+    }
+}
+
+impl Widen for FromF16 {
+    type Raw = u16;
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const u16) -> S::V {
+        unsafe { S::load_f16(p) }
+    }
+}
+
+impl Widen for FromBf16 {
+    type Raw = u16;
+    #[inline(always)]
+    unsafe fn load<S: Simd>(p: *const u16) -> S::V {
+        unsafe { S::load_bf16(p) }
+    }
+}
+
+/// Element offsets, from the start of a cache, of one chunk's keys and
+/// values of one KV head, for reading them in place (when every vector of
+/// keys lies inside one block).
+struct ChunkAt {
+    /// Element 0 of the keys of vector `v` (their element `i` is `i · bs`
+    /// further: K slabs are transposed).
+    kvec: [usize; KT],
+    /// Value row `j`.
+    vrow: [usize; KT],
+}
+
+impl ChunkAt {
+    /// No chunk (the scratch path).
+    const EMPTY: ChunkAt = ChunkAt {
+        kvec: [0; KT],
+        vrow: [0; KT],
+    };
+
+    /// Offsets for positions `start..start + n` of KV head `kvh`.
+    #[inline(always)]
+    fn new(c: &Ctx<'_>, table: &[u32], kvh: usize, start: usize, n: usize, lanes: usize) -> Self {
+        let (d, bs) = (c.d, c.bs);
+        let mut at = ChunkAt {
+            kvec: [0; KT],
+            vrow: [0; KT],
+        };
+        for j in 0..n {
+            let p = start + j;
+            let slab = (table[p / bs] as usize * c.n_kv + kvh) * bs * d;
+            at.vrow[j] = slab + p % bs * d;
+            if j % lanes == 0 {
+                at.kvec[j / lanes] = slab + p % bs;
+            }
+        }
+        at
+    }
+}
+
+/// Scores and `P·V` of the small kernel read straight from a cache of
+/// element type `W` (see [`ChunkAt`]), so nothing is widened into scratch
+/// first.
+struct InPlace<'a, W: Widen> {
+    k: *const W::Raw,
+    v: *const W::Raw,
+    at: &'a ChunkAt,
+    bs: usize,
+}
+
+/// Where the small kernel reads a chunk from: in place, by cache type, or
+/// from the scratch it was gathered into.
+enum Reader<'a> {
+    F32(InPlace<'a, FromF32>),
+    F16(InPlace<'a, FromF16>),
+    Bf16(InPlace<'a, FromBf16>),
+    Scratch,
+}
+
+impl<'a> Reader<'a> {
+    #[inline(always)]
+    fn new(c: &Ctx<'_>, at: &'a ChunkAt, in_place: bool) -> Reader<'a> {
+        if !in_place {
+            return Reader::Scratch;
+        }
+        let bs = c.bs;
+        // K and V caches always share one element type.
+        match (c.k, c.v) {
+            (KvView::F32(k), KvView::F32(v)) => Reader::F32(InPlace {
+                k: k.as_ptr(),
+                v: v.as_ptr(),
+                at,
+                bs,
+            }),
+            (KvView::F16(k), KvView::F16(v)) => Reader::F16(InPlace {
+                k: k.as_ptr(),
+                v: v.as_ptr(),
+                at,
+                bs,
+            }),
+            (KvView::Bf16(k), KvView::Bf16(v)) => Reader::Bf16(InPlace {
+                k: k.as_ptr(),
+                v: v.as_ptr(),
+                at,
+                bs,
+            }),
+            _ => unreachable!("the K and V caches share one element type"),
+        }
+    }
+}
+
+// SAFETY (both methods): the offsets come from block tables that
+// `paged_attention_at` checked against the pool, and a vector of keys or a
+// row of values at such an offset lies inside its block's slab (blocks are a
+// whole number of vectors); keys past the chunk are read but masked.
+impl<W: Widen> InPlace<'_, W> {
+    /// [`qk_keys`] for a chunk of `n` keys.
+    #[inline(always)]
+    unsafe fn scores<S: Simd>(
+        &self,
+        qs: *const f32,
+        rows: usize,
+        d: usize,
+        n: usize,
+        sc: *mut f32,
+    ) {
+        let keys =
+            |v: usize, i: usize| unsafe { W::load::<S>(self.k.add(self.at.kvec[v] + i * self.bs)) };
+        unsafe { qk_keys::<S>(qs, rows, &keys, d, n, sc) }
+    }
+
+    /// [`pv_row`] for the first `n` value rows of a chunk.
+    #[inline(always)]
+    unsafe fn accumulate<S: Simd>(
+        &self,
+        acc: *mut f32,
+        alpha: f32,
+        p: *const f32,
+        n: usize,
+        d: usize,
+    ) {
+        let vals = |j: usize, i: usize| unsafe { W::load::<S>(self.v.add(self.at.vrow[j] + i)) };
+        let val = |j: usize, i: usize| unsafe {
+            W::load::<super::simd::Scalar>(self.v.add(self.at.vrow[j] + i))
+        };
+        unsafe { pv_row::<S>(acc, alpha, p, &vals, &val, n, d) }
     }
 }
 
@@ -1038,13 +1293,13 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
         let mut c0 = 0;
         while c0 < n_keys {
             let n = c.chunk_len(c0, n_keys);
-            let kp = c.load_chunk::<S>(c.k, t.seq.block_table, t.kvh, c0, n, kbuf);
-            let vp = c.load_chunk::<S>(c.v, t.seq.block_table, t.kvh, c0, n, vbuf);
+            c.load_keys::<S>(t.seq.block_table, t.kvh, c0, n, kbuf);
+            let vp = c.load_values::<S>(t.seq.block_table, t.kvh, c0, n, vbuf);
             if c0 + n < n_keys {
                 let n2 = c.chunk_len(c0 + n, n_keys);
                 c.prefetch_chunk(t.seq.block_table, t.kvh, c0 + n, n2);
             }
-            qk_tile::<S>(qt, rp, kp, d, n, st);
+            qk_tile::<S>(qt, rp, kbuf, d, n, st);
             // Only chunks reaching past the first query's position need the
             // causal mask.
             if c0 + n - 1 > first {
@@ -1091,7 +1346,7 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
     }
 }
 
-/// `st[j][r] = Σ_i qt[i][r] · k[j][i]` for `j < n`, all `rp` rows: blocks
+/// `st[j][r] = Σ_i qt[i][r] · kt[i][j]` for `j < n`, all `rp` rows: blocks
 /// of 2 row vectors × 8 (AVX-512) or 4 keys, accumulated in registers.
 #[inline(always)]
 unsafe fn qk_tile<S: Simd>(
@@ -1168,7 +1423,7 @@ unsafe fn qk_micro<S: Simd, const JB: usize, const RB: usize>(
                 *v = S::load(qrow.add(b * l));
             }
             for (jj, accj) in acc.iter_mut().enumerate() {
-                let kb = S::splat(*k.add((j0 + jj) * d + i));
+                let kb = S::splat(*k.add(i * KT + j0 + jj));
                 for b in 0..RB {
                     accj[b] = S::fma(kb, qv[b], accj[b]);
                 }
@@ -1621,10 +1876,18 @@ mod tests {
                 let (b, off) = (slot as usize / 4, slot as usize % 4);
                 for h in 0..3 {
                     for i in 0..8 {
-                        let idx = ((b * 3 + h) * 4 + off) * 8 + i;
+                        // Slabs of 4 positions × 8 elements: V by position,
+                        // K transposed.
+                        let slab = (b * 3 + h) * 4 * 8;
                         let src = t * row + h * 8 + i;
-                        assert_eq!(kc[idx].to_f32(), T::from_f32(k[src]).to_f32());
-                        assert_eq!(vc[idx].to_f32(), T::from_f32(v[src]).to_f32());
+                        assert_eq!(
+                            kc[slab + i * 4 + off].to_f32(),
+                            T::from_f32(k[src]).to_f32()
+                        );
+                        assert_eq!(
+                            vc[slab + off * 8 + i].to_f32(),
+                            T::from_f32(v[src]).to_f32()
+                        );
                         written += 1;
                     }
                 }
@@ -1837,13 +2100,16 @@ mod tests {
     /// 150 queries at once, on 1 or 3 threads, with batch mates.
     fn check_tile_invariance<T: KvElem>(seed: u64) {
         let mut rng = StdRng::seed_from_u64(seed);
-        // (head_dim, n_heads, n_kv, block_size): group sizes 3, 4, 1 and 7,
-        // head dims with and without a partial vector, an f32 cache read in
-        // place in chunks of 8 (block size 8) and one gathered (bs 1).
+        // (head_dim, n_heads, n_kv, block_size): group sizes 3, 4, 1, 2 and
+        // 7, head dims with and without a partial vector, an f32 cache read
+        // in place in chunks of 8 (block size 8), one gathered (bs 1), and
+        // decode reading the cache in place with and without a partial
+        // vector of values (bs 16 and 32).
         for &(d, h, kv, bs) in &[
             (64usize, 9usize, 3usize, 16usize),
             (72, 8, 2, 8),
             (40, 4, 4, 1),
+            (40, 4, 2, 16),
             (128, 14, 2, 32),
         ] {
             let p = prompt::<T>(&mut rng, d, h, kv, bs);

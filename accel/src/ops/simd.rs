@@ -49,16 +49,10 @@ pub(crate) trait Simd: Copy + 'static {
     /// [`Simd::fma`] is (fused or not alike), so a kernel's scalar tail
     /// computes what its vector lanes do.
     unsafe fn fma1(a: f32, b: f32, c: f32) -> f32;
-    /// Transposes one `LANES × LANES` block:
-    /// `dst[i * dst_stride + j] = src[j * src_stride + i]`. Source rows
-    /// `j >= rows` are not read and come out as zeros.
-    unsafe fn transpose(
-        src: *const f32,
-        src_stride: usize,
-        rows: usize,
-        dst: *mut f32,
-        dst_stride: usize,
-    );
+    /// `LANES` IEEE half floats at `p`, widened.
+    unsafe fn load_f16(p: *const u16) -> Self::V;
+    /// `LANES` bfloat16 values at `p`, widened.
+    unsafe fn load_bf16(p: *const u16) -> Self::V;
     /// Widens `n` IEEE half floats at `src` into f32 at `dst`.
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize);
     /// Widens `n` bfloat16 values at `src` into f32 at `dst`.
@@ -140,14 +134,12 @@ impl Simd for Scalar {
         a * b + c
     }
     #[inline(always)]
-    unsafe fn transpose(
-        src: *const f32,
-        _src_stride: usize,
-        rows: usize,
-        dst: *mut f32,
-        _dst_stride: usize,
-    ) {
-        unsafe { *dst = if rows > 0 { *src } else { 0.0 } }
+    unsafe fn load_f16(p: *const u16) -> f32 {
+        unsafe { half::f16::from_bits(*p).to_f32() }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> f32 {
+        unsafe { bf16_bits_to_f32(*p) }
     }
     #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize) {
@@ -292,14 +284,15 @@ impl Simd for Avx2 {
         a.mul_add(b, c)
     }
     #[inline(always)]
-    unsafe fn transpose(
-        src: *const f32,
-        src_stride: usize,
-        rows: usize,
-        dst: *mut f32,
-        dst_stride: usize,
-    ) {
-        unsafe { transpose8(src, src_stride, rows, dst, dst_stride) }
+    unsafe fn load_f16(p: *const u16) -> __m256 {
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m256 {
+        unsafe {
+            let h = _mm_loadu_si128(p as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
     }
     #[inline(always)]
     unsafe fn f16_to_f32(src: *const u16, dst: *mut f32, n: usize) {
@@ -324,56 +317,6 @@ impl Simd for Avx2 {
                 i += 8;
             }
             Scalar::bf16_to_f32(src.add(i), dst.add(i), n - i);
-        }
-    }
-}
-
-/// Transposes an 8×8 block (`dst[i][j] = src[j][i]`, strides in elements);
-/// source rows `j >= rows` are not read and come out as zeros.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn transpose8(
-    src: *const f32,
-    src_stride: usize,
-    rows: usize,
-    dst: *mut f32,
-    dst_stride: usize,
-) {
-    unsafe {
-        let mut r = [_mm256_setzero_ps(); 8];
-        for (j, rj) in r.iter_mut().enumerate().take(rows) {
-            *rj = _mm256_loadu_ps(src.add(j * src_stride));
-        }
-        // Interleave pairs of rows, then pairs of pairs within each 128-bit
-        // half, then swap halves: column i ends up in one register.
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        let cols = [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
-        for (i, c) in cols.iter().enumerate() {
-            _mm256_storeu_ps(dst.add(i * dst_stride), *c);
         }
     }
 }
@@ -473,34 +416,14 @@ impl Simd for Avx512 {
         a.mul_add(b, c)
     }
     #[inline(always)]
-    unsafe fn transpose(
-        src: *const f32,
-        src_stride: usize,
-        rows: usize,
-        dst: *mut f32,
-        dst_stride: usize,
-    ) {
-        // Four 8×8 blocks: 256-bit shuffles are as fast as 512-bit ones on
-        // the cores this targets, and simpler.
+    unsafe fn load_f16(p: *const u16) -> __m512 {
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> __m512 {
         unsafe {
-            let (top, bottom) = (rows.min(8), rows.saturating_sub(8));
-            let s8 = src.add(8 * src_stride);
-            transpose8(src, src_stride, top, dst, dst_stride);
-            transpose8(
-                src.add(8),
-                src_stride,
-                top,
-                dst.add(8 * dst_stride),
-                dst_stride,
-            );
-            transpose8(s8, src_stride, bottom, dst.add(8), dst_stride);
-            transpose8(
-                s8.add(8),
-                src_stride,
-                bottom,
-                dst.add(8 * dst_stride + 8),
-                dst_stride,
-            );
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
         }
     }
     #[inline(always)]
@@ -605,10 +528,10 @@ mod tests {
         exp: &'a mut [f32],
         /// `fma` of triples of `x`: lane 0 of the vector op, then `fma1`.
         fma: &'a mut [[f32; 2]],
-        /// A `LANES × LANES` block of `x` (stride 20) transposed into
-        /// stride 24, its last source rows cut off.
-        transposed: &'a mut [f32],
-        rows: usize,
+        /// 16-bit values, read one vector at a time as f16 and as bf16.
+        bits: &'a [u16],
+        f16: &'a mut [f32],
+        bf16: &'a mut [f32],
     }
 
     impl Kernel for Probe<'_> {
@@ -632,19 +555,17 @@ mod tests {
                     );
                     *out = [lane[0], S::fma1(a, b, c)];
                 }
-                S::transpose(
-                    self.x.as_ptr(),
-                    20,
-                    self.rows,
-                    self.transposed.as_mut_ptr(),
-                    24,
-                );
+                for i in (0..self.bits.len()).step_by(l) {
+                    let at = self.bits.as_ptr().add(i);
+                    S::store(self.f16.as_mut_ptr().add(i), S::load_f16(at));
+                    S::store(self.bf16.as_mut_ptr().add(i), S::load_bf16(at));
+                }
             }
         }
     }
 
     #[test]
-    fn exp_fma1_and_transpose_at_every_level() {
+    fn exp_fma1_and_widening_at_every_level() {
         let mut x: Vec<f32> = (0..4096)
             .map(|i| -100.0 + i as f32 * (188.0 / 4096.0))
             .collect();
@@ -666,15 +587,12 @@ mod tests {
             if level > crate::cpu::simd_level() {
                 continue;
             }
-            let l = match level {
-                SimdLevel::Scalar => 1,
-                SimdLevel::Avx2 => 8,
-                SimdLevel::Avx512Vnni | SimdLevel::Amx => 16,
-            };
-            let rows = l - l / 4;
             let mut e = vec![f32::NAN; x.len()];
             let mut fma = vec![[0.0f32; 2]; y.len() / 3];
-            let mut transposed = vec![f32::NAN; 24 * 16];
+            // Every sign, exponent (subnormals, infinities, NaNs) and the
+            // low and high mantissa bits.
+            let bits: Vec<u16> = (0..1024u16).map(|i| (i << 6) | (i & 0x3f)).collect();
+            let (mut f16, mut bf16) = (vec![0.0f32; bits.len()], vec![0.0f32; bits.len()]);
             unsafe {
                 dispatch(
                     level,
@@ -682,8 +600,9 @@ mod tests {
                         x: &x,
                         exp: &mut e,
                         fma: &mut fma,
-                        transposed: &mut transposed,
-                        rows,
+                        bits: &bits,
+                        f16: &mut f16,
+                        bf16: &mut bf16,
                     },
                 )
             };
@@ -707,18 +626,13 @@ mod tests {
                     "{level:?} fma of triple {t}: lane {vector}, fma1 {scalar}"
                 );
             }
-            for i in 0..16 {
-                for j in 0..24 {
-                    let got = transposed[i * 24 + j];
-                    if i < l && j < l {
-                        let want = if j < rows { x[j * 20 + i] } else { 0.0 };
-                        assert_eq!(got, want, "{level:?} transposed [{i}][{j}]");
-                    } else {
-                        assert!(
-                            got.is_nan(),
-                            "{level:?} wrote outside the block at [{i}][{j}]"
-                        );
-                    }
+            for (k, &b) in bits.iter().enumerate() {
+                let (want16, want_bf) = (half::f16::from_bits(b), half::bf16::from_bits(b));
+                for (got, want) in [(f16[k], want16.to_f32()), (bf16[k], want_bf.to_f32())] {
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "{level:?} widening {b:#06x}: {got} vs {want}"
+                    );
                 }
             }
         }
