@@ -190,4 +190,37 @@ fn main() {
             }
         }
     }
+
+    // Prompt-sized batches: every row exact (`matmul`) against every row
+    // wide (`matmul_rows`, the bf16 tile kernel where the CPU has one).
+    println!("\nPrompt-sized batches, exact against wide rows (2 threads where available):");
+    println!(
+        "{:<5} {:>12} {:>4} {:>12} {:>12} {:>6}",
+        "type", "rows x cols", "m", "exact us", "wide us", "wide?"
+    );
+    let pool = pools.last().expect("at least one pool");
+    for &ty in types.iter().filter(|t| 576 % t.block_len() == 0) {
+        for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536)] {
+            let w = weight(ty, rows, cols, &mut rng);
+            for m in [128usize, 512] {
+                let x: Vec<f32> = (0..m * cols).map(|_| rng.next_f32()).collect();
+                let mut out = vec![0.0f32; m * rows];
+                let mut scratch = MatmulScratch::default();
+                let flags = vec![true; m];
+                let (exact, _) = time(budget, || w.matmul(pool, &x, m, &mut out, &mut scratch));
+                let (wide, _) = time(budget, || {
+                    w.matmul_rows(pool, &x, m, &mut out, &mut scratch, &flags)
+                });
+                println!(
+                    "{:<5} {:>12} {:>4} {:>12.1} {:>12.1} {:>6}",
+                    ty.name(),
+                    format!("{rows}x{cols}"),
+                    m,
+                    exact * 1e6,
+                    wide * 1e6,
+                    w.has_wide_kernel()
+                );
+            }
+        }
+    }
 }

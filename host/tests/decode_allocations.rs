@@ -82,12 +82,14 @@ fn a_warm_batched_decode_step_allocates_nothing() {
         rows.push(tokens.len() - 1);
     }
     let mut logits = vec![0f32; 4 * c.vocab_size];
+    let prompt = vec![true; tokens.len()];
     let input = BatchInput {
         tokens: &tokens,
         positions: &positions,
         slot_mapping: &slots,
         seqs: &seqs,
         logit_rows: &rows,
+        prompt_rows: &prompt,
     };
     model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
 
@@ -104,6 +106,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     let mut dec_pos = vec![0u32; 4];
     let mut dec_slots = vec![0u32; 4];
     let dec_rows = [0usize, 1, 2, 3];
+    let generated = [false; 4];
     for step in 0..6 {
         for s in 0..4 {
             dec_pos[s] = lens[s] as u32;
@@ -123,6 +126,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
             slot_mapping: &dec_slots,
             seqs: &seqs,
             logit_rows: &dec_rows,
+            prompt_rows: &generated,
         };
         // The first decode step may size buffers for the new shape; later
         // ones must not allocate.

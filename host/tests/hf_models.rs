@@ -344,12 +344,15 @@ fn run_schedule(
             .collect();
         let rows: Vec<usize> = (0..tokens.len()).collect();
         let mut logits = vec![f32::NAN; rows.len() * vocab];
+        // Every token here is a prompt token.
+        let prompt = vec![true; tokens.len()];
         let input = BatchInput {
             tokens: &tokens,
             positions: &positions,
             slot_mapping: &slots,
             seqs: &attn,
             logit_rows: &rows,
+            prompt_rows: &prompt,
         };
         model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
         for &(s, q_start, q_len, _) in &spans {

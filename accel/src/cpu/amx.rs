@@ -40,6 +40,25 @@ pub(super) fn enable() -> bool {
     }
 }
 
+/// Whether the tile unit also multiplies bf16 (AMX-BF16) and the vector
+/// unit converts to it (AVX512-BF16): the dense prompt-row kernel
+/// (`quant::amx_bf16`) needs both. Meaningful only where [`enable`]
+/// succeeded.
+pub(crate) fn has_bf16() -> bool {
+    use std::sync::OnceLock;
+    static BF16: OnceLock<bool> = OnceLock::new();
+    *BF16.get_or_init(|| {
+        // SAFETY: `cpuid` is available on every x86_64 CPU.
+        #[allow(unused_unsafe)]
+        unsafe {
+            use std::arch::x86_64::__cpuid_count;
+            let amx_bf16 = __cpuid_count(7, 0).edx & (1 << 22) != 0;
+            let avx512_bf16 = __cpuid_count(7, 1).eax & (1 << 5) != 0;
+            amx_bf16 && avx512_bf16
+        }
+    })
+}
+
 #[cfg(target_os = "linux")]
 fn request_permission() -> bool {
     const SYS_ARCH_PRCTL: i64 = 158;

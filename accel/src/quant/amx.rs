@@ -98,7 +98,7 @@ static CONFIG: TileConfig = TileConfig::new([
 /// `kk`-th group of 4 codes holds. A 4-bit unit holds chunks `2s` (low
 /// nibbles) and `2s + 1` (high), and unpacking puts a block's four low
 /// nibble dwords before its four high ones.
-fn chunk_of(kind: u8, kk: usize) -> usize {
+pub(super) fn chunk_of(kind: u8, kk: usize) -> usize {
     if code_bits(kind) == 8 {
         kk
     } else {
@@ -109,7 +109,7 @@ fn chunk_of(kind: u8, kk: usize) -> usize {
 /// Where lane `j` of a group of `gl` lanes sits among the group's 16 block
 /// slots: a full group is unpacked by a 4 × 4 transpose that leaves lane
 /// `4q + r` at slot `4r + q` (its own inverse); a short one keeps order.
-fn slot(gl: usize, j: usize) -> usize {
+pub(super) fn slot(gl: usize, j: usize) -> usize {
     if gl == 16 {
         4 * (j % 4) + j / 4
     } else {
@@ -262,7 +262,7 @@ thread_local! {
 
 /// Grows `buf` to at least `len` bytes (never shrinks, so warm calls
 /// allocate nothing).
-fn grow_abuf(buf: &mut Option<ABuf>, len: usize) -> &mut ABuf {
+pub(super) fn grow_abuf(buf: &mut Option<ABuf>, len: usize) -> &mut ABuf {
     if buf.as_ref().is_none_or(|b| b.len() < len) {
         *buf = Some(ABuf::zeroed(len));
     }
@@ -329,7 +329,7 @@ pub(crate) unsafe fn run_rows<const K: u8>(
 /// `n · pitch + 32 i`, codes in [`chunk_of`] order) and their scales (and
 /// mins) into `dw` (`mw`) as f32.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-unsafe fn unpack<const K: u8>(
+pub(super) unsafe fn unpack<const K: u8>(
     q: &QMat,
     r0: usize,
     a: *mut u8,
@@ -650,7 +650,7 @@ unsafe fn epilogue<const K: u8>(
 /// The transpose of a 16 × 16 f32 matrix held as 16 row vectors.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
 #[inline]
-unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+pub(super) unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
     // Stage 1: interleave element pairs of rows (2k, 2k + 1).
     let mut a = [_mm512_setzero_ps(); 16];
     for k in 0..8 {

@@ -17,10 +17,17 @@
 //!
 //! Dense weights (f32/f16/bf16) use register-tiled SIMD dot products that
 //! widen f16/bf16 in registers ([`dense`]).
+//!
+//! [`Weight::matmul_rows`] lets a caller mark rows that need not equal their
+//! one-row result (the engine marks prompt positions): on CPUs with
+//! AMX-BF16 those run dense bf16 tile products with no per-block epilogue
+//! ([`amx_bf16`]), several times faster for a prompt's many rows.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+mod amx_bf16;
 mod dense;
 mod formats;
 mod layout;
@@ -496,6 +503,108 @@ impl Weight {
     }
 }
 
+impl Weight {
+    /// [`Weight::matmul`], except that the rows flagged in `wide` (one flag
+    /// per row) may run on the dense bf16 tile kernel ([`amx_bf16`]) where
+    /// this CPU has AMX-BF16 and the weight suits it ([`Weight::has_wide_kernel`]).
+    /// A wide row's result then differs from `matmul`'s by bf16 rounding,
+    /// but still depends on nothing but the row and the weight: not on the
+    /// other rows, their number or order, or the thread count. Unflagged
+    /// rows get exactly `matmul`'s results.
+    ///
+    /// # Panics
+    /// As [`Weight::matmul`], and if `wide` does not hold `m` flags.
+    pub fn matmul_rows(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+        wide: &[bool],
+    ) {
+        assert_eq!(wide.len(), m, "matmul_rows: one flag per row");
+        if !self.has_wide_kernel() || !wide.contains(&true) {
+            return self.matmul(pool, x, m, out, scratch);
+        }
+        assert!(
+            x.len() >= m * self.cols && out.len() >= m * self.rows,
+            "matmul_rows: x or out shorter than {m} rows"
+        );
+        let (cols, rows) = (self.cols, self.rows);
+        let mut wide_rows = std::mem::take(&mut scratch.wide_rows);
+        let mut exact_rows = std::mem::take(&mut scratch.exact_rows);
+        wide_rows.clear();
+        exact_rows.clear();
+        for (i, &w) in wide.iter().enumerate() {
+            if w {
+                wide_rows.push(i);
+            } else {
+                exact_rows.push(i);
+            }
+        }
+        if !exact_rows.is_empty() {
+            // The exact rows as a batch of their own, so they get exactly
+            // what `matmul` gives them.
+            let mut ex = std::mem::take(&mut scratch.exact_x);
+            let mut eo = std::mem::take(&mut scratch.exact_out);
+            let me = exact_rows.len();
+            grow(&mut ex, me * cols);
+            grow(&mut eo, me * rows);
+            for (k, &r) in exact_rows.iter().enumerate() {
+                ex[k * cols..(k + 1) * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
+            }
+            self.matmul(pool, &ex, me, &mut eo, scratch);
+            for (k, &r) in exact_rows.iter().enumerate() {
+                out[r * rows..(r + 1) * rows].copy_from_slice(&eo[k * rows..(k + 1) * rows]);
+            }
+            scratch.exact_x = ex;
+            scratch.exact_out = eo;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if let Repr::Quant(q) = &self.repr {
+            let kind = q.kind;
+            // SAFETY: `has_wide_kernel` checked the level (AMX with BF16,
+            // so AVX-512 too) and the kind; every index in `wide_rows` is a
+            // row of `x` and `out` (checked above); tasks own disjoint
+            // 16-row column ranges of `out`.
+            unsafe {
+                scratch
+                    .wide
+                    .build(pool, kind, &x[..m * cols], cols, q.lanes, &wide_rows);
+                let act = &scratch.wide;
+                let o = OutPtr(out.as_mut_ptr());
+                let idx = &wide_rows[..];
+                pool.run_ranges(rows, 16, &|r0, r1| match kind {
+                    layout::K_Q4_0 => {
+                        amx_bf16::run_rows::<{ layout::K_Q4_0 }>(q, act, idx, r0, r1, o, rows)
+                    }
+                    layout::K_Q4_1 => {
+                        amx_bf16::run_rows::<{ layout::K_Q4_1 }>(q, act, idx, r0, r1, o, rows)
+                    }
+                    _ => amx_bf16::run_rows::<{ layout::K_Q8_0 }>(q, act, idx, r0, r1, o, rows),
+                });
+            }
+        }
+        scratch.wide_rows = wide_rows;
+        scratch.exact_rows = exact_rows;
+    }
+
+    /// Whether [`Weight::matmul_rows`] has a separate kernel for wide rows
+    /// on this CPU: Q4_0, Q4_1 or Q8_0 weights with whole 16-row tiles, and
+    /// AMX-BF16 at the current SIMD level.
+    pub fn has_wide_kernel(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Repr::Quant(q) = &self.repr {
+            return crate::cpu::simd_level() == SimdLevel::Amx
+                && crate::cpu::amx::has_bf16()
+                && amx::supports(q.kind)
+                && q.rows.is_multiple_of(16);
+        }
+        false
+    }
+}
+
 /// The best level this CPU can run, ignoring `PAGODA_SIMD` (which only lowers
 /// the default that [`crate::cpu::simd_level`] reports).
 fn max_level() -> SimdLevel {
@@ -522,6 +631,15 @@ pub struct MatmulScratch {
     /// The activations rearranged for the AMX tile kernel.
     #[cfg(target_arch = "x86_64")]
     tiles: amx::ActTiles,
+    /// [`Weight::matmul_rows`]: the wide rows' activations as bf16 tiles,
+    /// the wide and the exact rows' indices, and the exact rows gathered
+    /// (in and out) when both kinds are present.
+    #[cfg(target_arch = "x86_64")]
+    wide: amx_bf16::WideAct,
+    wide_rows: Vec<usize>,
+    exact_rows: Vec<usize>,
+    exact_x: Vec<f32>,
+    exact_out: Vec<f32>,
 }
 
 /// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).

@@ -775,3 +775,109 @@ fn activation_quantization_is_identical_at_every_level() {
         }
     }
 }
+
+/// Rows, columns, batch size and which rows are wide, for the wide-row
+/// tests: ragged token tiles, one row alone, every row, mixed.
+fn wide_cases() -> Vec<(usize, usize, usize, Vec<bool>)> {
+    vec![
+        (16, 32, 1, vec![true]),
+        (48, 576, 37, (0..37).map(|i| i % 3 != 1).collect()),
+        (32, 1536, 70, vec![true; 70]),
+        (64, 160, 5, vec![false, true, true, false, true]),
+    ]
+}
+
+#[test]
+fn wide_rows_match_f64_within_bf16_rounding_and_exact_rows_are_untouched() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let pool = ThreadPool::new(2);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for (rows, cols, m, wide) in wide_cases() {
+            let bytes = random_bytes(&mut rng, ty, rows, cols);
+            let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+            if !w.has_wide_kernel() {
+                eprintln!("note: no AMX-BF16 here; wide rows take the exact kernels");
+            }
+            let wref = ref_matrix(ty, rows, cols, &bytes);
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut plain = vec![0.0f32; m * rows];
+            w.matmul(&pool, &x, m, &mut plain, &mut MatmulScratch::default());
+            let mut got = vec![f32::NAN; m * rows];
+            w.matmul_rows(&pool, &x, m, &mut got, &mut MatmulScratch::default(), &wide);
+            if w.has_wide_kernel() {
+                // The wide rows did take the other kernel.
+                let differ = (0..m * rows)
+                    .filter(|&e| wide[e / rows] && got[e] != plain[e])
+                    .count();
+                assert!(
+                    differ > 0,
+                    "{ty} rows {rows} cols {cols}: no wide result differs"
+                );
+            }
+            for i in 0..m {
+                for r in 0..rows {
+                    let (g, p) = (got[i * rows + r], plain[i * rows + r]);
+                    if !wide[i] || !w.has_wide_kernel() {
+                        assert_eq!(g.to_bits(), p.to_bits(), "{ty} exact row {i} col {r}");
+                        continue;
+                    }
+                    // bf16 keeps 8 significant bits: each weight and each
+                    // activation is off by at most 2^-9 of itself.
+                    let (mut want, mut mag) = (0.0f64, 0.0f64);
+                    for k in 0..cols {
+                        let (v, _) = wref[r * cols + k];
+                        let xv = x[i * cols + k] as f64;
+                        want += v * xv;
+                        mag += (v * xv).abs();
+                    }
+                    let err = (g as f64 - want).abs();
+                    assert!(
+                        err <= mag * 2.0f64.powi(-7) + 1e-6,
+                        "{ty} rows {rows} cols {cols} m {m}: wide row {i} col {r}: {g} vs {want} (|w·x| sum {mag})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn wide_rows_do_not_depend_on_the_batch() {
+    let mut rng = StdRng::seed_from_u64(43);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let (rows, cols) = (48usize, 576usize);
+        let w = Weight::from_raw(ty, rows, cols, &random_bytes(&mut rng, ty, rows, cols)).unwrap();
+        let m = 70;
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+        // Each row alone, on one thread.
+        let one = ThreadPool::new(1);
+        let mut alone = vec![0.0f32; m * rows];
+        for i in 0..m {
+            w.matmul_rows(
+                &one,
+                &x[i * cols..(i + 1) * cols],
+                1,
+                &mut alone[i * rows..(i + 1) * rows],
+                &mut MatmulScratch::default(),
+                &[true],
+            );
+        }
+        // All together, on two threads, then with every other row exact
+        // (so the wide rows sit at other places in their tiles).
+        let two = ThreadPool::new(2);
+        for pattern in [vec![true; m], (0..m).map(|i| i % 2 == 0).collect()] {
+            let mut got = vec![f32::NAN; m * rows];
+            let mut s = MatmulScratch::default();
+            w.matmul_rows(&two, &x, m, &mut got, &mut s, &pattern);
+            for i in (0..m).filter(|&i| pattern[i]) {
+                for r in 0..rows {
+                    assert_eq!(
+                        got[i * rows + r].to_bits(),
+                        alone[i * rows + r].to_bits(),
+                        "{ty}: row {i} col {r} batched vs alone"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -412,6 +412,14 @@ pub struct Request {
 }
 
 impl Request {
+    /// What besides its tokens decides which cached blocks it may share.
+    pub fn cache_key(&self) -> crate::engine::kv_cache::CacheKey {
+        crate::engine::kv_cache::CacheKey {
+            salt: self.salt,
+            prompt_len: self.prompt_len,
+        }
+    }
+
     /// Tokens generated so far.
     pub fn output_ids(&self) -> &[u32] {
         &self.token_ids[self.prompt_len..]

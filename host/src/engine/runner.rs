@@ -18,6 +18,7 @@ pub struct ModelRunner {
     positions: Vec<u32>,
     slots: Vec<u32>,
     logit_rows: Vec<usize>,
+    prompt_rows: Vec<bool>,
     /// Kept empty between steps; only its capacity is reused (see `execute`).
     attn_seqs: Vec<AttnSeq<'static>>,
     logits: Vec<f32>,
@@ -35,6 +36,7 @@ impl ModelRunner {
             positions: Vec::new(),
             slots: Vec::new(),
             logit_rows: Vec::new(),
+            prompt_rows: Vec::new(),
             attn_seqs: Vec::new(),
             logits: Vec::new(),
         }
@@ -63,6 +65,7 @@ impl ModelRunner {
         self.positions.clear();
         self.slots.clear();
         self.logit_rows.clear();
+        self.prompt_rows.clear();
         let mut seqs = std::mem::take(&mut self.attn_seqs);
         seqs.clear();
         // SAFETY: `seqs` is empty, so changing the lifetime parameter of its
@@ -79,6 +82,7 @@ impl ModelRunner {
                 self.tokens.push(req.token_ids[p]);
                 self.positions.push(p as u32);
                 self.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
+                self.prompt_rows.push(p < req.prompt_len);
             }
             if s.sample {
                 self.logit_rows.push(self.tokens.len() - 1);
@@ -101,6 +105,7 @@ impl ModelRunner {
             slot_mapping: &self.slots,
             seqs: &seqs,
             logit_rows: &self.logit_rows,
+            prompt_rows: &self.prompt_rows,
         };
         if !self.tokens.is_empty() {
             self.model.forward(

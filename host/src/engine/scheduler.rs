@@ -153,7 +153,7 @@ impl Scheduler {
                 if kv.allocate(
                     id,
                     &req.token_ids,
-                    req.salt,
+                    req.cache_key(),
                     None,
                     req.num_computed,
                     num_new,
@@ -194,10 +194,17 @@ impl Scheduler {
                     self.waiting.remove(pos);
                     continue;
                 };
-                let hit = kv.lookup_prefix(&req.token_ids, req.salt);
+                let hit = kv.lookup_prefix(&req.token_ids, req.cache_key());
                 let cached = hit.num_tokens(kv.block_size());
                 let num_new = (req.token_ids.len() - cached).min(budget);
-                if !kv.allocate(id, &req.token_ids, req.salt, Some(hit), cached, num_new) {
+                if !kv.allocate(
+                    id,
+                    &req.token_ids,
+                    req.cache_key(),
+                    Some(hit),
+                    cached,
+                    num_new,
+                ) {
                     break;
                 }
                 if req.num_preemptions == 0 {

@@ -13,12 +13,23 @@ pub struct PrefixStats {
     pub hits: u64,
 }
 
+/// What, besides its tokens, decides whether a sequence's blocks can be
+/// shared: the salt (tenant and per-request `cache_salt`) and where its
+/// prompt ends (see [`KvCacheManager::separate_generated_blocks`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheKey {
+    /// Hash of the tenant and the request's `cache_salt`.
+    pub salt: u64,
+    /// Positions below this are the prompt.
+    pub prompt_len: usize,
+}
+
 #[derive(Default)]
 struct SeqBlocks {
     blocks: Vec<u32>,
     /// Hashes of the sequence's full, computed blocks, in order.
     hashes: Vec<BlockHash>,
-    salt: u64,
+    key: CacheKey,
 }
 
 /// The KV-cache manager of one device.
@@ -26,6 +37,7 @@ pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
     caching: bool,
+    separate_generated: bool,
     seqs: HashMap<u64, SeqBlocks>,
     stats: PrefixStats,
 }
@@ -55,6 +67,7 @@ impl KvCacheManager {
             pool: BlockPool::new(num_blocks),
             block_size,
             caching: enable_prefix_caching,
+            separate_generated: false,
             seqs: HashMap::new(),
             stats: PrefixStats::default(),
         }
@@ -63,6 +76,34 @@ impl KvCacheManager {
     /// Tokens per block.
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Keeps blocks that hold generated positions apart from blocks of
+    /// prompt positions in the prefix cache, for models whose prompt rows
+    /// run on other kernels than generated rows (the dense bf16 prompt
+    /// kernel, `Weight::matmul_rows`): the same tokens then have slightly
+    /// different K/V as prompt and as output, and a request must find in
+    /// the cache exactly what it would have computed itself.
+    pub fn separate_generated_blocks(&mut self, on: bool) {
+        self.separate_generated = on;
+    }
+
+    /// The hash of block `j` (of `tokens`) after `parent`.
+    fn hash(
+        &self,
+        parent: Option<BlockHash>,
+        j: usize,
+        tokens: &[u32],
+        key: CacheKey,
+    ) -> BlockHash {
+        block_hash(
+            self.block_size,
+            self.separate_generated,
+            parent,
+            j,
+            tokens,
+            key,
+        )
     }
 
     /// The block pool, for usage figures and invariant checks.
@@ -83,15 +124,15 @@ impl KvCacheManager {
     /// Finds the longest run of cached full blocks at the start of `tokens`.
     /// The last token is never taken from the cache, since the model must
     /// run at least one token to produce the next token's logits.
-    pub fn lookup_prefix(&self, tokens: &[u32], salt: u64) -> PrefixHit {
+    pub fn lookup_prefix(&self, tokens: &[u32], key: CacheKey) -> PrefixHit {
         let mut hit = PrefixHit::default();
         if !self.caching || tokens.is_empty() {
             return hit;
         }
         let full = (tokens.len() - 1) / self.block_size;
         let mut parent = None;
-        for chunk in tokens.chunks_exact(self.block_size).take(full) {
-            let h = BlockHash::new(parent, chunk, salt);
+        for j in 0..full {
+            let h = self.hash(parent, j, tokens, key);
             match self.pool.lookup(h) {
                 Some(b) => {
                     hit.blocks.push(b);
@@ -113,7 +154,7 @@ impl KvCacheManager {
         &mut self,
         seq: u64,
         tokens: &[u32],
-        salt: u64,
+        key: CacheKey,
         hit: Option<PrefixHit>,
         num_computed: usize,
         num_new: usize,
@@ -134,7 +175,7 @@ impl KvCacheManager {
             return false;
         }
         let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks {
-            salt,
+            key,
             ..Default::default()
         });
         if let Some(hit) = hit {
@@ -156,13 +197,11 @@ impl KvCacheManager {
         }
         if self.caching {
             let full = total.min(tokens.len()) / bs;
+            let (key, separate) = (entry.key, self.separate_generated);
             while entry.hashes.len() < full {
                 let j = entry.hashes.len();
-                let h = BlockHash::new(
-                    entry.hashes.last().copied(),
-                    &tokens[j * bs..(j + 1) * bs],
-                    entry.salt,
-                );
+                let parent = entry.hashes.last().copied();
+                let h = block_hash(bs, separate, parent, j, tokens, key);
                 self.pool.cache(entry.blocks[j], h);
                 entry.hashes.push(h);
             }
@@ -187,20 +226,70 @@ impl KvCacheManager {
     }
 }
 
+/// The hash of block `j` of `tokens` (blocks of `bs`) after `parent`; with
+/// `separate`, a block reaching past the prompt is marked generated.
+fn block_hash(
+    bs: usize,
+    separate: bool,
+    parent: Option<BlockHash>,
+    j: usize,
+    tokens: &[u32],
+    key: CacheKey,
+) -> BlockHash {
+    let generated = separate && (j + 1) * bs > key.prompt_len;
+    BlockHash::new(parent, &tokens[j * bs..(j + 1) * bs], key.salt, generated)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A key whose tokens are all prompt.
+    fn k(salt: u64) -> CacheKey {
+        CacheKey {
+            salt,
+            prompt_len: usize::MAX,
+        }
+    }
+
+    #[test]
+    fn generated_blocks_stand_in_for_prompt_blocks_only_when_kernels_agree() {
+        // Request 1: a 4-token prompt and 8 generated tokens. Request 2's
+        // prompt is all 12 of them (a chat's next turn).
+        let t: Vec<u32> = (0..12).collect();
+        let first = CacheKey {
+            salt: 0,
+            prompt_len: 4,
+        };
+        let next = CacheKey {
+            salt: 0,
+            prompt_len: 12,
+        };
+        for (separate, reused) in [(false, 12), (true, 4)] {
+            let mut m = KvCacheManager::new(16, 4, true);
+            m.separate_generated_blocks(separate);
+            assert!(m.allocate(1, &t, first, None, 0, 12));
+            let t2: Vec<u32> = (0..13).collect();
+            assert_eq!(
+                m.lookup_prefix(&t2, next).num_tokens(4),
+                reused,
+                "separate {separate}"
+            );
+            m.free(1);
+            m.pool().check_invariants().unwrap();
+        }
+    }
 
     #[test]
     fn shared_prefix_is_reused_and_counted() {
         let mut m = KvCacheManager::new(16, 4, true);
         let a: Vec<u32> = (0..10).collect();
-        assert!(m.allocate(1, &a, 7, Some(m.lookup_prefix(&a, 7)), 0, 10));
+        assert!(m.allocate(1, &a, k(7), Some(m.lookup_prefix(&a, k(7))), 0, 10));
         // Same first 8 tokens, other tail.
         let b: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
-        let hit = m.lookup_prefix(&b, 7);
+        let hit = m.lookup_prefix(&b, k(7));
         assert_eq!(hit.num_tokens(4), 8);
-        assert!(m.allocate(2, &b, 7, Some(hit), 8, 3));
+        assert!(m.allocate(2, &b, k(7), Some(hit), 8, 3));
         assert_eq!(m.block_table(2)[..2], m.block_table(1)[..2]);
         assert_eq!(
             m.prefix_stats(),
@@ -210,7 +299,7 @@ mod tests {
             }
         );
         // Another salt sees nothing.
-        assert_eq!(m.lookup_prefix(&b, 8).num_tokens(4), 0);
+        assert_eq!(m.lookup_prefix(&b, k(8)).num_tokens(4), 0);
         m.free(1);
         m.free(2);
         assert_eq!(m.pool().num_free(), 16);
@@ -221,10 +310,10 @@ mod tests {
     fn refuses_without_changes_when_the_pool_is_short() {
         let mut m = KvCacheManager::new(3, 4, true);
         let t: Vec<u32> = (0..16).collect();
-        assert!(!m.allocate(1, &t, 0, None, 0, 16));
+        assert!(!m.allocate(1, &t, k(0), None, 0, 16));
         assert_eq!(m.pool().num_free(), 3);
-        assert!(m.allocate(1, &t, 0, None, 0, 12));
-        assert!(!m.allocate(1, &t, 0, None, 12, 1));
+        assert!(m.allocate(1, &t, k(0), None, 0, 12));
+        assert!(!m.allocate(1, &t, k(0), None, 12, 1));
         m.free(1);
         m.pool().check_invariants().unwrap();
     }
@@ -233,8 +322,8 @@ mod tests {
     fn a_fully_cached_prompt_still_computes_its_last_token() {
         let mut m = KvCacheManager::new(8, 4, true);
         let t: Vec<u32> = (0..8).collect();
-        assert!(m.allocate(1, &t, 0, None, 0, 8));
+        assert!(m.allocate(1, &t, k(0), None, 0, 8));
         m.free(1);
-        assert_eq!(m.lookup_prefix(&t, 0).num_tokens(4), 4);
+        assert_eq!(m.lookup_prefix(&t, k(0)).num_tokens(4), 4);
     }
 }

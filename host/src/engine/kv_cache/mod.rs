@@ -12,5 +12,5 @@ pub mod manager;
 pub mod storage;
 
 pub use block_pool::{BlockHash, BlockPool};
-pub use manager::{KvCacheManager, PrefixStats};
+pub use manager::{CacheKey, KvCacheManager, PrefixStats};
 pub use storage::{KvCache, KvCacheDtype};

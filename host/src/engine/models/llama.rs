@@ -31,6 +31,7 @@ impl Projection {
     }
 
     /// out: [m, Σ rows], each row the parts' outputs side by side.
+    #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
         ctx: &CpuContext,
@@ -39,15 +40,16 @@ impl Projection {
         out: &mut [f32],
         tmp: &mut Vec<f32>,
         scratch: &mut MatmulScratch,
+        prompt: &[bool],
     ) {
         match self {
-            Projection::Fused(w) => w.matmul(ctx.pool(), x, m, out, scratch),
+            Projection::Fused(w) => w.matmul_rows(ctx.pool(), x, m, out, scratch, prompt),
             Projection::Split(parts) => {
                 let width: usize = parts.iter().map(Weight::rows).sum();
                 let mut col = 0;
                 for p in parts {
                     let t = grow(tmp, m * p.rows());
-                    p.matmul(ctx.pool(), x, m, t, scratch);
+                    p.matmul_rows(ctx.pool(), x, m, t, scratch, prompt);
                     for r in 0..m {
                         out[r * width + col..r * width + col + p.rows()]
                             .copy_from_slice(&t[r * p.rows()..(r + 1) * p.rows()]);
@@ -55,6 +57,13 @@ impl Projection {
                     col += p.rows();
                 }
             }
+        }
+    }
+
+    fn has_wide_kernel(&self) -> bool {
+        match self {
+            Projection::Fused(w) => w.has_wide_kernel(),
+            Projection::Split(p) => p.iter().any(Weight::has_wide_kernel),
         }
     }
 
@@ -100,6 +109,13 @@ pub struct BatchInput<'a> {
     pub seqs: &'a [AttnSeq<'a>],
     /// Indices into `tokens` whose next-token logits are wanted.
     pub logit_rows: &'a [usize],
+    /// Per token: whether it is a prompt position of its sequence. Prompt
+    /// rows may take the dense bf16 matmul kernel where the CPU has one
+    /// ([`Weight::matmul_rows`]), generated rows always take the exact
+    /// kernels: a position's arithmetic depends on the position alone, so a
+    /// sequence computes the same numbers alone, batched, chunked or
+    /// recomputed after preemption.
+    pub prompt_rows: &'a [bool],
 }
 
 /// Activation buffers reused across steps, so a warm step allocates nothing.
@@ -117,6 +133,8 @@ pub struct Workspace {
     act: Vec<f32>,
     split_tmp: Vec<f32>,
     rows: Vec<f32>,
+    /// `prompt_rows` of the logit rows.
+    logit_prompt: Vec<bool>,
     scratch: MatmulScratch,
 }
 
@@ -219,6 +237,20 @@ impl LlamaModel {
         layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, Weight::size_bytes)
     }
 
+    /// Whether prompt rows run on other kernels than generated rows on this
+    /// CPU (see [`BatchInput::prompt_rows`]), so that the prefix cache must
+    /// keep their blocks apart.
+    pub fn has_prompt_kernel(&self) -> bool {
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        head.has_wide_kernel()
+            || self.layers.iter().any(|l| {
+                l.qkv.has_wide_kernel()
+                    || l.o.has_wide_kernel()
+                    || l.gate_up.has_wide_kernel()
+                    || l.down.has_wide_kernel()
+            })
+    }
+
     /// The storage type of the layers' projections, for logs ("Q4_1").
     pub fn weight_type(&self) -> &'static str {
         self.layers.first().map_or("none", |l| l.o.ty().name())
@@ -260,6 +292,8 @@ impl LlamaModel {
         let c = &self.config;
         let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let n = input.tokens.len();
+        let prompt = input.prompt_rows;
+        assert_eq!(prompt.len(), n, "forward: one prompt flag per token");
         let qkv_w = qd + 2 * kvd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
@@ -278,7 +312,7 @@ impl LlamaModel {
             let qkv = grow(&mut ws.qkv, n * qkv_w);
             layer
                 .qkv
-                .matmul(ctx, h, n, qkv, &mut ws.split_tmp, &mut ws.scratch);
+                .matmul(ctx, h, n, qkv, &mut ws.split_tmp, &mut ws.scratch, prompt);
             let (q, k, v) = (
                 grow(&mut ws.q, n * qd),
                 grow(&mut ws.k, n * kvd),
@@ -309,7 +343,9 @@ impl LlamaModel {
                 attn,
             );
             let proj = grow(&mut ws.proj, n * d);
-            layer.o.matmul(ctx.pool(), attn, n, proj, &mut ws.scratch);
+            layer
+                .o
+                .matmul_rows(ctx.pool(), attn, n, proj, &mut ws.scratch, prompt);
             ops::add_inplace(x, proj);
 
             let ffn_norm = &layer.ffn_norm;
@@ -319,12 +355,14 @@ impl LlamaModel {
             let gu = grow(&mut ws.gate_up, n * 2 * f);
             layer
                 .gate_up
-                .matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch);
+                .matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch, prompt);
             let act = grow(&mut ws.act, n * f);
             ops::for_row_ranges(ctx.pool(), gu, 2 * f, act, f, &|g, a| {
                 ops::silu_mul(g, f, a)
             });
-            layer.down.matmul(ctx.pool(), act, n, proj, &mut ws.scratch);
+            layer
+                .down
+                .matmul_rows(ctx.pool(), act, n, proj, &mut ws.scratch, prompt);
             ops::add_inplace(x, proj);
         }
         let r = input.logit_rows.len();
@@ -332,17 +370,20 @@ impl LlamaModel {
             return;
         }
         let rows = grow(&mut ws.rows, r * d);
+        ws.logit_prompt.clear();
         for (dst, &t) in rows.chunks_exact_mut(d).zip(input.logit_rows) {
             dst.copy_from_slice(&ws.x[t * d..(t + 1) * d]);
+            ws.logit_prompt.push(prompt[t]);
         }
         ops::rms_norm_inplace(rows, &self.norm, c.rms_norm_eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.matmul(
+        head.matmul_rows(
             ctx.pool(),
             rows,
             r,
             &mut logits[..r * c.vocab_size],
             &mut ws.scratch,
+            &ws.logit_prompt,
         );
     }
 }
