@@ -262,8 +262,11 @@ pub(crate) unsafe fn run_rows<const K: u8>(
                             if t >= wide.len() {
                                 break;
                             }
-                            let v = _mm512_loadu_ps(cbuf.add(u * TILE + 64 * r) as *const f32);
-                            _mm512_storeu_ps(out.0.add(wide[t] * ldo + rt), v);
+                            std::ptr::copy_nonoverlapping(
+                                cbuf.add(u * TILE + 64 * r) as *const f32,
+                                out.0.add(wide[t] * ldo + rt),
+                                ROWS,
+                            );
                         }
                     }
                 }
