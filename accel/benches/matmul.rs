@@ -202,7 +202,7 @@ fn main() {
     for &ty in types.iter().filter(|t| 576 % t.block_len() == 0) {
         for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536)] {
             let w = weight(ty, rows, cols, &mut rng);
-            for m in [128usize, 512] {
+            for m in [1usize, 128, 512] {
                 let x: Vec<f32> = (0..m * cols).map(|_| rng.next_f32()).collect();
                 let mut out = vec![0.0f32; m * rows];
                 let mut scratch = MatmulScratch::default();

@@ -44,25 +44,13 @@ const GROUP: usize = 4;
 /// Every register 16 rows × 64 bytes: 0–3 C, 4–5 A, 6 B.
 static CONFIG: TileConfig = TileConfig::new([(16, 64); 8]);
 
-/// Rounds 16 f32 lanes to bf16 (to nearest, ties to even) in the low half
-/// of each 32-bit lane. Values here are finite (activations, weights).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-#[inline]
-unsafe fn round_bf16(v: __m512) -> __m512i {
-    let u = _mm512_castps_si512(v);
-    let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(u), _mm512_set1_epi32(1));
-    let r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    _mm512_srli_epi32::<16>(r)
-}
-
-/// 32 f32 (`lo` then `hi`) as 32 bf16 in order: 16 pairs, one per 32-bit
-/// lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+/// 32 f32 (`lo` then `hi`) rounded to bf16 (to nearest, ties to even;
+/// subnormals flush to zero) in order: 16 pairs, one per 32-bit lane.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
 unsafe fn pack_bf16(lo: __m512, hi: __m512) -> __m512i {
-    let l = _mm512_cvtepi32_epi16(round_bf16(lo));
-    let h = _mm512_cvtepi32_epi16(round_bf16(hi));
-    _mm512_inserti64x4::<1>(_mm512_castsi256_si512(l), h)
+    // SAFETY: `__m512bh` and `__m512i` are both 64 plain bytes.
+    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
 
 /// The wide rows' activations as A tiles: row `t` (of the wide rows, padded
@@ -86,8 +74,9 @@ impl WideAct {
     /// `kind` with `lanes` lane blocks.
     ///
     /// # Safety
-    /// The CPU must have AVX-512 (the AMX level implies it); every index in
-    /// `wide` must be a row of `x`.
+    /// The CPU must have AVX-512 and AVX512-BF16
+    /// ([`crate::cpu::amx::has_bf16`]); every index in `wide` must be a row
+    /// of `x`.
     pub(crate) unsafe fn build(
         &mut self,
         pool: &ThreadPool,
@@ -128,7 +117,7 @@ impl WideAct {
 }
 
 /// One activation row into A-tile order (see [`WideAct`]).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 unsafe fn fill_row(kind: u8, row: &[f32], lanes: usize, dst: *mut u8) {
     let mut tmp = [0.0f32; 32];
     for i in 0..lanes {
@@ -165,7 +154,7 @@ thread_local! {
 /// Dequantizes the unpacked row tile (`codes`, `pitch` bytes per row; scales
 /// `dw`, mins `mw`, `[row][block]`) into B tiles, one per lane slot, at
 /// `b + TILE · i`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16,fma,f16c")]
 unsafe fn build_b<const K: u8>(
     codes: *const u8,
     pitch: usize,
