@@ -267,10 +267,12 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         head_dim: c.head_dim,
     };
     let kv = KvCache::new(args.kv_cache_dtype, c.num_layers, layout);
-    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
+    let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
     if model.has_prompt_kernel() {
-        tracing::info!("prompt tokens run on the AMX-BF16 tile kernel");
-        kvm.separate_generated_blocks(true);
+        tracing::info!(
+            "prompts of {} tokens or more run on the AMX-BF16 tile kernel",
+            crate::engine::request::PROMPT_KERNEL_MIN_LEN
+        );
     }
     let runner = ModelRunner::new(model, ctx, kv);
     let scheduler = Scheduler::new(SchedulerConfig {

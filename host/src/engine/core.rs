@@ -226,6 +226,8 @@ impl EngineCore {
             num_cached_prompt: 0,
             max_len,
             salt: opts.cache_salt,
+            prompt_kernel: prompt_len >= crate::engine::request::PROMPT_KERNEL_MIN_LEN
+                && self.runner.model().has_prompt_kernel(),
             priority: opts.priority,
             arrival: id,
             arrived_at: Instant::now(),

@@ -393,6 +393,9 @@ pub struct Request {
     /// Generation ends at this total length (prompt + output).
     pub max_len: usize,
     pub salt: u64,
+    /// Whether the prompt positions run on the prompt kernel (see
+    /// [`crate::engine::kv_cache::CacheKey::prompt_kernel`]).
+    pub prompt_kernel: bool,
     pub priority: i64,
     /// Admission order, for FCFS and for tie-breaks.
     pub arrival: u64,
@@ -411,12 +414,22 @@ pub struct Request {
     pub(crate) pending_text: String,
 }
 
+/// Shortest prompt whose positions run on the prompt kernel where the model
+/// has one. That kernel first dequantizes every weight to bf16, a fixed
+/// cost of about 15 ms for the demo model on 2 threads, so short prompts
+/// are faster on the exact kernels. Prompt tokens/s, `pagoda bench latency
+/// --input-len N --output-len 2`, demo model, 2 threads, prompt kernel
+/// against exact: N = 32: 1317 / 1574; 48: 1703 / 1567; 64: 2121 / 1786;
+/// 128: 2632 / 1833; 256: 2673 / 1764.
+pub const PROMPT_KERNEL_MIN_LEN: usize = 48;
+
 impl Request {
     /// What besides its tokens decides which cached blocks it may share.
     pub fn cache_key(&self) -> crate::engine::kv_cache::CacheKey {
         crate::engine::kv_cache::CacheKey {
             salt: self.salt,
             prompt_len: self.prompt_len,
+            prompt_kernel: self.prompt_kernel,
         }
     }
 

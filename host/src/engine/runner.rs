@@ -82,7 +82,8 @@ impl ModelRunner {
                 self.tokens.push(req.token_ids[p]);
                 self.positions.push(p as u32);
                 self.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
-                self.prompt_rows.push(p < req.prompt_len);
+                self.prompt_rows
+                    .push(req.prompt_kernel && p < req.prompt_len);
             }
             if s.sample {
                 self.logit_rows.push(self.tokens.len() - 1);

@@ -17,12 +17,16 @@ use std::hash::{Hash, Hasher};
 pub struct BlockHash(pub u128);
 
 impl BlockHash {
-    /// Hashes one full block of `tokens` that follows `parent`. `generated`
-    /// marks a block holding generated positions where those are computed
-    /// by other kernels than prompt positions (see
-    /// [`super::KvCacheManager::separate_generated_blocks`]), so the two
-    /// never stand in for each other.
-    pub fn new(parent: Option<BlockHash>, tokens: &[u32], salt: u64, generated: bool) -> BlockHash {
+    /// Hashes one full block of `tokens` that follows `parent`.
+    /// `prompt_kernel` counts the block's leading positions computed on the
+    /// prompt kernel (see [`super::CacheKey::prompt_kernel`]): blocks whose
+    /// K/V came from different kernels never stand in for each other.
+    pub fn new(
+        parent: Option<BlockHash>,
+        tokens: &[u32],
+        salt: u64,
+        prompt_kernel: usize,
+    ) -> BlockHash {
         let half = |lane: u8| {
             // DefaultHasher::new() has fixed keys, so hashes are stable
             // within and across processes of the same build.
@@ -30,7 +34,7 @@ impl BlockHash {
             lane.hash(&mut h);
             parent.map(|p| p.0).hash(&mut h);
             salt.hash(&mut h);
-            generated.hash(&mut h);
+            prompt_kernel.hash(&mut h);
             tokens.hash(&mut h);
             h.finish() as u128
         };
@@ -248,7 +252,7 @@ mod tests {
     #[test]
     fn freed_cached_blocks_are_revived_by_hits_and_evicted_lru() {
         let mut p = BlockPool::new(3);
-        let h = |i: u32| BlockHash::new(None, &[i], 0, false);
+        let h = |i: u32| BlockHash::new(None, &[i], 0, 0);
         let a = p.allocate().unwrap();
         let b = p.allocate().unwrap();
         p.cache(a, h(1));
@@ -269,10 +273,10 @@ mod tests {
 
     #[test]
     fn salt_and_parent_change_the_hash() {
-        let a = BlockHash::new(None, &[1, 2, 3], 0, false);
-        assert_ne!(a, BlockHash::new(None, &[1, 2, 3], 1, false));
-        assert_ne!(a, BlockHash::new(Some(a), &[1, 2, 3], 0, false));
-        assert_ne!(a, BlockHash::new(None, &[1, 2, 3], 0, true));
-        assert_eq!(a, BlockHash::new(None, &[1, 2, 3], 0, false));
+        let a = BlockHash::new(None, &[1, 2, 3], 0, 0);
+        assert_ne!(a, BlockHash::new(None, &[1, 2, 3], 1, 0));
+        assert_ne!(a, BlockHash::new(Some(a), &[1, 2, 3], 0, 0));
+        assert_ne!(a, BlockHash::new(None, &[1, 2, 3], 0, 3));
+        assert_eq!(a, BlockHash::new(None, &[1, 2, 3], 0, 0));
     }
 }

@@ -14,14 +14,20 @@ pub struct PrefixStats {
 }
 
 /// What, besides its tokens, decides whether a sequence's blocks can be
-/// shared: the salt (tenant and per-request `cache_salt`) and where its
-/// prompt ends (see [`KvCacheManager::separate_generated_blocks`]).
+/// shared: the salt (tenant and per-request `cache_salt`) and which of its
+/// positions were computed on the prompt kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheKey {
     /// Hash of the tenant and the request's `cache_salt`.
     pub salt: u64,
     /// Positions below this are the prompt.
     pub prompt_len: usize,
+    /// Whether the prompt positions run on the prompt kernel (the dense
+    /// bf16 tiles, `Weight::matmul_rows`) rather than the exact kernels that
+    /// generated positions always use. The same tokens then have slightly
+    /// different K/V, and a request must find in the cache exactly what it
+    /// would have computed itself.
+    pub prompt_kernel: bool,
 }
 
 #[derive(Default)]
@@ -37,7 +43,6 @@ pub struct KvCacheManager {
     pool: BlockPool,
     block_size: usize,
     caching: bool,
-    separate_generated: bool,
     seqs: HashMap<u64, SeqBlocks>,
     stats: PrefixStats,
 }
@@ -67,7 +72,6 @@ impl KvCacheManager {
             pool: BlockPool::new(num_blocks),
             block_size,
             caching: enable_prefix_caching,
-            separate_generated: false,
             seqs: HashMap::new(),
             stats: PrefixStats::default(),
         }
@@ -78,16 +82,6 @@ impl KvCacheManager {
         self.block_size
     }
 
-    /// Keeps blocks that hold generated positions apart from blocks of
-    /// prompt positions in the prefix cache, for models whose prompt rows
-    /// run on other kernels than generated rows (the dense bf16 prompt
-    /// kernel, `Weight::matmul_rows`): the same tokens then have slightly
-    /// different K/V as prompt and as output, and a request must find in
-    /// the cache exactly what it would have computed itself.
-    pub fn separate_generated_blocks(&mut self, on: bool) {
-        self.separate_generated = on;
-    }
-
     /// The hash of block `j` (of `tokens`) after `parent`.
     fn hash(
         &self,
@@ -96,14 +90,7 @@ impl KvCacheManager {
         tokens: &[u32],
         key: CacheKey,
     ) -> BlockHash {
-        block_hash(
-            self.block_size,
-            self.separate_generated,
-            parent,
-            j,
-            tokens,
-            key,
-        )
+        block_hash(self.block_size, parent, j, tokens, key)
     }
 
     /// The block pool, for usage figures and invariant checks.
@@ -197,11 +184,11 @@ impl KvCacheManager {
         }
         if self.caching {
             let full = total.min(tokens.len()) / bs;
-            let (key, separate) = (entry.key, self.separate_generated);
+            let key = entry.key;
             while entry.hashes.len() < full {
                 let j = entry.hashes.len();
                 let parent = entry.hashes.last().copied();
-                let h = block_hash(bs, separate, parent, j, tokens, key);
+                let h = block_hash(bs, parent, j, tokens, key);
                 self.pool.cache(entry.blocks[j], h);
                 entry.hashes.push(h);
             }
@@ -226,55 +213,62 @@ impl KvCacheManager {
     }
 }
 
-/// The hash of block `j` of `tokens` (blocks of `bs`) after `parent`; with
-/// `separate`, a block reaching past the prompt is marked generated.
+/// The hash of block `j` of `tokens` (blocks of `bs`) after `parent`,
+/// tagged with how many of its positions ran on the prompt kernel.
 fn block_hash(
     bs: usize,
-    separate: bool,
     parent: Option<BlockHash>,
     j: usize,
     tokens: &[u32],
     key: CacheKey,
 ) -> BlockHash {
-    let generated = separate && (j + 1) * bs > key.prompt_len;
-    BlockHash::new(parent, &tokens[j * bs..(j + 1) * bs], key.salt, generated)
+    let on_prompt_kernel = if key.prompt_kernel {
+        key.prompt_len.saturating_sub(j * bs).min(bs)
+    } else {
+        0
+    };
+    BlockHash::new(
+        parent,
+        &tokens[j * bs..(j + 1) * bs],
+        key.salt,
+        on_prompt_kernel,
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// A key whose tokens are all prompt.
+    /// A key whose tokens are all prompt, on the exact kernels.
     fn k(salt: u64) -> CacheKey {
         CacheKey {
             salt,
             prompt_len: usize::MAX,
+            prompt_kernel: false,
         }
     }
 
     #[test]
-    fn generated_blocks_stand_in_for_prompt_blocks_only_when_kernels_agree() {
+    fn blocks_stand_in_for_each_other_only_when_their_kernels_agree() {
         // Request 1: a 4-token prompt and 8 generated tokens. Request 2's
-        // prompt is all 12 of them (a chat's next turn).
-        let t: Vec<u32> = (0..12).collect();
-        let first = CacheKey {
+        // prompt is all 12 of them (a chat's next turn), and 1 more.
+        let t: Vec<u32> = (0..13).collect();
+        let key = |prompt_len, prompt_kernel| CacheKey {
             salt: 0,
-            prompt_len: 4,
+            prompt_len,
+            prompt_kernel,
         };
-        let next = CacheKey {
-            salt: 0,
-            prompt_len: 12,
-        };
-        for (separate, reused) in [(false, 12), (true, 4)] {
+        // (request 1 on the prompt kernel, request 2 on it, tokens reused)
+        for (first, next, reused) in [
+            (false, false, 12), // one kernel for everything
+            (true, true, 4),    // only the block that was prompt for both
+            (false, true, 0),   // request 2 would compute every block otherwise
+            (true, false, 0),
+        ] {
             let mut m = KvCacheManager::new(16, 4, true);
-            m.separate_generated_blocks(separate);
-            assert!(m.allocate(1, &t, first, None, 0, 12));
-            let t2: Vec<u32> = (0..13).collect();
-            assert_eq!(
-                m.lookup_prefix(&t2, next).num_tokens(4),
-                reused,
-                "separate {separate}"
-            );
+            assert!(m.allocate(1, &t[..12], key(4, first), None, 0, 12));
+            let hit = m.lookup_prefix(&t, key(12, next)).num_tokens(4);
+            assert_eq!(hit, reused, "first {first}, next {next}");
             m.free(1);
             m.pool().check_invariants().unwrap();
         }

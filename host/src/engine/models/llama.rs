@@ -109,11 +109,13 @@ pub struct BatchInput<'a> {
     pub seqs: &'a [AttnSeq<'a>],
     /// Indices into `tokens` whose next-token logits are wanted.
     pub logit_rows: &'a [usize],
-    /// Per token: whether it is a prompt position of its sequence. Prompt
-    /// rows may take the dense bf16 matmul kernel where the CPU has one
-    /// ([`Weight::matmul_rows`]), generated rows always take the exact
-    /// kernels: a position's arithmetic depends on the position alone, so a
-    /// sequence computes the same numbers alone, batched, chunked or
+    /// Per token: whether it runs on the prompt kernel, the dense bf16
+    /// matmuls of [`Weight::matmul_rows`] (where the CPU has them). The
+    /// runner sets it for the prompt positions of sequences whose prompt is
+    /// long enough to pay for that kernel (`request::PROMPT_KERNEL_MIN_LEN`);
+    /// everything else, generated positions always, takes the exact
+    /// kernels. A position's arithmetic thus depends on its sequence alone,
+    /// so a sequence computes the same numbers alone, batched, chunked or
     /// recomputed after preemption.
     pub prompt_rows: &'a [bool],
 }
