@@ -266,12 +266,13 @@ pub(crate) unsafe fn run_rows<const K: u8>(
 }
 
 /// C tile `u` (at `c + TILE · u`) = Σ over lane slots `i` of A (token tile
-/// `u` of `a`, rows `apitch` apart, slot `i`) × B tile `i`, for `ng` token
-/// tiles.
+/// `u` of `a`, rows `apitch` apart, slot `i`) × B tile `i`, for `ng` live
+/// token tiles (all four C tiles are stored).
 ///
 /// # Safety
-/// [`CONFIG`] is loaded on this thread; `a` holds `ng` token tiles of
-/// `lanes` slots, `b` `lanes` tiles, `c` `ng` tiles.
+/// [`CONFIG`] is loaded on this thread; `a` holds a whole group of
+/// [`GROUP`] token tiles of `lanes` slots, `b` `lanes` tiles, `c` `GROUP`
+/// tiles.
 #[inline]
 unsafe fn products(a: *const u8, apitch: usize, b: *const u8, lanes: usize, ng: usize, c: *mut u8) {
     let tile_rows = ROWS * apitch;
@@ -286,8 +287,22 @@ unsafe fn products(a: *const u8, apitch: usize, b: *const u8, lanes: usize, ng: 
         );
         for i in 0..lanes {
             let (ai, bi) = (a.add(64 * i), b.add(TILE * i));
-            match ng {
-                4 => asm!(
+            if ng == 1 {
+                asm!(
+                    "tileloadd tmm6, [{b} + {s64}*1]",
+                    "tileloadd tmm4, [{a} + {pa}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    a = in(reg) ai,
+                    b = in(reg) bi,
+                    pa = in(reg) apitch,
+                    s64 = in(reg) 64usize,
+                    options(nostack, readonly),
+                );
+            } else {
+                // Two or three live token tiles run as four: A is padded
+                // to whole groups with zero rows, whose products are
+                // computed and dropped.
+                asm!(
                     "tileloadd tmm6, [{b} + {s64}*1]",
                     "tileloadd tmm4, [{a} + {pa}*1]",
                     "tileloadd tmm5, [{a1} + {pa}*1]",
@@ -305,46 +320,7 @@ unsafe fn products(a: *const u8, apitch: usize, b: *const u8, lanes: usize, ng: 
                     pa = in(reg) apitch,
                     s64 = in(reg) 64usize,
                     options(nostack, readonly),
-                ),
-                3 => asm!(
-                    "tileloadd tmm6, [{b} + {s64}*1]",
-                    "tileloadd tmm4, [{a} + {pa}*1]",
-                    "tileloadd tmm5, [{a1} + {pa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm5, tmm6",
-                    "tileloadd tmm4, [{a2} + {pa}*1]",
-                    "tdpbf16ps tmm2, tmm4, tmm6",
-                    a = in(reg) ai,
-                    a1 = in(reg) ai.add(tile_rows),
-                    a2 = in(reg) ai.add(2 * tile_rows),
-                    b = in(reg) bi,
-                    pa = in(reg) apitch,
-                    s64 = in(reg) 64usize,
-                    options(nostack, readonly),
-                ),
-                2 => asm!(
-                    "tileloadd tmm6, [{b} + {s64}*1]",
-                    "tileloadd tmm4, [{a} + {pa}*1]",
-                    "tileloadd tmm5, [{a1} + {pa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm5, tmm6",
-                    a = in(reg) ai,
-                    a1 = in(reg) ai.add(tile_rows),
-                    b = in(reg) bi,
-                    pa = in(reg) apitch,
-                    s64 = in(reg) 64usize,
-                    options(nostack, readonly),
-                ),
-                _ => asm!(
-                    "tileloadd tmm6, [{b} + {s64}*1]",
-                    "tileloadd tmm4, [{a} + {pa}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    a = in(reg) ai,
-                    b = in(reg) bi,
-                    pa = in(reg) apitch,
-                    s64 = in(reg) 64usize,
-                    options(nostack, readonly),
-                ),
+                );
             }
         }
         asm!(
