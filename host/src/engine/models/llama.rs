@@ -95,6 +95,9 @@ pub struct LlamaModel {
     layers: Vec<Layer>,
     norm: Vec<f32>,
     rope: RopeTable,
+    /// See [`LlamaModel::has_prompt_kernel`]; fixed at load, since it
+    /// depends only on the weights and the CPU.
+    prompt_kernel: bool,
 }
 
 /// One step's flattened batch, as the model runner lays it out.
@@ -212,6 +215,14 @@ impl LlamaModel {
             &c.rope_scaling,
             c.rope_style,
         );
+        let head = lm_head.as_ref().unwrap_or(&embed);
+        let prompt_kernel = head.has_wide_kernel()
+            || layers.iter().any(|l| {
+                l.qkv.has_wide_kernel()
+                    || l.o.has_wide_kernel()
+                    || l.gate_up.has_wide_kernel()
+                    || l.down.has_wide_kernel()
+            });
         Ok(LlamaModel {
             config,
             embed,
@@ -219,6 +230,7 @@ impl LlamaModel {
             layers,
             norm,
             rope,
+            prompt_kernel,
         })
     }
 
@@ -239,18 +251,10 @@ impl LlamaModel {
         layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, Weight::size_bytes)
     }
 
-    /// Whether prompt rows run on other kernels than generated rows on this
-    /// CPU (see [`BatchInput::prompt_rows`]), so that the prefix cache must
-    /// keep their blocks apart.
+    /// Whether prompt rows can run on other kernels than generated rows on
+    /// this CPU (see [`BatchInput::prompt_rows`]).
     pub fn has_prompt_kernel(&self) -> bool {
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.has_wide_kernel()
-            || self.layers.iter().any(|l| {
-                l.qkv.has_wide_kernel()
-                    || l.o.has_wide_kernel()
-                    || l.gate_up.has_wide_kernel()
-                    || l.down.has_wide_kernel()
-            })
+        self.prompt_kernel
     }
 
     /// The storage type of the layers' projections, for logs ("Q4_1").
