@@ -61,7 +61,6 @@ pub(crate) struct WideAct {
     buf: Option<ABuf>,
     /// Wide rows, before padding.
     rows: usize,
-    lanes: usize,
 }
 
 /// Raw view of [`WideAct`]'s buffer that token-range tasks fill disjointly.
@@ -90,7 +89,6 @@ impl WideAct {
         let pitch = lanes * 64;
         let buf = grow_abuf(&mut self.buf, padded * pitch);
         self.rows = wide.len();
-        self.lanes = lanes;
         let out = ActOut(buf.bytes_mut().as_mut_ptr());
         let fill = |t0: usize, t1: usize| {
             let out = &out;
