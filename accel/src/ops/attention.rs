@@ -443,7 +443,7 @@ pub(crate) fn paged_attention_at<T: KvElem>(
     check_disjoint(seqs);
 
     let lanes = match level {
-        SimdLevel::Avx512Vnni | SimdLevel::Amx => 16,
+        SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => 16,
         SimdLevel::Avx2 => 8,
         SimdLevel::Scalar => 1,
     };

@@ -501,7 +501,7 @@ unsafe fn entry_avx2<K: Kernel>(k: K) -> K::Output {
 pub(crate) unsafe fn dispatch<K: Kernel>(level: SimdLevel, k: K) -> K::Output {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512Vnni | SimdLevel::Amx => unsafe { entry_avx512(k) },
+        SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => unsafe { entry_avx512(k) },
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => unsafe { entry_avx2(k) },
         _ => unsafe { k.run::<Scalar>() },

@@ -134,7 +134,7 @@ pub(crate) fn quantize_row(
     match level {
         // SAFETY: the level was clamped to what the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512Vnni | SimdLevel::Amx => unsafe {
+        SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => unsafe {
             quantize_row_avx512(l, x, q, d, sum, s)
         },
         #[cfg(target_arch = "x86_64")]

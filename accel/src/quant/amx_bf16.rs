@@ -48,7 +48,7 @@ static CONFIG: TileConfig = TileConfig::new([(16, 64); 8]);
 /// subnormals flush to zero) in order: 16 pairs, one per 32-bit lane.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 #[inline]
-unsafe fn pack_bf16(lo: __m512, hi: __m512) -> __m512i {
+pub(super) unsafe fn pack_bf16(lo: __m512, hi: __m512) -> __m512i {
     // SAFETY: `__m512bh` and `__m512i` are both 64 plain bytes.
     unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
 }
@@ -63,10 +63,11 @@ pub(crate) struct WideAct {
     rows: usize,
 }
 
-/// Raw view of [`WideAct`]'s buffer that token-range tasks fill disjointly.
-struct ActOut(*mut u8);
-// SAFETY: each task writes only its own rows.
-unsafe impl Sync for ActOut {}
+/// Raw view of an activation buffer that token-range tasks fill disjointly
+/// (here and in [`super::bf16_tiles`]).
+pub(super) struct ActOut<T>(pub(super) *mut T);
+// SAFETY: each task writes only its own tokens' elements.
+unsafe impl<T> Sync for ActOut<T> {}
 
 impl WideAct {
     /// Rounds rows `wide` of `x` (`cols` values each) for weights of kind

@@ -105,7 +105,7 @@ unsafe fn run_rows(
     ldo: usize,
 ) {
     let mmax = match level {
-        SimdLevel::Avx512Vnni | SimdLevel::Amx => 4,
+        SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => 4,
         SimdLevel::Avx2 => 2,
         SimdLevel::Scalar => 1,
     };
@@ -138,7 +138,7 @@ unsafe fn run_block(
             let mt = (me - i).min(mmax);
             match level {
                 #[cfg(target_arch = "x86_64")]
-                SimdLevel::Avx512Vnni | SimdLevel::Amx => match t {
+                SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => match t {
                     T_F32 => x86::d512::<T_F32>(rt, mt, w, cols, r, x, i, out, ldo),
                     T_F16 => x86::d512::<T_F16>(rt, mt, w, cols, r, x, i, out, ldo),
                     _ => x86::d512::<T_BF16>(rt, mt, w, cols, r, x, i, out, ldo),

@@ -29,6 +29,8 @@ mod act;
 mod amx;
 #[cfg(target_arch = "x86_64")]
 mod amx_bf16;
+#[cfg(target_arch = "x86_64")]
+mod bf16_tiles;
 mod dense;
 mod formats;
 mod layout;
@@ -224,6 +226,10 @@ enum Repr {
     Dense(ABuf),
     /// Repacked quantized blocks; see [`layout`].
     Quant(Box<QMat>),
+    /// Q4_0, Q4_1 or Q8_0 in 16-row tiles for the bf16 tile kernel
+    /// ([`bf16_tiles`]), at [`SimdLevel::AmxBf16`].
+    #[cfg(target_arch = "x86_64")]
+    Tiles(Box<bf16_tiles::TileMat>),
 }
 
 /// A 2-D weight matrix `[rows = out_features, cols = in_features]`, kept in
@@ -264,8 +270,24 @@ fn check_elems(ty: GgmlType, rows: usize, cols: usize, got: usize) -> Result<(),
 impl Weight {
     /// Builds a weight from GGUF bytes: row-major, each row `cols /
     /// block_len` little-endian blocks. Validates the length, then copies
-    /// into aligned storage (quantized types are repacked for the kernels).
+    /// into aligned storage (quantized types are repacked for the kernels
+    /// of [`crate::cpu::simd_level`]).
     pub fn from_raw(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Weight, WeightError> {
+        Weight::from_raw_at(crate::cpu::simd_level(), ty, rows, cols, bytes)
+    }
+
+    /// [`Weight::from_raw`], laid out for the kernels of `level` (clamped
+    /// to what the CPU supports), so tests and benchmarks can compare
+    /// levels on one machine. At [`SimdLevel::AmxBf16`] Q4_0, Q4_1 and
+    /// Q8_0 get the bf16 tile layout, which only the bf16 tile kernel reads:
+    /// [`Weight::matmul_at`] then runs that kernel at any level.
+    pub fn from_raw_at(
+        level: SimdLevel,
         ty: GgmlType,
         rows: usize,
         cols: usize,
@@ -290,7 +312,7 @@ impl Weight {
             buf.bytes_mut().copy_from_slice(bytes);
             Repr::Dense(buf)
         } else {
-            Repr::Quant(Box::new(QMat::from_gguf(ty, rows, cols, bytes)))
+            Weight::quant_repr(level.min(max_level()), ty, rows, cols, bytes)
         };
         Ok(Weight {
             ty,
@@ -298,6 +320,19 @@ impl Weight {
             cols,
             repr,
         })
+    }
+
+    fn quant_repr(level: SimdLevel, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Repr {
+        #[cfg(target_arch = "x86_64")]
+        if level == SimdLevel::AmxBf16 {
+            if let Some(kind) = bf16_tiles::kind_of(ty) {
+                return Repr::Tiles(Box::new(bf16_tiles::TileMat::from_gguf(
+                    kind, rows, cols, bytes,
+                )));
+            }
+        }
+        let _ = level;
+        Repr::Quant(Box::new(QMat::from_gguf(ty, rows, cols, bytes)))
     }
 
     /// Builds an F32 weight from row-major data.
@@ -382,6 +417,8 @@ impl Weight {
         match &self.repr {
             Repr::Dense(b) => b.len(),
             Repr::Quant(q) => q.size_bytes(),
+            #[cfg(target_arch = "x86_64")]
+            Repr::Tiles(t) => t.size_bytes(),
         }
     }
 
@@ -401,18 +438,26 @@ impl Weight {
             }
         }
         let rows = parts.iter().map(|p| p.rows).sum();
+        // The same type built at the same level has the same representation.
         let repr = match &first.repr {
             Repr::Dense(_) => Repr::Dense(ABuf::concat(parts.iter().map(|p| match &p.repr {
                 Repr::Dense(b) => b,
-                Repr::Quant(_) => unreachable!("same type implies same representation"),
+                _ => unreachable!("same type implies same representation"),
             }))),
             Repr::Quant(_) => Repr::Quant(Box::new(QMat::concat(
                 parts.iter().map(|p| match &p.repr {
                     Repr::Quant(q) => &**q,
-                    Repr::Dense(_) => unreachable!("same type implies same representation"),
+                    _ => unreachable!("same type implies same representation"),
                 }),
                 rows,
             ))),
+            #[cfg(target_arch = "x86_64")]
+            Repr::Tiles(_) => Repr::Tiles(Box::new(bf16_tiles::TileMat::concat(parts.iter().map(
+                |p| match &p.repr {
+                    Repr::Tiles(t) => &**t,
+                    _ => unreachable!("same type implies same representation"),
+                },
+            )))),
         };
         Ok(Weight {
             ty: first.ty,
@@ -440,6 +485,8 @@ impl Weight {
                 dense::row_to_f32(self.ty, bytes, out);
             }
             Repr::Quant(q) => q.dequantize_row(row, out),
+            #[cfg(target_arch = "x86_64")]
+            Repr::Tiles(t) => t.dequantize_row(row, out),
         }
     }
 
@@ -500,6 +547,30 @@ impl Weight {
                 dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out)
             }
             Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
+            #[cfg(target_arch = "x86_64")]
+            Repr::Tiles(t) => {
+                let (rows, kind) = (self.rows, t.kind);
+                // SAFETY: tile weights exist only where the level is
+                // AmxBf16 (checked at build), so AMX-BF16 and AVX512-BF16
+                // are there; `x` holds `m × cols` (asserted above); tasks own
+                // disjoint 16-row column ranges of `out`.
+                unsafe {
+                    scratch.tile_act.build(pool, x, m, self.cols);
+                    let act = &scratch.tile_act;
+                    let o = OutPtr(out.as_mut_ptr());
+                    pool.run_ranges(rows.div_ceil(16), 1, &|t0, t1| match kind {
+                        layout::K_Q4_0 => {
+                            bf16_tiles::run_tiles::<{ layout::K_Q4_0 }>(t, act, m, t0, t1, o, rows)
+                        }
+                        layout::K_Q4_1 => {
+                            bf16_tiles::run_tiles::<{ layout::K_Q4_1 }>(t, act, m, t0, t1, o, rows)
+                        }
+                        _ => {
+                            bf16_tiles::run_tiles::<{ layout::K_Q8_0 }>(t, act, m, t0, t1, o, rows)
+                        }
+                    });
+                }
+            }
         }
     }
 }
@@ -637,6 +708,9 @@ pub struct MatmulScratch {
     /// (in and out) when both kinds are present.
     #[cfg(target_arch = "x86_64")]
     wide: amx_bf16::WideAct,
+    /// The activations as bf16 B tiles for tile-laid-out weights.
+    #[cfg(target_arch = "x86_64")]
+    tile_act: bf16_tiles::TileAct,
     wide_rows: Vec<usize>,
     exact_rows: Vec<usize>,
     exact_x: Vec<f32>,

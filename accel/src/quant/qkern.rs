@@ -155,7 +155,7 @@ pub(crate) fn matmul(
     let rows = q.rows;
     let kind = q.kind;
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Amx && amx::supports(kind) && amx::worth(m, lanes) {
+    if level >= SimdLevel::Amx && amx::supports(kind) && amx::worth(m, lanes) {
         let aq = amx::ActQuant {
             q: &scratch.aq[..m * cols],
             d: &scratch.ad[..m * lanes],
@@ -234,7 +234,7 @@ unsafe fn run_rows<const K: u8>(
                 let mt = (me - i).min(max_m_tile(level));
                 match level {
                     #[cfg(target_arch = "x86_64")]
-                    SimdLevel::Avx512Vnni | SimdLevel::Amx => {
+                    SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => {
                         x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo)
                     }
                     #[cfg(target_arch = "x86_64")]
@@ -254,7 +254,7 @@ unsafe fn run_rows<const K: u8>(
 /// on Zen 4 at m = 16, 4 × 4 beat 4 × 3 and 4 × 2.
 fn max_m_tile(level: SimdLevel) -> usize {
     match level {
-        SimdLevel::Avx512Vnni | SimdLevel::Amx => 4,
+        SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => 4,
         SimdLevel::Avx2 => 2,
         SimdLevel::Scalar => 1,
     }

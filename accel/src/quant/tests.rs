@@ -881,3 +881,162 @@ fn wide_rows_do_not_depend_on_the_batch() {
         }
     }
 }
+
+/// Shapes for the bf16 tile kernel: a ragged last row tile, one block,
+/// 1536 columns, and batches of one token, a partial token tile, exactly
+/// one tile, one past it, and past a group of four.
+fn tile_cases() -> Vec<(usize, usize, usize)> {
+    vec![
+        (16, 32, 1),
+        (37, 576, 5),
+        (48, 576, 16),
+        (130, 160, 17),
+        (32, 1536, 70),
+        (64, 288, 33),
+    ]
+}
+
+#[test]
+fn bf16_tiles_match_f64_within_bf16_rounding() {
+    if max_level() < SimdLevel::AmxBf16 {
+        eprintln!("note: no AMX-BF16 on this CPU; the bf16 tile kernel is not run");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(53);
+    let pool = ThreadPool::new(2);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for (rows, cols, m) in tile_cases() {
+            let bytes = random_bytes(&mut rng, ty, rows, cols);
+            let w = Weight::from_raw_at(SimdLevel::AmxBf16, ty, rows, cols, &bytes).unwrap();
+            let wref = ref_matrix(ty, rows, cols, &bytes);
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut got = vec![f32::NAN; m * rows];
+            w.matmul(&pool, &x, m, &mut got, &mut MatmulScratch::default());
+            for i in 0..m {
+                for r in 0..rows {
+                    // bf16 keeps 8 significant bits: each weight and each
+                    // activation is off by at most 2^-9 of itself, so a
+                    // product by at most ~2^-8, plus f32 accumulation.
+                    let (mut want, mut mag) = (0.0f64, 0.0f64);
+                    for k in 0..cols {
+                        let v = wref[r * cols + k].0 * x[i * cols + k] as f64;
+                        want += v;
+                        mag += v.abs();
+                    }
+                    let g = got[i * rows + r] as f64;
+                    let bound = mag * (2.0f64.powi(-8) * 1.01 + cols as f64 * 2.0f64.powi(-24));
+                    assert!(
+                        (g - want).abs() <= bound,
+                        "{ty} rows {rows} cols {cols} m {m}: out[{i}][{r}] = {g}, want {want} (bound {bound})"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_tile_rows_do_not_depend_on_the_batch() {
+    if max_level() < SimdLevel::AmxBf16 {
+        eprintln!("note: no AMX-BF16 on this CPU; the bf16 tile kernel is not run");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(59);
+    let (one, two) = (ThreadPool::new(1), ThreadPool::new(2));
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for (rows, cols, m) in tile_cases() {
+            let bytes = random_bytes(&mut rng, ty, rows, cols);
+            let w = Weight::from_raw_at(SimdLevel::AmxBf16, ty, rows, cols, &bytes).unwrap();
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let mut alone = vec![0.0f32; m * rows];
+            for i in 0..m {
+                w.matmul(
+                    &one,
+                    &x[i * cols..(i + 1) * cols],
+                    1,
+                    &mut alone[i * rows..(i + 1) * rows],
+                    &mut MatmulScratch::default(),
+                );
+            }
+            // The whole batch, and its second half (so rows sit at other
+            // places in their token tiles), on two threads.
+            for from in [0, m / 2] {
+                let mm = m - from;
+                let mut got = vec![f32::NAN; mm * rows];
+                w.matmul(
+                    &two,
+                    &x[from * cols..],
+                    mm,
+                    &mut got,
+                    &mut MatmulScratch::default(),
+                );
+                for (e, (a, b)) in got.iter().zip(&alone[from * rows..]).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} rows {rows} cols {cols} batch {mm}: out[{}][{}] = {a}, alone {b}",
+                        from + e / rows,
+                        e % rows
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_tile_layout_keeps_the_values_for_gathers_and_stacking() {
+    if max_level() < SimdLevel::AmxBf16 {
+        eprintln!("note: no AMX-BF16 on this CPU; the bf16 tile layout is not built");
+        return;
+    }
+    let mut rng = StdRng::seed_from_u64(61);
+    let pool = ThreadPool::new(2);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let cols = 96;
+        let parts: Vec<(usize, Vec<u8>)> = [7usize, 16, 21]
+            .into_iter()
+            .map(|rows| (rows, random_bytes(&mut rng, ty, rows, cols)))
+            .collect();
+        let weights: Vec<Weight> = parts
+            .iter()
+            .map(|(rows, b)| Weight::from_raw_at(SimdLevel::AmxBf16, ty, *rows, cols, b).unwrap())
+            .collect();
+        // The embedding gather reproduces the format's values exactly.
+        for ((rows, bytes), w) in parts.iter().zip(&weights) {
+            let want = ref_matrix(ty, *rows, cols, bytes);
+            let mut row = vec![0.0f32; cols];
+            for r in 0..*rows {
+                w.dequantize_row(r, &mut row);
+                for (k, v) in row.iter().enumerate() {
+                    assert_eq!(*v as f64, want[r * cols + k].0, "{ty} row {r} col {k}");
+                }
+            }
+        }
+        // Stacked (across ragged tiles), each part's rows are what the part
+        // computes alone.
+        let refs: Vec<&Weight> = weights.iter().collect();
+        let stacked = Weight::concat_rows(&refs).unwrap();
+        let m = 3;
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let total = stacked.rows();
+        let mut all = vec![0.0f32; m * total];
+        stacked.matmul(&pool, &x, m, &mut all, &mut MatmulScratch::default());
+        let mut at = 0;
+        for w in &weights {
+            let mut part = vec![0.0f32; m * w.rows()];
+            w.matmul(&pool, &x, m, &mut part, &mut MatmulScratch::default());
+            for i in 0..m {
+                for r in 0..w.rows() {
+                    assert_eq!(
+                        all[i * total + at + r].to_bits(),
+                        part[i * w.rows() + r].to_bits(),
+                        "{ty}: stacked row {} token {i}",
+                        at + r
+                    );
+                }
+            }
+            at += w.rows();
+        }
+    }
+}
