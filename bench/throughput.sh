@@ -18,6 +18,8 @@ echo "--- llama.cpp llama-batched-bench, $THREADS threads, 128 in / 128 out, B =
 "$LLAMA_BIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -c 8192 -npp 128 -ntg 128 -npl 1,16 2>/dev/null | grep -E "^\|" || echo "(llama-batched-bench printed no table: it failed)"
 echo "--- pagoda, $THREADS threads, 1 × (128 in / 128 out)"
 "$P" bench throughput "${COMMON[@]}" --dataset random --num-prompts 1 --input-len 128 --output-len 128 2>/dev/null
+echo "--- pagoda, $THREADS threads, 1 × (128 in / 128 out), --max-num-seqs 1 (an engine capped at one sequence keeps the int8 kernels)"
+"$P" bench throughput "${COMMON[@]}" --dataset random --num-prompts 1 --input-len 128 --output-len 128 --max-num-seqs 1 2>/dev/null
 echo "--- pagoda, $THREADS threads, 16 concurrent × (128 in / 128 out)"
 "$P" bench throughput "${COMMON[@]}" --dataset random --num-prompts 16 --input-len 128 --output-len 128 --max-num-seqs 16 2>/dev/null
 echo "--- pagoda, $THREADS threads, the seed's workload: 100 × 介绍一下深度学习, max_tokens 256"

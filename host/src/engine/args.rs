@@ -147,8 +147,13 @@ pub fn load_model(
             );
         }
         let tokenizer = Tokenizer::from_gguf(&file)?;
+        let level = pagoda_accel::cpu::weight_level(args.max_num_seqs);
+        tracing::info!(
+            "quantized weights laid out for {level:?} kernels (max-num-seqs {})",
+            args.max_num_seqs
+        );
         let model = LlamaModel::load(
-            &GgufWeights::new(&file, args.dtype),
+            &GgufWeights::new(&file, args.dtype, level),
             config.clone(),
             max_positions(&config),
         )?;

@@ -4,18 +4,22 @@
 use super::gguf::GgufFile;
 use super::{DType, WeightSource};
 use anyhow::{bail, Context, Result};
+use pagoda_accel::cpu::SimdLevel;
 use pagoda_accel::{GgmlType, Weight};
 
 /// A GGUF file seen as a source of named weights.
 pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
+    level: SimdLevel,
 }
 
 impl<'a> GgufWeights<'a> {
-    /// `dtype` converts float tensors; quantized tensors always stay as stored.
-    pub fn new(file: &'a GgufFile, dtype: DType) -> Self {
-        GgufWeights { file, dtype }
+    /// `dtype` converts float tensors; quantized tensors always stay as
+    /// stored, laid out for the kernels of `level`
+    /// ([`pagoda_accel::cpu::weight_level`]).
+    pub fn new(file: &'a GgufFile, dtype: DType, level: SimdLevel) -> Self {
+        GgufWeights { file, dtype, level }
     }
 }
 
@@ -66,7 +70,7 @@ impl WeightSource for GgufWeights<'_> {
             | (
                 _,
                 GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K,
-            ) => Weight::from_raw(t.ty, rows, cols, t.data),
+            ) => Weight::from_raw_at(self.level, t.ty, rows, cols, t.data),
             (want, _) => {
                 let mut f = vec![0f32; rows * cols];
                 let raw = Weight::from_raw(t.ty, rows, cols, t.data)
