@@ -427,7 +427,7 @@ pub(crate) unsafe fn run_tiles<const K: u8>(
         let abuf = super::amx::grow_abuf(&mut s.a, blocks.max((LAG + 1) * PASS) * A_TILE)
             .bytes_mut()
             .as_mut_ptr();
-        let cbuf = super::amx::grow_abuf(&mut s.c, GROUP * A_TILE)
+        let cbuf = super::amx::grow_abuf(&mut s.c, 2 * GROUP * A_TILE)
             .bytes_mut()
             .as_mut_ptr();
         // SAFETY (whole block): the caller guarantees AMX-BF16; the tiles
@@ -435,53 +435,96 @@ pub(crate) unsafe fn run_tiles<const K: u8>(
         // buffers are sized above; B holds every block of each token tile.
         unsafe {
             config.load();
-            let sink = Sink {
+            let mut sink = Sink {
                 q,
                 m,
                 n,
                 out,
                 ldo,
                 c: cbuf,
+                stashed: None,
             };
             if m <= n {
                 for p0 in (t0..t1).step_by(PASS) {
-                    pass::<K>(q, bbase, p0, (t1 - p0).min(PASS), abuf, &sink);
+                    pass::<K>(q, bbase, p0, (t1 - p0).min(PASS), abuf, &mut sink);
                 }
             } else {
                 for t in t0..t1 {
-                    tile_all_tokens::<K>(q, bbase, t, m.div_ceil(n), abuf, &sink);
+                    tile_all_tokens::<K>(q, bbase, t, m.div_ceil(n), abuf, &mut sink);
                 }
             }
+            sink.finish();
             release_tiles();
         }
     });
 }
 
-/// Where C tiles go: the output and a buffer to stage them in.
+/// Where C tiles go: the output, through one of two staging slots.
 struct Sink<'a> {
     q: &'a TileMat,
     m: usize,
     n: usize,
     out: OutPtr,
     ldo: usize,
+    /// Two slots of [`GROUP`] C tiles.
     c: *mut u8,
+    /// The tiles stored by the last [`Sink::drain`], not yet written out.
+    stashed: Option<Stashed>,
+}
+
+/// C tiles waiting in a staging slot: `count` tiles of row tile `t + i`
+/// (`by_rows`) or token tile `tt + i`.
+struct Stashed {
+    slot: usize,
+    count: usize,
+    t: usize,
+    tt: usize,
+    by_rows: bool,
 }
 
 impl Sink<'_> {
-    /// Stores C registers `0..count` (row tile `t + i` or token tile
-    /// `tt + i` of the other index) and writes their live elements out.
+    /// Stores C registers `0..count` (see [`Stashed`]) into the free slot,
+    /// then writes out the tiles the previous call stored. Reading a tile
+    /// right after `tilestored` wrote it stalls until the stores drain; a
+    /// pass later they have.
     ///
     /// # Safety
     /// [`run_tiles`]'s configuration is loaded; the tiles are in range.
-    unsafe fn drain(&self, count: usize, t: usize, tt: usize, by_rows: bool) {
-        // SAFETY: the caller's contract; `c` holds GROUP tiles.
+    unsafe fn drain(&mut self, count: usize, t: usize, tt: usize, by_rows: bool) {
+        let slot = self.stashed.as_ref().map_or(0, |p| 1 - p.slot);
+        // SAFETY: the caller's contract; `c` holds two slots.
         unsafe {
-            store_c(self.c, count);
-            for i in 0..count {
-                let (t, tt) = if by_rows { (t + i, tt) } else { (t, tt + i) };
+            store_c(self.c.add(slot * GROUP * A_TILE), count);
+            self.finish();
+        }
+        self.stashed = Some(Stashed {
+            slot,
+            count,
+            t,
+            tt,
+            by_rows,
+        });
+    }
+
+    /// Writes out the stashed tiles, if any.
+    ///
+    /// # Safety
+    /// The stashed tiles' rows and tokens are in range of the output.
+    unsafe fn finish(&mut self) {
+        let Some(p) = self.stashed.take() else {
+            return;
+        };
+        // SAFETY: the caller's contract.
+        unsafe {
+            for i in 0..p.count {
+                let (t, tt) = if p.by_rows {
+                    (p.t + i, p.tt)
+                } else {
+                    (p.t, p.tt + i)
+                };
                 let rows = (self.q.rows - t * ROWS).min(ROWS);
                 let live = (self.m - tt * self.n).min(self.n);
-                let c = self.c.add(i * A_TILE) as *const f32;
+                let c = self.c.add((p.slot * GROUP + i) * A_TILE) as *const f32;
                 let out = self.out.0.add(tt * self.n * self.ldo + t * ROWS);
                 if rows == ROWS {
                     write_rows(c, live, out, self.ldo);
@@ -489,8 +532,7 @@ impl Sink<'_> {
                 }
                 for r in 0..rows {
                     for k in 0..live {
-                        *self.out.0.add((tt * self.n + k) * self.ldo + t * ROWS + r) =
-                            *c.add(16 * r + k);
+                        *out.add(k * self.ldo + r) = *c.add(16 * r + k);
                     }
                 }
             }
@@ -536,7 +578,7 @@ unsafe fn pass<const K: u8>(
     p0: usize,
     count: usize,
     abuf: *mut u8,
-    sink: &Sink<'_>,
+    sink: &mut Sink<'_>,
 ) {
     let rb = record_bytes(K);
     let blocks = q.blocks;
@@ -585,7 +627,7 @@ unsafe fn tile_all_tokens<const K: u8>(
     t: usize,
     tiles: usize,
     abuf: *mut u8,
-    sink: &Sink<'_>,
+    sink: &mut Sink<'_>,
 ) {
     let rb = record_bytes(K);
     let blocks = q.blocks;
