@@ -15,8 +15,12 @@ for round in $(seq 1 "$ROUNDS"); do
   for t in 1 2; do
     echo "--- round $round, $t thread(s)"
     "$LLAMA_BIN/llama-bench" -m "$MODEL" -t "$t" -p 256 -n 128 -r 3 --repack "$LLAMA_REPACK" -o md 2>/dev/null | grep -E "pp256|tg128" | sed 's/^/llama.cpp: /'
+    # The default engine (up to 256 sequences: on AMX-BF16 CPUs, the bf16
+    # tiles), then one capped at a single sequence (the int8 kernels).
     "$CARGO_TARGET_DIR/release/pagoda" bench latency --model "$MODEL" --threads "$t" --input-len 256 --output-len 128 \
       --num-iters 3 --max-model-len 1024 --kv-cache-memory 256MiB 2>/dev/null | sed 's/^/pagoda:    /'
+    "$CARGO_TARGET_DIR/release/pagoda" bench latency --model "$MODEL" --threads "$t" --input-len 256 --output-len 128 \
+      --num-iters 3 --max-model-len 1024 --kv-cache-memory 256MiB --max-num-seqs 1 2>/dev/null | sed 's/^/pagoda (--max-num-seqs 1): /'
   done
 done
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
