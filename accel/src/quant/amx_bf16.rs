@@ -277,13 +277,7 @@ unsafe fn products(a: *const u8, apitch: usize, b: *const u8, lanes: usize, ng: 
     let tile_rows = ROWS * apitch;
     // SAFETY (each block): the caller's contract; tile rows are 64 bytes.
     unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
+        super::bf16_tiles::zero_c();
         for i in 0..lanes {
             let (ai, bi) = (a.add(64 * i), b.add(TILE * i));
             if ng == 1 {

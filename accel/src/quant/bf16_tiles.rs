@@ -757,12 +757,12 @@ unsafe fn dequant<const K: u8>(rec: *const u8, a: *mut u8) {
     }
 }
 
-/// Zeroes the four C registers.
+/// Zeroes tile registers 0–3 (the C tiles here and in [`super::amx_bf16`]).
 ///
 /// # Safety
-/// [`run_tiles`]'s configuration is loaded.
+/// A tile configuration is loaded on this thread.
 #[inline]
-unsafe fn zero_c() {
+pub(super) unsafe fn zero_c() {
     // SAFETY: the caller's contract.
     unsafe {
         asm!(
