@@ -23,6 +23,12 @@
 //! on CPUs with AMX-BF16 those run dense bf16 tile products with no
 //! per-block epilogue ([`amx_bf16`]), 1.5–2.5× faster for a prompt's many
 //! rows.
+//!
+//! Weights built for [`SimdLevel::AmxBf16`] ([`Weight::from_raw_at`]; the
+//! engine does so when it runs more than two sequences at once) take a
+//! third path for Q4_0, Q4_1 and Q8_0: a tile layout whose bf16 kernel
+//! ([`bf16_tiles`]) serves every row at every batch size, costing about as
+//! much for 16 rows as for one.
 
 mod act;
 #[cfg(target_arch = "x86_64")]
