@@ -91,6 +91,16 @@ pub enum KvDtype {
     Bf16,
 }
 
+impl KvDtype {
+    /// Bytes per stored element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+}
+
 mod sealed {
     /// The cache reinterpreted as raw storage, so kernels can widen it with
     /// SIMD instead of element by element through [`super::KvElem::to_f32`].

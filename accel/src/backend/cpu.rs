@@ -1,0 +1,393 @@
+//! The CPU backend: [`Backend`] over host memory, running the kernels of
+//! [`crate::ops`] and [`crate::quant`] on the context's thread pool.
+//!
+//! CPU-only choices live here and nowhere else: the layout quantized
+//! weights get ([`crate::cpu::weight_level`]: int8 VNNI/AMX-INT8 kernels, or
+//! bf16 tiles for engines that batch), and the prompt kernel that flagged
+//! rows may take ([`crate::Weight::matmul_rows`]).
+
+use super::{Backend, BackendError, DeviceMatrix, HostMatrix, KvSpec, Rows, StepBatch};
+use crate::cpu::{simd_level, SimdLevel};
+use crate::ops::{self, AttnSeq, KvDtype, KvElem, KvLayout, RopeTable};
+use crate::quant::{GgmlType, MatmulScratch, Weight};
+use crate::CpuContext;
+use half::{bf16, f16};
+
+/// The CPU as a [`Backend`].
+pub struct CpuBackend {
+    ctx: CpuContext,
+    /// What quantized weights are laid out for.
+    level: SimdLevel,
+    scratch: MatmulScratch,
+    /// Kept empty between calls; only its capacity is reused (see
+    /// [`CpuBackend::attention`]).
+    attn_seqs: Vec<AttnSeq<'static>>,
+}
+
+impl CpuBackend {
+    /// A backend on `ctx` that lays quantized weights out for the kernels
+    /// of `level` ([`crate::cpu::weight_level`] picks it per engine).
+    pub fn new(ctx: CpuContext, level: SimdLevel) -> CpuBackend {
+        CpuBackend {
+            ctx,
+            level,
+            scratch: MatmulScratch::default(),
+            attn_seqs: Vec::new(),
+        }
+    }
+
+    /// The context the kernels run on.
+    pub fn context(&self) -> &CpuContext {
+        &self.ctx
+    }
+
+    /// The level quantized weights are laid out for.
+    pub fn weight_level(&self) -> SimdLevel {
+        self.level
+    }
+}
+
+impl DeviceMatrix for Weight {
+    fn ty(&self) -> GgmlType {
+        Weight::ty(self)
+    }
+    fn rows(&self) -> usize {
+        Weight::rows(self)
+    }
+    fn cols(&self) -> usize {
+        Weight::cols(self)
+    }
+    fn size_bytes(&self) -> usize {
+        Weight::size_bytes(self)
+    }
+}
+
+/// One layer's K and V in host memory.
+pub struct LayerKv<T> {
+    pub k: Vec<T>,
+    pub v: Vec<T>,
+}
+
+/// The KV pool of every layer, in one of the supported element types.
+pub enum CpuKv {
+    F32(Vec<LayerKv<f32>>, KvLayout),
+    F16(Vec<LayerKv<f16>>, KvLayout),
+    Bf16(Vec<LayerKv<bf16>>, KvLayout),
+}
+
+fn layers<T: KvElem + bytemuck::Zeroable>(num_layers: usize, layout: &KvLayout) -> Vec<LayerKv<T>> {
+    // Zeroed allocations come from calloc, so the OS commits pages only as
+    // blocks are first written: a large pool costs address space, not RSS.
+    (0..num_layers)
+        .map(|_| LayerKv {
+            k: bytemuck::zeroed_vec(layout.elems()),
+            v: bytemuck::zeroed_vec(layout.elems()),
+        })
+        .collect()
+}
+
+impl CpuKv {
+    /// Allocates the pool `spec` describes.
+    pub fn new(spec: &KvSpec) -> CpuKv {
+        let (n, l) = (spec.num_layers, spec.layout);
+        match spec.dtype {
+            KvDtype::F32 => CpuKv::F32(layers(n, &l), l),
+            KvDtype::F16 => CpuKv::F16(layers(n, &l), l),
+            KvDtype::Bf16 => CpuKv::Bf16(layers(n, &l), l),
+        }
+    }
+
+    /// The shape of each layer's K (or V).
+    pub fn layout(&self) -> &KvLayout {
+        match self {
+            CpuKv::F32(_, l) | CpuKv::F16(_, l) | CpuKv::Bf16(_, l) => l,
+        }
+    }
+}
+
+/// A step's metadata on the CPU: the batch itself, plus the prompt flags of
+/// its logit rows.
+#[derive(Default)]
+pub struct CpuStep {
+    batch: StepBatch,
+    logit_prompt: Vec<bool>,
+}
+
+/// The first `n` elements of `v`.
+fn first(v: &[f32], n: usize) -> &[f32] {
+    &v[..n]
+}
+
+fn first_mut(v: &mut [f32], n: usize) -> &mut [f32] {
+    &mut v[..n]
+}
+
+impl CpuBackend {
+    fn attention_typed<T: KvElem>(
+        &mut self,
+        layers: &[LayerKv<T>],
+        layout: &KvLayout,
+        layer: usize,
+        q: &[f32],
+        n_heads: usize,
+        scale: f32,
+        step: &CpuStep,
+        out: &mut [f32],
+    ) {
+        let cache = &layers[layer];
+        let seqs = std::mem::take(&mut self.attn_seqs);
+        // SAFETY: `seqs` is empty (it is cleared before being stored back),
+        // so changing the lifetime parameter of its element type
+        // reinterprets no element; this only lets a step reuse the buffer's
+        // capacity instead of allocating one per layer.
+        let mut seqs: Vec<AttnSeq<'_>> =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
+        seqs.extend(step.batch.seqs.iter().map(|s| AttnSeq {
+            q_start: s.q_start as usize,
+            q_len: s.q_len as usize,
+            ctx_len: s.ctx_len as usize,
+            block_table: step.batch.block_table(s),
+        }));
+        ops::paged_attention(
+            self.ctx.pool(),
+            layout,
+            &cache.k,
+            &cache.v,
+            q,
+            n_heads,
+            &seqs,
+            scale,
+            out,
+        );
+        seqs.clear();
+        // SAFETY: empty again; see above.
+        self.attn_seqs =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
+    }
+}
+
+impl Backend for CpuBackend {
+    type Matrix = Weight;
+    type Vector = Vec<f32>;
+    type Buffer = Vec<f32>;
+    type Kv = CpuKv;
+    type Rope = RopeTable;
+    type Step = CpuStep;
+
+    fn describe(&self) -> String {
+        format!(
+            "cpu: {} threads, {:?} kernels, quantized weights laid out for {:?}",
+            self.ctx.pool().threads(),
+            simd_level(),
+            self.level
+        )
+    }
+
+    fn upload_matrix(&self, m: &HostMatrix<'_>) -> Result<Weight, BackendError> {
+        Ok(Weight::from_raw_at(
+            self.level,
+            m.ty(),
+            m.rows(),
+            m.cols(),
+            m.bytes(),
+        )?)
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {
+        Ok(v.to_vec())
+    }
+
+    fn upload_rope(&self, table: &RopeTable) -> Result<RopeTable, BackendError> {
+        Ok(table.clone())
+    }
+
+    fn alloc_kv(&self, spec: &KvSpec) -> Result<CpuKv, BackendError> {
+        Ok(CpuKv::new(spec))
+    }
+
+    fn has_prompt_kernel(&self, m: &Weight) -> bool {
+        m.has_wide_kernel()
+    }
+
+    fn reserve(&mut self, buf: &mut Vec<f32>, len: usize) -> Result<(), BackendError> {
+        // Growth happens only on the first steps of a new shape; steady
+        // state reuses.
+        if buf.len() < len {
+            buf.resize(len, 0.0);
+        }
+        Ok(())
+    }
+
+    fn upload_step(&mut self, batch: &StepBatch, step: &mut CpuStep) -> Result<(), BackendError> {
+        step.batch.clone_from(batch);
+        step.logit_prompt.clear();
+        step.logit_prompt.extend(
+            batch
+                .logit_rows
+                .iter()
+                .map(|&r| batch.prompt_rows[r as usize]),
+        );
+        Ok(())
+    }
+
+    fn to_host<'a>(
+        &'a mut self,
+        buf: &'a mut Vec<f32>,
+        len: usize,
+    ) -> Result<&'a mut [f32], BackendError> {
+        Ok(&mut buf[..len])
+    }
+
+    fn embed(&mut self, table: &Weight, step: &CpuStep, out: &mut Vec<f32>) {
+        let d = table.cols();
+        for (row, &t) in out.chunks_exact_mut(d).zip(&step.batch.tokens) {
+            table.dequantize_row(t as usize, row);
+        }
+    }
+
+    fn matmul(
+        &mut self,
+        w: &Weight,
+        x: &Vec<f32>,
+        m: usize,
+        out: &mut Vec<f32>,
+        step: &CpuStep,
+        rows: Rows,
+    ) {
+        let prompt = match rows {
+            Rows::Tokens => &step.batch.prompt_rows[..m],
+            Rows::Logits => &step.logit_prompt[..m],
+        };
+        w.matmul_rows(
+            self.ctx.pool(),
+            first(x, m * w.cols()),
+            m,
+            first_mut(out, m * w.rows()),
+            &mut self.scratch,
+            prompt,
+        );
+    }
+
+    fn rms_norm(
+        &mut self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        eps: f32,
+        m: usize,
+        d: usize,
+        out: &mut Vec<f32>,
+    ) {
+        ops::for_row_ranges(
+            self.ctx.pool(),
+            first(x, m * d),
+            d,
+            first_mut(out, m * d),
+            d,
+            &|xr, hr| ops::rms_norm(xr, weight, eps, hr),
+        );
+    }
+
+    fn add(&mut self, x: &mut Vec<f32>, y: &Vec<f32>, n: usize) {
+        ops::add_inplace(first_mut(x, n), first(y, n));
+    }
+
+    fn add_bias(&mut self, x: &mut Vec<f32>, bias: &Vec<f32>, m: usize, d: usize) {
+        for row in first_mut(x, m * d).chunks_exact_mut(d) {
+            ops::add_inplace(row, bias);
+        }
+    }
+
+    fn copy_columns(
+        &mut self,
+        src: &Vec<f32>,
+        src_width: usize,
+        src_col: usize,
+        dst: &mut Vec<f32>,
+        dst_width: usize,
+        dst_col: usize,
+        width: usize,
+        m: usize,
+    ) {
+        for r in 0..m {
+            let s = r * src_width + src_col;
+            let d = r * dst_width + dst_col;
+            dst[d..d + width].copy_from_slice(&src[s..s + width]);
+        }
+    }
+
+    fn silu_mul(&mut self, gate_up: &Vec<f32>, m: usize, ffn: usize, out: &mut Vec<f32>) {
+        ops::for_row_ranges(
+            self.ctx.pool(),
+            first(gate_up, m * 2 * ffn),
+            2 * ffn,
+            first_mut(out, m * ffn),
+            ffn,
+            &|g, a| ops::silu_mul(g, ffn, a),
+        );
+    }
+
+    fn rope(&mut self, table: &RopeTable, x: &mut Vec<f32>, n_heads: usize, step: &CpuStep) {
+        let n = step.batch.num_tokens() * n_heads * table.head_dim();
+        ops::rope_inplace(table, first_mut(x, n), n_heads, &step.batch.positions);
+    }
+
+    fn write_kv(
+        &mut self,
+        kv: &mut CpuKv,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        step: &CpuStep,
+    ) {
+        let slots = &step.batch.slot_mapping;
+        match kv {
+            CpuKv::F32(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
+            CpuKv::F16(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
+            CpuKv::Bf16(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
+        }
+    }
+
+    fn attention(
+        &mut self,
+        kv: &CpuKv,
+        layer: usize,
+        q: &Vec<f32>,
+        n_heads: usize,
+        scale: f32,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) {
+        let layout = *kv.layout();
+        let n = step.batch.num_tokens() * n_heads * layout.head_dim;
+        let (q, out) = (first(q, n), first_mut(out, n));
+        match kv {
+            CpuKv::F32(l, _) => {
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+            }
+            CpuKv::F16(l, _) => {
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+            }
+            CpuKv::Bf16(l, _) => {
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+            }
+        }
+    }
+
+    fn gather_logit_rows(&mut self, x: &Vec<f32>, d: usize, step: &CpuStep, out: &mut Vec<f32>) {
+        for (dst, &t) in out.chunks_exact_mut(d).zip(&step.batch.logit_rows) {
+            let t = t as usize;
+            dst.copy_from_slice(&x[t * d..(t + 1) * d]);
+        }
+    }
+}
+
+fn write_layer<T: KvElem>(
+    cache: &mut LayerKv<T>,
+    layout: &KvLayout,
+    k: &[f32],
+    v: &[f32],
+    slots: &[u32],
+) {
+    let n = slots.len() * layout.n_kv_heads * layout.head_dim;
+    ops::write_kv(layout, &mut cache.k, &mut cache.v, &k[..n], &v[..n], slots);
+}

@@ -1,0 +1,490 @@
+//! The op-level backend abstraction: what a device must do to run Pagoda's
+//! models, stated as operations over buffers that live on the device.
+//!
+//! The model definitions (in the host crate) are written once against
+//! [`Backend`]; each device implements it. The shape follows the ggml
+//! backend API and the operator libraries accelerators ship (Ascend's
+//! aclnn takes the same block tables and sequence lengths as a CUDA
+//! paged-attention kernel), which is why the abstraction sits at the level
+//! of operations (RMSNorm, RoPE, paged attention, …) and not kernel
+//! launches:
+//!
+//! - weights cross to the device once, at load ([`Backend::upload_matrix`],
+//!   from a [`HostMatrix`] in GGUF's block layout, whatever the file format);
+//! - the KV pool is allocated on the device once ([`Backend::alloc_kv`]);
+//! - each step, its metadata crosses once as flat arrays
+//!   ([`Backend::upload_step`] of a [`StepBatch`]: tokens, positions, slot
+//!   mapping, block tables, sequence starts and lengths);
+//! - the forward pass is a sequence of operations on device buffers;
+//! - only the logits of the sampling rows come back ([`Backend::to_host`]).
+//!
+//! Operations are recorded in order on the backend's one queue (the CPU runs
+//! them at once; a GPU backend enqueues them on its stream). Shapes are
+//! passed explicitly: a buffer may be larger than an operation uses, since
+//! buffers only grow ([`Backend::reserve`]), so a warm step allocates
+//! nothing. Shape errors are bugs in the caller and panic; device faults
+//! (a failed launch, an out-of-memory) surface as a [`BackendError`] from
+//! the next call that returns a `Result`, at the latest from `to_host`.
+
+pub mod cpu;
+
+use crate::ops::{KvDtype, KvLayout, RopeTable};
+use crate::quant::{GgmlType, WeightError};
+use std::borrow::Cow;
+
+pub use cpu::CpuBackend;
+
+/// Why a backend operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// A weight's bytes do not fit its declared type and shape.
+    #[error(transparent)]
+    Weight(#[from] WeightError),
+    /// The device could not allocate what was asked.
+    #[error("{device}: out of device memory allocating {bytes} bytes for {what}")]
+    OutOfMemory {
+        device: String,
+        what: &'static str,
+        bytes: usize,
+    },
+    /// The backend cannot hold this weight type.
+    #[error("{device}: weights of type {ty} are not supported on this device{hint}")]
+    Unsupported {
+        device: String,
+        ty: GgmlType,
+        hint: &'static str,
+    },
+    /// A device call failed (a launch, a copy, a library call).
+    #[error("{device}: {what} failed: {detail}")]
+    Device {
+        device: String,
+        what: String,
+        detail: String,
+    },
+}
+
+/// A weight matrix in host memory, `[rows = out_features, cols =
+/// in_features]`, in GGUF's layout for its type: row-major, each row
+/// `cols / block_len` little-endian blocks (plain elements for the float
+/// types). Loaders produce this whatever the file format; each backend lays
+/// it out for its own kernels when it uploads it.
+#[derive(Clone, Debug)]
+pub struct HostMatrix<'a> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    data: Cow<'a, [u8]>,
+}
+
+impl<'a> HostMatrix<'a> {
+    /// Wraps `data` (borrowed from a mapped file, or owned), checking its
+    /// length against the type and shape.
+    pub fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: impl Into<Cow<'a, [u8]>>,
+    ) -> Result<HostMatrix<'a>, WeightError> {
+        let data = data.into();
+        let expected = rows
+            .checked_mul(ty.row_bytes(cols)?)
+            .ok_or(WeightError::TooLarge { rows, cols })?;
+        if data.len() != expected {
+            return Err(WeightError::WrongLength {
+                ty,
+                rows,
+                cols,
+                expected,
+                got: data.len(),
+                unit: "bytes",
+            });
+        }
+        Ok(HostMatrix {
+            ty,
+            rows,
+            cols,
+            data,
+        })
+    }
+
+    /// An F32 matrix from row-major values.
+    pub fn from_f32(
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+    ) -> Result<HostMatrix<'static>, WeightError> {
+        HostMatrix::new(
+            GgmlType::F32,
+            rows,
+            cols,
+            bytemuck::cast_slice::<f32, u8>(values).to_vec(),
+        )
+    }
+
+    /// Converts row-major f32 values to a float matrix of type `ty` (F32,
+    /// F16 or BF16, rounding to nearest even).
+    pub fn from_f32_as(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+    ) -> Result<HostMatrix<'static>, WeightError> {
+        let bytes: Vec<u8> = match ty {
+            GgmlType::F32 => bytemuck::cast_slice::<f32, u8>(values).to_vec(),
+            GgmlType::F16 => values
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            GgmlType::BF16 => values
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            other => return Err(WeightError::QuantizeUnsupported(other)),
+        };
+        HostMatrix::new(ty, rows, cols, bytes)
+    }
+
+    /// All values as row-major f32 (dequantized), for loaders that convert
+    /// types.
+    pub fn dequantize(&self) -> Result<Vec<f32>, WeightError> {
+        let w = crate::Weight::from_raw(self.ty, self.rows, self.cols, &self.data)?;
+        let mut out = vec![0f32; self.rows * self.cols];
+        if self.cols > 0 {
+            for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
+                w.dequantize_row(r, row);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The storage type.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The raw bytes, in GGUF's layout for [`HostMatrix::ty`].
+    pub fn bytes(&self) -> &[u8] {
+        &self.data
+    }
+
+    /// Stacks matrices of one type and column count along rows (the fused
+    /// q|k|v and gate|up projections). Rows are whole blocks in GGUF's
+    /// layout, so stacking is concatenating the bytes.
+    pub fn concat_rows(parts: &[HostMatrix<'_>]) -> Result<HostMatrix<'static>, WeightError> {
+        let first = parts.first().ok_or(WeightError::ConcatEmpty)?;
+        for (index, p) in parts.iter().enumerate() {
+            if p.ty != first.ty || p.cols != first.cols {
+                return Err(WeightError::ConcatMismatch {
+                    index,
+                    ty: first.ty,
+                    cols: first.cols,
+                    got_ty: p.ty,
+                    got_cols: p.cols,
+                });
+            }
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            data.extend_from_slice(&p.data);
+        }
+        HostMatrix::new(first.ty, rows, first.cols, data)
+    }
+}
+
+/// What every backend's weight matrix tells about itself.
+pub trait DeviceMatrix: Send + Sync {
+    /// The storage type it was uploaded from.
+    fn ty(&self) -> GgmlType;
+    /// Rows (output features).
+    fn rows(&self) -> usize;
+    /// Columns (input features).
+    fn cols(&self) -> usize;
+    /// Bytes it occupies on the device (what a matmul streams).
+    fn size_bytes(&self) -> usize;
+}
+
+/// One sequence of a [`StepBatch`], as offsets into the batch's arrays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepSeq {
+    /// First of this sequence's tokens in [`StepBatch::tokens`].
+    pub q_start: u32,
+    /// Its tokens in this step.
+    pub q_len: u32,
+    /// Tokens in the cache once this step's are written.
+    pub ctx_len: u32,
+    /// First of its block ids in [`StepBatch::block_tables`].
+    pub table_start: u32,
+    /// Its block ids (enough for `ctx_len` positions).
+    pub table_len: u32,
+}
+
+/// One step's metadata, the flat arrays that cross to the device once per
+/// step. The scheduler fills it; the backend uploads it
+/// ([`Backend::upload_step`]); every operation of the step reads it there.
+/// Cleared and refilled each step, so its vectors keep their capacity.
+#[derive(Clone, Debug, Default)]
+pub struct StepBatch {
+    /// The tokens to run, all sequences back to back.
+    pub tokens: Vec<u32>,
+    /// Each token's position in its sequence.
+    pub positions: Vec<u32>,
+    /// Each token's KV slot: `block * block_size + offset`.
+    pub slot_mapping: Vec<u32>,
+    /// Per token: whether it is a prompt position of a sequence that runs
+    /// its prompt on the backend's prompt kernel, if it has one (see
+    /// [`Backend::has_prompt_kernel`]). A backend without one ignores it.
+    pub prompt_rows: Vec<bool>,
+    /// The sequences, in the order their tokens appear.
+    pub seqs: Vec<StepSeq>,
+    /// Every sequence's block table, back to back.
+    pub block_tables: Vec<u32>,
+    /// Indices into `tokens` whose next-token logits are wanted.
+    pub logit_rows: Vec<u32>,
+}
+
+impl StepBatch {
+    /// Empties the batch, keeping its capacity.
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.prompt_rows.clear();
+        self.seqs.clear();
+        self.block_tables.clear();
+        self.logit_rows.clear();
+    }
+
+    /// Tokens in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Appends one sequence's share of the step: its tokens `tokens` at
+    /// positions `start..start + tokens.len()`, read through `table` (its
+    /// whole block table) with blocks of `block_size` positions. The first
+    /// `prompt_kernel_until` positions are flagged for the prompt kernel.
+    /// With `sample`, its last token's logits are wanted.
+    ///
+    /// # Panics
+    /// If `table` is too short for the new positions.
+    pub fn push_seq(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        table: &[u32],
+        block_size: usize,
+        prompt_kernel_until: usize,
+        sample: bool,
+    ) {
+        let q_start = self.tokens.len();
+        let ctx_len = start + tokens.len();
+        assert!(
+            table.len() * block_size >= ctx_len,
+            "push_seq: {} blocks of {block_size} cannot hold {ctx_len} positions",
+            table.len()
+        );
+        for (i, &t) in tokens.iter().enumerate() {
+            let p = start + i;
+            self.tokens.push(t);
+            self.positions.push(p as u32);
+            self.slot_mapping
+                .push(table[p / block_size] * block_size as u32 + (p % block_size) as u32);
+            self.prompt_rows.push(p < prompt_kernel_until);
+        }
+        if sample && !tokens.is_empty() {
+            self.logit_rows.push((self.tokens.len() - 1) as u32);
+        }
+        self.seqs.push(StepSeq {
+            q_start: q_start as u32,
+            q_len: tokens.len() as u32,
+            ctx_len: ctx_len as u32,
+            table_start: self.block_tables.len() as u32,
+            table_len: table.len() as u32,
+        });
+        self.block_tables.extend_from_slice(table);
+    }
+
+    /// The block table of sequence `s`.
+    pub fn block_table(&self, s: &StepSeq) -> &[u32] {
+        &self.block_tables[s.table_start as usize..(s.table_start + s.table_len) as usize]
+    }
+}
+
+/// The shape of a KV pool: `num_layers` layers, each a K and a V cache of
+/// `layout`, in `dtype`.
+#[derive(Clone, Copy, Debug)]
+pub struct KvSpec {
+    pub dtype: KvDtype,
+    pub num_layers: usize,
+    pub layout: KvLayout,
+}
+
+impl KvSpec {
+    /// Bytes one block takes across all layers, K and V.
+    pub fn bytes_per_block(
+        dtype: KvDtype,
+        num_layers: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> usize {
+        2 * num_layers * block_size * kv_dim * dtype.size()
+    }
+}
+
+/// Which rows a matmul runs on, for backends whose kernel may depend on it
+/// (the CPU's prompt kernel): the step's tokens, or its logit rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rows {
+    /// One row per token of the step, in order.
+    Tokens,
+    /// One row per entry of [`StepBatch::logit_rows`], in order.
+    Logits,
+}
+
+/// A device that runs Pagoda's models: the operations a Llama-family
+/// forward pass needs, over buffers of the device's own.
+///
+/// Activations are f32, row-major `[rows, width]` in [`Backend::Buffer`]s.
+/// Every operation takes its shape explicitly and touches only the first
+/// `rows × width` elements of its buffers.
+pub trait Backend: Send + 'static {
+    /// A weight matrix laid out for this device's kernels.
+    type Matrix: DeviceMatrix;
+    /// An f32 vector (norm weights, biases).
+    type Vector: Send + Sync;
+    /// An f32 activation buffer; grows with [`Backend::reserve`].
+    type Buffer: Default + Send;
+    /// The K/V tensors of every layer.
+    type Kv: Send;
+    /// The cos/sin table of rotary embeddings.
+    type Rope: Send + Sync;
+    /// One step's metadata as the device holds it.
+    type Step: Default + Send;
+
+    /// A one-line description for logs ("cpu: 2 threads, AVX-512 VNNI").
+    fn describe(&self) -> String;
+
+    /// Lays a host matrix out for this device and copies it there.
+    fn upload_matrix(&self, m: &HostMatrix<'_>) -> Result<Self::Matrix, BackendError>;
+    /// Copies an f32 vector to the device.
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
+    /// Copies a rotary table to the device.
+    fn upload_rope(&self, table: &RopeTable) -> Result<Self::Rope, BackendError>;
+    /// Allocates a zeroed KV pool.
+    fn alloc_kv(&self, spec: &KvSpec) -> Result<Self::Kv, BackendError>;
+    /// Whether rows flagged in [`StepBatch::prompt_rows`] may run on other
+    /// kernels than the rest for this matrix (and so compute slightly
+    /// different numbers). The engine then fixes per sequence, at
+    /// admission, whether its prompt runs there, so a sequence computes the
+    /// same numbers alone, batched, chunked or recomputed.
+    fn has_prompt_kernel(&self, _m: &Self::Matrix) -> bool {
+        false
+    }
+
+    /// Grows `buf` to hold at least `len` elements (never shrinks).
+    fn reserve(&mut self, buf: &mut Self::Buffer, len: usize) -> Result<(), BackendError>;
+    /// Copies one step's metadata to the device.
+    fn upload_step(&mut self, batch: &StepBatch, step: &mut Self::Step)
+        -> Result<(), BackendError>;
+    /// Waits for the queued operations and returns the first `len` values
+    /// of `buf` in host memory.
+    fn to_host<'a>(
+        &'a mut self,
+        buf: &'a mut Self::Buffer,
+        len: usize,
+    ) -> Result<&'a mut [f32], BackendError>;
+
+    /// `out[t] = table[step.tokens[t]]` for every token of the step
+    /// (`out: [tokens, table.cols()]`).
+    fn embed(&mut self, table: &Self::Matrix, step: &Self::Step, out: &mut Self::Buffer);
+    /// `out[i][n] = Σ_k x[i][k] · w[n][k]` for `x: [m, w.cols()]`, `out:
+    /// [m, w.rows()]`; `rows` says which of the step's rows `x` holds.
+    fn matmul(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        m: usize,
+        out: &mut Self::Buffer,
+        step: &Self::Step,
+        rows: Rows,
+    );
+    /// RMSNorm of each row of `x: [m, d]` times `weight`, into `out`.
+    fn rms_norm(
+        &mut self,
+        x: &Self::Buffer,
+        weight: &Self::Vector,
+        eps: f32,
+        m: usize,
+        d: usize,
+        out: &mut Self::Buffer,
+    );
+    /// `x[i] += y[i]` for the first `n` elements.
+    fn add(&mut self, x: &mut Self::Buffer, y: &Self::Buffer, n: usize);
+    /// Adds `bias` (`d` wide) to each row of `x: [m, d]`.
+    fn add_bias(&mut self, x: &mut Self::Buffer, bias: &Self::Vector, m: usize, d: usize);
+    /// For each of `m` rows, copies `width` columns from `src` (rows
+    /// `src_width` wide, from column `src_col`) to `dst` (rows `dst_width`
+    /// wide, at column `dst_col`).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_columns(
+        &mut self,
+        src: &Self::Buffer,
+        src_width: usize,
+        src_col: usize,
+        dst: &mut Self::Buffer,
+        dst_width: usize,
+        dst_col: usize,
+        width: usize,
+        m: usize,
+    );
+    /// `out[r][j] = silu(gate_up[r][j]) · gate_up[r][ffn + j]` for `m` rows
+    /// (`gate_up: [m, 2·ffn]`, `out: [m, ffn]`).
+    fn silu_mul(&mut self, gate_up: &Self::Buffer, m: usize, ffn: usize, out: &mut Self::Buffer);
+    /// Rotates each of the step's token rows of `x` (`n_heads` heads of the
+    /// table's head dimension) by its position.
+    fn rope(&mut self, table: &Self::Rope, x: &mut Self::Buffer, n_heads: usize, step: &Self::Step);
+    /// Writes each token's K and V rows (`[tokens, kv_dim]`) into `layer`
+    /// of the pool at the token's slot.
+    fn write_kv(
+        &mut self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        step: &Self::Step,
+    );
+    /// Causal grouped-query attention of the step's queries (`q: [tokens,
+    /// n_heads · head_dim]`) over `layer` of the pool, through the step's
+    /// block tables: prefill chunks and decodes in one call. Scores are
+    /// scaled by `scale`.
+    fn attention(
+        &mut self,
+        kv: &Self::Kv,
+        layer: usize,
+        q: &Self::Buffer,
+        n_heads: usize,
+        scale: f32,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    );
+    /// Gathers the step's logit rows of `x: [tokens, d]` into `out:
+    /// [logit_rows, d]`.
+    fn gather_logit_rows(
+        &mut self,
+        x: &Self::Buffer,
+        d: usize,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    );
+}
