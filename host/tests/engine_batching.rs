@@ -81,7 +81,7 @@ fn batched_outputs(a: EngineArgs, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
     }
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); engine_ids.len()];
     while core.has_unfinished() {
-        for o in core.step() {
+        for o in core.step().expect("a step") {
             let i = engine_ids
                 .iter()
                 .position(|&e| e == o.id)
@@ -176,7 +176,7 @@ fn aborted_requests_free_their_blocks_at_once() {
         );
     }
     for _ in 0..3 {
-        core.step();
+        core.step().expect("a step");
     }
     assert!(core.kv_cache().pool().num_free() < core.kv_cache().pool().num_blocks());
     for &id in &ids {
@@ -220,7 +220,7 @@ fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
             .expect("add");
         let mut cached = None;
         while core.has_unfinished() {
-            for o in core.step() {
+            for o in core.step().expect("a step") {
                 if o.id == id && o.finish_reason.is_some() {
                     cached = Some(o.num_cached_tokens);
                 }

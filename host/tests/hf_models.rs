@@ -25,16 +25,16 @@
 
 mod support;
 
-use pagoda::engine::args::{load_model, LoadedFrom};
+use pagoda::engine::args::{cpu_backend, load_model, LoadedFrom};
 use pagoda::engine::config::Arch;
-use pagoda::engine::kv_cache::{KvCache, KvCacheDtype};
+use pagoda::engine::kv_cache::KvCacheDtype;
 use pagoda::engine::loader::gguf::GgufFile;
 use pagoda::engine::loader::DType;
-use pagoda::engine::models::{BatchInput, LlamaModel, Workspace};
+use pagoda::engine::models::{LlamaModel, Workspace};
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
 use pagoda::tokenizer::{ChatMessage, Tokenizer};
-use pagoda_accel::ops::{AttnSeq, KvLayout, RopeStyle};
-use pagoda_accel::CpuContext;
+use pagoda_accel::ops::{KvDtype, KvLayout, RopeStyle};
+use pagoda_accel::{Backend, CpuBackend, KvSpec, StepBatch};
 use std::path::Path;
 use support::tiny_model::{
     permute_rows_for_gguf, token_id, write_gguf_parts, Family, Storage, TinyModel, TinySpec, BOS,
@@ -268,14 +268,24 @@ fn argmax(row: &[f64]) -> (u32, f64) {
 // Driving the engine's model directly.
 // ---------------------------------------------------------------------------
 
+/// The model on the CPU backend.
+type Model = LlamaModel<CpuBackend>;
+
+/// A CPU backend like the engine's for `args`, on 2 threads.
+fn backend(args: &EngineArgs) -> CpuBackend {
+    let mut args = args.clone();
+    args.threads = 2;
+    cpu_backend(&args).expect("a CPU backend")
+}
+
 /// Tokens per KV block: small, so that sequences span several blocks.
 const BLOCK: usize = 4;
 
 /// Loads `path` (HF folder or GGUF) with `dtype`.
-fn load(path: &Path, dtype: DType) -> (LlamaModel, pagoda::engine::args::LoadedModel) {
+fn load(path: &Path, dtype: DType) -> (Model, pagoda::engine::args::LoadedModel) {
     let mut args = EngineArgs::new(path);
     args.dtype = dtype;
-    load_model(&args, |_| MAX_POSITIONS)
+    load_model(&backend(&args), &args, |_| MAX_POSITIONS)
         .unwrap_or_else(|e| panic!("loading {}: {e:#}", path.display()))
 }
 
@@ -285,7 +295,7 @@ fn load(path: &Path, dtype: DType) -> (LlamaModel, pagoda::engine::args::LoadedM
 /// descending blocks of an f32 cache, asking for the logits of every token.
 /// Returns `logits[seq][position]`.
 fn run_schedule(
-    model: &LlamaModel,
+    model: &Model,
     seqs: &[Vec<u32>],
     schedule: &[Vec<(usize, usize)>],
 ) -> Vec<Vec<Vec<f32>>> {
@@ -305,57 +315,58 @@ fn run_schedule(
             }
         }
     }
-    let ctx = CpuContext::new(2);
-    let layout = KvLayout {
-        num_blocks,
-        block_size: BLOCK,
-        n_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
+    let mut b = backend(&EngineArgs::new("unused"));
+    let spec = KvSpec {
+        dtype: KvDtype::F32,
+        num_layers: c.num_layers,
+        layout: KvLayout {
+            num_blocks,
+            block_size: BLOCK,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        },
     };
-    let mut kv = KvCache::new(KvCacheDtype::F32, c.num_layers, layout);
-    let mut ws = Workspace::default();
+    let mut kv = b.alloc_kv(&spec).expect("a KV pool");
+    let mut ws = Workspace::<CpuBackend>::default();
+    let mut dev_step = <CpuBackend as Backend>::Step::default();
     let mut done = vec![0usize; seqs.len()];
     let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); seqs.len()];
     for step in schedule {
-        let (mut tokens, mut positions, mut slots, mut spans) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut batch = StepBatch::default();
+        let mut spans = Vec::new();
         for &(s, n) in step {
             let start = done[s];
             assert!(
                 start + n <= seqs[s].len(),
                 "schedule runs past sequence {s}"
             );
-            spans.push((s, tokens.len(), n, start + n));
-            for p in start..start + n {
-                tokens.push(seqs[s][p]);
-                positions.push(p as u32);
-                slots.push(tables[s][p / BLOCK] * BLOCK as u32 + (p % BLOCK) as u32);
-            }
+            spans.push((s, batch.num_tokens(), n));
+            // Every token here is a prompt token.
+            batch.push_seq(
+                &seqs[s][start..start + n],
+                start,
+                &tables[s],
+                BLOCK,
+                usize::MAX,
+                false,
+            );
             done[s] += n;
         }
-        let attn: Vec<AttnSeq<'_>> = spans
-            .iter()
-            .map(|&(s, q_start, q_len, ctx_len)| AttnSeq {
-                q_start,
-                q_len,
-                ctx_len,
-                block_table: &tables[s],
-            })
-            .collect();
-        let rows: Vec<usize> = (0..tokens.len()).collect();
-        let mut logits = vec![f32::NAN; rows.len() * vocab];
-        // Every token here is a prompt token.
-        let prompt = vec![true; tokens.len()];
-        let input = BatchInput {
-            tokens: &tokens,
-            positions: &positions,
-            slot_mapping: &slots,
-            seqs: &attn,
-            logit_rows: &rows,
-            prompt_rows: &prompt,
-        };
-        model.forward(&ctx, &input, &mut kv, &mut ws, &mut logits);
-        for &(s, q_start, q_len, _) in &spans {
+        batch.logit_rows = (0..batch.num_tokens() as u32).collect();
+        let rows = batch.logit_rows.len();
+        b.upload_step(&batch, &mut dev_step).expect("upload");
+        model
+            .forward(
+                &mut b,
+                &dev_step,
+                batch.num_tokens(),
+                rows,
+                &mut kv,
+                &mut ws,
+            )
+            .expect("forward");
+        let logits = b.to_host(&mut ws.logits, rows * vocab).expect("logits");
+        for &(s, q_start, q_len) in &spans {
             for r in q_start..q_start + q_len {
                 out[s].push(logits[r * vocab..(r + 1) * vocab].to_vec());
             }
@@ -404,7 +415,7 @@ fn long_prompt(vocab: usize) -> (Vec<Vec<u32>>, Vec<Vec<(usize, usize)>>) {
 
 /// Runs both scenarios through `model` and compares every logit with the
 /// reference computed from `weights`.
-fn check_against_reference(what: &str, model: &LlamaModel, weights: &TinyModel, tol: f64) {
+fn check_against_reference(what: &str, model: &Model, weights: &TinyModel, tol: f64) {
     let vocab = weights.spec.vocab_size();
     for (name, (seqs, schedule)) in [
         ("two sequences", two_sequences(vocab)),
@@ -424,7 +435,7 @@ fn check_against_reference(what: &str, model: &LlamaModel, weights: &TinyModel, 
 }
 
 /// The engine's logits for the two-sequence scenario, all positions.
-fn engine_logits(model: &LlamaModel) -> Vec<Vec<Vec<f32>>> {
+fn engine_logits(model: &Model) -> Vec<Vec<Vec<f32>>> {
     let (seqs, schedule) = two_sequences(model.config().vocab_size);
     run_schedule(model, &seqs, &schedule)
 }
@@ -567,7 +578,7 @@ fn the_dtype_flag_converts_weights_to_exactly_the_rounded_values() {
 fn hf_and_gguf_logits(
     m: &TinyModel,
     dir: &Path,
-) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>, LlamaModel) {
+) -> (Vec<Vec<Vec<f32>>>, Vec<Vec<Vec<f32>>>, Model) {
     let hf = dir.join("hf");
     let gguf = dir.join("tiny.gguf");
     m.write_hf(&hf, Storage::F32, 1);

@@ -56,7 +56,7 @@ pub fn run_once(
     let mut first = None;
     let mut output_tokens = 0;
     while core.has_unfinished() {
-        for o in core.step() {
+        for o in core.step()? {
             output_tokens += o.new_token_ids.len();
             first.get_or_insert_with(Instant::now);
         }

@@ -42,7 +42,7 @@ pub fn run(core: &mut EngineCore, requests: &[BenchRequest]) -> Result<Throughpu
     }
     let mut output_tokens = 0;
     while core.has_unfinished() {
-        for o in core.step() {
+        for o in core.step()? {
             output_tokens += o.new_token_ids.len();
         }
     }

@@ -168,7 +168,7 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
     let pp: Vec<f64> = samples.iter().map(|s| s.prompt_tps()).collect();
     let tg: Vec<f64> = samples.iter().map(|s| s.decode_tps()).collect();
     let (pp, tg) = (stats::summarize(&pp), stats::summarize(&tg));
-    let threads = core.runner().context().pool().threads();
+    let device = core.runner().describe_device();
     // The first output token comes from the prefill step, so one output
     // token means no decode steps to time.
     let decode = if a.output_len > 1 {
@@ -180,7 +180,7 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
         "no decode steps (output length 1)".to_string()
     };
     println!(
-        "threads {threads}: prompt {} tokens: {:.1} tok/s (median of {}); {decode}",
+        "{device}\nprompt {} tokens: {:.1} tok/s (median of {}); {decode}",
         a.input_len,
         pp.median,
         samples.len(),
@@ -188,7 +188,7 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
     write_json(
         &a.result_json,
         &serde_json::json!({
-            "threads": threads, "input_len": a.input_len, "output_len": a.output_len,
+            "device": device, "input_len": a.input_len, "output_len": a.output_len,
             "prompt_tokens_per_second": pp.median, "decode_tokens_per_second": tg.median,
             "samples": samples,
         }),

@@ -5,19 +5,18 @@
 use crate::engine::config::ModelConfig;
 use crate::engine::core::EngineCore;
 use crate::engine::generation_config::{self, GenerationConfig, GenerationConfigSource};
-use crate::engine::kv_cache::storage::KvCache;
 use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::gguf_weights::GgufWeights;
 use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
 use crate::engine::models::LlamaModel;
-use crate::engine::runner::ModelRunner;
+use crate::engine::runner::{ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::KvLayout;
-use pagoda_accel::Device;
+use pagoda_accel::{Backend, CpuBackend, Device, KvSpec};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -100,11 +99,13 @@ pub enum LoadedFrom {
     HuggingFace,
 }
 
-/// Loads the model weights, config and tokenizer named by `args`.
-pub fn load_model(
+/// Loads the model weights (onto `backend`'s device), config and tokenizer
+/// named by `args`.
+pub fn load_model<B: Backend>(
+    backend: &B,
     args: &EngineArgs,
     max_positions: impl Fn(&ModelConfig) -> usize,
-) -> Result<(LlamaModel, LoadedModel)> {
+) -> Result<(LlamaModel<B>, LoadedModel)> {
     let path = &args.model;
     if !path.exists() {
         bail!(
@@ -126,7 +127,7 @@ pub fn load_model(
         check_generation_config(&config)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
         let source = SafetensorsSource::open(path, args.dtype)?;
-        let model = LlamaModel::load(&source, config.clone(), max_positions(&config))?;
+        let model = LlamaModel::load(backend, &source, config.clone(), max_positions(&config))?;
         Ok((
             model,
             LoadedModel {
@@ -147,13 +148,9 @@ pub fn load_model(
             );
         }
         let tokenizer = Tokenizer::from_gguf(&file)?;
-        let level = pagoda_accel::cpu::weight_level(args.max_num_seqs);
-        tracing::info!(
-            "quantized weights laid out for {level:?} kernels (max-num-seqs {})",
-            args.max_num_seqs
-        );
         let model = LlamaModel::load(
-            &GgufWeights::new(&file, args.dtype, level),
+            backend,
+            &GgufWeights::new(&file, args.dtype),
             config.clone(),
             max_positions(&config),
         )?;
@@ -217,8 +214,36 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             );
         }
     }
-    let ctx = args.device.open(args.threads)?;
-    let (model, loaded) = load_model(args, |c| {
+    match args.device {
+        Device::Cpu => assemble(cpu_backend(args)?, args),
+        other => Err(other.open(args.threads).err().map_or_else(
+            || {
+                anyhow::anyhow!(
+                    "--device {other} has no engine backend in this build; use --device cpu"
+                )
+            },
+            anyhow::Error::from,
+        )),
+    }
+}
+
+/// The CPU backend `args` ask for: `--threads` workers, and quantized
+/// weights laid out for the kernel family an engine of `--max-num-seqs`
+/// runs best on ([`pagoda_accel::cpu::weight_level`]).
+pub fn cpu_backend(args: &EngineArgs) -> Result<CpuBackend> {
+    let ctx = Device::Cpu.open(args.threads)?;
+    let level = pagoda_accel::cpu::weight_level(args.max_num_seqs);
+    tracing::info!(
+        "quantized weights laid out for {level:?} kernels (max-num-seqs {})",
+        args.max_num_seqs
+    );
+    Ok(CpuBackend::new(ctx, level))
+}
+
+/// Loads the model onto `backend`, allocates the KV pool there and wires
+/// the engine around them.
+fn assemble<B: Backend>(backend: B, args: &EngineArgs) -> Result<EngineCore> {
+    let (model, loaded) = load_model(&backend, args, |c| {
         args.max_model_len.unwrap_or(c.max_position_embeddings)
     })?;
     let c = &loaded.config;
@@ -229,8 +254,8 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             c.max_position_embeddings
         );
     }
-    let per_block = KvCache::bytes_per_block(
-        args.kv_cache_dtype,
+    let per_block = KvSpec::bytes_per_block(
+        args.kv_cache_dtype.kv_dtype(),
         c.num_layers,
         args.block_size,
         c.kv_dim(),
@@ -258,20 +283,24 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
         tokens as f64 / max_model_len as f64
     );
     tracing::info!(
-        "model: {} layers, hidden {}, {} weights, {:.1} MiB in memory, {} threads",
+        "model: {} layers, hidden {}, {} weights, {:.1} MiB on the device; {}",
         c.num_layers,
         c.hidden_size,
         model.weight_type(),
         model.weight_bytes() as f64 / (1 << 20) as f64,
-        ctx.pool().threads()
+        backend.describe()
     );
-    let layout = KvLayout {
-        num_blocks,
-        block_size: args.block_size,
-        n_kv_heads: c.num_kv_heads,
-        head_dim: c.head_dim,
+    let spec = KvSpec {
+        dtype: args.kv_cache_dtype.kv_dtype(),
+        num_layers: c.num_layers,
+        layout: KvLayout {
+            num_blocks,
+            block_size: args.block_size,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        },
     };
-    let kv = KvCache::new(args.kv_cache_dtype, c.num_layers, layout);
+    let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
     let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
     if model.has_prompt_kernel() {
         tracing::info!(
@@ -279,7 +308,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let runner = ModelRunner::new(model, ctx, kv);
+    let runner: Box<dyn ModelExecutor> = Box::new(ModelRunner::new(backend, model, kv));
     let scheduler = Scheduler::new(SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,

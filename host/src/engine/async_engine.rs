@@ -2,6 +2,12 @@
 //! end submits requests and receives each request's outputs on a channel;
 //! dropping a request's stream (a client that went away) aborts it, which
 //! frees its KV blocks at once.
+//!
+//! If a step fails (a device error) or panics, the thread records why and
+//! ends: every request's output channel closes, so front ends answer 503,
+//! and [`AsyncEngine::died`] resolves, so the server can stop reporting
+//! healthy and exit for its supervisor to restart it. An engine whose step
+//! failed halfway holds K/V in an unknown state; it is never reused.
 
 use crate::engine::core::{EngineCore, EngineStats, RequestOptions, StepOutput};
 use crate::engine::request::{FinishReason, ParamError, SamplingDefaults, SamplingParams};
@@ -10,7 +16,12 @@ use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// The environment variable that makes the engine thread panic at the start
+/// of its N-th step: fault injection for the tests that check what the
+/// server does when its engine dies. Read once, when the engine starts.
+pub const INJECT_PANIC_AT_STEP: &str = "PAGODA_INJECT_ENGINE_PANIC_AT_STEP";
 
 /// Prometheus metric names, as vLLM names them.
 pub mod metric_names {
@@ -52,6 +63,8 @@ pub struct AsyncEngine {
     max_model_len: usize,
     vocab_size: usize,
     sampling_defaults: Arc<SamplingDefaults>,
+    /// `Some(why)` once the engine thread has died.
+    dead: watch::Receiver<Option<String>>,
 }
 
 /// Aborts the engine requests it guards when dropped before they finish,
@@ -98,12 +111,45 @@ impl AsyncEngine {
         let stats = Arc::new(Mutex::new(core.stats()));
         let tokenizer = core.tokenizer().clone();
         let max_model_len = core.max_model_len();
-        let vocab_size = core.runner().model().config().vocab_size;
+        let vocab_size = core.runner().config().vocab_size;
         let sampling_defaults = Arc::new(core.sampling_defaults().clone());
         let s = Arc::clone(&stats);
+        let (dead_tx, dead) = watch::channel(None);
+        let panic_at = match std::env::var(INJECT_PANIC_AT_STEP) {
+            Ok(v) => {
+                let n = v.parse::<u64>().map_err(|_| {
+                    std::io::Error::other(format!(
+                        "{INJECT_PANIC_AT_STEP}={v} is not a step number"
+                    ))
+                })?;
+                tracing::warn!("{INJECT_PANIC_AT_STEP}={n}: the engine will panic at step {n}");
+                Some(n)
+            }
+            Err(_) => None,
+        };
         std::thread::Builder::new()
             .name("pagoda-engine".into())
-            .spawn(move || engine_loop(core, rx, s))?;
+            .spawn(move || {
+                // The loop's state (and with it every request's output
+                // channel) is dropped before `dead` is set, so a front end
+                // that sees the engine dead never waits on a live channel.
+                let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    engine_loop(core, rx, s, panic_at)
+                }));
+                let why = match ended {
+                    Ok(Ok(())) => return,
+                    Ok(Err(e)) => format!("a step failed: {e:#}"),
+                    Err(p) => format!(
+                        "the engine thread panicked: {}",
+                        p.downcast_ref::<&str>()
+                            .map(|s| s.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "(no message)".into())
+                    ),
+                };
+                tracing::error!("engine died: {why}");
+                let _ = dead_tx.send(Some(why));
+            })?;
         Ok(AsyncEngine {
             tx,
             stats,
@@ -111,7 +157,28 @@ impl AsyncEngine {
             max_model_len,
             vocab_size,
             sampling_defaults,
+            dead,
         })
+    }
+
+    /// Why the engine thread died, if it has.
+    pub fn death(&self) -> Option<String> {
+        self.dead.borrow().clone()
+    }
+
+    /// Resolves with the reason once the engine thread dies of a failed or
+    /// panicking step; never resolves for an engine that is shut down.
+    pub async fn died(&self) -> String {
+        let mut rx = self.dead.clone();
+        loop {
+            if let Some(why) = rx.borrow_and_update().clone() {
+                return why;
+            }
+            if rx.changed().await.is_err() {
+                // The thread ended without dying: a shutdown.
+                return std::future::pending().await;
+            }
+        }
     }
 
     /// The model's defaults for sampling fields a request leaves unset
@@ -201,7 +268,8 @@ fn engine_loop(
     mut core: EngineCore,
     rx: std_mpsc::Receiver<Command>,
     stats: Arc<Mutex<EngineStats>>,
-) {
+    panic_at: Option<u64>,
+) -> anyhow::Result<()> {
     let mut tracks: HashMap<u64, Track> = HashMap::new();
     let mut last = core.stats();
     loop {
@@ -211,7 +279,7 @@ fn engine_loop(
         } else {
             match rx.recv() {
                 Ok(c) => Some(c),
-                Err(_) => return,
+                Err(_) => return Ok(()),
             }
         };
         let mut next = first;
@@ -246,11 +314,14 @@ fn engine_loop(
                         finish(&mut tracks, out);
                     }
                 }
-                Command::Shutdown => return,
+                Command::Shutdown => return Ok(()),
             }
             next = rx.try_recv().ok();
         }
-        let outputs = core.step();
+        if panic_at.is_some_and(|n| core.stats().steps + 1 >= n) && core.has_unfinished() {
+            panic!("injected fault ({INJECT_PANIC_AT_STEP})");
+        }
+        let outputs = core.step()?;
         let now = Instant::now();
         for out in outputs {
             if let Some(t) = tracks.get_mut(&out.id) {

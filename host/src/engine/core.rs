@@ -7,7 +7,7 @@ use crate::engine::request::{
     FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
     TokenLogprob,
 };
-use crate::engine::runner::ModelRunner;
+use crate::engine::runner::ModelExecutor;
 use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
@@ -65,7 +65,7 @@ pub struct EngineStats {
 pub struct EngineCore {
     scheduler: Scheduler,
     kv: KvCacheManager,
-    runner: ModelRunner,
+    runner: Box<dyn ModelExecutor>,
     sampler: Sampler,
     tokenizer: Arc<Tokenizer>,
     max_model_len: usize,
@@ -84,7 +84,7 @@ impl EngineCore {
     pub fn new(
         scheduler: Scheduler,
         kv: KvCacheManager,
-        runner: ModelRunner,
+        runner: Box<dyn ModelExecutor>,
         tokenizer: Arc<Tokenizer>,
         max_model_len: usize,
     ) -> EngineCore {
@@ -139,8 +139,8 @@ impl EngineCore {
     }
 
     /// The model runner.
-    pub fn runner(&self) -> &ModelRunner {
-        &self.runner
+    pub fn runner(&self) -> &dyn ModelExecutor {
+        &*self.runner
     }
 
     /// The KV-cache manager, for usage figures and invariant checks.
@@ -168,7 +168,7 @@ impl EngineCore {
     ) -> Result<u64, ParamError> {
         let max_tokens_set = params.max_tokens.is_some();
         params.apply_defaults(&self.sampling_defaults);
-        let vocab = self.runner.model().config().vocab_size;
+        let vocab = self.runner.config().vocab_size;
         params.validate(vocab)?;
         if prompt_ids.is_empty() {
             return Err(ParamError {
@@ -227,7 +227,7 @@ impl EngineCore {
             max_len,
             salt: opts.cache_salt,
             prompt_kernel: prompt_len >= crate::engine::request::PROMPT_KERNEL_MIN_LEN
-                && self.runner.model().has_prompt_kernel(),
+                && self.runner.has_prompt_kernel(),
             priority: opts.priority,
             arrival: id,
             arrived_at: Instant::now(),
@@ -313,14 +313,18 @@ impl EngineCore {
 
     /// Runs one step. Returns an output for every request that sampled a
     /// token or finished.
-    pub fn step(&mut self) -> Vec<StepOutput> {
+    ///
+    /// # Errors
+    /// If the device failed. The engine's state is then unknown (the step's
+    /// K/V may be half written), so the caller must stop using it.
+    pub fn step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
         let plan = self.scheduler.schedule(&mut self.kv);
         if plan.seqs.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         self.stats.steps += 1;
-        let vocab = self.runner.model().config().vocab_size;
-        let logits = self.runner.execute(&plan, &self.scheduler, &self.kv);
+        let vocab = self.runner.config().vocab_size;
+        let logits = self.runner.execute(&plan.batch)?;
         let mut outputs = Vec::new();
         let mut row = 0;
         for s in &plan.seqs {
@@ -348,7 +352,7 @@ impl EngineCore {
                 outputs.push(out);
             }
         }
-        outputs
+        Ok(outputs)
     }
 }
 

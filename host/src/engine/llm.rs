@@ -149,7 +149,7 @@ impl LLM {
         }
         let mut remaining = owner.len();
         while remaining > 0 {
-            for o in self.core.step() {
+            for o in self.core.step()? {
                 let Some(&(pi, si)) = owner.get(&o.id) else {
                     continue;
                 };

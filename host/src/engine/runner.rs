@@ -1,126 +1,108 @@
-//! The model runner: lays a step's plan out as one flattened batch (tokens,
-//! positions, slot mapping, block tables), runs the model once over it, and
+//! The model runner: runs one step's flattened batch (which the scheduler
+//! laid out, [`pagoda_accel::StepBatch`]) through the model on a device, and
 //! hands back the logits of the rows that sample.
+//!
+//! [`ModelRunner`] is generic over the device's [`Backend`]; the engine core
+//! holds it as a [`ModelExecutor`], so nothing above the runner knows which
+//! device it runs on.
 
-use crate::engine::kv_cache::{KvCache, KvCacheManager};
-use crate::engine::models::{BatchInput, LlamaModel, Workspace};
-use crate::engine::scheduler::{Scheduler, SchedulerOutput};
-use pagoda_accel::ops::AttnSeq;
-use pagoda_accel::CpuContext;
+use crate::engine::config::ModelConfig;
+use crate::engine::models::{LlamaModel, Workspace};
+use anyhow::{Context, Result};
+use pagoda_accel::{Backend, StepBatch};
 
-/// Runs the model on one device context over its KV cache.
-pub struct ModelRunner {
-    model: LlamaModel,
-    ctx: CpuContext,
-    kv: KvCache,
-    ws: Workspace,
-    tokens: Vec<u32>,
-    positions: Vec<u32>,
-    slots: Vec<u32>,
-    logit_rows: Vec<usize>,
-    prompt_rows: Vec<bool>,
-    /// Kept empty between steps; only its capacity is reused (see `execute`).
-    attn_seqs: Vec<AttnSeq<'static>>,
-    logits: Vec<f32>,
+/// What the engine core needs of a model on a device.
+pub trait ModelExecutor: Send {
+    /// The model's shape.
+    fn config(&self) -> &ModelConfig;
+    /// Whether long prompts may run on a prompt kernel whose numbers differ
+    /// from the generation kernels' (see
+    /// [`pagoda_accel::Backend::has_prompt_kernel`]).
+    fn has_prompt_kernel(&self) -> bool;
+    /// Runs one step. Returns the logits of `batch.logit_rows`, one
+    /// `vocab`-wide row each, in order, in host memory.
+    fn execute(&mut self, batch: &StepBatch) -> Result<&mut [f32]>;
+    /// Bytes of weights on the device.
+    fn weight_bytes(&self) -> usize;
+    /// The projections' storage type, for logs ("Q4_1").
+    fn weight_type(&self) -> &'static str;
+    /// The device, for logs.
+    fn describe_device(&self) -> String;
 }
 
-impl ModelRunner {
-    /// A runner for `model` over the cache `kv`.
-    pub fn new(model: LlamaModel, ctx: CpuContext, kv: KvCache) -> ModelRunner {
+/// Runs `model` on `backend` over the KV pool `kv`.
+pub struct ModelRunner<B: Backend> {
+    backend: B,
+    model: LlamaModel<B>,
+    kv: B::Kv,
+    ws: Workspace<B>,
+    step: B::Step,
+}
+
+impl<B: Backend> ModelRunner<B> {
+    /// A runner for `model` over the pool `kv`, both on `backend`'s device.
+    pub fn new(backend: B, model: LlamaModel<B>, kv: B::Kv) -> ModelRunner<B> {
         ModelRunner {
+            backend,
             model,
-            ctx,
             kv,
             ws: Workspace::default(),
-            tokens: Vec::new(),
-            positions: Vec::new(),
-            slots: Vec::new(),
-            logit_rows: Vec::new(),
-            prompt_rows: Vec::new(),
-            attn_seqs: Vec::new(),
-            logits: Vec::new(),
+            step: B::Step::default(),
         }
     }
 
     /// The model being run.
-    pub fn model(&self) -> &LlamaModel {
+    pub fn model(&self) -> &LlamaModel<B> {
         &self.model
     }
 
-    /// The device context.
-    pub fn context(&self) -> &CpuContext {
-        &self.ctx
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+}
+
+impl<B: Backend> ModelExecutor for ModelRunner<B> {
+    fn config(&self) -> &ModelConfig {
+        self.model.config()
     }
 
-    /// Runs the step planned in `plan`. Returns the logits of the sampling
-    /// sequences, one `vocab`-wide row each, in plan order.
-    pub fn execute(
-        &mut self,
-        plan: &SchedulerOutput,
-        sched: &Scheduler,
-        kvm: &KvCacheManager,
-    ) -> &mut [f32] {
-        let bs = kvm.block_size();
-        self.tokens.clear();
-        self.positions.clear();
-        self.slots.clear();
-        self.logit_rows.clear();
-        self.prompt_rows.clear();
-        let mut seqs = std::mem::take(&mut self.attn_seqs);
-        seqs.clear();
-        // SAFETY: `seqs` is empty, so changing the lifetime parameter of its
-        // element type reinterprets no element; this only lets a step reuse
-        // the buffer's capacity instead of allocating a new one. It is
-        // cleared again before being stored back below.
-        let mut seqs: Vec<AttnSeq<'_>> =
-            unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
-        for s in &plan.seqs {
-            let Some(req) = sched.get(s.id) else { continue };
-            let table = kvm.block_table(s.id);
-            let q_start = self.tokens.len();
-            for p in s.start..s.start + s.num_tokens {
-                self.tokens.push(req.token_ids[p]);
-                self.positions.push(p as u32);
-                self.slots.push(table[p / bs] * bs as u32 + (p % bs) as u32);
-                self.prompt_rows
-                    .push(req.prompt_kernel && p < req.prompt_len);
-            }
-            if s.sample {
-                self.logit_rows.push(self.tokens.len() - 1);
-            }
-            seqs.push(AttnSeq {
-                q_start,
-                q_len: s.num_tokens,
-                ctx_len: s.start + s.num_tokens,
-                block_table: table,
-            });
+    fn has_prompt_kernel(&self) -> bool {
+        self.model.has_prompt_kernel()
+    }
+
+    fn execute(&mut self, batch: &StepBatch) -> Result<&mut [f32]> {
+        let n_logits = batch.logit_rows.len();
+        let len = n_logits * self.model.config().vocab_size;
+        let b = &mut self.backend;
+        if batch.num_tokens() > 0 {
+            b.upload_step(batch, &mut self.step)
+                .context("uploading the step's metadata")?;
+            self.model
+                .forward(
+                    b,
+                    &self.step,
+                    batch.num_tokens(),
+                    n_logits,
+                    &mut self.kv,
+                    &mut self.ws,
+                )
+                .context("running the model")?;
         }
-        let vocab = self.model.config().vocab_size;
-        let need = self.logit_rows.len() * vocab;
-        if self.logits.len() < need {
-            self.logits.resize(need, 0.0);
-        }
-        let input = BatchInput {
-            tokens: &self.tokens,
-            positions: &self.positions,
-            slot_mapping: &self.slots,
-            seqs: &seqs,
-            logit_rows: &self.logit_rows,
-            prompt_rows: &self.prompt_rows,
-        };
-        if !self.tokens.is_empty() {
-            self.model.forward(
-                &self.ctx,
-                &input,
-                &mut self.kv,
-                &mut self.ws,
-                &mut self.logits[..need],
-            );
-        }
-        seqs.clear();
-        // SAFETY: empty again; see above.
-        self.attn_seqs =
-            unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
-        &mut self.logits[..need]
+        b.reserve(&mut self.ws.logits, len)?;
+        Ok(b.to_host(&mut self.ws.logits, len)
+            .context("reading the logits back")?)
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+
+    fn weight_type(&self) -> &'static str {
+        self.model.weight_type()
+    }
+
+    fn describe_device(&self) -> String {
+        self.backend.describe()
     }
 }

@@ -7,6 +7,7 @@
 
 use crate::engine::kv_cache::KvCacheManager;
 use crate::engine::request::{FinishReason, Request, RequestStatus};
+use pagoda_accel::StepBatch;
 use std::collections::{HashMap, VecDeque};
 
 /// In which order waiting requests are admitted.
@@ -58,6 +59,10 @@ pub struct SchedulerOutput {
     pub num_tokens: usize,
     /// Sequences preempted while planning this step.
     pub preempted: Vec<u64>,
+    /// The step as the model runner takes it: the scheduled tokens of
+    /// `seqs`, in order, with their positions, KV slots, block tables and
+    /// the rows that sample. The runner reads nothing else.
+    pub batch: StepBatch,
 }
 
 /// Owns the requests and the waiting and running queues.
@@ -225,6 +230,21 @@ impl Scheduler {
                 budget -= num_new;
                 out.num_tokens += num_new;
             }
+        }
+        // Laid out once every block is allocated: preemption above only
+        // takes sequences not yet scheduled, so these tables are final.
+        let bs = kv.block_size();
+        for s in &out.seqs {
+            let req = &self.requests[&s.id];
+            let prompt_kernel_until = if req.prompt_kernel { req.prompt_len } else { 0 };
+            out.batch.push_seq(
+                &req.token_ids[s.start..s.start + s.num_tokens],
+                s.start,
+                kv.block_table(s.id),
+                bs,
+                prompt_kernel_until,
+                s.sample,
+            );
         }
         out
     }

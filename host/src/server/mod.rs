@@ -92,7 +92,12 @@ impl AppState {
             return Err(ApiError::unavailable("The server is shutting down."));
         }
         match (self.engine.get(), self.ready.load(Ordering::Acquire)) {
-            (Some(e), true) => Ok(e),
+            (Some(e), true) => match e.death() {
+                None => Ok(e),
+                Some(why) => Err(ApiError::unavailable(format!(
+                    "The engine stopped ({why}); the server is exiting to be restarted."
+                ))),
+            },
             _ => Err(ApiError::unavailable(match self.load_error.get() {
                 Some(e) => format!("The model failed to load: {e}"),
                 None => "The model is still loading; retry when /health/ready answers 200.".into(),
@@ -232,13 +237,14 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
                 admin::route(Arc::clone(&state), req).await
             }
         }
-        (Method::GET, "/health") => Ok(
-            if state.engine.get().is_some() || state.load_error.get().is_none() {
-                json_response(&json!({}))
-            } else {
-                ApiError::unavailable("the model failed to load").response()
+        (Method::GET, "/health") => Ok(match (state.engine.get(), state.load_error.get()) {
+            (Some(e), _) => match e.death() {
+                None => json_response(&json!({})),
+                Some(why) => ApiError::unavailable(format!("the engine stopped: {why}")).response(),
             },
-        ),
+            (None, None) => json_response(&json!({})),
+            (None, Some(_)) => ApiError::unavailable("the model failed to load").response(),
+        }),
         (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.engine() {
             Ok(_) => json_response(&json!({"status": "ready"})),
             Err(e) => e.response(),
@@ -501,6 +507,10 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         let mut shutdown = Box::pin(shutdown_signal());
         let mut loader = Box::pin(loader);
         let mut load_failed = None;
+        // Resolves once a loaded engine dies (see `AsyncEngine::died`).
+        let mut died: std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>> =
+            Box::pin(std::future::pending());
+        let mut engine_death = None;
         loop {
             tokio::select! {
                 conn = listener.accept() => {
@@ -523,10 +533,26 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                 }
                 r = &mut loader, if load_failed.is_none() => {
                     match r {
-                        Ok(Ok(())) => load_failed = Some(false),
+                        Ok(Ok(())) => {
+                            load_failed = Some(false);
+                            if let Some(e) = state.engine.get() {
+                                let e = e.clone();
+                                died = Box::pin(async move { e.died().await });
+                            }
+                        }
                         Ok(Err(e)) => return Err(e),
                         Err(e) => return Err(anyhow::anyhow!("the model loader panicked: {e}")),
                     }
+                }
+                why = &mut died => {
+                    // Requests in flight have their 503s already (their
+                    // channels closed with the engine) and the probes answer
+                    // 503 now; give both a moment to be written and seen,
+                    // then exit non-zero so the supervisor restarts us.
+                    tracing::error!("the engine died ({why}); exiting");
+                    engine_death = Some(why);
+                    tokio::time::sleep(ENGINE_DEATH_DRAIN.min(state.config.shutdown_grace)).await;
+                    break;
                 }
                 _ = &mut shutdown => break,
             }
@@ -541,9 +567,18 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         if let Some(e) = state.engine.get() {
             e.shutdown();
         }
-        Ok(())
+        match engine_death {
+            Some(why) => Err(anyhow::anyhow!("the engine died: {why}")),
+            None => Ok(()),
+        }
     })
 }
+
+/// How long a server whose engine died keeps answering (503s, unhealthy
+/// probes) before it exits: long enough for the responses in flight to be
+/// written and for a probe to see the failure, short enough that the
+/// supervisor restarts it promptly. Capped by `--shutdown-grace-seconds`.
+const ENGINE_DEATH_DRAIN: Duration = Duration::from_secs(2);
 
 async fn shutdown_signal() {
     let ctrl_c = async {

@@ -1,9 +1,9 @@
-//! The K/V tensors of every layer, laid out as `pagoda_accel::ops::KvLayout`
-//! describes: `[num_blocks, n_kv_heads, block_size, head_dim]`.
+//! The element type of the KV cache, as `--kv-cache-dtype` names it. The
+//! K/V tensors themselves live on the device, in the backend's pool
+//! ([`pagoda_accel::Backend::alloc_kv`]).
 
 use anyhow::{bail, Result};
-use half::{bf16, f16};
-use pagoda_accel::ops::{KvElem, KvLayout};
+use pagoda_accel::ops::KvDtype;
 
 /// The element type of the cache, chosen by `--kv-cache-dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -16,9 +16,15 @@ pub enum KvCacheDtype {
 impl KvCacheDtype {
     /// Bytes per stored element.
     pub fn size(self) -> usize {
+        self.kv_dtype().size()
+    }
+
+    /// The backend's name for this type.
+    pub fn kv_dtype(self) -> KvDtype {
         match self {
-            KvCacheDtype::F32 => 4,
-            KvCacheDtype::F16 | KvCacheDtype::Bf16 => 2,
+            KvCacheDtype::F32 => KvDtype::F32,
+            KvCacheDtype::F16 => KvDtype::F16,
+            KvCacheDtype::Bf16 => KvDtype::Bf16,
         }
     }
 }
@@ -35,57 +41,5 @@ impl std::str::FromStr for KvCacheDtype {
             "f32" | "fp32" | "float32" => KvCacheDtype::F32,
             other => bail!("--kv-cache-dtype '{other}' is not one of auto, bf16, f16, f32"),
         })
-    }
-}
-
-/// One layer's K and V.
-pub struct LayerKv<T> {
-    pub k: Vec<T>,
-    pub v: Vec<T>,
-}
-
-/// The cache of all layers, in one of the supported element types.
-pub enum KvCache {
-    F32(Vec<LayerKv<f32>>, KvLayout),
-    F16(Vec<LayerKv<f16>>, KvLayout),
-    Bf16(Vec<LayerKv<bf16>>, KvLayout),
-}
-
-fn layers<T: KvElem + bytemuck::Zeroable>(num_layers: usize, layout: &KvLayout) -> Vec<LayerKv<T>> {
-    // Zeroed allocations come from calloc, so the OS commits pages only as
-    // blocks are first written: a large pool costs address space, not RSS.
-    (0..num_layers)
-        .map(|_| LayerKv {
-            k: bytemuck::zeroed_vec(layout.elems()),
-            v: bytemuck::zeroed_vec(layout.elems()),
-        })
-        .collect()
-}
-
-impl KvCache {
-    /// Allocates the cache for `num_layers` layers.
-    pub fn new(dtype: KvCacheDtype, num_layers: usize, layout: KvLayout) -> KvCache {
-        match dtype {
-            KvCacheDtype::F32 => KvCache::F32(layers(num_layers, &layout), layout),
-            KvCacheDtype::F16 => KvCache::F16(layers(num_layers, &layout), layout),
-            KvCacheDtype::Bf16 => KvCache::Bf16(layers(num_layers, &layout), layout),
-        }
-    }
-
-    /// Bytes one block takes across all layers, K and V.
-    pub fn bytes_per_block(
-        dtype: KvCacheDtype,
-        num_layers: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> usize {
-        2 * num_layers * block_size * kv_dim * dtype.size()
-    }
-
-    /// The shape of each layer's K (or V).
-    pub fn layout(&self) -> &KvLayout {
-        match self {
-            KvCache::F32(_, l) | KvCache::F16(_, l) | KvCache::Bf16(_, l) => l,
-        }
     }
 }

@@ -1,16 +1,17 @@
 //! The KV-cache manager: one pool of fixed-size blocks per device context,
 //! a block table per sequence, and hash-based prefix caching.
 //!
-//! - [`storage`] holds the K/V tensors themselves, per layer.
+//! - [`dtype`] names the cache's element type; the K/V tensors themselves
+//!   live on the device, in the backend's pool.
 //! - [`block_pool`] owns block ids: reference counts, the LRU free queue and
 //!   the prefix-hash map.
 //! - [`manager`] maps requests to block tables and decides which prompt
 //!   blocks are already cached.
 
 pub mod block_pool;
+pub mod dtype;
 pub mod manager;
-pub mod storage;
 
 pub use block_pool::{BlockHash, BlockPool};
+pub use dtype::KvCacheDtype;
 pub use manager::{CacheKey, KvCacheManager, PrefixStats};
-pub use storage::{KvCache, KvCacheDtype};

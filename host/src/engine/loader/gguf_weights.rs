@@ -4,22 +4,19 @@
 use super::gguf::GgufFile;
 use super::{DType, WeightSource};
 use anyhow::{bail, Context, Result};
-use pagoda_accel::cpu::SimdLevel;
-use pagoda_accel::{GgmlType, Weight};
+use pagoda_accel::{GgmlType, HostMatrix};
 
 /// A GGUF file seen as a source of named weights.
 pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
-    level: SimdLevel,
 }
 
 impl<'a> GgufWeights<'a> {
     /// `dtype` converts float tensors; quantized tensors always stay as
-    /// stored, laid out for the kernels of `level`
-    /// ([`pagoda_accel::cpu::weight_level`]).
-    pub fn new(file: &'a GgufFile, dtype: DType, level: SimdLevel) -> Self {
-        GgufWeights { file, dtype, level }
+    /// stored (each backend lays them out for its kernels at upload).
+    pub fn new(file: &'a GgufFile, dtype: DType) -> Self {
+        GgufWeights { file, dtype }
     }
 }
 
@@ -54,7 +51,7 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 }
 
 impl WeightSource for GgufWeights<'_> {
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
         let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
         let t = self.file.tensor(&gname)?;
         let path = self.file.path().display();
@@ -65,29 +62,20 @@ impl WeightSource for GgufWeights<'_> {
                 [rows, cols]
             );
         }
-        let w = match (self.dtype, t.ty) {
-            (DType::Auto, _)
-            | (
-                _,
-                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::Q4_K | GgmlType::Q6_K,
-            ) => Weight::from_raw_at(self.level, t.ty, rows, cols, t.data),
-            (want, _) => {
-                let mut f = vec![0f32; rows * cols];
-                let raw = Weight::from_raw(t.ty, rows, cols, t.data)
-                    .with_context(|| format!("{path}: tensor '{gname}'"))?;
-                for (r, row) in f.chunks_exact_mut(cols).enumerate() {
-                    raw.dequantize_row(r, row);
-                }
-                let ty = match want {
-                    DType::Float32 => GgmlType::F32,
-                    DType::BFloat16 => GgmlType::BF16,
-                    DType::Float16 => GgmlType::F16,
-                    DType::Auto => t.ty,
-                };
-                Weight::quantize(ty, rows, cols, &f)
-            }
+        let ctx = || format!("{path}: tensor '{gname}'");
+        let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
+        let want = match self.dtype {
+            DType::Auto => return Ok(stored),
+            _ if !t.ty.is_float() => return Ok(stored),
+            DType::Float32 => GgmlType::F32,
+            DType::BFloat16 => GgmlType::BF16,
+            DType::Float16 => GgmlType::F16,
         };
-        w.with_context(|| format!("{path}: tensor '{gname}'"))
+        if want == t.ty {
+            return Ok(stored);
+        }
+        let values = stored.dequantize().with_context(ctx)?;
+        HostMatrix::from_f32_as(want, rows, cols, &values).with_context(ctx)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -100,11 +88,10 @@ impl WeightSource for GgufWeights<'_> {
                 t.shape
             );
         }
-        let w = Weight::from_raw(t.ty, 1, len, t.data)
+        let v = HostMatrix::new(t.ty, 1, len, t.data)
+            .and_then(|m| m.dequantize())
             .with_context(|| format!("{path}: tensor '{gname}'"))?;
-        let mut out = vec![0f32; len];
-        w.dequantize_row(0, &mut out);
-        Ok(out)
+        Ok(v)
     }
 
     fn contains(&self, name: &str) -> bool {

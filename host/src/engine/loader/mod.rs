@@ -10,7 +10,7 @@ pub mod gguf_writer;
 pub mod safetensors;
 
 use anyhow::Result;
-use pagoda_accel::Weight;
+use pagoda_accel::HostMatrix;
 
 /// The dtype weights are kept in, as chosen by `--dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -40,9 +40,11 @@ impl std::str::FromStr for DType {
 
 /// Named tensors of one model, whatever the file format.
 pub trait WeightSource {
-    /// The matrix `name` as `[rows, cols]` (out × in features), checked
-    /// against the expected shape.
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight>;
+    /// The matrix `name` as `[rows, cols]` (out × in features) in its
+    /// storage type (or the one `--dtype` converts float tensors to),
+    /// checked against the expected shape. Backends lay it out for their
+    /// kernels when they upload it.
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>>;
     /// The 1-D tensor `name` (norm weights, biases) as f32, checked against
     /// the expected length.
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;

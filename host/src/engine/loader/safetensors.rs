@@ -4,7 +4,7 @@
 use super::{DType, WeightSource};
 use anyhow::{bail, Context, Result};
 use memmap2::Mmap;
-use pagoda_accel::Weight;
+use pagoda_accel::{GgmlType, HostMatrix};
 use safetensors::{Dtype as StDtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -148,41 +148,33 @@ fn to_f32(path: &Path, name: &str, dtype: StDtype, bytes: &[u8]) -> Result<Vec<f
 }
 
 impl WeightSource for SafetensorsSource {
-    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Weight> {
+    fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[rows, cols])?;
         let ctx = || format!("{}: tensor '{name}'", path.display());
         let stored = t.dtype();
-        let w = match (self.dtype, stored) {
+        let m = match (self.dtype, stored) {
+            // Kept as stored: borrowed from the mapped file, no copy.
             (DType::Auto | DType::BFloat16, StDtype::BF16) => {
-                Weight::from_bf16_bits(rows, cols, &u16s(t.data()))
+                HostMatrix::new(GgmlType::BF16, rows, cols, t.data())
             }
             (DType::Auto | DType::Float16, StDtype::F16) => {
-                Weight::from_f16_bits(rows, cols, &u16s(t.data()))
+                HostMatrix::new(GgmlType::F16, rows, cols, t.data())
             }
             (DType::Auto | DType::Float32, StDtype::F32) => {
-                Weight::from_f32(rows, cols, &f32s(t.data()))
-            }
-            (DType::Float32, _) => {
-                Weight::from_f32(rows, cols, &to_f32(path, name, stored, t.data())?)
-            }
-            (DType::BFloat16, _) => {
-                let bits: Vec<u16> = to_f32(path, name, stored, t.data())?
-                    .into_iter()
-                    .map(|x| half::bf16::from_f32(x).to_bits())
-                    .collect();
-                Weight::from_bf16_bits(rows, cols, &bits)
-            }
-            (DType::Float16, _) => {
-                let bits: Vec<u16> = to_f32(path, name, stored, t.data())?
-                    .into_iter()
-                    .map(|x| half::f16::from_f32(x).to_bits())
-                    .collect();
-                Weight::from_f16_bits(rows, cols, &bits)
+                HostMatrix::new(GgmlType::F32, rows, cols, t.data())
             }
             (DType::Auto, other) => bail!("{}: dtype {other:?} is not supported", ctx()),
+            (want, _) => {
+                let ty = match want {
+                    DType::Float32 => GgmlType::F32,
+                    DType::BFloat16 => GgmlType::BF16,
+                    _ => GgmlType::F16,
+                };
+                HostMatrix::from_f32_as(ty, rows, cols, &to_f32(path, name, stored, t.data())?)
+            }
         };
-        w.with_context(ctx)
+        m.with_context(ctx)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {

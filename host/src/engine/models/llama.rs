@@ -5,162 +5,144 @@
 //! reading K/V from the paged cache.
 
 use crate::engine::config::ModelConfig;
-use crate::engine::kv_cache::storage::{KvCache, LayerKv};
 use crate::engine::loader::WeightSource;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::{self, AttnSeq, KvElem, KvLayout, RopeTable};
-use pagoda_accel::{CpuContext, MatmulScratch, Weight};
+use pagoda_accel::ops::RopeTable;
+use pagoda_accel::{Backend, DeviceMatrix, HostMatrix, Rows};
 
 /// A projection whose output is several logical matrices side by side
 /// (q|k|v or gate|up). Fused into one matrix when the parts share a storage
-/// type, so the pool runs one parallel region instead of several.
-enum Projection {
-    Fused(Weight),
-    Split(Vec<Weight>),
+/// type, so the device runs one matmul instead of several.
+enum Projection<B: Backend> {
+    Fused(B::Matrix),
+    Split(Vec<B::Matrix>),
 }
 
-impl Projection {
-    fn new(parts: Vec<Weight>) -> Result<Projection> {
+impl<B: Backend> Projection<B> {
+    fn new(backend: &B, parts: Vec<HostMatrix<'_>>) -> Result<Projection<B>> {
         let ty = parts[0].ty();
         if parts.iter().all(|p| p.ty() == ty) {
-            let refs: Vec<&Weight> = parts.iter().collect();
-            Ok(Projection::Fused(Weight::concat_rows(&refs)?))
+            let fused = HostMatrix::concat_rows(&parts)?;
+            Ok(Projection::Fused(backend.upload_matrix(&fused)?))
         } else {
-            Ok(Projection::Split(parts))
+            let mut up = Vec::with_capacity(parts.len());
+            for p in &parts {
+                up.push(backend.upload_matrix(p)?);
+            }
+            Ok(Projection::Split(up))
         }
     }
 
     /// out: [m, Σ rows], each row the parts' outputs side by side.
-    #[allow(clippy::too_many_arguments)]
     fn matmul(
         &self,
-        ctx: &CpuContext,
-        x: &[f32],
+        b: &mut B,
+        x: &B::Buffer,
         m: usize,
-        out: &mut [f32],
-        tmp: &mut Vec<f32>,
-        scratch: &mut MatmulScratch,
-        prompt: &[bool],
+        out: &mut B::Buffer,
+        tmp: &mut B::Buffer,
+        step: &B::Step,
     ) {
         match self {
-            Projection::Fused(w) => w.matmul_rows(ctx.pool(), x, m, out, scratch, prompt),
+            Projection::Fused(w) => b.matmul(w, x, m, out, step, Rows::Tokens),
             Projection::Split(parts) => {
-                let width: usize = parts.iter().map(Weight::rows).sum();
+                let width: usize = parts.iter().map(|p| p.rows()).sum();
                 let mut col = 0;
                 for p in parts {
-                    let t = grow(tmp, m * p.rows());
-                    p.matmul_rows(ctx.pool(), x, m, t, scratch, prompt);
-                    for r in 0..m {
-                        out[r * width + col..r * width + col + p.rows()]
-                            .copy_from_slice(&t[r * p.rows()..(r + 1) * p.rows()]);
-                    }
+                    b.matmul(p, x, m, tmp, step, Rows::Tokens);
+                    b.copy_columns(tmp, p.rows(), 0, out, width, col, p.rows(), m);
                     col += p.rows();
                 }
             }
         }
     }
 
-    fn has_wide_kernel(&self) -> bool {
+    fn parts(&self) -> &[B::Matrix] {
         match self {
-            Projection::Fused(w) => w.has_wide_kernel(),
-            Projection::Split(p) => p.iter().any(Weight::has_wide_kernel),
+            Projection::Fused(w) => std::slice::from_ref(w),
+            Projection::Split(p) => p,
         }
     }
 
     fn size_bytes(&self) -> usize {
-        match self {
-            Projection::Fused(w) => w.size_bytes(),
-            Projection::Split(p) => p.iter().map(Weight::size_bytes).sum(),
+        self.parts().iter().map(|p| p.size_bytes()).sum()
+    }
+}
+
+struct Layer<B: Backend> {
+    attn_norm: B::Vector,
+    qkv: Projection<B>,
+    /// q|k|v biases side by side (Qwen2).
+    qkv_bias: Option<B::Vector>,
+    o: B::Matrix,
+    ffn_norm: B::Vector,
+    gate_up: Projection<B>,
+    down: B::Matrix,
+}
+
+/// A loaded Llama-family model, its weights on the device of `B`.
+pub struct LlamaModel<B: Backend> {
+    config: ModelConfig,
+    embed: B::Matrix,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<B::Matrix>,
+    layers: Vec<Layer<B>>,
+    norm: B::Vector,
+    rope: B::Rope,
+    /// See [`LlamaModel::has_prompt_kernel`]; fixed at load, since it
+    /// depends only on the weights and the device.
+    prompt_kernel: bool,
+    weight_type: &'static str,
+}
+
+/// Activation buffers reused across steps, so a warm step allocates nothing.
+pub struct Workspace<B: Backend> {
+    x: B::Buffer,
+    h: B::Buffer,
+    qkv: B::Buffer,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    attn: B::Buffer,
+    proj: B::Buffer,
+    gate_up: B::Buffer,
+    act: B::Buffer,
+    split_tmp: B::Buffer,
+    rows: B::Buffer,
+    /// The logits of the step's logit rows.
+    pub logits: B::Buffer,
+}
+
+impl<B: Backend> Default for Workspace<B> {
+    fn default() -> Self {
+        Workspace {
+            x: Default::default(),
+            h: Default::default(),
+            qkv: Default::default(),
+            q: Default::default(),
+            k: Default::default(),
+            v: Default::default(),
+            attn: Default::default(),
+            proj: Default::default(),
+            gate_up: Default::default(),
+            act: Default::default(),
+            split_tmp: Default::default(),
+            rows: Default::default(),
+            logits: Default::default(),
         }
     }
 }
 
-struct Layer {
-    attn_norm: Vec<f32>,
-    qkv: Projection,
-    /// q|k|v biases side by side (Qwen2).
-    qkv_bias: Option<Vec<f32>>,
-    o: Weight,
-    ffn_norm: Vec<f32>,
-    gate_up: Projection,
-    down: Weight,
-}
-
-/// A loaded Llama-family model.
-pub struct LlamaModel {
-    config: ModelConfig,
-    embed: Weight,
-    /// `None` when the LM head is tied to the embedding.
-    lm_head: Option<Weight>,
-    layers: Vec<Layer>,
-    norm: Vec<f32>,
-    rope: RopeTable,
-    /// See [`LlamaModel::has_prompt_kernel`]; fixed at load, since it
-    /// depends only on the weights and the CPU.
-    prompt_kernel: bool,
-}
-
-/// One step's flattened batch, as the model runner lays it out.
-pub struct BatchInput<'a> {
-    /// The tokens to run, all sequences back to back.
-    pub tokens: &'a [u32],
-    /// Each token's position in its sequence.
-    pub positions: &'a [u32],
-    /// Each token's KV slot: `block * block_size + offset`.
-    pub slot_mapping: &'a [u32],
-    /// The sequences, in the order their tokens appear.
-    pub seqs: &'a [AttnSeq<'a>],
-    /// Indices into `tokens` whose next-token logits are wanted.
-    pub logit_rows: &'a [usize],
-    /// Per token: whether it runs on the prompt kernel, the dense bf16
-    /// matmuls of [`Weight::matmul_rows`] (where the CPU has them). The
-    /// runner sets it for the prompt positions of sequences whose prompt is
-    /// long enough to pay for that kernel (`request::PROMPT_KERNEL_MIN_LEN`);
-    /// everything else, generated positions always, takes the exact
-    /// kernels. A position's arithmetic thus depends on its sequence alone,
-    /// so a sequence computes the same numbers alone, batched, chunked or
-    /// recomputed after preemption.
-    pub prompt_rows: &'a [bool],
-}
-
-/// Activation buffers reused across steps, so a warm step allocates nothing.
-#[derive(Default)]
-pub struct Workspace {
-    x: Vec<f32>,
-    h: Vec<f32>,
-    qkv: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    proj: Vec<f32>,
-    gate_up: Vec<f32>,
-    act: Vec<f32>,
-    split_tmp: Vec<f32>,
-    rows: Vec<f32>,
-    /// `prompt_rows` of the logit rows.
-    logit_prompt: Vec<bool>,
-    scratch: MatmulScratch,
-}
-
-/// Returns the first `n` elements of `v`, growing it if needed. Growth
-/// happens only on the first steps of a new shape; steady state reuses.
-fn grow(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
-    if v.len() < n {
-        v.resize(n, 0.0);
-    }
-    &mut v[..n]
-}
-
-impl LlamaModel {
-    /// Builds the model from `source`, checking every tensor's shape against
-    /// `config`. `max_positions` bounds the RoPE table (the engine's
-    /// `--max-model-len`).
+impl<B: Backend> LlamaModel<B> {
+    /// Builds the model from `source` onto `backend`'s device, checking
+    /// every tensor's shape against `config`. `max_positions` bounds the
+    /// RoPE table (the engine's `--max-model-len`).
     pub fn load(
+        backend: &B,
         source: &dyn WeightSource,
         config: ModelConfig,
         max_positions: usize,
-    ) -> Result<LlamaModel> {
+    ) -> Result<LlamaModel<B>> {
         if max_positions == 0 || max_positions > crate::engine::config::MAX_CONTEXT {
             bail!(
                 "max_model_len {max_positions} must be between 1 and {}",
@@ -169,60 +151,79 @@ impl LlamaModel {
         }
         let c = &config;
         let (d, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let embed = source.matrix("model.embed_tokens.weight", c.vocab_size, d)?;
+        let upload = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
+            let m = source.matrix(name, rows, cols)?;
+            backend
+                .upload_matrix(&m)
+                .with_context(|| format!("{}: tensor '{name}'", source.describe()))
+        };
+        let vector = |name: &str, len: usize| -> Result<B::Vector> {
+            Ok(backend.upload_vector(&source.vector(name, len)?)?)
+        };
+        let embed = upload("model.embed_tokens.weight", c.vocab_size, d)?;
         let lm_head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
             None
         } else {
-            Some(source.matrix("lm_head.weight", c.vocab_size, d)?)
+            Some(upload("lm_head.weight", c.vocab_size, d)?)
         };
         let mut layers = Vec::new();
         for i in 0..c.num_layers {
             let p = |s: &str| format!("model.layers.{i}.{s}");
-            let qkv = Projection::new(vec![
-                source.matrix(&p("self_attn.q_proj.weight"), q, d)?,
-                source.matrix(&p("self_attn.k_proj.weight"), kv, d)?,
-                source.matrix(&p("self_attn.v_proj.weight"), kv, d)?,
-            ])
+            let qkv = Projection::new(
+                backend,
+                vec![
+                    source.matrix(&p("self_attn.q_proj.weight"), q, d)?,
+                    source.matrix(&p("self_attn.k_proj.weight"), kv, d)?,
+                    source.matrix(&p("self_attn.v_proj.weight"), kv, d)?,
+                ],
+            )
             .with_context(|| format!("{}: layer {i} q/k/v", source.describe()))?;
             let qkv_bias = if c.attention_bias {
                 let mut b = source.vector(&p("self_attn.q_proj.bias"), q)?;
                 b.extend(source.vector(&p("self_attn.k_proj.bias"), kv)?);
                 b.extend(source.vector(&p("self_attn.v_proj.bias"), kv)?);
-                Some(b)
+                Some(backend.upload_vector(&b)?)
             } else {
                 None
             };
-            let gate_up = Projection::new(vec![
-                source.matrix(&p("mlp.gate_proj.weight"), f, d)?,
-                source.matrix(&p("mlp.up_proj.weight"), f, d)?,
-            ])
+            let gate_up = Projection::new(
+                backend,
+                vec![
+                    source.matrix(&p("mlp.gate_proj.weight"), f, d)?,
+                    source.matrix(&p("mlp.up_proj.weight"), f, d)?,
+                ],
+            )
             .with_context(|| format!("{}: layer {i} gate/up", source.describe()))?;
             layers.push(Layer {
-                attn_norm: source.vector(&p("input_layernorm.weight"), d)?,
+                attn_norm: vector(&p("input_layernorm.weight"), d)?,
                 qkv,
                 qkv_bias,
-                o: source.matrix(&p("self_attn.o_proj.weight"), d, q)?,
-                ffn_norm: source.vector(&p("post_attention_layernorm.weight"), d)?,
+                o: upload(&p("self_attn.o_proj.weight"), d, q)?,
+                ffn_norm: vector(&p("post_attention_layernorm.weight"), d)?,
                 gate_up,
-                down: source.matrix(&p("mlp.down_proj.weight"), d, f)?,
+                down: upload(&p("mlp.down_proj.weight"), d, f)?,
             });
         }
-        let norm = source.vector("model.norm.weight", d)?;
-        let rope = RopeTable::new(
+        let norm = vector("model.norm.weight", d)?;
+        let rope = backend.upload_rope(&RopeTable::new(
             c.head_dim,
             c.rope_theta,
             max_positions,
             &c.rope_scaling,
             c.rope_style,
-        );
+        ))?;
         let head = lm_head.as_ref().unwrap_or(&embed);
-        let prompt_kernel = head.has_wide_kernel()
+        let prompt_kernel = backend.has_prompt_kernel(head)
             || layers.iter().any(|l| {
-                l.qkv.has_wide_kernel()
-                    || l.o.has_wide_kernel()
-                    || l.gate_up.has_wide_kernel()
-                    || l.down.has_wide_kernel()
+                l.qkv.parts().iter().any(|m| backend.has_prompt_kernel(m))
+                    || backend.has_prompt_kernel(&l.o)
+                    || l.gate_up
+                        .parts()
+                        .iter()
+                        .any(|m| backend.has_prompt_kernel(m))
+                    || backend.has_prompt_kernel(&l.down)
             });
+        let weight_type = layers.first().map_or("none", |l| l.o.ty().name());
         Ok(LlamaModel {
             config,
             embed,
@@ -231,6 +232,7 @@ impl LlamaModel {
             norm,
             rope,
             prompt_kernel,
+            weight_type,
         })
     }
 
@@ -239,7 +241,7 @@ impl LlamaModel {
         &self.config
     }
 
-    /// Bytes of weights held in memory.
+    /// Bytes of weights held on the device.
     pub fn weight_bytes(&self) -> usize {
         let layers: usize = self
             .layers
@@ -248,148 +250,100 @@ impl LlamaModel {
                 l.qkv.size_bytes() + l.o.size_bytes() + l.gate_up.size_bytes() + l.down.size_bytes()
             })
             .sum();
-        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, Weight::size_bytes)
+        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
     }
 
     /// Whether prompt rows can run on other kernels than generated rows on
-    /// this CPU (see [`BatchInput::prompt_rows`]).
+    /// this device (see [`Backend::has_prompt_kernel`]).
     pub fn has_prompt_kernel(&self) -> bool {
         self.prompt_kernel
     }
 
     /// The storage type of the layers' projections, for logs ("Q4_1").
     pub fn weight_type(&self) -> &'static str {
-        self.layers.first().map_or("none", |l| l.o.ty().name())
+        self.weight_type
     }
 
-    /// Runs one flattened batch and writes the logits of `input.logit_rows`
-    /// into `logits` (`[logit_rows.len(), vocab]`). K/V of every token are
-    /// written into `kv` at the slots given.
+    /// Runs one step, whose metadata `step` already holds on the device
+    /// (`n_tokens` tokens, `n_logits` logit rows), and leaves the logits of
+    /// the logit rows in `ws.logits` (`[n_logits, vocab]`). K/V of every
+    /// token are written into `kv` at the step's slots.
     pub fn forward(
         &self,
-        ctx: &CpuContext,
-        input: &BatchInput<'_>,
-        kv: &mut KvCache,
-        ws: &mut Workspace,
-        logits: &mut [f32],
-    ) {
-        match kv {
-            KvCache::F32(layers, layout) => {
-                self.forward_typed(ctx, input, layers, layout, ws, logits)
-            }
-            KvCache::F16(layers, layout) => {
-                self.forward_typed(ctx, input, layers, layout, ws, logits)
-            }
-            KvCache::Bf16(layers, layout) => {
-                self.forward_typed(ctx, input, layers, layout, ws, logits)
-            }
-        }
-    }
-
-    fn forward_typed<T: KvElem>(
-        &self,
-        ctx: &CpuContext,
-        input: &BatchInput<'_>,
-        kv: &mut [LayerKv<T>],
-        layout: &KvLayout,
-        ws: &mut Workspace,
-        logits: &mut [f32],
-    ) {
+        b: &mut B,
+        step: &B::Step,
+        n_tokens: usize,
+        n_logits: usize,
+        kv: &mut B::Kv,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), pagoda_accel::BackendError> {
         let c = &self.config;
         let (d, qd, kvd, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
-        let n = input.tokens.len();
-        let prompt = input.prompt_rows;
-        assert_eq!(prompt.len(), n, "forward: one prompt flag per token");
+        let n = n_tokens;
         let qkv_w = qd + 2 * kvd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-
-        let x = grow(&mut ws.x, n * d);
-        for (row, &t) in x.chunks_exact_mut(d).zip(input.tokens) {
-            self.embed.dequantize_row(t as usize, row);
+        let eps = c.rms_norm_eps;
+        let split_w = self
+            .layers
+            .iter()
+            .flat_map(|l| l.qkv.parts().iter().chain(l.gate_up.parts()))
+            .map(|p| p.rows())
+            .max()
+            .unwrap_or(0);
+        b.reserve(&mut ws.x, n * d)?;
+        b.reserve(&mut ws.h, n * d)?;
+        b.reserve(&mut ws.qkv, n * qkv_w)?;
+        b.reserve(&mut ws.q, n * qd)?;
+        b.reserve(&mut ws.k, n * kvd)?;
+        b.reserve(&mut ws.v, n * kvd)?;
+        b.reserve(&mut ws.attn, n * qd)?;
+        b.reserve(&mut ws.proj, n * d)?;
+        b.reserve(&mut ws.gate_up, n * 2 * f)?;
+        b.reserve(&mut ws.act, n * f)?;
+        if self.layers.iter().any(|l| {
+            matches!(l.qkv, Projection::Split(_)) || matches!(l.gate_up, Projection::Split(_))
+        }) {
+            b.reserve(&mut ws.split_tmp, n * split_w)?;
         }
-        for (layer, cache) in self.layers.iter().zip(kv.iter_mut()) {
-            let x = &mut ws.x[..n * d];
-            let h = grow(&mut ws.h, n * d);
-            let eps = c.rms_norm_eps;
-            let attn_norm = &layer.attn_norm;
-            ops::for_row_ranges(ctx.pool(), x, d, h, d, &|xr, hr| {
-                ops::rms_norm(xr, attn_norm, eps, hr)
-            });
-            let qkv = grow(&mut ws.qkv, n * qkv_w);
+
+        b.embed(&self.embed, step, &mut ws.x);
+        for (i, layer) in self.layers.iter().enumerate() {
+            b.rms_norm(&ws.x, &layer.attn_norm, eps, n, d, &mut ws.h);
             layer
                 .qkv
-                .matmul(ctx, h, n, qkv, &mut ws.split_tmp, &mut ws.scratch, prompt);
-            let (q, k, v) = (
-                grow(&mut ws.q, n * qd),
-                grow(&mut ws.k, n * kvd),
-                grow(&mut ws.v, n * kvd),
-            );
-            for t in 0..n {
-                let row = &mut qkv[t * qkv_w..(t + 1) * qkv_w];
-                if let Some(b) = &layer.qkv_bias {
-                    ops::add_inplace(row, b);
-                }
-                q[t * qd..(t + 1) * qd].copy_from_slice(&row[..qd]);
-                k[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
-                v[t * kvd..(t + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                .matmul(b, &ws.h, n, &mut ws.qkv, &mut ws.split_tmp, step);
+            if let Some(bias) = &layer.qkv_bias {
+                b.add_bias(&mut ws.qkv, bias, n, qkv_w);
             }
-            ops::rope_inplace(&self.rope, q, c.num_heads, input.positions);
-            ops::rope_inplace(&self.rope, k, c.num_kv_heads, input.positions);
-            ops::write_kv(layout, &mut cache.k, &mut cache.v, k, v, input.slot_mapping);
-            let attn = grow(&mut ws.attn, n * qd);
-            ops::paged_attention(
-                ctx.pool(),
-                layout,
-                &cache.k,
-                &cache.v,
-                q,
-                c.num_heads,
-                input.seqs,
-                scale,
-                attn,
-            );
-            let proj = grow(&mut ws.proj, n * d);
-            layer
-                .o
-                .matmul_rows(ctx.pool(), attn, n, proj, &mut ws.scratch, prompt);
-            ops::add_inplace(x, proj);
+            b.copy_columns(&ws.qkv, qkv_w, 0, &mut ws.q, qd, 0, qd, n);
+            b.copy_columns(&ws.qkv, qkv_w, qd, &mut ws.k, kvd, 0, kvd, n);
+            b.copy_columns(&ws.qkv, qkv_w, qd + kvd, &mut ws.v, kvd, 0, kvd, n);
+            b.rope(&self.rope, &mut ws.q, c.num_heads, step);
+            b.rope(&self.rope, &mut ws.k, c.num_kv_heads, step);
+            b.write_kv(kv, i, &ws.k, &ws.v, step);
+            b.attention(kv, i, &ws.q, c.num_heads, scale, step, &mut ws.attn);
+            b.matmul(&layer.o, &ws.attn, n, &mut ws.proj, step, Rows::Tokens);
+            b.add(&mut ws.x, &ws.proj, n * d);
 
-            let ffn_norm = &layer.ffn_norm;
-            ops::for_row_ranges(ctx.pool(), x, d, h, d, &|xr, hr| {
-                ops::rms_norm(xr, ffn_norm, eps, hr)
-            });
-            let gu = grow(&mut ws.gate_up, n * 2 * f);
+            b.rms_norm(&ws.x, &layer.ffn_norm, eps, n, d, &mut ws.h);
             layer
                 .gate_up
-                .matmul(ctx, h, n, gu, &mut ws.split_tmp, &mut ws.scratch, prompt);
-            let act = grow(&mut ws.act, n * f);
-            ops::for_row_ranges(ctx.pool(), gu, 2 * f, act, f, &|g, a| {
-                ops::silu_mul(g, f, a)
-            });
-            layer
-                .down
-                .matmul_rows(ctx.pool(), act, n, proj, &mut ws.scratch, prompt);
-            ops::add_inplace(x, proj);
+                .matmul(b, &ws.h, n, &mut ws.gate_up, &mut ws.split_tmp, step);
+            b.silu_mul(&ws.gate_up, n, f, &mut ws.act);
+            b.matmul(&layer.down, &ws.act, n, &mut ws.proj, step, Rows::Tokens);
+            b.add(&mut ws.x, &ws.proj, n * d);
         }
-        let r = input.logit_rows.len();
+        let r = n_logits;
         if r == 0 {
-            return;
+            return Ok(());
         }
-        let rows = grow(&mut ws.rows, r * d);
-        ws.logit_prompt.clear();
-        for (dst, &t) in rows.chunks_exact_mut(d).zip(input.logit_rows) {
-            dst.copy_from_slice(&ws.x[t * d..(t + 1) * d]);
-            ws.logit_prompt.push(prompt[t]);
-        }
-        ops::rms_norm_inplace(rows, &self.norm, c.rms_norm_eps);
+        b.reserve(&mut ws.rows, r * d)?;
+        b.reserve(&mut ws.h, r * d)?;
+        b.reserve(&mut ws.logits, r * c.vocab_size)?;
+        b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
+        b.rms_norm(&ws.rows, &self.norm, eps, r, d, &mut ws.h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        head.matmul_rows(
-            ctx.pool(),
-            rows,
-            r,
-            &mut logits[..r * c.vocab_size],
-            &mut ws.scratch,
-            &ws.logit_prompt,
-        );
+        b.matmul(head, &ws.h, r, &mut ws.logits, step, Rows::Logits);
+        Ok(())
     }
 }

@@ -3,4 +3,4 @@
 
 pub mod llama;
 
-pub use llama::{BatchInput, LlamaModel, Workspace};
+pub use llama::{LlamaModel, Workspace};
