@@ -98,6 +98,11 @@ impl Server {
 
     /// Starts the server on `model`.
     pub fn start_with_model(model: &std::path::Path, extra: &[&str]) -> Server {
+        Self::start_with_env(model, extra, &[])
+    }
+
+    /// Starts the server on `model` with extra environment variables.
+    pub fn start_with_env(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         let port = free_port();
         let dir = TempDir::new("server");
         let log = dir.0.join("server.log");
@@ -116,6 +121,7 @@ impl Server {
             ])
             .args(["--kv-cache-memory", "256MiB", "--max-model-len", "2048"])
             .args(extra)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(logf)
             .spawn()
@@ -149,6 +155,18 @@ impl Server {
             );
             std::thread::sleep(Duration::from_millis(100));
         }
+    }
+
+    /// Waits up to `limit` for the server to exit by itself; its status.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let started = Instant::now();
+        while started.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 
     /// The server's stderr so far.

@@ -130,11 +130,13 @@ impl AsyncEngine {
         std::thread::Builder::new()
             .name("pagoda-engine".into())
             .spawn(move || {
-                // The loop's state (and with it every request's output
-                // channel) is dropped before `dead` is set, so a front end
-                // that sees the engine dead never waits on a live channel.
+                // The requests' output channels and the command queue live
+                // out here, so that they close only after `dead` is set: a
+                // front end that sees its channel close can rely on the
+                // probes already reporting the death.
+                let mut tracks: HashMap<u64, Track> = HashMap::new();
                 let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine_loop(core, rx, s, panic_at)
+                    engine_loop(core, &rx, s, panic_at, &mut tracks)
                 }));
                 let why = match ended {
                     Ok(Ok(())) => return,
@@ -149,6 +151,8 @@ impl AsyncEngine {
                 };
                 tracing::error!("engine died: {why}");
                 let _ = dead_tx.send(Some(why));
+                drop(tracks);
+                drop(rx);
             })?;
         Ok(AsyncEngine {
             tx,
@@ -266,11 +270,11 @@ pub enum SubmitError {
 
 fn engine_loop(
     mut core: EngineCore,
-    rx: std_mpsc::Receiver<Command>,
+    rx: &std_mpsc::Receiver<Command>,
     stats: Arc<Mutex<EngineStats>>,
     panic_at: Option<u64>,
+    tracks: &mut HashMap<u64, Track>,
 ) -> anyhow::Result<()> {
-    let mut tracks: HashMap<u64, Track> = HashMap::new();
     let mut last = core.stats();
     loop {
         // Block only when there is nothing to run.
@@ -311,7 +315,7 @@ fn engine_loop(
                 }
                 Command::Abort(id) => {
                     if let Some(out) = core.abort(id) {
-                        finish(&mut tracks, out);
+                        finish(tracks, out);
                     }
                 }
                 Command::Shutdown => return Ok(()),
@@ -338,7 +342,7 @@ fn engine_loop(
                 t.last_token = Some(now);
             }
             if out.finish_reason.is_some() {
-                finish(&mut tracks, out);
+                finish(tracks, out);
             } else if let Some(t) = tracks.get(&out.id) {
                 let _ = t.outputs.send(out);
             }

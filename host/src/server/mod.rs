@@ -545,14 +545,21 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                     }
                 }
                 why = &mut died => {
+                    if engine_death.is_some() {
+                        break; // the drain below is over
+                    }
                     // Requests in flight have their 503s already (their
                     // channels closed with the engine) and the probes answer
-                    // 503 now; give both a moment to be written and seen,
-                    // then exit non-zero so the supervisor restarts us.
+                    // 503 now; keep accepting for a moment so both are
+                    // written and seen, then exit non-zero so that the
+                    // supervisor restarts us.
                     tracing::error!("the engine died ({why}); exiting");
                     engine_death = Some(why);
-                    tokio::time::sleep(ENGINE_DEATH_DRAIN.min(state.config.shutdown_grace)).await;
-                    break;
+                    let drain = ENGINE_DEATH_DRAIN.min(state.config.shutdown_grace);
+                    died = Box::pin(async move {
+                        tokio::time::sleep(drain).await;
+                        String::new()
+                    });
                 }
                 _ = &mut shutdown => break,
             }

@@ -276,6 +276,9 @@ async fn generate(
             choice_of.insert(eid, pi * n + si);
         }
     }
+    // Only the engine may hold senders from here on: when it dies, the
+    // channel closes and the request gets its 503 instead of waiting.
+    drop(tx);
     let total = choice_of.len();
     let run = Run {
         api,
