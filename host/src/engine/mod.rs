@@ -1,9 +1,12 @@
 //! The inference engine, split by responsibility as in vLLM v1:
 //! - [`scheduler`]: which sequences run each step, and how many tokens;
 //! - [`kv_cache`]: the block pool, block tables and prefix hashes;
-//! - [`runner`]: one flattened batch per step through the model;
+//! - [`runner`]: one flattened batch per step through the model, on any
+//!   device ([`pagoda_accel::Backend`]);
 //! - [`sampler`]: logits → next token;
-//! - [`core`]: the step loop tying them together, and output processing;
+//! - [`output_processor`]: token → detokenized text, stop conditions and
+//!   the outputs clients see;
+//! - [`core`]: the step loop tying them together;
 //! - [`models`] and [`loader`]: model definitions and weight formats;
 //! - [`generation_config`]: sampling defaults from `generation_config.json`;
 //! - [`llm`]: the offline `LLM` API.
@@ -17,6 +20,7 @@ pub mod kv_cache;
 pub mod llm;
 pub mod loader;
 pub mod models;
+pub mod output_processor;
 pub mod request;
 pub mod runner;
 pub mod sampler;
