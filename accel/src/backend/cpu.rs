@@ -123,6 +123,7 @@ fn first_mut(v: &mut [f32], n: usize) -> &mut [f32] {
 }
 
 impl CpuBackend {
+    #[allow(clippy::too_many_arguments)]
     fn attention_typed<T: KvElem>(
         &mut self,
         layers: &[LayerKv<T>],
@@ -219,7 +220,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_step(&mut self, batch: &StepBatch, step: &mut CpuStep) -> Result<(), BackendError> {
-        step.batch.clone_from(batch);
+        step.batch.copy_from(batch);
         step.logit_prompt.clear();
         step.logit_prompt.extend(
             batch

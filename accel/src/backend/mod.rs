@@ -265,6 +265,19 @@ impl StepBatch {
         self.logit_rows.clear();
     }
 
+    /// Makes `self` a copy of `other`, reusing its vectors' capacity (a
+    /// derived `clone_from` would allocate anew), so a warm step's upload to
+    /// a host-memory backend allocates nothing.
+    pub fn copy_from(&mut self, other: &StepBatch) {
+        self.tokens.clone_from(&other.tokens);
+        self.positions.clone_from(&other.positions);
+        self.slot_mapping.clone_from(&other.slot_mapping);
+        self.prompt_rows.clone_from(&other.prompt_rows);
+        self.seqs.clone_from(&other.seqs);
+        self.block_tables.clone_from(&other.block_tables);
+        self.logit_rows.clone_from(&other.logit_rows);
+    }
+
     /// Tokens in the step.
     pub fn num_tokens(&self) -> usize {
         self.tokens.len()
@@ -468,6 +481,7 @@ pub trait Backend: Send + 'static {
     /// n_heads · head_dim]`) over `layer` of the pool, through the step's
     /// block tables: prefill chunks and decodes in one call. Scores are
     /// scaled by `scale`.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &mut self,
         kv: &Self::Kv,

@@ -180,7 +180,7 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
         "no decode steps (output length 1)".to_string()
     };
     println!(
-        "{device}\nprompt {} tokens: {:.1} tok/s (median of {}); {decode}",
+        "{device}: prompt {} tokens: {:.1} tok/s (median of {}); {decode}",
         a.input_len,
         pp.median,
         samples.len(),

@@ -90,8 +90,8 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
                 .context("running the model")?;
         }
         b.reserve(&mut self.ws.logits, len)?;
-        Ok(b.to_host(&mut self.ws.logits, len)
-            .context("reading the logits back")?)
+        b.to_host(&mut self.ws.logits, len)
+            .context("reading the logits back")
     }
 
     fn weight_bytes(&self) -> usize {
