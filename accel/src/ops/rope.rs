@@ -138,6 +138,18 @@ impl RopeTable {
     pub fn style(&self) -> RopeStyle {
         self.style
     }
+
+    /// The cosines, `[max_positions, head_dim / 2]` row-major: entry
+    /// `pos * head_dim / 2 + i` is `cos(pos · freq_i)` (what a device
+    /// backend uploads).
+    pub fn cos_table(&self) -> &[f32] {
+        &self.cos
+    }
+
+    /// The sines, laid out as [`RopeTable::cos_table`].
+    pub fn sin_table(&self) -> &[f32] {
+        &self.sin
+    }
 }
 
 /// Rotates `x: [n_tokens, n_heads, head_dim]` in place; token `t` is at
