@@ -14,6 +14,8 @@ pub mod device;
 pub mod ops;
 pub mod quant;
 
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
 pub use backend::{
     Backend, BackendError, CpuBackend, DeviceMatrix, HostMatrix, KvSpec, Rows, StepBatch, StepSeq,
 };

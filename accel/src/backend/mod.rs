@@ -27,12 +27,16 @@
 //! the next call that returns a `Result`, at the latest from `to_host`.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use crate::ops::{KvDtype, KvLayout, RopeTable};
 use crate::quant::{GgmlType, WeightError};
 use std::borrow::Cow;
 
 pub use cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+pub use cuda::CudaBackend;
 
 /// Why a backend operation failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,613 @@
+// Pagoda's CUDA kernels, compiled at run time by NVRTC (see cuda/module.rs).
+//
+// Written so that the same source can later be compiled by hipRTC: everything
+// CUDA-specific (warp shuffles, f16 conversions, dp4a) sits in the
+// portability section below, and the kernels use only its macros. No header
+// is included, so NVRTC needs nothing but libnvrtc (and no toolkit).
+//
+// Conventions shared with the Rust side (cuda/mod.rs launches these):
+// - activations are f32, row-major;
+// - quantized weights are repacked at upload (cuda/weights.rs): all rows'
+//   16-byte (Q4_0/Q4_1) or 32-byte (Q8_0) quant groups first, in GGUF's
+//   order within a block, then from byte `scale_off` the f16 scales (Q4_1:
+//   interleaved d, m pairs), one per 32-element block;
+// - the KV cache follows ops::KvLayout: [num_blocks][n_kv][slab]; inside a
+//   slab V is [block_size][head_dim] and K transposed [head_dim][block_size];
+// - step metadata: `seq_meta` is [n_seqs][4] = (q_start, q_len, ctx_len,
+//   table_start) into the flat `tables` array.
+
+// ---------------------------------------------------------------------------
+// Portability section.
+// ---------------------------------------------------------------------------
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
+// hipRTC: shuffles take a width (32 keeps wave64 hardware in 32-lane groups,
+// which every kernel here assumes), f16 is the _Float16 builtin, and the
+// 4-way int8 dot product is the sdot4 builtin.
+#define PG_SHFL_XOR_F(v, m) __shfl_xor((v), (m), 32)
+#define PG_SHFL_XOR_I(v, m) __shfl_xor((v), (m), 32)
+__device__ __forceinline__ float pg_h2f(u16 h) {
+    _Float16 f = __builtin_bit_cast(_Float16, h);
+    return (float)f;
+}
+__device__ __forceinline__ u16 pg_f2h(float x) {
+    return __builtin_bit_cast(u16, (_Float16)x);
+}
+__device__ __forceinline__ i32 pg_dp4a(i32 a, i32 b, i32 c) {
+    return __builtin_amdgcn_sdot4(a, b, c, false);
+}
+#else
+#define PG_SHFL_XOR_F(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define PG_SHFL_XOR_I(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+__device__ __forceinline__ float pg_h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 pg_f2h(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ i32 pg_dp4a(i32 a, i32 b, i32 c) {
+    i32 r;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+#endif
+
+// bf16 is the top half of an f32 on every target: plain bit operations.
+__device__ __forceinline__ float pg_bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+__device__ __forceinline__ u16 pg_f2bf(float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (u16)((u >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even, like half::bf16
+    return (u16)(u >> 16);
+}
+
+#define PG_NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float pg_warp_sum(float v) {
+    for (int m = 16; m > 0; m >>= 1) v += PG_SHFL_XOR_F(v, m);
+    return v;
+}
+__device__ __forceinline__ float pg_warp_max(float v) {
+    for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, PG_SHFL_XOR_F(v, m));
+    return v;
+}
+__device__ __forceinline__ i32 pg_warp_sum_i(i32 v) {
+    for (int m = 16; m > 0; m >>= 1) v += PG_SHFL_XOR_I(v, m);
+    return v;
+}
+
+// ---------------------------------------------------------------------------
+// Weight types (the codes match cuda/weights.rs `WeightKind::code`).
+// ---------------------------------------------------------------------------
+#define PG_W_F32 0
+#define PG_W_F16 1
+#define PG_W_BF16 2
+#define PG_W_Q4_0 3
+#define PG_W_Q4_1 4
+#define PG_W_Q8_0 5
+
+// Element `j` of row `r` of a weight in its device layout, as f32.
+__device__ __forceinline__ float pg_weight_at(int ty, const u8* w, u64 scale_off, u32 nb,
+                                              u32 cols, u32 r, u32 j) {
+    u64 blk = (u64)r * nb + j / 32;
+    u32 e = j % 32;
+    switch (ty) {
+    case PG_W_F32:
+        return ((const float*)w)[(u64)r * cols + j];
+    case PG_W_F16:
+        return pg_h2f(((const u16*)w)[(u64)r * cols + j]);
+    case PG_W_BF16:
+        return pg_bf2f(((const u16*)w)[(u64)r * cols + j]);
+    case PG_W_Q4_0: {
+        u8 b = w[blk * 16 + (e % 16)];
+        int q = e < 16 ? (b & 15) : (b >> 4);
+        float d = pg_h2f(((const u16*)(w + scale_off))[blk]);
+        return (float)(q - 8) * d;
+    }
+    case PG_W_Q4_1: {
+        u8 b = w[blk * 16 + (e % 16)];
+        int q = e < 16 ? (b & 15) : (b >> 4);
+        const u16* dm = (const u16*)(w + scale_off) + 2 * blk;
+        return (float)q * pg_h2f(dm[0]) + pg_h2f(dm[1]);
+    }
+    case PG_W_Q8_0: {
+        int q = ((const i8*)w)[blk * 32 + e];
+        return (float)q * pg_h2f(((const u16*)(w + scale_off))[blk]);
+    }
+    default:
+        return 0.0f;
+    }
+}
+
+// out[t] = row tokens[t] of the table. One thread block per token.
+extern "C" __global__ void pg_embed(int ty, const u8* w, u64 scale_off, u32 nb, u32 cols,
+                                    const u32* tokens, u32 n_tokens, float* out) {
+    u32 t = blockIdx.x;
+    if (t >= n_tokens) return;
+    u32 r = tokens[t];
+    for (u32 j = threadIdx.x; j < cols; j += blockDim.x) {
+        out[(u64)t * cols + j] = pg_weight_at(ty, w, scale_off, nb, cols, r, j);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Quantized matmul: activations to int8 per 32-block, then dp4a.
+// ---------------------------------------------------------------------------
+
+// Quantizes x ([rows][k], k a multiple of 32, so block `g` of the whole
+// buffer is elements 32g..32g+32) to int8 codes with one f32 scale per block:
+// xd[g] = (d, sum of the block's codes), the sum serving the Q4_0 offset and
+// the Q4_1 minimum. One warp per block; rounding half away from zero, like
+// the CPU's quantizer.
+extern "C" __global__ void pg_quantize_x(const float* x, u64 n_blocks, i8* xq, float2* xd) {
+    u64 g = ((u64)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+    u32 lane = threadIdx.x % 32;
+    if (g >= n_blocks) return;  // whole warps exit together: n_blocks is per warp
+    float v = x[g * 32 + lane];
+    float amax = pg_warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int q = (int)roundf(v * id);
+    q = max(-127, min(127, q));
+    xq[g * 32 + lane] = (i8)q;
+    int s = pg_warp_sum_i(q);
+    if (lane == 0) xd[g] = make_float2(d, (float)s);
+}
+
+// Rows of activations one mmvq thread block handles (each weight read is
+// reused this many times).
+#define PG_MMVQ_COLS 8
+// Warps (= output features) per mmvq thread block.
+#define PG_MMVQ_WARPS 4
+
+__device__ __forceinline__ u32 pg_ld32(const u8* p) { return *(const u32*)p; }
+
+// Integer dot product of one 32-weight block with 32 activation codes.
+template <int TY>
+__device__ __forceinline__ i32 pg_block_dot(const u8* wq, const i8* xq) {
+    const int4* xv = (const int4*)xq;
+    int4 x0 = xv[0], x1 = xv[1];
+    i32 xs[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+    i32 acc = 0;
+    if (TY == PG_W_Q8_0) {
+        const int4* wv = (const int4*)wq;
+        int4 w0 = wv[0], w1 = wv[1];
+        i32 ws[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int k = 0; k < 8; k++) acc = pg_dp4a(ws[k], xs[k], acc);
+    } else {
+        // Byte j of the block holds weight j (low nibble) and j + 16 (high).
+        int4 wv = *(const int4*)wq;
+        i32 ws[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            acc = pg_dp4a(ws[k] & 0x0f0f0f0f, xs[k], acc);
+            acc = pg_dp4a((ws[k] >> 4) & 0x0f0f0f0f, xs[4 + k], acc);
+        }
+    }
+    return acc;
+}
+
+// out[r][n] = sum_k x[r][k] w[n][k] for quantized w. One warp per output
+// feature n, PG_MMVQ_COLS activation rows per thread block (grid.y walks
+// the rows, so many rows loop over the weight again). Lane l takes blocks
+// l, l + 32, …: a warp reads 32 consecutive blocks' quants in one sweep.
+template <int TY>
+__device__ void pg_mmvq(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                        const float2* xd, u32 m, float* out) {
+    u32 lane = threadIdx.x % 32;
+    u32 feat = blockIdx.x * PG_MMVQ_WARPS + threadIdx.x / 32;
+    u32 r0 = blockIdx.y * PG_MMVQ_COLS;
+    if (feat >= n) return;
+    u32 nr = min((u32)PG_MMVQ_COLS, m - r0);
+    const u32 qb = TY == PG_W_Q8_0 ? 32 : 16;
+    float acc[PG_MMVQ_COLS];
+#pragma unroll
+    for (int c = 0; c < PG_MMVQ_COLS; c++) acc[c] = 0.0f;
+    for (u32 b = lane; b < nb; b += 32) {
+        u64 wb = (u64)feat * nb + b;
+        const u8* wq = w + wb * qb;
+        float dw, mw = 0.0f;
+        if (TY == PG_W_Q4_1) {
+            u32 dm = pg_ld32(w + scale_off + 4 * wb);
+            dw = pg_h2f((u16)(dm & 0xffff));
+            mw = pg_h2f((u16)(dm >> 16));
+        } else {
+            dw = pg_h2f(((const u16*)(w + scale_off))[wb]);
+        }
+#pragma unroll
+        for (int c = 0; c < PG_MMVQ_COLS; c++) {
+            if ((u32)c < nr) {
+                u64 xb = (u64)(r0 + c) * nb + b;
+                i32 dot = pg_block_dot<TY>(wq, xq + xb * 32);
+                float2 ds = xd[xb];
+                if (TY == PG_W_Q4_0) {
+                    acc[c] += dw * ds.x * (float)(dot - 8 * (i32)ds.y);
+                } else if (TY == PG_W_Q4_1) {
+                    acc[c] += dw * ds.x * (float)dot + mw * ds.x * ds.y;
+                } else {
+                    acc[c] += dw * ds.x * (float)dot;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < PG_MMVQ_COLS; c++) {
+        float s = pg_warp_sum(acc[c]);
+        if (lane == 0 && (u32)c < nr) out[(u64)(r0 + c) * n + feat] = s;
+    }
+}
+
+extern "C" __global__ void pg_mmvq_q4_0(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                        const float2* xd, u32 m, float* out) {
+    pg_mmvq<PG_W_Q4_0>(w, scale_off, n, nb, xq, xd, m, out);
+}
+extern "C" __global__ void pg_mmvq_q4_1(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                        const float2* xd, u32 m, float* out) {
+    pg_mmvq<PG_W_Q4_1>(w, scale_off, n, nb, xq, xd, m, out);
+}
+extern "C" __global__ void pg_mmvq_q8_0(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                        const float2* xd, u32 m, float* out) {
+    pg_mmvq<PG_W_Q8_0>(w, scale_off, n, nb, xq, xd, m, out);
+}
+
+// Dense matmuls run on cuBLAS with 16-bit inputs: activations are rounded
+// to the weight's type first.
+extern "C" __global__ void pg_f32_to_f16(const float* x, u64 n, u16* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = pg_f2h(x[i]);
+}
+extern "C" __global__ void pg_f32_to_bf16(const float* x, u64 n, u16* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = pg_f2bf(x[i]);
+}
+
+// ---------------------------------------------------------------------------
+// Element-wise and row operations.
+// ---------------------------------------------------------------------------
+
+// RMSNorm of each row: one thread block (a multiple of 32 threads, at most
+// 1024) per row.
+extern "C" __global__ void pg_rms_norm(const float* x, const float* weight, float eps, u32 d,
+                                       float* out) {
+    __shared__ float partial[32];
+    const float* xr = x + (u64)blockIdx.x * d;
+    float* orow = out + (u64)blockIdx.x * d;
+    float ss = 0.0f;
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) ss += xr[j] * xr[j];
+    ss = pg_warp_sum(ss);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+        v = pg_warp_sum(v);
+        if (threadIdx.x == 0) partial[0] = v;
+    }
+    __syncthreads();
+    float inv = 1.0f / sqrtf(partial[0] / (float)d + eps);
+    for (u32 j = threadIdx.x; j < d; j += blockDim.x) orow[j] = xr[j] * inv * weight[j];
+}
+
+extern "C" __global__ void pg_add(float* x, const float* y, u64 n) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}
+
+extern "C" __global__ void pg_add_bias(float* x, const float* bias, u64 n, u32 d) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += bias[i % d];
+}
+
+extern "C" __global__ void pg_copy_columns(const float* src, u32 src_width, u32 src_col,
+                                           float* dst, u32 dst_width, u32 dst_col, u32 width,
+                                           u32 m) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)m * width) return;
+    u64 r = i / width, c = i % width;
+    dst[r * dst_width + dst_col + c] = src[r * src_width + src_col + c];
+}
+
+extern "C" __global__ void pg_silu_mul(const float* gate_up, u32 m, u32 ffn, float* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)m * ffn) return;
+    u64 r = i / ffn, j = i % ffn;
+    float g = gate_up[r * 2 * ffn + j];
+    float u = gate_up[r * 2 * ffn + ffn + j];
+    out[i] = g / (1.0f + expf(-g)) * u;
+}
+
+// Rotates every head of every token by its position, from the uploaded
+// [max_positions][head_dim / 2] tables. One thread per rotated pair.
+extern "C" __global__ void pg_rope(float* x, const float* cos_t, const float* sin_t,
+                                   const u32* positions, u32 n_tokens, u32 n_heads, u32 head_dim,
+                                   int neox) {
+    u32 half = head_dim / 2;
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_tokens * n_heads * half) return;
+    u32 p = (u32)(i % half);
+    u64 th = i / half;  // token * n_heads + head
+    u64 t = th / n_heads;
+    u64 pos = positions[t];
+    float c = cos_t[pos * half + p], s = sin_t[pos * half + p];
+    float* head = x + th * head_dim;
+    u32 ia = neox ? p : 2 * p;
+    u32 ib = neox ? p + half : 2 * p + 1;
+    float x0 = head[ia], x1 = head[ib];
+    head[ia] = x0 * c - x1 * s;
+    head[ib] = x0 * s + x1 * c;
+}
+
+extern "C" __global__ void pg_gather_rows(const float* x, u32 d, const u32* rows, u32 n,
+                                          float* out) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n * d) return;
+    u64 r = i / d, c = i % d;
+    out[i] = x[(u64)rows[r] * d + c];
+}
+
+// ---------------------------------------------------------------------------
+// KV cache element types.
+// ---------------------------------------------------------------------------
+struct KvF32 {
+    typedef float T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return p[i]; }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = v; }
+};
+struct KvF16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return pg_h2f(p[i]); }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = pg_f2h(v); }
+};
+struct KvBf16 {
+    typedef u16 T;
+    static __device__ __forceinline__ float load(const T* p, u64 i) { return pg_bf2f(p[i]); }
+    static __device__ __forceinline__ void store(T* p, u64 i, float v) { p[i] = pg_f2bf(v); }
+};
+
+// Writes each token's K and V rows at its slot. One thread per element.
+template <typename KV>
+__device__ void pg_write_kv(const float* k, const float* v, const u32* slots, u32 n_tokens,
+                            u32 n_kv, u32 head_dim, u32 block_size, u64 n_slots,
+                            typename KV::T* kc, typename KV::T* vc) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    u64 row = (u64)n_kv * head_dim;
+    if (i >= n_tokens * row) return;
+    u64 t = i / row;
+    u32 h = (u32)((i % row) / head_dim), e = (u32)(i % head_dim);
+    u64 slot = slots[t];
+    if (slot >= n_slots) return;  // the host checked the step's slots already
+    u64 blk = slot / block_size, off = slot % block_size;
+    u64 slab = blk * n_kv + h;
+    KV::store(kc, (slab * head_dim + e) * block_size + off, k[i]);
+    KV::store(vc, (slab * block_size + off) * head_dim + e, v[i]);
+}
+
+#define PG_WRITE_KV(NAME, KV)                                                                   \
+    extern "C" __global__ void NAME(const float* k, const float* v, const u32* slots,           \
+                                    u32 n_tokens, u32 n_kv, u32 head_dim, u32 block_size,       \
+                                    u64 n_slots, KV::T* kc, KV::T* vc) {                        \
+        pg_write_kv<KV>(k, v, slots, n_tokens, n_kv, head_dim, block_size, n_slots, kc, vc);    \
+    }
+PG_WRITE_KV(pg_write_kv_f32, KvF32)
+PG_WRITE_KV(pg_write_kv_f16, KvF16)
+PG_WRITE_KV(pg_write_kv_bf16, KvBf16)
+
+// ---------------------------------------------------------------------------
+// Paged attention.
+//
+// One thread block per (x, kv head, sequence). Its rows are (query, q head of
+// the group) pairs, so every K/V element read from the cache (into shared
+// memory, widened to f32) serves all q heads of the group. The cache is
+// streamed in tiles of PG_ATT_TILE positions with an online softmax per row.
+//
+// - decode (q_len == 1): x is a split of the context (split-KV flash
+//   decoding); each split writes its unnormalized accumulator and (max, sum)
+//   when there are several, and pg_attn_merge combines them;
+// - prefill (q_len > 1): x is a tile of `nq` queries, which reads positions
+//   0..=its last query's position, masking causally per row.
+// ---------------------------------------------------------------------------
+#define PG_ATT_THREADS 128
+#define PG_ATT_TILE 16
+// Accumulator registers per thread: rows × head_dim <= 128 × 32 = 4096.
+#define PG_ATT_ACC 32
+
+template <typename KV>
+__device__ void pg_attention(const float* q, float* out, const typename KV::T* kc,
+                             const typename KV::T* vc, const u32* seq_meta, const u32* tables,
+                             u32 n_heads, u32 n_kv, u32 head_dim, u32 block_size, float scale,
+                             u32 nq, u32 split_len, u32 n_splits, int decode, float* part_o,
+                             float* part_ml) {
+    extern __shared__ float smem[];
+    const u32 D = head_dim, G = n_heads / n_kv;
+    const u32 x = blockIdx.x, h = blockIdx.y, s = blockIdx.z;
+    const u32 q_start = seq_meta[4 * s], q_len = seq_meta[4 * s + 1];
+    const u32 ctx = seq_meta[4 * s + 2], tstart = seq_meta[4 * s + 3];
+    if (q_len == 0 || (decode != 0) != (q_len == 1)) return;
+
+    u32 q_first, n_rows_q, kv_start, kv_end;
+    if (decode) {
+        q_first = 0;
+        n_rows_q = 1;
+        kv_start = x * split_len;
+        if (kv_start >= ctx) return;
+        kv_end = min(ctx, kv_start + split_len);
+    } else {
+        q_first = x * nq;
+        if (q_first >= q_len) return;
+        n_rows_q = min(nq, q_len - q_first);
+        kv_start = 0;
+        kv_end = ctx - q_len + q_first + n_rows_q;  // last query's position + 1
+    }
+    const u32 R = n_rows_q * G, RD = R * D;
+    const u32 RMAX = nq * G;
+    float* q_s = smem;                               // [RMAX][D], pre-scaled
+    float* kv_s = q_s + RMAX * D;                    // [TILE][D + 1]
+    float* s_s = kv_s + PG_ATT_TILE * (D + 1);       // [RMAX][TILE]
+    float* m_s = s_s + RMAX * PG_ATT_TILE;           // [RMAX]
+    float* l_s = m_s + RMAX;                         // [RMAX]
+    float* a_s = l_s + RMAX;                         // [RMAX]
+    const u32 tid = threadIdx.x;
+    const u64 q_row = (u64)n_heads * D;
+    const u64 p0 = ctx - q_len + q_first;  // position of the tile's first query
+
+    for (u32 e = tid; e < RD; e += PG_ATT_THREADS) {
+        u32 r = e / D, i = e % D;
+        u32 qi = r / G, g = r % G;
+        q_s[e] = q[(u64)(q_start + q_first + qi) * q_row + (u64)(h * G + g) * D + i] * scale;
+    }
+    for (u32 r = tid; r < R; r += PG_ATT_THREADS) {
+        m_s[r] = PG_NEG_INF;
+        l_s[r] = 0.0f;
+    }
+    float acc[PG_ATT_ACC];
+#pragma unroll
+    for (int k = 0; k < PG_ATT_ACC; k++) acc[k] = 0.0f;
+    __syncthreads();
+
+    const u32* table = tables + tstart;
+    for (u32 t0 = kv_start; t0 < kv_end; t0 += PG_ATT_TILE) {
+        // K tile, transposed in the cache: consecutive threads take
+        // consecutive positions of one dimension (contiguous in a block).
+        for (u32 idx = tid; idx < PG_ATT_TILE * D; idx += PG_ATT_THREADS) {
+            u32 j = idx % PG_ATT_TILE, i = idx / PG_ATT_TILE;
+            u32 p = t0 + j;
+            float val = 0.0f;
+            if (p < kv_end) {
+                u64 slab = (u64)table[p / block_size] * n_kv + h;
+                val = KV::load(kc, (slab * D + i) * block_size + p % block_size);
+            }
+            kv_s[j * (D + 1) + i] = val;
+        }
+        __syncthreads();
+        // Scores; a row's masked positions get -inf.
+        for (u32 pr = tid; pr < R * PG_ATT_TILE; pr += PG_ATT_THREADS) {
+            u32 r = pr / PG_ATT_TILE, j = pr % PG_ATT_TILE;
+            u32 p = t0 + j;
+            u64 qpos = p0 + r / G;
+            float sc = PG_NEG_INF;
+            if (p < kv_end && p <= qpos) {
+                const float* qr = q_s + r * D;
+                const float* kr = kv_s + j * (D + 1);
+                float dot = 0.0f;
+                for (u32 i = 0; i < D; i++) dot = fmaf(qr[i], kr[i], dot);
+                sc = dot;
+            }
+            s_s[r * PG_ATT_TILE + j] = sc;
+        }
+        __syncthreads();
+        // Online softmax, one warp per row; meanwhile the V tile replaces
+        // the K tile (the scores no longer need it).
+        for (u32 r = tid / 32; r < R; r += PG_ATT_THREADS / 32) {
+            u32 lane = tid % 32;
+            float sc = lane < PG_ATT_TILE ? s_s[r * PG_ATT_TILE + lane] : PG_NEG_INF;
+            float m_old = m_s[r];
+            float m_new = fmaxf(m_old, pg_warp_max(sc));
+            float alpha = m_old == PG_NEG_INF ? 0.0f : expf(m_old - m_new);
+            float pr = sc == PG_NEG_INF ? 0.0f : expf(sc - m_new);
+            if (lane < PG_ATT_TILE) s_s[r * PG_ATT_TILE + lane] = pr;
+            float sum = pg_warp_sum(pr);
+            if (lane == 0) {
+                l_s[r] = l_s[r] * alpha + sum;
+                m_s[r] = m_new;
+                a_s[r] = alpha;
+            }
+        }
+        for (u32 idx = tid; idx < PG_ATT_TILE * D; idx += PG_ATT_THREADS) {
+            u32 j = idx / D, i = idx % D;
+            u32 p = t0 + j;
+            float val = 0.0f;
+            if (p < kv_end) {
+                u64 slab = (u64)table[p / block_size] * n_kv + h;
+                val = KV::load(vc, (slab * block_size + p % block_size) * D + i);
+            }
+            kv_s[j * (D + 1) + i] = val;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PG_ATT_ACC; k++) {
+            u32 e = tid + PG_ATT_THREADS * k;
+            if (e < RD) {
+                u32 r = e / D, i = e % D;
+                float a = acc[k] * a_s[r];
+                const float* pr = s_s + r * PG_ATT_TILE;
+                for (u32 j = 0; j < PG_ATT_TILE; j++) a = fmaf(pr[j], kv_s[j * (D + 1) + i], a);
+                acc[k] = a;
+            }
+        }
+        __syncthreads();
+    }
+
+    const bool direct = !decode || n_splits == 1;
+#pragma unroll
+    for (int k = 0; k < PG_ATT_ACC; k++) {
+        u32 e = tid + PG_ATT_THREADS * k;
+        if (e < RD) {
+            u32 r = e / D, i = e % D;
+            u32 qi = r / G, g = r % G;
+            if (direct) {
+                float l = l_s[r];
+                out[(u64)(q_start + q_first + qi) * q_row + (u64)(h * G + g) * D + i] =
+                    l > 0.0f ? acc[k] / l : 0.0f;
+            } else {
+                u64 part = ((u64)s * n_kv + h) * n_splits + x;
+                part_o[(part * G + g) * D + i] = acc[k];
+            }
+        }
+    }
+    if (!direct) {
+        for (u32 g = tid; g < G; g += PG_ATT_THREADS) {
+            u64 part = ((u64)s * n_kv + h) * n_splits + x;
+            part_ml[2 * (part * G + g)] = m_s[g];
+            part_ml[2 * (part * G + g) + 1] = l_s[g];
+        }
+    }
+}
+
+#define PG_ATTENTION(NAME, KV)                                                                  \
+    extern "C" __global__ void NAME(const float* q, float* out, const KV::T* kc,                \
+                                    const KV::T* vc, const u32* seq_meta, const u32* tables,    \
+                                    u32 n_heads, u32 n_kv, u32 head_dim, u32 block_size,        \
+                                    float scale, u32 nq, u32 split_len, u32 n_splits,           \
+                                    int decode, float* part_o, float* part_ml) {                \
+        pg_attention<KV>(q, out, kc, vc, seq_meta, tables, n_heads, n_kv, head_dim,             \
+                         block_size, scale, nq, split_len, n_splits, decode, part_o, part_ml);  \
+    }
+PG_ATTENTION(pg_attention_f32, KvF32)
+PG_ATTENTION(pg_attention_f16, KvF16)
+PG_ATTENTION(pg_attention_bf16, KvBf16)
+
+// Combines the splits of each decode row: grid (n_heads, n_seqs), head_dim
+// threads. Splits past a sequence's context were never run and are skipped.
+extern "C" __global__ void pg_attn_merge(const float* part_o, const float* part_ml,
+                                         const u32* seq_meta, u32 n_heads, u32 n_kv,
+                                         u32 head_dim, u32 split_len, u32 n_splits, float* out) {
+    const u32 hq = blockIdx.x, s = blockIdx.y, i = threadIdx.x;
+    const u32 q_start = seq_meta[4 * s], q_len = seq_meta[4 * s + 1], ctx = seq_meta[4 * s + 2];
+    if (q_len != 1 || i >= head_dim) return;
+    const u32 G = n_heads / n_kv, h = hq / G, g = hq % G;
+    const u32 used = min(n_splits, (ctx + split_len - 1) / split_len);
+    const u64 base = ((u64)s * n_kv + h) * n_splits;
+    float m = PG_NEG_INF;
+    for (u32 x = 0; x < used; x++) m = fmaxf(m, part_ml[2 * ((base + x) * G + g)]);
+    float l = 0.0f, o = 0.0f;
+    for (u32 x = 0; x < used; x++) {
+        u64 pg = (base + x) * G + g;
+        float mx = part_ml[2 * pg];
+        float w = mx == PG_NEG_INF ? 0.0f : expf(mx - m);
+        l += part_ml[2 * pg + 1] * w;
+        o += part_o[pg * head_dim + i] * w;
+    }
+    out[(u64)q_start * n_heads * head_dim + (u64)hq * head_dim + i] = l > 0.0f ? o / l : 0.0f;
+}
