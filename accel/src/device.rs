@@ -32,6 +32,12 @@ pub enum DeviceError {
         feature: &'static str,
         runtime: &'static str,
     },
+    /// The device's backend is built in but is not a CPU context: it is
+    /// opened through its own backend type (for `cuda`,
+    /// [`crate::CudaBackend::new`]), or the device cannot be used here.
+    #[cfg(feature = "cuda")]
+    #[error("device '{device}': {reason}")]
+    Unavailable { device: Device, reason: String },
 }
 
 impl fmt::Display for Device {
@@ -61,14 +67,30 @@ impl FromStr for Device {
 
 impl Device {
     /// Opens a CPU context with `threads` threads, or explains why the
-    /// requested accelerator is unavailable.
+    /// requested accelerator is unavailable (with the `cuda` feature,
+    /// `Device::Cuda` reports whether a GPU is present and that it is opened
+    /// with [`crate::CudaBackend::new`]).
     pub fn open(self, threads: usize) -> Result<CpuContext, DeviceError> {
         match self {
             Device::Cpu => Ok(CpuContext::new(threads)),
+            #[cfg(not(feature = "cuda"))]
             Device::Cuda => Err(DeviceError::NotBuilt {
                 device: self,
                 feature: "cuda",
                 runtime: "the CUDA driver (libcuda) and an NVIDIA GPU",
+            }),
+            // Built with CUDA: say whether a GPU is there, and how it is
+            // driven (a CPU context cannot be).
+            #[cfg(feature = "cuda")]
+            Device::Cuda => Err(DeviceError::Unavailable {
+                device: self,
+                reason: match crate::backend::cuda::device_count() {
+                    Err(e) => e.to_string(),
+                    Ok(0) => "the CUDA driver reports no GPU".into(),
+                    Ok(n) => format!(
+                        "{n} CUDA GPU(s) found; they are driven by pagoda_accel::CudaBackend::new(ordinal), not a CPU context"
+                    ),
+                },
             }),
             Device::Rocm => Err(DeviceError::NotBuilt {
                 device: self,
