@@ -38,7 +38,7 @@ mod amx_bf16;
 #[cfg(target_arch = "x86_64")]
 mod bf16_tiles;
 mod dense;
-mod formats;
+pub(crate) mod formats;
 mod layout;
 mod qkern;
 #[cfg(test)]

@@ -28,6 +28,8 @@
 //! compiling them with NVRTC (`module::tests`), the host-side arithmetic by
 //! unit tests.
 
+#[cfg(test)]
+mod emulate;
 pub mod module;
 pub mod plan;
 pub mod weights;

@@ -1,0 +1,546 @@
+//! Host transliterations of the trickiest kernels, checked against the CPU
+//! reference. No GPU was available to run the kernels themselves; these
+//! tests check the index arithmetic, the repacked layout, the integer-dot
+//! algebra and the split/merge softmax the kernels are built on. Each
+//! function follows its kernel in kernels.cu phase by phase (one loop over
+//! "threads" per `__syncthreads` section), so a change to a kernel's
+//! indexing must be mirrored here.
+
+use super::plan::{self, ATT_TILE};
+use super::weights::{self, Packed};
+use crate::backend::HostMatrix;
+use crate::ops::{self, AttnSeq, KvLayout};
+use crate::quant::GgmlType;
+use rand::{Rng, SeedableRng};
+
+fn h2f(b: &[u8], i: usize) -> f32 {
+    half::f16::from_bits(u16::from_le_bytes([b[i], b[i + 1]])).to_f32()
+}
+
+fn word(b: &[u8], i: usize) -> i32 {
+    i32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
+}
+
+/// `dp4a.s32.s32`: four signed byte products added to `c`.
+fn dp4a(a: i32, b: i32, c: i32) -> i32 {
+    let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+    (0..4).fold(c, |acc, k| acc + (a[k] as i8 as i32) * (b[k] as i8 as i32))
+}
+
+/// `pg_quantize_x`.
+fn quantize_x(x: &[f32]) -> (Vec<u8>, Vec<[f32; 2]>) {
+    let mut xq = vec![0u8; x.len()];
+    let mut xd = Vec::new();
+    for (g, blk) in x.chunks_exact(32).enumerate() {
+        let amax = blk.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut s = 0;
+        for (lane, &v) in blk.iter().enumerate() {
+            let q = ((v * id).round() as i32).clamp(-127, 127);
+            xq[g * 32 + lane] = q as i8 as u8;
+            s += q;
+        }
+        xd.push([d, s as f32]);
+    }
+    (xq, xd)
+}
+
+/// `pg_block_dot<TY>`.
+fn block_dot(ty: GgmlType, wq: &[u8], xq: &[u8]) -> i32 {
+    let xs: Vec<i32> = (0..8).map(|k| word(xq, 4 * k)).collect();
+    let mut acc = 0;
+    if ty == GgmlType::Q8_0 {
+        for (k, &x) in xs.iter().enumerate() {
+            acc = dp4a(word(wq, 4 * k), x, acc);
+        }
+    } else {
+        for k in 0..4 {
+            let w = word(wq, 4 * k);
+            acc = dp4a(w & 0x0f0f0f0f, xs[k], acc);
+            acc = dp4a((w >> 4) & 0x0f0f0f0f, xs[4 + k], acc);
+        }
+    }
+    acc
+}
+
+/// `pg_mmvq<TY>` over the whole grid.
+fn mmvq(
+    ty: GgmlType,
+    p: &Packed,
+    n: usize,
+    nb: usize,
+    xq: &[u8],
+    xd: &[[f32; 2]],
+    m: usize,
+) -> Vec<f32> {
+    let qb = if ty == GgmlType::Q8_0 { 32 } else { 16 };
+    let mut out = vec![0f32; m * n];
+    for feat in 0..n {
+        for r in 0..m {
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let wb = feat * nb + b;
+                let wq = &p.bytes[wb * qb..wb * qb + qb];
+                let (dw, mw) = if ty == GgmlType::Q4_1 {
+                    let o = p.scale_off + 4 * wb;
+                    (h2f(&p.bytes, o), h2f(&p.bytes, o + 2))
+                } else {
+                    (h2f(&p.bytes, p.scale_off + 2 * wb), 0.0)
+                };
+                let xb = r * nb + b;
+                let dot = block_dot(ty, wq, &xq[xb * 32..xb * 32 + 32]);
+                let [dx, sx] = xd[xb];
+                acc += match ty {
+                    GgmlType::Q4_0 => dw * dx * (dot - 8 * sx as i32) as f32,
+                    GgmlType::Q4_1 => dw * dx * dot as f32 + mw * dx * sx,
+                    _ => dw * dx * dot as f32,
+                };
+            }
+            out[r * n + feat] = acc;
+        }
+    }
+    out
+}
+
+#[test]
+fn mmvq_matches_the_dequantized_product() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let (n, k, m) = (5, 128, 3);
+    let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let hm = quantized(ty, n, k, &w);
+        let wd = hm.dequantize().expect("dequantize");
+        let p = weights::pack(ty, n, k, hm.bytes()).expect("packable");
+        let (xq, xd) = quantize_x(&x);
+        let got = mmvq(ty, &p, n, k / 32, &xq, &xd, m);
+        for r in 0..m {
+            for f in 0..n {
+                let want: f32 = (0..k).map(|j| x[r * k + j] * wd[f * k + j]).sum();
+                let g = got[r * n + f];
+                // Only the activations' int8 rounding separates the two.
+                assert!(
+                    (g - want).abs() < 0.05 * (1.0 + want.abs()),
+                    "{ty:?} r{r} f{f}: {g} vs {want}"
+                );
+            }
+        }
+    }
+}
+
+/// A `rows × cols` matrix of `ty` quantized from `w`, through the crate's
+/// quantizer.
+fn quantized(ty: GgmlType, rows: usize, cols: usize, w: &[f32]) -> HostMatrix<'static> {
+    let row_bytes = ty.row_bytes(cols).expect("block multiple");
+    let mut data = vec![0u8; rows * row_bytes];
+    for (src, dst) in w.chunks_exact(cols).zip(data.chunks_exact_mut(row_bytes)) {
+        crate::quant::formats::quantize_row(ty, src, dst);
+    }
+    HostMatrix::new(ty, rows, cols, data).expect("valid matrix")
+}
+
+/// `pg_weight_at` (what `pg_embed` reads).
+fn weight_at(ty: GgmlType, p: &Packed, nb: usize, r: usize, j: usize) -> f32 {
+    let blk = r * nb + j / 32;
+    let e = j % 32;
+    let b = &p.bytes;
+    match ty {
+        GgmlType::Q4_0 => {
+            let byte = b[blk * 16 + e % 16];
+            let q = if e < 16 { byte & 15 } else { byte >> 4 } as i32;
+            (q - 8) as f32 * h2f(b, p.scale_off + 2 * blk)
+        }
+        GgmlType::Q4_1 => {
+            let byte = b[blk * 16 + e % 16];
+            let q = if e < 16 { byte & 15 } else { byte >> 4 } as f32;
+            q * h2f(b, p.scale_off + 4 * blk) + h2f(b, p.scale_off + 4 * blk + 2)
+        }
+        GgmlType::Q8_0 => (b[blk * 32 + e] as i8) as f32 * h2f(b, p.scale_off + 2 * blk),
+        _ => unreachable!("quantized types only"),
+    }
+}
+
+#[test]
+fn embedding_reads_the_packed_layout_exactly() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let (n, k) = (4, 64);
+    let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let hm = quantized(ty, n, k, &w);
+        let wd = hm.dequantize().expect("dequantize");
+        let p = weights::pack(ty, n, k, hm.bytes()).expect("packable");
+        for r in 0..n {
+            for j in 0..k {
+                assert_eq!(
+                    weight_at(ty, &p, k / 32, r, j),
+                    wd[r * k + j],
+                    "{ty:?} {r} {j}"
+                );
+            }
+        }
+    }
+}
+
+/// `pg_write_kv<KvF32>`.
+fn write_kv(l: &KvLayout, k: &[f32], v: &[f32], slots: &[u32], kc: &mut [f32], vc: &mut [f32]) {
+    let (d, bs) = (l.head_dim, l.block_size);
+    let row = l.n_kv_heads * d;
+    for i in 0..slots.len() * row {
+        let t = i / row;
+        let (h, e) = ((i % row) / d, i % d);
+        let slot = slots[t] as usize;
+        let (blk, off) = (slot / bs, slot % bs);
+        let slab = blk * l.n_kv_heads + h;
+        kc[(slab * d + e) * bs + off] = k[i];
+        vc[(slab * bs + off) * d + e] = v[i];
+    }
+}
+
+/// The step's `[n_seqs][4]` sequence array, as `upload_step` builds it.
+struct Seq {
+    q_start: usize,
+    q_len: usize,
+    ctx: usize,
+    tstart: usize,
+}
+
+/// One block of `pg_attention<KvF32>`, phase by phase.
+#[allow(clippy::too_many_arguments)]
+fn attention_block(
+    (x, h, s): (usize, usize, usize),
+    q: &[f32],
+    out: &mut [f32],
+    kc: &[f32],
+    vc: &[f32],
+    seqs: &[Seq],
+    tables: &[u32],
+    (n_heads, n_kv, d, bs): (usize, usize, usize, usize),
+    scale: f32,
+    (nq, split_len, n_splits, decode): (usize, usize, usize, bool),
+    part_o: &mut [f32],
+    part_ml: &mut [f32],
+) {
+    let g_n = n_heads / n_kv;
+    let sq = &seqs[s];
+    if sq.q_len == 0 || decode != (sq.q_len == 1) {
+        return;
+    }
+    let (q_first, n_rows_q, kv_start, kv_end);
+    if decode {
+        q_first = 0;
+        n_rows_q = 1;
+        kv_start = x * split_len;
+        if kv_start >= sq.ctx {
+            return;
+        }
+        kv_end = sq.ctx.min(kv_start + split_len);
+    } else {
+        q_first = x * nq;
+        if q_first >= sq.q_len {
+            return;
+        }
+        n_rows_q = nq.min(sq.q_len - q_first);
+        kv_start = 0;
+        kv_end = sq.ctx - sq.q_len + q_first + n_rows_q;
+    }
+    let (r_n, rd) = (n_rows_q * g_n, n_rows_q * g_n * d);
+    let q_row = n_heads * d;
+    let p0 = sq.ctx - sq.q_len + q_first;
+    let mut q_s = vec![0f32; rd];
+    for (e, qv) in q_s.iter_mut().enumerate() {
+        let (r, i) = (e / d, e % d);
+        let (qi, g) = (r / g_n, r % g_n);
+        *qv = q[(sq.q_start + q_first + qi) * q_row + (h * g_n + g) * d + i] * scale;
+    }
+    let mut m_s = vec![f32::NEG_INFINITY; r_n];
+    let mut l_s = vec![0f32; r_n];
+    let mut a_s = vec![0f32; r_n];
+    let mut acc = vec![0f32; rd];
+    let mut kv_s = vec![0f32; ATT_TILE * (d + 1)];
+    let mut s_s = vec![0f32; r_n * ATT_TILE];
+    let table = &tables[sq.tstart..];
+    let mut t0 = kv_start;
+    while t0 < kv_end {
+        for idx in 0..ATT_TILE * d {
+            let (j, i) = (idx % ATT_TILE, idx / ATT_TILE);
+            let p = t0 + j;
+            let mut val = 0.0;
+            if p < kv_end {
+                let slab = table[p / bs] as usize * n_kv + h;
+                val = kc[(slab * d + i) * bs + p % bs];
+            }
+            kv_s[j * (d + 1) + i] = val;
+        }
+        for pr in 0..r_n * ATT_TILE {
+            let (r, j) = (pr / ATT_TILE, pr % ATT_TILE);
+            let p = t0 + j;
+            let qpos = p0 + r / g_n;
+            let mut sc = f32::NEG_INFINITY;
+            if p < kv_end && p <= qpos {
+                sc = (0..d).fold(0.0f32, |a, i| {
+                    q_s[r * d + i].mul_add(kv_s[j * (d + 1) + i], a)
+                });
+            }
+            s_s[r * ATT_TILE + j] = sc;
+        }
+        for r in 0..r_n {
+            let row = &mut s_s[r * ATT_TILE..(r + 1) * ATT_TILE];
+            let m_old = m_s[r];
+            let m_new = row.iter().fold(m_old, |a, &v| a.max(v));
+            let alpha = if m_old == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (m_old - m_new).exp()
+            };
+            let mut sum = 0.0;
+            for v in row.iter_mut() {
+                *v = if *v == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    (*v - m_new).exp()
+                };
+                sum += *v;
+            }
+            l_s[r] = l_s[r] * alpha + sum;
+            m_s[r] = m_new;
+            a_s[r] = alpha;
+        }
+        for idx in 0..ATT_TILE * d {
+            let (j, i) = (idx / d, idx % d);
+            let p = t0 + j;
+            let mut val = 0.0;
+            if p < kv_end {
+                let slab = table[p / bs] as usize * n_kv + h;
+                val = vc[(slab * bs + p % bs) * d + i];
+            }
+            kv_s[j * (d + 1) + i] = val;
+        }
+        for (e, a) in acc.iter_mut().enumerate() {
+            let (r, i) = (e / d, e % d);
+            let mut v = *a * a_s[r];
+            for j in 0..ATT_TILE {
+                v = s_s[r * ATT_TILE + j].mul_add(kv_s[j * (d + 1) + i], v);
+            }
+            *a = v;
+        }
+        t0 += ATT_TILE;
+    }
+    let direct = !decode || n_splits == 1;
+    for (e, &a) in acc.iter().enumerate() {
+        let (r, i) = (e / d, e % d);
+        let (qi, g) = (r / g_n, r % g_n);
+        if direct {
+            let l = l_s[r];
+            out[(sq.q_start + q_first + qi) * q_row + (h * g_n + g) * d + i] =
+                if l > 0.0 { a / l } else { 0.0 };
+        } else {
+            let part = (s * n_kv + h) * n_splits + x;
+            part_o[(part * g_n + g) * d + i] = a;
+        }
+    }
+    if !direct {
+        for g in 0..g_n {
+            let part = (s * n_kv + h) * n_splits + x;
+            part_ml[2 * (part * g_n + g)] = m_s[g];
+            part_ml[2 * (part * g_n + g) + 1] = l_s[g];
+        }
+    }
+}
+
+/// `pg_attn_merge` over the whole grid.
+#[allow(clippy::too_many_arguments)]
+fn merge(
+    part_o: &[f32],
+    part_ml: &[f32],
+    seqs: &[Seq],
+    (n_heads, n_kv, d): (usize, usize, usize),
+    split_len: usize,
+    n_splits: usize,
+    out: &mut [f32],
+) {
+    let g_n = n_heads / n_kv;
+    for (s, sq) in seqs.iter().enumerate() {
+        if sq.q_len != 1 {
+            continue;
+        }
+        for hq in 0..n_heads {
+            let (h, g) = (hq / g_n, hq % g_n);
+            let used = n_splits.min(sq.ctx.div_ceil(split_len));
+            let base = (s * n_kv + h) * n_splits;
+            let m = (0..used).fold(f32::NEG_INFINITY, |a, x| {
+                a.max(part_ml[2 * ((base + x) * g_n + g)])
+            });
+            for i in 0..d {
+                let (mut l, mut o) = (0.0f32, 0.0f32);
+                for x in 0..used {
+                    let pg = (base + x) * g_n + g;
+                    let mx = part_ml[2 * pg];
+                    let w = if mx == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (mx - m).exp()
+                    };
+                    l += part_ml[2 * pg + 1] * w;
+                    o += part_o[pg * d + i] * w;
+                }
+                out[sq.q_start * n_heads * d + hq * d + i] = if l > 0.0 { o / l } else { 0.0 };
+            }
+        }
+    }
+}
+
+/// The CUDA attention pipeline (write_kv, the decode and prefill launches,
+/// the merge) against `ops::write_kv` and `ops::paged_attention`, on a
+/// step mixing a long decode (split), a short decode, a prefill chunk after
+/// cached context and a fresh prefill, with scattered blocks.
+#[test]
+fn attention_pipeline_matches_the_cpu() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (n_heads, n_kv, d, bs) = (8, 2, 32, 16);
+    let layout = KvLayout {
+        num_blocks: 64,
+        block_size: bs,
+        n_kv_heads: n_kv,
+        head_dim: d,
+    };
+    // (cached before the step, new tokens this step)
+    let shapes = [(700usize, 1usize), (5, 1), (40, 23), (0, 37)];
+    let mut free: Vec<u32> = (0..layout.num_blocks as u32).rev().collect();
+    free.swap(3, 40);
+    let mut seqs = Vec::new();
+    let mut tables = Vec::new();
+    let (mut pre_slots, mut step_slots) = (Vec::new(), Vec::new());
+    let mut q_start = 0;
+    for &(cached, new) in &shapes {
+        let ctx = cached + new;
+        let table: Vec<u32> = (0..ctx.div_ceil(bs))
+            .map(|_| free.pop().expect("enough blocks"))
+            .collect();
+        for p in 0..ctx {
+            let slot = table[p / bs] * bs as u32 + (p % bs) as u32;
+            if p < cached {
+                pre_slots.push(slot)
+            } else {
+                step_slots.push(slot)
+            }
+        }
+        seqs.push(Seq {
+            q_start,
+            q_len: new,
+            ctx,
+            tstart: tables.len(),
+        });
+        tables.extend_from_slice(&table);
+        q_start += new;
+    }
+    let n_tok = q_start;
+    let row = n_kv * d;
+    let rand_vec = |rng: &mut rand::rngs::StdRng, n: usize| -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+    };
+    let (k_pre, v_pre) = (
+        rand_vec(&mut rng, pre_slots.len() * row),
+        rand_vec(&mut rng, pre_slots.len() * row),
+    );
+    let (k_new, v_new) = (
+        rand_vec(&mut rng, n_tok * row),
+        rand_vec(&mut rng, n_tok * row),
+    );
+    let q = rand_vec(&mut rng, n_tok * n_heads * d);
+
+    let (mut kc, mut vc) = (vec![0f32; layout.elems()], vec![0f32; layout.elems()]);
+    let (mut kc_ref, mut vc_ref) = (kc.clone(), vc.clone());
+    for (k, v, slots) in [(&k_pre, &v_pre, &pre_slots), (&k_new, &v_new, &step_slots)] {
+        write_kv(&layout, k, v, slots, &mut kc, &mut vc);
+        ops::write_kv(&layout, &mut kc_ref, &mut vc_ref, k, v, slots);
+    }
+    assert_eq!(kc, kc_ref, "K layout");
+    assert_eq!(vc, vc_ref, "V layout");
+
+    let scale = 1.0 / (d as f32).sqrt();
+    let max_decode_ctx = seqs
+        .iter()
+        .filter(|s| s.q_len == 1)
+        .map(|s| s.ctx)
+        .max()
+        .unwrap_or(0);
+    let max_prefill_q = seqs
+        .iter()
+        .filter(|s| s.q_len > 1)
+        .map(|s| s.q_len)
+        .max()
+        .unwrap_or(0);
+    // Few SMs relative to the work would give one split; pretend a big GPU
+    // so the long decode is split.
+    let p = plan::plan_attention(n_heads, n_kv, d, max_decode_ctx, seqs.len(), 132);
+    assert!(p.n_splits > 1, "{p:?}");
+    assert!(p.nq > 1 && p.nq < 37, "{p:?}"); // the fresh prefill spans two tiles
+    let dims = (n_heads, n_kv, d, bs);
+    let mut out = vec![f32::NAN; n_tok * n_heads * d];
+    let parts = seqs.len() * n_kv * p.n_splits * p.group;
+    let (mut part_o, mut part_ml) = (vec![0f32; parts * d], vec![0f32; 2 * parts]);
+    for s in 0..seqs.len() {
+        for h in 0..n_kv {
+            for x in 0..p.n_splits {
+                attention_block(
+                    (x, h, s),
+                    &q,
+                    &mut out,
+                    &kc,
+                    &vc,
+                    &seqs,
+                    &tables,
+                    dims,
+                    scale,
+                    (1, p.split_len, p.n_splits, true),
+                    &mut part_o,
+                    &mut part_ml,
+                );
+            }
+            for x in 0..max_prefill_q.div_ceil(p.nq) {
+                attention_block(
+                    (x, h, s),
+                    &q,
+                    &mut out,
+                    &kc,
+                    &vc,
+                    &seqs,
+                    &tables,
+                    dims,
+                    scale,
+                    (p.nq, 0, 1, false),
+                    &mut part_o,
+                    &mut part_ml,
+                );
+            }
+        }
+    }
+    merge(
+        &part_o,
+        &part_ml,
+        &seqs,
+        (n_heads, n_kv, d),
+        p.split_len,
+        p.n_splits,
+        &mut out,
+    );
+
+    let pool = crate::ThreadPool::new(1);
+    let attn: Vec<AttnSeq<'_>> = seqs
+        .iter()
+        .map(|s| AttnSeq {
+            q_start: s.q_start,
+            q_len: s.q_len,
+            ctx_len: s.ctx,
+            block_table: &tables[s.tstart..s.tstart + s.ctx.div_ceil(bs)],
+        })
+        .collect();
+    let mut want = vec![0f32; out.len()];
+    ops::paged_attention(
+        &pool, &layout, &kc_ref, &vc_ref, &q, n_heads, &attn, scale, &mut want,
+    );
+    for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() < 1e-4, "element {i}: {g} vs {w}");
+    }
+}
