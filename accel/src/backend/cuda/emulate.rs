@@ -103,6 +103,147 @@ fn mmvq(
     out
 }
 
+/// `pg_mmq<TY>` over the whole grid, phase by phase.
+#[allow(clippy::too_many_arguments)]
+fn mmq(
+    ty: GgmlType,
+    p: &Packed,
+    n: usize,
+    nb: usize,
+    xq: &[u8],
+    xd: &[[f32; 2]],
+    m: usize,
+) -> Vec<f32> {
+    const TILE: usize = 64;
+    const KB: usize = 4;
+    const STRIDE: usize = KB * 8 + 1;
+    let xw = |i: usize| word(xq, 4 * i);
+    let ww = |i: usize| word(&p.bytes, 4 * i);
+    let mut out = vec![f32::NAN; m * n];
+    for f0 in (0..n).step_by(TILE) {
+        for r0 in (0..m).step_by(TILE) {
+            let mut acc = vec![[[0f32; 4]; 4]; 256];
+            let mut b0 = 0;
+            while b0 < nb {
+                let mut x_s = vec![0i32; TILE * STRIDE];
+                let mut w_s = vec![0i32; TILE * STRIDE];
+                let mut xd_s = vec![[0f32; 2]; TILE * KB];
+                let mut wd_s = vec![[0f32; 2]; TILE * KB];
+                for idx in 0..TILE * KB * 8 {
+                    let (row, c) = (idx / (KB * 8), idx % (KB * 8));
+                    let b = b0 + c / 8;
+                    if r0 + row < m && b < nb {
+                        x_s[row * STRIDE + c] = xw(((r0 + row) * nb + b) * 8 + c % 8);
+                    }
+                }
+                if ty == GgmlType::Q8_0 {
+                    for idx in 0..TILE * KB * 8 {
+                        let (f, c) = (idx / (KB * 8), idx % (KB * 8));
+                        let b = b0 + c / 8;
+                        if f0 + f < n && b < nb {
+                            w_s[f * STRIDE + c] = ww(((f0 + f) * nb + b) * 8 + c % 8);
+                        }
+                    }
+                } else {
+                    for idx in 0..TILE * KB * 4 {
+                        let (f, rem) = (idx / (KB * 4), idx % (KB * 4));
+                        let (blk, k) = (rem / 4, rem % 4);
+                        let v = if f0 + f < n && b0 + blk < nb {
+                            ww(((f0 + f) * nb + b0 + blk) * 4 + k)
+                        } else {
+                            0
+                        };
+                        w_s[f * STRIDE + blk * 8 + k] = v & 0x0f0f0f0f;
+                        w_s[f * STRIDE + blk * 8 + 4 + k] = (v >> 4) & 0x0f0f0f0f;
+                    }
+                }
+                for idx in 0..TILE * KB {
+                    let (t, blk) = (idx / KB, idx % KB);
+                    let b = b0 + blk;
+                    if r0 + t < m && b < nb {
+                        xd_s[idx] = xd[(r0 + t) * nb + b];
+                    }
+                    if f0 + t < n && b < nb {
+                        let wb = (f0 + t) * nb + b;
+                        wd_s[idx] = if ty == GgmlType::Q4_1 {
+                            let o = p.scale_off + 4 * wb;
+                            [h2f(&p.bytes, o), h2f(&p.bytes, o + 2)]
+                        } else {
+                            [h2f(&p.bytes, p.scale_off + 2 * wb), 0.0]
+                        };
+                    }
+                }
+                for (tid, a) in acc.iter_mut().enumerate() {
+                    let (tx, ty_) = (tid % 16, tid / 16);
+                    for blk in (0..KB).take_while(|&blk| b0 + blk < nb) {
+                        for (i, ai) in a.iter_mut().enumerate() {
+                            let r = ty_ + 16 * i;
+                            let xs = xd_s[r * KB + blk];
+                            for (j, aij) in ai.iter_mut().enumerate() {
+                                let f = tx + 16 * j;
+                                let dot = (0..8).fold(0, |d, c| {
+                                    dp4a(
+                                        w_s[f * STRIDE + blk * 8 + c],
+                                        x_s[r * STRIDE + blk * 8 + c],
+                                        d,
+                                    )
+                                });
+                                let ws = wd_s[f * KB + blk];
+                                *aij += match ty {
+                                    GgmlType::Q4_0 => {
+                                        ws[0] * xs[0] * (dot - 8 * xs[1] as i32) as f32
+                                    }
+                                    GgmlType::Q4_1 => {
+                                        ws[0] * xs[0] * dot as f32 + ws[1] * xs[0] * xs[1]
+                                    }
+                                    _ => ws[0] * xs[0] * dot as f32,
+                                };
+                            }
+                        }
+                    }
+                }
+                b0 += KB;
+            }
+            for (tid, a) in acc.iter().enumerate() {
+                let (tx, ty_) = (tid % 16, tid / 16);
+                for (i, ai) in a.iter().enumerate() {
+                    for (j, &aij) in ai.iter().enumerate() {
+                        let (r, f) = (r0 + ty_ + 16 * i, f0 + tx + 16 * j);
+                        if r < m && f < n {
+                            out[r * n + f] = aij;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The tiled kernel computes what the matrix-vector kernel does, including
+/// ragged edges: rows and features not multiples of 64, and a block count
+/// not a multiple of the K chunk.
+#[test]
+fn tiled_matmul_matches_the_matrix_vector_kernel() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (n, k, m) = (70, 32 * 6, 67);
+    let w: Vec<f32> = (0..n * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let x: Vec<f32> = (0..m * k).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let (xq, xd) = quantize_x(&x);
+    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        let hm = quantized(ty, n, k, &w);
+        let p = weights::pack(ty, n, k, hm.bytes()).expect("packable");
+        let want = mmvq(ty, &p, n, k / 32, &xq, &xd, m);
+        let got = mmq(ty, &p, n, k / 32, &xq, &xd, m);
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "{ty:?} element {i}: {g} vs {w}"
+            );
+        }
+    }
+}
+
 #[test]
 fn mmvq_matches_the_dequantized_product() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);

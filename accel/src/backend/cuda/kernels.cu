@@ -263,6 +263,133 @@ extern "C" __global__ void pg_mmvq_q8_0(const u8* w, u64 scale_off, u32 n, u32 n
     pg_mmvq<PG_W_Q8_0>(w, scale_off, n, nb, xq, xd, m, out);
 }
 
+// The tiled kernel for many rows: a thread block computes a 64 × 64 tile of
+// out (64 activation rows × 64 features), streaming K in chunks of
+// PG_MMQ_KB blocks through shared memory, so each weight block is read once
+// per 64 rows instead of once per PG_MMVQ_COLS. Q4 nibbles are unpacked to
+// one int8 per weight on the way in, so the inner loop is the same dp4a
+// sweep for every type. 256 threads; thread (ty, tx) owns rows ty + 16i and
+// features tx + 16j (i, j < 4).
+#define PG_MMQ_TILE 64
+#define PG_MMQ_KB 4
+#define PG_MMQ_THREADS 256
+// Words per tile row in shared memory: 8 per block, plus one of padding so
+// the 16 features a warp reads sit on distinct banks.
+#define PG_MMQ_STRIDE (PG_MMQ_KB * 8 + 1)
+
+template <int TY>
+__device__ void pg_mmq(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                       const float2* xd, u32 m, float* out) {
+    __shared__ i32 x_s[PG_MMQ_TILE * PG_MMQ_STRIDE];
+    __shared__ i32 w_s[PG_MMQ_TILE * PG_MMQ_STRIDE];
+    __shared__ float2 xd_s[PG_MMQ_TILE * PG_MMQ_KB];
+    __shared__ float2 wd_s[PG_MMQ_TILE * PG_MMQ_KB];
+    const u32 tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    const u32 f0 = blockIdx.x * PG_MMQ_TILE, r0 = blockIdx.y * PG_MMQ_TILE;
+    const i32* xw = (const i32*)xq;
+    const i32* ww = (const i32*)w;
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+
+    for (u32 b0 = 0; b0 < nb; b0 += PG_MMQ_KB) {
+        // Activation codes: row `row`, word `c` of its PG_MMQ_KB blocks.
+        for (u32 idx = tid; idx < PG_MMQ_TILE * PG_MMQ_KB * 8; idx += PG_MMQ_THREADS) {
+            u32 row = idx / (PG_MMQ_KB * 8), c = idx % (PG_MMQ_KB * 8);
+            u32 b = b0 + c / 8;
+            i32 v = 0;
+            if (r0 + row < m && b < nb) v = xw[((u64)(r0 + row) * nb + b) * 8 + c % 8];
+            x_s[row * PG_MMQ_STRIDE + c] = v;
+        }
+        // Weight codes as one signed byte per weight.
+        if (TY == PG_W_Q8_0) {
+            for (u32 idx = tid; idx < PG_MMQ_TILE * PG_MMQ_KB * 8; idx += PG_MMQ_THREADS) {
+                u32 f = idx / (PG_MMQ_KB * 8), c = idx % (PG_MMQ_KB * 8);
+                u32 b = b0 + c / 8;
+                i32 v = 0;
+                if (f0 + f < n && b < nb) v = ww[((u64)(f0 + f) * nb + b) * 8 + c % 8];
+                w_s[f * PG_MMQ_STRIDE + c] = v;
+            }
+        } else {
+            for (u32 idx = tid; idx < PG_MMQ_TILE * PG_MMQ_KB * 4; idx += PG_MMQ_THREADS) {
+                u32 f = idx / (PG_MMQ_KB * 4), rem = idx % (PG_MMQ_KB * 4);
+                u32 blk = rem / 4, k = rem % 4;
+                i32 v = 0;
+                if (f0 + f < n && b0 + blk < nb) v = ww[((u64)(f0 + f) * nb + b0 + blk) * 4 + k];
+                w_s[f * PG_MMQ_STRIDE + blk * 8 + k] = v & 0x0f0f0f0f;
+                w_s[f * PG_MMQ_STRIDE + blk * 8 + 4 + k] = (v >> 4) & 0x0f0f0f0f;
+            }
+        }
+        for (u32 idx = tid; idx < PG_MMQ_TILE * PG_MMQ_KB; idx += PG_MMQ_THREADS) {
+            u32 t = idx / PG_MMQ_KB, blk = idx % PG_MMQ_KB;
+            u32 b = b0 + blk;
+            float2 xs = make_float2(0.0f, 0.0f), ws = make_float2(0.0f, 0.0f);
+            if (r0 + t < m && b < nb) xs = xd[(u64)(r0 + t) * nb + b];
+            if (f0 + t < n && b < nb) {
+                u64 wb = (u64)(f0 + t) * nb + b;
+                if (TY == PG_W_Q4_1) {
+                    u32 dm = pg_ld32(w + scale_off + 4 * wb);
+                    ws = make_float2(pg_h2f((u16)(dm & 0xffff)), pg_h2f((u16)(dm >> 16)));
+                } else {
+                    ws = make_float2(pg_h2f(((const u16*)(w + scale_off))[wb]), 0.0f);
+                }
+            }
+            xd_s[t * PG_MMQ_KB + blk] = xs;
+            wd_s[t * PG_MMQ_KB + blk] = ws;
+        }
+        __syncthreads();
+        for (u32 blk = 0; blk < PG_MMQ_KB && b0 + blk < nb; blk++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u32 r = ty + 16 * i;
+                const i32* xr = x_s + r * PG_MMQ_STRIDE + blk * 8;
+                float2 xs = xd_s[r * PG_MMQ_KB + blk];
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const u32 f = tx + 16 * j;
+                    const i32* wr = w_s + f * PG_MMQ_STRIDE + blk * 8;
+                    i32 dot = 0;
+#pragma unroll
+                    for (int c = 0; c < 8; c++) dot = pg_dp4a(wr[c], xr[c], dot);
+                    float2 ws = wd_s[f * PG_MMQ_KB + blk];
+                    if (TY == PG_W_Q4_0) {
+                        acc[i][j] += ws.x * xs.x * (float)(dot - 8 * (i32)xs.y);
+                    } else if (TY == PG_W_Q4_1) {
+                        acc[i][j] += ws.x * xs.x * (float)dot + ws.y * xs.x * xs.y;
+                    } else {
+                        acc[i][j] += ws.x * xs.x * (float)dot;
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        u32 r = r0 + ty + 16 * i;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            u32 f = f0 + tx + 16 * j;
+            if (r < m && f < n) out[(u64)r * n + f] = acc[i][j];
+        }
+    }
+}
+
+extern "C" __global__ void pg_mmq_q4_0(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                       const float2* xd, u32 m, float* out) {
+    pg_mmq<PG_W_Q4_0>(w, scale_off, n, nb, xq, xd, m, out);
+}
+extern "C" __global__ void pg_mmq_q4_1(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                       const float2* xd, u32 m, float* out) {
+    pg_mmq<PG_W_Q4_1>(w, scale_off, n, nb, xq, xd, m, out);
+}
+extern "C" __global__ void pg_mmq_q8_0(const u8* w, u64 scale_off, u32 n, u32 nb, const i8* xq,
+                                       const float2* xd, u32 m, float* out) {
+    pg_mmq<PG_W_Q8_0>(w, scale_off, n, nb, xq, xd, m, out);
+}
+
 // Dense matmuls run on cuBLAS with 16-bit inputs: activations are rounded
 // to the weight's type first.
 extern "C" __global__ void pg_f32_to_f16(const float* x, u64 n, u16* out) {

@@ -15,8 +15,9 @@
 //! What runs where:
 //! - quantized weights (Q4_0, Q4_1, Q8_0) stay quantized, repacked for
 //!   aligned loads ([`weights`]); a matmul quantizes the activations to
-//!   int8 per 32-block and runs the dp4a matrix-vector kernel over
-//!   [`plan::MMVQ_COLS`] rows at a time;
+//!   int8 per 32-block and runs a dp4a kernel: matrix-vector over
+//!   [`plan::MMVQ_COLS`] rows at a time for few rows, 64 × 64 tiles through
+//!   shared memory from [`plan::MMQ_MIN_ROWS`] rows on;
 //! - F16/BF16 weights stay 16-bit and F32 weights f32; their matmuls are
 //!   `cublasGemmEx` with f32 accumulation, after rounding the activations to
 //!   the weight's type;
@@ -43,7 +44,7 @@ use cudarc::driver::{
     DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use cudarc::nvrtc::Ptx;
-use plan::{AttnPlan, ATT_THREADS, ELEMWISE_THREADS, MMVQ_COLS, MMVQ_WARPS};
+use plan::{AttnPlan, ATT_THREADS, ELEMWISE_THREADS, MMQ_THREADS, MMQ_TILE, MMVQ_COLS, MMVQ_WARPS};
 use std::collections::HashMap;
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -496,21 +497,34 @@ impl CudaBackend {
             };
             launch!(self, "pg_quantize_x", cfg1(n_blocks * 32, "quantize_x");
                 x, n_blocks as u64, xq_p, xd_p)?;
-            let name = match w.ty {
-                GgmlType::Q4_0 => "pg_mmvq_q4_0",
-                GgmlType::Q4_1 => "pg_mmvq_q4_1",
-                _ => "pg_mmvq_q8_0",
+            let tiled = plan::use_tiled_matmul(m);
+            let name = match (w.ty, tiled) {
+                (GgmlType::Q4_0, false) => "pg_mmvq_q4_0",
+                (GgmlType::Q4_1, false) => "pg_mmvq_q4_1",
+                (_, false) => "pg_mmvq_q8_0",
+                (GgmlType::Q4_0, true) => "pg_mmq_q4_0",
+                (GgmlType::Q4_1, true) => "pg_mmq_q4_1",
+                (_, true) => "pg_mmq_q8_0",
             };
-            let gx = plan::blocks_for(w.rows, MMVQ_WARPS, "mmvq")
-                .map_err(|e| self.err("planning mmvq", e))?;
-            let gy = m.div_ceil(MMVQ_COLS as usize);
-            let gy = u32::try_from(gy)
+            let (per_x, per_y, threads) = if tiled {
+                (MMQ_TILE, MMQ_TILE as usize, MMQ_THREADS)
+            } else {
+                (MMVQ_WARPS, MMVQ_COLS as usize, 32 * MMVQ_WARPS)
+            };
+            let gx = plan::blocks_for(w.rows, per_x, "quantized matmul")
+                .map_err(|e| self.err("planning a quantized matmul", e))?;
+            let gy = u32::try_from(m.div_ceil(per_y))
                 .ok()
                 .filter(|&g| g <= 65535)
-                .ok_or_else(|| self.err("planning mmvq", format!("{m} rows exceed the grid")))?;
+                .ok_or_else(|| {
+                    self.err(
+                        "planning a quantized matmul",
+                        format!("{m} rows exceed the grid"),
+                    )
+                })?;
             let cfg = LaunchConfig {
                 grid_dim: (gx, gy, 1),
-                block_dim: (32 * MMVQ_WARPS, 1, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             };
             launch!(self, name, cfg;

@@ -25,6 +25,9 @@ pub const KERNELS: &[&str] = &[
     "pg_mmvq_q4_0",
     "pg_mmvq_q4_1",
     "pg_mmvq_q8_0",
+    "pg_mmq_q4_0",
+    "pg_mmq_q4_1",
+    "pg_mmq_q8_0",
     "pg_f32_to_f16",
     "pg_f32_to_bf16",
     "pg_rms_norm",
@@ -149,26 +152,31 @@ pub fn ptx_for(arch: &str) -> Result<String, String> {
     if let Some(p) = memo.lock().unwrap_or_else(|e| e.into_inner()).get(arch) {
         return Ok(p.clone());
     }
-    let key = cache_key(SOURCE, &nvrtc_options(arch));
-    let file = cache_dir().map(|d| cache_file(&d, arch, key));
-    let cached = file
-        .as_deref()
-        .and_then(|f| std::fs::read_to_string(f).ok())
-        .filter(|p| KERNELS.iter().all(|k| defines_entry(p, k)));
-    let ptx = match cached {
-        Some(p) => p,
-        None => {
-            let p = compile(arch)?;
-            if let Some(f) = &file {
-                store(f, &p);
-            }
-            p
-        }
-    };
+    let ptx = ptx_cached(cache_dir().as_deref(), arch)?;
     memo.lock()
         .unwrap_or_else(|e| e.into_inner())
         .insert(arch.to_string(), ptx.clone());
     Ok(ptx)
+}
+
+/// The PTX for `arch` from the cache in `dir` (`None`: no cache), else
+/// compiled and stored there. A cache file that lacks an entry point (a
+/// truncated or foreign file) is compiled over.
+fn ptx_cached(dir: Option<&Path>, arch: &str) -> Result<String, String> {
+    let key = cache_key(SOURCE, &nvrtc_options(arch));
+    let file = dir.map(|d| cache_file(d, arch, key));
+    let cached = file
+        .as_deref()
+        .and_then(|f| std::fs::read_to_string(f).ok())
+        .filter(|p| KERNELS.iter().all(|k| defines_entry(p, k)));
+    if let Some(p) = cached {
+        return Ok(p);
+    }
+    let p = compile(arch)?;
+    if let Some(f) = &file {
+        store(f, &p);
+    }
+    Ok(p)
 }
 
 /// Writes the cache file through a temporary name, so a reader never sees
@@ -245,6 +253,39 @@ mod tests {
             assert!(SOURCE.contains(k), "{k} not in kernels.cu");
         }
         assert_eq!(arch_for(9, 0), "compute_90");
+    }
+
+    /// The disk cache is written, read back, repaired when damaged, and
+    /// optional when unwritable.
+    #[test]
+    fn ptx_cache_round_trip() {
+        if !nvrtc_available() {
+            eprintln!("skipping ptx_cache_round_trip: libnvrtc not found");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("pagoda-ptx-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let arch = "compute_80";
+        let file = cache_file(&dir, arch, cache_key(SOURCE, &nvrtc_options(arch)));
+        let first = ptx_cached(Some(&dir), arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            std::fs::read_to_string(&file).ok().as_deref(),
+            Some(first.as_str())
+        );
+        std::fs::write(&file, "garbage").unwrap_or_else(|e| panic!("{e}"));
+        let again = ptx_cached(Some(&dir), arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(again, first);
+        assert_eq!(
+            std::fs::read_to_string(&file).ok().as_deref(),
+            Some(first.as_str())
+        );
+        // A cache "directory" below a regular file cannot be created.
+        let blocked = file.join("sub");
+        assert_eq!(
+            ptx_cached(Some(&blocked), arch).ok().as_deref(),
+            Some(first.as_str())
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Compiles every kernel with NVRTC for compute_80 and compute_90. Needs

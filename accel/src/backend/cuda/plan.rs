@@ -17,6 +17,24 @@ pub const ATT_MAX_ROWS: usize = 128;
 pub const MMVQ_WARPS: u32 = 4;
 /// Activation rows per mmvq block (`PG_MMVQ_COLS`).
 pub const MMVQ_COLS: u32 = 8;
+/// Rows × features per tile of the tiled quantized matmul (`PG_MMQ_TILE`).
+pub const MMQ_TILE: u32 = 64;
+/// Threads per tiled-matmul block (`PG_MMQ_THREADS`).
+pub const MMQ_THREADS: u32 = 256;
+/// From this many activation rows on, quantized matmuls use the tiled
+/// kernel: below it, a 64-row tile would be mostly empty and the
+/// matrix-vector kernel reads the weight at most four times.
+pub const MMQ_MIN_ROWS: usize = 32;
+
+/// Whether a quantized matmul of `m` rows takes the tiled kernel.
+pub fn use_tiled_matmul(m: usize) -> bool {
+    m >= MMQ_MIN_ROWS
+}
+
+/// The tiled kernel's static shared memory (two int tiles of 64 × 33 words,
+/// two 64 × 4 float2 scale tiles) fits the default budget.
+const _: () = assert!(2 * 64 * 33 * 4 + 2 * 64 * 4 * 8 <= DEFAULT_SMEM);
+
 /// The shared memory a block may use without opting in (48 KiB on every
 /// CUDA GPU since Kepler).
 pub const DEFAULT_SMEM: usize = 48 * 1024;
@@ -131,6 +149,14 @@ mod tests {
         assert_eq!(blocks_for(256, 256, "x"), Ok(1));
         assert_eq!(blocks_for(257, 256, "x"), Ok(2));
         assert!(blocks_for(usize::MAX / 2, 1, "x").is_err());
+    }
+
+    #[test]
+    fn matmul_kernel_choice() {
+        assert!(!use_tiled_matmul(1));
+        assert!(!use_tiled_matmul(MMQ_MIN_ROWS - 1));
+        assert!(use_tiled_matmul(MMQ_MIN_ROWS));
+        assert!(use_tiled_matmul(4096));
     }
 
     #[test]
