@@ -69,7 +69,7 @@ impl Device {
     /// Opens a CPU context with `threads` threads, or explains why the
     /// requested accelerator is unavailable (with the `cuda` feature,
     /// `Device::Cuda` reports whether a GPU is present and that it is opened
-    /// with [`crate::CudaBackend::new`]).
+    /// with `CudaBackend::new`).
     pub fn open(self, threads: usize) -> Result<CpuContext, DeviceError> {
         match self {
             Device::Cpu => Ok(CpuContext::new(threads)),
