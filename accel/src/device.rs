@@ -55,8 +55,9 @@ impl FromStr for Device {
     type Err = DeviceError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.to_ascii_lowercase().as_str() {
-            // `auto` picks the best backend compiled in; only the CPU is today.
-            "cpu" | "auto" => Ok(Device::Cpu),
+            "cpu" => Ok(Device::Cpu),
+            // The best backend compiled in that finds a device here.
+            "auto" => Ok(Device::detect()),
             "cuda" | "gpu" => Ok(Device::Cuda),
             "rocm" | "hip" | "dcu" => Ok(Device::Rocm),
             "npu" | "ascend" => Ok(Device::Npu),
@@ -66,6 +67,16 @@ impl FromStr for Device {
 }
 
 impl Device {
+    /// The device `auto` means: a CUDA GPU where this build has the CUDA
+    /// backend and the driver reports one, else the CPU.
+    pub fn detect() -> Device {
+        #[cfg(feature = "cuda")]
+        if crate::backend::cuda::device_count().is_ok_and(|n| n > 0) {
+            return Device::Cuda;
+        }
+        Device::Cpu
+    }
+
     /// Opens a CPU context with `threads` threads, or explains why the
     /// requested accelerator is unavailable (with the `cuda` feature,
     /// `Device::Cuda` reports whether a GPU is present and that it is opened

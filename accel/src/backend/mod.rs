@@ -408,6 +408,13 @@ pub trait Backend: Send + 'static {
     fn has_prompt_kernel(&self, _m: &Self::Matrix) -> bool {
         false
     }
+    /// Free and total bytes of the device's own memory, for devices that
+    /// have one (the engine then sizes the KV pool from
+    /// `--gpu-memory-utilization` after a profile forward); `None` for the
+    /// CPU, whose pool is sized by `--kv-cache-memory`.
+    fn memory_info(&self) -> Result<Option<(usize, usize)>, BackendError> {
+        Ok(None)
+    }
 
     /// Grows `buf` to hold at least `len` elements (never shrinks).
     fn reserve(&mut self, buf: &mut Self::Buffer, len: usize) -> Result<(), BackendError>;

@@ -72,10 +72,9 @@ fn no_driver() -> BackendError {
     BackendError::Device {
         device: "cuda".into(),
         what: "loading the CUDA driver".into(),
-        detail: format!(
-            "libcuda could not be loaded (tried {:?}); install the NVIDIA driver, or use --device cpu",
-            cudarc::get_lib_name_candidates("cuda")
-        ),
+        // The candidate names cudarc tries are many and alike; the one a
+        // driver installs is libcuda.so.1.
+        detail: "libcuda.so.1 could not be loaded (is the NVIDIA driver installed and on the library path?); install the NVIDIA driver, or use --device cpu".into(),
     }
 }
 
@@ -707,6 +706,10 @@ impl Backend for CudaBackend {
         self.describe.clone()
     }
 
+    fn memory_info(&self) -> Result<Option<(usize, usize)>, BackendError> {
+        CudaBackend::memory_info(self).map(Some)
+    }
+
     fn upload_matrix(&self, m: &HostMatrix<'_>) -> Result<CudaMatrix, BackendError> {
         let unsupported = || {
             BackendError::Unsupported {
@@ -1124,7 +1127,8 @@ mod tests {
             Ok(_) => panic!("opened a GPU without a driver"),
             Err(e) => e.to_string(),
         };
-        assert!(e.contains("libcuda could not be loaded"), "{e}");
+        assert!(e.contains("libcuda.so.1 could not be loaded"), "{e}");
+        assert!(e.contains("--device cpu"), "{e}");
         assert!(!e.contains('\n'), "{e}");
         let e = crate::Device::Cuda.open(1).err().map(|e| e.to_string());
         assert!(e.as_deref().is_some_and(|e| e.contains("libcuda")), "{e:?}");
