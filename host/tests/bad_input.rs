@@ -15,8 +15,9 @@
 //! folder and in a GGUF file; `config.json` with an unsupported
 //! architecture (the error lists the supported ones), heads that do not
 //! divide, an unsupported `rope_scaling`, negative and zero sizes, an absurd
-//! context length, and text that is not JSON; `--device cuda` in a build
-//! without the `cuda` feature; `--dtype float8`.
+//! context length, and text that is not JSON; `--device cuda` on a machine
+//! without the CUDA driver; `--gpu-memory-utilization` on the CPU;
+//! `--dtype float8`.
 
 mod support;
 
@@ -443,19 +444,35 @@ fn a_folder_without_config_json_names_the_missing_file() {
 // ---------------------------------------------------------------------------
 
 #[test]
-fn device_cuda_without_the_cuda_feature_says_how_to_get_it() {
+fn device_cuda_without_a_driver_says_so_in_one_line() {
+    // The default build has the CUDA backend; what is missing here is the
+    // driver, and the binary must say so instead of panicking.
+    if pagoda_accel::backend::cuda::driver_available() {
+        eprintln!("libcuda is present on this machine: nothing to check");
+        return;
+    }
     let dir = tempfile::tempdir().expect("tempdir");
     let hf = hf_folder(dir.path(), &TinyModel::random(TinySpec::llama()));
     expect_error(
         &hf,
         &["--device", "cuda"],
-        &[
-            "'cuda'",
-            "not available",
-            "--features",
-            "cuda",
-            "--device cpu",
-        ],
+        &["--device cuda", "libcuda", "NVIDIA driver", "--device cpu"],
+    );
+}
+
+#[test]
+fn gpu_memory_utilization_on_the_cpu_points_to_kv_cache_memory() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hf = hf_folder(dir.path(), &TinyModel::random(TinySpec::llama()));
+    expect_error(
+        &hf,
+        &["--device", "cpu", "--gpu-memory-utilization", "0.5"],
+        &["--gpu-memory-utilization", "--kv-cache-memory"],
+    );
+    expect_error(
+        &hf,
+        &["--device", "cpu", "--gpu-memory-utilization", "1.5"],
+        &["--gpu-memory-utilization", "(0, 1]"],
     );
 }
 

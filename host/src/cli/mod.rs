@@ -12,7 +12,7 @@ use crate::engine::generation_config::GenerationConfigSource;
 use crate::engine::kv_cache::KvCacheDtype;
 use crate::engine::loader::DType;
 use crate::engine::scheduler::SchedulingPolicy;
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -44,9 +44,14 @@ pub struct EngineFlags {
     /// A GGUF file or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json).
     #[arg(long)]
     pub model: PathBuf,
-    /// cpu, cuda, rocm or npu (accelerators need a build with their feature).
-    #[arg(long, default_value = "cpu")]
+    /// auto (a CUDA GPU if the driver finds one, else the CPU), cpu, cuda,
+    /// rocm or npu.
+    #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Fraction of accelerator memory for weights, activations and the KV
+    /// cache (accelerators only; default 0.9).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f32>,
     /// Weight dtype for float weights: auto, float32, bfloat16, float16.
     #[arg(long, default_value = "auto")]
     pub dtype: String,
@@ -92,6 +97,15 @@ impl EngineFlags {
     pub fn to_engine_args(&self) -> Result<EngineArgs> {
         let mut a = EngineArgs::new(&self.model);
         a.device = self.device.parse()?;
+        if let Some(u) = self.gpu_memory_utilization {
+            if !(u > 0.0 && u <= 1.0) {
+                bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
+            }
+            if a.device == pagoda_accel::Device::Cpu {
+                bail!("--gpu-memory-utilization sizes accelerator memory, and --device {} runs on the CPU: size the KV cache with --kv-cache-memory (e.g. 4GiB) instead", self.device);
+            }
+            a.gpu_memory_utilization = u;
+        }
         a.dtype = self.dtype.parse::<DType>()?;
         a.max_model_len = self.max_model_len;
         a.threads = self.threads;

@@ -30,9 +30,6 @@ pub struct ServeArgs {
     /// Pipeline-parallel degree (only 1 is built so far).
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
-    /// Fraction of accelerator memory for weights and KV cache (accelerators only).
-    #[arg(long)]
-    pub gpu_memory_utilization: Option<f32>,
     /// The weights' quantization; must match the model (gguf for GGUF files).
     #[arg(long)]
     pub quantization: Option<String>,
@@ -87,14 +84,6 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
         || a.speculative_config.is_some()
     {
         bail!("speculative decoding (--speculative-model, --num-speculative-tokens, --speculative-config) is not built yet; remove those flags");
-    }
-    if let Some(u) = a.gpu_memory_utilization {
-        if !(0.0..=1.0).contains(&u) || u == 0.0 {
-            bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
-        }
-        if a.engine.device == "cpu" || a.engine.device == "auto" {
-            bail!("--gpu-memory-utilization sizes accelerator memory; on the CPU size the KV cache with --kv-cache-memory (e.g. 4GiB)");
-        }
     }
     if let Some(q) = &a.quantization {
         let is_gguf = a.engine.model.extension().is_some_and(|e| e == "gguf");

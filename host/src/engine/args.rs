@@ -10,13 +10,13 @@ use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::gguf_weights::GgufWeights;
 use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
-use crate::engine::models::LlamaModel;
+use crate::engine::models::{LlamaModel, Workspace};
 use crate::engine::runner::{ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::KvLayout;
-use pagoda_accel::{Backend, CpuBackend, Device, KvSpec};
+use pagoda_accel::{Backend, CpuBackend, Device, KvSpec, StepBatch};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -38,6 +38,10 @@ pub struct EngineArgs {
     /// A GGUF file or an HF model folder.
     pub model: PathBuf,
     pub device: Device,
+    /// Fraction of an accelerator's memory the engine may use for weights,
+    /// activations and the KV pool (`--gpu-memory-utilization`); the KV pool
+    /// gets what the weights and a profile forward leave. Unused on the CPU.
+    pub gpu_memory_utilization: f32,
     pub dtype: DType,
     /// Defaults to the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
@@ -66,6 +70,7 @@ impl EngineArgs {
         EngineArgs {
             model: model.into(),
             device: Device::Cpu,
+            gpu_memory_utilization: 0.9,
             dtype: DType::Auto,
             max_model_len: None,
             threads: 0,
@@ -216,15 +221,62 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
     }
     match args.device {
         Device::Cpu => assemble(cpu_backend(args)?, args),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => assemble(
+            pagoda_accel::CudaBackend::new(0).context("--device cuda")?,
+            args,
+        ),
         other => Err(other.open(args.threads).err().map_or_else(
-            || {
-                anyhow::anyhow!(
-                    "--device {other} has no engine backend in this build; use --device cpu"
-                )
-            },
+            || anyhow::anyhow!("--device {other} has no engine backend in this build; use --device cpu"),
             anyhow::Error::from,
         )),
     }
+}
+
+/// Runs one forward of the largest step the scheduler can plan (a prefill
+/// of `--max-num-batched-tokens` tokens, with as many logit rows as
+/// `--max-num-seqs` decodes would have) over a throw-away KV pool, so that
+/// `ws` and the backend's scratch reach their peak size before the device's
+/// free memory is measured, as vLLM's profile run does.
+fn profile_forward<B: Backend>(
+    backend: &mut B,
+    model: &LlamaModel<B>,
+    ws: &mut Workspace<B>,
+    args: &EngineArgs,
+    max_model_len: usize,
+) -> Result<()> {
+    let c = model.config();
+    let tokens = args.max_num_batched_tokens.min(max_model_len).max(1);
+    let bs = args.block_size;
+    let blocks = tokens.div_ceil(bs);
+    let spec = KvSpec {
+        dtype: args.kv_cache_dtype.kv_dtype(),
+        num_layers: c.num_layers,
+        layout: KvLayout {
+            num_blocks: blocks,
+            block_size: bs,
+            n_kv_heads: c.num_kv_heads,
+            head_dim: c.head_dim,
+        },
+    };
+    let mut kv = backend
+        .alloc_kv(&spec)
+        .context("allocating the profile forward's KV blocks")?;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| i % c.vocab_size as u32).collect();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut batch = StepBatch::default();
+    batch.push_seq(&ids, 0, &table, bs, 0, false);
+    let rows = args.max_num_seqs.min(tokens);
+    batch.logit_rows = ((tokens - rows) as u32..tokens as u32).collect();
+    let mut step = B::Step::default();
+    backend.upload_step(&batch, &mut step)?;
+    model
+        .forward(backend, &step, tokens, rows, &mut kv, ws)
+        .context("the profile forward")?;
+    backend
+        .to_host(&mut ws.logits, rows * c.vocab_size)
+        .context("the profile forward's logits")?;
+    Ok(())
 }
 
 /// The CPU backend `args` ask for: `--threads` workers, and quantized
@@ -242,7 +294,7 @@ pub fn cpu_backend(args: &EngineArgs) -> Result<CpuBackend> {
 
 /// Loads the model onto `backend`, allocates the KV pool there and wires
 /// the engine around them.
-fn assemble<B: Backend>(backend: B, args: &EngineArgs) -> Result<EngineCore> {
+fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore> {
     let (model, loaded) = load_model(&backend, args, |c| {
         args.max_model_len.unwrap_or(c.max_position_embeddings)
     })?;
@@ -260,11 +312,28 @@ fn assemble<B: Backend>(backend: B, args: &EngineArgs) -> Result<EngineCore> {
         args.block_size,
         c.kv_dim(),
     );
-    let budget = match args.kv_cache_memory {
-        Some(b) => b,
+    let mut ws = Workspace::<B>::default();
+    let budget = match (args.kv_cache_memory, backend.memory_info()?) {
+        (Some(b), _) => b,
+        // A device with memory of its own: what the weights and the largest
+        // step's activations leave of the allowed fraction.
+        (None, Some(_)) => {
+            profile_forward(&mut backend, &model, &mut ws, args, max_model_len)?;
+            let (free, total) = backend.memory_info()?.unwrap_or((0, 0));
+            let keep = total as f64 * (1.0 - args.gpu_memory_utilization as f64);
+            let budget = (free as f64 - keep).max(0.0) as u64;
+            tracing::info!(
+                "device memory after the profile forward: {:.2} GiB free of {:.2} GiB; --gpu-memory-utilization {} leaves {:.2} GiB for the KV cache",
+                free as f64 / (1u64 << 30) as f64,
+                total as f64 / (1u64 << 30) as f64,
+                args.gpu_memory_utilization,
+                budget as f64 / (1u64 << 30) as f64
+            );
+            budget
+        }
         // A quarter of free memory, at most 4 GiB (vLLM CPU's default
         // space): the pool is committed lazily, as blocks are first used.
-        None => available_memory().map_or(1 << 30, |m| (m / 4).min(4 << 30)),
+        (None, None) => available_memory().map_or(1 << 30, |m| (m / 4).min(4 << 30)),
     };
     let num_blocks = (budget / per_block as u64) as usize;
     let tokens = num_blocks * args.block_size;
@@ -308,7 +377,8 @@ fn assemble<B: Backend>(backend: B, args: &EngineArgs) -> Result<EngineCore> {
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let runner: Box<dyn ModelExecutor> = Box::new(ModelRunner::new(backend, model, kv));
+    let runner: Box<dyn ModelExecutor> =
+        Box::new(ModelRunner::with_workspace(backend, model, kv, ws));
     let scheduler = Scheduler::new(SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,

@@ -51,6 +51,20 @@ impl<B: Backend> ModelRunner<B> {
         }
     }
 
+    /// [`ModelRunner::new`] with activation buffers already sized (by the
+    /// start-up profile forward).
+    pub fn with_workspace(
+        backend: B,
+        model: LlamaModel<B>,
+        kv: B::Kv,
+        ws: Workspace<B>,
+    ) -> ModelRunner<B> {
+        ModelRunner {
+            ws,
+            ..ModelRunner::new(backend, model, kv)
+        }
+    }
+
     /// The model being run.
     pub fn model(&self) -> &LlamaModel<B> {
         &self.model
