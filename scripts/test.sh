@@ -15,6 +15,12 @@ export PAGODA_DEMO_GGUF
 # Real clients the end-to-end tests drive (from PyPI).
 python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate >&2
 
+# NVRTC from PyPI, so that the CUDA backend's kernels compile to PTX for
+# sm_80 and sm_90 in the tests (no GPU or CUDA toolkit needed); the test
+# fails rather than skips when NVRTC cannot be loaded.
+eval "$(scripts/nvrtc-env.sh)"
+export PAGODA_REQUIRE_NVRTC=1
+
 # Plugins: the guest crates' own unit tests (natively), then the WASI
 # components the host's end-to-end tests upload (target/plugins/*.wasm).
 scripts/build-plugins.sh --test
