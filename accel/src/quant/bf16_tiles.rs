@@ -118,7 +118,6 @@ const fn gguf_block_bytes(kind: u8) -> usize {
 pub(crate) struct TileMat {
     pub(crate) kind: u8,
     pub(crate) rows: usize,
-    pub(crate) cols: usize,
     /// Blocks per row.
     blocks: usize,
     data: ABuf,
@@ -132,24 +131,6 @@ impl TileMat {
         let blocks = cols / BLOCK;
         TileMat::build(kind, rows, cols, |r, b| {
             &bytes[(r * blocks + b) * bb..(r * blocks + b + 1) * bb]
-        })
-    }
-
-    /// Stacks `parts` (same kind and columns) along rows.
-    pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a TileMat> + Clone) -> TileMat {
-        let parts: Vec<&TileMat> = parts.collect();
-        let first = parts[0];
-        let rows = parts.iter().map(|p| p.rows).sum();
-        let mut owner = Vec::with_capacity(rows);
-        for (i, p) in parts.iter().enumerate() {
-            owner.extend((0..p.rows).map(|r| (i, r)));
-        }
-        let mut block = [0u8; 34];
-        let bb = gguf_block_bytes(first.kind);
-        TileMat::build_owned(first.kind, rows, first.cols, |r, b, out| {
-            let (i, rr) = owner[r];
-            parts[i].gguf_block(rr, b, &mut block[..bb]);
-            out.copy_from_slice(&block[..bb]);
         })
     }
 
@@ -211,7 +192,6 @@ impl TileMat {
         TileMat {
             kind,
             rows,
-            cols,
             blocks,
             data,
         }

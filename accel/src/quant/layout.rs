@@ -151,18 +151,6 @@ impl ABuf {
     pub(crate) fn ptr(&self) -> *const u8 {
         self.lines.as_ptr() as *const u8
     }
-
-    /// The concatenation of `parts`.
-    pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a ABuf> + Clone) -> ABuf {
-        let total = parts.clone().map(|p| p.len).sum();
-        let mut out = ABuf::zeroed(total);
-        let mut at = 0;
-        for p in parts {
-            out.bytes_mut()[at..at + p.len].copy_from_slice(p.bytes());
-            at += p.len;
-        }
-        out
-    }
 }
 
 /// A quantized matrix in the repacked layout (see the module docs). Every
@@ -433,14 +421,6 @@ impl QMat {
         }
     }
 
-    /// Row `r`'s packed codes in row-major order.
-    fn read_qs_row(&self, r: usize) -> Vec<u8> {
-        let mut out = vec![0u8; self.qs_row];
-        let qs = self.qs.bytes();
-        self.for_each_unit(r, |o, at, n| out[o..o + n].copy_from_slice(&qs[at..at + n]));
-        out
-    }
-
     /// Bytes held (what a matmul streams), not counting the zero rows that
     /// pad the last panel.
     pub(crate) fn size_bytes(&self) -> usize {
@@ -450,35 +430,6 @@ impl QMat {
             + self.m.len()
             + self.sd.len()
             + self.smin.len()
-    }
-
-    /// Stacks matrices of the same kind and width.
-    pub(crate) fn concat<'a>(parts: impl Iterator<Item = &'a QMat> + Clone, rows: usize) -> QMat {
-        let first = parts.clone().next().expect("concat of at least one part");
-        let mut out = QMat {
-            kind: first.kind,
-            rows,
-            cols: first.cols,
-            lanes: first.lanes,
-            nsb: first.nsb,
-            // Panels may straddle the parts: re-place every row.
-            qs: ABuf::zeroed(rows.div_ceil(PANEL) * PANEL * first.qs_row),
-            qs_row: first.qs_row,
-            qh: ABuf::concat(parts.clone().map(|p| &p.qh)),
-            qh_row: first.qh_row,
-            d: ABuf::concat(parts.clone().map(|p| &p.d)),
-            m: ABuf::concat(parts.clone().map(|p| &p.m)),
-            sd: ABuf::concat(parts.clone().map(|p| &p.sd)),
-            smin: ABuf::concat(parts.clone().map(|p| &p.smin)),
-        };
-        let mut r = 0;
-        for p in parts {
-            for pr in 0..p.rows {
-                out.write_qs_row(r, &p.read_qs_row(pr));
-                r += 1;
-            }
-        }
-        out
     }
 
     /// The scale and min (value = `scale · u + min`, offsets folded into the

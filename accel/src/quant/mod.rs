@@ -207,7 +207,7 @@ pub enum WeightError {
     /// [`Weight::quantize`] cannot produce this type.
     #[error("quantizing to {0} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     QuantizeUnsupported(GgmlType),
-    /// [`Weight::concat_rows`] parts disagree.
+    /// [`crate::HostMatrix::concat_rows`] parts disagree.
     #[error("concat_rows: part {index} is {got_ty} with {got_cols} columns, expected {ty} with {cols} columns")]
     ConcatMismatch {
         /// Index of the offending part.
@@ -221,7 +221,7 @@ pub enum WeightError {
         /// The offending part's column count.
         got_cols: usize,
     },
-    /// [`Weight::concat_rows`] was given no parts.
+    /// [`crate::HostMatrix::concat_rows`] was given no parts.
     #[error("concat_rows: no parts given")]
     ConcatEmpty,
 }
@@ -426,51 +426,6 @@ impl Weight {
             #[cfg(target_arch = "x86_64")]
             Repr::Tiles(t) => t.size_bytes(),
         }
-    }
-
-    /// Stacks matrices of the same type and column count along rows (to fuse
-    /// the Q/K/V or gate/up projections into one matmul).
-    pub fn concat_rows(parts: &[&Weight]) -> Result<Weight, WeightError> {
-        let first = parts.first().ok_or(WeightError::ConcatEmpty)?;
-        for (index, p) in parts.iter().enumerate() {
-            if p.ty != first.ty || p.cols != first.cols {
-                return Err(WeightError::ConcatMismatch {
-                    index,
-                    ty: first.ty,
-                    cols: first.cols,
-                    got_ty: p.ty,
-                    got_cols: p.cols,
-                });
-            }
-        }
-        let rows = parts.iter().map(|p| p.rows).sum();
-        // The same type built at the same level has the same representation.
-        let repr = match &first.repr {
-            Repr::Dense(_) => Repr::Dense(ABuf::concat(parts.iter().map(|p| match &p.repr {
-                Repr::Dense(b) => b,
-                _ => unreachable!("same type implies same representation"),
-            }))),
-            Repr::Quant(_) => Repr::Quant(Box::new(QMat::concat(
-                parts.iter().map(|p| match &p.repr {
-                    Repr::Quant(q) => &**q,
-                    _ => unreachable!("same type implies same representation"),
-                }),
-                rows,
-            ))),
-            #[cfg(target_arch = "x86_64")]
-            Repr::Tiles(_) => Repr::Tiles(Box::new(bf16_tiles::TileMat::concat(parts.iter().map(
-                |p| match &p.repr {
-                    Repr::Tiles(t) => &**t,
-                    _ => unreachable!("same type implies same representation"),
-                },
-            )))),
-        };
-        Ok(Weight {
-            ty: first.ty,
-            rows,
-            cols: first.cols,
-            repr,
-        })
     }
 
     /// Dequantizes row `row` into `out[..cols]` (the embedding gather).

@@ -5,6 +5,7 @@
 #![allow(clippy::needless_range_loop, clippy::too_many_arguments)]
 
 use super::*;
+use crate::HostMatrix;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -662,7 +663,10 @@ fn type_metadata() {
 }
 
 #[test]
-fn concat_rows_stacks_and_checks() {
+fn host_matrices_stack_into_the_rows_of_their_parts() {
+    // The engine fuses q|k|v and gate|up by stacking GGUF rows before the
+    // backend lays the matrix out; the fused matrix must compute each
+    // part's rows exactly as the part alone does.
     let mut rng = StdRng::seed_from_u64(2);
     let pool = ThreadPool::new(2);
     for ty in ALL {
@@ -672,43 +676,54 @@ fn concat_rows_stacks_and_checks() {
             .iter()
             .map(|&r| random_bytes(&mut rng, ty, r, cols))
             .collect();
-        let parts: Vec<Weight> = parts_rows
+        let hosts: Vec<HostMatrix<'_>> = parts_rows
             .iter()
             .zip(&bytes)
-            .map(|(&r, b)| Weight::from_raw(ty, r, cols, b).unwrap())
+            .map(|(&r, b)| HostMatrix::new(ty, r, cols, b.as_slice()).unwrap())
             .collect();
-        let refs: Vec<&Weight> = parts.iter().collect();
-        let cat = Weight::concat_rows(&refs).unwrap();
+        let cat = HostMatrix::concat_rows(&hosts).unwrap();
         assert_eq!((cat.rows(), cat.cols(), cat.ty()), (9, cols, ty));
-        assert_eq!(
-            cat.size_bytes(),
-            parts.iter().map(|p| p.size_bytes()).sum::<usize>()
-        );
-        let all: Vec<u8> = bytes.concat();
-        let direct = Weight::from_raw(ty, 9, cols, &all).unwrap();
-        let (mut a, mut b) = (vec![0.0; cols], vec![0.0; cols]);
-        for r in 0..9 {
-            cat.dequantize_row(r, &mut a);
-            direct.dequantize_row(r, &mut b);
-            assert_eq!(a, b, "{ty} row {r}");
-        }
+        assert_eq!(cat.bytes(), bytes.concat().as_slice());
+        let fused = Weight::from_raw(ty, 9, cols, cat.bytes()).unwrap();
         let m = 2;
         let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
-        let (mut oa, mut ob) = (vec![0.0; m * 9], vec![0.0; m * 9]);
-        cat.matmul(&pool, &x, m, &mut oa, &mut MatmulScratch::default());
-        direct.matmul(&pool, &x, m, &mut ob, &mut MatmulScratch::default());
-        assert_eq!(oa, ob, "{ty}");
+        let mut all = vec![0.0; m * 9];
+        fused.matmul(&pool, &x, m, &mut all, &mut MatmulScratch::default());
+        let (mut at, mut a, mut b) = (0, vec![0.0; cols], vec![0.0; cols]);
+        for h in &hosts {
+            let part = Weight::from_raw(ty, h.rows(), cols, h.bytes()).unwrap();
+            let mut out = vec![0.0; m * h.rows()];
+            part.matmul(&pool, &x, m, &mut out, &mut MatmulScratch::default());
+            for r in 0..h.rows() {
+                fused.dequantize_row(at + r, &mut a);
+                part.dequantize_row(r, &mut b);
+                assert_eq!(a, b, "{ty} row {}", at + r);
+                for i in 0..m {
+                    assert_eq!(
+                        all[i * 9 + at + r].to_bits(),
+                        out[i * h.rows() + r].to_bits(),
+                        "{ty}: fused row {} token {i}",
+                        at + r
+                    );
+                }
+            }
+            at += h.rows();
+        }
     }
-    let a = Weight::quantize(GgmlType::Q8_0, 1, 32, &[0.5; 32]).unwrap();
-    let b = Weight::quantize(GgmlType::Q4_0, 1, 32, &[0.5; 32]).unwrap();
-    let c = Weight::quantize(GgmlType::Q8_0, 1, 64, &[0.5; 64]).unwrap();
-    let err = Weight::concat_rows(&[&a, &b]).unwrap_err();
+    let a = HostMatrix::new(GgmlType::Q8_0, 1, 32, vec![0u8; 34]).unwrap();
+    let b = HostMatrix::new(GgmlType::Q4_0, 1, 32, vec![0u8; 18]).unwrap();
+    let c = HostMatrix::new(GgmlType::Q8_0, 1, 64, vec![0u8; 68]).unwrap();
+    let err = HostMatrix::concat_rows(&[a.clone(), b]).unwrap_err();
     assert!(err.to_string().contains("part 1 is Q4_0"), "{err}");
-    assert!(Weight::concat_rows(&[&a, &c]).is_err());
+    assert!(HostMatrix::concat_rows(&[a, c]).is_err());
     assert!(matches!(
-        Weight::concat_rows(&[]),
+        HostMatrix::concat_rows(&[]),
         Err(WeightError::ConcatEmpty)
     ));
+    assert!(
+        HostMatrix::new(GgmlType::Q8_0, 2, 32, vec![0u8; 34]).is_err(),
+        "a buffer one row short is refused"
+    );
 }
 
 #[test]
@@ -1015,8 +1030,13 @@ fn bf16_tile_layout_keeps_the_values_for_gathers_and_stacking() {
         }
         // Stacked (across ragged tiles), each part's rows are what the part
         // computes alone.
-        let refs: Vec<&Weight> = weights.iter().collect();
-        let stacked = Weight::concat_rows(&refs).unwrap();
+        let hosts: Vec<HostMatrix<'_>> = parts
+            .iter()
+            .map(|(rows, b)| HostMatrix::new(ty, *rows, cols, b.as_slice()).unwrap())
+            .collect();
+        let cat = HostMatrix::concat_rows(&hosts).unwrap();
+        let stacked =
+            Weight::from_raw_at(SimdLevel::AmxBf16, ty, cat.rows(), cols, cat.bytes()).unwrap();
         let m = 3;
         let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
         let total = stacked.rows();
