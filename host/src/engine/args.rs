@@ -227,7 +227,11 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             args,
         ),
         other => Err(other.open(args.threads).err().map_or_else(
-            || anyhow::anyhow!("--device {other} has no engine backend in this build; use --device cpu"),
+            || {
+                anyhow::anyhow!(
+                    "--device {other} has no engine backend in this build; use --device cpu"
+                )
+            },
             anyhow::Error::from,
         )),
     }
@@ -262,7 +266,9 @@ fn profile_forward<B: Backend>(
     let mut kv = backend
         .alloc_kv(&spec)
         .context("allocating the profile forward's KV blocks")?;
-    let ids: Vec<u32> = (0..tokens as u32).map(|i| i % c.vocab_size as u32).collect();
+    let ids: Vec<u32> = (0..tokens as u32)
+        .map(|i| i % c.vocab_size as u32)
+        .collect();
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut batch = StepBatch::default();
     batch.push_seq(&ids, 0, &table, bs, 0, false);
