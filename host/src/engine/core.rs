@@ -314,6 +314,7 @@ impl EngineCore {
             }
             outputs.push(out);
         }
+        self.scheduler.recycle(plan);
         Ok(outputs)
     }
 }

@@ -72,6 +72,9 @@ pub struct Scheduler {
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     num_preemptions: u64,
+    /// The last step's batch, handed back by [`Scheduler::recycle`], so
+    /// that laying a step out reuses its vectors instead of allocating.
+    spare_batch: StepBatch,
 }
 
 impl Scheduler {
@@ -83,6 +86,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             num_preemptions: 0,
+            spare_batch: StepBatch::default(),
         }
     }
 
@@ -139,7 +143,11 @@ impl Scheduler {
 
     /// Plans the next step, allocating the KV slots it needs.
     pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
-        let mut out = SchedulerOutput::default();
+        let mut out = SchedulerOutput {
+            batch: std::mem::take(&mut self.spare_batch),
+            ..SchedulerOutput::default()
+        };
+        out.batch.clear();
         let mut budget = self.config.max_num_batched_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
@@ -247,6 +255,11 @@ impl Scheduler {
             );
         }
         out
+    }
+
+    /// Takes back a finished step's batch, to lay the next step out in.
+    pub fn recycle(&mut self, plan: SchedulerOutput) {
+        self.spare_batch = plan.batch;
     }
 
     /// Records that a step ran: the scheduled tokens are now in the cache.

@@ -93,6 +93,9 @@ pub struct LlamaModel<B: Backend> {
     /// depends only on the weights and the device.
     prompt_kernel: bool,
     weight_type: &'static str,
+    /// The widest part of a split (unfused) projection, whose output goes
+    /// through `Workspace::split_tmp`; `None` when every projection fused.
+    split_width: Option<usize>,
 }
 
 /// Activation buffers reused across steps, so a warm step allocates nothing.
@@ -224,6 +227,14 @@ impl<B: Backend> LlamaModel<B> {
                     || backend.has_prompt_kernel(&l.down)
             });
         let weight_type = layers.first().map_or("none", |l| l.o.ty().name());
+        let split_width = layers
+            .iter()
+            .flat_map(|l| [&l.qkv, &l.gate_up])
+            .filter_map(|p| match p {
+                Projection::Fused(_) => None,
+                Projection::Split(parts) => parts.iter().map(|m| m.rows()).max(),
+            })
+            .max();
         Ok(LlamaModel {
             config,
             embed,
@@ -233,6 +244,7 @@ impl<B: Backend> LlamaModel<B> {
             rope,
             prompt_kernel,
             weight_type,
+            split_width,
         })
     }
 
@@ -283,13 +295,6 @@ impl<B: Backend> LlamaModel<B> {
         let qkv_w = qd + 2 * kvd;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         let eps = c.rms_norm_eps;
-        let split_w = self
-            .layers
-            .iter()
-            .flat_map(|l| l.qkv.parts().iter().chain(l.gate_up.parts()))
-            .map(|p| p.rows())
-            .max()
-            .unwrap_or(0);
         b.reserve(&mut ws.x, n * d)?;
         b.reserve(&mut ws.h, n * d)?;
         b.reserve(&mut ws.qkv, n * qkv_w)?;
@@ -300,10 +305,8 @@ impl<B: Backend> LlamaModel<B> {
         b.reserve(&mut ws.proj, n * d)?;
         b.reserve(&mut ws.gate_up, n * 2 * f)?;
         b.reserve(&mut ws.act, n * f)?;
-        if self.layers.iter().any(|l| {
-            matches!(l.qkv, Projection::Split(_)) || matches!(l.gate_up, Projection::Split(_))
-        }) {
-            b.reserve(&mut ws.split_tmp, n * split_w)?;
+        if let Some(w) = self.split_width {
+            b.reserve(&mut ws.split_tmp, n * w)?;
         }
 
         b.embed(&self.embed, step, &mut ws.x);
@@ -337,8 +340,8 @@ impl<B: Backend> LlamaModel<B> {
         if r == 0 {
             return Ok(());
         }
+        // `ws.h` already holds `n ≥ r` rows.
         b.reserve(&mut ws.rows, r * d)?;
-        b.reserve(&mut ws.h, r * d)?;
         b.reserve(&mut ws.logits, r * c.vocab_size)?;
         b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
         b.rms_norm(&ws.rows, &self.norm, eps, r, d, &mut ws.h);
