@@ -13,7 +13,7 @@ PAGODA_DEMO_GGUF="$(scripts/fetch-demo-model.sh)"
 export PAGODA_DEMO_GGUF
 
 # Real clients the end-to-end tests drive (from PyPI).
-python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate >&2
+python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" >&2
 
 # NVRTC from PyPI, so that the CUDA backend's kernels compile to PTX for
 # sm_80 and sm_90 in the tests (no GPU or CUDA toolkit needed); the test

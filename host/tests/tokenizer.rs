@@ -723,3 +723,46 @@ fn chat_message_serde() {
         r#"{"role":"user","content":"hi"}"#
     );
 }
+
+/// The bytes `token_bytes` gives the ids of `text`, joined.
+fn spelled(t: &Tokenizer, ids: &[u32]) -> Vec<u8> {
+    let bytes = t.token_bytes();
+    ids.iter()
+        .flat_map(|&id| bytes[id as usize].clone())
+        .collect()
+}
+
+/// Structured output reads each token as the bytes it stands for: joined,
+/// they must spell exactly what the tokenizer's own decoder gives, for
+/// byte-level BPE (SmolLM2, the tiny GPT-2-style tokenizer) and for
+/// SentencePiece with byte fallback; special tokens carry the 0xFF marker.
+#[test]
+fn token_bytes_spell_what_decode_gives() {
+    let texts = [
+        "hello world",
+        "  two  spaces\tand a tab\n",
+        "héllo 世界 🙂 ok",
+        "{\"key\": [1, 2.5e-3, null]}",
+    ];
+    let (_, smol) = smollm2();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (bpe, _) = tiny_bpe(dir.path(), "gpt2");
+    let spm = tiny_spm(dir.path(), false);
+    for (name, t) in [("smollm2", &**smol), ("tiny bpe", &bpe), ("tiny spm", &spm)] {
+        for text in texts {
+            let ids = t.encode(text, false).expect("encode");
+            let decoded = t.decode(&ids, false).expect("decode");
+            assert_eq!(
+                String::from_utf8_lossy(&spelled(t, &ids)),
+                decoded,
+                "{name}: {text:?} as {ids:?}"
+            );
+        }
+    }
+    let bytes = smol.token_bytes();
+    assert_eq!(bytes.len(), smol.vocab_size());
+    let im_end = smol.token_to_id("<|im_end|>").expect("<|im_end|>");
+    assert_eq!(bytes[im_end as usize], b"\xff<|im_end|>");
+    let hello = smol.encode("Hello", false).expect("encode");
+    assert_eq!(spelled(smol, &hello), b"Hello");
+}

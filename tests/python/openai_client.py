@@ -9,22 +9,12 @@ the last line is a summary ('N passed, 0 failed').
 import sys
 import urllib.request
 
+from checks import check, summary
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 base, model = sys.argv[1], sys.argv[2]
 client = OpenAI(base_url=base + "/v1", api_key="unused")
-passed = 0
-
-
-def check(name, cond, detail=""):
-    global passed
-    if not cond:
-        print(f"FAIL {name}: {detail}")
-        print(f"{passed} passed, 1 failed")
-        sys.exit(1)
-    passed += 1
-    print(f"ok {name}")
 
 
 models = client.models.list()
@@ -86,4 +76,4 @@ for name in [
 ]:
     check(f"metric {name}", name in families, sorted(families))
 check("ttft is a histogram", families["vllm:time_to_first_token_seconds"].type == "histogram")
-print(f"{passed} passed, 0 failed")
+summary()

@@ -1,15 +1,17 @@
 //! Real clients from PyPI against the real server: the official `openai`
 //! package (chat, completions, streaming, model listing) and
-//! `prometheus_client`'s parser on `/metrics`. scripts/test.sh installs them.
+//! `prometheus_client`'s parser on `/metrics`; `jsonschema` and LangChain
+//! for structured output and tools. scripts/test.sh installs them.
 
 use pagoda_e2e::Server;
 
-#[test]
-fn the_official_openai_client_works_unmodified() {
-    let s = Server::start(&[]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/openai_client.py");
+/// Runs a client script of tests/python against a server started with
+/// `flags`; the script's last line must say that nothing failed.
+fn run_client_script(script: &str, flags: &[&str]) {
+    let s = Server::start(flags);
+    let path = format!("{}/python/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = std::process::Command::new("python3")
-        .arg(script)
+        .arg(&path)
         .arg(&s.base)
         .arg("smol")
         .output()
@@ -18,14 +20,30 @@ fn the_official_openai_client_works_unmodified() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "openai client failed:\n{stdout}\n{stderr}\nserver log:\n{}",
+        "{script} failed:\n{stdout}\n{stderr}\nserver log:\n{}",
         s.log_text()
     );
     assert!(
         stdout
             .lines()
             .last()
-            .is_some_and(|l| l.ends_with("passed, 0 failed")),
+            .is_some_and(|l| l.contains(" passed, 0 failed")),
         "{stdout}"
+    );
+}
+
+#[test]
+fn the_official_openai_client_works_unmodified() {
+    run_client_script("openai_client.py", &[]);
+}
+
+/// Structured output and tools through the `openai` client, `jsonschema`
+/// and LangChain: JSON schemas, json_object, regex, choice, Lark, named /
+/// required / auto tool choice, streamed and not.
+#[test]
+fn structured_output_and_tools_work_with_real_clients() {
+    run_client_script(
+        "structured_outputs.py",
+        &["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     );
 }

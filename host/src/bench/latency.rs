@@ -50,7 +50,7 @@ pub fn run_once(
         params,
         RequestOptions {
             cache_salt: tag as u64,
-            priority: 0,
+            ..Default::default()
         },
     )?;
     let mut first = None;

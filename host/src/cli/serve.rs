@@ -1,6 +1,7 @@
 //! `pagoda serve`: the OpenAI-compatible server, with `vllm serve`'s flags.
 
 use super::EngineFlags;
+use crate::server::openai::tool_parsers::ToolCallParser;
 use crate::server::{serve, ServerConfig};
 use anyhow::{bail, Result};
 use clap::Args;
@@ -69,6 +70,35 @@ pub struct ServeArgs {
     /// Plugin instances alive at once, across all requests.
     #[arg(long, default_value_t = 256)]
     pub plugin_max_instances: u32,
+    /// Let the model decide when to call tools (`tool_choice: "auto"`),
+    /// parsing its output with --tool-call-parser.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// How the model writes tool calls: hermes (Qwen2.5, Hermes),
+    /// llama3_json, mistral or pythonic.
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+}
+
+/// The `tool_choice: "auto"` parser the flags ask for.
+fn auto_tool_parser(a: &ServeArgs) -> Result<Option<ToolCallParser>> {
+    let parser = a
+        .tool_call_parser
+        .as_deref()
+        .map(ToolCallParser::from_name)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--tool-call-parser: {e}"))?;
+    match (a.enable_auto_tool_choice, parser) {
+        (true, None) => bail!(
+            "--enable-auto-tool-choice needs --tool-call-parser ({}) to read the model's tool calls",
+            ToolCallParser::NAMES.join(", ")
+        ),
+        (true, p) => Ok(p),
+        (false, Some(_)) => bail!(
+            "--tool-call-parser is only used with --enable-auto-tool-choice; add that flag or drop the parser"
+        ),
+        (false, None) => Ok(None),
+    }
 }
 
 /// Rejects flags whose feature is not built yet, instead of ignoring them.
@@ -101,6 +131,7 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
 /// Runs `pagoda serve`.
 pub fn run(a: ServeArgs) -> Result<()> {
     check_unbuilt(&a)?;
+    let auto_tool_parser = auto_tool_parser(&a)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
     let names = if a.served_model_name.is_empty() {
@@ -135,6 +166,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
                 max_instances: a.plugin_max_instances,
                 ..Default::default()
             },
+            auto_tool_parser,
         },
     )
 }

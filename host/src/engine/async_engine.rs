@@ -11,10 +11,11 @@
 
 use crate::engine::core::{EngineCore, EngineStats, RequestOptions, StepOutput};
 use crate::engine::request::{FinishReason, ParamError, SamplingDefaults, SamplingParams};
+use crate::engine::structured_output::GrammarCompiler;
 use crate::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -62,6 +63,10 @@ pub struct AsyncEngine {
     tokenizer: Arc<Tokenizer>,
     max_model_len: usize,
     vocab_size: usize,
+    /// The ids that end an output, for structured output's token trie.
+    eos_ids: Arc<[u32]>,
+    /// The structured-output compiler, once first asked for.
+    grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
     sampling_defaults: Arc<SamplingDefaults>,
     /// `Some(why)` once the engine thread has died.
     dead: watch::Receiver<Option<String>>,
@@ -112,6 +117,7 @@ impl AsyncEngine {
         let tokenizer = core.tokenizer().clone();
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().config().vocab_size;
+        let eos_ids: Arc<[u32]> = core.eos_ids().into();
         let sampling_defaults = Arc::new(core.sampling_defaults().clone());
         let s = Arc::clone(&stats);
         let (dead_tx, dead) = watch::channel(None);
@@ -160,6 +166,8 @@ impl AsyncEngine {
             tokenizer,
             max_model_len,
             vocab_size,
+            eos_ids,
+            grammar: Arc::new(OnceLock::new()),
             sampling_defaults,
             dead,
         })
@@ -205,6 +213,28 @@ impl AsyncEngine {
     /// The model's vocabulary size.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// The model's structured-output compiler, built on first use (its
+    /// token trie takes a moment for a large vocabulary, which servers that
+    /// never constrain output should not pay). Blocks while it is built:
+    /// call it off the async threads.
+    pub fn grammar_compiler(&self) -> Result<Arc<GrammarCompiler>, String> {
+        self.grammar
+            .get_or_init(|| {
+                let started = Instant::now();
+                let c =
+                    GrammarCompiler::new(self.tokenizer.clone(), &self.eos_ids, self.vocab_size)
+                        .map(Arc::new)
+                        .map_err(|e| format!("{e:#}"));
+                tracing::info!(
+                    "structured output: token trie of {} tokens built in {:.0} ms",
+                    self.vocab_size,
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                c
+            })
+            .clone()
     }
 
     /// The counters as of the last step.

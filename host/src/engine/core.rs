@@ -12,6 +12,7 @@ use crate::engine::request::{
 use crate::engine::runner::ModelExecutor;
 use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
+use crate::engine::structured_output::{GrammarMatcher, TokenMask};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -25,6 +26,9 @@ pub struct RequestOptions {
     pub cache_salt: u64,
     /// Lower runs first under `--scheduling-policy priority`.
     pub priority: i64,
+    /// The grammar the output must follow (structured output), compiled
+    /// by the model's [`GrammarCompiler`](crate::engine::structured_output::GrammarCompiler).
+    pub grammar: Option<GrammarMatcher>,
 }
 
 /// Counters the engine keeps for metrics and logs.
@@ -56,6 +60,17 @@ pub struct EngineCore {
     /// The ids that end a sequence unless `ignore_eos`: the tokenizer's
     /// EOS ids and the generation config's `eos_token_id`.
     eos_ids: Vec<u32>,
+    /// The step's constrained rows, kept to reuse the allocation.
+    guided: Vec<GuidedRow>,
+}
+
+/// A sampling row whose request follows a grammar: its matcher, taken out
+/// of the request for the step, and the mask computed beside the forward.
+struct GuidedRow {
+    row: usize,
+    id: u64,
+    matcher: GrammarMatcher,
+    mask: Option<Result<TokenMask, String>>,
 }
 
 impl EngineCore {
@@ -80,6 +95,7 @@ impl EngineCore {
             default_seed: None,
             sampling_defaults: SamplingDefaults::default(),
             eos_ids,
+            guided: Vec::new(),
         }
     }
 
@@ -224,6 +240,7 @@ impl EngineCore {
             pending_text: String::new(),
             token_ids: prompt_ids,
             params,
+            grammar: opts.grammar,
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);
@@ -292,9 +309,46 @@ impl EngineCore {
         }
         self.stats.steps += 1;
         let vocab = self.runner.config().vocab_size;
-        let logits = self.runner.execute(&plan.batch)?;
+        // Constrained rows: their matchers leave the requests for the step.
+        let mut guided = std::mem::take(&mut self.guided);
+        let mut row = 0;
+        for s in plan.seqs.iter().filter(|s| s.sample) {
+            if let Some(req) = self.scheduler.get_mut(s.id) {
+                if let Some(matcher) = req.grammar.take() {
+                    guided.push(GuidedRow {
+                        row,
+                        id: s.id,
+                        matcher,
+                        mask: None,
+                    });
+                }
+            }
+            row += 1;
+        }
+        let logits = if guided.is_empty() {
+            self.runner.execute(&plan.batch)
+        } else {
+            // The masks are computed on their own thread while the forward
+            // runs, so constrained decoding costs the step little more than
+            // the longer of the two.
+            let runner = &mut self.runner;
+            let batch = &plan.batch;
+            std::thread::scope(|scope| {
+                let masks = scope.spawn(|| {
+                    for g in guided.iter_mut() {
+                        g.mask = Some(g.matcher.compute_mask());
+                    }
+                });
+                let logits = runner.execute(batch);
+                if masks.join().is_err() {
+                    return Err(anyhow::anyhow!("computing a grammar's token mask panicked"));
+                }
+                logits
+            })
+        }?;
         let mut outputs = Vec::new();
         let mut row = 0;
+        let mut next_guided = 0;
         for s in &plan.seqs {
             self.scheduler.mark_computed(s);
             if !s.sample {
@@ -302,18 +356,73 @@ impl EngineCore {
             }
             // Every sampling sequence has its logit row, in plan order.
             let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
+            let mut guide = None;
+            if guided.get(next_guided).is_some_and(|g| g.row == row) {
+                guide = Some(&mut guided[next_guided]);
+                next_guided += 1;
+            }
             row += 1;
             let Some(req) = self.scheduler.get_mut(s.id) else {
                 continue;
             };
-            let sampled = self.sampler.sample(row_logits, req);
-            self.stats.generation_tokens += 1;
-            let out = output_processor::process_token(req, sampled.token, sampled.logprob);
-            if let Some(reason) = out.finish_reason {
-                self.scheduler.remove(s.id, reason, &mut self.kv);
+            let Some(g) = guide else {
+                let sampled = self.sampler.sample(row_logits, req, None);
+                self.stats.generation_tokens += 1;
+                let out =
+                    output_processor::process_token(req, sampled.token, sampled.logprob, false);
+                if let Some(reason) = out.finish_reason {
+                    self.scheduler.remove(s.id, reason, &mut self.kv);
+                }
+                outputs.push(out);
+                continue;
+            };
+            let mask = g
+                .mask
+                .take()
+                .unwrap_or_else(|| Err("no mask was computed".into()));
+            let result = mask.and_then(|mask| {
+                let sampled = self.sampler.sample(row_logits, req, Some(&mask));
+                g.matcher.consume(sampled.token).map(|()| sampled)
+            });
+            match result {
+                Ok(sampled) => {
+                    self.stats.generation_tokens += 1;
+                    let complete = g.matcher.is_complete();
+                    let out = output_processor::process_token(
+                        req,
+                        sampled.token,
+                        sampled.logprob,
+                        complete,
+                    );
+                    if let Some(reason) = out.finish_reason {
+                        self.scheduler.remove(s.id, reason, &mut self.kv);
+                    }
+                    outputs.push(out);
+                }
+                Err(e) => {
+                    // The grammar cannot go on (it is too complex, or
+                    // allows nothing here): end the request rather than
+                    // emit output that breaks it.
+                    tracing::warn!(
+                        request = %req.external_id,
+                        "structured output failed, aborting the request: {e}"
+                    );
+                    if let Some(req) =
+                        self.scheduler
+                            .remove(s.id, FinishReason::Abort, &mut self.kv)
+                    {
+                        outputs.push(output_processor::aborted(req));
+                    }
+                }
             }
-            outputs.push(out);
         }
+        // Matchers go back to the requests that are still running.
+        for g in guided.drain(..) {
+            if let Some(req) = self.scheduler.get_mut(g.id) {
+                req.grammar = Some(g.matcher);
+            }
+        }
+        self.guided = guided;
         self.scheduler.recycle(plan);
         Ok(outputs)
     }

@@ -4,6 +4,8 @@
 //! - [`runner`]: one flattened batch per step through the model, on any
 //!   device ([`pagoda_accel::Backend`]);
 //! - [`sampler`]: logits → next token;
+//! - [`structured_output`]: grammars (JSON schema, regex, choice, Lark)
+//!   that mask the logits before sampling;
 //! - [`output_processor`]: token → detokenized text, stop conditions and
 //!   the outputs clients see;
 //! - [`core`]: the step loop tying them together;
@@ -25,6 +27,7 @@ pub mod request;
 pub mod runner;
 pub mod sampler;
 pub mod scheduler;
+pub mod structured_output;
 
 pub use args::{build_engine, EngineArgs};
 pub use generation_config::GenerationConfigSource;

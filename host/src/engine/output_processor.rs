@@ -33,8 +33,15 @@ pub struct StepOutput {
 /// Appends a sampled token to `req`, applies the stop conditions and
 /// returns the output to emit: the new token and the text that can no
 /// longer turn into a stop string, with the finish reason once `req` is
-/// done (the caller then removes it from the scheduler).
-pub fn process_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob>) -> StepOutput {
+/// done (the caller then removes it from the scheduler). `grammar_complete`
+/// says the request's structured-output grammar allows nothing more, which
+/// ends the output as EOS would.
+pub fn process_token(
+    req: &mut Request,
+    token: u32,
+    logprob: Option<TokenLogprob>,
+    grammar_complete: bool,
+) -> StepOutput {
     req.token_ids.push(token);
     *req.output_counts.entry(token).or_insert(0) += 1;
     let delta = req.detok.push(token).unwrap_or_default();
@@ -50,6 +57,9 @@ pub fn process_token(req: &mut Request, token: u32, logprob: Option<TokenLogprob
             finish = Some(FinishReason::Stop);
             stop_reason = Some(StopReason::Token(token));
         }
+    }
+    if finish.is_none() && grammar_complete {
+        finish = Some(FinishReason::Stop);
     }
     if finish.is_none() && !p.stop.is_empty() {
         // Only the tail can hold a stop string that the new text completed.

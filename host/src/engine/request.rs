@@ -412,6 +412,9 @@ pub struct Request {
     /// Text generated and not yet released to the caller (held back while it
     /// could be the start of a stop string).
     pub(crate) pending_text: String,
+    /// Where the output stands in its structured-output grammar, if it has
+    /// one. The engine takes it out for the steps that sample.
+    pub(crate) grammar: Option<crate::engine::structured_output::GrammarMatcher>,
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model

@@ -4,6 +4,7 @@
 //! request's own RNG.
 
 use crate::engine::request::{Request, SamplingParams, TokenLogprob};
+use crate::engine::structured_output::TokenMask;
 use pagoda_accel::ops;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -47,7 +48,14 @@ fn log_softmax_into(x: &[f32], out: &mut Vec<f32>) {
 
 impl Sampler {
     /// Chooses the next token of `req` from `logits` (modified in place).
-    pub fn sample(&mut self, logits: &mut [f32], req: &mut Request) -> Sampled {
+    /// With a grammar's `mask`, only the tokens it allows can be chosen;
+    /// logprobs still describe the model's own distribution.
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        req: &mut Request,
+        mask: Option<&TokenMask>,
+    ) -> Sampled {
         let p = &req.params;
         let logprob_k = p.logprobs;
         // Logprobs describe the model's own distribution, before any
@@ -56,6 +64,9 @@ impl Sampler {
             log_softmax_into(logits, &mut self.logprobs);
         }
         self.process(logits, req);
+        if let Some(mask) = mask {
+            mask.apply(logits);
+        }
         let p = &req.params;
         let token = if p.is_greedy() {
             argmax(logits) as u32
@@ -159,7 +170,9 @@ impl Sampler {
             let mut u = rng.random::<f64>() * total;
             for (i, &w) in logits.iter().enumerate() {
                 u -= w as f64;
-                if u <= 0.0 {
+                // A token of probability 0 (masked out) is never chosen,
+                // even when the draw is exactly 0.
+                if u <= 0.0 && w > 0.0 {
                     return i as u32;
                 }
             }

@@ -55,6 +55,9 @@ pub struct ServerConfig {
     pub state_dir: Option<std::path::PathBuf>,
     /// Plugin runtime settings.
     pub plugins: crate::plugins::RuntimeConfig,
+    /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
+    /// with `--tool-call-parser`); without it, "auto" is refused.
+    pub auto_tool_parser: Option<crate::server::openai::tool_parsers::ToolCallParser>,
 }
 
 /// What every request handler shares.
@@ -75,6 +78,11 @@ impl AppState {
     /// The names this server answers to.
     pub fn served_model_names(&self) -> &[String] {
         &self.config.served_model_names
+    }
+
+    /// The parser for `tool_choice: "auto"`, if the server enables it.
+    pub fn auto_tool_parser(&self) -> Option<crate::server::openai::tool_parsers::ToolCallParser> {
+        self.config.auto_tool_parser
     }
 
     /// The engine, if `model` is one this server serves and the engine is up.

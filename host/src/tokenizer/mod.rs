@@ -112,6 +112,27 @@ pub fn pre_tokenizer_regexes() -> Vec<(&'static str, &'static str)> {
     ]
 }
 
+/// GPT-2's byte-level alphabet inverted: the character each byte is
+/// written as in a byte-level vocabulary, mapped back to the byte.
+/// Printable Latin-1 bytes stand for themselves; the others are shifted
+/// to U+0100 and up, in byte order.
+fn byte_level_inverse() -> std::collections::HashMap<char, u8> {
+    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut next = 0x100u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        let c = if printable {
+            char::from(b)
+        } else {
+            let c = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
+            next += 1;
+            c
+        };
+        map.insert(c, b);
+    }
+    map
+}
+
 fn tk_err(e: tokenizers::Error) -> anyhow::Error {
     anyhow!("{e}")
 }
@@ -671,6 +692,85 @@ impl Tokenizer {
     /// leaves out.
     pub fn is_special(&self, id: u32) -> bool {
         self.special.contains(&id)
+    }
+
+    /// The bytes each token id stands for, as constrained decoding needs
+    /// them: byte-level BPE characters (`Ġ`) mapped back to their bytes,
+    /// SentencePiece's `▁` to a space and `<0xNN>` to that byte, added
+    /// tokens as their text. Special tokens are prefixed with 0xFF (never a
+    /// byte of UTF-8 text, which is how llguidance's token trie tells them
+    /// apart), so no grammar over text can produce them. Index = token id;
+    /// ids the vocabulary lacks get no bytes.
+    pub fn token_bytes(&self) -> Vec<Vec<u8>> {
+        let decoder = self
+            .inner
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .unwrap_or(Json::Null);
+        let kinds = |d: &Json| -> Vec<String> {
+            match d.get("type").and_then(Json::as_str) {
+                Some("Sequence") => d
+                    .get("decoders")
+                    .and_then(Json::as_array)
+                    .map(|a| {
+                        a.iter()
+                            .filter_map(|x| x.get("type").and_then(Json::as_str))
+                            .map(str::to_owned)
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+                Some(t) => vec![t.to_owned()],
+                None => Vec::new(),
+            }
+        };
+        let kinds = kinds(&decoder);
+        let byte_level = kinds.iter().any(|k| k == "ByteLevel");
+        let byte_fallback = kinds.iter().any(|k| k == "ByteFallback");
+        let unicode_to_byte = byte_level_inverse();
+        let added = self.inner.get_added_tokens_decoder();
+        (0..self.vocab_size as u32)
+            .map(|id| {
+                if let Some(t) = added.get(&id) {
+                    let mut b = Vec::with_capacity(t.content.len() + 1);
+                    if t.special || self.special.contains(&id) {
+                        b.push(0xFF);
+                    }
+                    b.extend_from_slice(t.content.as_bytes());
+                    return b;
+                }
+                let Some(raw) = self.inner.id_to_token(id) else {
+                    return Vec::new();
+                };
+                if self.special.contains(&id) {
+                    let mut b = vec![0xFF];
+                    b.extend_from_slice(raw.as_bytes());
+                    return b;
+                }
+                if byte_level {
+                    let mut b = Vec::with_capacity(raw.len());
+                    for c in raw.chars() {
+                        match unicode_to_byte.get(&c) {
+                            Some(&x) => b.push(x),
+                            // Not a byte-level character (a hand-added
+                            // token): its own UTF-8.
+                            None => b.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                        }
+                    }
+                    return b;
+                }
+                if byte_fallback {
+                    if let Some(x) = raw
+                        .strip_prefix("<0x")
+                        .and_then(|r| r.strip_suffix('>'))
+                        .filter(|h| h.len() == 2)
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    {
+                        return vec![x];
+                    }
+                }
+                raw.replace('▁', " ").into_bytes()
+            })
+            .collect()
     }
 }
 

@@ -2,7 +2,10 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod protocol;
+pub mod structured;
 pub mod tenant;
+pub mod tool_parsers;
+pub mod tools;
 
 use crate::engine::async_engine::{AbortGuard, SubmitError};
 use crate::engine::core::{StepOutput, StopReason};
@@ -20,6 +23,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tenant::TenantCtx;
 use tokio::sync::mpsc;
+use tools::ToolMode;
 
 /// Which endpoint a generation serves; decides the response shapes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,7 +67,7 @@ pub async fn completions(
             PromptInput::Tokens(t) => t,
         });
     }
-    generate(state, common, ids, Api::Completions, id, ctx).await
+    generate(state, common, ids, Api::Completions, id, ctx, None).await
 }
 
 /// For a tenant's request: admission, the model allowlist, and `route`.
@@ -94,12 +98,27 @@ pub async fn chat(
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
     let f = Fields::of(&body)?;
-    let common = parse_common(&f, true)?;
+    let mut common = parse_common(&f, true)?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
     let engine = state.engine_for(&common.model)?;
     let messages = parse_messages(&f)?;
+    let tools = tools::parse(&f, state.auto_tool_parser())?;
+    if let Some(t) = &tools {
+        if let Some((spec, param)) = t.constraint() {
+            if common.structured.is_some() {
+                return Err(ApiError::invalid(
+                    Some("tool_choice".into()),
+                    "a named or 'required' tool_choice already constrains the output; drop the structured-output field",
+                ));
+            }
+            common.structured = Some(structured::RequestedStructure {
+                spec,
+                param: param.into(),
+            });
+        }
+    }
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
     let rendered = match &mut ctx {
@@ -115,8 +134,27 @@ pub async fn chat(
             let template = tok.chat_template().ok_or_else(|| {
                 ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one.")
             })?;
+            // The messages as validated (text parts joined), with the
+            // fields tool use adds (tool_calls, tool_call_id, name).
+            let raw = body.get("messages").and_then(Value::as_array);
+            let normalized: Vec<Value> = messages
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    let mut v = raw
+                        .and_then(|r| r.get(i))
+                        .filter(|v| v.is_object())
+                        .cloned()
+                        .unwrap_or_else(|| json!({}));
+                    v["role"] = json!(m.role);
+                    v["content"] = json!(m.content);
+                    v
+                })
+                .collect();
+            let (msgs, extra) =
+                tools::template_input(&Value::Array(normalized), tools.as_ref(), template.source());
             template
-                .render(&messages, add_generation_prompt)
+                .render_json(&msgs, add_generation_prompt, &extra)
                 .map_err(|e| {
                     ApiError::invalid(
                         Some("messages".into()),
@@ -129,7 +167,8 @@ pub async fn chat(
     let ids = tok
         .encode(&text, false)
         .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
-    generate(state, common, vec![ids], Api::Chat, id, ctx).await
+    let mode = tools.and_then(|t| t.mode);
+    generate(state, common, vec![ids], Api::Chat, id, ctx, mode).await
 }
 
 /// Per choice: what has been produced so far.
@@ -140,6 +179,10 @@ struct Choice {
     logprobs: Vec<TokenLogprob>,
     finish_reason: Option<&'static str>,
     stop_reason: Option<Value>,
+    /// Streaming with tools: bytes of `text` sent as content so far.
+    sent: usize,
+    /// Streaming a named tool call: the call's id, once announced.
+    call_id: Option<String>,
 }
 
 struct Run {
@@ -156,6 +199,8 @@ struct Run {
     remaining: usize,
     want_logprobs: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
+    /// How chat output becomes tool calls, when the request offers tools.
+    tools: Option<ToolMode>,
     /// The tenant's admission and plugin session, if any.
     tenant: Option<TenantCtx>,
     _slot: InFlight,
@@ -186,6 +231,7 @@ async fn generate(
     api: Api,
     id: String,
     tenant: Option<TenantCtx>,
+    tools: Option<ToolMode>,
 ) -> Result<Response<Body>, ApiError> {
     if let Some(t) = &tenant {
         // Tenants never share prefix-cache blocks.
@@ -238,6 +284,9 @@ async fn generate(
         .params
         .validate(engine.vocab_size())
         .map_err(|e| ApiError::invalid(Some(e.param.to_string()), e.message))?;
+    if let Some(r) = &common.structured {
+        common.opts.grammar = Some(compile_structure(&engine, r).await?);
+    }
     let in_flight = state.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
     let slot = InFlight(Arc::clone(&state));
     if in_flight > state.max_pending {
@@ -293,6 +342,7 @@ async fn generate(
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
         tokenizer: engine.tokenizer().clone(),
+        tools,
         tenant,
         _slot: slot,
     };
@@ -301,6 +351,35 @@ async fn generate(
     } else {
         collect_response(run).await
     }
+}
+
+/// Compiles a request's constraint off the async threads (a large schema
+/// takes milliseconds, and the first one builds the token trie).
+async fn compile_structure(
+    engine: &crate::engine::async_engine::AsyncEngine,
+    r: &structured::RequestedStructure,
+) -> Result<crate::engine::structured_output::GrammarMatcher, ApiError> {
+    let engine = engine.clone();
+    let spec = r.spec.clone();
+    let compiled = tokio::task::spawn_blocking(move || {
+        let compiler = engine.grammar_compiler().map_err(|e| (false, e))?;
+        compiler.compile(&spec).map_err(|e| (true, e))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("compiling the constraint failed: {e}")))?;
+    compiled.map_err(|(client, e)| {
+        if client {
+            ApiError::invalid(
+                Some(r.param.clone()),
+                format!("'{}' does not compile: {e}", r.param),
+            )
+        } else {
+            ApiError::invalid(
+                Some(r.param.clone()),
+                format!("structured output is not available for this model: {e}"),
+            )
+        }
+    })
 }
 
 fn stop_reason_json(r: &Option<StopReason>) -> Option<Value> {
@@ -405,11 +484,13 @@ impl Run {
                         "index": i, "text": c.text, "logprobs": lp,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                     }),
-                    Api::Chat => json!({
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    }),
+                    Api::Chat => {
+                        let (message, finish) = self.chat_message(c);
+                        json!({
+                            "index": i, "message": message,
+                            "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason,
+                        })
+                    }
                 }
             })
             .collect();
@@ -421,6 +502,115 @@ impl Run {
             "choices": choices,
             "usage": self.usage(),
         })
+    }
+
+    /// A finished chat choice's message, with the tool calls its output
+    /// holds, and its finish reason ("tool_calls" when it called tools).
+    fn chat_message(&self, c: &Choice) -> (Value, Option<&'static str>) {
+        let Some(mode) = &self.tools else {
+            return (
+                json!({"role": "assistant", "content": c.text}),
+                c.finish_reason,
+            );
+        };
+        let parsed = tools::extract(mode, &c.text);
+        if parsed.calls.is_empty() {
+            return (
+                json!({"role": "assistant", "content": c.text}),
+                c.finish_reason,
+            );
+        }
+        let calls: Vec<Value> = parsed
+            .calls
+            .iter()
+            .map(|call| tools::call_json(&tools::new_call_id(), call))
+            .collect();
+        let finish = match c.finish_reason {
+            Some("stop") => Some("tool_calls"),
+            other => other,
+        };
+        (
+            json!({"role": "assistant", "content": parsed.content, "tool_calls": calls}),
+            finish,
+        )
+    }
+
+    /// The SSE chunk for one output of a chat that offers tools. A named
+    /// call streams its arguments as they are generated; otherwise content
+    /// flows until a tool call may have begun, and the calls go out whole
+    /// once the output is complete.
+    fn tool_delta_chunk(&mut self, i: usize, o: &StepOutput) -> Option<Bytes> {
+        let mode = self.tools.clone()?;
+        let engine_finish = o.finish_reason.map(|f| f.as_str());
+        let mut delta = serde_json::Map::new();
+        let mut called = false;
+        match &mode {
+            ToolMode::Named(name) => {
+                called = true;
+                let c = &mut self.choices[i];
+                let mut call = json!({"index": 0, "function": {"arguments": o.new_text}});
+                if c.call_id.is_none() {
+                    let id = tools::new_call_id();
+                    call["id"] = json!(id);
+                    call["type"] = json!("function");
+                    call["function"]["name"] = json!(name);
+                    c.call_id = Some(id);
+                    delta.insert("tool_calls".into(), json!([call]));
+                } else if !o.new_text.is_empty() {
+                    delta.insert("tool_calls".into(), json!([call]));
+                }
+            }
+            ToolMode::Required | ToolMode::Auto(_) => {
+                let c = &mut self.choices[i];
+                if engine_finish.is_none() {
+                    let hold = match &mode {
+                        ToolMode::Auto(p) => p.hold_from(&c.text),
+                        _ => 0,
+                    };
+                    // Trailing whitespace waits too: before a call it is
+                    // dropped, as the unstreamed content is trimmed.
+                    let hold = c.text.get(..hold).map_or(0, |t| t.trim_end().len());
+                    if hold > c.sent && c.text.is_char_boundary(hold) {
+                        delta.insert("content".into(), json!(c.text[c.sent..hold]));
+                        c.sent = hold;
+                    }
+                } else {
+                    let parsed = tools::extract(&mode, &c.text);
+                    if parsed.calls.is_empty() {
+                        let rest = c.text.get(c.sent..).unwrap_or("");
+                        if !rest.is_empty() {
+                            delta.insert("content".into(), json!(rest));
+                        }
+                        c.sent = c.text.len();
+                    } else {
+                        called = true;
+                        let calls: Vec<Value> = parsed
+                            .calls
+                            .iter()
+                            .enumerate()
+                            .map(|(k, call)| {
+                                let mut v = tools::call_json(&tools::new_call_id(), call);
+                                v["index"] = json!(k);
+                                v
+                            })
+                            .collect();
+                        delta.insert("tool_calls".into(), Value::Array(calls));
+                    }
+                }
+            }
+        }
+        let finish = match engine_finish {
+            Some("stop") if called => Some("tool_calls"),
+            other => other,
+        };
+        if delta.is_empty() && finish.is_none() {
+            return None;
+        }
+        let choice = json!({
+            "index": i, "delta": delta, "logprobs": null,
+            "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
+        });
+        Some(self.chunk(vec![choice], None))
     }
 
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Bytes {
@@ -567,7 +757,12 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                                 run.tenant = Some(t);
                             }
                             let Some(i) = run.absorb(&o) else { continue };
-                            if let Some(b) = run.delta_chunk(i, &o) {
+                            let chunk = if run.tools.is_some() {
+                                run.tool_delta_chunk(i, &o)
+                            } else {
+                                run.delta_chunk(i, &o)
+                            };
+                            if let Some(b) = chunk {
                                 break Some((Ok(Frame::data(b)), (run, Phase::Tokens)));
                             }
                         }

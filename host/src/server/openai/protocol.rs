@@ -141,6 +141,8 @@ pub struct CommonParams {
     /// `max_tokens` was given (else the model's `max_new_tokens`, else the
     /// endpoint's default).
     pub max_tokens_given: bool,
+    /// The structured output asked for, if any (compiled before submission).
+    pub structured: Option<crate::server::openai::structured::RequestedStructure>,
 }
 
 /// Parses the sampling fields common to completions and chat. Fields the
@@ -255,13 +257,16 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         Some(s) => salt_of(s),
         None => 0,
     };
+    let structured = crate::server::openai::structured::parse(f)?;
     Ok(CommonParams {
+        structured,
         model,
         max_tokens_given: max_tokens.is_some(),
         params: p,
         opts: RequestOptions {
             cache_salt,
             priority,
+            grammar: None,
         },
         stream,
         include_usage,
