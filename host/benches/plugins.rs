@@ -4,7 +4,7 @@
 //! post-process). Components come from `scripts/build-plugins.sh`
 //! (`$PAGODA_PLUGIN_DIR`, default `target/plugins`).
 //!
-//! `cargo bench --release -p pagoda --bench plugins`
+//! `cargo bench -p pagoda --bench plugins`
 
 use pagoda::plugins::{
     validate_config, ChainEntry, Limits, LoadedPlugin, PluginRuntime, RuntimeConfig, Session,

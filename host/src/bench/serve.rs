@@ -27,6 +27,9 @@ pub struct ServeConfig {
     pub endpoint: String,
     /// Requests in flight at most; `None` is unbounded.
     pub max_concurrency: Option<usize>,
+    /// Fields merged into every request body (`--extra-body`), e.g. a
+    /// `response_format` to measure structured output under load.
+    pub extra_body: serde_json::Map<String, Value>,
     /// Mean arrivals per second; infinite sends everything at once.
     pub request_rate: f64,
     /// Gamma shape of the inter-arrival times: 1 is Poisson, lower is burstier.
@@ -117,6 +120,9 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
         body["messages"] = json!([{"role": "user", "content": req.prompt_text}]);
     } else {
         body["prompt"] = json!(req.prompt_text);
+    }
+    for (k, v) in &cfg.extra_body {
+        body[k] = v.clone();
     }
     let (addr, host) = authority(&cfg.base_url)?;
     let started = Instant::now();
@@ -359,6 +365,7 @@ mod tests {
             model: "m".into(),
             endpoint: "/v1/completions".into(),
             max_concurrency: None,
+            extra_body: Default::default(),
             request_rate: f64::INFINITY,
             burstiness: 1.0,
             seed: 0,

@@ -64,6 +64,10 @@ pub struct ServeBenchArgs {
     /// Hide the progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// A JSON object merged into every request body, e.g.
+    /// '{"response_format": {"type": "json_object"}}'.
+    #[arg(long)]
+    pub extra_body: Option<String>,
 }
 
 /// Flags of `pagoda bench throughput`.
@@ -231,6 +235,14 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
         model: a.model.clone(),
         endpoint: a.endpoint.clone(),
         max_concurrency: a.max_concurrency,
+        extra_body: match &a.extra_body {
+            None => Default::default(),
+            Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
+                Ok(serde_json::Value::Object(o)) => o,
+                Ok(_) => anyhow::bail!("--extra-body must be a JSON object"),
+                Err(e) => anyhow::bail!("--extra-body is not valid JSON: {e}"),
+            },
+        },
         request_rate: a.request_rate,
         burstiness: a.burstiness,
         seed,
