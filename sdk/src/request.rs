@@ -9,6 +9,17 @@ pub const CHAT_COMPLETIONS: &str = "/v1/chat/completions";
 /// The (legacy) completions endpoint's path.
 pub const COMPLETIONS: &str = "/v1/completions";
 
+/// The body fields that ask for structured output: OpenAI's, vLLM's, and
+/// the `guided_*` ones older clients send. The host accepts only one.
+pub const STRUCTURED_OUTPUT_FIELDS: &[&str] = &[
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+];
+
 /// The request `route` sees: the endpoint and the client's OpenAI request
 /// body as parsed. The body is kept as JSON (rather than a typed struct) so
 /// that fields this SDK does not know about survive a
@@ -112,6 +123,32 @@ impl RouteRequest {
         self.body.get_mut("messages")?.as_array_mut()
     }
 
+    /// The structured output the client asked for, as `(field, value)`
+    /// (see [`STRUCTURED_OUTPUT_FIELDS`]); `response_format` of type `text`
+    /// asks for none.
+    pub fn structured_output(&self) -> Option<(&'static str, &Value)> {
+        STRUCTURED_OUTPUT_FIELDS.iter().find_map(|&k| {
+            let v = self.get(k).filter(|v| !v.is_null())?;
+            let plain_text = k == "response_format"
+                && v.get("type").and_then(Value::as_str) == Some("text");
+            (!plain_text).then_some((k, v))
+        })
+    }
+
+    /// Replaces whatever structured output the client asked for with
+    /// `constraint`, a vLLM `structured_outputs` object such as
+    /// `{"json": schema}`, `{"regex": "..."}`, `{"choice": [...]}` or
+    /// `{"grammar": "..."}` (Lark). The engine then enforces it token by
+    /// token, so the tenant's clients get output of that shape whatever
+    /// they sent. The host checks it like a client's: a constraint that
+    /// does not compile fails the request with a 400.
+    pub fn force_structured_output(&mut self, constraint: Value) {
+        for k in STRUCTURED_OUTPUT_FIELDS {
+            self.remove(k);
+        }
+        self.set("structured_outputs", constraint);
+    }
+
     /// Every piece of prompt text the client sent: each message's `content`
     /// (a string, or the `text` of its parts) for chat, each prompt string
     /// for completions. For checks such as blocked words.
@@ -177,6 +214,21 @@ mod tests {
         assert_eq!(r.body["max_tokens"], 10);
         assert_eq!(r.body["temperature"], 1.0);
         assert_eq!(r.messages().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn structured_output_is_found_and_forced() {
+        let mut r = RouteRequest::new(
+            CHAT_COMPLETIONS,
+            json!({"response_format": {"type": "json_object"}, "guided_regex": "a+"}),
+        );
+        assert_eq!(r.structured_output().map(|(k, _)| k), Some("response_format"));
+        r.force_structured_output(json!({"choice": ["yes", "no"]}));
+        assert_eq!(r.structured_output(), Some(("structured_outputs", &json!({"choice": ["yes", "no"]}))));
+        assert_eq!(r.get("response_format"), None);
+        assert_eq!(r.get("guided_regex"), None);
+        let text = RouteRequest::new(CHAT_COMPLETIONS, json!({"response_format": {"type": "text"}}));
+        assert_eq!(text.structured_output(), None);
     }
 
     #[test]

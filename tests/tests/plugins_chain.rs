@@ -113,3 +113,43 @@ fn template_router_and_redact_in_the_request_path() {
         "{m}"
     );
 }
+
+/// A tenant's router forces one output shape on every request: a client
+/// that asked for nothing, and one that asked for something else, both get
+/// output of the tenant's constraint (enforced by the engine), while
+/// another tenant is untouched.
+#[test]
+fn a_route_plugin_forces_the_tenants_structured_output() {
+    let dir = TempDir::new("forced");
+    let p = start(&dir, &[]);
+    p.put_tenant(
+        "forms",
+        json!({"api_keys": ["key-forms-123456"], "plugins": ["router"]}),
+    );
+    let schema = json!({"type": "object", "properties": {"verdict": {"enum": ["approve", "deny"]}},
+        "required": ["verdict"], "additionalProperties": false});
+    p.upload_ok(
+        "forms",
+        "router",
+        "router",
+        Some(&json!({"structured_outputs": {"json": schema, "disable_any_whitespace": true}})),
+    );
+    p.put_tenant("free", json!({"api_keys": ["key-free-123456"]}));
+    let mut asked_other = chat("Write a poem", 40);
+    asked_other["structured_outputs"] = json!({"regex": "[a-z ]+"});
+    for body in [chat("Write a poem", 40), asked_other] {
+        let (st, v) = p.post_as("key-forms-123456", "/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+        let parsed: serde_json::Value = serde_json::from_str(text).expect(text);
+        assert!(
+            parsed == json!({"verdict": "approve"}) || parsed == json!({"verdict": "deny"}),
+            "{text}"
+        );
+    }
+    let (st, v) = p.post_as("key-free-123456", "/v1/chat/completions", &chat("Write a poem", 12));
+    assert_eq!(st, 200, "{v}");
+    let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!text.starts_with("{\"verdict\""), "{text}");
+}

@@ -5,7 +5,8 @@
 //! ```json
 //! {"aliases": {"fast": "smol"}, "allowed_models": ["smol"],
 //!  "max_tokens_limit": 256, "temperature_max": 1.0,
-//!  "reject_message": "...", "blocked_words": ["..."]}
+//!  "reject_message": "...", "blocked_words": ["..."],
+//!  "structured_outputs": {"json": {"type": "object", "...": "..."}}}
 //! ```
 //!
 //! In this order, for both endpoints:
@@ -24,6 +25,10 @@
 //! 5. `temperature_max`: a higher `temperature` is lowered to it; when the
 //!    client gave none and the maximum is below OpenAI's default of 1.0,
 //!    `temperature` is set to the maximum.
+//! 6. `structured_outputs`: every request gets this constraint (vLLM's
+//!    `structured_outputs` object), replacing any `response_format`,
+//!    `structured_outputs` or `guided_*` field the client sent, so the
+//!    tenant's outputs always have that shape; the engine enforces it.
 //!
 //! Any rewrite makes the decision `Modify`; otherwise `Continue`.
 

@@ -24,6 +24,10 @@ pub struct Config {
     pub reject_message: Option<String>,
     /// Words and phrases a prompt must not contain.
     pub blocked_words: Vec<String>,
+    /// A structured-output constraint every request of the tenant gets
+    /// (vLLM's `structured_outputs` object: `json`, `regex`, `choice`,
+    /// `grammar` or `json_object`), replacing the client's own.
+    pub structured_outputs: Option<Value>,
 }
 
 /// The JSON Schema of [`Config`].
@@ -39,7 +43,21 @@ pub fn schema() -> Value {
             "max_tokens_limit": {"type": "integer", "minimum": 1},
             "temperature_max": {"type": "number", "minimum": 0},
             "reject_message": {"type": "string", "minLength": 1, "maxLength": 1024},
-            "blocked_words": {"type": "array", "items": {"type": "string", "minLength": 1}}
+            "blocked_words": {"type": "array", "items": {"type": "string", "minLength": 1}},
+            "structured_outputs": {
+                "type": "object",
+                "minProperties": 1,
+                "properties": {
+                    "json": {"type": ["object", "boolean", "string"]},
+                    "regex": {"type": "string", "minLength": 1},
+                    "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    "grammar": {"type": "string", "minLength": 1},
+                    "json_object": {"type": "boolean"},
+                    "disable_any_whitespace": {"type": "boolean"},
+                    "disable_additional_properties": {"type": "boolean"}
+                },
+                "additionalProperties": false
+            }
         },
         "additionalProperties": false
     })
@@ -126,6 +144,12 @@ pub fn decide(config: &Config, mut request: RouteRequest, served: &[String]) -> 
                 }
             }
         }
+    }
+
+    if let Some(constraint) = &config.structured_outputs {
+        // The tenant's shape wins over whatever the client asked for.
+        request.force_structured_output(constraint.clone());
+        modified = true;
     }
 
     if modified {
@@ -345,5 +369,17 @@ mod tests {
     #[test]
     fn unknown_config_fields_rejected() {
         assert!(pagoda_sdk::serde_json::from_value::<Config>(json!({"alias": {}})).is_err());
+    }
+
+    #[test]
+    fn tenant_constraint_replaces_the_clients() {
+        let c = config(json!({"structured_outputs": {"choice": ["yes", "no"]}}));
+        let r = chat(json!({"model": "smol", "response_format": {"type": "json_object"}}));
+        let b = body_of(decide(&c, r, &served()));
+        assert_eq!(b["structured_outputs"], json!({"choice": ["yes", "no"]}));
+        assert_eq!(b.get("response_format"), None);
+        // Requests that asked for nothing get it too.
+        let b = body_of(decide(&c, chat(json!({"model": "smol"})), &served()));
+        assert_eq!(b["structured_outputs"], json!({"choice": ["yes", "no"]}));
     }
 }
