@@ -20,8 +20,13 @@ fn demo_gguf() -> PathBuf {
     if let Ok(p) = std::env::var("PAGODA_DEMO_GGUF") {
         return PathBuf::from(p);
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/fetch-demo-model.sh");
-    let out = std::process::Command::new(script).output().expect("fetch-demo-model.sh");
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../scripts/fetch-demo-model.sh"
+    );
+    let out = std::process::Command::new(script)
+        .output()
+        .expect("fetch-demo-model.sh");
     PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
 }
 
@@ -90,7 +95,10 @@ fn main() {
                 let t = Instant::now();
                 let mask = m.compute_mask().expect("mask");
                 times.push(t.elapsed().as_secs_f64() * 1e6);
-                assert!(mask.allows(id), "{name}: the sample output is not valid at {id}");
+                assert!(
+                    mask.allows(id),
+                    "{name}: the sample output is not valid at {id}"
+                );
                 m.consume(id).expect("consume");
             }
         }

@@ -214,7 +214,7 @@ fn a_shared_long_prefix_is_computed_once_and_only_within_a_salt() {
                 SamplingParams::greedy(2),
                 RequestOptions {
                     cache_salt: salt,
-                    priority: 0,
+                    ..Default::default()
                 },
             )
             .expect("add");
@@ -263,4 +263,108 @@ fn samples_of_one_prompt_share_its_blocks() {
     let full_blocks = (n_tokens - 1) / 16 * 16;
     assert_eq!(llm.engine().stats().prefix.hits, 3 * full_blocks as u64);
     assert_pool_clean(&llm);
+}
+
+/// Constrained and unconstrained sequences in one batch, under a KV pool
+/// small enough to preempt: the unconstrained ones give exactly what they
+/// give alone (the mask thread beside the forward changes nothing), every
+/// constrained one matches its regex and ends as soon as its grammar is
+/// complete, and every block comes back.
+#[test]
+fn constrained_sequences_batch_with_free_ones_and_survive_preemption() {
+    use pagoda::engine::structured_output::{GrammarCompiler, OutputConstraint, StructuredOutputs};
+    let prompts = prompts();
+    let free: Vec<Prompt> = prompts.iter().step_by(2).cloned().collect();
+    let solo = solo_outputs(&free);
+    let mut a = args();
+    // The 20-block pool of the preemption case above.
+    let per_block = 2 * 30 * 16 * 192 * 2;
+    a.max_model_len = Some(320);
+    a.kv_cache_memory = Some(20 * per_block);
+    let mut llm = LLM::new(a).expect("engine");
+    let tok = llm.tokenizer().clone();
+    let encoded: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| llm.encode(p).expect("encode"))
+        .collect();
+    let core = llm.engine_mut();
+    let compiler = GrammarCompiler::new(
+        tok.clone(),
+        core.eos_ids(),
+        core.runner().config().vocab_size,
+    )
+    .expect("compiler");
+    let regex = r" ?[A-Z][a-z]+ [0-9]{2}";
+    let spec = StructuredOutputs::new(OutputConstraint::Regex(regex.into()));
+    let mut engine_ids = Vec::new();
+    for (i, ids) in encoded.into_iter().enumerate() {
+        let constrained = i % 2 == 1;
+        let opts = RequestOptions {
+            grammar: constrained.then(|| compiler.compile(&spec).expect("compile")),
+            ..Default::default()
+        };
+        engine_ids.push((
+            core.add_request(
+                format!("p{i}"),
+                ids,
+                SamplingParams::greedy(MAX_TOKENS),
+                opts,
+            )
+            .expect("add"),
+            constrained,
+        ));
+    }
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); engine_ids.len()];
+    let mut finish = vec![None; engine_ids.len()];
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            let i = engine_ids
+                .iter()
+                .position(|&(e, _)| e == o.id)
+                .expect("known");
+            out[i].extend_from_slice(&o.new_token_ids);
+            if o.finish_reason.is_some() {
+                finish[i] = o.finish_reason;
+            }
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    assert!(
+        core.stats().num_preemptions > 0,
+        "the pool should be small enough to preempt"
+    );
+    let rx = regex_lite(regex);
+    let mut free_outputs = Vec::new();
+    for (i, &(_, constrained)) in engine_ids.iter().enumerate() {
+        if constrained {
+            let text = tok.decode(&out[i], true).expect("decode");
+            assert!(rx(&text), "prompt {i}: {text:?} does not match {regex}");
+            assert_eq!(
+                finish[i],
+                Some(pagoda::engine::FinishReason::Stop),
+                "prompt {i}"
+            );
+        } else {
+            free_outputs.push(out[i].clone());
+        }
+    }
+    assert_eq!(free_outputs, solo);
+    assert_pool_clean(&llm);
+}
+
+/// A matcher for the test's one regex, ` ?[A-Z][a-z]+ [0-9]{2}`, written
+/// out by hand so the check does not share the engine's regex machinery.
+fn regex_lite(_: &str) -> impl Fn(&str) -> bool {
+    |s: &str| {
+        let s = s.strip_prefix(' ').unwrap_or(s);
+        let Some((word, num)) = s.split_once(' ') else {
+            return false;
+        };
+        let mut chars = word.chars();
+        chars.next().is_some_and(|c| c.is_ascii_uppercase())
+            && word.len() >= 2
+            && chars.all(|c| c.is_ascii_lowercase())
+            && num.len() == 2
+            && num.chars().all(|c| c.is_ascii_digit())
+    }
 }

@@ -155,12 +155,14 @@ check("disable_any_whitespace gives compact JSON", finish == "stop" and not re.s
 
 # json_object, streamed and not.
 for stream in (False, True):
-    text, finish, _ = chat(user("Give me a JSON object about a cat."), stream=stream, max_tokens=120, temperature=0,
-                           response_format={"type": "json_object"})
-    if finish == "stop":
-        check(f"json_object stream={stream} is an object", isinstance(json.loads(text), dict), text)
-    else:
-        check(f"json_object stream={stream} truncated output is not reported complete", finish == "length", finish)
+    text, finish, _ = chat(user("Give me a JSON object about a cat with its name and age."), stream=stream,
+                           max_tokens=200, temperature=0, response_format={"type": "json_object"})
+    check(f"json_object stream={stream} completes", finish == "stop", (finish, text))
+    check(f"json_object stream={stream} is an object", isinstance(json.loads(text), dict), text)
+# Too few tokens for the schema: "length", never invalid JSON called complete.
+text, finish, _ = chat(user("A person as JSON"), max_tokens=4, temperature=0,
+                       response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS["person"]}})
+check("a truncated schema answer finishes with length", finish == "length", (finish, text))
 
 # Regex and choice on both endpoints.
 rx = r"\d{3}-\d{3}-\d{4}"

@@ -148,7 +148,11 @@ fn a_route_plugin_forces_the_tenants_structured_output() {
             "{text}"
         );
     }
-    let (st, v) = p.post_as("key-free-123456", "/v1/chat/completions", &chat("Write a poem", 12));
+    let (st, v) = p.post_as(
+        "key-free-123456",
+        "/v1/chat/completions",
+        &chat("Write a poem", 12),
+    );
     assert_eq!(st, 200, "{v}");
     let text = v["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(!text.starts_with("{\"verdict\""), "{text}");
