@@ -138,11 +138,24 @@ impl TokenizerEnv for TokenizerEnvironment {
     }
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
-        // Forced text is whole UTF-8 except at a grammar's byte-level
-        // edges, where the lossy decoding only costs a less natural split.
-        self.tokenizer
-            .encode(&String::from_utf8_lossy(s), false)
-            .unwrap_or_default()
+        // llguidance tokenizes the bytes a grammar forces, which can end
+        // (or start) inside a multi-byte character: "é1" | "è2" forces
+        // C3 alone. The valid UTF-8 prefix goes through the tokenizer; the
+        // bytes after it are matched against the trie, never replaced by
+        // U+FFFD (whose tokens the grammar would then refuse).
+        let valid = match std::str::from_utf8(s) {
+            Ok(text) => text,
+            Err(e) => std::str::from_utf8(&s[..e.valid_up_to()]).unwrap_or_default(),
+        };
+        let mut ids = if valid.is_empty() {
+            Vec::new()
+        } else {
+            self.tokenizer.encode(valid, false).unwrap_or_default()
+        };
+        if valid.len() < s.len() {
+            ids.extend(self.trie.greedy_tokenize(&s[valid.len()..]));
+        }
+        ids
     }
 }
 
