@@ -69,7 +69,12 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     assert_eq!(streamed, text);
     let last = chunks.last().expect("usage chunk");
     assert_eq!(last["choices"], json!([]));
-    assert_eq!(last["usage"], *usage);
+    for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][k], usage[k], "{k}");
+    }
+    // The same prompt a second time: its full blocks come from the cache.
+    assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(last["usage"]["prompt_tokens_details"]["cached_tokens"], 32);
     let finish: Vec<&Value> = chunks
         .iter()
         .filter_map(|c| c["choices"].get(0).map(|ch| &ch["finish_reason"]))
@@ -141,6 +146,71 @@ fn chat_and_completions_agree_streamed_and_not_with_consistent_usage() {
     let (_, d) = s.post("/detokenize", &json!({"tokens": [19556, 28, 905, 17]}));
     assert_eq!(d["prompt"], "Hello, world!");
     assert_eq!(s.get("/version").0, 200);
+}
+
+/// The routes managed platforms and vLLM clients use beside the two
+/// generation endpoints, and the cached-token count in usage.
+#[test]
+fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
+    let s = Server::start(&[]);
+    assert_eq!(s.get("/ping").0, 200);
+    assert_eq!(s.post("/ping", &json!({})).0, 200);
+    // /invocations dispatches on the body's shape.
+    let (st, c) = s.post("/invocations", &json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}));
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(c["object"], "text_completion");
+    let (st, c) = s.post("/invocations", &chat_body(false));
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(c["object"], "chat.completion");
+    let (st, e) = s.post("/invocations", &json!({"model": "smol"}));
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["type"], "invalid_request_error");
+
+    let (_, models) = s.get("/v1/models");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let m = &models["data"][0];
+    assert!(
+        m["root"].as_str().is_some_and(|r| r.ends_with(".gguf")),
+        "{m}"
+    );
+    assert!(
+        m["parent"].is_null() && m["max_model_len"].as_u64().is_some(),
+        "{m}"
+    );
+
+    // Routes Pagoda does not serve answer with the OpenAI error body.
+    for (path, status) in [
+        ("/v1/embeddings", 501),
+        ("/v1/audio/speech", 501),
+        ("/v1/nonsense", 404),
+    ] {
+        let (st, e) = s.post(path, &json!({"model": "smol", "input": "x"}));
+        assert_eq!(st, status, "{path}: {e}");
+        assert!(
+            e["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(path)),
+            "{path}: {e}"
+        );
+    }
+
+    // The second request of a long shared prompt finds it cached.
+    let prompt = "Pagoda serves many tenants from one fleet. ".repeat(20);
+    let body = json!({"model": "smol", "prompt": prompt, "max_tokens": 2, "temperature": 0});
+    let (_, first) = s.post("/v1/completions", &body);
+    assert_eq!(
+        first["usage"]["prompt_tokens_details"]["cached_tokens"], 0,
+        "{first}"
+    );
+    let (_, second) = s.post("/v1/completions", &body);
+    let cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let total = second["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached >= total - 16 && cached < total,
+        "{cached} of {total} cached"
+    );
 }
 
 fn assert_error(s: &Server, path: &str, body: &str, status: u16, code: &str, param: Option<&str>) {

@@ -121,6 +121,18 @@ impl ApiError {
         }
     }
 
+    /// 501: an OpenAI or vLLM route that Pagoda does not serve.
+    pub fn not_implemented(path: &str, what: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_IMPLEMENTED,
+            message: format!("{path} ({what}) is not implemented by this server; it serves text generation: /v1/completions and /v1/chat/completions."),
+            kind: "invalid_request_error",
+            param: None,
+            code: "not_implemented",
+            retry_after: None,
+        }
+    }
+
     /// 500: a bug or an unexpected failure on our side.
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {

@@ -63,6 +63,8 @@ pub struct ServerConfig {
 /// What every request handler shares.
 pub struct AppState {
     engine: OnceLock<AsyncEngine>,
+    /// The model's path, which `/v1/models` reports as `root`, as vLLM does.
+    model_root: String,
     config: ServerConfig,
     ready: AtomicBool,
     shutting_down: AtomicBool,
@@ -257,6 +259,16 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
             Ok(_) => json_response(&json!({"status": "ready"})),
             Err(e) => e.response(),
         }),
+        // SageMaker-style managed platforms probe /ping and send every
+        // request to /invocations, as vLLM serves them.
+        (Method::GET | Method::POST, "/ping") => Ok(match state.engine() {
+            Ok(_) => json_response(&json!({})),
+            Err(e) => e.response(),
+        }),
+        (Method::POST, "/invocations") => match authenticate(&state, &req) {
+            Err(e) => Err(e),
+            Ok(tenant) => invocations(Arc::clone(&state), req, tenant).await,
+        },
         (Method::GET, "/metrics") => {
             let mut r = Response::new(full(Bytes::from(state.metrics.render())));
             r.headers_mut().insert(
@@ -296,7 +308,14 @@ async fn api_route(
                 .served_model_names
                 .iter()
                 .filter(|n| allowed(n))
-                .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "pagoda", "max_model_len": state.engine.get().map(|e| e.max_model_len())}))
+                .map(|n| {
+                    json!({
+                        "id": n, "object": "model", "created": 0, "owned_by": "pagoda",
+                        "root": state.model_root, "parent": null,
+                        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+                        "permission": [],
+                    })
+                })
                 .collect();
             Ok(json_response(&json!({"object": "list", "data": data})))
         }
@@ -321,7 +340,56 @@ async fn api_route(
         (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => {
             Err(ApiError::method_not_allowed(m.as_str(), p))
         }
-        (_, p) => Err(ApiError::not_found(p)),
+        (_, p) => Err(match unserved_route(p) {
+            Some(what) => ApiError::not_implemented(p, what),
+            None => ApiError::not_found(p),
+        }),
+    }
+}
+
+/// What an OpenAI or vLLM route that Pagoda does not serve is for, so the
+/// client learns it is missing here rather than misspelled.
+fn unserved_route(path: &str) -> Option<&'static str> {
+    let known: &[(&str, &str)] = &[
+        ("/v1/embeddings", "embeddings"),
+        ("/v1/responses", "the Responses API"),
+        ("/v1/audio/", "audio"),
+        ("/v1/images/", "images"),
+        ("/v1/moderations", "moderations"),
+        ("/v1/files", "files"),
+        ("/v1/batches", "batches"),
+        ("/v1/fine_tuning/", "fine-tuning"),
+        ("/v1/rerank", "reranking"),
+        ("/v1/score", "scoring"),
+        ("/v2/rerank", "reranking"),
+        ("/rerank", "reranking"),
+        ("/score", "scoring"),
+        ("/pooling", "pooling"),
+        ("/classify", "classification"),
+    ];
+    known
+        .iter()
+        .find(|(p, _)| path == *p || (p.ends_with('/') && path.starts_with(p)))
+        .map(|&(_, what)| what)
+}
+
+/// `POST /invocations`: a chat request (it has `messages`) or a
+/// completions request (it has `prompt`), decided by the body.
+async fn invocations(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let body = read_json(&state, req).await?;
+    if body.get("messages").is_some() {
+        openai::chat(state, body, tenant).await
+    } else if body.get("prompt").is_some() {
+        openai::completions(state, body, tenant).await
+    } else {
+        Err(ApiError::invalid(
+            None,
+            "/invocations takes a chat request (with 'messages') or a completions request (with 'prompt')",
+        ))
     }
 }
 
@@ -437,7 +505,9 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         tracing::info!("loaded {n} tenants from {}", dir.display());
     }
     let admin_token = config.admin_token.clone().filter(|t| !t.is_empty());
+    let model_root = args.model.display().to_string();
     let state = Arc::new(AppState {
+        model_root,
         tenants,
         admin_token,
         engine: OnceLock::new(),

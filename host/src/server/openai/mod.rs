@@ -196,6 +196,8 @@ struct Run {
     choice_of: HashMap<u64, usize>,
     choices: Vec<Choice>,
     prompt_tokens: usize,
+    /// Prompt tokens of all choices that came from the prefix cache.
+    cached_tokens: usize,
     remaining: usize,
     want_logprobs: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
@@ -339,6 +341,7 @@ async fn generate(
         choice_of,
         choices: vec![Choice::default(); total],
         prompt_tokens: prompt_tokens * n,
+        cached_tokens: 0,
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
         tokenizer: engine.tokenizer().clone(),
@@ -401,6 +404,10 @@ impl Run {
             c.logprobs.extend(o.logprobs.iter().cloned());
         }
         if let Some(f) = o.finish_reason {
+            // The count is final once the request finishes (a preempted
+            // request can find more of its prompt cached on re-admission).
+            self.cached_tokens += o.num_cached_tokens;
+            let c = &mut self.choices[i];
             c.finish_reason = Some(f.as_str());
             c.stop_reason = stop_reason_json(&o.stop_reason);
             self.remaining -= 1;
@@ -414,6 +421,7 @@ impl Run {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 
