@@ -200,14 +200,24 @@ impl Server {
         (status, r.body_mut().read_to_string().expect("body"))
     }
 
-    /// The value of an unlabelled sample in `/metrics`.
+    /// The value of a sample in `/metrics` that has no labels but the
+    /// server-wide `model_name` and `engine`.
     pub fn metric(&self, name: &str) -> f64 {
         let (_, text) = self.get("/metrics");
         text.lines()
             .find_map(|l| {
-                l.strip_prefix(name)
-                    .and_then(|r| r.strip_prefix(' '))
-                    .and_then(|v| v.trim().parse().ok())
+                let rest = l.strip_prefix(name)?;
+                let value = match rest.strip_prefix('{') {
+                    Some(labels) => {
+                        let (labels, value) = labels.split_once("} ")?;
+                        let only_global = labels
+                            .split(',')
+                            .all(|kv| kv.starts_with("model_name=") || kv.starts_with("engine="));
+                        only_global.then_some(value)?
+                    }
+                    None => rest.strip_prefix(' ')?,
+                };
+                value.trim().parse().ok()
             })
             .unwrap_or_else(|| panic!("metric {name} not found in:\n{text}"))
     }

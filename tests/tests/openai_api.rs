@@ -211,6 +211,43 @@ fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
         cached >= total - 16 && cached < total,
         "{cached} of {total} cached"
     );
+
+    // Every metric docs/metrics.md lists as served is in /metrics, with
+    // vLLM's labels.
+    let (st, _) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "n": 2, "max_tokens": 4,
+        "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(st, 200);
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
+        .expect("docs/metrics.md");
+    let served = doc
+        .split("## Served")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("a Served section");
+    let names: Vec<&str> = served
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split('`').next())
+        .collect();
+    assert!(names.len() >= 25, "{names:?}");
+    let (_, text) = s.get("/metrics");
+    for name in names {
+        let present = text.lines().any(|l| {
+            l.strip_prefix(name).is_some_and(|rest| {
+                (rest.starts_with('{')
+                    || rest.starts_with("_bucket{")
+                    || rest.starts_with("_count{"))
+                    && l.contains("model_name=\"smol\"")
+                    && l.contains("engine=\"0\"")
+            })
+        });
+        assert!(
+            present,
+            "{name} is documented as served but missing from /metrics:\n{text}"
+        );
+    }
 }
 
 fn assert_error(s: &Server, path: &str, body: &str, status: u16, code: &str, param: Option<&str>) {
@@ -391,7 +428,10 @@ fn a_client_that_disconnects_frees_its_kv_blocks() {
     }
     let (_, text) = s.get("/metrics");
     assert!(
-        text.contains("vllm:request_success_total{finished_reason=\"abort\"} 1"),
+        text.lines()
+            .any(|l| l.starts_with("vllm:request_success_total{")
+                && l.contains("finished_reason=\"abort\"")
+                && l.ends_with("} 1")),
         "{text}"
     );
 }

@@ -39,6 +39,22 @@ pub mod metric_names {
     pub const ITL: &str = "vllm:inter_token_latency_seconds";
     pub const E2E: &str = "vllm:e2e_request_latency_seconds";
     pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
+    pub const TPOT: &str = "vllm:time_per_output_token_seconds";
+    pub const REQUEST_TPOT: &str = "vllm:request_time_per_output_token_seconds";
+    pub const PREFILL_TIME: &str = "vllm:request_prefill_time_seconds";
+    pub const DECODE_TIME: &str = "vllm:request_decode_time_seconds";
+    pub const INFERENCE_TIME: &str = "vllm:request_inference_time_seconds";
+    pub const REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
+    pub const REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+    pub const REQUEST_MAX_GENERATION_TOKENS: &str = "vllm:request_max_num_generation_tokens";
+    pub const REQUEST_PARAMS_N: &str = "vllm:request_params_n";
+    pub const REQUEST_PARAMS_MAX_TOKENS: &str = "vllm:request_params_max_tokens";
+    pub const ITERATION_TOKENS: &str = "vllm:iteration_tokens_total";
+    pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
+    pub const PREFIX_CACHE_QUERIES_GPU: &str = "vllm:gpu_prefix_cache_queries_total";
+    pub const PREFIX_CACHE_HITS_GPU: &str = "vllm:gpu_prefix_cache_hits_total";
+    pub const GPU_CACHE_USAGE: &str = "vllm:gpu_cache_usage_perc";
+    pub const NUM_REQUESTS_SWAPPED: &str = "vllm:num_requests_swapped";
 }
 use metric_names as m;
 
@@ -105,8 +121,10 @@ impl Drop for AbortGuard {
 struct Track {
     outputs: mpsc::UnboundedSender<StepOutput>,
     arrived: Instant,
-    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
     last_token: Option<Instant>,
+    /// The most tokens the request may generate.
+    max_tokens: usize,
 }
 
 impl AsyncEngine {
@@ -117,6 +135,16 @@ impl AsyncEngine {
         let tokenizer = core.tokenizer().clone();
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().config().vocab_size;
+        // What the KV cache is, once, as vLLM publishes it.
+        let kv = core.kv_cache();
+        metrics::gauge!(
+            m::CACHE_CONFIG_INFO,
+            "block_size" => kv.block_size().to_string(),
+            "num_gpu_blocks" => kv.pool().num_blocks().to_string(),
+            "num_cpu_blocks" => "0",
+            "enable_prefix_caching" => if kv.prefix_caching() { "True" } else { "False" },
+        )
+        .set(1.0);
         let eos_ids: Arc<[u32]> = core.eos_ids().into();
         let sampling_defaults = Arc::new(core.sampling_defaults().clone());
         let s = Arc::clone(&stats);
@@ -328,6 +356,8 @@ fn engine_loop(
                     reply,
                 } => {
                     let n = prompt_ids.len();
+                    let max_model_len = core.max_model_len();
+                    let max_tokens = params.max_tokens.unwrap_or(max_model_len.saturating_sub(n));
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
                         metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
@@ -336,8 +366,9 @@ fn engine_loop(
                             Track {
                                 outputs,
                                 arrived: Instant::now(),
-                                first_scheduled: None,
+                                first_token: None,
                                 last_token: None,
+                                max_tokens,
                             },
                         );
                     }
@@ -363,11 +394,19 @@ fn engine_loop(
                 match t.last_token {
                     None => {
                         metrics::histogram!(m::TTFT).record((now - t.arrived).as_secs_f64());
-                        let started = t.first_scheduled.get_or_insert(now);
+                        // Queue time ends when the scheduler first admits
+                        // the request, not at its first token.
+                        let scheduled = out.scheduled_at.unwrap_or(now);
                         metrics::histogram!(m::QUEUE_TIME)
-                            .record((*started - t.arrived).as_secs_f64().max(0.0));
+                            .record(secs_between(t.arrived, scheduled));
+                        metrics::histogram!(m::PREFILL_TIME).record(secs_between(scheduled, now));
+                        t.first_token = Some(now);
                     }
-                    Some(prev) => metrics::histogram!(m::ITL).record((now - prev).as_secs_f64()),
+                    Some(prev) => {
+                        let gap = (now - prev).as_secs_f64();
+                        metrics::histogram!(m::ITL).record(gap);
+                        metrics::histogram!(m::TPOT).record(gap);
+                    }
                 }
                 t.last_token = Some(now);
             }
@@ -381,19 +420,46 @@ fn engine_loop(
         metrics::gauge!(m::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
         metrics::gauge!(m::NUM_REQUESTS_WAITING).set(s.num_waiting as f64);
         metrics::gauge!(m::KV_CACHE_USAGE).set(s.kv_usage);
+        metrics::gauge!(m::GPU_CACHE_USAGE).set(s.kv_usage);
+        metrics::gauge!(m::NUM_REQUESTS_SWAPPED).set(0.0);
+        if s.steps > last.steps {
+            metrics::histogram!(m::ITERATION_TOKENS).record(s.last_step_tokens as f64);
+        }
         metrics::counter!(m::NUM_PREEMPTIONS).increment(s.num_preemptions - last.num_preemptions);
         metrics::counter!(m::PREFIX_QUERIES).increment(s.prefix.queries - last.prefix.queries);
         metrics::counter!(m::PREFIX_HITS).increment(s.prefix.hits - last.prefix.hits);
+        metrics::counter!(m::PREFIX_CACHE_QUERIES_GPU)
+            .increment(s.prefix.queries - last.prefix.queries);
+        metrics::counter!(m::PREFIX_CACHE_HITS_GPU).increment(s.prefix.hits - last.prefix.hits);
         last = s;
         *stats.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
+}
+
+/// Seconds from `a` to `b`, 0 if `b` is earlier.
+fn secs_between(a: Instant, b: Instant) -> f64 {
+    b.saturating_duration_since(a).as_secs_f64()
 }
 
 fn finish(tracks: &mut HashMap<u64, Track>, out: StepOutput) {
     if let Some(t) = tracks.remove(&out.id) {
         let reason = out.finish_reason.unwrap_or(FinishReason::Abort).as_str();
         metrics::counter!(m::REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
-        metrics::histogram!(m::E2E).record(t.arrived.elapsed().as_secs_f64());
+        let now = Instant::now();
+        metrics::histogram!(m::E2E).record((now - t.arrived).as_secs_f64());
+        metrics::histogram!(m::REQUEST_PROMPT_TOKENS).record(out.num_prompt_tokens as f64);
+        metrics::histogram!(m::REQUEST_GENERATION_TOKENS).record(out.num_output_tokens as f64);
+        metrics::histogram!(m::REQUEST_MAX_GENERATION_TOKENS).record(t.max_tokens as f64);
+        if let Some(scheduled) = out.scheduled_at {
+            metrics::histogram!(m::INFERENCE_TIME).record(secs_between(scheduled, now));
+        }
+        if let (Some(first), Some(last)) = (t.first_token, t.last_token) {
+            metrics::histogram!(m::DECODE_TIME).record(secs_between(first, last));
+            if out.num_output_tokens > 1 {
+                metrics::histogram!(m::REQUEST_TPOT)
+                    .record(secs_between(first, last) / (out.num_output_tokens - 1) as f64);
+            }
+        }
         let _ = t.outputs.send(out);
     }
 }

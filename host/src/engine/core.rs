@@ -42,6 +42,8 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub steps: u64,
+    /// Tokens the last step ran (prefill chunks and decodes).
+    pub last_step_tokens: usize,
 }
 
 /// The engine core.
@@ -308,6 +310,7 @@ impl EngineCore {
             return Ok(Vec::new());
         }
         self.stats.steps += 1;
+        self.stats.last_step_tokens = plan.batch.tokens.len();
         let vocab = self.runner.config().vocab_size;
         // Constrained rows: their matchers leave the requests for the step.
         let mut guided = std::mem::take(&mut self.guided);

@@ -28,6 +28,9 @@ pub struct StepOutput {
     pub num_prompt_tokens: usize,
     pub num_cached_tokens: usize,
     pub num_output_tokens: usize,
+    /// When the request was first scheduled (admission to the running set),
+    /// for queue and prefill times.
+    pub scheduled_at: Option<std::time::Instant>,
 }
 
 /// Appends a sampled token to `req`, applies the stop conditions and
@@ -125,6 +128,7 @@ pub fn process_token(
         num_prompt_tokens: req.prompt_len,
         num_cached_tokens: req.num_cached_prompt,
         num_output_tokens: n_out,
+        scheduled_at: req.first_scheduled_at,
     }
 }
 
@@ -140,6 +144,7 @@ pub fn aborted(req: Request) -> StepOutput {
         num_prompt_tokens: req.prompt_len,
         num_cached_tokens: req.num_cached_prompt,
         num_output_tokens: req.token_ids.len() - req.prompt_len,
+        scheduled_at: req.first_scheduled_at,
         external_id: req.external_id,
     }
 }

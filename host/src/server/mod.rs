@@ -116,22 +116,50 @@ impl AppState {
     }
 }
 
-fn install_metrics() -> Result<PrometheusHandle> {
+/// Installs the Prometheus recorder. Every series carries vLLM's
+/// `model_name` (the first served name) and `engine` labels, so dashboards
+/// built for vLLM select Pagoda's series unchanged.
+fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     // Latency histograms get explicit buckets so they render as Prometheus
     // histograms (vLLM's bucket edges), not summaries.
     let latency = [
         0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
         20.0, 40.0, 80.0,
     ];
-    let builder = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Full(m::TTFT.into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full(m::ITL.into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full(m::E2E.into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full(m::QUEUE_TIME.into()), &latency)?
-        .set_buckets_for_metric(
-            Matcher::Full(crate::plugins::metrics::LATENCY.into()),
-            crate::plugins::metrics::BUCKETS,
-        )?;
+    // vLLM's token-count buckets (1, 2, 5 up to its largest context).
+    let tokens: Vec<f64> = (0..7)
+        .flat_map(|e| [1.0, 2.0, 5.0].map(|b| b * 10f64.powi(e)))
+        .collect();
+    let mut builder = PrometheusBuilder::new()
+        .add_global_label("model_name", model_name)
+        .add_global_label("engine", "0");
+    for name in [
+        m::TTFT,
+        m::ITL,
+        m::E2E,
+        m::QUEUE_TIME,
+        m::TPOT,
+        m::REQUEST_TPOT,
+        m::PREFILL_TIME,
+        m::DECODE_TIME,
+        m::INFERENCE_TIME,
+    ] {
+        builder = builder.set_buckets_for_metric(Matcher::Full(name.into()), &latency)?;
+    }
+    for name in [
+        m::REQUEST_PROMPT_TOKENS,
+        m::REQUEST_GENERATION_TOKENS,
+        m::REQUEST_MAX_GENERATION_TOKENS,
+        m::REQUEST_PARAMS_N,
+        m::REQUEST_PARAMS_MAX_TOKENS,
+        m::ITERATION_TOKENS,
+    ] {
+        builder = builder.set_buckets_for_metric(Matcher::Full(name.into()), &tokens)?;
+    }
+    let builder = builder.set_buckets_for_metric(
+        Matcher::Full(crate::plugins::metrics::LATENCY.into()),
+        crate::plugins::metrics::BUCKETS,
+    )?;
     let handle = match builder.install_recorder() {
         Ok(h) => h,
         Err(e) => anyhow::bail!("cannot install the metrics recorder: {e}"),
@@ -159,6 +187,62 @@ fn install_metrics() -> Result<PrometheusHandle> {
         m::QUEUE_TIME,
         "Time waiting before first scheduled, seconds."
     );
+    for (name, what) in [
+        (
+            m::TPOT,
+            "Time between tokens, seconds (vLLM's older name for the inter-token latency).",
+        ),
+        (
+            m::REQUEST_TPOT,
+            "Per request: decode time over its output tokens after the first, seconds.",
+        ),
+        (m::PREFILL_TIME, "First scheduled to first token, seconds."),
+        (m::DECODE_TIME, "First token to last token, seconds."),
+        (m::INFERENCE_TIME, "First scheduled to finished, seconds."),
+        (
+            m::REQUEST_PROMPT_TOKENS,
+            "Prompt tokens per finished request.",
+        ),
+        (
+            m::REQUEST_GENERATION_TOKENS,
+            "Generated tokens per finished request.",
+        ),
+        (
+            m::REQUEST_MAX_GENERATION_TOKENS,
+            "The most tokens each request could generate.",
+        ),
+        (m::REQUEST_PARAMS_N, "The n of each request."),
+        (
+            m::REQUEST_PARAMS_MAX_TOKENS,
+            "The max_tokens of each request that set one.",
+        ),
+        (
+            m::ITERATION_TOKENS,
+            "Tokens run per engine step (prefill chunks and decodes).",
+        ),
+    ] {
+        metrics::describe_histogram!(name, what);
+    }
+    metrics::describe_gauge!(
+        m::CACHE_CONFIG_INFO,
+        "The KV cache's configuration, as labels."
+    );
+    metrics::describe_gauge!(
+        m::GPU_CACHE_USAGE,
+        "vLLM's older name for kv_cache_usage_perc."
+    );
+    metrics::describe_gauge!(
+        m::NUM_REQUESTS_SWAPPED,
+        "Always 0: Pagoda preempts by recompute and never swaps to host memory."
+    );
+    metrics::describe_counter!(
+        m::PREFIX_CACHE_QUERIES_GPU,
+        "vLLM's older name for prefix_cache_queries_total."
+    );
+    metrics::describe_counter!(
+        m::PREFIX_CACHE_HITS_GPU,
+        "vLLM's older name for prefix_cache_hits_total."
+    );
     // Counters start at zero so that they are present before any request.
     for name in [
         m::PROMPT_TOKENS,
@@ -166,6 +250,8 @@ fn install_metrics() -> Result<PrometheusHandle> {
         m::NUM_PREEMPTIONS,
         m::PREFIX_QUERIES,
         m::PREFIX_HITS,
+        m::PREFIX_CACHE_QUERIES_GPU,
+        m::PREFIX_CACHE_HITS_GPU,
     ] {
         metrics::counter!(name).absolute(0);
     }
@@ -490,7 +576,7 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
 
 /// Runs `pagoda serve` until SIGTERM or Ctrl-C.
 pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
-    let metrics = install_metrics()?;
+    let metrics = install_metrics(config.served_model_names.first().map_or("", String::as_str))?;
     let runtime = crate::plugins::PluginRuntime::new(config.plugins.clone())?;
     let tenants = Arc::new(crate::tenants::Tenants::new(
         runtime,

@@ -82,6 +82,11 @@ impl KvCacheManager {
         self.block_size
     }
 
+    /// Whether full blocks are shared between requests by prefix hash.
+    pub fn prefix_caching(&self) -> bool {
+        self.caching
+    }
+
     /// The hash of block `j` (of `tokens`) after `parent`.
     fn hash(
         &self,
