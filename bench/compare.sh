@@ -69,7 +69,8 @@ for round in $(seq 1 "$ROUNDS"); do
       echo "round $round, concurrency $c, $s: $n requests" >&2
       timeout 900 "$PAGODA" bench serve --base-url "${URL[$s]}" --model smol --tokenizer "$MODEL" \
         --dataset random --num-prompts "$n" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        --max-concurrency "$c" --no-progress --result-json "$RESULTS/$s-c$c-r$round.json" >/dev/null
+        --max-concurrency "$c" --ignore-eos --seed "$(( round * 100 + c ))" --no-progress \
+        --result-json "$RESULTS/$s-c$c-r$round.json" >/dev/null
     done
   done
 done

@@ -34,7 +34,7 @@ load() {
   local name=$1 seed=$2 extra=${3:-}
   local args=(--base-url "http://127.0.0.1:$PORT" --model smol --tokenizer "$MODEL"
     --endpoint /v1/chat/completions --num-prompts 48 --max-concurrency 16
-    --input-len 128 --output-len 128 --seed "$seed" --no-progress)
+    --input-len 128 --output-len 128 --seed "$seed" --ignore-eos --no-progress)
   [ -n "$extra" ] && args+=(--extra-body "$extra")
   "$P" bench serve "${args[@]}" 2>/dev/null |
     awk -v n="$name" '/Failed requests/ {f=$3} /Output token throughput/ {t=$5} /Mean TPOT/ {p=$4}

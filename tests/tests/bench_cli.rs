@@ -32,6 +32,7 @@ fn bench_serve_against_our_server_writes_every_key() {
             "3",
             "--seed",
             "5",
+            "--ignore-eos",
         ])
         .arg("--result-json")
         .arg(&out)
@@ -123,4 +124,74 @@ fn bench_throughput_runs_each_dataset() {
             assert!(stdout.contains("prefix cache hits"), "{stdout}");
         }
     }
+}
+
+/// A `vllm bench serve` command line works with the program name changed:
+/// vLLM's flag names, chat through `--backend openai-chat`, `--ignore-eos`
+/// off unless given, chat prompt lengths as the server counts them, and a
+/// fixed `--seed` giving the same prompts.
+#[test]
+fn bench_serve_takes_vllm_bench_serve_flags() {
+    let s = Server::start(&["--max-num-seqs", "4"]);
+    let dir = TempDir::new("bench-vllm");
+    let run = |seed: &str, ignore_eos: bool, name: &str| -> Value {
+        let out = dir.0.join(name);
+        let mut cmd = std::process::Command::new(pagoda_bin());
+        cmd.args([
+            "bench",
+            "serve",
+            "--backend",
+            "openai-chat",
+            "--base-url",
+            &s.base,
+        ])
+        .args([
+            "--model",
+            "smol",
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "24",
+        ])
+        .args([
+            "--random-output-len",
+            "6",
+            "--num-prompts",
+            "4",
+            "--max-concurrency",
+            "2",
+        ])
+        .args(["--seed", seed, "--no-progress"])
+        .arg("--tokenizer")
+        .arg(demo_gguf())
+        .arg("--result-json")
+        .arg(&out);
+        if ignore_eos {
+            cmd.arg("--ignore-eos");
+        }
+        assert!(cmd.status().expect("pagoda bench serve").success());
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("result")).expect("JSON")
+    };
+    let a = run("3", true, "a.json");
+    let b = run("3", true, "b.json");
+    let c = run("4", true, "c.json");
+    assert_eq!(a["completed"], 4);
+    assert_eq!(a["endpoint"], "/v1/chat/completions");
+    assert_eq!(a["total_output_tokens"], 24, "--ignore-eos: 6 tokens each");
+    // The chat template wraps the 24 random tokens, and the server's count says so.
+    for l in a["input_lens"].as_array().unwrap() {
+        assert!(l.as_u64().is_some_and(|n| n > 24), "{l}");
+    }
+    assert_eq!(a["input_lens"], b["input_lens"]);
+    assert_eq!(
+        a["generated_texts"], b["generated_texts"],
+        "the same seed, the same prompts"
+    );
+    assert_ne!(
+        a["generated_texts"], c["generated_texts"],
+        "another seed, other prompts"
+    );
+    // Without --ignore-eos the server may stop early, as with vLLM.
+    let d = run("3", false, "d.json");
+    assert!(d["total_output_tokens"].as_u64().is_some_and(|n| n <= 24));
 }

@@ -39,10 +39,14 @@ impl std::str::FromStr for Dataset {
         Ok(match s {
             "random" => Dataset::Random,
             "seed" => Dataset::Seed,
-            "prefix-repetition" => Dataset::PrefixRepetition { prefix_len: 1024 },
+            // vLLM's `--dataset-name prefix_repetition` too.
+            "prefix-repetition" | "prefix_repetition" => {
+                Dataset::PrefixRepetition { prefix_len: 1024 }
+            }
             path if path.ends_with(".jsonl") => Dataset::Jsonl(path.into()),
+            "custom" => bail!("--dataset-name custom needs --dataset-path FILE.jsonl"),
             other => {
-                bail!("--dataset '{other}' is not random, seed, prefix-repetition or a .jsonl file")
+                bail!("--dataset '{other}' is not random, seed, prefix-repetition (prefix_repetition), custom with --dataset-path, or a .jsonl file")
             }
         })
     }

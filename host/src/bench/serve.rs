@@ -27,6 +27,9 @@ pub struct ServeConfig {
     pub endpoint: String,
     /// Requests in flight at most; `None` is unbounded.
     pub max_concurrency: Option<usize>,
+    /// Send `ignore_eos: true`, so every request runs to its output length
+    /// (vLLM's `--ignore-eos`; off by default, as in vLLM).
+    pub ignore_eos: bool,
     /// Fields merged into every request body (`--extra-body`), e.g. a
     /// `response_format` to measure structured output under load.
     pub extra_body: serde_json::Map<String, Value>,
@@ -112,7 +115,6 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
         "model": cfg.model,
         "max_tokens": req.output_len,
         "temperature": 0.0,
-        "ignore_eos": true,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
@@ -120,6 +122,9 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
         body["messages"] = json!([{"role": "user", "content": req.prompt_text}]);
     } else {
         body["prompt"] = json!(req.prompt_text);
+    }
+    if cfg.ignore_eos {
+        body["ignore_eos"] = json!(true);
     }
     for (k, v) in &cfg.extra_body {
         body[k] = v.clone();
@@ -185,6 +190,17 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
                     .and_then(Value::as_u64)
                 {
                     usage_tokens = Some(n as usize);
+                }
+                // A chat prompt is what the server's template made of the
+                // message, so its length is the server's count, as vLLM
+                // takes it.
+                if let Some(n) = v
+                    .get("usage")
+                    .and_then(|u| u.get("prompt_tokens"))
+                    .and_then(Value::as_u64)
+                    .filter(|_| chat)
+                {
+                    r.prompt_len = n as usize;
                 }
                 let piece = v["choices"].get(0).and_then(|c| {
                     if chat {
@@ -365,6 +381,7 @@ mod tests {
             model: "m".into(),
             endpoint: "/v1/completions".into(),
             max_concurrency: None,
+            ignore_eos: false,
             extra_body: Default::default(),
             request_rate: f64::INFINITY,
             burstiness: 1.0,

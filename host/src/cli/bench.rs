@@ -33,20 +33,36 @@ pub struct ServeBenchArgs {
     /// A GGUF file or HF folder whose tokenizer builds the prompts.
     #[arg(long)]
     pub tokenizer: PathBuf,
-    #[arg(long, default_value = "/v1/completions")]
-    pub endpoint: String,
-    /// random, seed, prefix-repetition, or a .jsonl file.
-    #[arg(long, default_value = "random")]
+    /// The API to drive, as `vllm bench serve --backend` names it: `openai`
+    /// (or `vllm`) for completions, `openai-chat` for chat.
+    #[arg(long, default_value = "openai")]
+    pub backend: String,
+    /// The path to POST to; default: the backend's endpoint.
+    #[arg(long)]
+    pub endpoint: Option<String>,
+    /// random, seed, prefix-repetition, or a .jsonl file; also as vLLM's
+    /// `--dataset-name` (random, prefix_repetition, custom).
+    #[arg(long, visible_alias = "dataset-name", default_value = "random")]
     pub dataset: String,
-    #[arg(long, default_value_t = 100)]
+    /// The .jsonl file of `--dataset-name custom`.
+    #[arg(long)]
+    pub dataset_path: Option<PathBuf>,
+    #[arg(long, default_value_t = 1000)]
     pub num_prompts: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, visible_alias = "random-input-len", default_value_t = 1024)]
     pub input_len: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, visible_alias = "random-output-len", default_value_t = 128)]
     pub output_len: usize,
     /// Shared prefix length of the prefix-repetition dataset.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(
+        long,
+        visible_alias = "prefix-repetition-prefix-len",
+        default_value_t = 1024
+    )]
     pub prefix_len: usize,
+    /// Ask every request to ignore EOS, so each runs to its output length.
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Most requests in flight.
     #[arg(long)]
     pub max_concurrency: Option<usize>,
@@ -75,14 +91,15 @@ pub struct ServeBenchArgs {
 pub struct ThroughputArgs {
     #[command(flatten)]
     pub engine: EngineFlags,
-    /// random, seed (100 × "介绍一下深度学习" as chat), prefix-repetition, or a .jsonl file.
-    #[arg(long, default_value = "random")]
+    /// random, seed (100 × "介绍一下深度学习" as chat), prefix-repetition, or a .jsonl file;
+    /// also as vLLM's `--dataset-name`.
+    #[arg(long, visible_alias = "dataset-name", default_value = "random")]
     pub dataset: String,
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 1000)]
     pub num_prompts: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, visible_alias = "random-input-len", default_value_t = 1024)]
     pub input_len: usize,
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, visible_alias = "random-output-len", default_value_t = 128)]
     pub output_len: usize,
     /// Seed of the dataset generator.
     #[arg(long, default_value_t = 0)]
@@ -215,13 +232,32 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
         anyhow::bail!("--burstiness must be positive");
     }
     let tok = load_tokenizer(&a.tokenizer)?;
-    let mut dataset: Dataset = a.dataset.parse()?;
+    let endpoint = match (&a.endpoint, a.backend.as_str()) {
+        (Some(e), _) => e.clone(),
+        (None, "openai" | "vllm") => "/v1/completions".to_string(),
+        (None, "openai-chat") => "/v1/chat/completions".to_string(),
+        (None, other) => anyhow::bail!(
+            "--backend {other} is not openai, vllm or openai-chat (give --endpoint for another path)"
+        ),
+    };
+    let mut dataset: Dataset = match (a.dataset.as_str(), &a.dataset_path) {
+        ("custom", Some(p)) | ("random", Some(p))
+            if p.extension().is_some_and(|e| e == "jsonl") =>
+        {
+            Dataset::Jsonl(p.clone())
+        }
+        (_, Some(p)) => anyhow::bail!(
+            "--dataset-path {} needs --dataset-name custom and a .jsonl file",
+            p.display()
+        ),
+        (name, None) => name.parse()?,
+    };
     if let Dataset::PrefixRepetition { prefix_len } = &mut dataset {
         *prefix_len = a.prefix_len;
     }
-    // Random prompts get a per-run seed unless one is given, so that peers'
-    // prompt caches do not flatter repeated runs.
-    let seed = if a.seed == 0 { rand::random() } else { a.seed };
+    // As in vLLM, a seed (0 by default) fixes the prompts; runs that must
+    // not meet a peer's prompt cache pass a different --seed each.
+    let seed = a.seed;
     let reqs = datasets::generate(
         &dataset,
         &tok,
@@ -233,8 +269,9 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
     let cfg = crate::bench::serve::ServeConfig {
         base_url: a.base_url.trim_end_matches('/').to_string(),
         model: a.model.clone(),
-        endpoint: a.endpoint.clone(),
+        endpoint,
         max_concurrency: a.max_concurrency,
+        ignore_eos: a.ignore_eos,
         extra_body: match &a.extra_body {
             None => Default::default(),
             Some(s) => match serde_json::from_str::<serde_json::Value>(s) {
