@@ -2,8 +2,8 @@
 """The official `openai` package, unmodified, against a running Pagoda.
 
 usage: openai_client.py BASE_URL MODEL
-Covers model listing, chat and completions, streamed and not, and parses
-/metrics with prometheus_client's text parser. Exits non-zero on failure;
+Covers model listing, chat and completions, streamed and not, the
+Responses API, and parses /metrics with prometheus_client's text parser. Exits non-zero on failure;
 the last line is a summary ('N passed, 0 failed').
 """
 import sys
@@ -76,4 +76,50 @@ for name in [
 ]:
     check(f"metric {name}", name in families, sorted(families))
 check("ttft is a histogram", families["vllm:time_to_first_token_seconds"].type == "histogram")
+
+# The Responses API, as newer clients and agent frameworks call it.
+import json  # noqa: E402
+
+import openai  # noqa: E402
+
+resp = client.responses.create(model=model, instructions="Answer briefly.", input="What is 2+2?",
+                               max_output_tokens=16, temperature=0)
+check("responses.create", resp.status == "completed" and resp.output_text, resp)
+check("responses usage", resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens, resp.usage)
+same = client.chat.completions.create(model=model, max_tokens=16, temperature=0, messages=[
+    {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is 2+2?"}])
+check("responses answer as chat does", resp.output_text == same.choices[0].message.content, (resp.output_text, same))
+
+events, text, final = [], [], None
+for ev in client.responses.create(model=model, instructions="Answer briefly.", input="What is 2+2?",
+                                  max_output_tokens=16, temperature=0, stream=True):
+    events.append(ev.type)
+    if ev.type == "response.output_text.delta":
+        text.append(ev.delta)
+    if ev.type == "response.completed":
+        final = ev.response
+check("responses stream events", events[:4] == ["response.created", "response.in_progress",
+      "response.output_item.added", "response.content_part.added"] and events[-1] == "response.completed", events)
+check("responses stream text", "".join(text) == resp.output_text and final.output_text == resp.output_text, text)
+
+follow = client.responses.create(model=model, previous_response_id=resp.id, input="And 3+3?",
+                                 max_output_tokens=8, temperature=0)
+check("previous_response_id continues", follow.previous_response_id == resp.id
+      and follow.usage.input_tokens > resp.usage.input_tokens + resp.usage.output_tokens, follow.usage)
+short = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3)
+check("max_output_tokens gives incomplete", short.status == "incomplete"
+      and short.incomplete_details.reason == "max_output_tokens", short)
+fmt = client.responses.create(model=model, input="A person as JSON", max_output_tokens=60, temperature=0,
+                              text={"format": {"type": "json_schema", "name": "p", "strict": True, "schema": {
+                                  "type": "object", "additionalProperties": False, "required": ["name", "age"],
+                                  "properties": {"name": {"type": "string", "maxLength": 20},
+                                                 "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}})
+check("responses text.format json_schema", set(json.loads(fmt.output_text)) == {"name", "age"}, fmt.output_text)
+for kw, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+                  ({"previous_response_id": "resp_nope"}, "previous_response_id")]:
+    try:
+        client.responses.create(model=model, input="x", **kw)
+        check(f"responses refuses {param}", False)
+    except openai.BadRequestError as e:
+        check(f"responses refuses {param} with a 400", e.body.get("param") == param, e.body)
 summary()

@@ -65,6 +65,8 @@ pub struct AppState {
     engine: OnceLock<AsyncEngine>,
     /// The model's path, which `/v1/models` reports as `root`, as vLLM does.
     model_root: String,
+    /// Responses that `previous_response_id` can continue.
+    pub(crate) responses: openai::responses::ResponseStore,
     config: ServerConfig,
     ready: AtomicBool,
     shutting_down: AtomicBool,
@@ -413,6 +415,10 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             openai::chat(state, body, tenant).await
         }
+        (Method::POST, "/v1/responses") => {
+            let body = read_json(&state, req).await?;
+            openai::responses::responses(state, body, tenant).await
+        }
         (Method::POST, "/tokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;
@@ -423,7 +429,7 @@ async fn api_route(
             check_model_field(&body, &allowed)?;
             detokenize(&state, &body)
         }
-        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions")) => {
+        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions" | "/v1/responses")) => {
             Err(ApiError::method_not_allowed(m.as_str(), p))
         }
         (_, p) => Err(match unserved_route(p) {
@@ -438,7 +444,6 @@ async fn api_route(
 fn unserved_route(path: &str) -> Option<&'static str> {
     let known: &[(&str, &str)] = &[
         ("/v1/embeddings", "embeddings"),
-        ("/v1/responses", "the Responses API"),
         ("/v1/audio/", "audio"),
         ("/v1/images/", "images"),
         ("/v1/moderations", "moderations"),
@@ -594,6 +599,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let model_root = args.model.display().to_string();
     let state = Arc::new(AppState {
         model_root,
+        responses: Default::default(),
         tenants,
         admin_token,
         engine: OnceLock::new(),

@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod protocol;
+pub mod responses;
 pub mod structured;
 pub mod tenant;
 pub mod tool_parsers;
@@ -38,7 +39,7 @@ fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-fn random_id(prefix: &str) -> String {
+pub(crate) fn random_id(prefix: &str) -> String {
     format!("{prefix}-{:032x}", rand::random::<u128>())
 }
 
@@ -119,11 +120,27 @@ pub async fn chat(
             });
         }
     }
+    let ids = render_chat(engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
+    let mode = tools.and_then(|t| t.mode);
+    generate(state, common, vec![ids], Api::Chat, id, ctx, mode).await
+}
+
+/// A chat body's prompt tokens: the tenant's `render-prompt` plugins if one
+/// renders it, else the model's chat template over the validated
+/// `messages` (with tools, if the request offers them).
+async fn render_chat(
+    engine: &crate::engine::async_engine::AsyncEngine,
+    body: &Value,
+    messages: &[crate::tokenizer::chat_template::ChatMessage],
+    tools: Option<&tools::ToolRequest>,
+    ctx: &mut Option<TenantCtx>,
+) -> Result<Vec<u32>, ApiError> {
+    let f = Fields::of(body)?;
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
-    let rendered = match &mut ctx {
+    let rendered = match ctx {
         Some(c) => {
-            c.render(&body, tok.chat_template().map(|t| t.source().to_string()))
+            c.render(body, tok.chat_template().map(|t| t.source().to_string()))
                 .await?
         }
         None => None,
@@ -152,7 +169,7 @@ pub async fn chat(
                 })
                 .collect();
             let (msgs, extra) =
-                tools::template_input(&Value::Array(normalized), tools.as_ref(), template.source());
+                tools::template_input(&Value::Array(normalized), tools, template.source());
             template
                 .render_json(&msgs, add_generation_prompt, &extra)
                 .map_err(|e| {
@@ -164,11 +181,8 @@ pub async fn chat(
         }
     };
     // The rendered template already holds BOS where the model wants it.
-    let ids = tok
-        .encode(&text, false)
-        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
-    let mode = tools.and_then(|t| t.mode);
-    generate(state, common, vec![ids], Api::Chat, id, ctx, mode).await
+    tok.encode(&text, false)
+        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))
 }
 
 /// Per choice: what has been produced so far.
@@ -228,13 +242,33 @@ impl Drop for InFlight {
 
 async fn generate(
     state: Arc<AppState>,
-    mut common: CommonParams,
+    common: CommonParams,
     prompts: Vec<Vec<u32>>,
     api: Api,
     id: String,
     tenant: Option<TenantCtx>,
     tools: Option<ToolMode>,
 ) -> Result<Response<Body>, ApiError> {
+    let (stream, include_usage) = (common.stream, common.include_usage);
+    let run = start_run(state, common, prompts, api, id, tenant, tools).await?;
+    if stream {
+        Ok(stream_response(run, include_usage))
+    } else {
+        collect_response(run).await
+    }
+}
+
+/// Validates the request against the engine, compiles its constraint,
+/// submits every choice and returns the run that collects their outputs.
+async fn start_run(
+    state: Arc<AppState>,
+    mut common: CommonParams,
+    prompts: Vec<Vec<u32>>,
+    api: Api,
+    id: String,
+    tenant: Option<TenantCtx>,
+    tools: Option<ToolMode>,
+) -> Result<Run, ApiError> {
     if let Some(t) = &tenant {
         // Tenants never share prefix-cache blocks.
         common.opts.cache_salt = protocol::salt_of(&format!(
@@ -356,11 +390,7 @@ async fn generate(
         tenant,
         _slot: slot,
     };
-    if common.stream {
-        Ok(stream_response(run, common.include_usage))
-    } else {
-        collect_response(run).await
-    }
+    Ok(run)
 }
 
 /// Compiles a request's constraint off the async threads (a large schema
@@ -670,7 +700,14 @@ impl Run {
     }
 }
 
-async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
+async fn collect_response(run: Run) -> Result<Response<Body>, ApiError> {
+    let run = collect(run).await?;
+    Ok(json_response(&run.final_body()))
+}
+
+/// Waits for every choice to finish and runs the tenant's post-processing
+/// over their texts.
+async fn collect(mut run: Run) -> Result<Run, ApiError> {
     while run.remaining > 0 {
         match run.rx.recv().await {
             Some(o) => {
@@ -699,7 +736,7 @@ async fn collect_response(mut run: Run) -> Result<Response<Body>, ApiError> {
         run.tenant = Some(t);
         r?;
     }
-    Ok(json_response(&run.final_body()))
+    Ok(run)
 }
 
 fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
@@ -805,7 +842,16 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
             }
         },
     );
-    let body = http_body_util::StreamBody::new(stream).boxed_unsync();
+    sse_response(stream)
+}
+
+/// An SSE response over a stream of frames.
+fn sse_response(
+    frames: impl futures_util::Stream<Item = Result<Frame<Bytes>, std::convert::Infallible>>
+        + Send
+        + 'static,
+) -> Response<Body> {
+    let body = http_body_util::StreamBody::new(frames).boxed_unsync();
     let mut r = Response::new(body);
     let h = r.headers_mut();
     h.insert(
