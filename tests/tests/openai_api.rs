@@ -5,14 +5,17 @@ use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
 fn chat_body(stream: bool) -> Value {
-    json!({
+    let mut b = json!({
         "model": "smol",
         "messages": [{"role": "user", "content": "What is 2+2? Answer briefly."}],
         "max_tokens": 24,
         "temperature": 0,
         "stream": stream,
-        "stream_options": {"include_usage": true},
-    })
+    });
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    b
 }
 
 #[test]
@@ -318,6 +321,20 @@ fn every_error_class_has_the_exact_openai_shape() {
             400,
             "invalid_request_error",
             Some("model"),
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"model":"smol","messages":[{"role":"user","content":"hi"},{"role":"hacker","content":"x"}]}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("messages[1].role"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol","prompt":"hi","stream_options":{"include_usage":true}}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("stream_options"),
         ),
         (
             "/v1/completions",

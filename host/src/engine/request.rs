@@ -331,11 +331,16 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Whether sampling is plain argmax.
+    /// Whether sampling is plain argmax: temperature 0, or below 1e-5 as
+    /// vLLM treats it (dividing logits by so small a temperature would
+    /// overflow them to infinity), or top-k of 1.
     pub fn is_greedy(&self) -> bool {
-        self.temperature() == 0.0 || self.top_k() == 1
+        self.temperature() < GREEDY_BELOW_TEMPERATURE || self.top_k() == 1
     }
 }
+
+/// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`).
+pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-5;
 
 /// Why a sequence stopped, as the OpenAI API reports it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -285,6 +285,24 @@ mod tests {
     }
 
     #[test]
+    fn tiny_temperatures_are_greedy_not_overflowed() {
+        // 1/1e-7 times a logit overflows f32 (the softmax then turns to
+        // NaN); below vLLM's 1e-5 the request is greedy instead.
+        for t in [1e-7f32, 9e-6] {
+            let p = SamplingParams {
+                temperature: Some(t),
+                ..SamplingParams::default()
+            };
+            assert!(p.is_greedy(), "{t}");
+        }
+        let p = SamplingParams {
+            temperature: Some(2e-5),
+            ..SamplingParams::default()
+        };
+        assert!(!p.is_greedy());
+    }
+
+    #[test]
     fn top_k_top_p_and_min_p_keep_only_their_candidates() {
         let draws = 50_000;
         let any = SamplingParams::default();

@@ -249,6 +249,14 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
     }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
+        // As vLLM does: options of a stream that was not asked for are a
+        // client mistake, not something to ignore.
+        Some(_) if !stream => {
+            return Err(ApiError::invalid(
+                Some("stream_options".into()),
+                "'stream_options' is only allowed when 'stream' is true",
+            ))
+        }
         Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
         None => false,
     };
@@ -345,6 +353,18 @@ pub fn parse_prompts(f: &Fields<'_>) -> Result<Vec<PromptInput>, ApiError> {
     Ok(out)
 }
 
+/// The chat roles OpenAI and the chat templates of the served model
+/// families know (`ipython` is Llama 3's tool-result role).
+const KNOWN_ROLES: &[&str] = &[
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+    "ipython",
+];
+
 /// One chat message as the template sees it.
 pub fn parse_messages(
     f: &Fields<'_>,
@@ -362,6 +382,17 @@ pub fn parse_messages(
             .get("role")
             .and_then(Value::as_str)
             .ok_or_else(|| bad(format!("messages[{i}].role must be a string")))?;
+        // An unknown role would be rendered into the prompt as written, so
+        // a client could open turns the template never meant to have.
+        if !KNOWN_ROLES.contains(&role) {
+            return Err(ApiError::invalid(
+                Some(format!("messages[{i}].role")),
+                format!(
+                    "messages[{i}].role '{role}' is not one of {}",
+                    KNOWN_ROLES.join(", ")
+                ),
+            ));
+        }
         let content = match m.get("content") {
             None | Some(Value::Null) => String::new(),
             Some(Value::String(s)) => s.clone(),
