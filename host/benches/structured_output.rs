@@ -8,27 +8,16 @@
 //! `cargo bench -p pagoda --bench structured_output`
 //! (the demo model from `$PAGODA_DEMO_GGUF`, else scripts/fetch-demo-model.sh)
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::demo_gguf;
 use pagoda::engine::loader::gguf::GgufFile;
 use pagoda::engine::structured_output::{GrammarCompiler, OutputConstraint, StructuredOutputs};
 use pagoda::tokenizer::Tokenizer;
 use serde_json::json;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
-
-fn demo_gguf() -> PathBuf {
-    if let Ok(p) = std::env::var("PAGODA_DEMO_GGUF") {
-        return PathBuf::from(p);
-    }
-    let script = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../scripts/fetch-demo-model.sh"
-    );
-    let out = std::process::Command::new(script)
-        .output()
-        .expect("fetch-demo-model.sh");
-    PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-}
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]

@@ -162,13 +162,15 @@ impl TokenizerEnv for TokenizerEnvironment {
 /// Compiles constraints for one model; built once, shared by its requests.
 pub struct GrammarCompiler {
     factory: ParserFactory,
-    vocab_size: usize,
 }
 
 impl std::fmt::Debug for GrammarCompiler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GrammarCompiler")
-            .field("vocab_size", &self.vocab_size)
+            .field(
+                "vocab_size",
+                &self.factory.tok_env().tok_trie().vocab_size(),
+            )
             .finish()
     }
 }
@@ -204,10 +206,7 @@ impl GrammarCompiler {
         let mut factory = ParserFactory::new_simple(&env).context("llguidance")?;
         // Errors go to the client; llguidance's own stderr log stays quiet.
         factory.quiet();
-        Ok(GrammarCompiler {
-            factory,
-            vocab_size: words.len(),
-        })
+        Ok(GrammarCompiler { factory })
     }
 
     /// Compiles `s` into a matcher at the start of the output. The error is
@@ -223,17 +222,13 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(GrammarMatcher {
-            matcher,
-            vocab_size: self.vocab_size,
-        })
+        Ok(GrammarMatcher { matcher })
     }
 }
 
 /// One output's position in its grammar.
 pub struct GrammarMatcher {
     matcher: Matcher,
-    vocab_size: usize,
 }
 
 impl Clone for GrammarMatcher {
@@ -241,7 +236,6 @@ impl Clone for GrammarMatcher {
     fn clone(&self) -> Self {
         GrammarMatcher {
             matcher: self.matcher.deep_clone(),
-            vocab_size: self.vocab_size,
         }
     }
 }
@@ -285,11 +279,6 @@ impl GrammarMatcher {
     /// output ends here.
     pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped() && !self.matcher.is_error()
-    }
-
-    /// The model's vocabulary size this matcher's masks cover.
-    pub fn vocab_size(&self) -> usize {
-        self.vocab_size
     }
 }
 
