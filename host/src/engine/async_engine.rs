@@ -356,10 +356,9 @@ fn engine_loop(
                     reply,
                 } => {
                     let n = prompt_ids.len();
-                    let max_model_len = core.max_model_len();
-                    let max_tokens = params.max_tokens.unwrap_or(max_model_len.saturating_sub(n));
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
+                        let max_tokens = core.max_output_tokens(id).unwrap_or(0);
                         metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
                         tracks.insert(
                             id,

@@ -145,6 +145,13 @@ impl EngineCore {
         &self.kv
     }
 
+    /// The most tokens request `id` may generate, as admission settled it
+    /// (its `max_tokens`, else the model's default, capped to the context).
+    pub fn max_output_tokens(&self, id: u64) -> Option<usize> {
+        let req = self.scheduler.get(id)?;
+        Some(req.max_len - req.prompt_len)
+    }
+
     /// The longest sequence (prompt + output) the engine accepts.
     pub fn max_model_len(&self) -> usize {
         self.max_model_len
