@@ -431,6 +431,28 @@ fn stop_reason_json(r: &Option<StopReason>) -> Option<Value> {
 }
 
 impl Run {
+    /// Passes a streamed output's text through the tenant's `on-chunk`
+    /// plugins, if it has any, before the output is absorbed.
+    async fn on_chunk(&mut self, o: &mut StepOutput) -> Result<(), ApiError> {
+        let Some(mut t) = self.tenant.take() else {
+            return Ok(());
+        };
+        let mut r = Ok(());
+        if let (true, Some(&i)) = (t.has_on_chunk(), self.choice_of.get(&o.id)) {
+            let done: usize =
+                self.choices.iter().map(|c| c.tokens).sum::<usize>() + o.new_token_ids.len();
+            let text = std::mem::take(&mut o.new_text);
+            let tokens = (self.prompt_tokens as u32, done as u32);
+            match t.on_chunk(i, text, o.finish_reason.is_some(), tokens).await {
+                Ok(s) => o.new_text = s,
+                Err(e) => r = Err(e),
+            }
+        }
+        // Back before returning: dropping the run charges the tenant.
+        self.tenant = Some(t);
+        r
+    }
+
     /// Folds one engine output into its choice; returns the choice index.
     fn absorb(&mut self, o: &StepOutput) -> Option<usize> {
         let &i = self.choice_of.get(&o.id)?;
@@ -774,39 +796,11 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                     }
                     match run.rx.recv().await {
                         Some(mut o) => {
-                            if let Some(mut t) = run.tenant.take() {
-                                if t.has_on_chunk() {
-                                    if let Some(&i) = run.choice_of.get(&o.id) {
-                                        let done: usize =
-                                            run.choices.iter().map(|c| c.tokens).sum::<usize>()
-                                                + o.new_token_ids.len();
-                                        let text = std::mem::take(&mut o.new_text);
-                                        match t
-                                            .on_chunk(
-                                                i,
-                                                text,
-                                                o.finish_reason.is_some(),
-                                                (run.prompt_tokens as u32, done as u32),
-                                            )
-                                            .await
-                                        {
-                                            Ok(s) => o.new_text = s,
-                                            Err(e) => {
-                                                run.tenant = Some(t);
-                                                // The guard stays armed: dropping the run aborts the engine requests.
-                                                let b = Bytes::from(format!(
-                                                    "data: {}\n\ndata: [DONE]\n\n",
-                                                    e.body()
-                                                ));
-                                                break Some((
-                                                    Ok(Frame::data(b)),
-                                                    (run, Phase::End),
-                                                ));
-                                            }
-                                        }
-                                    }
-                                }
-                                run.tenant = Some(t);
+                            if let Err(e) = run.on_chunk(&mut o).await {
+                                // The guard stays armed: dropping the run aborts the engine requests.
+                                let b =
+                                    Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
+                                break Some((Ok(Frame::data(b)), (run, Phase::End)));
                             }
                             let Some(i) = run.absorb(&o) else { continue };
                             let chunk = if run.tools.is_some() {

@@ -198,7 +198,8 @@ struct Echo {
 }
 
 impl Echo {
-    /// The response object; `run` is `None` before any output.
+    /// The response object with this status, output, usage and
+    /// `incomplete_details`.
     fn object(&self, status: &str, output: Vec<Value>, usage: Value, incomplete: Value) -> Value {
         json!({
             "id": self.id, "object": "response", "created_at": self.created,
@@ -412,24 +413,10 @@ fn stream_events(
                     .await;
                 return;
             };
-            if let Some(mut t) = run.tenant.take() {
-                let mut chunk = Ok(());
-                if t.has_on_chunk() {
-                    let done = run.choices[0].tokens + o.new_token_ids.len();
-                    let text = std::mem::take(&mut o.new_text);
-                    let tokens = (run.prompt_tokens as u32, done as u32);
-                    match t.on_chunk(0, text, o.finish_reason.is_some(), tokens).await {
-                        Ok(s) => o.new_text = s,
-                        Err(e) => chunk = Err(e),
-                    }
-                }
-                // Back before any return: dropping the run charges the tenant.
-                run.tenant = Some(t);
-                if let Err(e) = chunk {
-                    let data = json!({"code": e.code, "message": e.message, "param": null});
-                    let _ = tx.send(event("error", &mut seq, data)).await;
-                    return;
-                }
+            if let Err(e) = run.on_chunk(&mut o).await {
+                let data = json!({"code": e.code, "message": e.message, "param": null});
+                let _ = tx.send(event("error", &mut seq, data)).await;
+                return;
             }
             if run.absorb(&o).is_none() {
                 continue;
