@@ -67,7 +67,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     // Prefill all four in one batch.
     let mut batch = StepBatch::default();
     for (s, p) in prompts.iter().enumerate() {
-        batch.push_seq(p, 0, &tables[s], bs, usize::MAX, true);
+        batch.push_seq(p, 0, &tables[s], bs, usize::MAX, 1);
     }
     b.upload_step(&batch, &mut step).expect("upload");
     model
@@ -91,7 +91,7 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     for step_no in 0..6 {
         batch.clear();
         for s in 0..4 {
-            batch.push_seq(&next[s..s + 1], lens[s], &tables[s], bs, 0, true);
+            batch.push_seq(&next[s..s + 1], lens[s], &tables[s], bs, 0, 1);
         }
         // The first decode step may size buffers for the new shape; later
         // ones must not allocate (uploading the step's metadata included).

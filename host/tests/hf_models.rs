@@ -341,18 +341,17 @@ fn run_schedule(
                 "schedule runs past sequence {s}"
             );
             spans.push((s, batch.num_tokens(), n));
-            // Every token here is a prompt token.
+            // Every token here is a prompt token, and each wants its logits.
             batch.push_seq(
                 &seqs[s][start..start + n],
                 start,
                 &tables[s],
                 BLOCK,
                 usize::MAX,
-                false,
+                n,
             );
             done[s] += n;
         }
-        batch.logit_rows = (0..batch.num_tokens() as u32).collect();
         let rows = batch.logit_rows.len();
         b.upload_step(&batch, &mut dev_step).expect("upload");
         model
@@ -876,6 +875,108 @@ fn llm_api_greedy_tokens_follow_the_reference_argmax_chain() {
             let (prompt, got, _) = llm_greedy(path, N);
             assert_eq!(prompt, prompt_ids(), "{}: prompt tokens", path.display());
             assert_eq!(got, want, "{}: greedy tokens", path.display());
+        }
+    }
+}
+
+/// The f64 log-softmax of one row of logits.
+fn log_softmax(row: &[f64]) -> Vec<f64> {
+    let max = row.iter().fold(f64::NEG_INFINITY, |a, &v| a.max(v));
+    let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+    row.iter().map(|v| v - lse).collect()
+}
+
+#[test]
+fn prompt_logprobs_are_the_reference_log_softmax_of_every_prompt_token() {
+    const K: usize = 3;
+    let m = TinyModel::random(TinySpec::llama());
+    let dir = tempfile::tempdir().expect("tempdir");
+    let hf = dir.path().join("hf");
+    m.write_hf(&hf, Storage::F32, 1);
+    let prompt = some_tokens(40, 3, m.spec.vocab_size());
+    let raw = reference_logits(&m, &prompt, Mistakes::default());
+    let want: Vec<Vec<f64>> = raw.iter().map(|r| log_softmax(r)).collect();
+    // (batch budget, max_tokens, n): the whole prompt in one step and
+    // nothing generated; then in chunks of 16 with samples after it.
+    for (budget, max_tokens, n) in [(2048, 0, 1), (16, 3, 2)] {
+        let mut args = EngineArgs::new(&hf);
+        args.threads = 2;
+        args.max_model_len = Some(MAX_POSITIONS);
+        args.kv_cache_memory = Some(4 << 20);
+        args.kv_cache_dtype = KvCacheDtype::F32;
+        args.max_num_batched_tokens = budget;
+        let mut llm = LLM::new(args).expect("LLM::new");
+        let mut params = SamplingParams::greedy(max_tokens);
+        params.ignore_eos = true;
+        params.n = n;
+        params.prompt_logprobs = Some(K);
+        // Twice: the second run's prompt is in the prefix cache, which a
+        // request for prompt logprobs must not use (cached positions have
+        // no logits).
+        for run in 0..2 {
+            let what = format!("budget {budget}, max_tokens {max_tokens}, run {run}");
+            let out = llm
+                .generate(&[Prompt::Tokens(prompt.clone())], &params)
+                .expect("generate");
+            let r = &out[0];
+            // Later samples of `n` may reuse the first one's blocks: only
+            // the first scores the prompt.
+            if n == 1 {
+                assert_eq!(r.num_cached_tokens, 0, "{what}: cached tokens");
+            }
+            for c in &r.outputs {
+                assert_eq!(c.token_ids.len(), max_tokens, "{what}: generated");
+            }
+            let got = r.prompt_logprobs.as_ref().expect("prompt logprobs");
+            assert_eq!(
+                got.len(),
+                prompt.len() - 1,
+                "{what}: one per token after the first"
+            );
+            for (i, l) in got.iter().enumerate() {
+                let row = &want[i];
+                let tok = prompt[i + 1];
+                // Log-softmax doubles the logits' error at most.
+                let scale = raw[i].iter().fold(0f64, |a, v| a.max(v.abs()));
+                let tol = 2.0 * TOL_F32 * scale;
+                assert_eq!(
+                    l.token_id, tok,
+                    "{what}: position {i} scores the next token"
+                );
+                let err = (l.logprob as f64 - row[tok as usize]).abs();
+                assert!(
+                    err < tol,
+                    "{what}: position {i}: logprob {} vs {} (tol {tol:.1e})",
+                    l.logprob,
+                    row[tok as usize]
+                );
+                let above = |margin: f64| {
+                    row.iter()
+                        .filter(|&&v| v > row[tok as usize] + margin)
+                        .count()
+                };
+                let rank = l.rank as usize - 1;
+                assert!(
+                    (above(tol)..=above(-tol)).contains(&rank),
+                    "{what}: position {i}: rank {} vs the reference's {}",
+                    l.rank,
+                    above(0.0) + 1
+                );
+                assert_eq!(l.top.len(), K, "{what}: position {i}: top alternatives");
+                let mut order: Vec<usize> = (0..row.len()).collect();
+                order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                for (j, &(t, lp)) in l.top.iter().enumerate() {
+                    assert!(
+                        (lp as f64 - row[t as usize]).abs() < tol,
+                        "{what}: position {i}: top {j} logprob"
+                    );
+                    assert!(
+                        (row[t as usize] - row[order[j]]).abs() < tol,
+                        "{what}: position {i}: top {j} is {t}, the reference's is {}",
+                        order[j]
+                    );
+                }
+            }
         }
     }
 }

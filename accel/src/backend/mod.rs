@@ -291,7 +291,9 @@ impl StepBatch {
     /// positions `start..start + tokens.len()`, read through `table` (its
     /// whole block table) with blocks of `block_size` positions. The first
     /// `prompt_kernel_until` positions are flagged for the prompt kernel.
-    /// With `sample`, its last token's logits are wanted.
+    /// The last `logit_rows` of its tokens want their next-token logits:
+    /// 1 for a sequence that samples, 0 for a prompt chunk that does not,
+    /// more for a prompt whose own log-probabilities were asked for.
     ///
     /// # Panics
     /// If `table` is too short for the new positions.
@@ -302,7 +304,7 @@ impl StepBatch {
         table: &[u32],
         block_size: usize,
         prompt_kernel_until: usize,
-        sample: bool,
+        logit_rows: usize,
     ) {
         let q_start = self.tokens.len();
         let ctx_len = start + tokens.len();
@@ -319,9 +321,9 @@ impl StepBatch {
                 .push(table[p / block_size] * block_size as u32 + (p % block_size) as u32);
             self.prompt_rows.push(p < prompt_kernel_until);
         }
-        if sample && !tokens.is_empty() {
-            self.logit_rows.push((self.tokens.len() - 1) as u32);
-        }
+        let end = self.tokens.len();
+        let first = end - logit_rows.min(tokens.len());
+        self.logit_rows.extend((first..end).map(|r| r as u32));
         self.seqs.push(StepSeq {
             q_start: q_start as u32,
             q_len: tokens.len() as u32,

@@ -271,7 +271,7 @@ fn profile_forward<B: Backend>(
         .collect();
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut batch = StepBatch::default();
-    batch.push_seq(&ids, 0, &table, bs, 0, false);
+    batch.push_seq(&ids, 0, &table, bs, 0, 0);
     let rows = args.max_num_seqs.min(tokens);
     batch.logit_rows = ((tokens - rows) as u32..tokens as u32).collect();
     let mut step = B::Step::default();

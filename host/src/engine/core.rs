@@ -230,8 +230,11 @@ impl EngineCore {
             num_cached_prompt: 0,
             max_len,
             salt: opts.cache_salt,
+            // Prompt logprobs come from the exact kernels, so a prompt
+            // scores as generation would compute it.
             prompt_kernel: prompt_len >= crate::engine::request::PROMPT_KERNEL_MIN_LEN
-                && self.runner.has_prompt_kernel(),
+                && self.runner.has_prompt_kernel()
+                && params.prompt_logprobs.is_none(),
             priority: opts.priority,
             arrival: id,
             arrived_at: Instant::now(),
@@ -248,6 +251,8 @@ impl EngineCore {
             detok,
             pending_text: String::new(),
             token_ids: prompt_ids,
+            prompt_logprobs: params.prompt_logprobs.map(|_| Vec::new()),
+            prompt_logprobs_done: prompt_len <= 1,
             params,
             grammar: opts.grammar,
         };
@@ -321,19 +326,23 @@ impl EngineCore {
         let vocab = self.runner.config().vocab_size;
         // Constrained rows: their matchers leave the requests for the step.
         let mut guided = std::mem::take(&mut self.guided);
-        let mut row = 0;
-        for s in plan.seqs.iter().filter(|s| s.sample) {
+        let mut rows = 0;
+        for s in &plan.seqs {
+            rows += s.logit_rows;
+            if !s.sample {
+                continue;
+            }
             if let Some(req) = self.scheduler.get_mut(s.id) {
                 if let Some(matcher) = req.grammar.take() {
                     guided.push(GuidedRow {
-                        row,
+                        // A sequence's sampling row is its last.
+                        row: rows - 1,
                         id: s.id,
                         matcher,
                         mask: None,
                     });
                 }
             }
-            row += 1;
         }
         let logits = if guided.is_empty() {
             self.runner.execute(&plan.batch)
@@ -357,24 +366,47 @@ impl EngineCore {
             })
         }?;
         let mut outputs = Vec::new();
-        let mut row = 0;
+        let mut next_row = 0;
         let mut next_guided = 0;
         for s in &plan.seqs {
             self.scheduler.mark_computed(s);
+            // The sequence's logit rows, in plan order: prompt rows whose
+            // logprobs were asked for, then the sampling row.
+            let first_row = next_row;
+            next_row += s.logit_rows;
+            let Some(req) = self.scheduler.get_mut(s.id) else {
+                continue;
+            };
+            if let (Some(k), Some(_)) = (req.params.prompt_logprobs, req.prompt_logprobs_from()) {
+                for r in 0..s.logit_rows {
+                    let pos = s.logits_from() + r;
+                    let Some(&next) = req.token_ids[..req.prompt_len].get(pos + 1) else {
+                        break;
+                    };
+                    let row = &logits[(first_row + r) * vocab..(first_row + r + 1) * vocab];
+                    let score = self.sampler.score(row, next, k);
+                    req.record_prompt_logprob(pos, score);
+                }
+            }
             if !s.sample {
                 continue;
             }
-            // Every sampling sequence has its logit row, in plan order.
+            let row = next_row - 1;
             let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
             let mut guide = None;
             if guided.get(next_guided).is_some_and(|g| g.row == row) {
                 guide = Some(&mut guided[next_guided]);
                 next_guided += 1;
             }
-            row += 1;
-            let Some(req) = self.scheduler.get_mut(s.id) else {
+            if req.token_ids.len() >= req.max_len {
+                // max_tokens 0: the prompt ran (and was scored); nothing
+                // is generated.
+                let out = output_processor::prompt_only(req);
+                self.scheduler
+                    .remove(s.id, FinishReason::Length, &mut self.kv);
+                outputs.push(out);
                 continue;
-            };
+            }
             let Some(g) = guide else {
                 let sampled = self.sampler.sample(row_logits, req, None);
                 self.stats.generation_tokens += 1;

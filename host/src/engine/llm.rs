@@ -50,6 +50,9 @@ pub struct RequestOutput {
     pub prompt_token_ids: Vec<u32>,
     /// Prompt tokens served from the prefix cache.
     pub num_cached_tokens: usize,
+    /// With `prompt_logprobs`: the score of every prompt token after the
+    /// first, given those before it (entry `i` scores token `i + 1`).
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub outputs: Vec<CompletionOutput>,
     pub finished: bool,
 }
@@ -119,6 +122,10 @@ impl LLM {
                 let mut p = params.clone();
                 p.n = 1;
                 p.seed = params.seed.map(|s| s.wrapping_add(si as u64));
+                if si > 0 {
+                    // The samples share one prompt: the first scores it.
+                    p.prompt_logprobs = None;
+                }
                 let id = self
                     .core
                     .add_request(
@@ -138,6 +145,7 @@ impl LLM {
                 },
                 prompt_token_ids: ids,
                 num_cached_tokens: 0,
+                prompt_logprobs: None,
                 outputs: (0..params.n)
                     .map(|index| CompletionOutput {
                         index,
@@ -155,6 +163,9 @@ impl LLM {
                 };
                 let r = &mut results[pi];
                 r.num_cached_tokens = r.num_cached_tokens.max(o.num_cached_tokens);
+                if o.prompt_logprobs.is_some() {
+                    r.prompt_logprobs = o.prompt_logprobs;
+                }
                 let c = &mut r.outputs[si];
                 c.text.push_str(&o.new_text);
                 c.token_ids.extend_from_slice(&o.new_token_ids);

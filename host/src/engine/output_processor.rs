@@ -23,6 +23,9 @@ pub struct StepOutput {
     pub new_token_ids: Vec<u32>,
     pub new_text: String,
     pub logprobs: Vec<TokenLogprob>,
+    /// With `prompt_logprobs`, on the first output after the prompt ran:
+    /// the scores of prompt tokens 1.. (the first token has none).
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
     pub finish_reason: Option<FinishReason>,
     pub stop_reason: Option<StopReason>,
     pub num_prompt_tokens: usize,
@@ -123,11 +126,31 @@ pub fn process_token(
         new_token_ids: vec![token],
         new_text,
         logprobs: logprob.into_iter().collect(),
+        prompt_logprobs: req.take_prompt_logprobs(),
         finish_reason: finish,
         stop_reason,
         num_prompt_tokens: req.prompt_len,
         num_cached_tokens: req.num_cached_prompt,
         num_output_tokens: n_out,
+        scheduled_at: req.first_scheduled_at,
+    }
+}
+
+/// The final output of a request that generates nothing (`max_tokens` 0):
+/// its prompt ran, and the prompt logprobs it asked for are complete.
+pub fn prompt_only(req: &mut Request) -> StepOutput {
+    StepOutput {
+        id: req.id,
+        external_id: req.external_id.clone(),
+        new_token_ids: Vec::new(),
+        new_text: String::new(),
+        logprobs: Vec::new(),
+        prompt_logprobs: req.take_prompt_logprobs(),
+        finish_reason: Some(FinishReason::Length),
+        stop_reason: None,
+        num_prompt_tokens: req.prompt_len,
+        num_cached_tokens: req.num_cached_prompt,
+        num_output_tokens: 0,
         scheduled_at: req.first_scheduled_at,
     }
 }
@@ -139,6 +162,7 @@ pub fn aborted(req: Request) -> StepOutput {
         new_token_ids: Vec::new(),
         new_text: String::new(),
         logprobs: Vec::new(),
+        prompt_logprobs: None,
         finish_reason: Some(FinishReason::Abort),
         stop_reason: None,
         num_prompt_tokens: req.prompt_len,

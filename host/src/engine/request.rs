@@ -23,6 +23,8 @@ pub struct SamplingParams {
     /// Tokens to generate at most. `None`: the model's `max_new_tokens`,
     /// else up to the end of the context (either capped to the room the
     /// prompt leaves). A value set here that does not fit is an error.
+    /// 0 runs the prompt and generates nothing: a request that only
+    /// scores its prompt (`prompt_logprobs`), as evaluation harnesses send.
     pub max_tokens: Option<usize>,
     /// Tokens to generate before EOS or stop token ids may end the output.
     pub min_tokens: usize,
@@ -54,6 +56,11 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Return this many top alternatives (plus the chosen token) per step.
     pub logprobs: Option<usize>,
+    /// Return the log-probability of every prompt token after the first
+    /// (given the tokens before it), with this many top alternatives, as
+    /// vLLM's `prompt_logprobs`. Such a request computes its whole prompt
+    /// (no prefix-cache hits), since cached positions have no logits.
+    pub prompt_logprobs: Option<usize>,
     pub skip_special_tokens: bool,
     pub include_stop_str_in_output: bool,
 }
@@ -77,6 +84,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
             skip_special_tokens: true,
             include_stop_str_in_output: false,
         }
@@ -231,9 +239,6 @@ impl SamplingParams {
                 format!("n must be between 1 and 128, got {}", self.n),
             ));
         }
-        if self.max_tokens == Some(0) {
-            return Err(bad("max_tokens", "max_tokens must be at least 1".into()));
-        }
         let temperature = self.temperature();
         if !(temperature.is_finite() && (0.0..=100.0).contains(&temperature)) {
             return Err(bad(
@@ -313,10 +318,18 @@ impl SamplingParams {
             return Err(bad("stop", "stop strings must not be empty".into()));
         }
         if let Some(k) = self.logprobs {
-            if k > 20 {
+            if k > MAX_LOGPROBS {
                 return Err(bad(
                     "logprobs",
-                    format!("at most 20 logprobs per token, got {k}"),
+                    format!("at most {MAX_LOGPROBS} logprobs per token, got {k}"),
+                ));
+            }
+        }
+        if let Some(k) = self.prompt_logprobs {
+            if k > MAX_LOGPROBS {
+                return Err(bad(
+                    "prompt_logprobs",
+                    format!("at most {MAX_LOGPROBS} prompt logprobs per token, got {k}"),
                 ));
             }
         }
@@ -338,6 +351,10 @@ impl SamplingParams {
         self.temperature() < GREEDY_BELOW_TEMPERATURE || self.top_k() == 1
     }
 }
+
+/// The most top alternatives a request may ask for per token (vLLM's
+/// default `--max-logprobs`).
+pub const MAX_LOGPROBS: usize = 20;
 
 /// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`).
 pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-5;
@@ -364,11 +381,13 @@ impl FinishReason {
     }
 }
 
-/// One generated token's log-probability and the best alternatives.
+/// One token's log-probability and the best alternatives.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenLogprob {
     pub token_id: u32,
     pub logprob: f32,
+    /// 1 + how many tokens the model found likelier (vLLM's `rank`).
+    pub rank: u32,
     /// The top alternatives, best first, as `(token_id, logprob)`.
     pub top: Vec<(u32, f32)>,
 }
@@ -420,6 +439,12 @@ pub struct Request {
     /// Where the output stands in its structured-output grammar, if it has
     /// one. The engine takes it out for the steps that sample.
     pub(crate) grammar: Option<crate::engine::structured_output::GrammarMatcher>,
+    /// With `prompt_logprobs`: those of prompt tokens `1..=len()` so far
+    /// (entry `i` scores token `i + 1`), until an output takes them.
+    pub(crate) prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// Whether the prompt logprobs are complete (they may have been handed
+    /// out already): a preempted request does not compute them again.
+    pub(crate) prompt_logprobs_done: bool,
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model
@@ -438,6 +463,37 @@ impl Request {
             salt: self.salt,
             prompt_len: self.prompt_len,
             prompt_kernel: self.prompt_kernel,
+        }
+    }
+
+    /// The first position whose logits are still wanted for prompt
+    /// logprobs (position `p` scores token `p + 1`), if any are.
+    pub fn prompt_logprobs_from(&self) -> Option<usize> {
+        match &self.prompt_logprobs {
+            Some(done) if !self.prompt_logprobs_done => Some(done.len()),
+            _ => None,
+        }
+    }
+
+    /// Records the score of the prompt token after position `pos`, unless
+    /// it has one (a preempted request runs its prompt again).
+    pub(crate) fn record_prompt_logprob(&mut self, pos: usize, score: TokenLogprob) {
+        let want = self.prompt_len.saturating_sub(1);
+        if let Some(done) = &mut self.prompt_logprobs {
+            if pos == done.len() && pos < want {
+                done.push(score);
+            }
+            self.prompt_logprobs_done |= done.len() >= want;
+        }
+    }
+
+    /// The prompt logprobs, once complete, for the output that carries
+    /// them (the first after the prompt ran).
+    pub(crate) fn take_prompt_logprobs(&mut self) -> Option<Vec<TokenLogprob>> {
+        if self.prompt_logprobs_done {
+            self.prompt_logprobs.take()
+        } else {
+            None
         }
     }
 

@@ -73,27 +73,40 @@ impl Sampler {
         } else {
             self.sample_random(logits, &req.params, &mut req.rng)
         };
-        let logprob = logprob_k.map(|k| {
-            let lp = &self.logprobs;
-            let mut top = Vec::with_capacity(k);
-            if k > 0 {
-                self.candidates.clear();
-                self.candidates
-                    .extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
-                let k = k.min(self.candidates.len());
-                self.candidates
-                    .select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                self.candidates[..k]
-                    .sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                top.extend(self.candidates[..k].iter().map(|&(v, i)| (i, v)));
-            }
-            TokenLogprob {
-                token_id: token,
-                logprob: lp[token as usize],
-                top,
-            }
-        });
+        let logprob = logprob_k.map(|k| self.describe(token, k));
         Sampled { token, logprob }
+    }
+
+    /// The log-probability that the raw `logits` row gives `token`, with
+    /// its rank and the `k` likeliest tokens: how a prompt token is scored.
+    pub fn score(&mut self, logits: &[f32], token: u32, k: usize) -> TokenLogprob {
+        log_softmax_into(logits, &mut self.logprobs);
+        self.describe(token, k)
+    }
+
+    /// `token`'s entry in the log-probabilities last computed, with its
+    /// rank and the `k` best alternatives (ties go to the lower id).
+    fn describe(&mut self, token: u32, k: usize) -> TokenLogprob {
+        let lp = &self.logprobs;
+        let logprob = lp[token as usize];
+        let mut top = Vec::with_capacity(k);
+        if k > 0 {
+            self.candidates.clear();
+            self.candidates
+                .extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
+            let k = k.min(self.candidates.len());
+            self.candidates
+                .select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            self.candidates[..k].sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            top.extend(self.candidates[..k].iter().map(|&(v, i)| (i, v)));
+        }
+        let better = lp.iter().filter(|&&v| v > logprob).count();
+        TokenLogprob {
+            token_id: token,
+            logprob,
+            rank: better as u32 + 1,
+            top,
+        }
     }
 
     /// Applies logit bias, the penalties and min_tokens to `logits`.

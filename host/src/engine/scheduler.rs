@@ -5,7 +5,7 @@
 //! recompute: the newest (or lowest-priority) running sequence gives its
 //! blocks back and returns to the front of the queue.
 
-use crate::engine::kv_cache::KvCacheManager;
+use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
 use pagoda_accel::StepBatch;
 use std::collections::{HashMap, VecDeque};
@@ -50,6 +50,50 @@ pub struct ScheduledSeq {
     pub num_tokens: usize,
     /// The step reaches the end of the sequence, so a token is sampled.
     pub sample: bool,
+    /// How many of the step's last tokens have logits: the sampling row,
+    /// and the prompt rows whose log-probabilities the request asked for
+    /// ([`ScheduledSeq::logits_from`] is the first one's position).
+    pub logit_rows: usize,
+}
+
+impl ScheduledSeq {
+    /// The position of the first row with logits.
+    pub fn logits_from(&self) -> usize {
+        self.start + self.num_tokens - self.logit_rows
+    }
+}
+
+/// The most prompt tokens a request that asked for prompt logprobs runs
+/// in one step: each needs a vocabulary-wide row of logits (4 bytes a
+/// token, so 256 rows of a 152k vocabulary take 155 MB).
+pub const PROMPT_LOGPROBS_CHUNK: usize = 256;
+
+/// The most tokens of `req` a step may run, within `budget`.
+fn chunk_limit(req: &Request, budget: usize) -> usize {
+    if req.prompt_logprobs_from().is_some() {
+        budget.min(PROMPT_LOGPROBS_CHUNK)
+    } else {
+        budget
+    }
+}
+
+/// One sequence's share of a step, with its logit rows counted.
+fn schedule_seq(req: &Request, start: usize, num_tokens: usize) -> ScheduledSeq {
+    let end = start + num_tokens;
+    let sample = end == req.token_ids.len();
+    let from = match req.prompt_logprobs_from() {
+        // Position p scores prompt token p + 1.
+        Some(p) if p < end && p + 1 < req.prompt_len => p.max(start),
+        _ if sample => end - 1,
+        _ => end,
+    };
+    ScheduledSeq {
+        id: req.id,
+        start,
+        num_tokens,
+        sample,
+        logit_rows: end - from,
+    }
 }
 
 /// A step's plan.
@@ -156,7 +200,7 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
-            let num_new = (req.token_ids.len() - req.num_computed).min(budget);
+            let num_new = (req.token_ids.len() - req.num_computed).min(chunk_limit(req, budget));
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -185,12 +229,7 @@ impl Scheduler {
                 continue;
             }
             let req = &self.requests[&id];
-            out.seqs.push(ScheduledSeq {
-                id,
-                start: req.num_computed,
-                num_tokens: num_new,
-                sample: req.num_computed + num_new == req.token_ids.len(),
-            });
+            out.seqs.push(schedule_seq(req, req.num_computed, num_new));
             budget -= num_new;
             out.num_tokens += num_new;
             i += 1;
@@ -207,9 +246,15 @@ impl Scheduler {
                     self.waiting.remove(pos);
                     continue;
                 };
-                let hit = kv.lookup_prefix(&req.token_ids, req.cache_key());
+                // Cached positions have no logits, so a request that wants
+                // its prompt's logprobs computes the whole prompt.
+                let hit = if req.prompt_logprobs_from().is_some() {
+                    PrefixHit::default()
+                } else {
+                    kv.lookup_prefix(&req.token_ids, req.cache_key())
+                };
                 let cached = hit.num_tokens(kv.block_size());
-                let num_new = (req.token_ids.len() - cached).min(budget);
+                let num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
                 if !kv.allocate(
                     id,
                     &req.token_ids,
@@ -229,12 +274,7 @@ impl Scheduler {
                     .get_or_insert_with(std::time::Instant::now);
                 self.waiting.remove(pos);
                 self.running.push(id);
-                out.seqs.push(ScheduledSeq {
-                    id,
-                    start: cached,
-                    num_tokens: num_new,
-                    sample: cached + num_new == req.token_ids.len(),
-                });
+                out.seqs.push(schedule_seq(req, cached, num_new));
                 budget -= num_new;
                 out.num_tokens += num_new;
             }
@@ -251,7 +291,7 @@ impl Scheduler {
                 kv.block_table(s.id),
                 bs,
                 prompt_kernel_until,
-                s.sample,
+                s.logit_rows,
             );
         }
         out

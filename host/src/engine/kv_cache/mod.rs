@@ -14,4 +14,4 @@ pub mod manager;
 
 pub use block_pool::{BlockHash, BlockPool};
 pub use dtype::KvCacheDtype;
-pub use manager::{CacheKey, KvCacheManager, PrefixStats};
+pub use manager::{CacheKey, KvCacheManager, PrefixHit, PrefixStats};
