@@ -2,8 +2,8 @@
 """The official `openai` package, unmodified, against a running Pagoda.
 
 usage: openai_client.py BASE_URL MODEL
-Covers model listing, chat and completions, streamed and not, the
-Responses API, and parses /metrics with prometheus_client's text parser. Exits non-zero on failure;
+Covers model listing, chat and completions, streamed and not, echo with
+prompt logprobs, the Responses API, and parses /metrics with prometheus_client's text parser. Exits non-zero on failure;
 the last line is a summary ('N passed, 0 failed').
 """
 import sys
@@ -53,6 +53,22 @@ text = "".join(
     if c.choices
 )
 check("completions stream", text == comp.choices[0].text, text)
+
+# Scoring a prompt, as evaluation harnesses do: echo with logprobs and no
+# generated tokens.
+scored = client.completions.create(
+    model=model, prompt="The capital of France is Paris", max_tokens=0, echo=True, logprobs=1
+)
+lp = scored.choices[0].logprobs
+check("echo text", scored.choices[0].text == "The capital of France is Paris", scored)
+check("echo first token unscored", lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp)
+check(
+    "echo prompt logprobs",
+    len(lp.token_logprobs) == scored.usage.prompt_tokens and all(x < 0 for x in lp.token_logprobs[1:]),
+    lp,
+)
+check("echo finish", scored.choices[0].finish_reason == "length" and scored.usage.completion_tokens == 0, scored)
+check("echo tokens", "".join(lp.tokens) == scored.choices[0].text, lp.tokens)
 
 try:
     client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}])

@@ -279,3 +279,20 @@ pub fn read_sse(reader: impl std::io::Read) -> Vec<String> {
     }
     events
 }
+
+/// A JSON file of the reference outputs (../shared/reference, or
+/// `$PAGODA_REFERENCE_DIR`): llama.cpp's and float32 transformers' runs of
+/// the demo model.
+pub fn reference_json(name: &str) -> Value {
+    let dir = match std::env::var("PAGODA_REFERENCE_DIR") {
+        Ok(p) => PathBuf::from(p),
+        Err(_) => PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/reference"
+        )),
+    };
+    let path = dir.join(name);
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}

@@ -84,6 +84,11 @@ impl AppState {
         &self.config.served_model_names
     }
 
+    /// The model a request that names none is served by: the first name.
+    pub fn default_model(&self) -> Option<&str> {
+        self.config.served_model_names.first().map(String::as_str)
+    }
+
     /// The parser for `tool_choice: "auto"`, if the server enables it.
     pub fn auto_tool_parser(&self) -> Option<crate::server::openai::tool_parsers::ToolCallParser> {
         self.config.auto_tool_parser
@@ -368,7 +373,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
         (Method::GET, "/version") => Ok(json_response(
             &json!({"version": env!("CARGO_PKG_VERSION")}),
         )),
-        (_, p) if p.starts_with("/v1/") || p == "/tokenize" || p == "/detokenize" => {
+        (_, p)
+            if p.starts_with("/v1/")
+                || matches!(p, "/tokenize" | "/detokenize" | "/tokenizer_info") =>
+        {
             match authenticate(&state, &req) {
                 Err(e) => Err(e),
                 Ok(tenant) => api_route(Arc::clone(&state), method, &path, req, tenant).await,
@@ -429,6 +437,7 @@ async fn api_route(
             check_model_field(&body, &allowed)?;
             detokenize(&state, &body)
         }
+        (Method::GET, "/tokenizer_info") => tokenizer_info(&state),
         (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions" | "/v1/responses")) => {
             Err(ApiError::method_not_allowed(m.as_str(), p))
         }
@@ -519,6 +528,23 @@ fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> 
     Ok(json_response(
         &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
     ))
+}
+
+/// `GET /tokenizer_info`, as vLLM serves it: the default model's special
+/// tokens, chat template and context length, for clients that tokenize
+/// through the server (lm-eval's `tokenizer_backend=remote`).
+fn tokenizer_info(state: &AppState) -> Result<Response<Body>, ApiError> {
+    let engine = state.engine()?;
+    let tok = engine.tokenizer();
+    Ok(json_response(&json!({
+        "bos_token": tok.bos_token(),
+        "eos_token": tok.eos_token(),
+        "pad_token": Value::Null,
+        "add_bos_token": tok.add_bos(),
+        "chat_template": tok.chat_template().map(|t| t.source()),
+        "model_max_length": engine.max_model_len(),
+        "vocab_size": engine.vocab_size(),
+    })))
 }
 
 fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {

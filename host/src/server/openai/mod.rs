@@ -52,23 +52,44 @@ pub async fn completions(
     let id = random_id("cmpl");
     let (body, ctx) = admit(&state, tenant, &id, "/v1/completions", body).await?;
     let f = Fields::of(&body)?;
-    let common = parse_common(&f, false)?;
+    let common = parse_common(&f, false, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
     let engine = state.engine_for(&common.model)?;
     let prompts = parse_prompts(&f)?;
     let tok = engine.tokenizer().clone();
-    let mut ids = Vec::with_capacity(prompts.len());
+    let bad_prompt = |e: anyhow::Error| ApiError::invalid(Some("prompt".into()), format!("{e:#}"));
+    let mut run_prompts = Vec::with_capacity(prompts.len());
     for p in prompts {
-        ids.push(match p {
-            PromptInput::Text(t) => tok
-                .encode(&t, true)
-                .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?,
-            PromptInput::Tokens(t) => t,
-        });
+        let (ids, text) = match p {
+            PromptInput::Text(t) => (tok.encode(&t, true).map_err(bad_prompt)?, Some(t)),
+            PromptInput::Tokens(t) => (t, None),
+        };
+        // A prompt of token ids echoes as their text, special tokens
+        // included, as it was read.
+        let echo = match (common.echo, text) {
+            (false, _) => None,
+            (true, Some(t)) => Some(t),
+            (true, None) => Some(tok.decode(&ids, false).map_err(bad_prompt)?),
+        };
+        run_prompts.push(RunPrompt { ids, echo });
     }
-    generate(state, common, ids, Api::Completions, id, ctx, None).await
+    generate(state, common, run_prompts, Api::Completions, id, ctx, None).await
+}
+
+/// One prompt of a request, tokenized.
+pub(crate) struct RunPrompt {
+    pub ids: Vec<u32>,
+    /// With `echo`: the text each of its choices starts with.
+    pub echo: Option<String>,
+}
+
+impl RunPrompt {
+    /// A prompt that is not echoed.
+    pub fn new(ids: Vec<u32>) -> Self {
+        RunPrompt { ids, echo: None }
+    }
 }
 
 /// For a tenant's request: admission, the model allowlist, and `route`.
@@ -99,7 +120,7 @@ pub async fn chat(
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
     let f = Fields::of(&body)?;
-    let mut common = parse_common(&f, true)?;
+    let mut common = parse_common(&f, true, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -122,7 +143,16 @@ pub async fn chat(
     }
     let ids = render_chat(engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
     let mode = tools.and_then(|t| t.mode);
-    generate(state, common, vec![ids], Api::Chat, id, ctx, mode).await
+    generate(
+        state,
+        common,
+        vec![RunPrompt::new(ids)],
+        Api::Chat,
+        id,
+        ctx,
+        mode,
+    )
+    .await
 }
 
 /// A chat body's prompt tokens: the tenant's `render-prompt` plugins if one
@@ -197,6 +227,10 @@ struct Choice {
     sent: usize,
     /// Streaming a named tool call: the call's id, once announced.
     call_id: Option<String>,
+    /// The scores of its prompt's tokens 1.., when asked for.
+    prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// Streaming with `echo`: the prompt has gone out.
+    echoed: bool,
 }
 
 struct Run {
@@ -209,11 +243,19 @@ struct Run {
     /// engine id → choice index
     choice_of: HashMap<u64, usize>,
     choices: Vec<Choice>,
+    /// The prompts; choice `i` continues prompt `i / per_prompt`.
+    prompts: Vec<RunPrompt>,
+    per_prompt: usize,
     prompt_tokens: usize,
     /// Prompt tokens of all choices that came from the prefix cache.
     cached_tokens: usize,
     remaining: usize,
     want_logprobs: bool,
+    /// Alternatives per token in the OpenAI logprobs (prompt rows, scored
+    /// for several views, have more).
+    logprobs_k: usize,
+    /// vLLM's `prompt_logprobs`, as asked.
+    prompt_logprobs_k: Option<usize>,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
     /// How chat output becomes tool calls, when the request offers tools.
     tools: Option<ToolMode>,
@@ -243,7 +285,7 @@ impl Drop for InFlight {
 async fn generate(
     state: Arc<AppState>,
     common: CommonParams,
-    prompts: Vec<Vec<u32>>,
+    prompts: Vec<RunPrompt>,
     api: Api,
     id: String,
     tenant: Option<TenantCtx>,
@@ -263,7 +305,7 @@ async fn generate(
 async fn start_run(
     state: Arc<AppState>,
     mut common: CommonParams,
-    prompts: Vec<Vec<u32>>,
+    prompts: Vec<RunPrompt>,
     api: Api,
     id: String,
     tenant: Option<TenantCtx>,
@@ -298,7 +340,7 @@ async fn start_run(
     } else {
         "prompt"
     };
-    for ids in &prompts {
+    for RunPrompt { ids, .. } in &prompts {
         if ids.is_empty() {
             return Err(ApiError::invalid(Some(param.into()), "the prompt is empty"));
         }
@@ -343,8 +385,12 @@ async fn start_run(
     let mut choice_of = HashMap::new();
     let n = common.params.n;
     let mut prompt_tokens = 0;
-    for (pi, ids) in prompts.into_iter().enumerate() {
+    for (pi, RunPrompt { ids, .. }) in prompts.iter().enumerate() {
         prompt_tokens += ids.len();
+        // Every sample scores the prompt it was asked to: a later one
+        // could finish its prompt first (it is not held to the chunks
+        // prompt scoring runs in), and a stream sends each choice's
+        // prompt with its first tokens.
         for si in 0..n {
             let mut p = common.params.clone();
             p.n = 1;
@@ -381,10 +427,14 @@ async fn start_run(
         guard,
         choice_of,
         choices: vec![Choice::default(); total],
+        prompts,
+        per_prompt: n,
         prompt_tokens: prompt_tokens * n,
         cached_tokens: 0,
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
+        logprobs_k: common.params.logprobs.unwrap_or(0),
+        prompt_logprobs_k: common.prompt_logprobs,
         tokenizer: engine.tokenizer().clone(),
         tools,
         tenant,
@@ -462,6 +512,9 @@ impl Run {
         if self.want_logprobs {
             c.logprobs.extend(o.logprobs.iter().cloned());
         }
+        if let Some(p) = &o.prompt_logprobs {
+            c.prompt_logprobs = Some(p.clone());
+        }
         if let Some(f) = o.finish_reason {
             // The count is final once the request finishes (a preempted
             // request can find more of its prompt cached on re-admission).
@@ -488,7 +541,15 @@ impl Run {
         self.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 
-    fn logprobs_json(&self, lps: &[TokenLogprob], text_offset: usize) -> Value {
+    /// The logprobs of generated tokens `lps`, the first at character
+    /// `text_offset` of the choice's text; for completions with `echo`, after those of
+    /// the choice's prompt (which start the text).
+    fn logprobs_json(
+        &self,
+        echo_of: Option<usize>,
+        lps: &[TokenLogprob],
+        text_offset: usize,
+    ) -> Value {
         if !self.want_logprobs {
             return Value::Null;
         }
@@ -509,34 +570,73 @@ impl Run {
                 json!({ "content": content })
             }
             Api::Completions => {
+                // (token text, offset, its score): the prompt's first token
+                // has none, as nothing predicts it. Offsets count
+                // characters, as OpenAI's (and Python's) do.
+                let mut rows: Vec<(String, usize, Option<&TokenLogprob>)> = Vec::new();
+                if let Some(i) = echo_of {
+                    let ids = &self.prompts[i / self.per_prompt].ids;
+                    let scores = self.choices[i].prompt_logprobs.as_deref().unwrap_or(&[]);
+                    let mut offset = 0;
+                    for (k, &id) in ids.iter().enumerate() {
+                        let t = self.token_text(id);
+                        let next = offset + t.chars().count();
+                        rows.push((t, offset, k.checked_sub(1).and_then(|k| scores.get(k))));
+                        offset = next;
+                    }
+                }
                 let mut offset = text_offset;
-                let mut tokens = Vec::new();
-                let mut offsets = Vec::new();
                 for l in lps {
                     let t = self.token_text(l.token_id);
-                    offsets.push(offset);
-                    offset += t.len();
-                    tokens.push(t);
+                    let next = offset + t.chars().count();
+                    rows.push((t, offset, Some(l)));
+                    offset = next;
                 }
-                let top: Vec<Value> = lps
-                    .iter()
-                    .map(|l| {
-                        let m: serde_json::Map<String, Value> = l
-                            .top
-                            .iter()
-                            .map(|&(t, lp)| (self.token_text(t), json!(lp)))
-                            .collect();
-                        Value::Object(m)
-                    })
-                    .collect();
+                let top = |l: &TokenLogprob| {
+                    let m: serde_json::Map<String, Value> = l
+                        .top
+                        .iter()
+                        .take(self.logprobs_k)
+                        .map(|&(t, lp)| (self.token_text(t), json!(lp)))
+                        .collect();
+                    Value::Object(m)
+                };
                 json!({
-                    "tokens": tokens,
-                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                    "top_logprobs": top,
-                    "text_offset": offsets,
+                    "tokens": rows.iter().map(|r| r.0.as_str()).collect::<Vec<_>>(),
+                    "token_logprobs": rows.iter().map(|r| r.2.map(|l| l.logprob)).collect::<Vec<_>>(),
+                    "top_logprobs": rows.iter().map(|r| r.2.map(top)).collect::<Vec<_>>(),
+                    "text_offset": rows.iter().map(|r| r.1).collect::<Vec<_>>(),
                 })
             }
         }
+    }
+
+    /// Choice `i`'s echo: its prompt's text, if the request asked for it.
+    fn echo_text(&self, i: usize) -> Option<&str> {
+        self.prompts[i / self.per_prompt].echo.as_deref()
+    }
+
+    /// vLLM's `prompt_logprobs` of choice `i`: `null` for the first
+    /// token, then per token a map from token id to its logprob, rank and
+    /// text, for the token itself and the top alternatives.
+    fn prompt_logprobs_json(&self, i: usize) -> Value {
+        let Some(k) = self.prompt_logprobs_k else {
+            return Value::Null;
+        };
+        let Some(scores) = &self.choices[i].prompt_logprobs else {
+            return Value::Null;
+        };
+        let entry = |t: u32, lp: f32, rank: u32| json!({"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)});
+        let rows = scores.iter().map(|l| {
+            let mut m = serde_json::Map::new();
+            m.insert(l.token_id.to_string(), entry(l.token_id, l.logprob, l.rank));
+            for (j, &(t, lp)) in l.top.iter().take(k).enumerate() {
+                m.entry(t.to_string())
+                    .or_insert_with(|| entry(t, lp, j as u32 + 1));
+            }
+            Value::Object(m)
+        });
+        std::iter::once(Value::Null).chain(rows).collect()
     }
 
     fn final_body(&self) -> Value {
@@ -545,12 +645,24 @@ impl Run {
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                let lp = self.logprobs_json(&c.logprobs, 0);
+                let echo = self.echo_text(i);
+                let lp = self.logprobs_json(
+                    echo.map(|_| i),
+                    &c.logprobs,
+                    echo.map_or(0, |e| e.chars().count()),
+                );
                 match self.api {
-                    Api::Completions => json!({
-                        "index": i, "text": c.text, "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                    }),
+                    Api::Completions => {
+                        let mut v = json!({
+                            "index": i, "text": format!("{}{}", echo.unwrap_or(""), c.text),
+                            "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                        });
+                        if self.prompt_logprobs_k.is_some() {
+                            v["prompt_logprobs"] = self.prompt_logprobs_json(i);
+                        }
+                        v
+                    }
                     Api::Chat => {
                         let (message, finish) = self.chat_message(c);
                         json!({
@@ -561,14 +673,19 @@ impl Run {
                 }
             })
             .collect();
-        json!({
+        let mut body = json!({
             "id": self.id,
             "object": if self.api == Api::Chat { "chat.completion" } else { "text_completion" },
             "created": self.created,
             "model": self.model,
             "choices": choices,
             "usage": self.usage(),
-        })
+        });
+        if self.api == Api::Chat && self.prompt_logprobs_k.is_some() {
+            // Chat has one prompt, so vLLM gives its scores once.
+            body["prompt_logprobs"] = self.prompt_logprobs_json(0);
+        }
+        body
     }
 
     /// A finished chat choice's message, with the tool calls its output
@@ -692,18 +809,35 @@ impl Run {
         Bytes::from(format!("data: {body}\n\n"))
     }
 
-    /// The SSE chunk for one engine output, if it carries anything.
-    fn delta_chunk(&self, i: usize, o: &StepOutput) -> Option<Bytes> {
+    /// The SSE chunk for one engine output, if it carries anything. With
+    /// `echo`, a choice's first chunk starts with its prompt.
+    fn delta_chunk(&mut self, i: usize, o: &StepOutput) -> Option<Bytes> {
         let finish = o.finish_reason.map(|f| f.as_str());
         let has_logprobs = self.want_logprobs && !o.logprobs.is_empty();
-        if o.new_text.is_empty() && finish.is_none() && !has_logprobs {
+        let echo = match self.echo_text(i) {
+            Some(t) if !self.choices[i].echoed => Some(t.to_string()),
+            _ => None,
+        };
+        if o.new_text.is_empty() && finish.is_none() && !has_logprobs && echo.is_none() {
             return None;
         }
-        let c = &self.choices[i];
-        let lp = self.logprobs_json(&o.logprobs, c.text.len() - o.new_text.len());
+        let lp = if has_logprobs || echo.is_some() {
+            let c = &self.choices[i];
+            let before = c.text.get(..c.text.len() - o.new_text.len()).unwrap_or("");
+            let echo_chars = self.echo_text(i).map_or(0, |e| e.chars().count());
+            self.logprobs_json(
+                echo.as_ref().map(|_| i),
+                &o.logprobs,
+                echo_chars + before.chars().count(),
+            )
+        } else {
+            Value::Null
+        };
+        self.choices[i].echoed = true;
         let choice = match self.api {
             Api::Completions => json!({
-                "index": i, "text": o.new_text, "logprobs": lp,
+                "index": i, "text": format!("{}{}", echo.unwrap_or_default(), o.new_text),
+                "logprobs": lp,
                 "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
             }),
             Api::Chat => {

@@ -143,14 +143,29 @@ pub struct CommonParams {
     pub max_tokens_given: bool,
     /// The structured output asked for, if any (compiled before submission).
     pub structured: Option<crate::server::openai::structured::RequestedStructure>,
+    /// Completions' `echo`: each choice's text (and, with `logprobs`, its
+    /// logprobs) starts with the prompt.
+    pub echo: bool,
+    /// vLLM's `prompt_logprobs` as asked: how many alternatives to list
+    /// beside each prompt token in the response's `prompt_logprobs`.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Parses the sampling fields common to completions and chat. Fields the
 /// request leaves out stay unset in the [`SamplingParams`], so that the
 /// model's defaults (its `generation_config.json`) can fill them.
-pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError> {
+///
+/// A request without `model` gets `default_model` (the first served name),
+/// as vLLM does: lm-eval's `gguf` adapter and llama.cpp-era clients send
+/// none.
+pub fn parse_common(
+    f: &Fields<'_>,
+    chat: bool,
+    default_model: Option<&str>,
+) -> Result<CommonParams, ApiError> {
     let model = f
         .str("model")?
+        .or(default_model)
         .ok_or_else(|| ApiError::invalid(Some("model".into()), "'model' is required"))?
         .to_string();
     let mut p = SamplingParams::default();
@@ -226,12 +241,6 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         }
     } else {
         p.logprobs = f.usize("logprobs")?;
-        if f.bool("echo")?.unwrap_or(false) {
-            return Err(ApiError::invalid(
-                Some("echo".into()),
-                "'echo' is not supported",
-            ));
-        }
         if f.str("suffix")?.is_some() {
             return Err(ApiError::invalid(
                 Some("suffix".into()),
@@ -248,6 +257,31 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         }
     }
     let stream = f.bool("stream")?.unwrap_or(false);
+    let echo = if chat {
+        if f.bool("echo")?.unwrap_or(false) {
+            return Err(ApiError::invalid(
+                Some("echo".into()),
+                "'echo' is only supported on /v1/completions",
+            ));
+        }
+        false
+    } else {
+        f.bool("echo")?.unwrap_or(false)
+    };
+    let prompt_logprobs = f.usize("prompt_logprobs")?;
+    if stream && prompt_logprobs.is_some() {
+        // As vLLM: prompt logprobs come whole, in the final body.
+        return Err(ApiError::invalid(
+            Some("prompt_logprobs".into()),
+            "'prompt_logprobs' is not available when 'stream' is true; use 'echo' with 'logprobs' to stream the prompt's scores",
+        ));
+    }
+    // The engine scores the prompt for either view, with enough
+    // alternatives for both.
+    p.prompt_logprobs = match (echo, p.logprobs) {
+        (true, Some(k)) => Some(k.max(prompt_logprobs.unwrap_or(0))),
+        _ => prompt_logprobs,
+    };
     let include_usage = match f.object("stream_options")? {
         // As vLLM does: options of a stream that was not asked for are a
         // client mistake, not something to ignore.
@@ -278,6 +312,8 @@ pub fn parse_common(f: &Fields<'_>, chat: bool) -> Result<CommonParams, ApiError
         },
         stream,
         include_usage,
+        echo,
+        prompt_logprobs,
     })
 }
 

@@ -7,7 +7,9 @@
 //! kept in a bounded in-memory store per tenant. Built-in tools, files,
 //! images, background mode and reasoning are refused with a 400.
 
-use super::{collect, now_secs, parse_common, parse_messages, render_chat, start_run, Api, Run};
+use super::{
+    collect, now_secs, parse_common, parse_messages, render_chat, start_run, Api, Run, RunPrompt,
+};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::protocol::Fields;
 use crate::server::{AppState, Body};
@@ -295,7 +297,7 @@ pub async fn responses(
     }
     let chat = Value::Object(chat);
     let cf = Fields::of(&chat)?;
-    let common = parse_common(&cf, true).map_err(|mut e| {
+    let common = parse_common(&cf, true, state.default_model()).map_err(|mut e| {
         if e.param.as_deref() == Some("max_tokens") {
             e.param = Some("max_output_tokens".into());
         }
@@ -325,7 +327,7 @@ pub async fn responses(
     let run = start_run(
         state.clone(),
         common,
-        vec![ids],
+        vec![RunPrompt::new(ids)],
         Api::Chat,
         id.clone(),
         ctx,
