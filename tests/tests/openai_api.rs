@@ -317,10 +317,19 @@ fn every_error_class_has_the_exact_openai_shape() {
         ),
         (
             "/v1/completions",
-            r#"{"prompt":"hi"}"#.into(),
+            // `model` may be omitted (the first served name answers, as in
+            // vLLM), but a model that is not a string is refused by name.
+            r#"{"model":7,"prompt":"hi"}"#.into(),
             400,
             "invalid_request_error",
             Some("model"),
+        ),
+        (
+            "/v1/completions",
+            r#"{"model":"smol"}"#.into(),
+            400,
+            "invalid_request_error",
+            Some("prompt"),
         ),
         (
             "/v1/chat/completions",
