@@ -40,6 +40,8 @@ pub struct ServeConfig {
     pub seed: u64,
     /// Draw the progress bar on stderr.
     pub progress: bool,
+    /// Sent as a bearer token.
+    pub api_key: Option<String>,
 }
 
 /// One request's measurements.
@@ -138,10 +140,13 @@ async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResul
     tokio::spawn(async move {
         let _ = conn.await;
     });
-    let http = Request::post(&cfg.endpoint)
+    let mut http = Request::post(&cfg.endpoint)
         .header("host", host)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))?;
+        .header("content-type", "application/json");
+    if let Some(key) = &cfg.api_key {
+        http = http.header("authorization", format!("Bearer {key}"));
+    }
+    let http = http.body(Full::new(Bytes::from(body.to_string())))?;
     let mut resp = sender.send_request(http).await?;
     let status = resp.status();
     if !status.is_success() {
@@ -387,6 +392,7 @@ mod tests {
             burstiness: 1.0,
             seed: 0,
             progress: false,
+            api_key: None,
         };
         let r = RequestResult {
             success: true,

@@ -84,6 +84,11 @@ pub struct ServeBenchArgs {
     /// '{"response_format": {"type": "json_object"}}'.
     #[arg(long)]
     pub extra_body: Option<String>,
+    /// Sent as `Authorization: Bearer KEY` (a tenant's key, or the
+    /// server's `--api-key`); as in `vllm bench serve`, OPENAI_API_KEY
+    /// gives it too.
+    #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
 }
 
 /// Flags of `pagoda bench throughput`.
@@ -284,6 +289,7 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
         burstiness: a.burstiness,
         seed,
         progress: !a.no_progress,
+        api_key: a.api_key.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -82,8 +82,11 @@ pub struct EngineFlags {
     /// Turn prefix caching off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
-    /// fcfs, or priority (a request's `priority` field orders the queue).
-    #[arg(long, default_value = "fcfs")]
+    /// fair (weighted fair share between tenants, by each tenant's
+    /// `scheduling` config; first come first served within a tenant),
+    /// fcfs (first come first served, whoever the tenant), or priority (a
+    /// request's `priority` field orders the queue).
+    #[arg(long, default_value = "fair")]
     pub scheduling_policy: String,
     /// Defaults for sampling parameters a request leaves unset: auto (the
     /// model folder's generation_config.json), vllm (vLLM's own defaults),

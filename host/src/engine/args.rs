@@ -80,7 +80,7 @@ impl EngineArgs {
             max_num_seqs: 256,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             enable_prefix_caching: true,
-            scheduling_policy: SchedulingPolicy::Fcfs,
+            scheduling_policy: SchedulingPolicy::Fair,
             seed: None,
             generation_config: GenerationConfigSource::Auto,
         }

@@ -55,6 +55,25 @@ pub mod metric_names {
     pub const PREFIX_CACHE_HITS_GPU: &str = "vllm:gpu_prefix_cache_hits_total";
     pub const GPU_CACHE_USAGE: &str = "vllm:gpu_cache_usage_perc";
     pub const NUM_REQUESTS_SWAPPED: &str = "vllm:num_requests_swapped";
+
+    // Pagoda's own, per tenant (label `tenant`: the tenant id, or
+    // `default` for requests made without a tenant's key). The label's
+    // values are bounded by the tenants an operator configures.
+    pub const TENANT_RUNNING: &str = "pagoda_tenant_num_requests_running";
+    pub const TENANT_WAITING: &str = "pagoda_tenant_num_requests_waiting";
+    pub const TENANT_PROMPT_TOKENS: &str = "pagoda_tenant_prompt_tokens_total";
+    pub const TENANT_GENERATION_TOKENS: &str = "pagoda_tenant_generation_tokens_total";
+    pub const TENANT_TTFT: &str = "pagoda_tenant_time_to_first_token_seconds";
+    pub const TENANT_QUEUE_TIME: &str = "pagoda_tenant_request_queue_time_seconds";
+}
+
+/// The `tenant` label of a request's per-tenant metrics.
+fn tenant_label(name: &str) -> String {
+    if name.is_empty() {
+        "default".to_string()
+    } else {
+        name.to_string()
+    }
 }
 use metric_names as m;
 
@@ -125,6 +144,8 @@ struct Track {
     last_token: Option<Instant>,
     /// The most tokens the request may generate.
     max_tokens: usize,
+    /// Its `tenant` label.
+    tenant: String,
 }
 
 impl AsyncEngine {
@@ -334,6 +355,9 @@ fn engine_loop(
     tracks: &mut HashMap<u64, Track>,
 ) -> anyhow::Result<()> {
     let mut last = core.stats();
+    // Tenants whose gauges are set: a tenant that leaves the engine gets
+    // zeros once, then no more updates.
+    let mut tenant_gauges: Vec<String> = Vec::new();
     loop {
         // Block only when there is nothing to run.
         let first = if core.has_unfinished() {
@@ -356,10 +380,13 @@ fn engine_loop(
                     reply,
                 } => {
                     let n = prompt_ids.len();
+                    let tenant = tenant_label(&opts.tenant.name);
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
                         let max_tokens = core.max_output_tokens(id).unwrap_or(0);
                         metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
+                        metrics::counter!(m::TENANT_PROMPT_TOKENS, "tenant" => tenant.clone())
+                            .increment(n as u64);
                         tracks.insert(
                             id,
                             Track {
@@ -368,6 +395,7 @@ fn engine_loop(
                                 first_token: None,
                                 last_token: None,
                                 max_tokens,
+                                tenant,
                             },
                         );
                     }
@@ -389,15 +417,23 @@ fn engine_loop(
         let now = Instant::now();
         for out in outputs {
             if let Some(t) = tracks.get_mut(&out.id) {
-                metrics::counter!(m::GENERATION_TOKENS).increment(out.new_token_ids.len() as u64);
+                let n = out.new_token_ids.len() as u64;
+                metrics::counter!(m::GENERATION_TOKENS).increment(n);
+                metrics::counter!(m::TENANT_GENERATION_TOKENS, "tenant" => t.tenant.clone())
+                    .increment(n);
                 match t.last_token {
                     None => {
-                        metrics::histogram!(m::TTFT).record((now - t.arrived).as_secs_f64());
+                        let ttft = (now - t.arrived).as_secs_f64();
+                        metrics::histogram!(m::TTFT).record(ttft);
+                        metrics::histogram!(m::TENANT_TTFT, "tenant" => t.tenant.clone())
+                            .record(ttft);
                         // Queue time ends when the scheduler first admits
                         // the request, not at its first token.
                         let scheduled = out.scheduled_at.unwrap_or(now);
-                        metrics::histogram!(m::QUEUE_TIME)
-                            .record(secs_between(t.arrived, scheduled));
+                        let queued = secs_between(t.arrived, scheduled);
+                        metrics::histogram!(m::QUEUE_TIME).record(queued);
+                        metrics::histogram!(m::TENANT_QUEUE_TIME, "tenant" => t.tenant.clone())
+                            .record(queued);
                         metrics::histogram!(m::PREFILL_TIME).record(secs_between(scheduled, now));
                         t.first_token = Some(now);
                     }
@@ -421,6 +457,7 @@ fn engine_loop(
         metrics::gauge!(m::KV_CACHE_USAGE).set(s.kv_usage);
         metrics::gauge!(m::GPU_CACHE_USAGE).set(s.kv_usage);
         metrics::gauge!(m::NUM_REQUESTS_SWAPPED).set(0.0);
+        set_tenant_gauges(&core, &mut tenant_gauges);
         if s.steps > last.steps {
             metrics::histogram!(m::ITERATION_TOKENS).record(s.last_step_tokens as f64);
         }
@@ -433,6 +470,23 @@ fn engine_loop(
         last = s;
         *stats.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
+}
+
+/// Sets the per-tenant running and waiting gauges from the scheduler.
+fn set_tenant_gauges(core: &EngineCore, shown: &mut Vec<String>) {
+    let loads = core.tenant_loads();
+    let mut now = Vec::with_capacity(loads.len());
+    for l in loads {
+        let label = tenant_label(&l.name);
+        metrics::gauge!(m::TENANT_RUNNING, "tenant" => label.clone()).set(l.running as f64);
+        metrics::gauge!(m::TENANT_WAITING, "tenant" => label.clone()).set(l.waiting as f64);
+        now.push(label);
+    }
+    for gone in shown.iter().filter(|g| !now.contains(g)) {
+        metrics::gauge!(m::TENANT_RUNNING, "tenant" => gone.clone()).set(0.0);
+        metrics::gauge!(m::TENANT_WAITING, "tenant" => gone.clone()).set(0.0);
+    }
+    *shown = now;
 }
 
 /// Seconds from `a` to `b`, 0 if `b` is earlier.

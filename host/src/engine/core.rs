@@ -3,6 +3,7 @@
 //! synchronous and owned by one thread; the async front end talks to it
 //! through channels.
 
+use crate::engine::fair_share::{TenantLoad, TenantShare};
 use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
 use crate::engine::output_processor;
 pub use crate::engine::output_processor::{StepOutput, StopReason};
@@ -26,6 +27,10 @@ pub struct RequestOptions {
     pub cache_salt: u64,
     /// Lower runs first under `--scheduling-policy priority`.
     pub priority: i64,
+    /// The tenant, its weight and priority class: the unit of fair share
+    /// under `--scheduling-policy fair`, and the `tenant` label of the
+    /// per-tenant metrics.
+    pub tenant: TenantShare,
     /// The grammar the output must follow (structured output), compiled
     /// by the model's [`GrammarCompiler`](crate::engine::structured_output::GrammarCompiler).
     pub grammar: Option<GrammarMatcher>,
@@ -236,6 +241,7 @@ impl EngineCore {
                 && self.runner.has_prompt_kernel()
                 && params.prompt_logprobs.is_none(),
             priority: opts.priority,
+            tenant: opts.tenant,
             arrival: id,
             arrived_at: Instant::now(),
             first_scheduled_at: None,
@@ -308,6 +314,11 @@ impl EngineCore {
             prefix: self.kv.prefix_stats(),
             ..self.stats
         }
+    }
+
+    /// Every tenant with requests in the engine: how many run and wait.
+    pub fn tenant_loads(&self) -> Vec<TenantLoad> {
+        self.scheduler.tenant_loads()
     }
 
     /// Runs one step. Returns an output for every request that sampled a

@@ -1,5 +1,7 @@
 //! The inference engine, split by responsibility as in vLLM v1:
 //! - [`scheduler`]: which sequences run each step, and how many tokens;
+//! - [`fair_share`]: weighted fair share and priority classes between
+//!   tenants, which the scheduler's default policy orders by;
 //! - [`kv_cache`]: the block pool, block tables and prefix hashes;
 //! - [`runner`]: one flattened batch per step through the model, on any
 //!   device ([`pagoda_accel::Backend`]);
@@ -17,6 +19,7 @@ pub mod args;
 pub mod async_engine;
 pub mod config;
 pub mod core;
+pub mod fair_share;
 pub mod generation_config;
 pub mod kv_cache;
 pub mod llm;

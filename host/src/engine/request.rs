@@ -421,6 +421,8 @@ pub struct Request {
     /// [`crate::engine::kv_cache::CacheKey::prompt_kernel`]).
     pub prompt_kernel: bool,
     pub priority: i64,
+    /// The tenant the request is served for, and its share.
+    pub tenant: crate::engine::fair_share::TenantShare,
     /// Admission order, for FCFS and for tie-breaks.
     pub arrival: u64,
     pub arrived_at: Instant,

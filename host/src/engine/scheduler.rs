@@ -2,9 +2,14 @@
 //! running sequences first (decodes and unfinished prefill chunks), then
 //! waiting ones, within a token budget (`--max-num-batched-tokens`) and a
 //! sequence cap (`--max-num-seqs`). When the KV pool runs dry it preempts by
-//! recompute: the newest (or lowest-priority) running sequence gives its
-//! blocks back and returns to the front of the queue.
+//! recompute: the newest (or lowest-priority, or most over-share) running
+//! sequence gives its blocks back and returns to the front of the queue.
+//!
+//! Under the `fair` policy (the default) tenants share the engine by weight
+//! and priority class ([`crate::engine::fair_share`]); with one tenant it
+//! schedules exactly as `fcfs` does.
 
+use crate::engine::fair_share::{FairShare, TenantLoad};
 use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
 use pagoda_accel::StepBatch;
@@ -13,8 +18,11 @@ use std::collections::{HashMap, VecDeque};
 /// In which order waiting requests are admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum SchedulingPolicy {
-    /// First come, first served.
+    /// Weighted fair share between tenants, first come first served within
+    /// each: see [`crate::engine::fair_share`].
     #[default]
+    Fair,
+    /// First come, first served, whoever the tenant.
     Fcfs,
     /// Lowest `priority` value first, then arrival order; preemption picks
     /// the highest value (least urgent) first.
@@ -25,9 +33,12 @@ impl std::str::FromStr for SchedulingPolicy {
     type Err = anyhow::Error;
     fn from_str(s: &str) -> anyhow::Result<Self> {
         match s {
+            "fair" => Ok(SchedulingPolicy::Fair),
             "fcfs" => Ok(SchedulingPolicy::Fcfs),
             "priority" => Ok(SchedulingPolicy::Priority),
-            other => anyhow::bail!("--scheduling-policy '{other}' is not one of fcfs, priority"),
+            other => {
+                anyhow::bail!("--scheduling-policy '{other}' is not one of fair, fcfs, priority")
+            }
         }
     }
 }
@@ -116,6 +127,9 @@ pub struct Scheduler {
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     num_preemptions: u64,
+    /// Every active tenant's running and waiting requests and virtual time,
+    /// kept under every policy (metrics read it); only `fair` orders by it.
+    fair: FairShare,
     /// The last step's batch, handed back by [`Scheduler::recycle`], so
     /// that laying a step out reuses its vectors instead of allocating.
     spare_batch: StepBatch,
@@ -130,12 +144,14 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             num_preemptions: 0,
+            fair: FairShare::default(),
             spare_batch: StepBatch::default(),
         }
     }
 
     /// Queues a new request.
     pub fn add(&mut self, req: Request) {
+        self.fair.arrived(&req.tenant);
         self.waiting.push_back(req.id);
         self.requests.insert(req.id, req);
     }
@@ -160,6 +176,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Every tenant with requests in the engine: how many run and wait.
+    pub fn tenant_loads(&self) -> Vec<TenantLoad> {
+        self.fair.loads()
+    }
+
     /// Preemptions since start.
     pub fn num_preemptions(&self) -> u64 {
         self.num_preemptions
@@ -178,6 +199,8 @@ impl Scheduler {
         kv: &mut KvCacheManager,
     ) -> Option<Request> {
         let mut req = self.requests.remove(&id)?;
+        let was_running = self.running.contains(&id);
+        self.fair.left(&req.tenant.name, was_running);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         kv.free(id);
@@ -193,6 +216,21 @@ impl Scheduler {
         };
         out.batch.clear();
         let mut budget = self.config.max_num_batched_tokens;
+        if self.config.policy == SchedulingPolicy::Fair {
+            // The budget goes to the better class, then to the tenant with
+            // the least virtual time; the sort is stable, so each tenant's
+            // sequences keep their order (and one tenant keeps fcfs order).
+            let (requests, fair) = (&self.requests, &self.fair);
+            self.running.sort_by(|a, b| {
+                let key = |id| {
+                    requests
+                        .get(id)
+                        .map_or((0, 0.0), |r: &Request| fair.budget_order(&r.tenant.name))
+                };
+                let (ka, kb) = (key(a), key(b));
+                ka.0.cmp(&kb.0).then(ka.1.total_cmp(&kb.1))
+            });
+        }
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -237,12 +275,12 @@ impl Scheduler {
         // A step that had to preempt is short of blocks: admitting new work
         // now would only preempt again.
         if out.preempted.is_empty() {
-            while budget > 0 && self.running.len() < self.config.max_num_seqs {
+            while budget > 0 {
                 let Some(pos) = self.next_waiting() else {
                     break;
                 };
                 let id = self.waiting[pos];
-                let Some(req) = self.requests.get_mut(&id) else {
+                let Some(req) = self.requests.get(&id) else {
                     self.waiting.remove(pos);
                     continue;
                 };
@@ -255,16 +293,28 @@ impl Scheduler {
                 };
                 let cached = hit.num_tokens(kv.block_size());
                 let num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
-                if !kv.allocate(
-                    id,
-                    &req.token_ids,
-                    req.cache_key(),
-                    Some(hit),
-                    cached,
-                    num_new,
-                ) {
+                let admitted = self.running.len() < self.config.max_num_seqs
+                    && kv.allocate(
+                        id,
+                        &req.token_ids,
+                        req.cache_key(),
+                        Some(hit),
+                        cached,
+                        num_new,
+                    );
+                if !admitted {
+                    // Under fair share, a tenant below its share may take a
+                    // slot (and its blocks) from one above it, then retry.
+                    if self.config.policy == SchedulingPolicy::Fair
+                        && self.take_slot_for(id, kv, &mut out, &mut budget)
+                    {
+                        continue;
+                    }
                     break;
                 }
+                let Some(req) = self.requests.get_mut(&id) else {
+                    break;
+                };
                 if req.num_preemptions == 0 {
                     req.num_cached_prompt = cached;
                 }
@@ -274,16 +324,19 @@ impl Scheduler {
                     .get_or_insert_with(std::time::Instant::now);
                 self.waiting.remove(pos);
                 self.running.push(id);
+                self.fair.admitted(&req.tenant.name);
                 out.seqs.push(schedule_seq(req, cached, num_new));
                 budget -= num_new;
                 out.num_tokens += num_new;
             }
         }
-        // Laid out once every block is allocated: preemption above only
-        // takes sequences not yet scheduled, so these tables are final.
+        // Laid out once every block is allocated: preemption above takes
+        // sequences out of the plan with their blocks, so these tables are
+        // final. Each tenant's virtual time advances by what it got.
         let bs = kv.block_size();
         for s in &out.seqs {
             let req = &self.requests[&s.id];
+            self.fair.charge(&req.tenant.name, s.num_tokens);
             let prompt_kernel_until = if req.prompt_kernel { req.prompt_len } else { 0 };
             out.batch.push_seq(
                 &req.token_ids[s.start..s.start + s.num_tokens],
@@ -312,6 +365,7 @@ impl Scheduler {
     fn next_waiting(&self) -> Option<usize> {
         match self.config.policy {
             SchedulingPolicy::Fcfs => (!self.waiting.is_empty()).then_some(0),
+            SchedulingPolicy::Fair => self.next_waiting_fair(),
             SchedulingPolicy::Priority => self
                 .waiting
                 .iter()
@@ -321,13 +375,97 @@ impl Scheduler {
         }
     }
 
-    /// The running request to preempt: the last admitted (FCFS) or the
-    /// least urgent (priority). Requests before `first` were already given
-    /// slots this step and are not candidates.
+    /// The first waiting request of the tenant served next: the best
+    /// class, then the fewest running sequences per weight, then the least
+    /// virtual time. Within a tenant, queue order (so preempted requests
+    /// come back first).
+    fn next_waiting_fair(&self) -> Option<usize> {
+        let mut seen: Vec<&str> = Vec::new();
+        let mut best: Option<(usize, crate::engine::fair_share::ServeKey)> = None;
+        for (pos, id) in self.waiting.iter().enumerate() {
+            let Some(req) = self.requests.get(id) else {
+                // A stale id: the caller drops it.
+                return Some(pos);
+            };
+            let name = &*req.tenant.name;
+            if seen.contains(&name) {
+                continue;
+            }
+            seen.push(name);
+            let key = self.fair.key(name);
+            if best.is_none_or(|(_, b)| key.compare(&b).is_lt()) {
+                best = Some((pos, key));
+            }
+            if seen.len() == self.fair.num_tenants() {
+                break;
+            }
+        }
+        best.map(|(pos, _)| pos)
+    }
+
+    /// Makes room for waiting request `id` under fair share: preempts the
+    /// newest running sequence of the tenant furthest over its share, if
+    /// [`FairShare::may_take_from`] allows it. A victim already planned
+    /// this step leaves the plan and gives its tokens back to the budget.
+    /// Returns whether a sequence was preempted.
+    fn take_slot_for(
+        &mut self,
+        id: u64,
+        kv: &mut KvCacheManager,
+        out: &mut SchedulerOutput,
+        budget: &mut usize,
+    ) -> bool {
+        let Some(taker) = self.requests.get(&id).map(|r| r.tenant.name.clone()) else {
+            return false;
+        };
+        let holder = self
+            .running
+            .iter()
+            .filter_map(|r| self.requests.get(r))
+            .map(|r| &r.tenant.name)
+            .filter(|h| self.fair.may_take_from(&taker, h))
+            .max_by(|a, b| self.fair.key(a).compare(&self.fair.key(b)))
+            .cloned();
+        let Some(holder) = holder else {
+            return false;
+        };
+        let Some(&victim) = self.running.iter().rev().find(|r| {
+            self.requests
+                .get(r)
+                .is_some_and(|q| q.tenant.name == holder)
+        }) else {
+            return false;
+        };
+        if let Some(at) = out.seqs.iter().position(|s| s.id == victim) {
+            let s = out.seqs.remove(at);
+            *budget += s.num_tokens;
+            out.num_tokens -= s.num_tokens;
+        }
+        self.preempt(victim, kv);
+        out.preempted.push(victim);
+        true
+    }
+
+    /// The running request to preempt: the last admitted (FCFS), the least
+    /// urgent (priority), or the last of the tenant furthest over its share
+    /// (fair). Requests before `first` were already given slots this step
+    /// and are not candidates.
     fn pick_victim(&self, first: usize) -> u64 {
         let candidates = &self.running[first..];
         match self.config.policy {
             SchedulingPolicy::Fcfs => *candidates.last().expect("the current request is running"),
+            SchedulingPolicy::Fair => {
+                let tenant_key =
+                    |id: &u64| self.requests.get(id).map(|r| self.fair.key(&r.tenant.name));
+                // max_by keeps the last of equal keys: the tenant's newest.
+                *candidates
+                    .iter()
+                    .max_by(|a, b| match (tenant_key(a), tenant_key(b)) {
+                        (Some(ka), Some(kb)) => ka.compare(&kb),
+                        (a, b) => a.is_some().cmp(&b.is_some()),
+                    })
+                    .expect("the current request is running")
+            }
             SchedulingPolicy::Priority => *candidates
                 .iter()
                 .max_by_key(|id| self.requests.get(id).map(|r| (r.priority, r.arrival)))
@@ -339,6 +477,7 @@ impl Scheduler {
         kv.free(id);
         self.running.retain(|&r| r != id);
         if let Some(r) = self.requests.get_mut(&id) {
+            self.fair.preempted(&r.tenant.name);
             r.num_computed = 0;
             r.status = RequestStatus::Waiting;
             r.num_preemptions += 1;

@@ -119,6 +119,7 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "api_key_hashes": c.api_key_hashes,
         "models": c.models,
         "limits": c.limits,
+        "scheduling": c.scheduling,
         "plugins": c.plugins,
         "plugin_limits": c.plugin_limits,
         "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),

@@ -150,6 +150,8 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         m::PREFILL_TIME,
         m::DECODE_TIME,
         m::INFERENCE_TIME,
+        m::TENANT_TTFT,
+        m::TENANT_QUEUE_TIME,
     ] {
         builder = builder.set_buckets_for_metric(Matcher::Full(name.into()), &latency)?;
     }
@@ -230,6 +232,18 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     ] {
         metrics::describe_histogram!(name, what);
     }
+    metrics::describe_gauge!(m::TENANT_RUNNING, "Requests running, per tenant.");
+    metrics::describe_gauge!(m::TENANT_WAITING, "Requests waiting, per tenant.");
+    metrics::describe_counter!(
+        m::TENANT_PROMPT_TOKENS,
+        "Prompt tokens of admitted requests, per tenant."
+    );
+    metrics::describe_counter!(m::TENANT_GENERATION_TOKENS, "Tokens generated, per tenant.");
+    metrics::describe_histogram!(m::TENANT_TTFT, "Time to first token per tenant, seconds.");
+    metrics::describe_histogram!(
+        m::TENANT_QUEUE_TIME,
+        "Time waiting before first scheduled per tenant, seconds."
+    );
     metrics::describe_gauge!(
         m::CACHE_CONFIG_INFO,
         "The KV cache's configuration, as labels."

@@ -60,6 +60,54 @@ pub struct TenantLimits {
     pub tokens_per_minute: Option<u64>,
 }
 
+/// A tenant's share of the engine under contention (the scheduler's
+/// `fair` policy): see [`crate::engine::fair_share`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantScheduling {
+    /// Relative share, 1 to [`TenantScheduling::MAX_WEIGHT`]: a tenant of
+    /// weight 3 gets three times the running sequences of a tenant of
+    /// weight 1 when both have more work than fits.
+    pub weight: u32,
+    /// Strict priority class: a tenant in a lower class is always served
+    /// first and may take running slots from higher classes. 0 by default;
+    /// -100 to 100.
+    pub priority_class: i64,
+}
+
+impl TenantScheduling {
+    pub const MAX_WEIGHT: u32 = 1000;
+    pub const MAX_CLASS: i64 = 100;
+
+    /// Refuses weights and classes outside their ranges.
+    pub fn check(&self) -> Result<()> {
+        if !(1..=Self::MAX_WEIGHT).contains(&self.weight) {
+            bail!(
+                "scheduling.weight must be between 1 and {}, not {}",
+                Self::MAX_WEIGHT,
+                self.weight
+            );
+        }
+        if self.priority_class.abs() > Self::MAX_CLASS {
+            bail!(
+                "scheduling.priority_class must be between -{0} and {0}, not {1}",
+                Self::MAX_CLASS,
+                self.priority_class
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Default for TenantScheduling {
+    fn default() -> Self {
+        TenantScheduling {
+            weight: 1,
+            priority_class: 0,
+        }
+    }
+}
+
 /// A plugin of the chain and its per-hook policies.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -79,6 +127,8 @@ pub struct TenantConfig {
     /// Served model names this tenant may use; empty: all.
     pub models: Vec<String>,
     pub limits: TenantLimits,
+    /// Weight and priority class in the scheduler.
+    pub scheduling: TenantScheduling,
     /// The chain, in order. None: every uploaded plugin, by name.
     pub plugins: Option<Vec<ChainSpec>>,
     /// Limits of each plugin hook call.
@@ -93,6 +143,7 @@ pub struct TenantSpec {
     pub api_keys: Option<Vec<String>>,
     pub models: Vec<String>,
     pub limits: TenantLimits,
+    pub scheduling: TenantScheduling,
     pub plugins: Option<Vec<PluginChainItem>>,
     pub plugin_limits: Option<Limits>,
 }
@@ -454,6 +505,7 @@ impl Tenants {
         if let Some(p) = &plugins {
             check_policies(p)?;
         }
+        spec.scheduling.check()?;
         let plugin_limits = spec.plugin_limits.unwrap_or_else(|| {
             old.as_ref()
                 .map(|c| c.plugin_limits.clone())
@@ -477,6 +529,7 @@ impl Tenants {
             api_key_hashes,
             models: spec.models,
             limits: spec.limits,
+            scheduling: spec.scheduling,
             plugins,
             plugin_limits,
         };

@@ -318,6 +318,7 @@ async fn start_run(
             t.tenant_id(),
             common.opts.cache_salt
         ));
+        common.opts.tenant = t.share();
     }
     let engine = state.engine_for(&common.model)?.clone();
     let max_len = engine.max_model_len();

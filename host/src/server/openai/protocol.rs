@@ -309,6 +309,7 @@ pub fn parse_common(
             cache_salt,
             priority,
             grammar: None,
+            tenant: Default::default(),
         },
         stream,
         include_usage,

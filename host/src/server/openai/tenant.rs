@@ -91,6 +91,16 @@ impl TenantCtx {
         &self.admission.tenant.id
     }
 
+    /// The tenant's share of the engine, as its requests carry it.
+    pub fn share(&self) -> crate::engine::fair_share::TenantShare {
+        let s = &self.admission.snapshot.config.scheduling;
+        crate::engine::fair_share::TenantShare {
+            name: self.admission.tenant.id.as_str().into(),
+            weight: s.weight,
+            priority_class: s.priority_class,
+        }
+    }
+
     /// 404 unless the tenant may use `model`.
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
         if self.admission.snapshot.allows_model(model) {
