@@ -97,7 +97,9 @@ impl ApiError {
         }
     }
 
-    /// 429: too many requests queued.
+    /// 429: too many requests queued. It carries `Retry-After: 1`, so
+    /// clients back off instead of retrying at once (a tokens-per-minute
+    /// limit sets the time it knows instead).
     pub fn overloaded(message: impl Into<String>) -> ApiError {
         ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,
@@ -105,7 +107,7 @@ impl ApiError {
             kind: "rate_limit_error",
             param: None,
             code: "rate_limit_exceeded",
-            retry_after: None,
+            retry_after: Some(1),
         }
     }
 

@@ -3,6 +3,8 @@
 //! [`AsyncEngine`] handle.
 
 pub mod admin;
+pub mod auth;
+pub mod body;
 pub mod errors;
 pub mod openai;
 
@@ -11,7 +13,7 @@ use crate::engine::EngineArgs;
 use anyhow::{Context, Result};
 use bytes::Bytes;
 use errors::{json_response, ApiError};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioIo;
@@ -292,17 +294,12 @@ fn authenticate(
     state: &AppState,
     req: &Request<Incoming>,
 ) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
-    let key = req
-        .headers()
-        .get(hyper::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+    let key = auth::bearer_token(req.headers());
     if let Some(t) = key.and_then(|k| state.tenants.by_key(k)) {
         return Ok(Some(t));
     }
     match &state.config.api_key {
-        Some(a) if key == Some(a.as_str()) => Ok(None),
+        Some(a) if key.is_some_and(|k| auth::same(k, a)) => Ok(None),
         Some(_) => Err(ApiError::invalid_api_key()),
         None if state.tenants.is_empty() => Ok(None),
         None => Err(ApiError::invalid_api_key()),
@@ -310,20 +307,7 @@ fn authenticate(
 }
 
 async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
-    let limit = state.config.max_body_bytes;
-    let body = Limited::new(req.into_body(), limit)
-        .collect()
-        .await
-        .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some()
-            {
-                ApiError::too_large(limit)
-            } else {
-                ApiError::invalid(None, format!("cannot read the request body: {e}"))
-            }
-        })?
-        .to_bytes();
+    let body = body::read_limited(req, state.config.max_body_bytes).await?;
     serde_json::from_slice(&body)
         .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
 }
@@ -623,19 +607,22 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
 pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let metrics = install_metrics(config.served_model_names.first().map_or("", String::as_str))?;
     let runtime = crate::plugins::PluginRuntime::new(config.plugins.clone())?;
+    let admin_token = config.admin_token.clone().filter(|t| !t.is_empty());
+    if let Some(dir) = &config.state_dir {
+        crate::tenants::store::create_private_dir(dir)
+            .with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
+    }
     let tenants = Arc::new(crate::tenants::Tenants::new(
         runtime,
         config.state_dir.clone(),
-    ));
+        admin_token.clone(),
+    )?);
     if let Some(dir) = &config.state_dir {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
         let n = tenants
             .load_all()
             .context("cannot load the tenants from --state-dir")?;
         tracing::info!("loaded {n} tenants from {}", dir.display());
     }
-    let admin_token = config.admin_token.clone().filter(|t| !t.is_empty());
     let model_root = args.model.display().to_string();
     let state = Arc::new(AppState {
         model_root,
