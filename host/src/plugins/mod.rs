@@ -377,13 +377,22 @@ impl PluginRuntime {
         c.serialize().map_err(|e| anyhow!("{e:#}"))
     }
 
-    /// Loads a cached precompiled artifact; errors when it was made by an
-    /// incompatible engine (another wasmtime version or settings).
-    pub fn load_precompiled(&self, path: &Path) -> Result<Component> {
-        // SAFETY: the artifact was written by this server under its own
-        // state dir (never uploaded); wasmtime checks the engine's version
-        // and settings and fails on a mismatch.
-        unsafe { Component::deserialize_file(&self.engine, path) }.map_err(|e| anyhow!("{e:#}"))
+    /// Loads a cached precompiled artifact whose bytes hash to `sha256`;
+    /// errors when they do not (the file was changed since this server
+    /// wrote it) or when an incompatible engine made it (another wasmtime
+    /// version or settings).
+    pub fn load_precompiled(&self, path: &Path, sha256: &str) -> Result<Component> {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let actual = crate::tenants::sha256_hex(&bytes);
+        if actual != sha256 {
+            bail!("its sha256 is {actual}, not the recorded {sha256}");
+        }
+        // SAFETY: the bytes are the artifact this server serialized (their
+        // hash is the one recorded when it wrote them, never uploaded);
+        // wasmtime checks the engine's version and settings and fails on a
+        // mismatch.
+        unsafe { Component::deserialize(&self.engine, &bytes) }.map_err(|e| anyhow!("{e:#}"))
     }
 
     /// Type-checks a compiled component against the world, instantiates

@@ -1,4 +1,4 @@
-//! Tenants: API keys (sha256 hashes only), a model allowlist, limits
+//! Tenants: API keys (salted sha256 hashes only), a model allowlist, limits
 //! (concurrency, tokens per minute), and an ordered chain of WASM plugins
 //! with per-hook failure policies.
 //!
@@ -9,12 +9,15 @@
 //! State on disk (`--state-dir`), each file written atomically (temp file,
 //! fsync, rename, fsync of the directory):
 //! ```text
+//! key-salt                                the salt of the key hashes (32 random bytes)
 //! tenants/<id>/tenant.json
 //! tenants/<id>/plugins/<name>/<v>.wasm    the uploaded component
 //! tenants/<id>/plugins/<name>/<v>.cwasm   its precompiled artifact (a cache)
 //! tenants/<id>/plugins/<name>/<v>.json    the version record (written last)
 //! tenants/<id>/plugins/<name>/active.json the active version and rollback history
 //! ```
+//! Every file is created 0600 and every directory 0700: the key hashes and
+//! plugin artifacts are the server's alone.
 
 pub mod store;
 
@@ -32,9 +35,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-/// sha256 of an API key, hex.
-pub fn hash_key(key: &str) -> String {
-    hex::encode(Sha256::digest(key.as_bytes()))
+/// The prefix of salted key hashes; hashes without it (written before
+/// salting) are plain sha256 and still recognized.
+const SALTED: &str = "s1:";
+
+/// The stored hash of an API key: sha256 of the server's salt and the key,
+/// so a leaked state directory cannot be matched against precomputed
+/// hashes of likely keys.
+pub fn hash_key(salt: &[u8], key: &str) -> String {
+    let mut h = Sha256::new();
+    h.update(salt);
+    h.update(key.as_bytes());
+    format!("{SALTED}{}", hex::encode(h.finalize()))
 }
 
 pub fn sha256_hex(b: &[u8]) -> String {
@@ -172,7 +184,13 @@ impl Snapshot {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VersionRecord {
     pub version: u64,
+    /// sha256 of the uploaded component (`<v>.wasm`).
     pub sha256: String,
+    /// sha256 of its precompiled artifact (`<v>.cwasm`): the artifact is
+    /// native code, so it is loaded only when it matches. Records written
+    /// before this field have none, and their artifacts are rebuilt.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwasm_sha256: Option<String>,
     pub size: usize,
     pub meta: PluginMeta,
     pub config: String,
@@ -393,16 +411,33 @@ pub struct Tenants {
     map: RwLock<HashMap<String, Arc<Tenant>>>,
     /// key hash → tenant id
     keys: RwLock<HashMap<String, String>>,
+    /// The salt of the key hashes: `key-salt` in the state directory, or
+    /// random for a server that keeps no state.
+    salt: [u8; 32],
+    /// The admin token, which no tenant key may equal.
+    admin_token: Option<String>,
 }
 
 impl Tenants {
-    pub fn new(runtime: Arc<PluginRuntime>, dir: Option<PathBuf>) -> Tenants {
-        Tenants {
+    /// The tenants of a server, persisted under `dir` if given (whose
+    /// key salt is read, or created on first start).
+    pub fn new(
+        runtime: Arc<PluginRuntime>,
+        dir: Option<PathBuf>,
+        admin_token: Option<String>,
+    ) -> Result<Tenants> {
+        let salt = match &dir {
+            Some(d) => store::load_or_create_salt(d)?,
+            None => rand::random(),
+        };
+        Ok(Tenants {
             runtime,
             dir,
             map: RwLock::new(HashMap::new()),
             keys: RwLock::new(HashMap::new()),
-        }
+            salt,
+            admin_token,
+        })
     }
 
     pub fn is_empty(&self) -> bool {
@@ -432,16 +467,30 @@ impl Tenants {
             .cloned()
     }
 
-    /// The tenant an API key belongs to.
+    /// The tenant an API key belongs to. Every stored hash is compared,
+    /// each in constant time, so the time taken says nothing about which
+    /// keys exist or how close a guess came.
     pub fn by_key(&self, key: &str) -> Option<Arc<Tenant>> {
-        let h = hash_key(key);
-        let id = self
+        let salted = hash_key(&self.salt, key);
+        let plain = sha256_hex(key.as_bytes());
+        let index = self
             .keys
             .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&h)
-            .cloned()?;
-        self.get(&id)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut found: Option<&String> = None;
+        for (stored, id) in index.iter() {
+            let want = if stored.starts_with(SALTED) {
+                &salted
+            } else {
+                &plain
+            };
+            if crate::server::auth::same(stored, want) {
+                found = Some(id);
+            }
+        }
+        let id = found.cloned();
+        drop(index);
+        self.get(&id?)
     }
 
     fn index_keys(&self, id: &str, old: &[String], new: &[String]) {
@@ -471,7 +520,18 @@ impl Tenants {
                 if keys.iter().any(|k| k.trim().len() < 8) {
                     bail!("api_keys must be at least 8 characters each");
                 }
-                let hashes: Vec<String> = keys.iter().map(|k| hash_key(k.trim())).collect();
+                if let Some(admin) = &self.admin_token {
+                    if keys
+                        .iter()
+                        .any(|k| crate::server::auth::same(k.trim(), admin))
+                    {
+                        bail!("an api_key may not be the admin token");
+                    }
+                }
+                let hashes: Vec<String> = keys
+                    .iter()
+                    .map(|k| hash_key(&self.salt, k.trim()))
+                    .collect();
                 let index = self
                     .keys
                     .read()
@@ -630,6 +690,7 @@ impl Tenants {
         let record = VersionRecord {
             version,
             sha256: sha.clone(),
+            cwasm_sha256: Some(sha256_hex(&cwasm)),
             size,
             meta: meta.clone(),
             config: config.clone(),
@@ -799,8 +860,9 @@ mod tests {
                 && !valid_name(".hidden")
                 && !valid_name("a/b")
         );
-        assert_eq!(hash_key("k").len(), 64);
-        assert_ne!(hash_key("k"), hash_key("k2"));
+        assert_eq!(hash_key(b"salt", "k").len(), SALTED.len() + 64);
+        assert_ne!(hash_key(b"salt", "k"), hash_key(b"salt", "k2"));
+        assert_ne!(hash_key(b"salt", "k"), hash_key(b"tlas", "k"));
         let mut p = BTreeMap::new();
         p.insert("route".to_string(), "fail_open".to_string());
         p.insert("on-chunk".to_string(), "fail_closed".to_string());

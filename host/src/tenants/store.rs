@@ -26,19 +26,55 @@ fn fsync_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("cannot fsync {}", dir.display()))
 }
 
-/// Writes `bytes` to `path` atomically.
+/// Creates `dir` and its missing parents, readable by the owner only.
+pub fn create_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+}
+
+/// The salt of the API-key hashes: `key-salt` under `root`, created with
+/// 32 random bytes on first start.
+pub fn load_or_create_salt(root: &Path) -> Result<[u8; 32]> {
+    let path = root.join("key-salt");
+    match std::fs::read(&path) {
+        Ok(b) => <[u8; 32]>::try_from(b.as_slice()).map_err(|_| {
+            anyhow!(
+                "{} holds {} bytes, not 32; restore it from a backup (without it, no stored API key matches)",
+                path.display(),
+                b.len()
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let salt: [u8; 32] = rand::random();
+            write_atomic(&path, &salt)?;
+            Ok(salt)
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot read {}", path.display())),
+    }
+}
+
+/// Writes `bytes` to `path` atomically, as a file only its owner can read
+/// (directories created on the way are the owner's alone too).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
     let dir = path
         .parent()
         .ok_or_else(|| anyhow!("{} has no parent", path.display()))?;
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    create_private_dir(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let tmp = dir.join(format!(
         ".tmp-{}-{:x}",
         path.file_name().and_then(|n| n.to_str()).unwrap_or("f"),
         rand::random::<u64>()
     ));
     let r = (|| -> Result<()> {
-        let mut f = std::fs::File::create(&tmp)
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)
             .with_context(|| format!("cannot create {}", tmp.display()))?;
         f.write_all(bytes)?;
         f.sync_all()?;
@@ -113,8 +149,9 @@ pub fn save_version(
     save_active(root, id, name, active, history)
 }
 
-/// Loads one version: the cached artifact if this engine accepts it, else
-/// recompiles the component and rewrites the artifact.
+/// Loads one version: the cached artifact if it is the one recorded and
+/// this engine accepts it, else the component (if it is the one uploaded),
+/// recompiled, with the artifact and its recorded hash rewritten.
 pub fn load_version(
     rt: &Arc<PluginRuntime>,
     root: &Path,
@@ -125,18 +162,47 @@ pub fn load_version(
 ) -> Result<Arc<LoadedPlugin>> {
     let dir = plugin_dir(root, id, name);
     let cpath = dir.join(format!("{}.cwasm", r.version));
-    let component = match rt.load_precompiled(&cpath) {
+    let cached = match &r.cwasm_sha256 {
+        Some(sha) => rt.load_precompiled(&cpath, sha),
+        None => Err(anyhow!("no artifact hash is recorded")),
+    };
+    let component = match cached {
         Ok(c) => c,
         Err(e) => {
-            tracing::info!(
-                "recompiling {id}/{name} v{}: cached artifact unusable ({e})",
+            tracing::warn!(
+                "recompiling {id}/{name} v{}: cached artifact unusable ({e:#})",
                 r.version
             );
-            let wasm = std::fs::read(dir.join(format!("{}.wasm", r.version)))
+            let wpath = dir.join(format!("{}.wasm", r.version));
+            let wasm = std::fs::read(&wpath)
                 .with_context(|| format!("cannot read {id}/{name} v{}", r.version))?;
+            let actual = super::sha256_hex(&wasm);
+            if actual != r.sha256 {
+                anyhow::bail!(
+                    "{} has sha256 {actual}, not the uploaded {}; upload the plugin again",
+                    wpath.display(),
+                    r.sha256
+                );
+            }
             let c = rt.compile(&wasm)?;
             if let Ok(bytes) = rt.serialize(&c) {
-                let _ = write_atomic(&cpath, &bytes);
+                let record = VersionRecord {
+                    cwasm_sha256: Some(super::sha256_hex(&bytes)),
+                    ..r.clone()
+                };
+                // The artifact first, then the record that vouches for it.
+                let saved = write_atomic(&cpath, &bytes).and_then(|()| {
+                    write_atomic(
+                        &dir.join(format!("{}.json", r.version)),
+                        &serde_json::to_vec_pretty(&record)?,
+                    )
+                });
+                if let Err(e) = saved {
+                    tracing::warn!(
+                        "cannot rewrite the artifact of {id}/{name} v{}: {e:#}",
+                        r.version
+                    );
+                }
             }
             c
         }
