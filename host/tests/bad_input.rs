@@ -488,3 +488,65 @@ fn dtype_float8_is_rejected_with_the_accepted_values() {
         ],
     );
 }
+
+#[test]
+fn a_shard_path_that_leaves_the_model_folder_is_refused_before_it_is_opened() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = TinyModel::random(TinySpec::llama());
+    let model = dir.path().join("model");
+    m.write_hf(&model, Storage::F32, 2);
+    // A file outside the folder that the index points at: it must never be
+    // opened, whatever it holds.
+    let outside = dir.path().join("secret.safetensors");
+    std::fs::copy(model.join("model-00001-of-00002.safetensors"), &outside).expect("copy");
+    let index_path = model.join("model.safetensors.index.json");
+    for target in ["../secret.safetensors", "/etc/passwd", "sub/x.safetensors"] {
+        let mut index: Value =
+            serde_json::from_str(&std::fs::read_to_string(&index_path).expect("read index"))
+                .expect("JSON");
+        let map = index["weight_map"].as_object_mut().expect("weight_map");
+        let first = map.keys().next().expect("a tensor").clone();
+        map.insert(first, Value::String(target.into()));
+        write_json(&index_path, &index);
+        expect_error(
+            &model,
+            &[],
+            &[&shown(&index_path), target, "file name in the model folder"],
+        );
+    }
+}
+
+#[test]
+fn a_gguf_rope_dimension_count_other_than_the_head_width_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = TinyModel::random(TinySpec::llama());
+    for n in [0u32, 8] {
+        let mut meta = m.gguf_metadata();
+        meta.push((
+            "llama.rope.dimension_count".into(),
+            pagoda::engine::loader::gguf::GgufValue::U32(n),
+        ));
+        let path = dir.path().join(format!("rope-{n}.gguf"));
+        write_gguf_parts(&path, &meta, &m.gguf_tensors(true));
+        expect_error(
+            &path,
+            &[],
+            &[
+                &shown(&path),
+                "llama.rope.dimension_count",
+                &format!("is {n}"),
+                "16 wide",
+            ],
+        );
+    }
+    // The head width itself is accepted.
+    let mut meta = m.gguf_metadata();
+    meta.push((
+        "llama.rope.dimension_count".into(),
+        pagoda::engine::loader::gguf::GgufValue::U32(16),
+    ));
+    let path = dir.path().join("rope-16.gguf");
+    write_gguf_parts(&path, &meta, &m.gguf_tensors(true));
+    let (code, _, stderr) = generate(&path, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+}

@@ -181,6 +181,18 @@ impl ModelConfig {
             None if num_heads > 0 => hidden_size / num_heads,
             None => bail!("{}: attention.head_count is 0", g.path().display()),
         };
+        // The rotary embedding covers whole heads in every architecture
+        // served here; a file that says otherwise (0 included) would be
+        // computed wrongly, so it is refused rather than ignored.
+        if let Some(n) = g.get_u64(&key("rope.dimension_count"))? {
+            if n != head_dim as u64 {
+                bail!(
+                    "{}: {} is {n}, but the attention heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
+                    g.path().display(),
+                    key("rope.dimension_count")
+                );
+            }
+        }
         let vocab_size = match g.get_u64(&key("vocab_size"))? {
             Some(x) => x as usize,
             None => g

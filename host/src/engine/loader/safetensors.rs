@@ -18,6 +18,18 @@ pub struct SafetensorsSource {
     dtype: DType,
 }
 
+/// A shard named by the index: a plain file name in the model folder. A
+/// path (`../x`, `/etc/passwd`, `sub/x`) could read any file the server can,
+/// so it is refused.
+fn shard_name(f: &str) -> Result<&Path> {
+    let p = Path::new(f);
+    let mut parts = p.components();
+    match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(_)), None) => Ok(p),
+        _ => bail!("a shard must be a file name in the model folder, not a path"),
+    }
+}
+
 impl SafetensorsSource {
     /// Maps every shard of the folder. With `model.safetensors.index.json`
     /// the shards are the ones it names; otherwise every `*.safetensors`.
@@ -32,11 +44,21 @@ impl SafetensorsSource {
                 .get("weight_map")
                 .and_then(|m| m.as_object())
                 .with_context(|| format!("{}: no 'weight_map' object", index_path.display()))?;
-            let mut names: Vec<PathBuf> = map
-                .values()
-                .filter_map(|f| f.as_str())
-                .map(|f| dir.join(f))
-                .collect();
+            let mut names = Vec::new();
+            for f in map.values() {
+                let f = f.as_str().with_context(|| {
+                    format!(
+                        "{}: a weight_map entry is not a file name: {f}",
+                        index_path.display()
+                    )
+                })?;
+                names.push(
+                    dir.join(
+                        shard_name(f)
+                            .with_context(|| format!("{}: shard {f:?}", index_path.display()))?,
+                    ),
+                );
+            }
             names.sort();
             names.dedup();
             names
