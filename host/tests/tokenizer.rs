@@ -250,10 +250,19 @@ fn smollm2_incremental_detokenizer() {
         assert_eq!(d.push(id).expect("push"), "");
     }
     assert_eq!(d.push(ids[ids.len() - 1]).expect("push"), "深");
-    // A dangling incomplete character is flushed as U+FFFD.
+    // A dangling incomplete character (max_tokens cut it) is dropped, not
+    // flushed as U+FFFD; complete text before it still comes out.
     let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
     assert_eq!(d.push(ids[0]).expect("push"), "");
-    assert_eq!(d.finish(), "\u{FFFD}");
+    assert_eq!(d.finish(), "");
+    let ab = tok.encode("ab", false).expect("encode");
+    let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
+    let mut got = String::new();
+    for &id in ab.iter().chain(&ids[..1]) {
+        got.push_str(&d.push(id).expect("push"));
+    }
+    got.push_str(&d.finish());
+    assert_eq!(got, "ab");
     // Special tokens are skipped or kept.
     let chat = tok
         .encode("hi<|im_end|>\n<|im_start|>", false)
