@@ -21,19 +21,13 @@ MODEL="$(scripts/fetch-demo-model.sh)"
 cargo build --release --locked -p pagoda -p pagoda-bench-report >&2
 LLAMA_BIN="$(bench/build-llamacpp.sh)"
 . bench/llamacpp-env.sh
+. bench/lib.sh
 PAGODA="$CARGO_TARGET_DIR/release/pagoda"
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-wait_ready() { # url
-  for _ in $(seq 1 600); do
-    if curl -sf "$1" >/dev/null 2>&1; then return 0; fi
-    sleep 0.5
-  done
-  echo "error: $1 never became ready" >&2; return 1
-}
 
 # Each server gets the same thread count and room for 16 sequences of
 # INPUT_LEN + OUTPUT_LEN tokens.

@@ -16,18 +16,11 @@ MODEL="$(scripts/fetch-demo-model.sh)"
 cargo build --release --locked -p pagoda >&2
 LLAMA_BIN="$(bench/build-llamacpp.sh)"
 . bench/llamacpp-env.sh
+. bench/lib.sh
 P="$CARGO_TARGET_DIR/release/pagoda"
 SCHEMA='{"name":"list","schema":{"type":"array","minItems":200,"items":{"type":"object","properties":{"name":{"type":"string","maxLength":30},"score":{"type":"integer","minimum":0,"maximum":100}},"required":["name","score"],"additionalProperties":false}}}'
 EXTRA="{\"response_format\":{\"type\":\"json_schema\",\"json_schema\":$SCHEMA}}"
 
-# wait_ready PATH: until the server answers 200 on PATH (its readiness probe).
-wait_ready() {
-  for _ in $(seq 1 120); do
-    curl -sf "http://127.0.0.1:$PORT$1" >/dev/null 2>&1 && return 0
-    sleep 1
-  done
-  echo "server on $PORT did not become ready" >&2; return 1
-}
 
 # load NAME SEED [EXTRA_BODY]: one measured run, printing output tok/s.
 load() {
@@ -47,7 +40,7 @@ echo "--- pagoda serve, $THREADS threads"
   --max-model-len 2048 --kv-cache-memory 2GiB >/tmp/pagoda-so-bench.log 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT
-wait_ready /health/ready
+wait_ready "http://127.0.0.1:$PORT/health/ready"
 for round in 1 2; do
   load "unconstrained (round $round)" "$((round * 10))"
   load "json_schema (round $round)" "$((round * 10 + 1))" "$EXTRA"
@@ -58,7 +51,7 @@ echo "--- llama.cpp llama-server, $THREADS threads, --parallel 16"
 "$LLAMA_BIN/llama-server" -m "$MODEL" -t "$THREADS" -tb "$THREADS" --parallel 16 -c 8192 \
   --port "$PORT" --host 127.0.0.1 --no-webui -a smol >/tmp/llama-so-bench.log 2>&1 &
 SERVER=$!
-wait_ready /health
+wait_ready "http://127.0.0.1:$PORT/health"
 for round in 1 2; do
   load "unconstrained (round $round)" "$((round * 10 + 100))"
   load "json_schema (round $round)" "$((round * 10 + 101))" "$EXTRA"
