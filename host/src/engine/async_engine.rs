@@ -302,6 +302,10 @@ impl AsyncEngine {
 
     /// Submits one sequence; its outputs arrive on `outputs`. Returns the
     /// engine id, or why the request was refused.
+    ///
+    /// The request is abortable from the moment the engine admits it: if
+    /// this future is dropped before it returns (the client went away),
+    /// the engine aborts the request, whether or not the id had arrived.
     pub async fn submit(
         &self,
         external_id: String,
@@ -321,7 +325,16 @@ impl AsyncEngine {
                 reply,
             })
             .map_err(|_| SubmitError::EngineDead)?;
-        match rx.await {
+        let mut pending = PendingAdd {
+            rx: Some(rx),
+            tx: self.tx.clone(),
+        };
+        let reply = match pending.rx.as_mut() {
+            Some(rx) => rx.await,
+            None => return Err(SubmitError::EngineDead),
+        };
+        pending.rx = None;
+        match reply {
             Ok(r) => r.map_err(SubmitError::Invalid),
             Err(_) => Err(SubmitError::EngineDead),
         }
@@ -335,6 +348,24 @@ impl AsyncEngine {
     /// Stops the engine thread after its current step.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+/// A submission waiting for its engine id. Dropped before the id was
+/// taken, it aborts the request if the engine already admitted it (the
+/// engine aborts it itself if the id comes after the drop).
+struct PendingAdd {
+    rx: Option<oneshot::Receiver<Result<u64, ParamError>>>,
+    tx: std_mpsc::Sender<Command>,
+}
+
+impl Drop for PendingAdd {
+    fn drop(&mut self) {
+        if let Some(mut rx) = self.rx.take() {
+            if let Ok(Ok(id)) = rx.try_recv() {
+                let _ = self.tx.send(Command::Abort(id));
+            }
+        }
     }
 }
 
@@ -399,7 +430,16 @@ fn engine_loop(
                             },
                         );
                     }
-                    let _ = reply.send(r);
+                    if let Err(Ok(id)) = reply.send(r) {
+                        // The submitter went away while its request waited
+                        // for this thread (its client disconnected): nobody
+                        // holds the id to abort it, so it ends here rather
+                        // than run to max_tokens for no one, outside every
+                        // limit that counted it.
+                        if let Some(out) = core.abort(id) {
+                            finish(tracks, out);
+                        }
+                    }
                 }
                 Command::Abort(id) => {
                     if let Some(out) = core.abort(id) {
