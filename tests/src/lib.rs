@@ -103,11 +103,44 @@ impl Server {
 
     /// Starts the server on `model` with extra environment variables.
     pub fn start_with_env(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Self::spawn(model, extra, env, None)
+    }
+
+    /// Starts the server on the demo model, able to open at most
+    /// `fd_limit` files (soft and hard limit), as on a host with a low
+    /// `ulimit -n`.
+    pub fn start_with_fd_limit(fd_limit: u64, extra: &[&str]) -> Server {
+        Self::spawn(&demo_gguf(), extra, &[], Some(fd_limit))
+    }
+
+    fn spawn(
+        model: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        fd_limit: Option<u64>,
+    ) -> Server {
         let port = free_port();
         let dir = TempDir::new("server");
         let log = dir.0.join("server.log");
         let logf = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(pagoda_bin())
+        let mut cmd = Command::new(pagoda_bin());
+        if let Some(n) = fd_limit {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe, as pre_exec requires.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = libc::rlimit {
+                        rlim_cur: n,
+                        rlim_max: n,
+                    };
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
+        let child = cmd
             .arg("serve")
             .arg("--model")
             .arg(model)

@@ -134,3 +134,155 @@ fn every_429_carries_retry_after() {
     assert!(retry.is_some_and(|s| s >= 1), "Retry-After: {retry:?}");
     drop(held);
 }
+
+/// Whether the server has closed `sock` (EOF or reset), waiting at most
+/// `limit`.
+fn closed_by_server(sock: &mut std::net::TcpStream, limit: Duration) -> bool {
+    sock.set_read_timeout(Some(limit)).expect("timeout");
+    let mut buf = [0u8; 256];
+    loop {
+        match sock.read(&mut buf) {
+            Ok(0) => return true,
+            // A response (a 408 for the slow body) then the close.
+            Ok(_) => continue,
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                return false
+            }
+            Err(_) => return true,
+        }
+    }
+}
+
+#[test]
+fn idle_and_slow_clients_neither_block_others_nor_keep_their_connections() {
+    let dir = TempDir::new("slow-clients");
+    let p = start(&dir, &["--header-timeout-seconds", "2"]);
+    let addr = p.s.base.trim_start_matches("http://").to_string();
+    // 300 connections: a third idle, a third dripping a request head one
+    // byte at a time, a third sending a head and then nothing of the body.
+    let mut socks: Vec<std::net::TcpStream> = (0..300)
+        .map(|i| {
+            let mut s = std::net::TcpStream::connect(&addr).expect("connect");
+            match i % 3 {
+                0 => {}
+                1 => s.write_all(b"P").expect("write"),
+                _ => write!(
+                    s,
+                    "POST /v1/completions HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 100\r\n\r\n{{"
+                )
+                .expect("write"),
+            }
+            s
+        })
+        .collect();
+    for s in socks.iter_mut().skip(1).step_by(3) {
+        s.write_all(b"O").expect("drip");
+    }
+    // Meanwhile a normal client is served.
+    let (st, v) = p.post_as(
+        "",
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hello", "max_tokens": 4}),
+    );
+    assert_eq!(st, 200, "{v}");
+    // The idle and dripping ones are closed once their head is overdue;
+    // the stalled bodies get their 408 and a close after the body timeout
+    // (60 s), so only the first two kinds are waited for here.
+    for (i, s) in socks.iter_mut().enumerate().filter(|(i, _)| i % 3 != 2) {
+        assert!(
+            closed_by_server(s, Duration::from_secs(10)),
+            "connection {i} is still open past the header timeout"
+        );
+    }
+}
+
+#[test]
+fn descriptor_exhaustion_keeps_probes_answering_and_the_log_quiet() {
+    // 256 descriptors: about 64 normal connection slots and 64 overflow.
+    let s = pagoda_e2e::Server::start_with_fd_limit(256, &["--header-timeout-seconds", "3"]);
+    let addr = s.base.trim_start_matches("http://").to_string();
+    // Far more idle connections than the process can hold.
+    let held: Vec<std::net::TcpStream> = (0..600)
+        .filter_map(|_| std::net::TcpStream::connect(&addr).ok())
+        .collect();
+    assert!(held.len() > 300, "only {} connections opened", held.len());
+    // Probes still answer: from the overflow pool, or once the idle
+    // connections' head timeout frees their slots.
+    let mut answered = false;
+    for _ in 0..60 {
+        let r = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(2)))
+            .build()
+            .new_agent()
+            .get(&s.url("/health"))
+            .call();
+        if r.is_ok_and(|r| r.status().as_u16() == 200) {
+            answered = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(answered, "/health never answered:\n{}", s.log_text());
+    drop(held);
+    // The server recovers fully, and it said so without flooding its log.
+    std::thread::sleep(Duration::from_secs(4));
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hello", "max_tokens": 4}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let log = s.log_text();
+    let reports = log.matches("accept failed").count();
+    assert!(
+        reports <= 10 && log.len() < 1 << 20,
+        "{reports} accept reports, {} bytes of log",
+        log.len()
+    );
+}
+
+#[test]
+fn prompts_far_beyond_the_context_are_refused_by_size_while_probes_answer() {
+    let dir = TempDir::new("huge-prompts");
+    let p = start(&dir, &[]);
+    let url = p.s.url("/v1/completions");
+    let chat_url = p.s.url("/v1/chat/completions");
+    // Three clients with 7.9 MB prompts, as in the finding that pushed
+    // /health from 3 ms to 2.3 s while they were tokenized whole.
+    let big = "lorem ipsum dolor sit amet ".repeat(7_900_000 / 27);
+    let clients: Vec<_> = (0..3)
+        .map(|i| {
+            let (url, chat_url, big) = (url.clone(), chat_url.clone(), big.clone());
+            std::thread::spawn(move || {
+                let mut r = if i == 2 {
+                    agent().post(&chat_url).send_json(json!({
+                        "model": "smol",
+                        "messages": [{"role": "user", "content": big}],
+                    }))
+                } else {
+                    agent()
+                        .post(&url)
+                        .send_json(json!({"model": "smol", "prompt": big}))
+                }
+                .expect("request");
+                let status = r.status().as_u16();
+                let v: serde_json::Value =
+                    serde_json::from_str(&r.body_mut().read_to_string().expect("body"))
+                        .expect("JSON");
+                (status, v)
+            })
+        })
+        .collect();
+    for _ in 0..10 {
+        let (st, _) = p.s.get("/health");
+        assert_eq!(st, 200);
+    }
+    for c in clients {
+        let (st, v) = c.join().expect("client");
+        assert_eq!(st, 400, "{v}");
+        assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
+    }
+}

@@ -47,6 +47,14 @@ pub struct ServeArgs {
     /// Largest request body, in bytes; larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Client connections served at once (beyond them, only health probes
+    /// are answered); default: from the open-files limit, at most 16384.
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Seconds a client may take to send a request's head (idle
+    /// keep-alive connections are closed after it too).
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout_seconds: u64,
     /// Seconds SIGTERM waits for requests in flight.
     #[arg(long, default_value_t = 30)]
     pub shutdown_grace_seconds: u64,
@@ -152,6 +160,10 @@ pub fn run(a: ServeArgs) -> Result<()> {
             served_model_names: names,
             api_key: a.api_key,
             max_body_bytes: a.max_body_bytes,
+            connections: crate::server::connections::ConnectionLimits {
+                max_connections: a.max_connections,
+                header_timeout: Duration::from_secs(a.header_timeout_seconds.max(1)),
+            },
             max_pending_requests: a.max_pending_requests,
             shutdown_grace: Duration::from_secs(a.shutdown_grace_seconds),
             ready_timeout: Duration::from_secs(a.ready_timeout_seconds),

@@ -6,9 +6,11 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::Request;
 
-/// The whole body of `req`, at most `limit` bytes. A `Content-Length`
-/// beyond the limit is refused before a byte of the body is read, so a
-/// client cannot make the server wait for (or buffer) what it will refuse.
+/// The whole body of `req`, at most `limit` bytes, within
+/// [`BODY_TIMEOUT`](crate::server::connections::BODY_TIMEOUT). A
+/// `Content-Length` beyond the limit is refused before a byte of the body
+/// is read, so a client cannot make the server wait for (or buffer) what it
+/// will refuse.
 pub async fn read_limited(req: Request<Incoming>, limit: usize) -> Result<Bytes, ApiError> {
     let declared = req
         .headers()
@@ -18,9 +20,15 @@ pub async fn read_limited(req: Request<Incoming>, limit: usize) -> Result<Bytes,
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::too_large(limit));
     }
-    Limited::new(req.into_body(), limit)
-        .collect()
+    let timeout = crate::server::connections::BODY_TIMEOUT;
+    tokio::time::timeout(timeout, Limited::new(req.into_body(), limit).collect())
         .await
+        .map_err(|_| {
+            ApiError::timed_out(format!(
+                "The request body did not arrive within {} s.",
+                timeout.as_secs()
+            ))
+        })?
         .map(|c| c.to_bytes())
         .map_err(|e| {
             if e.downcast_ref::<http_body_util::LengthLimitError>()

@@ -123,6 +123,18 @@ impl ApiError {
         }
     }
 
+    /// 408: the client did not send its request in time.
+    pub fn timed_out(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "request_timeout",
+            retry_after: None,
+        }
+    }
+
     /// 501: an OpenAI or vLLM route that Pagoda does not serve.
     pub fn not_implemented(path: &str, what: &str) -> ApiError {
         ApiError {

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod auth;
 pub mod body;
+pub mod connections;
 pub mod errors;
 pub mod openai;
 
@@ -43,6 +44,8 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
+    /// How connections are taken (caps and timeouts).
+    pub connections: connections::ConnectionLimits,
     /// Requests in flight beyond this get a 429.
     pub max_pending_requests: usize,
     /// How long SIGTERM waits for requests in flight.
@@ -308,8 +311,19 @@ fn authenticate(
 
 async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ApiError> {
     let body = body::read_limited(req, state.config.max_body_bytes).await?;
-    serde_json::from_slice(&body)
-        .map_err(|e| ApiError::invalid(None, format!("The request body is not valid JSON: {e}")))
+    let small = body.len() <= 64 << 10;
+    let parse = move || {
+        serde_json::from_slice(&body).map_err(|e| {
+            ApiError::invalid(None, format!("The request body is not valid JSON: {e}"))
+        })
+    };
+    // Parsing megabytes of JSON takes milliseconds of CPU: off the HTTP
+    // threads, unless the body is small.
+    if small {
+        parse()
+    } else {
+        openai::off_runtime(parse).await
+    }
 }
 
 /// Which listener a request came in on.
@@ -506,23 +520,31 @@ fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> 
     };
     let tok = engine.tokenizer();
     let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
-    let text = if f.0.contains_key("messages") {
+    let bad = |e: anyhow::Error| ApiError::invalid(Some("prompt".into()), format!("{e:#}"));
+    let ids = if f.0.contains_key("messages") {
         let messages = openai::protocol::parse_messages(&f)?;
         let t = tok.chat_template().ok_or_else(|| {
             ApiError::invalid(Some("messages".into()), "this model has no chat template")
         })?;
-        t.render(&messages, f.bool("add_generation_prompt")?.unwrap_or(true))
-            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?
+        let text = t
+            .render(&messages, f.bool("add_generation_prompt")?.unwrap_or(true))
+            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
+        // As chat requests tokenize it: the messages' text is never a
+        // control token.
+        let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
+        let mut ids = tok.encode_chat(&text, &contents).map_err(bad)?;
+        if let Some(bos) = tok.bos_id() {
+            if add_special && tok.add_bos() && ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        ids
     } else {
-        f.str("prompt")?
-            .ok_or_else(|| {
-                ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
-            })?
-            .to_string()
+        let text = f.str("prompt")?.ok_or_else(|| {
+            ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
+        })?;
+        tok.encode(text, add_special).map_err(bad)?
     };
-    let ids = tok
-        .encode(&text, add_special)
-        .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))?;
     Ok(json_response(
         &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
     ))
@@ -647,45 +669,64 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", state.config.host, state.config.port)
             .parse()
-            .with_context(|| format!("--host {} --port {} is not a socket address", state.config.host, state.config.port))?;
+            .with_context(|| {
+                format!(
+                    "--host {} --port {} is not a socket address",
+                    state.config.host, state.config.port
+                )
+            })?;
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        let main_kind = if state.config.admin_addr.is_some() { Listener::Main } else { Listener::Both };
+        let main_kind = if state.config.admin_addr.is_some() {
+            Listener::Main
+        } else {
+            Listener::Both
+        };
         let admin_listener = match &state.config.admin_addr {
             Some((h, p)) => {
-                let a: SocketAddr = format!("{h}:{p}").parse().with_context(|| format!("--admin-host {h} --admin-port {p} is not a socket address"))?;
-                let l = tokio::net::TcpListener::bind(a).await.with_context(|| format!("cannot listen on {a}"))?;
+                let a: SocketAddr = format!("{h}:{p}").parse().with_context(|| {
+                    format!("--admin-host {h} --admin-port {p} is not a socket address")
+                })?;
+                let l = tokio::net::TcpListener::bind(a)
+                    .await
+                    .with_context(|| format!("cannot listen on {a}"))?;
                 tracing::info!("admin API on http://{a}");
                 Some(l)
             }
             None => None,
         };
+        let fd_limit = connections::raise_fd_limit();
+        let max_connections = state
+            .config
+            .connections
+            .max_connections
+            .unwrap_or_else(|| connections::default_max_connections(fd_limit));
+        tracing::info!(
+            "serving up to {max_connections} connections at once (open-files limit {fd_limit})"
+        );
         if let Some(l) = admin_listener {
             let state = Arc::clone(&state);
+            // The admin API gets its own, small pool: a flood of the main
+            // port never locks the operator out.
+            let mut acceptor = connections::Acceptor::new(l, 256, "admin");
             tokio::spawn(async move {
                 loop {
-                    let (stream, _) = match l.accept().await {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!("admin accept failed: {e}");
-                            continue;
-                        }
-                    };
+                    let c = acceptor.accept().await;
                     let state = Arc::clone(&state);
-                    let svc = hyper::service::service_fn(move |req| {
-                        let state = Arc::clone(&state);
-                        async move { Ok::<_, std::convert::Infallible>(route(state, req, Listener::Admin).await) }
-                    });
+                    let conn = serve_one(state, c, Listener::Admin);
                     tokio::spawn(async move {
-                        if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await {
+                        if let Err(e) = conn.await {
                             tracing::debug!("admin connection error: {e}");
                         }
                     });
                 }
             });
         }
-        tracing::info!("listening on http://{addr} (model loading; /health/ready turns 200 when ready)");
+        let mut acceptor = connections::Acceptor::new(listener, max_connections, "main");
+        tracing::info!(
+            "listening on http://{addr} (model loading; /health/ready turns 200 when ready)"
+        );
         // Probes answer while the model loads, so load it off the runtime.
         let loader = {
             let state = Arc::clone(&state);
@@ -710,18 +751,8 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         let mut engine_death = None;
         loop {
             tokio::select! {
-                conn = listener.accept() => {
-                    let (stream, _) = match conn {
-                        Ok(c) => c,
-                        Err(e) => { tracing::warn!("accept failed: {e}"); continue; }
-                    };
-                    let state = Arc::clone(&state);
-                    let svc = hyper::service::service_fn(move |req| {
-                        let state = Arc::clone(&state);
-                        async move { Ok::<_, std::convert::Infallible>(route(state, req, main_kind).await) }
-                    });
-                    let conn = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
-                    let conn = graceful.watch(conn);
+                c = acceptor.accept() => {
+                    let conn = graceful.watch(serve_one(Arc::clone(&state), c, main_kind));
                     tokio::spawn(async move {
                         if let Err(e) = conn.await {
                             tracing::debug!("connection error: {e}");
@@ -761,8 +792,11 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                 _ = &mut shutdown => break,
             }
         }
-        tracing::info!("shutting down: finishing requests in flight (grace {:?})", state.config.shutdown_grace);
-        drop(listener);
+        tracing::info!(
+            "shutting down: finishing requests in flight (grace {:?})",
+            state.config.shutdown_grace
+        );
+        drop(acceptor);
         match tokio::time::timeout(state.config.shutdown_grace, graceful.shutdown()).await {
             Ok(()) => tracing::info!("all connections closed"),
             Err(_) => tracing::warn!("grace period over; closing remaining connections"),
@@ -776,6 +810,36 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
             None => Ok(()),
         }
     })
+}
+
+/// Serves one accepted connection: every request through [`route`], except
+/// that a connection from the overflow pool gets only the probes (others
+/// get a 503 telling the client to retry).
+fn serve_one(
+    state: Arc<AppState>,
+    c: connections::Accepted,
+    listener: Listener,
+) -> impl hyper_util::server::graceful::GracefulConnection<Error = hyper::Error> + Send + 'static {
+    let overflow = c.overflow;
+    // The slot is held for as long as the connection is open: the service
+    // (and so this permit) lives as long as the connection.
+    let permit = c.permit;
+    let builder = connections::http1_builder(&state.config.connections, overflow);
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let state = Arc::clone(&state);
+        let _slot = &permit;
+        async move {
+            if overflow && !connections::served_when_full(req.uri().path()) {
+                let mut e = ApiError::unavailable(
+                    "The server has too many open connections. Retry shortly.",
+                );
+                e.retry_after = Some(1);
+                return Ok::<_, std::convert::Infallible>(e.response());
+            }
+            Ok(route(state, req, listener).await)
+        }
+    });
+    builder.serve_connection(TokioIo::new(c.stream), svc)
 }
 
 /// How long a server whose engine died keeps answering (503s, unhealthy

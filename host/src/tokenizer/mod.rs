@@ -26,6 +26,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value as Json;
 use std::collections::HashSet;
 use std::path::Path;
+use std::sync::OnceLock;
 use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
@@ -150,6 +151,13 @@ pub struct Tokenizer {
     add_bos: bool,
     special: HashSet<u32>,
     chat_template: Option<ChatTemplate>,
+    /// The same tokenizer with special-token text encoded as plain text,
+    /// for text a client wrote (built on first use).
+    text_only: OnceLock<tokenizers::Tokenizer>,
+    /// The texts of the special tokens (built on first use).
+    special_texts: OnceLock<Vec<String>>,
+    /// The longest text one token decodes to, in bytes (on first use).
+    max_token_bytes: OnceLock<usize>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -416,6 +424,9 @@ impl Tokenizer {
             add_bos,
             special,
             chat_template,
+            text_only: OnceLock::new(),
+            special_texts: OnceLock::new(),
+            max_token_bytes: OnceLock::new(),
         })
     }
 
@@ -601,6 +612,9 @@ impl Tokenizer {
             add_bos,
             special,
             chat_template,
+            text_only: OnceLock::new(),
+            special_texts: OnceLock::new(),
+            max_token_bytes: OnceLock::new(),
         })
     }
 
@@ -623,6 +637,101 @@ impl Tokenizer {
             }
             _ => Ok(ids.to_vec()),
         }
+    }
+
+    /// Whether a text of `text_bytes` bytes must encode to more than
+    /// `tokens` tokens, judged from its length alone, so that an over-long
+    /// prompt is refused before it is tokenized whole. Conservative: no
+    /// token spells more than the longest token's text, and normalization
+    /// (NFC composes at most about 3 bytes into 1) is allowed for 4 times
+    /// over, so a prompt that fits is never refused.
+    pub fn surely_longer_than(&self, text_bytes: usize, tokens: usize) -> bool {
+        const SLACK: usize = 4096;
+        // Cheap first: any limit below is at least this.
+        if text_bytes <= tokens.saturating_mul(16).saturating_add(SLACK) {
+            return false;
+        }
+        let per_token = *self.max_token_bytes.get_or_init(|| {
+            (0..self.vocab_size as u32)
+                .filter_map(|id| self.inner.decode(&[id], false).ok())
+                .map(|t| t.len())
+                .max()
+                .unwrap_or(1)
+        });
+        text_bytes
+            > tokens
+                .saturating_mul(per_token.max(4) * 4)
+                .saturating_add(SLACK)
+    }
+
+    /// Encodes `text` as plain text: special-token text in it
+    /// (`<|im_end|>`) becomes the ordinary tokens that spell it, never the
+    /// control token. For text a client wrote.
+    pub fn encode_as_text(&self, text: &str) -> Result<Vec<u32>> {
+        let t = self.text_only.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = t
+            .encode(text, false)
+            .map_err(|e| anyhow!("cannot tokenize the text: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Encodes a rendered chat prompt, in which the template's own markers
+    /// are the only control tokens: wherever one of `client_texts` (the
+    /// messages' contents, in order) holds special-token text, that text is
+    /// encoded as plain text, so a message cannot close its turn or open a
+    /// system turn by writing `<|im_end|>`. Prompts whose client texts hold
+    /// no special-token text are encoded exactly as [`Tokenizer::encode`]
+    /// (without BOS: the template places it) would.
+    ///
+    /// # Errors
+    /// If a client text that holds special-token text does not appear in
+    /// the rendered prompt (a template that rewrote it), since it could not
+    /// then be kept apart.
+    pub fn encode_chat(&self, rendered: &str, client_texts: &[&str]) -> Result<Vec<u32>> {
+        let specials = self.special_texts.get_or_init(|| {
+            self.special
+                .iter()
+                .filter_map(|&id| self.inner.id_to_token(id))
+                .filter(|t| !t.is_empty())
+                .collect()
+        });
+        let holds_special = |t: &str| specials.iter().any(|s| t.contains(s.as_str()));
+        let mut ranges: Vec<(usize, usize)> = Vec::new();
+        let mut from = 0;
+        for text in client_texts.iter().copied().filter(|t| holds_special(t)) {
+            let find = |needle: &str| {
+                rendered[from..]
+                    .find(needle)
+                    .map(|i| (from + i, from + i + needle.len()))
+            };
+            let Some((a, b)) = find(text).or_else(|| find(text.trim())) else {
+                bail!(
+                    "a message's content holds special-token text, and the chat template changed that content, so it cannot be kept as plain text; remove the special-token text from the message"
+                );
+            };
+            ranges.push((a, b));
+            from = b;
+        }
+        if ranges.is_empty() {
+            return self.encode(rendered, false);
+        }
+        let mut ids = Vec::new();
+        let mut pos = 0;
+        for (a, b) in ranges {
+            if a > pos {
+                ids.extend(self.encode(&rendered[pos..a], false)?);
+            }
+            ids.extend(self.encode_as_text(&rendered[a..b])?);
+            pos = b;
+        }
+        if pos < rendered.len() {
+            ids.extend(self.encode(&rendered[pos..], false)?);
+        }
+        Ok(ids)
     }
 
     /// Decodes `ids` into text; with `skip_special`, special tokens are left

@@ -59,23 +59,56 @@ pub async fn completions(
     let engine = state.engine_for(&common.model)?;
     let prompts = parse_prompts(&f)?;
     let tok = engine.tokenizer().clone();
-    let bad_prompt = |e: anyhow::Error| ApiError::invalid(Some("prompt".into()), format!("{e:#}"));
-    let mut run_prompts = Vec::with_capacity(prompts.len());
-    for p in prompts {
-        let (ids, text) = match p {
-            PromptInput::Text(t) => (tok.encode(&t, true).map_err(bad_prompt)?, Some(t)),
-            PromptInput::Tokens(t) => (t, None),
-        };
-        // A prompt of token ids echoes as their text, special tokens
-        // included, as it was read.
-        let echo = match (common.echo, text) {
-            (false, _) => None,
-            (true, Some(t)) => Some(t),
-            (true, None) => Some(tok.decode(&ids, false).map_err(bad_prompt)?),
-        };
-        run_prompts.push(RunPrompt { ids, echo });
+    let max_len = engine.max_model_len();
+    for p in &prompts {
+        if let PromptInput::Text(t) = p {
+            check_prompt_size(&tok, t.len(), max_len, "prompt")?;
+        }
     }
+    let echo = common.echo;
+    // Tokenizing is CPU work: off the HTTP threads.
+    let run_prompts = off_runtime(move || {
+        let bad_prompt =
+            |e: anyhow::Error| ApiError::invalid(Some("prompt".into()), format!("{e:#}"));
+        let mut run_prompts = Vec::with_capacity(prompts.len());
+        for p in prompts {
+            let (ids, text) = match p {
+                PromptInput::Text(t) => (tok.encode(&t, true).map_err(bad_prompt)?, Some(t)),
+                PromptInput::Tokens(t) => (t, None),
+            };
+            // A prompt of token ids echoes as their text, special tokens
+            // included, as it was read.
+            let echo = match (echo, text) {
+                (false, _) => None,
+                (true, Some(t)) => Some(t),
+                (true, None) => Some(tok.decode(&ids, false).map_err(bad_prompt)?),
+            };
+            run_prompts.push(RunPrompt { ids, echo });
+        }
+        Ok(run_prompts)
+    })
+    .await?;
     generate(state, common, run_prompts, Api::Completions, id, ctx, None).await
+}
+
+/// Refuses a prompt of `bytes` bytes that cannot fit in the context, from
+/// its size alone: a multi-megabyte prompt is answered at once instead of
+/// being tokenized whole first.
+pub(crate) fn check_prompt_size(
+    tok: &crate::tokenizer::Tokenizer,
+    bytes: usize,
+    max_len: usize,
+    param: &str,
+) -> Result<(), ApiError> {
+    if tok.surely_longer_than(bytes, max_len) {
+        return Err(ApiError::context_length(
+            param,
+            format!(
+                "This model's maximum context length is {max_len} tokens, and the {param} ({bytes} bytes) is far longer than that. Please reduce the length of the {param}."
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// One prompt of a request, tokenized.
@@ -141,6 +174,13 @@ pub async fn chat(
             });
         }
     }
+    let content_bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+    check_prompt_size(
+        engine.tokenizer(),
+        content_bytes,
+        engine.max_model_len(),
+        "messages",
+    )?;
     let ids = render_chat(engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
     let mode = tools.and_then(|t| t.mode);
     generate(
@@ -175,12 +215,15 @@ async fn render_chat(
         }
         None => None,
     };
-    let text = match rendered {
-        Some(t) => t,
+    let contents: Vec<String> = messages.iter().map(|m| m.content.clone()).collect();
+    // Rendering and tokenizing a large conversation takes CPU time, which
+    // must not hold up the HTTP threads (probes, streams of other clients).
+    let input = match rendered {
+        Some(t) => ChatInput::Rendered(t),
         None => {
-            let template = tok.chat_template().ok_or_else(|| {
-                ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one.")
-            })?;
+            if tok.chat_template().is_none() {
+                return Err(ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one."));
+            }
             // The messages as validated (text parts joined), with the
             // fields tool use adds (tool_calls, tool_call_id, name).
             let raw = body.get("messages").and_then(Value::as_array);
@@ -198,21 +241,52 @@ async fn render_chat(
                     v
                 })
                 .collect();
-            let (msgs, extra) =
-                tools::template_input(&Value::Array(normalized), tools, template.source());
-            template
-                .render_json(&msgs, add_generation_prompt, &extra)
-                .map_err(|e| {
-                    ApiError::invalid(
-                        Some("messages".into()),
-                        format!("the chat template failed: {e:#}"),
-                    )
-                })?
+            let source = tok.chat_template().map_or("", |t| t.source());
+            let (msgs, extra) = tools::template_input(&Value::Array(normalized), tools, source);
+            ChatInput::Template(msgs, extra)
         }
     };
-    // The rendered template already holds BOS where the model wants it.
-    tok.encode(&text, false)
-        .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))
+    off_runtime(move || {
+        let text = match input {
+            ChatInput::Rendered(text) => text,
+            ChatInput::Template(msgs, extra) => {
+                let template = tok
+                    .chat_template()
+                    .ok_or_else(|| ApiError::invalid(None, "This model has no chat template."))?;
+                template
+                    .render_json(&msgs, add_generation_prompt, &extra)
+                    .map_err(|e| {
+                        ApiError::invalid(
+                            Some("messages".into()),
+                            format!("the chat template failed: {e:#}"),
+                        )
+                    })?
+            }
+        };
+        // The rendered template already holds BOS where the model wants
+        // it; the messages' own text never becomes control tokens.
+        let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
+        tok.encode_chat(&text, &texts)
+            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))
+    })
+    .await
+}
+
+/// A chat prompt before tokenizing: rendered by a tenant's plugin, or the
+/// model template's input (messages and extra variables).
+enum ChatInput {
+    Rendered(String),
+    Template(Value, serde_json::Map<String, Value>),
+}
+
+/// Runs CPU work (tokenizing, rendering a template) on the blocking pool,
+/// off the HTTP threads.
+pub(crate) async fn off_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("a tokenizer task failed: {e}")))?
 }
 
 /// Per choice: what has been produced so far.

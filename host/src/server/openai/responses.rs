@@ -8,7 +8,8 @@
 //! images, background mode and reasoning are refused with a 400.
 
 use super::{
-    collect, now_secs, parse_common, parse_messages, render_chat, start_run, Api, Run, RunPrompt,
+    check_prompt_size, collect, now_secs, parse_common, parse_messages, render_chat, start_run,
+    Api, Run, RunPrompt,
 };
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::protocol::Fields;
@@ -308,6 +309,12 @@ pub async fn responses(
     }
     let engine = state.engine_for(&common.model)?.clone();
     let parsed = parse_messages(&cf)?;
+    check_prompt_size(
+        engine.tokenizer(),
+        parsed.iter().map(|m| m.content.len()).sum(),
+        engine.max_model_len(),
+        "input",
+    )?;
     let ids = render_chat(&engine, &chat, &parsed, None, &mut ctx).await?;
     let echo = Echo {
         id: id.clone(),
