@@ -308,6 +308,7 @@ const EPOCH_TICK: Duration = Duration::from_millis(1);
 impl PluginRuntime {
     pub fn new(config: RuntimeConfig) -> Result<Arc<PluginRuntime>> {
         let mut pool = PoolingAllocationConfig::default();
+        // As `instance_pool_size` reports it.
         let n = config.max_instances.max(8);
         pool.total_component_instances(n)
             .total_core_instances(n * 8)
@@ -360,6 +361,12 @@ impl PluginRuntime {
 
     pub fn config(&self) -> &RuntimeConfig {
         &self.config
+    }
+
+    /// How many plugin instances can be alive at once (the pooling
+    /// allocator's component instances).
+    pub fn instance_pool_size(&self) -> usize {
+        self.config.max_instances.max(8) as usize
     }
 
     /// Compiles component bytes (seconds for a large plugin: call it off

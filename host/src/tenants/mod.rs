@@ -217,21 +217,34 @@ pub struct Tenant {
     pub id: String,
     snapshot: ArcSwap<Snapshot>,
     in_flight: AtomicUsize,
+    /// Plugin instances its requests in flight have reserved.
+    instances_held: AtomicUsize,
     bucket: Mutex<Bucket>,
     pub(crate) plugins: Mutex<BTreeMap<String, PluginSlot>>,
     /// Serializes admin changes of this tenant (uploads, rollbacks, PUT).
     pub(crate) admin: tokio::sync::Mutex<()>,
 }
 
-/// A request admitted for a tenant: holds its concurrency slot and snapshot.
+/// A request admitted for a tenant: holds its concurrency slot, its
+/// plugin instances (one per chain entry) and its snapshot.
 pub struct Admission {
     pub tenant: Arc<Tenant>,
     pub snapshot: Arc<Snapshot>,
+    /// Plugin instances reserved for the request, and the server-wide
+    /// count they were taken from.
+    instances: usize,
+    pool: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for Admission {
     fn drop(&mut self) {
         self.tenant.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if let Some(pool) = &self.pool {
+            self.tenant
+                .instances_held
+                .fetch_sub(self.instances, Ordering::AcqRel);
+            pool.fetch_sub(self.instances, Ordering::AcqRel);
+        }
     }
 }
 
@@ -259,6 +272,7 @@ impl Tenant {
                 chain: Vec::new(),
             }),
             in_flight: AtomicUsize::new(0),
+            instances_held: AtomicUsize::new(0),
             bucket: Mutex::new(Bucket {
                 level: tpm,
                 at: Instant::now(),
@@ -279,6 +293,8 @@ impl Tenant {
         let adm = Admission {
             tenant: Arc::clone(self),
             snapshot,
+            instances: 0,
+            pool: None,
         };
         let limits = &adm.snapshot.config.limits;
         if let Some(max) = limits.max_concurrent {
@@ -416,6 +432,8 @@ pub struct Tenants {
     salt: [u8; 32],
     /// The admin token, which no tenant key may equal.
     admin_token: Option<String>,
+    /// Plugin instances reserved by requests in flight, all tenants.
+    instances_held: Arc<AtomicUsize>,
 }
 
 impl Tenants {
@@ -437,7 +455,56 @@ impl Tenants {
             keys: RwLock::new(HashMap::new()),
             salt,
             admin_token,
+            instances_held: Arc::new(AtomicUsize::new(0)),
         })
+    }
+
+    /// Admits a request of `tenant`: its limits (see [`Tenant::admit`]),
+    /// then one plugin instance per chain entry, reserved before anything
+    /// runs. The runtime's instances are shared evenly: a tenant may hold
+    /// at most its share (the pool over the number of tenants, but always
+    /// enough for one request), so one tenant's slow plugins cannot take
+    /// the instances other tenants' requests need; a request beyond its
+    /// tenant's share, or beyond the pool, gets a 503 at once, before any
+    /// token is generated for it.
+    pub fn admit(&self, tenant: &Arc<Tenant>) -> Result<Admission, ApiError> {
+        let mut adm = tenant.admit()?;
+        let need = adm.snapshot.chain.len();
+        if need == 0 {
+            return Ok(adm);
+        }
+        let total = self.runtime.instance_pool_size();
+        let tenants = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
+            .max(1);
+        let share = (total / tenants).max(need);
+        let busy = |what: String| {
+            let mut e = ApiError::unavailable(what);
+            e.retry_after = Some(1);
+            e
+        };
+        let held = tenant.instances_held.fetch_add(need, Ordering::AcqRel) + need;
+        if held > share {
+            tenant.instances_held.fetch_sub(need, Ordering::AcqRel);
+            return Err(busy(format!(
+                "Tenant '{}' has its share of {share} plugin instances in use by requests in flight. Retry later.",
+                tenant.id
+            )));
+        }
+        let all = self.instances_held.fetch_add(need, Ordering::AcqRel) + need;
+        if all > total {
+            tenant.instances_held.fetch_sub(need, Ordering::AcqRel);
+            self.instances_held.fetch_sub(need, Ordering::AcqRel);
+            return Err(busy(format!(
+                "All {total} plugin instances are in use by requests in flight. Retry later."
+            )));
+        }
+        adm.instances = need;
+        adm.pool = Some(Arc::clone(&self.instances_held));
+        Ok(adm)
     }
 
     pub fn is_empty(&self) -> bool {

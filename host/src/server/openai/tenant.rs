@@ -38,7 +38,7 @@ impl TenantCtx {
         tenant: &Arc<Tenant>,
         request_id: &str,
     ) -> Result<TenantCtx, ApiError> {
-        let admission = tenant.admit()?;
+        let admission = state.tenants.admit(tenant)?;
         let snap = Arc::clone(&admission.snapshot);
         let session = if snap.chain.is_empty() {
             None
