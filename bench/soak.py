@@ -8,10 +8,12 @@ disconnects), while a swapper uploads a new plugin version and rolls it
 back every minute. Every PERIOD seconds it prints the server's RSS, open
 file descriptors, KV-cache usage and the request counts so far.
 
-At the end, once the load has stopped, it checks that RSS, descriptors and
-KV usage came back to their baseline (RSS within SOAK_RSS_SLACK_MIB) and
-that no request that should have succeeded failed. Exit status 0 when all
-of that holds.
+At the end, once the load has stopped, it checks that descriptors and KV
+usage came back to their baseline, that RSS stopped growing (the KV pool's
+pages are touched lazily as blocks rotate through the free queue, so RSS
+climbs towards the pool's size early on: the end may exceed the RSS of the
+run's first quarter by SOAK_RSS_SLACK_MIB at most), and that no request that
+should have succeeded failed. Exit status 0 when all of that holds.
 
 Only the standard library: it runs on any Python 3.8+.
 """
@@ -187,6 +189,7 @@ def main():
     for t in threads:
         t.start()
     started = time.time()
+    plateau = None
     while time.time() - started < SECONDS:
         time.sleep(min(PERIOD, max(0.0, SECONDS - (time.time() - started))))
         s = snapshot()
@@ -194,6 +197,8 @@ def main():
               f"refused {counts.refused}  failed {len(counts.failed)}  "
               f"rss {s['rss_mib']:.0f} MiB  fds {s['fds']}  kv {s['kv']:.3f}  "
               f"running {s['running']:.0f}  waiting {s['waiting']:.0f}", flush=True)
+        if plateau is None and time.time() - started >= SECONDS / 4:
+            plateau = s["rss_mib"]
     stop.set()
     for t in threads:
         t.join()
@@ -208,8 +213,10 @@ def main():
         problems.append(f"the engine did not drain: {end}")
     if end["fds"] > base["fds"] + 8:
         problems.append(f"descriptors grew from {base['fds']} to {end['fds']}")
-    if end["rss_mib"] > base["rss_mib"] + RSS_SLACK_MIB:
-        problems.append(f"RSS grew from {base['rss_mib']:.0f} to {end['rss_mib']:.0f} MiB")
+    plateau = plateau if plateau is not None else end["rss_mib"]
+    if end["rss_mib"] > plateau + RSS_SLACK_MIB:
+        problems.append(f"RSS kept growing: {plateau:.0f} MiB after the first quarter, "
+                        f"{end['rss_mib']:.0f} MiB at the end")
     total = counts.ok + counts.abandoned + counts.refused
     print(f"{total} requests: {counts.ok} ok, {counts.abandoned} abandoned mid-stream, "
           f"{counts.refused} refused by limits, {len(counts.failed)} failed", flush=True)
