@@ -99,3 +99,65 @@ fn hot_swap_under_load_keeps_each_request_on_its_admission_version() {
     let (_, v) = p.admin("GET", "/admin/v1/tenants/t/plugins", None);
     assert_eq!(v["data"][0]["active_version"], 11, "{v}");
 }
+
+/// The memory images of the compiled plugin versions this server holds
+/// (wasmtime keeps each in a memfd).
+fn wasm_images(p: &PServer) -> usize {
+    let fds = std::path::PathBuf::from(format!("/proc/{}/fd", p.s.child.id()));
+    std::fs::read_dir(fds)
+        .expect("fd dir")
+        .flatten()
+        .filter(|e| {
+            std::fs::read_link(e.path())
+                .is_ok_and(|l| l.to_string_lossy().contains("wasm-memory-image"))
+        })
+        .count()
+}
+
+#[test]
+fn many_uploads_keep_only_a_few_versions_compiled_and_rollback_still_works() {
+    let dir = TempDir::new("uploads-bounded");
+    let p = start(&dir, &[]);
+    p.put_tenant("t", json!({"api_keys": ["key-t-123456"]}));
+    let before = wasm_images(&p);
+    p.upload_ok("t", "tag", "tag-v1", None);
+    // A component holds one memory image per core module with data.
+    let per_version = wasm_images(&p) - before;
+    assert!(per_version >= 1, "no memory image to count");
+    for i in 1..12 {
+        p.upload_ok(
+            "t",
+            "tag",
+            if i % 2 == 0 { "tag-v1" } else { "tag-v2" },
+            None,
+        );
+    }
+    // The active version and the two before it stay compiled; the other
+    // nine were unloaded (their memory images closed), not leaked.
+    let bound = before + 3 * per_version;
+    let images = wasm_images(&p);
+    assert!(
+        images <= bound,
+        "{images} plugin memory images are open after 12 uploads (at most {bound})"
+    );
+    // Rolling back past the loaded ones reloads from the state dir.
+    for _ in 0..4 {
+        let (st, v) = p.admin("POST", "/admin/v1/tenants/t/plugins/tag/rollback", None);
+        assert_eq!(st, 200, "{v}");
+    }
+    let (st, v) = p.post_as(
+        "key-t-123456",
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hello", "max_tokens": 3, "temperature": 0}),
+    );
+    assert_eq!(st, 200, "{v}");
+    // 12 uploads, 4 rollbacks: version 8 (tag-v2) is active.
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with(" [v2]"),
+        "{v}"
+    );
+    assert!(wasm_images(&p) <= bound);
+}

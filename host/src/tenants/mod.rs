@@ -207,6 +207,33 @@ pub struct PluginSlot {
     pub history: Vec<u64>,
 }
 
+impl PluginSlot {
+    /// Rollback goes at most this many versions back.
+    pub const MAX_HISTORY: usize = 16;
+    /// Earlier versions kept compiled in memory for an instant rollback
+    /// (with a state dir; the others are loaded from it when needed).
+    pub const KEEP_LOADED: usize = 2;
+
+    /// Bounds what the slot holds as versions come and go: the rollback
+    /// history, and the compiled versions in memory (each holds native
+    /// code and a memory image, a file descriptor). Without a state dir
+    /// (`reloadable` false) every version rollback can reach stays loaded;
+    /// with one, only the active version and the last few.
+    fn prune(&mut self, reloadable: bool) {
+        let excess = self.history.len().saturating_sub(Self::MAX_HISTORY);
+        self.history.drain(..excess);
+        let keep_back = if reloadable {
+            Self::KEEP_LOADED
+        } else {
+            Self::MAX_HISTORY
+        };
+        let recent = &self.history[self.history.len().saturating_sub(keep_back)..];
+        let active = self.active;
+        self.loaded
+            .retain(|v, _| Some(*v) == active || recent.contains(v));
+    }
+}
+
 /// Token bucket of the tokens-per-minute limit.
 struct Bucket {
     level: f64,
@@ -392,6 +419,23 @@ fn policies(p: &BTreeMap<String, String>) -> [bool; 4] {
         out[i] = v.is_some_and(|v| v == "fail_open" || v == "fail-open" || v == "open");
     }
     out
+}
+
+/// The chain of a PUT body, entries as names or specs, with every policy
+/// checked.
+pub fn check_chain_items(items: Vec<PluginChainItem>) -> Result<Vec<ChainSpec>> {
+    let chain: Vec<ChainSpec> = items
+        .into_iter()
+        .map(|i| match i {
+            PluginChainItem::Name(name) => ChainSpec {
+                name,
+                policies: BTreeMap::new(),
+            },
+            PluginChainItem::Spec(s) => s,
+        })
+        .collect();
+    check_policies(&chain)?;
+    Ok(chain)
 }
 
 fn check_policies(specs: &[ChainSpec]) -> Result<()> {
@@ -617,21 +661,7 @@ impl Tenants {
                 .map(|c| c.api_key_hashes.clone())
                 .unwrap_or_default(),
         };
-        let plugins = spec.plugins.map(|items| {
-            items
-                .into_iter()
-                .map(|i| match i {
-                    PluginChainItem::Name(name) => ChainSpec {
-                        name,
-                        policies: BTreeMap::new(),
-                    },
-                    PluginChainItem::Spec(s) => s,
-                })
-                .collect::<Vec<_>>()
-        });
-        if let Some(p) = &plugins {
-            check_policies(p)?;
-        }
+        let plugins = spec.plugins.map(check_chain_items).transpose()?;
         spec.scheduling.check()?;
         let plugin_limits = spec.plugin_limits.unwrap_or_else(|| {
             old.as_ref()
@@ -797,6 +827,7 @@ impl Tenants {
             s.loaded.insert(version, loaded);
             s.active = Some(version);
             s.history = history;
+            s.prune(self.dir.is_some());
         }
         let cfg = tenant.snapshot().config.clone();
         tenant.publish(cfg);
@@ -858,6 +889,7 @@ impl Tenants {
             s.loaded.insert(target, loaded);
             s.active = Some(target);
             s.history = history;
+            s.prune(self.dir.is_some());
         }
         let cfg = tenant.snapshot().config.clone();
         tenant.publish(cfg);
