@@ -1,7 +1,5 @@
 //! The `pagoda` binary.
 
-use clap::Parser;
-
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -17,7 +15,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    let cli = pagoda::cli::Cli::parse_from(args);
+    let cli = pagoda::cli::Cli::parse_overridable(args);
     match pagoda::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

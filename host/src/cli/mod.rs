@@ -24,6 +24,22 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// Parses the command line, a flag given again overriding its earlier
+    /// value: `--config FILE` puts the file's flags first, so flags on the
+    /// command line win, and wrappers like scripts/demo.sh pass defaults
+    /// that a user's `--port 9000` replaces. Exits on bad flags (with
+    /// clap's message), as `Parser::parse_from` does.
+    pub fn parse_overridable(args: Vec<std::ffi::OsString>) -> Cli {
+        use clap::{CommandFactory, FromArgMatches};
+        fn overridable(c: clap::Command) -> clap::Command {
+            c.args_override_self(true).mut_subcommands(overridable)
+        }
+        let matches = overridable(Cli::command()).get_matches_from(args);
+        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+}
+
 /// The subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
