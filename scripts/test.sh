@@ -38,3 +38,8 @@ cargo test --release --workspace --locked -- --test-threads=2
 # the int8 kernels that an engine capped at two sequences uses (elsewhere
 # this repeats the same kernels).
 PAGODA_SIMD=amx cargo test --release --locked -p pagoda --test engine_batching --test reference_smollm2 -- --test-threads=2
+
+# Fuzzing, bounded: every parser of untrusted input for 15 s on the
+# checked-in corpus (a crash fails the run; scripts/fuzz.sh says how to
+# fuzz for longer).
+FUZZ_SECONDS="${FUZZ_SECONDS:-15}" scripts/fuzz.sh
