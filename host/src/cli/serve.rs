@@ -13,8 +13,8 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub engine: EngineFlags,
     /// Names the model is served under (default: the model path's file name);
-    /// given again (or after --config), the last list replaces the others.
-    #[arg(long, num_args = 1.., action = clap::ArgAction::Set)]
+    /// given again (or in --config too), the names add up.
+    #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
