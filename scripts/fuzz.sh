@@ -28,11 +28,11 @@ run() {
   cp -r "corpus/$t/." "$work/"
   cargo fuzz run --sanitizer none --target-dir "$TARGET_DIR" "$t" "$work" -- \
     -max_total_time="$SECONDS_EACH" -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 \
-    >"$TARGET_DIR/$t.log" 2>&1 ||
-    { echo "fuzz target $t failed; the end of its log:" >&2; tail -40 "$TARGET_DIR/$t.log" >&2; return 1; }
+    >"$TARGET_DIR/$t.$$.log" 2>&1 ||
+    { echo "fuzz target $t failed; the end of its log:" >&2; tail -40 "$TARGET_DIR/$t.$$.log" >&2; return 1; }
   awk -v t="$t" '/stat::number_of_executed_units/ {e=$2} /stat::peak_rss_mb/ {r=$2}
     /cov: [0-9]+/ {for (i=1;i<=NF;i++) if ($i=="cov:") c=$(i+1)}
-    END {printf "  %-16s %10d execs, coverage %s, peak RSS %s MB\n", t, e, c, r}' "$TARGET_DIR/$t.log"
+    END {printf "  %-16s %10d execs, coverage %s, peak RSS %s MB\n", t, e, c, r}' "$TARGET_DIR/$t.$$.log"
 }
 
 targets=$(cargo fuzz list)
