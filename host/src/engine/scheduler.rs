@@ -216,7 +216,9 @@ impl Scheduler {
         };
         out.batch.clear();
         let mut budget = self.config.max_num_batched_tokens;
-        if self.config.policy == SchedulingPolicy::Fair {
+        // With one tenant the order is already fcfs order; skipping the
+        // (allocating) stable sort keeps a decode step allocation-free.
+        if self.config.policy == SchedulingPolicy::Fair && self.fair.num_tenants() > 1 {
             // The budget goes to the better class, then to the tenant with
             // the least virtual time; the sort is stable, so each tenant's
             // sequences keep their order (and one tenant keeps fcfs order).
@@ -380,6 +382,9 @@ impl Scheduler {
     /// virtual time. Within a tenant, queue order (so preempted requests
     /// come back first).
     fn next_waiting_fair(&self) -> Option<usize> {
+        if self.fair.num_tenants() <= 1 {
+            return (!self.waiting.is_empty()).then_some(0);
+        }
         let mut seen: Vec<&str> = Vec::new();
         let mut best: Option<(usize, crate::engine::fair_share::ServeKey)> = None;
         for (pos, id) in self.waiting.iter().enumerate() {
