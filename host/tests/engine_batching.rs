@@ -258,8 +258,8 @@ fn samples_of_one_prompt_share_its_blocks() {
     };
     let out = llm.generate(&[prompt], &params).expect("generate");
     assert_eq!(out[0].outputs.len(), 4);
-    // The first sample computes the prompt; the other three find its full
-    // blocks in the prefix cache, even when admitted in the same step.
+    // The first sample computes the prompt; the other three wait while its
+    // blocks are in flight, then find them all in the prefix cache.
     let full_blocks = (n_tokens - 1) / 16 * 16;
     assert_eq!(llm.engine().stats().prefix.hits, 3 * full_blocks as u64);
     assert_pool_clean(&llm);

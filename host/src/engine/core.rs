@@ -380,7 +380,7 @@ impl EngineCore {
         let mut next_row = 0;
         let mut next_guided = 0;
         for s in &plan.seqs {
-            self.scheduler.mark_computed(s);
+            self.scheduler.mark_computed(s, &mut self.kv);
             // The sequence's logit rows, in plan order: prompt rows whose
             // logprobs were asked for, then the sampling row.
             let first_row = next_row;

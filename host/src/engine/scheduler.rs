@@ -293,6 +293,12 @@ impl Scheduler {
                 } else {
                     kv.lookup_prefix(&req.token_ids, req.cache_key())
                 };
+                // The next block is being computed for another sequence
+                // (a sibling sample, a shared system prompt): wait for it
+                // rather than compute the same K/V twice.
+                if kv.in_flight(&req.token_ids, req.cache_key(), &hit) {
+                    break;
+                }
                 let cached = hit.num_tokens(kv.block_size());
                 let num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
                 let admitted = self.running.len() < self.config.max_num_seqs
@@ -357,10 +363,12 @@ impl Scheduler {
         self.spare_batch = plan.batch;
     }
 
-    /// Records that a step ran: the scheduled tokens are now in the cache.
-    pub fn mark_computed(&mut self, seq: &ScheduledSeq) {
+    /// Records that a step ran: the scheduled tokens are now in the cache,
+    /// and the blocks they complete become findable by prefix.
+    pub fn mark_computed(&mut self, seq: &ScheduledSeq, kv: &mut KvCacheManager) {
         if let Some(r) = self.requests.get_mut(&seq.id) {
             r.num_computed = seq.start + seq.num_tokens;
+            kv.commit(seq.id, &r.token_ids, r.num_computed);
         }
     }
 

@@ -3,7 +3,13 @@
 //!
 //! A block whose reference count drops to zero keeps its contents and its
 //! hash: it sits in the free queue and can be revived by a prefix hit until
-//! it is handed out again, which evicts it. The free queue is an intrusive
+//! it is handed out again, which evicts it.
+//!
+//! The pool also counts, for each block, how many of its slots the model
+//! has written since the block was handed out ([`BlockPool::mark_written`]).
+//! A hash is accepted only for a block whose every slot was written, so a
+//! block can never become findable by prefix before its K/V exists
+//! ([`BlockPool::cache`], [`BlockPool::check_invariants`]). The free queue is an intrusive
 //! doubly-linked list over arrays, so every operation is O(1) and none
 //! allocates after construction.
 
@@ -46,7 +52,10 @@ const NIL: u32 = u32::MAX;
 
 /// All blocks of one device's KV cache.
 pub struct BlockPool {
+    block_size: usize,
     ref_cnt: Vec<u32>,
+    /// Slots written since the block was last handed out.
+    written: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     cached: HashMap<BlockHash, u32>,
     prev: Vec<u32>,
@@ -57,12 +66,14 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free blocks.
-    pub fn new(num_blocks: usize) -> BlockPool {
+    /// A pool of `num_blocks` free blocks of `block_size` slots each.
+    pub fn new(num_blocks: usize, block_size: usize) -> BlockPool {
         assert!(num_blocks < NIL as usize, "block ids are u32");
         let n = num_blocks as u32;
         BlockPool {
+            block_size,
             ref_cnt: vec![0; num_blocks],
+            written: vec![0; num_blocks],
             hash: vec![None; num_blocks],
             cached: HashMap::with_capacity(num_blocks),
             prev: (0..n).map(|i| if i == 0 { NIL } else { i - 1 }).collect(),
@@ -116,6 +127,7 @@ impl BlockPool {
             }
         }
         self.ref_cnt[b as usize] = 1;
+        self.written[b as usize] = 0;
         Some(b)
     }
 
@@ -139,10 +151,31 @@ impl BlockPool {
         }
     }
 
-    /// Records that `block` (full and computed) holds `hash`. If another
-    /// block already holds the same hash, that one stays the canonical copy.
+    /// Records that the model wrote the first `slots` slots of `block`
+    /// (a step ran over them). Counts only grow until the block is handed
+    /// out again.
+    pub fn mark_written(&mut self, block: u32, slots: usize) {
+        let w = &mut self.written[block as usize];
+        *w = (*w).max(slots.min(self.block_size) as u32);
+    }
+
+    /// Whether every slot of `block` has been written.
+    pub fn is_full(&self, block: u32) -> bool {
+        self.written[block as usize] as usize == self.block_size
+    }
+
+    /// Records that `block` holds `hash`, making it findable by prefix. The
+    /// block must be full: every slot written ([`BlockPool::mark_written`]).
+    /// If another block already holds the same hash, that one stays the
+    /// canonical copy.
     pub fn cache(&mut self, block: u32, hash: BlockHash) {
-        if self.hash[block as usize].is_some() {
+        debug_assert!(
+            self.is_full(block),
+            "block {block} entered the prefix cache with {} of {} slots written",
+            self.written[block as usize],
+            self.block_size
+        );
+        if self.hash[block as usize].is_some() || !self.is_full(block) {
             return;
         }
         self.hash[block as usize] = Some(hash);
@@ -151,7 +184,8 @@ impl BlockPool {
 
     /// Checks the pool's invariants: the free queue holds exactly the
     /// blocks with no references, and the hash map points at blocks that
-    /// carry that hash. Tests call this after every scenario.
+    /// carry that hash and whose every slot was written. Tests call this
+    /// after every scenario (and the engine's tests after every step).
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut seen = vec![false; self.ref_cnt.len()];
         let mut count = 0;
@@ -197,6 +231,12 @@ impl BlockPool {
                     "the prefix map points at block {b}, which holds another hash"
                 ));
             }
+            if !self.is_full(b) {
+                return Err(format!(
+                    "block {b} is findable by prefix but only {} of its {} slots were computed",
+                    self.written[b as usize], self.block_size
+                ));
+            }
         }
         Ok(())
     }
@@ -237,7 +277,7 @@ mod tests {
 
     #[test]
     fn allocates_until_empty_and_frees_back() {
-        let mut p = BlockPool::new(4);
+        let mut p = BlockPool::new(4, 2);
         let got: Vec<u32> = (0..4).filter_map(|_| p.allocate()).collect();
         assert_eq!(got, vec![0, 1, 2, 3]);
         assert_eq!(p.allocate(), None);
@@ -251,10 +291,12 @@ mod tests {
 
     #[test]
     fn freed_cached_blocks_are_revived_by_hits_and_evicted_lru() {
-        let mut p = BlockPool::new(3);
+        let mut p = BlockPool::new(3, 2);
         let h = |i: u32| BlockHash::new(None, &[i], 0, 0);
         let a = p.allocate().unwrap();
         let b = p.allocate().unwrap();
+        p.mark_written(a, 2);
+        p.mark_written(b, 2);
         p.cache(a, h(1));
         p.cache(b, h(2));
         p.release(a); // a is least recently freed
@@ -269,6 +311,30 @@ mod tests {
         assert_eq!(p.lookup(h(2)), None);
         assert_eq!(p.lookup(h(1)), Some(a));
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_block_not_fully_written_is_never_findable() {
+        let mut p = BlockPool::new(2, 4);
+        let h = BlockHash::new(None, &[1, 2, 3, 4], 0, 0);
+        let a = p.allocate().unwrap();
+        p.mark_written(a, 3);
+        // Release builds refuse the hash; debug builds stop at the bug.
+        if !cfg!(debug_assertions) {
+            p.cache(a, h);
+            assert_eq!(p.lookup(h), None);
+        }
+        p.mark_written(a, 4);
+        p.cache(a, h);
+        assert_eq!(p.lookup(h), Some(a));
+        p.check_invariants().unwrap();
+        // Handed out again, the block starts empty and loses its hash.
+        p.release(a);
+        let _ = p.allocate();
+        let again = p.allocate().unwrap();
+        assert_eq!(again, a);
+        assert!(!p.is_full(a));
+        assert_eq!(p.lookup(h), None);
     }
 
     #[test]

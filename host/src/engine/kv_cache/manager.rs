@@ -1,5 +1,26 @@
 //! Maps requests to block tables over one [`BlockPool`], and reuses cached
 //! blocks for prompts that share a prefix.
+//!
+//! # The prefix-cache invariant
+//!
+//! A block becomes findable by prefix only once every token in it has been
+//! computed: its K/V written by a step that ran. [`KvCacheManager::allocate`]
+//! hands out slots for a step that has not run yet, and never caches;
+//! [`KvCacheManager::commit`], called after the step, is the one place
+//! where blocks enter the prefix cache. So a sequence that is preempted or
+//! aborted before its step runs, or whose tokens are never computed (the
+//! token sampled as `max_tokens` is reached, or later a rejected draft),
+//! leaves nothing findable behind: its blocks return to the free queue
+//! with only the hashes of what was computed. The block pool checks the
+//! same rule from below: it accepts a hash only for a block whose every
+//! slot was reported written.
+//!
+//! Blocks planned for a step that has not run are tracked as *in flight*
+//! ([`KvCacheManager::in_flight`]), never as cached: the scheduler holds a
+//! new request back while the block after its cache hit is being computed
+//! by another sequence (the other samples of an `n > 1` request, say), so
+//! it finds that block in the cache a step later instead of computing the
+//! same K/V again.
 
 use super::block_pool::{BlockHash, BlockPool};
 use std::collections::HashMap;
@@ -35,6 +56,12 @@ struct SeqBlocks {
     blocks: Vec<u32>,
     /// Hashes of the sequence's full, computed blocks, in order.
     hashes: Vec<BlockHash>,
+    /// Hashes of the full blocks after `hashes` that a planned step will
+    /// compute, in order; they move to `hashes` when the step commits.
+    planned: Vec<BlockHash>,
+    /// Tokens whose K/V is in `blocks`: committed by steps that ran, or
+    /// found in the prefix cache.
+    computed: usize,
     key: CacheKey,
 }
 
@@ -44,6 +71,9 @@ pub struct KvCacheManager {
     block_size: usize,
     caching: bool,
     seqs: HashMap<u64, SeqBlocks>,
+    /// Full blocks that planned steps will compute: hash → how many
+    /// sequences are computing it.
+    in_flight: HashMap<BlockHash, u32>,
     stats: PrefixStats,
 }
 
@@ -69,10 +99,11 @@ impl KvCacheManager {
         enable_prefix_caching: bool,
     ) -> KvCacheManager {
         KvCacheManager {
-            pool: BlockPool::new(num_blocks),
+            pool: BlockPool::new(num_blocks, block_size),
             block_size,
             caching: enable_prefix_caching,
             seqs: HashMap::new(),
+            in_flight: HashMap::new(),
             stats: PrefixStats::default(),
         }
     }
@@ -137,11 +168,27 @@ impl KvCacheManager {
         hit
     }
 
+    /// Whether the block of `tokens` right after `hit` is being computed by
+    /// a step already planned for another sequence: the request would find
+    /// it in the cache once that step has run.
+    pub fn in_flight(&self, tokens: &[u32], key: CacheKey, hit: &PrefixHit) -> bool {
+        if !self.caching || self.in_flight.is_empty() || tokens.is_empty() {
+            return false;
+        }
+        let j = hit.blocks.len();
+        if j >= (tokens.len() - 1) / self.block_size {
+            return false;
+        }
+        let h = self.hash(hit.hashes.last().copied(), j, tokens, key);
+        self.in_flight.contains_key(&h)
+    }
+
     /// Makes room for `num_new` more tokens of sequence `seq`, whose first
     /// `num_computed` tokens are already in the cache (counting `hit`, for a
     /// sequence that holds no blocks yet). Returns false, changing nothing,
-    /// when the pool cannot supply the blocks. Full blocks among the first
-    /// `num_computed + num_new` tokens of `tokens` enter the prefix cache.
+    /// when the pool cannot supply the blocks. Nothing enters the prefix
+    /// cache here: the new slots hold nothing until the step runs and
+    /// [`KvCacheManager::commit`] records it.
     pub fn allocate(
         &mut self,
         seq: u64,
@@ -177,6 +224,7 @@ impl KvCacheManager {
                 for &b in &hit.blocks {
                     self.pool.acquire(b);
                 }
+                entry.computed = hit.blocks.len() * bs;
                 entry.blocks = hit.blocks;
                 entry.hashes = hit.hashes;
             }
@@ -188,17 +236,58 @@ impl KvCacheManager {
             }
         }
         if self.caching {
+            // Announce the full blocks the step will compute (see
+            // `in_flight`); they become findable only in `commit`.
             let full = total.min(tokens.len()) / bs;
             let key = entry.key;
-            while entry.hashes.len() < full {
-                let j = entry.hashes.len();
-                let parent = entry.hashes.last().copied();
+            while entry.hashes.len() + entry.planned.len() < full {
+                let j = entry.hashes.len() + entry.planned.len();
+                let parent = entry.planned.last().or(entry.hashes.last()).copied();
                 let h = block_hash(bs, parent, j, tokens, key);
-                self.pool.cache(entry.blocks[j], h);
-                entry.hashes.push(h);
+                *self.in_flight.entry(h).or_insert(0) += 1;
+                entry.planned.push(h);
             }
         }
         true
+    }
+
+    /// Records that a step ran: the first `num_computed` tokens of `seq`
+    /// (whose token ids are `tokens`) now have their K/V in its blocks.
+    /// Blocks this completes enter the prefix cache; this is the only place
+    /// they do (see the module docs).
+    pub fn commit(&mut self, seq: u64, tokens: &[u32], num_computed: usize) {
+        let bs = self.block_size;
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let num_computed = num_computed.min(entry.blocks.len() * bs);
+        if num_computed <= entry.computed {
+            return;
+        }
+        for j in entry.computed / bs..num_computed.div_ceil(bs) {
+            self.pool
+                .mark_written(entry.blocks[j], num_computed - j * bs);
+        }
+        entry.computed = num_computed;
+        if self.caching {
+            let full = num_computed.min(tokens.len()) / bs;
+            let key = entry.key;
+            let mut done = 0;
+            while entry.hashes.len() < full {
+                let j = entry.hashes.len();
+                let h = match entry.planned.get(done) {
+                    Some(&h) => {
+                        done += 1;
+                        forget_in_flight(&mut self.in_flight, h);
+                        h
+                    }
+                    None => block_hash(bs, entry.hashes.last().copied(), j, tokens, key),
+                };
+                self.pool.cache(entry.blocks[j], h);
+                entry.hashes.push(h);
+            }
+            entry.planned.drain(..done);
+        }
     }
 
     /// Releases every block of `seq`. Blocks are released from the end of
@@ -209,12 +298,25 @@ impl KvCacheManager {
             for &b in s.blocks.iter().rev() {
                 self.pool.release(b);
             }
+            for h in s.planned {
+                forget_in_flight(&mut self.in_flight, h);
+            }
         }
     }
 
     /// Sequences holding blocks.
     pub fn num_seqs(&self) -> usize {
         self.seqs.len()
+    }
+}
+
+/// Drops one sequence's claim that it is computing block `h`.
+fn forget_in_flight(in_flight: &mut HashMap<BlockHash, u32>, h: BlockHash) {
+    if let Some(n) = in_flight.get_mut(&h) {
+        *n -= 1;
+        if *n == 0 {
+            in_flight.remove(&h);
+        }
     }
 }
 
@@ -272,6 +374,7 @@ mod tests {
         ] {
             let mut m = KvCacheManager::new(16, 4, true);
             assert!(m.allocate(1, &t[..12], key(4, first), None, 0, 12));
+            m.commit(1, &t[..12], 12);
             let hit = m.lookup_prefix(&t, key(12, next)).num_tokens(4);
             assert_eq!(hit, reused, "first {first}, next {next}");
             m.free(1);
@@ -284,6 +387,7 @@ mod tests {
         let mut m = KvCacheManager::new(16, 4, true);
         let a: Vec<u32> = (0..10).collect();
         assert!(m.allocate(1, &a, k(7), Some(m.lookup_prefix(&a, k(7))), 0, 10));
+        m.commit(1, &a, 10);
         // Same first 8 tokens, other tail.
         let b: Vec<u32> = (0..8).chain([99, 98, 97]).collect();
         let hit = m.lookup_prefix(&b, k(7));
@@ -322,7 +426,38 @@ mod tests {
         let mut m = KvCacheManager::new(8, 4, true);
         let t: Vec<u32> = (0..8).collect();
         assert!(m.allocate(1, &t, k(0), None, 0, 8));
+        m.commit(1, &t, 8);
         m.free(1);
         assert_eq!(m.lookup_prefix(&t, k(0)).num_tokens(4), 4);
+    }
+
+    #[test]
+    fn blocks_are_findable_only_once_their_step_has_run() {
+        let mut m = KvCacheManager::new(8, 4, true);
+        let t: Vec<u32> = (0..13).collect();
+        assert!(m.allocate(1, &t, k(0), None, 0, 12));
+        // Planned but not run: nothing to find, for this sequence or
+        // another, though another can tell that it is on its way.
+        let hit = m.lookup_prefix(&t, k(0));
+        assert_eq!(hit.num_tokens(4), 0);
+        assert!(m.in_flight(&t, k(0), &hit));
+        // The step ran over its first 6 tokens only: one block is full.
+        m.commit(1, &t, 6);
+        assert_eq!(m.lookup_prefix(&t, k(0)).num_tokens(4), 4);
+        m.pool().check_invariants().unwrap();
+        // Preempted before the rest ran: the computed block stays findable,
+        // the planned ones do not, and nothing is in flight any more.
+        m.free(1);
+        let hit = m.lookup_prefix(&t, k(0));
+        assert_eq!(hit.num_tokens(4), 4);
+        assert!(!m.in_flight(&t, k(0), &hit));
+        m.pool().check_invariants().unwrap();
+        // Re-admitted from the hit, it recomputes the rest and commits it.
+        let hit = m.lookup_prefix(&t, k(0));
+        assert!(m.allocate(1, &t, k(0), Some(hit), 4, 8));
+        m.commit(1, &t, 12);
+        assert_eq!(m.lookup_prefix(&t, k(0)).num_tokens(4), 12);
+        m.free(1);
+        m.pool().check_invariants().unwrap();
     }
 }
