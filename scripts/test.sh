@@ -12,8 +12,9 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 PAGODA_DEMO_GGUF="$(scripts/fetch-demo-model.sh)"
 export PAGODA_DEMO_GGUF
 
-# Real clients the end-to-end tests drive (from PyPI).
-python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" >&2
+# Real clients the end-to-end tests drive (from PyPI), and numpy for the
+# quantized-checkpoint fixtures (scripts/quantize-hf.py).
+python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" numpy >&2
 
 # NVRTC from PyPI, so that the CUDA backend's kernels compile to PTX for
 # sm_80 and sm_90 in the tests (no GPU or CUDA toolkit needed); the test

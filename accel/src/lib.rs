@@ -21,4 +21,4 @@ pub use backend::{
 };
 pub use cpu::pool::ThreadPool;
 pub use device::{CpuContext, Device, DeviceError};
-pub use quant::{GgmlType, MatmulScratch, Weight, WeightError};
+pub use quant::{Affine, GgmlType, MatmulScratch, StaticActQuant, Weight, WeightError};

@@ -35,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
             if std::fs::write(dir.join(name), rest).is_err() {
                 return;
             }
-            let _ = SafetensorsSource::open(&dir, DType::Float32);
+            let _ = SafetensorsSource::open(&dir, DType::Float32, None);
         }
     }
 });

@@ -185,13 +185,10 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: &HostMatrix<'_>) -> Result<Weight, BackendError> {
-        Ok(Weight::from_raw_at(
-            self.level,
-            m.ty(),
-            m.rows(),
-            m.cols(),
-            m.bytes(),
-        )?)
+        Ok(
+            Weight::from_raw_at(self.level, m.ty(), m.rows(), m.cols(), m.bytes())?
+                .with_affine(m.affine().cloned())?,
+        )
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {

@@ -31,7 +31,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::ops::{KvDtype, KvLayout, RopeTable};
-use crate::quant::{GgmlType, WeightError};
+use crate::quant::{Affine, GgmlType, WeightError};
 use std::borrow::Cow;
 
 pub use cpu::CpuBackend;
@@ -78,6 +78,9 @@ pub struct HostMatrix<'a> {
     rows: usize,
     cols: usize,
     data: Cow<'a, [u8]>,
+    /// The checkpoint scheme's transforms around the blocks (see
+    /// [`crate::quant::affine`]); `None` for GGUF and dense tensors.
+    affine: Option<Box<Affine>>,
 }
 
 impl<'a> HostMatrix<'a> {
@@ -108,7 +111,21 @@ impl<'a> HostMatrix<'a> {
             rows,
             cols,
             data,
+            affine: None,
         })
+    }
+
+    /// Wraps the blocks in `affine`, checked against the shape; an identity
+    /// transform is dropped.
+    pub fn with_affine(mut self, affine: Affine) -> Result<HostMatrix<'a>, WeightError> {
+        affine.check(self.rows, self.cols)?;
+        self.affine = (!affine.is_identity()).then(|| Box::new(affine));
+        Ok(self)
+    }
+
+    /// The transforms around the blocks, if any.
+    pub fn affine(&self) -> Option<&Affine> {
+        self.affine.as_deref()
     }
 
     /// An F32 matrix from row-major values.
@@ -125,14 +142,28 @@ impl<'a> HostMatrix<'a> {
         )
     }
 
-    /// Converts row-major f32 values to a float matrix of type `ty` (F32,
-    /// F16 or BF16, rounding to nearest even).
+    /// Converts row-major f32 values to a matrix of type `ty`: F32, F16 or
+    /// BF16 (rounding to nearest even), or Q8_0, Q4_0 or Q4_1 (ggml's
+    /// round-to-nearest quantizers).
     pub fn from_f32_as(
         ty: GgmlType,
         rows: usize,
         cols: usize,
         values: &[f32],
     ) -> Result<HostMatrix<'static>, WeightError> {
+        let expected = rows
+            .checked_mul(cols)
+            .ok_or(WeightError::TooLarge { rows, cols })?;
+        if values.len() != expected {
+            return Err(WeightError::WrongLength {
+                ty,
+                rows,
+                cols,
+                expected,
+                got: values.len(),
+                unit: "elements",
+            });
+        }
         let bytes: Vec<u8> = match ty {
             GgmlType::F32 => bytemuck::cast_slice::<f32, u8>(values).to_vec(),
             GgmlType::F16 => values
@@ -143,6 +174,19 @@ impl<'a> HostMatrix<'a> {
                 .iter()
                 .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
                 .collect(),
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
+                let row_bytes = ty.row_bytes(cols)?;
+                let mut bytes = vec![0u8; rows * row_bytes];
+                if cols > 0 {
+                    for (src, dst) in values
+                        .chunks_exact(cols)
+                        .zip(bytes.chunks_exact_mut(row_bytes))
+                    {
+                        crate::quant::formats::quantize_row(ty, src, dst);
+                    }
+                }
+                bytes
+            }
             other => return Err(WeightError::QuantizeUnsupported(other)),
         };
         HostMatrix::new(ty, rows, cols, bytes)
@@ -151,7 +195,8 @@ impl<'a> HostMatrix<'a> {
     /// All values as row-major f32 (dequantized), for loaders that convert
     /// types.
     pub fn dequantize(&self) -> Result<Vec<f32>, WeightError> {
-        let w = crate::Weight::from_raw(self.ty, self.rows, self.cols, &self.data)?;
+        let w = crate::Weight::from_raw(self.ty, self.rows, self.cols, &self.data)?
+            .with_affine(self.affine().cloned())?;
         let mut out = vec![0f32; self.rows * self.cols];
         if self.cols > 0 {
             for (r, row) in out.chunks_exact_mut(self.cols).enumerate() {
@@ -197,12 +242,41 @@ impl<'a> HostMatrix<'a> {
                 });
             }
         }
+        let affine = HostMatrix::concat_affine(parts)?;
         let rows = parts.iter().map(|p| p.rows).sum();
         let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
         for p in parts {
             data.extend_from_slice(&p.data);
         }
-        HostMatrix::new(first.ty, rows, first.cols, data)
+        let m = HostMatrix::new(first.ty, rows, first.cols, data)?;
+        match affine {
+            Some(a) => m.with_affine(a),
+            None => Ok(m),
+        }
+    }
+
+    /// Whether [`HostMatrix::concat_rows`] can stack `parts`: one type, one
+    /// column count, and inputs read the same way.
+    pub fn can_concat(parts: &[HostMatrix<'_>]) -> bool {
+        parts.first().is_some_and(|first| {
+            parts.iter().all(|p| p.ty == first.ty && p.cols == first.cols)
+                && HostMatrix::concat_affine(parts).is_ok()
+        })
+    }
+
+    fn concat_affine(parts: &[HostMatrix<'_>]) -> Result<Option<Affine>, WeightError> {
+        let sides: Vec<_> = parts.iter().map(|p| (p.affine(), p.rows)).collect();
+        Affine::concat(&sides).ok_or_else(|| {
+            let index = parts
+                .iter()
+                .position(|p| {
+                    let a = p.affine().cloned().unwrap_or_default();
+                    let b = parts[0].affine().cloned().unwrap_or_default();
+                    a.in_perm != b.in_perm || a.act_quant != b.act_quant
+                })
+                .unwrap_or(0);
+            WeightError::ConcatAffineMismatch { index }
+        })
     }
 }
 

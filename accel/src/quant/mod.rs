@@ -31,6 +31,7 @@
 //! much for 16 rows as for one.
 
 mod act;
+pub mod affine;
 #[cfg(target_arch = "x86_64")]
 mod amx;
 #[cfg(target_arch = "x86_64")]
@@ -46,6 +47,7 @@ mod tests;
 
 use crate::cpu::pool::ThreadPool;
 use crate::cpu::SimdLevel;
+pub use affine::{Affine, StaticActQuant};
 use layout::{ABuf, QMat};
 
 /// The GGML tensor types Pagoda can load and multiply.
@@ -224,6 +226,23 @@ pub enum WeightError {
     /// [`crate::HostMatrix::concat_rows`] was given no parts.
     #[error("concat_rows: no parts given")]
     ConcatEmpty,
+    /// [`crate::HostMatrix::concat_rows`] parts read their input
+    /// differently (another column order or static input scale).
+    #[error("concat_rows: part {index} permutes or quantizes its input differently from part 0")]
+    ConcatAffineMismatch {
+        /// Index of the offending part.
+        index: usize,
+    },
+    /// An [`Affine`] does not fit its matrix.
+    #[error("weight [{rows} x {cols}]: {what}")]
+    Affine {
+        /// Rows of the matrix.
+        rows: usize,
+        /// Columns of the matrix.
+        cols: usize,
+        /// What is wrong.
+        what: String,
+    },
 }
 
 /// How a [`Weight`] is held in memory.
@@ -245,6 +264,8 @@ pub struct Weight {
     rows: usize,
     cols: usize,
     repr: Repr,
+    /// The scheme's transforms around the matrix, if any ([`affine`]).
+    affine: Option<Box<Affine>>,
 }
 
 impl std::fmt::Debug for Weight {
@@ -325,7 +346,26 @@ impl Weight {
             rows,
             cols,
             repr,
+            affine: None,
         })
+    }
+
+    /// Wraps the matrix in `affine` (see [`affine`]), checked against its
+    /// shape; an identity transform is dropped.
+    pub fn with_affine(mut self, affine: Option<Affine>) -> Result<Weight, WeightError> {
+        self.affine = match affine {
+            Some(a) if !a.is_identity() => {
+                a.check(self.rows, self.cols)?;
+                Some(Box::new(a))
+            }
+            _ => None,
+        };
+        Ok(self)
+    }
+
+    /// The transforms around the matrix, if any.
+    pub fn affine(&self) -> Option<&Affine> {
+        self.affine.as_deref()
     }
 
     fn quant_repr(level: SimdLevel, ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Repr {
@@ -387,17 +427,8 @@ impl Weight {
                 Weight::from_bf16_bits(rows, cols, &bits)
             }
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let row_bytes = ty.row_bytes(cols)?;
-                let mut bytes = vec![0u8; rows * row_bytes];
-                if cols > 0 {
-                    for (src, dst) in data
-                        .chunks_exact(cols)
-                        .zip(bytes.chunks_exact_mut(row_bytes))
-                    {
-                        formats::quantize_row(ty, src, dst);
-                    }
-                }
-                Weight::from_raw(ty, rows, cols, &bytes)
+                let host = crate::HostMatrix::from_f32_as(ty, rows, cols, data)?;
+                Weight::from_raw(ty, rows, cols, host.bytes())
             }
             GgmlType::Q4_K | GgmlType::Q6_K => Err(WeightError::QuantizeUnsupported(ty)),
         }
@@ -420,12 +451,14 @@ impl Weight {
 
     /// Bytes the matrix occupies in memory (what a matmul streams).
     pub fn size_bytes(&self) -> usize {
-        match &self.repr {
-            Repr::Dense(b) => b.len(),
-            Repr::Quant(q) => q.size_bytes(),
-            #[cfg(target_arch = "x86_64")]
-            Repr::Tiles(t) => t.size_bytes(),
-        }
+        let affine = self.affine.as_ref().map_or(0, |a| a.size_bytes());
+        affine
+            + match &self.repr {
+                Repr::Dense(b) => b.len(),
+                Repr::Quant(q) => q.size_bytes(),
+                #[cfg(target_arch = "x86_64")]
+                Repr::Tiles(t) => t.size_bytes(),
+            }
     }
 
     /// Dequantizes row `row` into `out[..cols]` (the embedding gather).
@@ -448,6 +481,9 @@ impl Weight {
             Repr::Quant(q) => q.dequantize_row(row, out),
             #[cfg(target_arch = "x86_64")]
             Repr::Tiles(t) => t.dequantize_row(row, out),
+        }
+        if let Some(a) = &self.affine {
+            a.finish_row(row, out);
         }
     }
 
@@ -473,6 +509,51 @@ impl Weight {
     /// [`Weight::matmul`] at an explicit SIMD level (clamped to what the CPU
     /// supports), so tests and benchmarks can run every kernel on one machine.
     pub fn matmul_at(
+        &self,
+        level: SimdLevel,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+    ) {
+        self.with_affine_io(x, m, out, scratch, |w, x, out, scratch| {
+            w.raw_matmul_at(level, pool, x, m, out, scratch)
+        });
+    }
+
+    /// Runs `f` (a product over the stored matrix) with the input and
+    /// output transforms of [`Weight::affine`] around it. The rewritten
+    /// input lives in `scratch`, so a warm call allocates nothing.
+    fn with_affine_io(
+        &self,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+        f: impl FnOnce(&Weight, &[f32], &mut [f32], &mut MatmulScratch),
+    ) {
+        let Some(a) = self.affine.as_deref() else {
+            return f(self, x, out, scratch);
+        };
+        assert!(
+            x.len() >= m * self.cols && out.len() >= m * self.rows,
+            "matmul: x or out shorter than {m} rows"
+        );
+        if a.touches_input() {
+            let mut ax = std::mem::take(&mut scratch.affine_x);
+            grow(&mut ax, m * self.cols);
+            a.prepare_input(x, m, self.cols, &mut ax);
+            f(self, &ax[..m * self.cols], out, scratch);
+            scratch.affine_x = ax;
+        } else {
+            f(self, x, out, scratch);
+        }
+        a.finish_output(out, m, self.rows);
+    }
+
+    /// [`Weight::matmul_at`] over the stored matrix alone.
+    fn raw_matmul_at(
         &self,
         level: SimdLevel,
         pool: &ThreadPool,
@@ -557,8 +638,24 @@ impl Weight {
         wide: &[bool],
     ) {
         assert_eq!(wide.len(), m, "matmul_rows: one flag per row");
+        self.with_affine_io(x, m, out, scratch, |w, x, out, scratch| {
+            w.raw_matmul_rows(pool, x, m, out, scratch, wide)
+        });
+    }
+
+    /// [`Weight::matmul_rows`] over the stored matrix alone.
+    fn raw_matmul_rows(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+        wide: &[bool],
+    ) {
+        let level = crate::cpu::simd_level();
         if !self.has_wide_kernel() || !wide.contains(&true) {
-            return self.matmul(pool, x, m, out, scratch);
+            return self.raw_matmul_at(level, pool, x, m, out, scratch);
         }
         assert!(
             x.len() >= m * self.cols && out.len() >= m * self.rows,
@@ -587,7 +684,7 @@ impl Weight {
             for (k, &r) in exact_rows.iter().enumerate() {
                 ex[k * cols..(k + 1) * cols].copy_from_slice(&x[r * cols..(r + 1) * cols]);
             }
-            self.matmul(pool, &ex, me, &mut eo, scratch);
+            self.raw_matmul_at(level, pool, &ex, me, &mut eo, scratch);
             for (k, &r) in exact_rows.iter().enumerate() {
                 out[r * rows..(r + 1) * rows].copy_from_slice(&eo[k * rows..(k + 1) * rows]);
             }
@@ -676,6 +773,8 @@ pub struct MatmulScratch {
     exact_rows: Vec<usize>,
     exact_x: Vec<f32>,
     exact_out: Vec<f32>,
+    /// The input as an [`Affine`] rewrites it (gathered, rounded).
+    affine_x: Vec<f32>,
 }
 
 /// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).

@@ -1060,3 +1060,169 @@ fn bf16_tile_layout_keeps_the_values_for_gathers_and_stacking() {
         }
     }
 }
+
+/// The test's own statement of an [`Affine`]'s input side: gather through
+/// the column order, then round onto `scale · (round(x / scale + offset) −
+/// offset)` with the int8 clamp.
+fn ref_affine_input(x: &[f32], cols: usize, perm: &[u32], scale: f32, offset: f32) -> Vec<f32> {
+    x.chunks_exact(cols)
+        .flat_map(|row| {
+            perm.iter().map(move |&c| {
+                let q = (row[c as usize] / scale + offset).round_ties_even();
+                (q.clamp(-128.0, 127.0) - offset) * scale
+            })
+        })
+        .collect()
+}
+
+#[test]
+fn affine_matmul_is_the_plain_matmul_of_the_rewritten_input_then_scaled_and_biased() {
+    let mut rng = StdRng::seed_from_u64(41);
+    let pool = ThreadPool::new(2);
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4_0, GgmlType::F32] {
+        let (rows, cols) = (24, 96);
+        let bytes = random_bytes(&mut rng, ty, rows, cols);
+        let mut perm: Vec<u32> = (0..cols as u32).collect();
+        for i in (1..cols).rev() {
+            perm.swap(i, rng.random_range(0..=i));
+        }
+        let act = StaticActQuant {
+            scale: 0.01,
+            offset: 3.0,
+        };
+        let scale: Vec<f32> = (0..rows).map(|_| rng.random_range(0.5..2.0)).collect();
+        let bias: Vec<f32> = (0..rows).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let affine = Affine {
+            in_perm: Some(perm.clone()),
+            act_quant: Some(act),
+            out_scale: Some(scale.clone()),
+            out_bias: Some(bias.clone()),
+        };
+        let plain = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+        let wrapped = Weight::from_raw(ty, rows, cols, &bytes)
+            .unwrap()
+            .with_affine(Some(affine))
+            .unwrap();
+        for m in [1, 5, 17] {
+            // Inputs past the clamp on both sides, so the int8 range matters.
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-1.5..1.5)).collect();
+            let xr = ref_affine_input(&x, cols, &perm, act.scale, act.offset);
+            let mut want = vec![0f32; m * rows];
+            plain.matmul(&pool, &xr, m, &mut want, &mut MatmulScratch::default());
+            for (i, w) in want.iter_mut().enumerate() {
+                *w = *w * scale[i % rows] + bias[i % rows];
+            }
+            let mut got = vec![0f32; m * rows];
+            let wide = vec![true; m];
+            wrapped.matmul_rows(&pool, &x, m, &mut got, &mut MatmulScratch::default(), &wide);
+            let mut got_plain_path = vec![0f32; m * rows];
+            wrapped.matmul(&pool, &x, m, &mut got_plain_path, &mut MatmulScratch::default());
+            assert_eq!(got_plain_path, want, "{ty} m={m}: matmul");
+            if !plain.has_wide_kernel() {
+                assert_eq!(got, want, "{ty} m={m}: matmul_rows");
+            }
+        }
+        // Dequantized rows come back in input order, scaled.
+        let (mut stored, mut layer) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            plain.dequantize_row(r, &mut stored);
+            wrapped.dequantize_row(r, &mut layer);
+            for (j, &c) in perm.iter().enumerate() {
+                assert_eq!(layer[c as usize], stored[j] * scale[r], "{ty} row {r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn affine_transforms_that_do_not_fit_are_refused() {
+    let w = || Weight::from_raw(GgmlType::Q8_0, 2, 32, &[0u8; 68]).unwrap();
+    let cases = [
+        Affine {
+            in_perm: Some((0..31).collect()),
+            ..Affine::default()
+        },
+        Affine {
+            in_perm: Some([0u32].repeat(32)),
+            ..Affine::default()
+        },
+        Affine {
+            out_scale: Some(vec![1.0; 3]),
+            ..Affine::default()
+        },
+        Affine {
+            out_bias: Some(vec![f32::NAN, 0.0]),
+            ..Affine::default()
+        },
+        Affine {
+            act_quant: Some(StaticActQuant {
+                scale: 0.0,
+                offset: 0.0,
+            }),
+            ..Affine::default()
+        },
+        Affine {
+            act_quant: Some(StaticActQuant {
+                scale: 1.0,
+                offset: 0.5,
+            }),
+            ..Affine::default()
+        },
+    ];
+    for a in cases {
+        let err = w().with_affine(Some(a.clone())).unwrap_err();
+        assert!(matches!(err, WeightError::Affine { .. }), "{a:?}: {err}");
+    }
+}
+
+#[test]
+fn stacked_affine_parts_compute_what_the_parts_compute() {
+    let mut rng = StdRng::seed_from_u64(42);
+    let pool = ThreadPool::new(1);
+    let cols = 64;
+    let perm: Vec<u32> = (0..cols as u32).rev().collect();
+    let part = |rng: &mut StdRng, rows: usize, scaled: bool| {
+        let bytes = random_bytes(rng, GgmlType::Q8_0, rows, cols);
+        let affine = Affine {
+            in_perm: Some(perm.clone()),
+            out_scale: scaled.then(|| (0..rows).map(|r| 1.0 + r as f32).collect()),
+            ..Affine::default()
+        };
+        HostMatrix::new(GgmlType::Q8_0, rows, cols, bytes)
+            .unwrap()
+            .with_affine(affine)
+            .unwrap()
+    };
+    let parts = [part(&mut rng, 8, true), part(&mut rng, 16, false)];
+    assert!(HostMatrix::can_concat(&parts));
+    let cat = HostMatrix::concat_rows(&parts).unwrap();
+    let upload = |h: &HostMatrix<'_>| {
+        Weight::from_raw(h.ty(), h.rows(), h.cols(), h.bytes())
+            .unwrap()
+            .with_affine(h.affine().cloned())
+            .unwrap()
+    };
+    let x: Vec<f32> = (0..3 * cols).map(|_| rng.random_range(-1.0..1.0)).collect();
+    let mut whole = vec![0f32; 3 * 24];
+    upload(&cat).matmul(&pool, &x, 3, &mut whole, &mut MatmulScratch::default());
+    let mut col = 0;
+    for p in &parts {
+        let mut out = vec![0f32; 3 * p.rows()];
+        upload(p).matmul(&pool, &x, 3, &mut out, &mut MatmulScratch::default());
+        for i in 0..3 {
+            assert_eq!(
+                &whole[i * 24 + col..i * 24 + col + p.rows()],
+                &out[i * p.rows()..(i + 1) * p.rows()]
+            );
+        }
+        col += p.rows();
+    }
+    // Another column order cannot share the matmul.
+    let mut other = part(&mut rng, 8, false);
+    other = other.with_affine(Affine::default()).unwrap();
+    assert!(!HostMatrix::can_concat(&[parts[0].clone(), other.clone()]));
+    assert!(matches!(
+        HostMatrix::concat_rows(&[parts[0].clone(), other]),
+        Err(WeightError::ConcatAffineMismatch { index: 1 })
+    ));
+}

@@ -10,6 +10,7 @@ pub mod serve;
 use crate::engine::args::{parse_bytes, EngineArgs};
 use crate::engine::generation_config::GenerationConfigSource;
 use crate::engine::kv_cache::KvCacheDtype;
+use crate::engine::loader::hf_quant::QuantizationArg;
 use crate::engine::loader::DType;
 use crate::engine::scheduler::SchedulingPolicy;
 use anyhow::{bail, Result};
@@ -109,6 +110,12 @@ pub struct EngineFlags {
     /// or a folder holding a generation_config.json.
     #[arg(long, default_value = "auto")]
     pub generation_config: String,
+    /// The weights' quantization, as vLLM names it: gguf, gptq, awq,
+    /// compressed-tensors, ascend (ModelSlim), w8a8 (the folder's int8
+    /// format), or int8 (quantize a float checkpoint at load). Omitted, the
+    /// model's own is used; given, it must match the model.
+    #[arg(long)]
+    pub quantization: Option<String>,
 }
 
 impl EngineFlags {
@@ -126,6 +133,11 @@ impl EngineFlags {
             a.gpu_memory_utilization = u;
         }
         a.dtype = self.dtype.parse::<DType>()?;
+        a.quantization = self
+            .quantization
+            .as_deref()
+            .map(str::parse::<QuantizationArg>)
+            .transpose()?;
         a.max_model_len = self.max_model_len;
         a.threads = self.threads;
         a.block_size = self.block_size;

@@ -32,9 +32,6 @@ pub struct ServeArgs {
     /// Pipeline-parallel degree (only 1 is built so far).
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
-    /// The weights' quantization; must match the model (gguf for GGUF files).
-    #[arg(long)]
-    pub quantization: Option<String>,
     /// A draft model for speculative decoding (not built yet).
     #[arg(long)]
     pub speculative_model: Option<String>,
@@ -123,16 +120,6 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
         || a.speculative_config.is_some()
     {
         bail!("speculative decoding (--speculative-model, --num-speculative-tokens, --speculative-config) is not built yet; remove those flags");
-    }
-    if let Some(q) = &a.quantization {
-        let is_gguf = a.engine.model.extension().is_some_and(|e| e == "gguf");
-        match (q.as_str(), is_gguf) {
-            ("gguf", true) => {}
-            ("gguf", false) => bail!("--quantization gguf needs a .gguf model file"),
-            (other, _) => bail!(
-                "--quantization {other} is not supported yet: quantized weights load from GGUF files (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); use --quantization gguf or omit the flag"
-            ),
-        }
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::gguf_weights::GgufWeights;
 use crate::engine::loader::safetensors::SafetensorsSource;
+use crate::engine::loader::hf_quant::QuantizationArg;
 use crate::engine::loader::DType;
 use crate::engine::models::{LlamaModel, Workspace};
 use crate::engine::runner::{ModelExecutor, ModelRunner};
@@ -43,6 +44,9 @@ pub struct EngineArgs {
     /// gets what the weights and a profile forward leave. Unused on the CPU.
     pub gpu_memory_utilization: f32,
     pub dtype: DType,
+    /// `--quantization`: checked against the model, or `int8` to quantize
+    /// a float checkpoint at load.
+    pub quantization: Option<QuantizationArg>,
     /// Defaults to the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
     /// CPU threads; 0 means every core.
@@ -72,6 +76,7 @@ impl EngineArgs {
             device: Device::Cpu,
             gpu_memory_utilization: 0.9,
             dtype: DType::Auto,
+            quantization: None,
             max_model_len: None,
             threads: 0,
             block_size: 16,
@@ -131,7 +136,10 @@ pub fn load_model<B: Backend>(
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
         check_generation_config(&config)?;
         let tokenizer = Tokenizer::from_hf_dir(path)?;
-        let source = SafetensorsSource::open(path, args.dtype)?;
+        let source = SafetensorsSource::open(path, args.dtype, args.quantization)?;
+        if let Some(s) = source.scheme() {
+            tracing::info!("{}: {} checkpoint, kept quantized", path.display(), s.describe());
+        }
         let model = LlamaModel::load(backend, &source, config.clone(), max_positions(&config))?;
         Ok((
             model,
@@ -143,6 +151,13 @@ pub fn load_model<B: Backend>(
             },
         ))
     } else {
+        if let Some(q) = args.quantization.filter(|&q| q != QuantizationArg::Gguf) {
+            bail!(
+                "--quantization {}, but {} is a GGUF file, whose block types are its quantization: use --quantization gguf or omit the flag",
+                q.name(),
+                path.display()
+            );
+        }
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         check_generation_config(&config)?;

@@ -718,6 +718,13 @@ impl Backend for CudaBackend {
             hint: " (the CUDA kernels read Q4_0, Q4_1, Q8_0, F16, BF16 and F32: use a GGUF of one of those types)",
         }
         };
+        if m.affine().is_some() {
+            return Err(BackendError::Unsupported {
+                device: self.device.clone(),
+                ty: m.ty(),
+                hint: " with a column order, per-row output scales or a static input scale (GPTQ desc_act, compressed-tensors W8A8, ModelSlim W8A8): the CUDA kernels have no such epilogue yet; serve this checkpoint with --device cpu",
+            });
+        }
         let packed =
             weights::pack(m.ty(), m.rows(), m.cols(), m.bytes()).ok_or_else(unsupported)?;
         let data = self.upload(&packed.bytes, "a weight matrix")?;

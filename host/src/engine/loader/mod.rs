@@ -7,6 +7,7 @@
 pub mod gguf;
 pub mod gguf_weights;
 pub mod gguf_writer;
+pub mod hf_quant;
 pub mod safetensors;
 
 use anyhow::Result;

@@ -1,6 +1,7 @@
 //! Hugging Face folders: `config.json` plus one or more memory-mapped
 //! `*.safetensors` files (sharded through `model.safetensors.index.json`).
 
+use super::hf_quant::{QuantizationArg, RawTensor, Scheme, TensorStore};
 use super::{DType, WeightSource};
 use anyhow::{bail, Context, Result};
 use memmap2::Mmap;
@@ -16,6 +17,10 @@ pub struct SafetensorsSource {
     /// tensor name → index into `shards`
     index: HashMap<String, usize>,
     dtype: DType,
+    /// The checkpoint's quantization scheme, if it has one.
+    scheme: Option<Scheme>,
+    /// `--quantization int8`: the layers' float linears become Q8_0.
+    online_int8: bool,
 }
 
 /// A shard named by the index: a plain file name in the model folder. A
@@ -33,7 +38,17 @@ fn shard_name(f: &str) -> Result<&Path> {
 impl SafetensorsSource {
     /// Maps every shard of the folder. With `model.safetensors.index.json`
     /// the shards are the ones it names; otherwise every `*.safetensors`.
-    pub fn open(dir: &Path, dtype: DType) -> Result<SafetensorsSource> {
+    /// The folder's quantization scheme (if any) is read from its config
+    /// files and checked against `quantization` (`--quantization`).
+    pub fn open(
+        dir: &Path,
+        dtype: DType,
+        quantization: Option<QuantizationArg>,
+    ) -> Result<SafetensorsSource> {
+        let scheme = Scheme::detect(dir)?;
+        if let Some(q) = quantization {
+            q.check_folder(dir, scheme.as_ref())?;
+        }
         let index_path = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
@@ -108,7 +123,22 @@ impl SafetensorsSource {
             shards,
             index,
             dtype,
+            scheme,
+            online_int8: quantization == Some(QuantizationArg::Int8),
         })
+    }
+
+    /// The checkpoint's quantization scheme, if it has one.
+    pub fn scheme(&self) -> Option<&Scheme> {
+        self.scheme.as_ref()
+    }
+
+    /// Whether `name` is the weight of a decoder layer's linear projection
+    /// (what `--quantization int8` quantizes; embeddings and the LM head
+    /// stay as they are, as in vLLM's online quantization).
+    fn is_layer_linear(name: &str) -> bool {
+        name.starts_with("model.layers.")
+            && name.ends_with("_proj.weight")
     }
 
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
@@ -169,8 +199,38 @@ fn to_f32(path: &Path, name: &str, dtype: StDtype, bytes: &[u8]) -> Result<Vec<f
     })
 }
 
+impl TensorStore for SafetensorsSource {
+    fn raw(&self, name: &str) -> Result<Option<RawTensor<'_>>> {
+        if !self.index.contains_key(name) {
+            return Ok(None);
+        }
+        let (_, t) = self.tensor(name)?;
+        Ok(Some(RawTensor {
+            name: name.to_string(),
+            dtype: t.dtype(),
+            shape: t.shape().to_vec(),
+            data: t.data(),
+        }))
+    }
+}
+
 impl WeightSource for SafetensorsSource {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
+        if let (Some(scheme), Some(prefix)) = (&self.scheme, name.strip_suffix(".weight")) {
+            if let Some(m) = scheme
+                .linear(self, prefix, rows, cols)
+                .with_context(|| format!("{}: {}", self.dir.display(), scheme.describe()))?
+            {
+                return Ok(m);
+            }
+        }
+        if self.online_int8 && SafetensorsSource::is_layer_linear(name) {
+            let (path, t) = self.tensor(name)?;
+            check_shape(path, name, t.shape(), &[rows, cols])?;
+            let values = to_f32(path, name, t.dtype(), t.data())?;
+            return HostMatrix::from_f32_as(GgmlType::Q8_0, rows, cols, &values)
+                .with_context(|| format!("{}: tensor '{name}': quantizing to int8", path.display()));
+        }
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[rows, cols])?;
         let ctx = || format!("{}: tensor '{name}'", path.display());
@@ -200,6 +260,13 @@ impl WeightSource for SafetensorsSource {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        if let Some(scheme) = &self.scheme {
+            if !self.index.contains_key(name) {
+                if let Some(zeros) = scheme.folded_bias(self, name, len)? {
+                    return Ok(zeros);
+                }
+            }
+        }
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[len])?;
         to_f32(path, name, t.dtype(), t.data())

@@ -12,7 +12,8 @@ use pagoda_accel::{Backend, DeviceMatrix, HostMatrix, Rows};
 
 /// A projection whose output is several logical matrices side by side
 /// (q|k|v or gate|up). Fused into one matrix when the parts share a storage
-/// type, so the device runs one matmul instead of several.
+/// type and read their input alike, so the device runs one matmul instead
+/// of several.
 enum Projection<B: Backend> {
     Fused(B::Matrix),
     Split(Vec<B::Matrix>),
@@ -20,8 +21,7 @@ enum Projection<B: Backend> {
 
 impl<B: Backend> Projection<B> {
     fn new(backend: &B, parts: Vec<HostMatrix<'_>>) -> Result<Projection<B>> {
-        let ty = parts[0].ty();
-        if parts.iter().all(|p| p.ty() == ty) {
+        if HostMatrix::can_concat(&parts) {
             let fused = HostMatrix::concat_rows(&parts)?;
             Ok(Projection::Fused(backend.upload_matrix(&fused)?))
         } else {
