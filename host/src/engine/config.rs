@@ -22,10 +22,18 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "qwen2",
         "Qwen2, Qwen2.5 (attention q/k/v bias)",
     ),
+    (
+        "Qwen3ForCausalLM",
+        "qwen3",
+        "Qwen3 dense (q/k RMSNorm per head, explicit head_dim)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
 pub const MAX_CONTEXT: usize = 1 << 24;
+
+/// The most decoder layers a config may declare.
+const MAX_LAYERS: usize = 1 << 10;
 
 /// Which member of the family; decides the small differences between them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +42,8 @@ pub enum Arch {
     Llama,
     /// Qwen2: biases on the q, k and v projections.
     Qwen2,
+    /// Qwen3: RMSNorm over each q and k head before RoPE.
+    Qwen3,
 }
 
 /// Everything the forward pass needs to know about the model's shape.
@@ -55,8 +65,21 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     /// The LM head reuses the token embedding.
     pub tie_word_embeddings: bool,
-    /// The q, k and v projections carry a bias (Qwen2).
+    /// The q, k and v projections carry a bias (Qwen2; Llama and Qwen3
+    /// with `attention_bias`).
     pub attention_bias: bool,
+    /// The output projection carries a bias (Llama and Qwen3 with
+    /// `attention_bias`).
+    pub o_bias: bool,
+    /// The gate, up and down projections carry biases (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// Each q and k head goes through an RMSNorm (with its own weight over
+    /// `head_dim`) before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// The attention window of each layer: `Some(w)` when a query sees
+    /// only the `w` most recent positions (itself included), `None` for
+    /// full attention. Empty means full attention everywhere.
+    pub sliding_windows: Vec<Option<usize>>,
 }
 
 impl ModelConfig {
@@ -66,7 +89,17 @@ impl ModelConfig {
             .with_context(|| format!("{}: cannot read the model config", path.display()))?;
         let v: Value = serde_json::from_str(&text)
             .with_context(|| format!("{}: not valid JSON", path.display()))?;
-        Self::from_hf_json(&v).with_context(|| format!("{}: unsupported config", path.display()))
+        let config = Self::from_hf_json(&v)
+            .with_context(|| format!("{}: unsupported config", path.display()))?;
+        let unknown = unknown_hf_keys(&v);
+        if !unknown.is_empty() {
+            tracing::warn!(
+                "{}: keys not read (check that none changes the model's math): {}",
+                path.display(),
+                unknown.join(", ")
+            );
+        }
+        Ok(config)
     }
 
     /// Interprets a parsed HF `config.json`.
@@ -77,11 +110,11 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let arch = match (archs.first().copied(), model_type) {
-            (Some("LlamaForCausalLM" | "MistralForCausalLM"), _) | (None, "llama" | "mistral") => {
-                Arch::Llama
-            }
-            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => Arch::Qwen2,
+        let family = match (archs.first().copied(), model_type) {
+            (Some("LlamaForCausalLM"), _) | (None, "llama") => HfFamily::Llama,
+            (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
+            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => HfFamily::Qwen2,
+            (Some("Qwen3ForCausalLM"), _) | (None, "qwen3") => HfFamily::Qwen3,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -120,18 +153,60 @@ impl ModelConfig {
             }
             Some(_) => usize_of("head_dim")?,
         };
-        let rope_scaling = parse_hf_rope_scaling(v.get("rope_scaling"))?;
+        let arch = match family {
+            HfFamily::Llama | HfFamily::Mistral => Arch::Llama,
+            HfFamily::Qwen2 => Arch::Qwen2,
+            HfFamily::Qwen3 => Arch::Qwen3,
+        };
+        let (rope_theta, rope_scaling) = read_hf_rope(v)?;
+        let num_layers = usize_of("num_hidden_layers")?;
+        // Checked before anything is sized by it (validate checks again).
+        if num_layers > MAX_LAYERS {
+            bail!("'num_hidden_layers' = {num_layers} is beyond the supported maximum of {MAX_LAYERS}");
+        }
+        let act = v
+            .get("hidden_act")
+            .or_else(|| v.get("hidden_activation"))
+            .and_then(Value::as_str)
+            .unwrap_or("silu");
+        if !matches!(act, "silu" | "swish") {
+            bail!("hidden_act '{act}' is not supported: the MLP is built for SiLU (silu)");
+        }
+        let flag = |key: &str| -> Result<bool> {
+            match v.get(key) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(other) => bail!("'{key}' must be true or false, got {other}"),
+            }
+        };
+        // Which biases each family's modeling code builds: Mistral's and
+        // Qwen2's are fixed by the architecture (their configs carry no
+        // `attention_bias`); Llama and Qwen3 read the key, which puts a
+        // bias on q, k, v and o alike.
+        let (attention_bias, o_bias) = match family {
+            HfFamily::Mistral => (false, false),
+            HfFamily::Qwen2 => (true, false),
+            HfFamily::Llama | HfFamily::Qwen3 => {
+                let b = flag("attention_bias")?;
+                (b, b)
+            }
+        };
+        let mlp_bias = match family {
+            HfFamily::Llama => flag("mlp_bias")?,
+            _ => false,
+        };
+        let sliding_windows = read_hf_sliding_windows(v, family, num_layers)?;
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            num_layers: usize_of("num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             intermediate_size: usize_of("intermediate_size")?,
             vocab_size: usize_of("vocab_size")?,
             rms_norm_eps: f32_of("rms_norm_eps", 1e-6)?,
-            rope_theta: f32_of("rope_theta", 10_000.0)?,
+            rope_theta,
             rope_scaling,
             rope_style: RopeStyle::Neox,
             max_position_embeddings: match v.get("max_position_embeddings") {
@@ -142,13 +217,24 @@ impl ModelConfig {
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
-            attention_bias: arch == Arch::Qwen2
-                || v.get("attention_bias")
-                    .and_then(Value::as_bool)
-                    .unwrap_or(false),
+            attention_bias,
+            o_bias,
+            mlp_bias,
+            qk_norm: arch == Arch::Qwen3,
+            sliding_windows,
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The smallest attention window of any layer, if any layer has one.
+    pub fn min_sliding_window(&self) -> Option<usize> {
+        self.sliding_windows.iter().flatten().copied().min()
+    }
+
+    /// The attention window of layer `i` (`None`: full attention).
+    pub fn sliding_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_windows.get(layer).copied().flatten()
     }
 
     /// Reads the model's shape from GGUF metadata (`{arch}.*` keys).
@@ -157,6 +243,7 @@ impl ModelConfig {
         let arch = match name {
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
             other => bail!(
                 "{}: GGUF architecture '{other}' is not supported; supported: {}",
                 g.path().display(),
@@ -208,15 +295,38 @@ impl ModelConfig {
                 factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
             },
             Some(other) => bail!(
-                "{}: rope scaling '{other}' is not supported (supported: none, linear, llama3)",
+                "{}: rope scaling '{other}' is not supported (supported: none, linear)",
                 g.path().display()
             ),
         };
         let tie_word_embeddings = !g.tensors().iter().any(|t| t.name == "output.weight");
+        // Keys that change the math and that nothing here computes.
+        if let Some(n) = g.get_u64(&key("expert_count"))? {
+            if n > 0 {
+                bail!(
+                    "{}: {} is {n}: mixture-of-experts models are not supported yet",
+                    g.path().display(),
+                    key("expert_count")
+                );
+            }
+        }
+        let num_layers = req("block_count")?;
+        if num_layers > MAX_LAYERS {
+            bail!(
+                "{}: {} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
+                g.path().display(),
+                key("block_count")
+            );
+        }
+        let sliding_windows = match g.get_u64(&key("attention.sliding_window"))? {
+            Some(w) if w > 0 => vec![Some(w as usize); num_layers],
+            _ => Vec::new(),
+        };
+        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
         let cfg = ModelConfig {
             arch,
             hidden_size,
-            num_layers: req("block_count")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
@@ -237,7 +347,11 @@ impl ModelConfig {
             },
             max_position_embeddings: g.get_u64(&key("context_length"))?.unwrap_or(2048) as usize,
             tie_word_embeddings,
-            attention_bias: arch == Arch::Qwen2,
+            attention_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
+            o_bias: has("blk.0.attn_output.bias"),
+            mlp_bias: has("blk.0.ffn_down.bias"),
+            qk_norm: arch == Arch::Qwen3,
+            sliding_windows,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -264,7 +378,7 @@ impl ModelConfig {
         // Bounds far above any real model, so a corrupt or hostile config
         // fails here instead of in a giant allocation.
         let limits = [
-            ("num_hidden_layers", self.num_layers, 1 << 10),
+            ("num_hidden_layers", self.num_layers, MAX_LAYERS),
             ("hidden_size", self.hidden_size, 1 << 17),
             ("intermediate_size", self.intermediate_size, 1 << 19),
             ("num_attention_heads", self.num_heads, 1 << 10),
@@ -326,6 +440,16 @@ impl ModelConfig {
                 self.head_dim
             );
         }
+        if !self.sliding_windows.is_empty() && self.sliding_windows.len() != self.num_layers {
+            bail!(
+                "{} attention windows for {} layers",
+                self.sliding_windows.len(),
+                self.num_layers
+            );
+        }
+        if self.sliding_windows.contains(&Some(0)) {
+            bail!("a sliding window of 0 tokens would let a token see nothing");
+        }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             bail!("rope_theta {} must be a positive number", self.rope_theta);
         }
@@ -349,31 +473,216 @@ impl ModelConfig {
     }
 }
 
-fn parse_hf_rope_scaling(v: Option<&Value>) -> Result<RopeScaling> {
-    let Some(obj) = v.and_then(Value::as_object) else {
-        return Ok(RopeScaling::None);
+/// The families whose `config.json` is read here; they differ in which
+/// keys their modeling code honours.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum HfFamily {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+}
+
+/// RoPE's base and scaling, from either form transformers writes:
+/// transformers 5's `rope_parameters` (`rope_theta` and `rope_type` inside)
+/// or transformers 4's top-level `rope_theta` and `rope_scaling`. A value
+/// that both forms give must agree; a scaling that is not implemented, and
+/// a `partial_rotary_factor` below 1, are refused with the key named.
+fn read_hf_rope(v: &Value) -> Result<(f32, RopeScaling)> {
+    let params = match v.get("rope_parameters") {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o)) => Some(o),
+        Some(other) => bail!("'rope_parameters' must be an object, got {other}"),
+    };
+    if let Some(p) = params {
+        // transformers 5 nests one set per attention type (Gemma 3 style)
+        // when the layer types differ in RoPE; nothing here builds that.
+        if p.values().any(Value::is_object) {
+            bail!("'rope_parameters' holds one set per layer type ({}); per-layer-type RoPE is not supported",
+                p.keys().cloned().collect::<Vec<_>>().join(", "));
+        }
+    }
+    let number = |x: &Value, what: &str| -> Result<f32> {
+        x.as_f64()
+            .map(|x| x as f32)
+            .with_context(|| format!("'{what}' must be a number, got {x}"))
+    };
+    let top_theta = match v.get("rope_theta") {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(number(x, "rope_theta")?),
+    };
+    let nested_theta = match params.and_then(|p| p.get("rope_theta")) {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(number(x, "rope_parameters.rope_theta")?),
+    };
+    let theta = match (nested_theta, top_theta) {
+        (Some(a), Some(b)) if a != b => bail!(
+            "'rope_parameters.rope_theta' ({a}) and 'rope_theta' ({b}) disagree; remove the stale one"
+        ),
+        (Some(a), _) | (None, Some(a)) => a,
+        // transformers' own default for these families.
+        (None, None) => 10_000.0,
+    };
+    for (what, factor) in [
+        ("partial_rotary_factor", v.get("partial_rotary_factor")),
+        (
+            "rope_parameters.partial_rotary_factor",
+            params.and_then(|p| p.get("partial_rotary_factor")),
+        ),
+    ] {
+        if let Some(f) = factor.filter(|f| !f.is_null()) {
+            let f = number(f, what)?;
+            if f != 1.0 {
+                bail!("'{what}' is {f}: RoPE over part of each head is not supported (only 1.0)");
+            }
+        }
+    }
+    // transformers 5 keeps the scaling inside `rope_parameters`; 4 in
+    // `rope_scaling`.
+    let (scaling, key) = match params {
+        Some(p) => (Some(p), "rope_parameters"),
+        None => match v.get("rope_scaling") {
+            None | Some(Value::Null) => (None, "rope_scaling"),
+            Some(Value::Object(o)) => (Some(o), "rope_scaling"),
+            Some(other) => bail!("'rope_scaling' must be an object, got {other}"),
+        },
+    };
+    let Some(obj) = scaling else {
+        return Ok((theta, RopeScaling::None));
     };
     let kind = obj
         .get("rope_type")
         .or_else(|| obj.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("default");
-    let num = |k: &str, d: f64| obj.get(k).and_then(Value::as_f64).unwrap_or(d) as f32;
-    match kind {
-        "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear {
-            factor: num("factor", 1.0),
-        }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: num("factor", 8.0),
-            low_freq_factor: num("low_freq_factor", 1.0),
-            high_freq_factor: num("high_freq_factor", 4.0),
-            original_max_position: num("original_max_position_embeddings", 8192.0) as usize,
-        }),
+    let num = |k: &str| -> Result<f32> {
+        let x = obj
+            .get(k)
+            .filter(|x| !x.is_null())
+            .with_context(|| format!("{key} of type '{kind}' needs '{k}'"))?;
+        number(x, &format!("{key}.{k}"))
+    };
+    let scaling = match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear {
+            factor: num("factor")?,
+        },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position: num("original_max_position_embeddings")? as usize,
+        },
         other => bail!(
-            "rope_scaling type '{other}' is not supported (supported: default, linear, llama3)"
+            "{key}: rope_type '{other}' is not supported yet (supported: default, linear, llama3)"
         ),
+    };
+    Ok((theta, scaling))
+}
+
+/// The attention window of each layer, as the family's modeling code
+/// decides it: Mistral puts `sliding_window` on every layer; Qwen2 and
+/// Qwen3 only with `use_sliding_window`, on the layers that transformers 5's
+/// `layer_types` marks `sliding_attention` (transformers 4: the layers from
+/// `max_window_layers` on); Llama has none. Empty: full attention.
+fn read_hf_sliding_windows(
+    v: &Value,
+    family: HfFamily,
+    num_layers: usize,
+) -> Result<Vec<Option<usize>>> {
+    let window = match v.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(x) => Some(
+            x.as_u64()
+                .filter(|&w| w > 0)
+                .with_context(|| format!("'sliding_window' must be a positive integer, got {x}"))?
+                as usize,
+        ),
+    };
+    let layer_types: Option<Vec<&str>> = match v.get("layer_types") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) => Some(
+            a.iter()
+                .map(|t| {
+                    t.as_str()
+                        .with_context(|| format!("'layer_types' entries must be strings, got {t}"))
+                })
+                .collect::<Result<_>>()?,
+        ),
+        Some(other) => bail!("'layer_types' must be a list, got {other}"),
+    };
+    if let Some(types) = &layer_types {
+        if types.len() != num_layers {
+            bail!(
+                "'layer_types' lists {} layers, but num_hidden_layers is {num_layers}",
+                types.len()
+            );
+        }
+        if let Some(t) = types
+            .iter()
+            .find(|t| !matches!(**t, "full_attention" | "sliding_attention"))
+        {
+            bail!("'layer_types' entry '{t}' is not supported (full_attention, sliding_attention)");
+        }
     }
+    let sliding: Vec<bool> = match family {
+        HfFamily::Llama => vec![false; num_layers],
+        HfFamily::Mistral => vec![window.is_some(); num_layers],
+        HfFamily::Qwen2 | HfFamily::Qwen3 => {
+            let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
+            match (&layer_types, enabled) {
+                (_, false) => vec![false; num_layers],
+                (Some(types), true) => types.iter().map(|t| *t == "sliding_attention").collect(),
+                (None, true) => {
+                    let from = v
+                        .get("max_window_layers")
+                        .and_then(Value::as_u64)
+                        .map_or(num_layers, |x| x as usize);
+                    (0..num_layers).map(|i| i >= from).collect()
+                }
+            }
+        }
+    };
+    if !sliding.contains(&true) {
+        return Ok(Vec::new());
+    }
+    let w = window.context("layers use sliding-window attention, but 'sliding_window' is not set")?;
+    Ok(sliding.into_iter().map(|s| s.then_some(w)).collect())
+}
+
+/// The top-level `config.json` keys of the families read here that either
+/// change nothing in the forward pass or are read above. Any other key is
+/// reported in one warning at load, so that a new key is noticed.
+const KNOWN_HF_KEYS: &[&str] = &[
+    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
+    "rope_scaling", "rope_parameters", "partial_rotary_factor", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "hidden_activation",
+    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
+    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
+    "attention_dropout", "pretraining_tp", "quantization_config", "_name_or_path",
+    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
+    "id2label", "label2id", "problem_type", "tokenizer_class", "chunk_size_feed_forward",
+    "add_cross_attention", "is_decoder", "cross_attention_hidden_size", "tf_legacy_loss",
+    "use_bfloat16", "torchscript", "pruned_heads", "finetuning_task", "task_specific_params",
+    "prefix", "sep_token_id", "decoder_start_token_id",
+];
+
+/// Keys of an HF `config.json` that nothing here reads (see
+/// [`KNOWN_HF_KEYS`]), sorted, for the start-up warning.
+pub fn unknown_hf_keys(v: &Value) -> Vec<String> {
+    let mut unknown: Vec<String> = v
+        .as_object()
+        .map(|o| {
+            o.keys()
+                .filter(|k| !KNOWN_HF_KEYS.contains(&k.as_str()))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    unknown.sort();
+    unknown
 }
 
 fn supported_list() -> String {

@@ -1,5 +1,6 @@
-//! One decoder definition for the Llama family: Llama 2/3, Mistral, SmolLM2
-//! and Qwen2 (which adds q/k/v biases). It is written against
+//! One decoder definition for the Llama family: Llama 2/3, Mistral, SmolLM2,
+//! Qwen2 (which adds q/k/v biases) and Qwen3 (which adds an RMSNorm over
+//! each q and k head). It is written against
 //! `pagoda_accel`'s operations only, and runs one flattened batch per call:
 //! prefill chunks and decodes of many sequences together, with attention
 //! reading K/V from the paged cache.
@@ -72,12 +73,19 @@ impl<B: Backend> Projection<B> {
 struct Layer<B: Backend> {
     attn_norm: B::Vector,
     qkv: Projection<B>,
-    /// q|k|v biases side by side (Qwen2).
+    /// q|k|v biases side by side (Qwen2, `attention_bias`).
     qkv_bias: Option<B::Vector>,
+    /// Per-head RMSNorm weights of q and k (Qwen3), `head_dim` each.
+    q_norm: Option<B::Vector>,
+    k_norm: Option<B::Vector>,
     o: B::Matrix,
+    o_bias: Option<B::Vector>,
     ffn_norm: B::Vector,
     gate_up: Projection<B>,
+    /// gate|up biases side by side (`mlp_bias`).
+    gate_up_bias: Option<B::Vector>,
     down: B::Matrix,
+    down_bias: Option<B::Vector>,
 }
 
 /// A loaded Llama-family model, its weights on the device of `B`.
@@ -106,6 +114,8 @@ pub struct Workspace<B: Backend> {
     q: B::Buffer,
     k: B::Buffer,
     v: B::Buffer,
+    /// Where the per-head q/k norms write, swapped with `q` / `k` after.
+    normed: B::Buffer,
     attn: B::Buffer,
     proj: B::Buffer,
     gate_up: B::Buffer,
@@ -125,6 +135,7 @@ impl<B: Backend> Default for Workspace<B> {
             q: Default::default(),
             k: Default::default(),
             v: Default::default(),
+            normed: Default::default(),
             attn: Default::default(),
             proj: Default::default(),
             gate_up: Default::default(),
@@ -153,6 +164,13 @@ impl<B: Backend> LlamaModel<B> {
             );
         }
         let c = &config;
+        if let Some(w) = c.min_sliding_window() {
+            if w < max_positions {
+                bail!(
+                    "the model attends over a sliding window of {w} tokens, which a context of {max_positions} would exceed; sliding-window attention is not built yet, so serve it with --max-model-len {w} or less"
+                );
+            }
+        }
         let (d, q, kv, f) = (c.hidden_size, c.q_dim(), c.kv_dim(), c.intermediate_size);
         let upload = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
             let m = source.matrix(name, rows, cols)?;
@@ -189,6 +207,28 @@ impl<B: Backend> LlamaModel<B> {
             } else {
                 None
             };
+            let q_norm = match c.qk_norm {
+                true => Some(vector(&p("self_attn.q_norm.weight"), c.head_dim)?),
+                false => None,
+            };
+            let k_norm = match c.qk_norm {
+                true => Some(vector(&p("self_attn.k_norm.weight"), c.head_dim)?),
+                false => None,
+            };
+            let o_bias = match c.o_bias {
+                true => Some(vector(&p("self_attn.o_proj.bias"), d)?),
+                false => None,
+            };
+            let (gate_up_bias, down_bias) = if c.mlp_bias {
+                let mut b = source.vector(&p("mlp.gate_proj.bias"), f)?;
+                b.extend(source.vector(&p("mlp.up_proj.bias"), f)?);
+                (
+                    Some(backend.upload_vector(&b)?),
+                    Some(vector(&p("mlp.down_proj.bias"), d)?),
+                )
+            } else {
+                (None, None)
+            };
             let gate_up = Projection::new(
                 backend,
                 vec![
@@ -201,10 +241,15 @@ impl<B: Backend> LlamaModel<B> {
                 attn_norm: vector(&p("input_layernorm.weight"), d)?,
                 qkv,
                 qkv_bias,
+                q_norm,
+                k_norm,
                 o: upload(&p("self_attn.o_proj.weight"), d, q)?,
+                o_bias,
                 ffn_norm: vector(&p("post_attention_layernorm.weight"), d)?,
                 gate_up,
+                gate_up_bias,
                 down: upload(&p("mlp.down_proj.weight"), d, f)?,
+                down_bias,
             });
         }
         let norm = vector("model.norm.weight", d)?;
@@ -298,9 +343,15 @@ impl<B: Backend> LlamaModel<B> {
         b.reserve(&mut ws.x, n * d)?;
         b.reserve(&mut ws.h, n * d)?;
         b.reserve(&mut ws.qkv, n * qkv_w)?;
-        b.reserve(&mut ws.q, n * qd)?;
-        b.reserve(&mut ws.k, n * kvd)?;
+        // With the q/k norms, `q`, `k` and `normed` trade places layer by
+        // layer, so each must hold the wider of the two.
+        let k_len = if c.qk_norm { n * qd.max(kvd) } else { n * kvd };
+        b.reserve(&mut ws.q, n * qd.max(kvd))?;
+        b.reserve(&mut ws.k, k_len)?;
         b.reserve(&mut ws.v, n * kvd)?;
+        if c.qk_norm {
+            b.reserve(&mut ws.normed, k_len)?;
+        }
         b.reserve(&mut ws.attn, n * qd)?;
         b.reserve(&mut ws.proj, n * d)?;
         b.reserve(&mut ws.gate_up, n * 2 * f)?;
@@ -321,19 +372,36 @@ impl<B: Backend> LlamaModel<B> {
             b.copy_columns(&ws.qkv, qkv_w, 0, &mut ws.q, qd, 0, qd, n);
             b.copy_columns(&ws.qkv, qkv_w, qd, &mut ws.k, kvd, 0, kvd, n);
             b.copy_columns(&ws.qkv, qkv_w, qd + kvd, &mut ws.v, kvd, 0, kvd, n);
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                // Rows of `head_dim`: every head of every token alike.
+                let hd = c.head_dim;
+                b.rms_norm(&ws.q, qn, eps, n * c.num_heads, hd, &mut ws.normed);
+                std::mem::swap(&mut ws.q, &mut ws.normed);
+                b.rms_norm(&ws.k, kn, eps, n * c.num_kv_heads, hd, &mut ws.normed);
+                std::mem::swap(&mut ws.k, &mut ws.normed);
+            }
             b.rope(&self.rope, &mut ws.q, c.num_heads, step);
             b.rope(&self.rope, &mut ws.k, c.num_kv_heads, step);
             b.write_kv(kv, i, &ws.k, &ws.v, step);
             b.attention(kv, i, &ws.q, c.num_heads, scale, step, &mut ws.attn);
             b.matmul(&layer.o, &ws.attn, n, &mut ws.proj, step, Rows::Tokens);
+            if let Some(bias) = &layer.o_bias {
+                b.add_bias(&mut ws.proj, bias, n, d);
+            }
             b.add(&mut ws.x, &ws.proj, n * d);
 
             b.rms_norm(&ws.x, &layer.ffn_norm, eps, n, d, &mut ws.h);
             layer
                 .gate_up
                 .matmul(b, &ws.h, n, &mut ws.gate_up, &mut ws.split_tmp, step);
+            if let Some(bias) = &layer.gate_up_bias {
+                b.add_bias(&mut ws.gate_up, bias, n, 2 * f);
+            }
             b.silu_mul(&ws.gate_up, n, f, &mut ws.act);
             b.matmul(&layer.down, &ws.act, n, &mut ws.proj, step, Rows::Tokens);
+            if let Some(bias) = &layer.down_bias {
+                b.add_bias(&mut ws.proj, bias, n, d);
+            }
             b.add(&mut ws.x, &ws.proj, n * d);
         }
         let r = n_logits;

@@ -1,0 +1,246 @@
+//! transformers' own tiny checkpoints of each family
+//! (../shared/fixtures/hf-families, written by transformers 5.19 with its
+//! float32 outputs in `reference.json`), served in float32 with a float32
+//! KV cache, under both config forms transformers writes: 5's
+//! `rope_parameters` (`config.json`) and 4's top-level `rope_theta` and
+//! `rope_scaling` (`config.v4.json`).
+//!
+//! For every folder this issue covers, each prompt's logprobs agree with
+//! transformers' within 1e-4, and greedy ids agree up to the first near-tie.
+//! A folder that needs what is not built is refused at load, naming it.
+
+use pagoda::engine::kv_cache::KvCacheDtype;
+use pagoda::engine::loader::DType;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// Largest |logprob − transformers'| accepted on a prompt token.
+const TOL: f64 = 1e-4;
+/// A greedy step whose top-two gap is below this is a near-tie, where
+/// float32 rounding may pick either token.
+const NEAR_TIE: f64 = 1e-3;
+
+fn fixtures() -> PathBuf {
+    match std::env::var_os("PAGODA_HF_FAMILIES") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/hf-families"),
+    }
+}
+
+/// The config forms: the file copied over `config.json`.
+const FORMS: [(&str, &str); 2] = [("transformers 5", "config.json"), ("transformers 4", "config.v4.json")];
+
+/// A copy of fixture `family` whose `config.json` is `form`'s file.
+fn folder(family: &str, form: &str, dir: &Path) -> PathBuf {
+    let src = fixtures().join(family);
+    let dst = dir.join(family);
+    std::fs::create_dir_all(&dst).expect("mkdir");
+    for e in std::fs::read_dir(&src).unwrap_or_else(|e| panic!("{}: {e}", src.display())) {
+        let e = e.expect("dir entry");
+        let name = e.file_name();
+        if name == "config.json" || name == "config.v4.json" {
+            continue;
+        }
+        std::fs::copy(e.path(), dst.join(&name)).expect("copy fixture file");
+    }
+    std::fs::copy(src.join(form), dst.join("config.json")).expect("copy config");
+    dst
+}
+
+fn engine(model: &Path) -> anyhow::Result<LLM> {
+    let mut a = EngineArgs::new(model);
+    a.threads = 2;
+    a.dtype = DType::Float32;
+    a.kv_cache_dtype = KvCacheDtype::F32;
+    a.max_model_len = Some(128);
+    a.kv_cache_memory = Some(8 << 20);
+    LLM::new(a)
+}
+
+fn f64s(v: &Value) -> Vec<Option<f64>> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(Value::as_f64)
+        .collect()
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Serves `family` under both forms and checks it against transformers.
+fn agrees_with_transformers(family: &str) {
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join(family).join("reference.json"))
+            .expect("reference.json"),
+    )
+    .expect("reference JSON");
+    for (form, file) in FORMS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = folder(family, file, dir.path());
+        let mut llm = engine(&model).unwrap_or_else(|e| panic!("{family} ({form}): {e:#}"));
+        let mut worst = 0f64;
+        for (c, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
+            let prompt = u32s(&case["prompt_ids"]);
+            let want_lp = f64s(&case["prompt_logprobs"]);
+            let want_greedy = u32s(&case["greedy_ids"]);
+            let gaps = f64s(&case["greedy_top2_gap"]);
+            let mut params = SamplingParams::greedy(want_greedy.len());
+            // transformers generated with min_new_tokens = max_new_tokens,
+            // which masks EOS at every step.
+            params.min_tokens = want_greedy.len();
+            params.prompt_logprobs = Some(1);
+            let out = llm
+                .generate(&[Prompt::Tokens(prompt.clone())], &params)
+                .unwrap_or_else(|e| panic!("{family} ({form}) case {c}: {e:#}"));
+            let got_lp = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
+            assert_eq!(got_lp.len(), prompt.len() - 1);
+            for (i, l) in got_lp.iter().enumerate() {
+                let want = want_lp[i + 1].expect("reference logprob");
+                assert_eq!(l.token_id, prompt[i + 1]);
+                let err = (l.logprob as f64 - want).abs();
+                worst = worst.max(err);
+                assert!(
+                    err < TOL,
+                    "{family} ({form}) case {c}, prompt token {}: logprob {} vs transformers {want}",
+                    i + 1,
+                    l.logprob
+                );
+            }
+            let got = &out[0].outputs[0].token_ids;
+            for (i, (&g, &w)) in got.iter().zip(&want_greedy).enumerate() {
+                if gaps[i].is_some_and(|gap| gap < NEAR_TIE) {
+                    break;
+                }
+                assert_eq!(
+                    g, w,
+                    "{family} ({form}) case {c}: greedy token {i} is {g}, transformers {w} (got {got:?}, want {want_greedy:?})"
+                );
+            }
+        }
+        eprintln!("{family} ({form}): largest prompt logprob difference {worst:.2e}");
+    }
+}
+
+#[test]
+fn llama_with_llama3_rope_scaling_agrees_with_transformers() {
+    agrees_with_transformers("llama");
+}
+
+#[test]
+fn llama_with_attention_and_mlp_biases_and_tied_embeddings_agrees_with_transformers() {
+    agrees_with_transformers("llama-tied-bias");
+}
+
+#[test]
+fn qwen2_agrees_with_transformers() {
+    agrees_with_transformers("qwen2");
+}
+
+#[test]
+fn qwen3_with_qk_norm_and_wide_heads_agrees_with_transformers() {
+    agrees_with_transformers("qwen3");
+}
+
+/// Loads `family` with `edit` applied to its transformers-5 config and
+/// returns the load error's whole message.
+fn refusal(family: &str, edit: impl Fn(&mut Value)) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = folder(family, "config.json", dir.path());
+    let path = model.join("config.json");
+    let mut v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
+    edit(&mut v);
+    std::fs::write(&path, v.to_string()).expect("write config");
+    match engine(&model) {
+        Ok(_) => panic!("{family}: the edited config loaded"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
+    let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &[&str])> = vec![
+        (
+            "llama",
+            Box::new(|v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})),
+            &["rope_type 'yarn'", "rope_parameters"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["rope_parameters"]["rope_type"] = "dynamic".into()),
+            &["rope_type 'dynamic'"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["partial_rotary_factor"] = 0.5.into()),
+            &["partial_rotary_factor", "0.5"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["hidden_act"] = "gelu".into()),
+            &["hidden_act 'gelu'"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["rope_theta"] = 1234.0.into()),
+            &["rope_theta", "disagree"],
+        ),
+        (
+            "llama",
+            Box::new(|v| {
+                v["rope_parameters"]
+                    .as_object_mut()
+                    .expect("rope_parameters")
+                    .remove("low_freq_factor");
+            }),
+            &["low_freq_factor"],
+        ),
+        (
+            "qwen2",
+            Box::new(|v| {
+                v["use_sliding_window"] = true.into();
+                v["sliding_window"] = 8.into();
+                v["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
+            }),
+            &["sliding window of 8 tokens", "--max-model-len 8"],
+        ),
+        (
+            "mistral-swa",
+            Box::new(|_| {}),
+            &["sliding window of 16 tokens"],
+        ),
+        (
+            "qwen3",
+            Box::new(|v| v["layer_types"] = serde_json::json!(["full_attention"])),
+            &["layer_types", "num_hidden_layers"],
+        ),
+    ];
+    for (family, edit, needles) in cases {
+        let msg = refusal(family, edit);
+        for n in needles {
+            assert!(msg.contains(n), "{family}: {n:?} not in the refusal: {msg}");
+        }
+    }
+}
+
+#[test]
+fn unknown_keys_are_listed_for_the_start_up_warning() {
+    let mut v: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen3/config.json")).expect("config"),
+    )
+    .expect("JSON");
+    assert!(pagoda::engine::config::unknown_hf_keys(&v).is_empty(), "transformers' own keys are all known");
+    v["frobnicate_heads"] = true.into();
+    v["attn_logit_softcapping"] = 30.0.into();
+    assert_eq!(
+        pagoda::engine::config::unknown_hf_keys(&v),
+        ["attn_logit_softcapping", "frobnicate_heads"]
+    );
+}
