@@ -99,7 +99,7 @@ fn attention_does_not_depend_on_chunking_or_batch_mates() {
         block_table: &table,
     }];
     paged_attention(
-        &pool, &layout, &kc, &vc, &q, n_heads, &seqs, scale, &mut whole,
+        &pool, &layout, &kc, &vc, &q, n_heads, &seqs, scale, None, &mut whole,
     );
 
     // In chunks of 37, each chunk batched with an unrelated decode row.
@@ -126,7 +126,7 @@ fn attention_does_not_depend_on_chunking_or_batch_mates() {
         ];
         let mut out = vec![0f32; (len + 1) * w];
         paged_attention(
-            &pool, &layout, &kc, &vc, &qb, n_heads, &seqs, scale, &mut out,
+            &pool, &layout, &kc, &vc, &qb, n_heads, &seqs, scale, None, &mut out,
         );
         assert_eq!(
             out[w..],

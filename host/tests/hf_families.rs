@@ -139,6 +139,11 @@ fn llama_with_attention_and_mlp_biases_and_tied_embeddings_agrees_with_transform
 }
 
 #[test]
+fn mistral_with_a_sliding_window_shorter_than_the_prompts_agrees_with_transformers() {
+    agrees_with_transformers("mistral-swa");
+}
+
+#[test]
 fn qwen2_agrees_with_transformers() {
     agrees_with_transformers("qwen2");
 }
@@ -206,15 +211,15 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
             "qwen2",
             Box::new(|v| {
                 v["use_sliding_window"] = true.into();
-                v["sliding_window"] = 8.into();
+                v["sliding_window"] = serde_json::Value::Null;
                 v["layer_types"] = serde_json::json!(["full_attention", "sliding_attention"]);
             }),
-            &["sliding window of 8 tokens", "--max-model-len 8"],
+            &["sliding_window", "not set"],
         ),
         (
             "mistral-swa",
-            Box::new(|_| {}),
-            &["sliding window of 16 tokens"],
+            Box::new(|v| v["sliding_window"] = 0.into()),
+            &["sliding_window", "positive integer"],
         ),
         (
             "qwen3",

@@ -132,6 +132,7 @@ impl CpuBackend {
         q: &[f32],
         n_heads: usize,
         scale: f32,
+        window: Option<usize>,
         step: &CpuStep,
         out: &mut [f32],
     ) {
@@ -158,6 +159,7 @@ impl CpuBackend {
             n_heads,
             &seqs,
             scale,
+            window,
             out,
         );
         seqs.clear();
@@ -205,6 +207,10 @@ impl Backend for CpuBackend {
 
     fn has_prompt_kernel(&self, m: &Weight) -> bool {
         m.has_wide_kernel()
+    }
+
+    fn supports_sliding_window(&self) -> bool {
+        true
     }
 
     fn reserve(&mut self, buf: &mut Vec<f32>, len: usize) -> Result<(), BackendError> {
@@ -352,6 +358,7 @@ impl Backend for CpuBackend {
         q: &Vec<f32>,
         n_heads: usize,
         scale: f32,
+        window: Option<usize>,
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
@@ -360,13 +367,13 @@ impl Backend for CpuBackend {
         let (q, out) = (first(q, n), first_mut(out, n));
         match kv {
             CpuKv::F32(l, _) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
             CpuKv::F16(l, _) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
             CpuKv::Bf16(l, _) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, step, out)
+                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
         }
     }

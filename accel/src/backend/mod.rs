@@ -484,6 +484,11 @@ pub trait Backend: Send + 'static {
     fn has_prompt_kernel(&self, _m: &Self::Matrix) -> bool {
         false
     }
+    /// Whether [`Backend::attention`] takes a sliding window. A model with
+    /// windows shorter than its context is refused on backends without.
+    fn supports_sliding_window(&self) -> bool {
+        false
+    }
     /// Free and total bytes of the device's own memory, for devices that
     /// have one (the engine then sizes the KV pool from
     /// `--gpu-memory-utilization` after a profile forward); `None` for the
@@ -567,7 +572,9 @@ pub trait Backend: Send + 'static {
     /// Causal grouped-query attention of the step's queries (`q: [tokens,
     /// n_heads · head_dim]`) over `layer` of the pool, through the step's
     /// block tables: prefill chunks and decodes in one call. Scores are
-    /// scaled by `scale`.
+    /// scaled by `scale`. With a `window` of `w`, a query sees only the `w`
+    /// most recent positions, itself included; only backends whose
+    /// [`Backend::supports_sliding_window`] says so are given one.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &mut self,
@@ -576,6 +583,7 @@ pub trait Backend: Send + 'static {
         q: &Self::Buffer,
         n_heads: usize,
         scale: f32,
+        window: Option<usize>,
         step: &Self::Step,
         out: &mut Self::Buffer,
     );

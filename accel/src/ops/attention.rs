@@ -58,6 +58,19 @@
 //! key was computed (wide tile), skipped (small tile) or never loaded (a
 //! shorter tile) makes no difference. `tests::rows_do_not_depend_on_the_tile_*`
 //! check this bitwise for every cache type and level.
+//!
+//! # Sliding windows
+//! With a window of `w` positions (Mistral, and the sliding layers of Qwen2
+//! and Gemma-style models), the query at position `pos` attends to
+//! `pos + 1 - w ..= pos` only: keys below that get `-inf` like future keys.
+//! A tile starts at the first chunk boundary at or below its lowest row's
+//! window (boundaries every `lcm(block_size, KT)` positions are chunk
+//! starts whatever the cache type), so chunks stay on the same absolute
+//! grid. A chunk entirely masked for a row is an exact no-op: the running
+//! max starts at `f32::MIN` instead of `-inf`, so a row that has seen
+//! nothing yet gets `alpha = exp(0) = 1` and `p = 0`, and a row that has
+//! gets `alpha = 1` and `p = 0` as before. The invariance above holds with
+//! a window too.
 
 use std::mem::MaybeUninit;
 
@@ -329,7 +342,8 @@ pub struct AttnSeq<'a> {
 /// `q` and `out` are `[n_tokens, n_heads * head_dim]`; q head `h` reads KV
 /// head `h / (n_heads / n_kv_heads)`. Query `i` of a sequence (`0..q_len`)
 /// sits at position `ctx_len - q_len + i` and attends to cache positions
-/// `0..=` that position, with scores `q·k * scale`. This covers decode
+/// `0..=` that position (or, with a `window` of `w`, the last `w` of those),
+/// with scores `q·k * scale`. This covers decode
 /// (`q_len == 1`), prefill, chunked prefill (`ctx_len > q_len`) and any mix of
 /// them in one call. Rows of `out` not covered by a sequence are left as they
 /// are. Allocation-free; the work runs on `pool`.
@@ -337,7 +351,7 @@ pub struct AttnSeq<'a> {
 /// # Panics
 /// If the shapes disagree (cache lengths vs `layout`, `q` vs `out`,
 /// `n_heads` not a positive multiple of `n_kv_heads`, a group larger than 64,
-/// `head_dim > 256`), a sequence's rows fall outside `q` or overlap another
+/// `head_dim > 256`, a window of 0), a sequence's rows fall outside `q` or overlap another
 /// sequence's, `q_len > ctx_len`, or its block table is too short or names a
 /// block outside the pool.
 #[allow(clippy::too_many_arguments)]
@@ -350,6 +364,7 @@ pub fn paged_attention<T: KvElem>(
     n_heads: usize,
     seqs: &[AttnSeq<'_>],
     scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) {
     paged_attention_at(
@@ -362,6 +377,7 @@ pub fn paged_attention<T: KvElem>(
         n_heads,
         seqs,
         scale,
+        window,
         out,
     )
 }
@@ -379,9 +395,11 @@ pub(crate) fn paged_attention_at<T: KvElem>(
     n_heads: usize,
     seqs: &[AttnSeq<'_>],
     scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) {
     check_level(level);
+    assert!(window != Some(0), "paged_attention: a window of 0 positions");
     let d = layout.head_dim;
     let n_kv = layout.n_kv_heads;
     let bs = layout.block_size;
@@ -472,6 +490,8 @@ pub(crate) fn paged_attention_at<T: KvElem>(
         q,
         out: SyncPtr(out.as_mut_ptr()),
         scale,
+        window: window.unwrap_or(usize::MAX),
+        window_grid: lcm(bs, KT),
         seqs,
     };
     let n_tasks: usize = seqs.iter().map(|s| ctx.n_tiles(s.q_len) * n_kv).sum();
@@ -536,7 +556,22 @@ struct Ctx<'a> {
     q: &'a [f32],
     out: SyncPtr,
     scale: f32,
+    /// Positions a query sees, itself included (`usize::MAX`: all).
+    window: usize,
+    /// Chunk boundaries for every cache type: a windowed tile starts at a
+    /// multiple of this.
+    window_grid: usize,
     seqs: &'a [AttnSeq<'a>],
+}
+
+fn lcm(a: usize, b: usize) -> usize {
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    a / gcd(a, b) * b
 }
 
 /// One task: the rows of queries `q0..q0 + nq` of a sequence, for the q
@@ -585,6 +620,21 @@ impl Ctx<'_> {
             t -= count;
         }
         unreachable!("task index beyond the planned tasks")
+    }
+
+    /// The lowest position the query at `pos` sees.
+    #[inline(always)]
+    fn window_start(&self, pos: usize) -> usize {
+        (pos + 1).saturating_sub(self.window)
+    }
+
+    /// Where a tile whose first query sits at `first` starts reading the
+    /// cache: 0 without a window, else the chunk boundary at or below the
+    /// first query's window (see "Sliding windows" in the module docs).
+    #[inline(always)]
+    fn first_chunk(&self, first: usize) -> usize {
+        let lo = self.window_start(first);
+        lo - lo % self.window_grid
     }
 
     /// Offset of `(token, q head)` in `q` / `out`.
@@ -797,7 +847,9 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
     let mut csum = [0.0f32; SMALL_ROWS];
     let mut pos = [0usize; SMALL_ROWS];
     let mut vis = [0usize; SMALL_ROWS];
-    m[..rows].fill(f32::NEG_INFINITY);
+    // f32::MIN rather than -inf, so that a row that has seen nothing yet
+    // (under a window) rescales by exp(0) = 1 instead of exp(NaN).
+    m[..rows].fill(f32::MIN);
     let first = t.seq.ctx_len - t.seq.q_len + t.q0;
     let token0 = t.seq.q_start + t.q0;
     // SAFETY (whole body): row `r < rows <= SMALL_ROWS` indexes `d <=
@@ -825,7 +877,7 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
         let in_place = l > 1 && c.bs.is_multiple_of(l);
         let table = t.seq.block_table;
         let mut vp: *const f32 = std::ptr::null();
-        let mut c0 = 0;
+        let mut c0 = c.first_chunk(first);
         while c0 < n_keys {
             let n = c.chunk_len(c0, n_keys);
             let at = if in_place {
@@ -861,8 +913,12 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
                     (pos[r] + 1 - c0).min(n)
                 };
                 let sr = sc.add(r * KT);
-                // Masked and padding keys get -inf, whose exp is 0.
+                // Masked and padding keys get -inf, whose exp is 0: the
+                // future, and what lies before the row's window.
                 for j in vis[r]..padded {
+                    *sr.add(j) = f32::NEG_INFINITY;
+                }
+                for j in 0..c.window_start(pos[r]).saturating_sub(c0).min(vis[r]) {
                     *sr.add(j) = f32::NEG_INFINITY;
                 }
                 let mut mx = S::splat(f32::NEG_INFINITY);
@@ -873,8 +929,8 @@ unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
             }
             // The running max and rescale factor, lane-wise over rows as in
             // the wide kernel. A row that sees nothing of this chunk keeps
-            // its max (its max is finite: chunk 0 is visible to every row)
-            // and gets `alpha = exp(0) = 1`.
+            // its max (finite: it starts at f32::MIN) and gets
+            // `alpha = exp(0) = 1`.
             for r in (0..rv).step_by(l) {
                 let mo = S::load(m.as_ptr().add(r));
                 let mn = S::max(mo, S::load(cmax.as_ptr().add(r)));
@@ -1282,9 +1338,13 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
     let (kbuf, vbuf) = (kbuf.as_mut_ptr() as *mut f32, vbuf.as_mut_ptr() as *mut f32);
     // Positions as f32 for the lane-wise mask (exact below 2^24, checked).
     let mut posf = [0.0f32; WIDE_ROWS];
-    let mut m = [f32::NEG_INFINITY; WIDE_ROWS];
+    // The lowest position each row sees (its window's start), likewise.
+    let mut lof = [0.0f32; WIDE_ROWS];
+    // f32::MIN rather than -inf: see the small kernel.
+    let mut m = [f32::MIN; WIDE_ROWS];
     let mut lsum = [0.0f32; WIDE_ROWS];
     let mut alpha = [0.0f32; WIDE_ROWS];
+    let lof = lof.as_mut_ptr();
     let (posf, m, lsum, alpha) = (
         posf.as_mut_ptr(),
         m.as_mut_ptr(),
@@ -1301,6 +1361,7 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
             if r < rows {
                 let (qi, hh) = (r / g, r % g);
                 *posf.add(r) = (first + qi) as f32;
+                *lof.add(r) = c.window_start(first + qi) as f32;
                 let src = &c.q[c.offset(token0 + qi, t.kvh * g + hh)..][..d];
                 for (i, &x) in src.iter().enumerate() {
                     *qt.add(i * rp + r) = x * c.scale;
@@ -1309,6 +1370,7 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
                 // Padding lanes: a zero query at the last row's position
                 // gives finite scores and is never written out.
                 *posf.add(r) = (first + t.nq - 1) as f32;
+                *lof.add(r) = c.window_start(first + t.nq - 1) as f32;
                 for i in 0..d {
                     *qt.add(i * rp + r) = 0.0;
                 }
@@ -1318,7 +1380,9 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
             *acct.add(i) = 0.0;
         }
         let n_keys = first + t.nq;
-        let mut c0 = 0;
+        // Chunks starting below this are partly outside some row's window.
+        let last_window = c.window_start(first + t.nq - 1);
+        let mut c0 = c.first_chunk(first);
         while c0 < n_keys {
             let n = c.chunk_len(c0, n_keys);
             c.load_keys::<S>(t.seq.block_table, t.kvh, c0, n, kbuf);
@@ -1339,9 +1403,18 @@ unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
                     }
                 }
             }
-            // Online softmax, lane-wise over rows. Position 0 is in the first
-            // chunk and visible to every row, so the running max is finite
-            // from then on and `mo - mn` is never `-inf - -inf`.
+            if c0 < last_window {
+                for j in 0..n {
+                    let kpos = S::splat((c0 + j) as f32);
+                    for r in (0..rp).step_by(l) {
+                        let p = st.add(j * rp + r);
+                        S::store(p, S::mask_gt(S::load(lof.add(r)), kpos, S::load(p)));
+                    }
+                }
+            }
+            // Online softmax, lane-wise over rows. The running max starts at
+            // f32::MIN and only grows, so `mo - mn` is never `-inf - -inf`,
+            // even for a row whose window this chunk does not reach.
             for r in (0..rp).step_by(l) {
                 let mo = S::load(m.add(r));
                 let mut mx = S::splat(f32::NEG_INFINITY);
@@ -1608,15 +1681,17 @@ mod tests {
         q_len: usize,
         ctx_len: usize,
         scale: f64,
+        window: Option<usize>,
         out: &mut [f64],
     ) {
         let g = n_heads / n_kv;
         for i in 0..q_len {
             let pos = ctx_len - q_len + i;
+            let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
             for h in 0..n_heads {
                 let kvh = h / g;
                 let qr = &q[((q_start + i) * n_heads + h) * d..][..d];
-                let scores: Vec<f64> = (0..=pos)
+                let scores: Vec<f64> = (lo..=pos)
                     .map(|p| {
                         let kr = &k[p][kvh * d..][..d];
                         qr.iter().zip(kr).map(|(&a, &b)| a as f64 * b).sum::<f64>() * scale
@@ -1628,7 +1703,7 @@ mod tests {
                 let o = &mut out[((q_start + i) * n_heads + h) * d..][..d];
                 o.fill(0.0);
                 for (p, wp) in w.iter().enumerate() {
-                    for (oi, vi) in o.iter_mut().zip(&v[p][kvh * d..][..d]) {
+                    for (oi, vi) in o.iter_mut().zip(&v[lo + p][kvh * d..][..d]) {
                         *oi += wp / total * vi;
                     }
                 }
@@ -1637,6 +1712,15 @@ mod tests {
     }
 
     fn run_case<T: KvElem>(case: &Case, rng: &mut StdRng, shuffle_seqs: bool) {
+        run_case_windowed::<T>(case, rng, shuffle_seqs, None)
+    }
+
+    fn run_case_windowed<T: KvElem>(
+        case: &Case,
+        rng: &mut StdRng,
+        shuffle_seqs: bool,
+        window: Option<usize>,
+    ) {
         let (d, n_heads, n_kv, bs) = (case.head_dim, case.n_heads, case.n_kv, case.block_size);
         let blocks_needed: usize = case.seqs.iter().map(|&(_, c)| c.div_ceil(bs)).sum();
         let layout = KvLayout {
@@ -1706,6 +1790,7 @@ mod tests {
                 s.q_len,
                 s.ctx_len,
                 scale as f64,
+                window,
                 &mut want,
             );
         }
@@ -1717,13 +1802,14 @@ mod tests {
             for level in levels() {
                 let mut out = vec![f32::NAN; q.len()];
                 paged_attention_at(
-                    level, &pool, &layout, &k_cache, &v_cache, &q, n_heads, &seqs, scale, &mut out,
+                    level, &pool, &layout, &k_cache, &v_cache, &q, n_heads, &seqs, scale, window,
+                    &mut out,
                 );
                 for (idx, (&got, &w)) in out.iter().zip(&want).enumerate() {
                     let (tok, rest) = (idx / (n_heads * d), idx % (n_heads * d));
                     assert!(
                         (got as f64 - w).abs() <= 3e-5,
-                        "{:?} {level:?} threads={threads} d={d} heads={n_heads}/{n_kv} bs={bs} seqs={:?}: \
+                        "{:?} {level:?} window={window:?} threads={threads} d={d} heads={n_heads}/{n_kv} bs={bs} seqs={:?}: \
                          token {tok} head {} dim {}: {got} vs {w}",
                         T::DTYPE,
                         case.seqs,
@@ -1786,6 +1872,21 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(13);
         for (i, case) in cases().iter().enumerate() {
             run_case::<bf16>(case, &mut rng, i % 3 == 2);
+        }
+    }
+
+    #[test]
+    fn a_sliding_window_matches_the_reference() {
+        // Windows of one position, shorter than a chunk, a block and a
+        // chunk exactly, and longer than some contexts.
+        let mut rng = StdRng::seed_from_u64(15);
+        for (i, case) in cases().iter().enumerate() {
+            let window = [1usize, 5, 16, 32, 45][i % 5];
+            match i % 3 {
+                0 => run_case_windowed::<f32>(case, &mut rng, true, Some(window)),
+                1 => run_case_windowed::<f16>(case, &mut rng, false, Some(window)),
+                _ => run_case_windowed::<bf16>(case, &mut rng, true, Some(window)),
+            }
         }
     }
 
@@ -1866,7 +1967,7 @@ mod tests {
                 ctx_len: ctx,
                 block_table: &table,
             }];
-            paged_attention_at(level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, &mut out);
+            paged_attention_at(level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, &mut out);
             for t in 0..40 {
                 // Score of position p is 10p: the last visible position wins.
                 let pos = (ctx - 40 + t) as f32;
@@ -1960,6 +2061,7 @@ mod tests {
             1,
             &seqs,
             0.25,
+            None,
             &mut out,
         );
         assert!(out[..16].iter().chain(&out[32..]).all(|&x| x == 9.0));
@@ -2002,6 +2104,7 @@ mod tests {
             1,
             &seqs,
             1.0,
+            None,
             &mut out,
         );
     }
@@ -2079,6 +2182,7 @@ mod tests {
         level: SimdLevel,
         pool: &ThreadPool,
         chunk: usize,
+        window: Option<usize>,
         rng: &mut StdRng,
     ) -> Vec<f32> {
         let w = p.n_heads * p.layout.head_dim;
@@ -2115,7 +2219,8 @@ mod tests {
             ];
             let mut ob = vec![f32::NAN; qb.len()];
             paged_attention_at(
-                level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, &mut ob,
+                level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window,
+                &mut ob,
             );
             out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
             start += len;
@@ -2141,19 +2246,23 @@ mod tests {
             (128, 14, 2, 32),
         ] {
             let p = prompt::<T>(&mut rng, d, h, kv, bs);
-            for level in levels() {
-                let want = chunked(&p, level, &ThreadPool::new(1), PROMPT_LEN, &mut rng);
+            // Full attention, and windows below and above a chunk.
+            for (level, window) in levels()
+                .into_iter()
+                .flat_map(|l| [(l, None), (l, Some(20)), (l, Some(71))])
+            {
+                let want = chunked(&p, level, &ThreadPool::new(1), PROMPT_LEN, window, &mut rng);
                 assert!(want.iter().all(|x| x.is_finite()));
                 for threads in [1usize, 3] {
                     let pool = ThreadPool::new(threads);
                     for chunk in [1usize, 2, 5, 17, 64, PROMPT_LEN] {
-                        let got = chunked(&p, level, &pool, chunk, &mut rng);
+                        let got = chunked(&p, level, &pool, chunk, window, &mut rng);
                         let w = h * d;
                         if let Some(i) =
                             (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits())
                         {
                             panic!(
-                                "{:?} {level:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
+                                "{:?} {level:?} window={window:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
                                  in chunks of {chunk}, position {} head {} dim {} is {} \
                                  but {} in one prefill",
                                 T::DTYPE,

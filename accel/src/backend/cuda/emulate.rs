@@ -679,7 +679,7 @@ fn attention_pipeline_matches_the_cpu() {
         .collect();
     let mut want = vec![0f32; out.len()];
     ops::paged_attention(
-        &pool, &layout, &kc_ref, &vc_ref, &q, n_heads, &attn, scale, &mut want,
+        &pool, &layout, &kc_ref, &vc_ref, &q, n_heads, &attn, scale, None, &mut want,
     );
     for (i, (&g, &w)) in out.iter().zip(&want).enumerate() {
         assert!((g - w).abs() < 1e-4, "element {i}: {g} vs {w}");

@@ -1062,9 +1062,14 @@ impl Backend for CudaBackend {
         q: &CudaBuffer,
         n_heads: usize,
         scale: f32,
+        window: Option<usize>,
         step: &CudaStep,
         out: &mut CudaBuffer,
     ) {
+        // `supports_sliding_window` is false: models with windows that
+        // matter are refused at load.
+        debug_assert!(window.is_none(), "no sliding-window kernel on CUDA");
+        let _ = window;
         if step.n_tokens == 0 {
             return;
         }

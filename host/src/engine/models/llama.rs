@@ -95,6 +95,9 @@ pub struct LlamaModel<B: Backend> {
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<B::Matrix>,
     layers: Vec<Layer<B>>,
+    /// Each layer's attention window, where it is shorter than the
+    /// context (a longer one changes nothing).
+    windows: Vec<Option<usize>>,
     norm: B::Vector,
     rope: B::Rope,
     /// See [`LlamaModel::has_prompt_kernel`]; fixed at load, since it
@@ -165,9 +168,9 @@ impl<B: Backend> LlamaModel<B> {
         }
         let c = &config;
         if let Some(w) = c.min_sliding_window() {
-            if w < max_positions {
+            if w < max_positions && !backend.supports_sliding_window() {
                 bail!(
-                    "the model attends over a sliding window of {w} tokens, which a context of {max_positions} would exceed; sliding-window attention is not built yet, so serve it with --max-model-len {w} or less"
+                    "the model attends over a sliding window of {w} tokens, which a context of {max_positions} would exceed, and this device's attention has no sliding window yet; serve it on the CPU, or with --max-model-len {w} or less"
                 );
             }
         }
@@ -280,11 +283,15 @@ impl<B: Backend> LlamaModel<B> {
                 Projection::Split(parts) => parts.iter().map(|m| m.rows()).max(),
             })
             .max();
+        let windows = (0..config.num_layers)
+            .map(|i| config.sliding_window(i).filter(|&w| w < max_positions))
+            .collect();
         Ok(LlamaModel {
             config,
             embed,
             lm_head,
             layers,
+            windows,
             norm,
             rope,
             prompt_kernel,
@@ -383,7 +390,8 @@ impl<B: Backend> LlamaModel<B> {
             b.rope(&self.rope, &mut ws.q, c.num_heads, step);
             b.rope(&self.rope, &mut ws.k, c.num_kv_heads, step);
             b.write_kv(kv, i, &ws.k, &ws.v, step);
-            b.attention(kv, i, &ws.q, c.num_heads, scale, step, &mut ws.attn);
+            let window = self.windows.get(i).copied().flatten();
+            b.attention(kv, i, &ws.q, c.num_heads, scale, window, step, &mut ws.attn);
             b.matmul(&layer.o, &ws.attn, n, &mut ws.proj, step, Rows::Tokens);
             if let Some(bias) = &layer.o_bias {
                 b.add_bias(&mut ws.proj, bias, n, d);
