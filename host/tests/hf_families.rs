@@ -1,7 +1,7 @@
 //! transformers' own tiny checkpoints of each family
 //! (../shared/fixtures/hf-families, written by transformers 5.19 with its
-//! float32 outputs in `reference.json`), served in float32 with a float32
-//! KV cache, under both config forms transformers writes: 5's
+//! float32 outputs in `reference.json`), served in float32 with otherwise
+//! default flags (so a float32 KV cache), under both config forms transformers writes: 5's
 //! `rope_parameters` (`config.json`) and 4's top-level `rope_theta` and
 //! `rope_scaling` (`config.v4.json`).
 //!
@@ -52,7 +52,9 @@ fn engine(model: &Path) -> anyhow::Result<LLM> {
     let mut a = EngineArgs::new(model);
     a.threads = 2;
     a.dtype = DType::Float32;
-    a.kv_cache_dtype = KvCacheDtype::F32;
+    // `--kv-cache-dtype auto` (the default) follows the float32 weights,
+    // as in vLLM: an f16 cache would put the logprobs ~3e-3 off.
+    assert_eq!(a.kv_cache_dtype, KvCacheDtype::Auto);
     a.max_model_len = Some(128);
     a.kv_cache_memory = Some(8 << 20);
     LLM::new(a)

@@ -6,8 +6,11 @@ Covers model listing, chat and completions, streamed and not, echo with
 prompt logprobs, the Responses API, and parses /metrics with prometheus_client's text parser. Exits non-zero on failure;
 the last line is a summary ('N passed, 0 failed').
 """
+import json
 import sys
 import urllib.request
+
+import openai
 
 from checks import check, summary
 from openai import OpenAI
@@ -19,6 +22,13 @@ client = OpenAI(base_url=base + "/v1", api_key="unused")
 
 models = client.models.list()
 check("models.list", [m.id for m in models.data] == [model], models)
+got = client.models.retrieve(model)
+check("models.retrieve", got.id == model and got.object == "model", got)
+try:
+    client.models.retrieve("no-such-model")
+    check("models.retrieve of an unknown id is a 404", False)
+except openai.NotFoundError as e:
+    check("models.retrieve of an unknown id is a 404", e.body.get("code") == "model_not_found", e.body)
 
 chat = client.chat.completions.create(
     model=model, messages=[{"role": "user", "content": "What is 2+2? Answer briefly."}], max_tokens=16, temperature=0
@@ -42,6 +52,31 @@ for chunk in stream:
         usage = chunk.usage
 check("chat stream text", "".join(parts) == chat.choices[0].message.content, parts)
 check("chat stream usage", usage is not None and usage.completion_tokens == chat.usage.completion_tokens, usage)
+
+# n samples: the prompt counts once, the completions add up (OpenAI's and
+# vLLM's usage).
+question = [{"role": "user", "content": "Name a colour."}]
+one = client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+three = client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0.8, seed=1, n=3,
+                                       extra_body={"ignore_eos": True})
+check("n=3 chat prompt_tokens counted once", three.usage.prompt_tokens == one.usage.prompt_tokens,
+      (one.usage, three.usage))
+check("n=3 chat completion_tokens summed", len(three.choices) == 3 and one.usage.completion_tokens == 6
+      and three.usage.completion_tokens == 18, three.usage)
+streamed_usage = None
+for chunk in client.chat.completions.create(model=model, messages=question, max_tokens=6, temperature=0.8, seed=1,
+                                            n=3, stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}):
+    if chunk.usage:
+        streamed_usage = chunk.usage
+check("n=3 streamed chat usage", streamed_usage is not None and streamed_usage.prompt_tokens == one.usage.prompt_tokens
+      and streamed_usage.completion_tokens == three.usage.completion_tokens, streamed_usage)
+c1 = client.completions.create(model=model, prompt="Colours:", max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+c3 = client.completions.create(model=model, prompt="Colours:", max_tokens=5, temperature=0.8, seed=2, n=3,
+                               extra_body={"ignore_eos": True})
+check("n=3 completions usage", c3.usage.prompt_tokens == c1.usage.prompt_tokens
+      and c3.usage.completion_tokens == 15 and c1.usage.completion_tokens == 5, (c1.usage, c3.usage))
 
 comp = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
 check("completions", comp.choices[0].text.startswith(" Paris"), comp)
@@ -94,9 +129,7 @@ for name in [
 check("ttft is a histogram", families["vllm:time_to_first_token_seconds"].type == "histogram")
 
 # The Responses API, as newer clients and agent frameworks call it.
-import json  # noqa: E402
 
-import openai  # noqa: E402
 
 resp = client.responses.create(model=model, instructions="Answer briefly.", input="What is 2+2?",
                                max_output_tokens=16, temperature=0)

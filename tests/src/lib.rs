@@ -106,6 +106,12 @@ impl Server {
         Self::spawn(model, extra, env, None)
     }
 
+    /// Starts the server on the demo model given as `serve`'s first
+    /// argument (`pagoda serve MODEL`, as `vllm serve MODEL`), not `--model`.
+    pub fn start_positional(extra: &[&str]) -> Server {
+        Self::spawn_as(&demo_gguf(), true, extra, &[], None)
+    }
+
     /// Starts the server on the demo model, able to open at most
     /// `fd_limit` files (soft and hard limit), as on a host with a low
     /// `ulimit -n`.
@@ -115,6 +121,16 @@ impl Server {
 
     fn spawn(
         model: &std::path::Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        fd_limit: Option<u64>,
+    ) -> Server {
+        Self::spawn_as(model, false, extra, env, fd_limit)
+    }
+
+    fn spawn_as(
+        model: &std::path::Path,
+        positional: bool,
         extra: &[&str],
         env: &[(&str, &str)],
         fd_limit: Option<u64>,
@@ -140,9 +156,11 @@ impl Server {
                 });
             }
         }
+        cmd.arg("serve");
+        if !positional {
+            cmd.arg("--model");
+        }
         let child = cmd
-            .arg("serve")
-            .arg("--model")
             .arg(model)
             .args([
                 "--port",

@@ -59,8 +59,9 @@ pub enum Command {
 #[derive(Args, Debug, Clone)]
 pub struct EngineFlags {
     /// A GGUF file or a Hugging Face model folder (config.json, *.safetensors, tokenizer.json).
+    /// `serve` also takes it as its first argument, as `vllm serve` does.
     #[arg(long)]
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
     /// auto (a CUDA GPU if the driver finds one, else the CPU), cpu, cuda,
     /// rocm or npu.
     #[arg(long, default_value = "auto")]
@@ -84,7 +85,9 @@ pub struct EngineFlags {
     /// KV cache size, such as 4GiB (default: a quarter of free memory, at most 4 GiB).
     #[arg(long)]
     pub kv_cache_memory: Option<String>,
-    /// KV cache element type: auto (f16), bf16, f16, f32.
+    /// KV cache element type: auto (the model's dtype, as in vLLM: f32,
+    /// bf16 or f16 for float weights, f16 for quantized ones), bf16, f16,
+    /// f32.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
     /// Most sequences running at once.
@@ -121,7 +124,10 @@ pub struct EngineFlags {
 impl EngineFlags {
     /// Turns the flags into engine arguments, rejecting bad values.
     pub fn to_engine_args(&self) -> Result<EngineArgs> {
-        let mut a = EngineArgs::new(&self.model);
+        let Some(model) = &self.model else {
+            bail!("no model given: pass --model PATH (a GGUF file or a Hugging Face folder)");
+        };
+        let mut a = EngineArgs::new(model);
         a.device = self.device.parse()?;
         if let Some(u) = self.gpu_memory_utilization {
             if !(u > 0.0 && u <= 1.0) {

@@ -10,6 +10,10 @@ use std::time::Duration;
 /// Flags of `pagoda serve`.
 #[derive(Args, Debug)]
 pub struct ServeArgs {
+    /// The model, as `vllm serve MODEL` takes it: a GGUF file or a Hugging
+    /// Face folder (the same as --model; give one or the other).
+    #[arg(value_name = "MODEL")]
+    pub model_arg: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineFlags,
     /// Names the model is served under (default: the model path's file name);
@@ -125,18 +129,27 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
 }
 
 /// Runs `pagoda serve`.
-pub fn run(a: ServeArgs) -> Result<()> {
+pub fn run(mut a: ServeArgs) -> Result<()> {
+    match (a.model_arg.take(), &a.engine.model) {
+        (Some(m), None) => a.engine.model = Some(m),
+        (Some(m), Some(flag)) => bail!(
+            "the model is given twice, as MODEL ({}) and as --model ({}); give it once",
+            m.display(),
+            flag.display()
+        ),
+        (None, Some(_)) => {}
+        (None, None) => bail!("no model given: `pagoda serve MODEL` or `pagoda serve --model MODEL`"),
+    }
     check_unbuilt(&a)?;
     let auto_tool_parser = auto_tool_parser(&a)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
     let names = if a.served_model_name.is_empty() {
-        vec![a
-            .engine
-            .model
+        let model = engine.model.clone();
+        vec![model
             .file_name()
             .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_else(|| a.engine.model.display().to_string())]
+            .unwrap_or_else(|| model.display().to_string())]
     } else {
         a.served_model_name.clone()
     };

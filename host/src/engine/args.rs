@@ -81,7 +81,7 @@ impl EngineArgs {
             threads: 0,
             block_size: 16,
             kv_cache_memory: None,
-            kv_cache_dtype: KvCacheDtype::F16,
+            kv_cache_dtype: KvCacheDtype::Auto,
             max_num_seqs: 256,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             enable_prefix_caching: true,
@@ -262,6 +262,7 @@ fn profile_forward<B: Backend>(
     model: &LlamaModel<B>,
     ws: &mut Workspace<B>,
     args: &EngineArgs,
+    kv_dtype: KvCacheDtype,
     max_model_len: usize,
 ) -> Result<()> {
     let c = model.config();
@@ -269,7 +270,7 @@ fn profile_forward<B: Backend>(
     let bs = args.block_size;
     let blocks = tokens.div_ceil(bs);
     let spec = KvSpec {
-        dtype: args.kv_cache_dtype.kv_dtype(),
+        dtype: kv_dtype.kv_dtype(),
         num_layers: c.num_layers,
         layout: KvLayout {
             num_blocks: blocks,
@@ -327,8 +328,9 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             c.max_position_embeddings
         );
     }
+    let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
     let per_block = KvSpec::bytes_per_block(
-        args.kv_cache_dtype.kv_dtype(),
+        kv_dtype.kv_dtype(),
         c.num_layers,
         args.block_size,
         c.kv_dim(),
@@ -339,7 +341,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         // A device with memory of its own: what the weights and the largest
         // step's activations leave of the allowed fraction.
         (None, Some(_)) => {
-            profile_forward(&mut backend, &model, &mut ws, args, max_model_len)?;
+            profile_forward(&mut backend, &model, &mut ws, args, kv_dtype, max_model_len)?;
             let (free, total) = backend.memory_info()?.unwrap_or((0, 0));
             let keep = total as f64 * (1.0 - args.gpu_memory_utilization as f64);
             let budget = (free as f64 - keep).max(0.0) as u64;
@@ -368,8 +370,10 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         );
     }
     tracing::info!(
-        "KV cache: {num_blocks} blocks × {} tokens = {tokens} tokens ({gib:.2} GiB); max concurrency at max-model-len {max_model_len}: {:.2}",
+        "KV cache: {num_blocks} blocks × {} tokens = {tokens} tokens ({gib:.2} GiB) in {} (--kv-cache-dtype {}); max concurrency at max-model-len {max_model_len}: {:.2}",
         args.block_size,
+        kv_dtype.name(),
+        args.kv_cache_dtype.name(),
         tokens as f64 / max_model_len as f64
     );
     tracing::info!(
@@ -381,7 +385,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         backend.describe()
     );
     let spec = KvSpec {
-        dtype: args.kv_cache_dtype.kv_dtype(),
+        dtype: kv_dtype.kv_dtype(),
         num_layers: c.num_layers,
         layout: KvLayout {
             num_blocks,

@@ -410,7 +410,8 @@ fn engine_loop(
                     outputs,
                     reply,
                 } => {
-                    let n = prompt_ids.len();
+                    // A prompt counts once, whatever its number of samples.
+                    let n = if opts.sample_index == 0 { prompt_ids.len() } else { 0 };
                     let tenant = tenant_label(&opts.tenant.name);
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {

@@ -34,6 +34,9 @@ pub struct RequestOptions {
     /// The grammar the output must follow (structured output), compiled
     /// by the model's [`GrammarCompiler`](crate::engine::structured_output::GrammarCompiler).
     pub grammar: Option<GrammarMatcher>,
+    /// Which of a request's `n` samples this is. Only sample 0 counts its
+    /// prompt in the prompt-token metrics, as the API's usage counts it.
+    pub sample_index: usize,
 }
 
 /// Counters the engine keeps for metrics and logs.

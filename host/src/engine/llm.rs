@@ -132,7 +132,10 @@ impl LLM {
                         format!("{request_id}-{si}"),
                         ids.clone(),
                         p,
-                        RequestOptions::default(),
+                        RequestOptions {
+                            sample_index: si,
+                            ..Default::default()
+                        },
                     )
                     .with_context(|| format!("prompt {pi}"))?;
                 owner.insert(id, (pi, si));

@@ -416,16 +416,20 @@ async fn api_route(
                 .served_model_names
                 .iter()
                 .filter(|n| allowed(n))
-                .map(|n| {
-                    json!({
-                        "id": n, "object": "model", "created": 0, "owned_by": "pagoda",
-                        "root": state.model_root, "parent": null,
-                        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
-                        "permission": [],
-                    })
-                })
+                .map(|n| model_card(&state, n))
                 .collect();
             Ok(json_response(&json!({"object": "list", "data": data})))
+        }
+        // `client.models.retrieve(id)`: the id is the rest of the path (a
+        // served name may hold a '/', as in "Qwen/Qwen3-8B").
+        (Method::GET, p) if p.starts_with("/v1/models/") => {
+            state.engine()?;
+            let id = percent_decode(&p["/v1/models/".len()..]);
+            match state.config.served_model_names.iter().find(|n| **n == id) {
+                Some(n) if allowed(n) => Ok(json_response(&model_card(&state, n))),
+                // Another tenant's model is as unknown as a missing one.
+                _ => Err(ApiError::model_not_found(&id)),
+            }
         }
         (Method::POST, "/v1/completions") => {
             let body = read_json(&state, req).await?;
@@ -458,6 +462,41 @@ async fn api_route(
             None => ApiError::not_found(p),
         }),
     }
+}
+
+/// One model's card, as `/v1/models` lists it.
+fn model_card(state: &AppState, name: &str) -> Value {
+    json!({
+        "id": name, "object": "model", "created": 0, "owned_by": "pagoda",
+        "root": state.model_root, "parent": null,
+        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "permission": [],
+    })
+}
+
+/// A path segment with its `%XX` escapes decoded (a `+` stays a `+` in a
+/// path); an escape that is not one is kept as written.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (b[i], hex) {
+            (b'%', Some(x)) => {
+                out.push(x);
+                i += 3;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// What an OpenAI or vLLM route that Pagoda does not serve is for, so the

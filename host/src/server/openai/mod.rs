@@ -470,12 +470,14 @@ async fn start_run(
             let mut p = common.params.clone();
             p.n = 1;
             p.seed = common.params.seed.map(|s| s.wrapping_add(si as u64));
+            let mut opts = common.opts.clone();
+            opts.sample_index = si;
             let eid = engine
                 .submit(
                     format!("{id}-{pi}-{si}"),
                     ids.clone(),
                     p,
-                    common.opts.clone(),
+                    opts,
                     tx.clone(),
                 )
                 .await
@@ -504,7 +506,9 @@ async fn start_run(
         choices: vec![Choice::default(); total],
         prompts,
         per_prompt: n,
-        prompt_tokens: prompt_tokens * n,
+        // Each prompt counts once however many samples continue it, as
+        // OpenAI and vLLM count it (and tenants are charged).
+        prompt_tokens,
         cached_tokens: 0,
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
@@ -593,7 +597,10 @@ impl Run {
         if let Some(f) = o.finish_reason {
             // The count is final once the request finishes (a preempted
             // request can find more of its prompt cached on re-admission).
-            self.cached_tokens += o.num_cached_tokens;
+            // Like the prompt, it counts once per prompt: the first sample's.
+            if i % self.per_prompt.max(1) == 0 {
+                self.cached_tokens += o.num_cached_tokens;
+            }
             let c = &mut self.choices[i];
             c.finish_reason = Some(f.as_str());
             c.stop_reason = stop_reason_json(&o.stop_reason);

@@ -310,6 +310,7 @@ pub fn parse_common(
             priority,
             grammar: None,
             tenant: Default::default(),
+            sample_index: 0,
         },
         stream,
         include_usage,
