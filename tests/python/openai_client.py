@@ -151,10 +151,24 @@ check("responses stream events", events[:4] == ["response.created", "response.in
       "response.output_item.added", "response.content_part.added"] and events[-1] == "response.completed", events)
 check("responses stream text", "".join(text) == resp.output_text and final.output_text == resp.output_text, text)
 
+got = client.responses.retrieve(resp.id)
+check("responses.retrieve", got.id == resp.id and got.output_text == resp.output_text, got)
+unstored = client.responses.create(model=model, input="Hi", max_output_tokens=2, store=False)
+try:
+    client.responses.retrieve(unstored.id)
+    check("store=false responses are not kept", False)
+except openai.NotFoundError:
+    check("store=false responses are not kept", True)
 follow = client.responses.create(model=model, previous_response_id=resp.id, input="And 3+3?",
                                  max_output_tokens=8, temperature=0)
 check("previous_response_id continues", follow.previous_response_id == resp.id
       and follow.usage.input_tokens > resp.usage.input_tokens + resp.usage.output_tokens, follow.usage)
+client.responses.delete(follow.id)
+try:
+    client.responses.retrieve(follow.id)
+    check("responses.delete forgets the response", False)
+except openai.NotFoundError as e:
+    check("responses.delete forgets the response", e.body.get("param") == "response_id", e.body)
 short = client.responses.create(model=model, input="Tell me a long story.", max_output_tokens=3)
 check("max_output_tokens gives incomplete", short.status == "incomplete"
       and short.incomplete_details.reason == "max_output_tokens", short)

@@ -443,6 +443,14 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             openai::responses::responses(state, body, tenant).await
         }
+        (Method::GET, p) if p.starts_with("/v1/responses/") => {
+            let id = percent_decode(&p["/v1/responses/".len()..]);
+            openai::responses::retrieve(&state, &id, tenant.as_deref())
+        }
+        (Method::DELETE, p) if p.starts_with("/v1/responses/") => {
+            let id = percent_decode(&p["/v1/responses/".len()..]);
+            openai::responses::delete(&state, &id, tenant.as_deref())
+        }
         (Method::POST, "/tokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;

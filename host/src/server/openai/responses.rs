@@ -24,30 +24,99 @@ use std::sync::{Arc, Mutex};
 /// Stored responses per tenant; the oldest go first beyond this.
 const STORED_PER_TENANT: usize = 512;
 
-/// Conversations that `previous_response_id` can continue: for each
-/// response, the messages it was generated from and its answer. Bounded
-/// per tenant, and a tenant sees only its own.
+/// One stored response: the response object as the client got it, and
+/// the conversation `previous_response_id` continues (the messages it was
+/// generated from, then its answer).
+struct Stored {
+    id: String,
+    response: Value,
+    conversation: Vec<Value>,
+}
+
+/// Responses created with `store` (the default): what
+/// `previous_response_id`, `GET /v1/responses/{id}` and `DELETE` find.
+/// Bounded per tenant (the oldest go first), and a tenant sees only its own.
 #[derive(Default)]
 pub struct ResponseStore {
-    by_tenant: Mutex<HashMap<String, VecDeque<(String, Vec<Value>)>>>,
+    by_tenant: Mutex<HashMap<String, VecDeque<Stored>>>,
 }
 
 impl ResponseStore {
-    fn get(&self, tenant: &str, id: &str) -> Option<Vec<Value>> {
+    fn find<T>(&self, tenant: &str, id: &str, f: impl FnOnce(&Stored) -> T) -> Option<T> {
         let map = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(tenant)?
-            .iter()
-            .find(|(k, _)| k == id)
-            .map(|(_, v)| v.clone())
+        map.get(tenant)?.iter().find(|s| s.id == id).map(f)
     }
 
-    fn put(&self, tenant: &str, id: String, conversation: Vec<Value>) {
+    fn conversation(&self, tenant: &str, id: &str) -> Option<Vec<Value>> {
+        self.find(tenant, id, |s| s.conversation.clone())
+    }
+
+    /// The response object stored under `id` for `tenant`.
+    pub fn response(&self, tenant: &str, id: &str) -> Option<Value> {
+        self.find(tenant, id, |s| s.response.clone())
+    }
+
+    /// Forgets `id` for `tenant`; whether it was there.
+    pub fn delete(&self, tenant: &str, id: &str) -> bool {
+        let mut map = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(list) = map.get_mut(tenant) else {
+            return false;
+        };
+        let before = list.len();
+        list.retain(|s| s.id != id);
+        list.len() != before
+    }
+
+    fn put(&self, tenant: &str, id: String, response: Value, conversation: Vec<Value>) {
         let mut map = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
         let list = map.entry(tenant.to_string()).or_default();
         if list.len() >= STORED_PER_TENANT {
             list.pop_front();
         }
-        list.push_back((id, conversation));
+        list.push_back(Stored {
+            id,
+            response,
+            conversation,
+        });
+    }
+}
+
+/// A 404 in OpenAI's shape for a response id this tenant has not stored.
+fn response_not_found(id: &str) -> ApiError {
+    let mut e = ApiError::invalid(
+        Some("response_id".to_string()),
+        format!("Response with id '{id}' not found."),
+    );
+    e.status = hyper::StatusCode::NOT_FOUND;
+    e
+}
+
+/// `GET /v1/responses/{id}`: a stored response of the caller's tenant.
+pub fn retrieve(
+    state: &AppState,
+    id: &str,
+    tenant: Option<&crate::tenants::Tenant>,
+) -> Result<Response<Body>, ApiError> {
+    let key = tenant.map_or("", |t| t.id.as_str());
+    match state.responses.response(key, id) {
+        Some(r) => Ok(json_response(&r)),
+        None => Err(response_not_found(id)),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub fn delete(
+    state: &AppState,
+    id: &str,
+    tenant: Option<&crate::tenants::Tenant>,
+) -> Result<Response<Body>, ApiError> {
+    let key = tenant.map_or("", |t| t.id.as_str());
+    if state.responses.delete(key, id) {
+        Ok(json_response(
+            &json!({"id": id, "object": "response", "deleted": true}),
+        ))
+    } else {
+        Err(response_not_found(id))
     }
 }
 
@@ -262,7 +331,7 @@ pub async fn responses(
         .to_string();
     let previous = f.str("previous_response_id")?.map(str::to_string);
     let mut messages: Vec<Value> = match &previous {
-        Some(p) => state.responses.get(&store_key, p).ok_or_else(|| {
+        Some(p) => state.responses.conversation(&store_key, p).ok_or_else(|| {
             invalid(
                 "previous_response_id",
                 format!("Previous response with id '{p}' not found."),
@@ -341,11 +410,13 @@ pub async fn responses(
         None,
     )
     .await?;
-    let remember = move |text: &str| {
+    let remember = move |text: &str, response: &Value| {
         if store {
             let mut conversation = messages;
             conversation.push(json!({"role": "assistant", "content": text}));
-            state.responses.put(&store_key, id, conversation);
+            state
+                .responses
+                .put(&store_key, id, response.clone(), conversation);
         }
     };
     if !stream {
@@ -359,7 +430,7 @@ pub async fn responses(
             usage_of(&run),
             incomplete,
         );
-        remember(&c.text);
+        remember(&c.text, &out);
         return Ok(json_response(&out));
     }
     Ok(stream_events(run, echo, remember))
@@ -380,7 +451,7 @@ fn event(kind: &str, seq: &mut u64, mut data: Value) -> Bytes {
 fn stream_events(
     mut run: Run,
     echo: Echo,
-    remember: impl FnOnce(&str) + Send + 'static,
+    remember: impl FnOnce(&str, &Value) + Send + 'static,
 ) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
@@ -472,7 +543,9 @@ fn stream_events(
                 json!({"response": echo.object(status, vec![item], usage_of(&run), incomplete)}),
             ),
         ];
-        remember(&text);
+        if let Some((_, last)) = closing.last() {
+            remember(&text, &last["response"]);
+        }
         for (kind, data) in closing {
             if tx.send(event(kind, &mut seq, data)).await.is_err() {
                 return;
