@@ -26,6 +26,11 @@ pub struct Cli {
 }
 
 impl Cli {
+    /// Whether log lines are JSON objects (`serve --log-format json`).
+    pub fn log_json(&self) -> bool {
+        matches!(&self.command, Command::Serve(s) if s.log_format == "json")
+    }
+
     /// Parses the command line, a flag given again overriding its earlier
     /// value: `--config FILE` puts the file's flags first, so flags on the
     /// command line win, and wrappers like scripts/demo.sh pass defaults

@@ -30,6 +30,21 @@ pub struct ServeArgs {
     /// Seed for requests that do not give their own.
     #[arg(long)]
     pub seed: Option<u64>,
+    /// No access-log line per request (vLLM's flag for uvicorn's log).
+    #[arg(long)]
+    pub disable_uvicorn_access_log: bool,
+    /// Accepted as vLLM does; request details (prompt text) are off
+    /// unless --enable-log-requests.
+    #[arg(long)]
+    pub disable_log_requests: bool,
+    /// Add each request's prompt text (its first 500 characters) to its
+    /// access-log line.
+    #[arg(long)]
+    pub enable_log_requests: bool,
+    /// How log lines are written: text, or json (one object per line, for
+    /// log pipelines).
+    #[arg(long, default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
     /// Tensor-parallel degree (only 1 is built so far).
     #[arg(long, default_value_t = 1)]
     pub tensor_parallel_size: usize,
@@ -180,6 +195,10 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
                 ..Default::default()
             },
             auto_tool_parser,
+            access_log: crate::server::access_log::AccessLogConfig {
+                enabled: !a.disable_uvicorn_access_log,
+                log_prompts: a.enable_log_requests && !a.disable_log_requests,
+            },
         },
     )
 }

@@ -2,6 +2,7 @@
 //! on hyper 1 and tokio. The engine runs on its own thread behind an
 //! [`AsyncEngine`] handle.
 
+pub mod access_log;
 pub mod admin;
 pub mod auth;
 pub mod body;
@@ -63,6 +64,9 @@ pub struct ServerConfig {
     /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
     /// with `--tool-call-parser`); without it, "auto" is refused.
     pub auto_tool_parser: Option<crate::server::openai::tool_parsers::ToolCallParser>,
+    /// One line per request (`--disable-uvicorn-access-log`,
+    /// `--enable-log-requests`).
+    pub access_log: access_log::AccessLogConfig,
 }
 
 /// What every request handler shares.
@@ -299,6 +303,9 @@ fn authenticate(
 ) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
     let key = auth::bearer_token(req.headers());
     if let Some(t) = key.and_then(|k| state.tenants.by_key(k)) {
+        if let Some(r) = access_log::current() {
+            r.set_tenant(&t.id);
+        }
         return Ok(Some(t));
     }
     match &state.config.api_key {
@@ -338,11 +345,29 @@ enum Listener {
 }
 
 async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener) -> Response<Body> {
+    let log = access_log::Pending::start(
+        state.config.access_log,
+        req.method().as_str(),
+        req.uri().path(),
+    );
+    let result = log.scope(dispatch(state, req, listener)).await;
+    match result {
+        Ok(r) => log.finish(r, None),
+        Err(e) => log.finish(e.response(), Some(e.kind)),
+    }
+}
+
+/// Answers one request: health, metrics, the admin API, or the OpenAI API.
+async fn dispatch(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    listener: Listener,
+) -> Result<Response<Body>, ApiError> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
     let is_admin = path == "/admin" || path.starts_with("/admin/");
     if listener == Listener::Admin && !is_admin && !path.starts_with("/health") {
-        return ApiError::not_found(&path).response();
+        return Err(ApiError::not_found(&path));
     }
     let result = match (method.clone(), path.as_str()) {
         (_, _) if is_admin => {
@@ -396,7 +421,7 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
         }
         (_, p) => Err(ApiError::not_found(p)),
     };
-    result.unwrap_or_else(|e| e.response())
+    result
 }
 
 async fn api_route(

@@ -335,14 +335,19 @@ struct Run {
     tools: Option<ToolMode>,
     /// The tenant's admission and plugin session, if any.
     tenant: Option<TenantCtx>,
+    /// The request's access-log record.
+    log: Option<Arc<crate::server::access_log::Record>>,
     _slot: InFlight,
 }
 
 impl Drop for Run {
     fn drop(&mut self) {
+        let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
         if let Some(t) = &self.tenant {
-            let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
             t.admission.charge((self.prompt_tokens + completion) as u64);
+        }
+        if let Some(l) = &self.log {
+            l.set_tokens(self.prompt_tokens, completion);
         }
     }
 }
@@ -495,6 +500,16 @@ async fn start_run(
     // channel closes and the request gets its 503 instead of waiting.
     drop(tx);
     let total = choice_of.len();
+    let log = crate::server::access_log::current();
+    if let Some(l) = &log {
+        l.set_request_id(&id);
+        l.set_tokens(prompt_tokens, 0);
+        if l.wants_prompt() {
+            if let Some(p) = prompts.first() {
+                l.set_prompt(&engine.tokenizer().decode(&p.ids, false).unwrap_or_default());
+            }
+        }
+    }
     let run = Run {
         api,
         id,
@@ -517,6 +532,7 @@ async fn start_run(
         tokenizer: engine.tokenizer().clone(),
         tools,
         tenant,
+        log,
         _slot: slot,
     };
     Ok(run)
@@ -585,6 +601,9 @@ impl Run {
     /// Folds one engine output into its choice; returns the choice index.
     fn absorb(&mut self, o: &StepOutput) -> Option<usize> {
         let &i = self.choice_of.get(&o.id)?;
+        if let (false, Some(l)) = (o.new_token_ids.is_empty(), &self.log) {
+            l.first_token();
+        }
         let c = &mut self.choices[i];
         c.text.push_str(&o.new_text);
         c.tokens += o.new_token_ids.len();
