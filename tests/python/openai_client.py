@@ -178,7 +178,7 @@ fmt = client.responses.create(model=model, input="A person as JSON", max_output_
                                   "properties": {"name": {"type": "string", "maxLength": 20},
                                                  "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}})
 check("responses text.format json_schema", set(json.loads(fmt.output_text)) == {"name", "age"}, fmt.output_text)
-for kw, param in [({"tools": [{"type": "web_search"}]}, "tools"),
+for kw, param in [({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                   ({"previous_response_id": "resp_nope"}, "previous_response_id")]:
     try:
         client.responses.create(model=model, input="x", **kw)

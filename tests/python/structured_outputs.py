@@ -249,6 +249,60 @@ try:
 except openai.BadRequestError as e:
     check("unknown tool in tool_choice is a 400", e.body.get("param") == "tool_choice" and "launch_rockets" in e.body.get("message", ""), e.body)
 
+# Function tools on the Responses API, in its flat tool shape.
+RTOOLS = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+           "parameters": t["function"]["parameters"], "strict": True} for t in TOOLS]
+
+
+def responses_calls(resp):
+    return [(o.call_id, o.name, o.arguments) for o in resp.output if o.type == "function_call"]
+
+
+for stream in (False, True):
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        kw = dict(model=model, input="What is the weather like in Paris?", tools=RTOOLS, tool_choice=choice,
+                  max_output_tokens=150, temperature=0)
+        if stream:
+            kinds, final = [], None
+            for ev in client.responses.create(stream=True, **kw):
+                kinds.append(ev.type)
+                if ev.type == "response.completed":
+                    final = ev.response
+            check(f"responses tools {choice} streamed events", "response.function_call_arguments.delta" in kinds
+                  and "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed", kinds)
+            resp = final
+        else:
+            resp = client.responses.create(**kw)
+        calls = responses_calls(resp)
+        check(f"responses tools {choice} stream={stream} calls a function", len(calls) >= 1 and all(c[0] for c in calls)
+              and (choice == "required" or [c[1] for c in calls] == ["get_weather"]), resp.output)
+        for _, name, args in calls:
+            jsonschema.validate(json.loads(args), PARAMS[name])
+        check(f"responses tools {choice} stream={stream} arguments validate", True)
+
+# The second turn: the function's output continues the conversation, by
+# previous_response_id and by sending the call back in the input.
+first = client.responses.create(model=model, input="What is the weather like in Paris?", tools=RTOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=100,
+                                temperature=0)
+(call_id, name, args), = responses_calls(first)
+result = {"type": "function_call_output", "call_id": call_id, "output": '{"temperature": 21, "sky": "clear"}'}
+after = client.responses.create(model=model, previous_response_id=first.id, input=[result], tools=RTOOLS,
+                                tool_choice="none", max_output_tokens=20, temperature=0)
+check("responses function_call_output continues by previous_response_id",
+      after.output_text and responses_calls(after) == [] and after.usage.input_tokens > first.usage.input_tokens, after)
+again = client.responses.create(model=model, input=[
+    {"role": "user", "content": "What is the weather like in Paris?"},
+    {"type": "function_call", "call_id": call_id, "name": name, "arguments": args},
+    result], tools=RTOOLS, tool_choice="none", max_output_tokens=20, temperature=0)
+check("responses function_call_output continues from the input items", again.output_text == after.output_text,
+      (again.output_text, after.output_text))
+try:
+    client.responses.create(model=model, input="x", tools=[{"type": "web_search"}])
+    check("responses built-in tools refused", False)
+except openai.BadRequestError as e:
+    check("responses built-in tools are a 400", e.body.get("param") == "tools[0].type", e.body)
+
 # The openai client's own parse helper (json_schema from a Pydantic model).
 from pydantic import BaseModel, Field  # noqa: E402
 

@@ -157,46 +157,162 @@ fn content_text(v: Option<&Value>, param: &str) -> Result<String, ApiError> {
     }
 }
 
-/// `input` as chat messages.
+/// A string field of an input item, required.
+fn item_str<'a>(item: &'a Value, key: &str, param: &str) -> Result<&'a str, ApiError> {
+    item.get(key).and_then(Value::as_str).ok_or_else(|| {
+        invalid(
+            &format!("{param}.{key}"),
+            format!("'{key}' is required and must be a string"),
+        )
+    })
+}
+
+/// `input` as chat messages. Besides messages, the items of a function
+/// call round trip: the model's `function_call`s (consecutive ones become
+/// one assistant turn with several `tool_calls`) and the client's
+/// `function_call_output`s (tool turns).
 fn input_messages(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
+    let mut out: Vec<Value> = Vec::new();
     match v {
-        None | Some(Value::Null) => Err(invalid("input", "'input' is required")),
-        Some(Value::String(s)) => Ok(vec![json!({"role": "user", "content": s})]),
-        Some(Value::Array(items)) => items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| {
+        None | Some(Value::Null) => return Err(invalid("input", "'input' is required")),
+        Some(Value::String(s)) => return Ok(vec![json!({"role": "user", "content": s})]),
+        Some(Value::Array(items)) => {
+            for (i, item) in items.iter().enumerate() {
                 let param = format!("input[{i}]");
                 let kind = item
                     .get("type")
                     .and_then(Value::as_str)
                     .unwrap_or("message");
-                if kind != "message" {
-                    return Err(invalid(
-                        &param,
-                        format!("input items of type '{kind}' are not supported; send messages"),
-                    ));
+                match kind {
+                    "function_call" => {
+                        let call = json!({
+                            "id": item_str(item, "call_id", &param)?,
+                            "type": "function",
+                            "function": {
+                                "name": item_str(item, "name", &param)?,
+                                "arguments": item_str(item, "arguments", &param)?,
+                            },
+                        });
+                        let joins = out.last().is_some_and(|m| {
+                            m["role"] == "assistant" && m.get("tool_calls").is_some()
+                        });
+                        match out.last_mut() {
+                            Some(m) if joins => {
+                                if let Some(list) = m["tool_calls"].as_array_mut() {
+                                    list.push(call);
+                                }
+                            }
+                            _ => out.push(json!({
+                                "role": "assistant", "content": null, "tool_calls": [call],
+                            })),
+                        }
+                    }
+                    "function_call_output" => {
+                        let output = match item.get("output") {
+                            Some(Value::String(s)) => s.clone(),
+                            other => content_text(other, &format!("{param}.output"))?,
+                        };
+                        out.push(json!({
+                            "role": "tool",
+                            "tool_call_id": item_str(item, "call_id", &param)?,
+                            "content": output,
+                        }));
+                    }
+                    "message" => out.push(input_message(item, &param)?),
+                    other => {
+                        return Err(invalid(
+                            &param,
+                            format!("input items of type '{other}' are not supported; send messages, function_call or function_call_output"),
+                        ))
+                    }
                 }
-                let role = item.get("role").and_then(Value::as_str).ok_or_else(|| {
-                    invalid(&format!("{param}.role"), "each input message needs a role")
-                })?;
-                if !matches!(role, "user" | "assistant" | "system" | "developer") {
-                    return Err(invalid(
-                        &format!("{param}.role"),
-                        format!("role '{role}' is not one of user, assistant, system, developer"),
-                    ));
-                }
-                // Chat templates know `system`; `developer` is its newer name.
-                let role = if role == "developer" { "system" } else { role };
-                let content = content_text(item.get("content"), &format!("{param}.content"))?;
-                Ok(json!({"role": role, "content": content}))
-            })
-            .collect(),
+            }
+            Ok(out)
+        }
         Some(_) => Err(invalid(
             "input",
             "'input' must be a string or a list of messages",
         )),
     }
+}
+
+/// One `message` input item as a chat message.
+fn input_message(item: &Value, param: &str) -> Result<Value, ApiError> {
+    let role = item
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid(&format!("{param}.role"), "each input message needs a role"))?;
+    if !matches!(role, "user" | "assistant" | "system" | "developer") {
+        return Err(invalid(
+            &format!("{param}.role"),
+            format!("role '{role}' is not one of user, assistant, system, developer"),
+        ));
+    }
+    // Chat templates know `system`; `developer` is its newer name.
+    let role = if role == "developer" { "system" } else { role };
+    let content = content_text(item.get("content"), &format!("{param}.content"))?;
+    Ok(json!({"role": role, "content": content}))
+}
+
+/// Responses' function tools (`{"type": "function", "name", ...}`) and
+/// `tool_choice` in the chat form, for the chat path's parsing, schema
+/// enforcement and templates. Built-in tools are refused.
+fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>), ApiError> {
+    let tools = match f.0.get("tools").filter(|v| !v.is_null()) {
+        None => None,
+        Some(Value::Array(list)) if list.is_empty() => None,
+        Some(Value::Array(list)) => {
+            let mut out = Vec::new();
+            for (i, t) in list.iter().enumerate() {
+                let kind = t.get("type").and_then(Value::as_str).unwrap_or("(none)");
+                if kind != "function" {
+                    return Err(invalid(
+                        &format!("tools[{i}].type"),
+                        format!("built-in tools ('{kind}') are not supported on /v1/responses; only function tools"),
+                    ));
+                }
+                let mut function = Map::new();
+                for key in ["name", "description", "parameters", "strict"] {
+                    if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
+                        function.insert(key.into(), v.clone());
+                    }
+                }
+                out.push(json!({"type": "function", "function": function}));
+            }
+            Some(Value::Array(out))
+        }
+        Some(_) => return Err(invalid("tools", "'tools' must be a list")),
+    };
+    let choice = match f.0.get("tool_choice").filter(|v| !v.is_null()) {
+        None => None,
+        Some(Value::String(s)) => Some(json!(s)),
+        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("name")) {
+            (Some("function"), Some(name)) => {
+                Some(json!({"type": "function", "function": {"name": name}}))
+            }
+            _ => {
+                return Err(invalid(
+                    "tool_choice",
+                    "'tool_choice' must be auto, none, required or {\"type\": \"function\", \"name\": ...}",
+                ))
+            }
+        },
+        Some(_) => return Err(invalid("tool_choice", "'tool_choice' must be a string or an object")),
+    };
+    Ok((tools, choice))
+}
+
+/// A `function_call` output item, and the chat tool call it stands for in
+/// the stored conversation.
+fn function_call_item(call: &super::tool_parsers::ParsedToolCall, status: &str) -> (Value, Value) {
+    let call_id = format!("call_{:024x}", rand::random::<u128>() >> 32);
+    let item = json!({
+        "type": "function_call", "id": format!("fc_{:032x}", rand::random::<u128>()),
+        "call_id": call_id, "name": call.name, "arguments": call.arguments, "status": status,
+    });
+    let chat = json!({"id": call_id, "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments}});
+    (item, chat)
 }
 
 /// `text.format` as a chat `response_format`.
@@ -227,14 +343,6 @@ fn response_format(f: &Fields<'_>) -> Result<Option<Value>, ApiError> {
 
 /// Refuses what this server does not do, rather than ignoring it.
 fn refuse_unsupported(f: &Fields<'_>) -> Result<(), ApiError> {
-    if let Some(tools) = f.0.get("tools").and_then(Value::as_array) {
-        if !tools.is_empty() {
-            return Err(invalid(
-                "tools",
-                "tools on /v1/responses (built-in or function) are not supported; use /v1/chat/completions for function calling",
-            ));
-        }
-    }
     if f.bool("background")?.unwrap_or(false) {
         return Err(invalid(
             "background",
@@ -267,6 +375,9 @@ struct Echo {
     top_p: Value,
     previous: Value,
     text: Value,
+    tools: Value,
+    tool_choice: Value,
+    parallel_tool_calls: bool,
 }
 
 impl Echo {
@@ -279,7 +390,8 @@ impl Echo {
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "temperature": self.temperature, "top_p": self.top_p,
             "previous_response_id": self.previous, "text": self.text,
-            "tools": [], "tool_choice": "auto", "parallel_tool_calls": true,
+            "tools": self.tools, "tool_choice": self.tool_choice,
+            "parallel_tool_calls": self.parallel_tool_calls,
             "incomplete_details": incomplete, "error": null, "metadata": {},
             "usage": usage,
         })
@@ -357,6 +469,7 @@ pub async fn responses(
         ("top_p", "top_p"),
         ("max_output_tokens", "max_tokens"),
         ("user", "user"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
     ] {
         if let Some(v) = f.0.get(from).filter(|v| !v.is_null()) {
             chat.insert(to.into(), v.clone());
@@ -365,9 +478,16 @@ pub async fn responses(
     if let Some(rf) = response_format(&f)? {
         chat.insert("response_format".into(), rf);
     }
+    let (chat_tools, chat_choice) = chat_tools(&f)?;
+    if let Some(t) = chat_tools {
+        chat.insert("tools".into(), t);
+    }
+    if let Some(c) = chat_choice {
+        chat.insert("tool_choice".into(), c);
+    }
     let chat = Value::Object(chat);
     let cf = Fields::of(&chat)?;
-    let common = parse_common(&cf, true, state.default_model()).map_err(|mut e| {
+    let mut common = parse_common(&cf, true, state.default_model()).map_err(|mut e| {
         if e.param.as_deref() == Some("max_tokens") {
             e.param = Some("max_output_tokens".into());
         }
@@ -377,6 +497,21 @@ pub async fn responses(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_for(&common.model)?.clone();
+    // Function tools go through the chat path's parsing, schema
+    // enforcement (named and required choices) and templates.
+    let tools = super::tools::parse(&cf, state.auto_tool_parser())?;
+    if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
+        if common.structured.is_some() {
+            return Err(invalid(
+                "tool_choice",
+                "a named or 'required' tool_choice already constrains the output; drop text.format",
+            ));
+        }
+        common.structured = Some(super::structured::RequestedStructure {
+            spec,
+            param: param.into(),
+        });
+    }
     let parsed = parse_messages(&cf)?;
     check_prompt_size(
         engine.tokenizer(),
@@ -384,7 +519,8 @@ pub async fn responses(
         engine.max_model_len(),
         "input",
     )?;
-    let ids = render_chat(&engine, &chat, &parsed, None, &mut ctx).await?;
+    let ids = render_chat(&engine, &chat, &parsed, tools.as_ref(), &mut ctx).await?;
+    let mode = tools.and_then(|t| t.mode);
     let echo = Echo {
         id: id.clone(),
         model: model.clone(),
@@ -399,6 +535,14 @@ pub async fn responses(
             .get("text")
             .cloned()
             .unwrap_or_else(|| json!({"format": {"type": "text"}})),
+        tools: f.0.get("tools").cloned().filter(|v| !v.is_null()).unwrap_or(json!([])),
+        tool_choice: f
+            .0
+            .get("tool_choice")
+            .cloned()
+            .filter(|v| !v.is_null())
+            .unwrap_or(json!("auto")),
+        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
     };
     let run = start_run(
         state.clone(),
@@ -407,13 +551,13 @@ pub async fn responses(
         Api::Chat,
         id.clone(),
         ctx,
-        None,
+        mode,
     )
     .await?;
-    let remember = move |text: &str, response: &Value| {
+    let remember = move |assistant: Value, response: &Value| {
         if store {
             let mut conversation = messages;
-            conversation.push(json!({"role": "assistant", "content": text}));
+            conversation.push(assistant);
             state
                 .responses
                 .put(&store_key, id, response.clone(), conversation);
@@ -421,19 +565,44 @@ pub async fn responses(
     };
     if !stream {
         let run = collect(run).await?;
-        let c = &run.choices[0];
-        let (status, incomplete) = status_of(c.finish_reason);
+        let (status, incomplete) = status_of(run.choices[0].finish_reason);
         let msg_id = format!("msg_{:032x}", rand::random::<u128>());
-        let out = echo.object(
-            status,
-            vec![message_item(&msg_id, "completed", Some(&c.text))],
-            usage_of(&run),
-            incomplete,
-        );
-        remember(&c.text, &out);
+        let (items, assistant) = final_output(&run, &msg_id);
+        let out = echo.object(status, items, usage_of(&run), incomplete);
+        remember(assistant, &out);
         return Ok(json_response(&out));
     }
     Ok(stream_events(run, echo, remember))
+}
+
+/// The output items of a finished run (its text as a message, or the
+/// function calls its output holds, after any text), and the assistant
+/// turn that `previous_response_id` continues from.
+fn final_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
+    let c = &run.choices[0];
+    let parsed = run.tools.as_ref().map(|m| super::tools::extract(m, &c.text));
+    match parsed {
+        Some(p) if !p.calls.is_empty() => {
+            let mut items = Vec::new();
+            if let Some(text) = p.content.as_deref().filter(|t| !t.is_empty()) {
+                items.push(message_item(msg_id, "completed", Some(text)));
+            }
+            let mut calls = Vec::new();
+            for call in &p.calls {
+                let (item, chat) = function_call_item(call, "completed");
+                items.push(item);
+                calls.push(chat);
+            }
+            (
+                items,
+                json!({"role": "assistant", "content": p.content, "tool_calls": calls}),
+            )
+        }
+        _ => (
+            vec![message_item(msg_id, "completed", Some(&c.text))],
+            json!({"role": "assistant", "content": c.text}),
+        ),
+    }
 }
 
 /// One SSE event of the Responses API.
@@ -444,20 +613,79 @@ fn event(kind: &str, seq: &mut u64, mut data: Value) -> Bytes {
     Bytes::from(format!("event: {kind}\ndata: {data}\n\n"))
 }
 
+/// The events that announce, fill and close one finished output item, at
+/// `index`: a message's text part, or a function call's arguments (each
+/// sent whole, as one delta).
+fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
+    let id = item["id"].clone();
+    let mut open = item.clone();
+    open["status"] = json!("in_progress");
+    let mut ev = Vec::new();
+    if item["type"] == "function_call" {
+        open["arguments"] = json!("");
+        let args = item["arguments"].clone();
+        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+        ev.push((
+            "response.function_call_arguments.delta",
+            json!({"item_id": id, "output_index": index, "delta": args}),
+        ));
+        ev.push((
+            "response.function_call_arguments.done",
+            json!({"item_id": id, "output_index": index, "arguments": args}),
+        ));
+    } else {
+        open["content"] = json!([]);
+        let part = item["content"][0].clone();
+        let text = part["text"].clone();
+        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+        ev.push((
+            "response.content_part.added",
+            json!({"item_id": id, "output_index": index, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ));
+        ev.push((
+            "response.output_text.delta",
+            json!({"item_id": id, "output_index": index, "content_index": 0,
+                "delta": text, "logprobs": []}),
+        ));
+        ev.extend(text_closing(&id, index, &text, &part));
+    }
+    ev.push(("response.output_item.done", json!({"output_index": index, "item": item})));
+    ev
+}
+
+/// The events that close a message's text part.
+fn text_closing(id: &Value, index: usize, text: &Value, part: &Value) -> [(&'static str, Value); 2] {
+    [
+        (
+            "response.output_text.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0,
+                "text": text, "logprobs": []}),
+        ),
+        (
+            "response.content_part.done",
+            json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+        ),
+    ]
+}
+
 /// Streams the response's events: a task reads the engine outputs (through
 /// the tenant's `on-chunk` plugins) and sends the frames; a client that
 /// goes away drops the receiver, the task ends and the run's guard aborts
-/// the engine request.
+/// the engine request. Plain text is streamed as it is generated; with
+/// function tools the output is only known to be calls or text once it is
+/// complete, so its items are sent at the end.
 fn stream_events(
     mut run: Run,
     echo: Echo,
-    remember: impl FnOnce(&str, &Value) + Send + 'static,
+    remember: impl FnOnce(Value, &Value) + Send + 'static,
 ) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let live_text = run.tools.is_none();
     tokio::spawn(async move {
         let mut seq = 0u64;
         let msg_id = format!("msg_{:032x}", rand::random::<u128>());
-        let opening = [
+        let mut opening = vec![
             (
                 "response.created",
                 json!({"response": echo.object("in_progress", vec![], Value::Null, Value::Null)}),
@@ -466,16 +694,18 @@ fn stream_events(
                 "response.in_progress",
                 json!({"response": echo.object("in_progress", vec![], Value::Null, Value::Null)}),
             ),
-            (
+        ];
+        if live_text {
+            opening.push((
                 "response.output_item.added",
                 json!({"output_index": 0, "item": message_item(&msg_id, "in_progress", None)}),
-            ),
-            (
+            ));
+            opening.push((
                 "response.content_part.added",
                 json!({"item_id": msg_id, "output_index": 0, "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": []}}),
-            ),
-        ];
+            ));
+        }
         for (kind, data) in opening {
             if tx.send(event(kind, &mut seq, data)).await.is_err() {
                 return;
@@ -501,7 +731,7 @@ fn stream_events(
             if run.absorb(&o).is_none() {
                 continue;
             }
-            if !o.new_text.is_empty() {
+            if live_text && !o.new_text.is_empty() {
                 let delta = json!({"item_id": msg_id, "output_index": 0, "content_index": 0,
                     "delta": o.new_text, "logprobs": []});
                 if tx
@@ -514,38 +744,27 @@ fn stream_events(
             }
         }
         run.guard.disarm();
-        let c = &run.choices[0];
-        let text = c.text.clone();
-        let (status, incomplete) = status_of(c.finish_reason);
-        let part = json!({"type": "output_text", "text": text, "annotations": []});
-        let item = message_item(&msg_id, "completed", Some(&text));
+        let (status, incomplete) = status_of(run.choices[0].finish_reason);
+        let (items, assistant) = final_output(&run, &msg_id);
+        let mut closing: Vec<(&'static str, Value)> = Vec::new();
+        if live_text {
+            let item = &items[0];
+            let part = item["content"][0].clone();
+            closing.extend(text_closing(&json!(msg_id), 0, &part["text"], &part));
+            closing.push(("response.output_item.done", json!({"output_index": 0, "item": item})));
+        } else {
+            for (i, item) in items.iter().enumerate() {
+                closing.extend(item_events(item, i));
+            }
+        }
         let done_kind = if status == "completed" {
             "response.completed"
         } else {
             "response.incomplete"
         };
-        let closing = [
-            (
-                "response.output_text.done",
-                json!({"item_id": msg_id, "output_index": 0, "content_index": 0,
-                "text": text, "logprobs": []}),
-            ),
-            (
-                "response.content_part.done",
-                json!({"item_id": msg_id, "output_index": 0, "content_index": 0, "part": part}),
-            ),
-            (
-                "response.output_item.done",
-                json!({"output_index": 0, "item": item.clone()}),
-            ),
-            (
-                done_kind,
-                json!({"response": echo.object(status, vec![item], usage_of(&run), incomplete)}),
-            ),
-        ];
-        if let Some((_, last)) = closing.last() {
-            remember(&text, &last["response"]);
-        }
+        let response = echo.object(status, items, usage_of(&run), incomplete);
+        remember(assistant, &response);
+        closing.push((done_kind, json!({"response": response})));
         for (kind, data) in closing {
             if tx.send(event(kind, &mut seq, data)).await.is_err() {
                 return;
