@@ -511,7 +511,8 @@ fn prompt_logprobs_are_the_reference_log_softmax_of_every_prompt_token() {
         args.threads = 2;
         args.max_model_len = Some(MAX_POSITIONS);
         args.kv_cache_memory = Some(4 << 20);
-        args.kv_cache_dtype = KvCacheDtype::F32;
+        // `--kv-cache-dtype auto`, the default, keeps f32 weights' K/V in f32.
+        assert_eq!(args.kv_cache_dtype, KvCacheDtype::Auto);
         args.max_num_batched_tokens = budget;
         let mut llm = LLM::new(args).expect("LLM::new");
         let mut params = SamplingParams::greedy(max_tokens);
