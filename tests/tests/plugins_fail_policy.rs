@@ -51,7 +51,7 @@ fn has_big_output(text: &str) -> bool {
 #[test]
 fn fail_open_skips_the_failing_plugin_fail_closed_fails_the_request() {
     let dir = TempDir::new("fail-policy");
-    let p = start(&dir, &[]);
+    let p = start(&dir, &["--metrics-tenant-label", "id"]);
     let prompt = chat("Name a colour.", 8);
 
     // The reference: a tenant whose chain is only the tag plugin.

@@ -41,6 +41,15 @@ pub struct ServeArgs {
     /// access-log line.
     #[arg(long)]
     pub enable_log_requests: bool,
+    /// How tenants appear in the per-tenant metrics' `tenant` label: hash
+    /// (a salted hash; the admin API gives each tenant's), id, or none
+    /// (one series for all).
+    #[arg(long, default_value = "hash")]
+    pub metrics_tenant_label: String,
+    /// Serve /metrics (and the health probes) on this port instead of the
+    /// API port, for clusters that keep metrics off the public address.
+    #[arg(long)]
+    pub metrics_port: Option<u16>,
     /// How log lines are written: text, or json (one object per line, for
     /// log pipelines).
     #[arg(long, default_value = "text", value_parser = ["text", "json"])]
@@ -156,6 +165,8 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         (None, None) => bail!("no model given: `pagoda serve MODEL` or `pagoda serve --model MODEL`"),
     }
     check_unbuilt(&a)?;
+    let label: crate::tenants::metric_label::TenantLabel = a.metrics_tenant_label.parse()?;
+    crate::tenants::metric_label::configure(label, a.admin_token.as_deref().unwrap_or(""));
     let auto_tool_parser = auto_tool_parser(&a)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
@@ -195,6 +206,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
                 ..Default::default()
             },
             auto_tool_parser,
+            metrics_port: a.metrics_port,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,
                 log_prompts: a.enable_log_requests && !a.disable_log_requests,

@@ -69,11 +69,7 @@ pub mod metric_names {
 
 /// The `tenant` label of a request's per-tenant metrics.
 fn tenant_label(name: &str) -> String {
-    if name.is_empty() {
-        "default".to_string()
-    } else {
-        name.to_string()
-    }
+    crate::tenants::metric_label::of(name)
 }
 use metric_names as m;
 

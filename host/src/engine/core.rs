@@ -459,9 +459,11 @@ impl EngineCore {
                     // The grammar cannot go on (it is too complex, or
                     // allows nothing here): end the request rather than
                     // emit output that breaks it.
+                    // One line: llguidance's errors carry its whole state.
                     tracing::warn!(
                         request = %req.external_id,
-                        "structured output failed, aborting the request: {e}"
+                        "structured output failed, aborting the request: {}",
+                        e.lines().next().unwrap_or("")
                     );
                     if let Some(req) =
                         self.scheduler

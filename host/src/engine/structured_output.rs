@@ -86,6 +86,14 @@ impl StructuredOutputs {
                 regex_syntax::Parser::new()
                     .parse(rx)
                     .map_err(|e| format!("invalid regex: {e}"))?;
+                // A compile budget: llguidance builds its lexer lazily, so
+                // a regex like `(a{1000}){1000}` would only fail (after
+                // seconds of CPU) once tokens are generated. A regex whose
+                // automaton exceeds REGEX_SIZE_LIMIT bytes is refused now.
+                regex::RegexBuilder::new(rx)
+                    .size_limit(REGEX_SIZE_LIMIT)
+                    .build()
+                    .map_err(|e| format!("the regex is too large to match: {e}"))?;
                 TopLevelGrammar::from_regex(rx)
             }
             OutputConstraint::Choice(choices) => {
@@ -105,6 +113,11 @@ impl StructuredOutputs {
         })
     }
 }
+
+/// The largest compiled regex (in the `regex` crate's measure) a
+/// structured-output regex may be: a tenth of that crate's default, far
+/// above any realistic output format.
+const REGEX_SIZE_LIMIT: usize = 1 << 20;
 
 /// Sets `additionalProperties: false` on every object schema that does not
 /// say, so only the listed properties may appear.
@@ -222,7 +235,16 @@ impl GrammarCompiler {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
-        Ok(GrammarMatcher { matcher })
+        // llguidance builds the lexer lazily: a regex such as
+        // `(a{1000}){1000}` compiles, then exhausts its fuel or lexer states
+        // on the first mask. Computing that mask here (it costs what the
+        // first step would, within llguidance's budgets) turns such a
+        // constraint into the client's 400 at admission instead of an
+        // aborted output.
+        let mut m = GrammarMatcher { matcher };
+        m.compute_mask()
+            .map_err(|e| format!("it cannot be matched within the compute budget: {e}"))?;
+        Ok(m)
     }
 }
 

@@ -46,7 +46,7 @@ pub fn describe() {
 
 pub fn record(l: &Labels, took: Duration, error: Option<ErrorKind>, fuel: Option<u64>) {
     let base = [
-        ("tenant", l.tenant.clone()),
+        ("tenant", crate::tenants::metric_label::of(&l.tenant)),
         ("plugin", l.plugin.clone()),
         ("hook", l.hook.to_string()),
     ];
@@ -65,7 +65,7 @@ pub fn record(l: &Labels, took: Duration, error: Option<ErrorKind>, fuel: Option
 /// A `route` rejection counts as an error of kind `reject`.
 pub fn reject(l: &Labels) {
     let labels = [
-        ("tenant", l.tenant.clone()),
+        ("tenant", crate::tenants::metric_label::of(&l.tenant)),
         ("plugin", l.plugin.clone()),
         ("hook", l.hook.to_string()),
         ("kind", "reject".to_string()),

@@ -90,6 +90,8 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "models": c.models,
         "limits": c.limits,
         "scheduling": c.scheduling,
+        // How the tenant appears in /metrics (--metrics-tenant-label).
+        "metrics_label": crate::tenants::metric_label::of(&c.id),
         "plugins": c.plugins,
         "plugin_limits": c.plugin_limits,
         "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),

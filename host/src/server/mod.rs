@@ -64,6 +64,9 @@ pub struct ServerConfig {
     /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
     /// with `--tool-call-parser`); without it, "auto" is refused.
     pub auto_tool_parser: Option<crate::server::openai::tool_parsers::ToolCallParser>,
+    /// Serve `/metrics` and the probes on their own port
+    /// (`--metrics-port`); the API port then has no `/metrics`.
+    pub metrics_port: Option<u16>,
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
@@ -342,6 +345,8 @@ enum Listener {
     Main,
     /// The admin address.
     Admin,
+    /// The metrics address (`--metrics-port`): `/metrics` and the probes.
+    Metrics,
 }
 
 async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener) -> Response<Body> {
@@ -367,6 +372,13 @@ async fn dispatch(
     let method = req.method().clone();
     let is_admin = path == "/admin" || path.starts_with("/admin/");
     if listener == Listener::Admin && !is_admin && !path.starts_with("/health") {
+        return Err(ApiError::not_found(&path));
+    }
+    let probe_or_metrics = path == "/metrics" || path == "/ping" || path.starts_with("/health");
+    if listener == Listener::Metrics && !probe_or_metrics {
+        return Err(ApiError::not_found(&path));
+    }
+    if path == "/metrics" && listener != Listener::Metrics && state.config.metrics_port.is_some() {
         return Err(ApiError::not_found(&path));
     }
     let result = match (method.clone(), path.as_str()) {
@@ -479,7 +491,7 @@ async fn api_route(
         (Method::POST, "/tokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;
-            tokenize(&state, &body)
+            openai::tokenize(state, body, tenant).await
         }
         (Method::POST, "/detokenize") => {
             let body = read_json(&state, req).await?;
@@ -582,44 +594,6 @@ fn check_model_field(body: &Value, allowed: &dyn Fn(&str) -> bool) -> Result<(),
         Some(m) if !allowed(m) => Err(ApiError::model_not_found(m)),
         _ => Ok(()),
     }
-}
-
-fn tokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
-    let f = openai::protocol::Fields::of(body)?;
-    let engine = match f.str("model")? {
-        Some(m) => state.engine_for(m)?,
-        None => state.engine()?,
-    };
-    let tok = engine.tokenizer();
-    let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
-    let bad = |e: anyhow::Error| ApiError::invalid(Some("prompt".into()), format!("{e:#}"));
-    let ids = if f.0.contains_key("messages") {
-        let messages = openai::protocol::parse_messages(&f)?;
-        let t = tok.chat_template().ok_or_else(|| {
-            ApiError::invalid(Some("messages".into()), "this model has no chat template")
-        })?;
-        let text = t
-            .render(&messages, f.bool("add_generation_prompt")?.unwrap_or(true))
-            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
-        // As chat requests tokenize it: the messages' text is never a
-        // control token.
-        let contents: Vec<&str> = messages.iter().map(|m| m.content.as_str()).collect();
-        let mut ids = tok.encode_chat(&text, &contents).map_err(bad)?;
-        if let Some(bos) = tok.bos_id() {
-            if add_special && tok.add_bos() && ids.first() != Some(&bos) {
-                ids.insert(0, bos);
-            }
-        }
-        ids
-    } else {
-        let text = f.str("prompt")?.ok_or_else(|| {
-            ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
-        })?;
-        tok.encode(text, add_special).map_err(bad)?
-    };
-    Ok(json_response(
-        &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
-    ))
 }
 
 /// `GET /tokenizer_info`, as vLLM serves it: the default model's special
@@ -768,6 +742,30 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
             }
             None => None,
         };
+        if let Some(port) = state.config.metrics_port {
+            let a: SocketAddr = format!("{}:{port}", state.config.host)
+                .parse()
+                .with_context(|| format!("--metrics-port {port} is not a port on --host"))?;
+            let l = tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("cannot listen on {a} (--metrics-port)"))?;
+            tracing::info!("metrics and probes on http://{a}");
+            let state = Arc::clone(&state);
+            // Its own small pool, like the admin API's: scrapers and probes
+            // get through whatever the API port is going through.
+            let mut acceptor = connections::Acceptor::new(l, 64, "metrics");
+            tokio::spawn(async move {
+                loop {
+                    let c = acceptor.accept().await;
+                    let conn = serve_one(Arc::clone(&state), c, Listener::Metrics);
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!("metrics connection error: {e}");
+                        }
+                    });
+                }
+            });
+        }
         let fd_limit = connections::raise_fd_limit();
         let max_connections = state
             .config

@@ -19,6 +19,7 @@
 //! Every file is created 0600 and every directory 0700: the key hashes and
 //! plugin artifacts are the server's alone.
 
+pub mod metric_label;
 pub mod store;
 
 use crate::plugins::{

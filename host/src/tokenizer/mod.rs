@@ -17,6 +17,7 @@
 
 pub mod chat_template;
 pub mod detokenizer;
+pub mod plain_text;
 
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use detokenizer::IncrementalDetokenizer;
@@ -692,13 +693,7 @@ impl Tokenizer {
     /// the rendered prompt (a template that rewrote it), since it could not
     /// then be kept apart.
     pub fn encode_chat(&self, rendered: &str, client_texts: &[&str]) -> Result<Vec<u32>> {
-        let specials = self.special_texts.get_or_init(|| {
-            self.special
-                .iter()
-                .filter_map(|&id| self.inner.id_to_token(id))
-                .filter(|t| !t.is_empty())
-                .collect()
-        });
+        let specials = self.special_texts();
         let holds_special = |t: &str| specials.iter().any(|s| t.contains(s.as_str()));
         let mut ranges: Vec<(usize, usize)> = Vec::new();
         let mut from = 0;
@@ -732,6 +727,17 @@ impl Tokenizer {
             ids.extend(self.encode(&rendered[pos..], false)?);
         }
         Ok(ids)
+    }
+
+    /// The texts of the special tokens (`<|im_end|>`, ...).
+    pub fn special_texts(&self) -> &[String] {
+        self.special_texts.get_or_init(|| {
+            self.special
+                .iter()
+                .filter_map(|&id| self.inner.id_to_token(id))
+                .filter(|t| !t.is_empty())
+                .collect()
+        })
     }
 
     /// Decodes `ids` into text; with `skip_special`, special tokens are left

@@ -144,6 +144,61 @@ async fn admit(
     Ok((body, Some(ctx)))
 }
 
+/// `POST /tokenize`: a prompt's token ids, or a chat's exactly as a chat
+/// request would see them (tools, tool calls and the tenant's template
+/// plugin included). Bounded like generation (a text that cannot fit the
+/// context is refused from its size alone), and for a tenant it is
+/// admitted and its tokens counted against the tenant's limits.
+pub async fn tokenize(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let id = random_id("tokenize");
+    let mut ctx = match &tenant {
+        Some(t) => Some(TenantCtx::admit(&state, t, &id)?),
+        None => None,
+    };
+    let f = Fields::of(&body)?;
+    let engine = match f.str("model")? {
+        Some(m) => state.engine_for(m)?,
+        None => state.engine()?,
+    }
+    .clone();
+    let tok = engine.tokenizer().clone();
+    let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
+    let ids = if f.0.contains_key("messages") {
+        let messages = parse_messages(&f)?;
+        let tools = tools::parse(&f, state.auto_tool_parser())?;
+        let bytes = serde_json::to_string(&body).map_or(usize::MAX, |s| s.len());
+        check_prompt_size(&tok, bytes, engine.max_model_len(), "messages")?;
+        let mut ids = render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
+        if let Some(bos) = tok.bos_id() {
+            if add_special && tok.add_bos() && ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        ids
+    } else {
+        let text = f
+            .str("prompt")?
+            .ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required"))?
+            .to_string();
+        check_prompt_size(&tok, text.len(), engine.max_model_len(), "prompt")?;
+        off_runtime(move || {
+            tok.encode(&text, add_special)
+                .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}")))
+        })
+        .await?
+    };
+    if let Some(c) = &ctx {
+        c.admission.charge(ids.len() as u64);
+    }
+    Ok(json_response(
+        &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
+    ))
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat(
     state: Arc<AppState>,
@@ -247,27 +302,41 @@ async fn render_chat(
         }
     };
     off_runtime(move || {
-        let text = match input {
-            ChatInput::Rendered(text) => text,
-            ChatInput::Template(msgs, extra) => {
+        let bad = |e: anyhow::Error| ApiError::invalid(Some("messages".into()), format!("{e:#}"));
+        match input {
+            ChatInput::Rendered(text) => {
+                // A tenant's plugin rendered it: the messages' own text
+                // never becomes control tokens.
+                let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
+                tok.encode_chat(&text, &texts).map_err(bad)
+            }
+            ChatInput::Template(mut msgs, extra) => {
                 let template = tok
                     .chat_template()
                     .ok_or_else(|| ApiError::invalid(None, "This model has no chat template."))?;
-                template
+                // Everything the request gives the template (messages, tool
+                // definitions and calls) is plain text: only the template
+                // writes control tokens (see `plain_text`).
+                let mut plain = crate::tokenizer::plain_text::PlainText::default();
+                let mut extra = Value::Object(extra);
+                plain.protect(&tok, &mut msgs).map_err(bad)?;
+                plain.protect(&tok, &mut extra).map_err(bad)?;
+                let Value::Object(extra) = extra else {
+                    return Err(ApiError::internal("template variables are not an object"));
+                };
+                let text = template
                     .render_json(&msgs, add_generation_prompt, &extra)
                     .map_err(|e| {
                         ApiError::invalid(
                             Some("messages".into()),
                             format!("the chat template failed: {e:#}"),
                         )
-                    })?
+                    })?;
+                // The rendered template already holds BOS where the model
+                // wants it.
+                plain.encode(&tok, &text).map_err(bad)
             }
-        };
-        // The rendered template already holds BOS where the model wants
-        // it; the messages' own text never becomes control tokens.
-        let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
-        tok.encode_chat(&text, &texts)
-            .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))
+        }
     })
     .await
 }

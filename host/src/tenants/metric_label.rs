@@ -1,0 +1,59 @@
+//! The `tenant` label of the per-tenant metrics (`pagoda_tenant_*`,
+//! `pagoda_plugin_*`), as `--metrics-tenant-label` chooses it. `/metrics`
+//! is open to anyone who reaches the port, as vLLM's is, so by default a
+//! tenant appears there as a salted hash rather than by name; the admin
+//! API reports each tenant's label (`metrics_label`) to map it back.
+
+use sha2::{Digest, Sha256};
+use std::sync::OnceLock;
+
+/// How a tenant appears in metric labels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TenantLabel {
+    /// The tenant id itself.
+    Id,
+    /// `t-` and 16 hex digits of a hash of the id, salted with a secret
+    /// (the admin token), so the same tenant has the same label on every
+    /// replica but its name is not exposed.
+    Hash,
+    /// One series for all tenants (`all`).
+    None,
+}
+
+impl std::str::FromStr for TenantLabel {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        Ok(match s {
+            "id" => TenantLabel::Id,
+            "hash" => TenantLabel::Hash,
+            "none" => TenantLabel::None,
+            other => anyhow::bail!("--metrics-tenant-label '{other}' is not one of id, hash, none"),
+        })
+    }
+}
+
+static MODE: OnceLock<(TenantLabel, String)> = OnceLock::new();
+
+/// Sets the labelling for this process, once (the server does at start-up;
+/// later calls change nothing). Until then, labels are tenant ids.
+pub fn configure(mode: TenantLabel, salt: &str) {
+    let _ = MODE.set((mode, salt.to_string()));
+}
+
+/// The label of tenant `id` (`default` for requests without a tenant).
+pub fn of(id: &str) -> String {
+    if id.is_empty() {
+        return "default".to_string();
+    }
+    match MODE.get() {
+        None | Some((TenantLabel::Id, _)) => id.to_string(),
+        Some((TenantLabel::None, _)) => "all".to_string(),
+        Some((TenantLabel::Hash, salt)) => {
+            let mut h = Sha256::new();
+            h.update(salt.as_bytes());
+            h.update([0]);
+            h.update(id.as_bytes());
+            format!("t-{}", hex::encode(&h.finalize()[..8]))
+        }
+    }
+}
