@@ -230,6 +230,17 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
+    /// POSTs `body` and returns the status and the whole response body as
+    /// text (for streams: every SSE line).
+    pub fn post_text(&self, path: &str, body: &Value) -> (u16, String) {
+        let mut r = agent()
+            .post(&self.url(path))
+            .send_json(body)
+            .unwrap_or_else(|e| panic!("POST {path}: {e}"));
+        let status = r.status().as_u16();
+        (status, r.body_mut().read_to_string().unwrap_or_default())
+    }
+
     /// POSTs JSON; returns (status, parsed body).
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
         let mut r = agent()

@@ -41,6 +41,17 @@ pub struct ServeArgs {
     /// access-log line.
     #[arg(long)]
     pub enable_log_requests: bool,
+    /// Split reasoning models' `<think>…</think>` into `reasoning_content`:
+    /// deepseek_r1 or qwen3.
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
+    /// Accepted as older vLLM takes it; --reasoning-parser turns reasoning on.
+    #[arg(long)]
+    pub enable_reasoning: bool,
+    /// A chat template (a file, or the template itself) used instead of
+    /// the model's own.
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// How tenants appear in the per-tenant metrics' `tenant` label: hash
     /// (a salted hash; the admin API gives each tenant's), id, or none
     /// (one series for all).
@@ -170,6 +181,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let auto_tool_parser = auto_tool_parser(&a)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
+    engine.chat_template = a.chat_template.clone();
     let names = if a.served_model_name.is_empty() {
         let model = engine.model.clone();
         vec![model
@@ -207,6 +219,11 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             },
             auto_tool_parser,
             metrics_port: a.metrics_port,
+            reasoning_parser: a
+                .reasoning_parser
+                .as_deref()
+                .map(str::parse)
+                .transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,
                 log_prompts: a.enable_log_requests && !a.disable_log_requests,

@@ -47,6 +47,9 @@ pub struct EngineArgs {
     /// `--quantization`: checked against the model, or `int8` to quantize
     /// a float checkpoint at load.
     pub quantization: Option<QuantizationArg>,
+    /// `--chat-template`: a file holding a chat template, or the template
+    /// itself, used instead of the model's.
+    pub chat_template: Option<String>,
     /// Defaults to the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
     /// CPU threads; 0 means every core.
@@ -77,6 +80,7 @@ impl EngineArgs {
             gpu_memory_utilization: 0.9,
             dtype: DType::Auto,
             quantization: None,
+            chat_template: None,
             max_model_len: None,
             threads: 0,
             block_size: 16,
@@ -135,7 +139,8 @@ pub fn load_model<B: Backend>(
     if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
         check_generation_config(&config)?;
-        let tokenizer = Tokenizer::from_hf_dir(path)?;
+        let mut tokenizer = Tokenizer::from_hf_dir(path)?;
+        override_chat_template(&mut tokenizer, args)?;
         let source = SafetensorsSource::open(path, args.dtype, args.quantization)?;
         if let Some(s) = source.scheme() {
             tracing::info!("{}: {} checkpoint, kept quantized", path.display(), s.describe());
@@ -167,7 +172,8 @@ pub fn load_model<B: Backend>(
                 path.display()
             );
         }
-        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let mut tokenizer = Tokenizer::from_gguf(&file)?;
+        override_chat_template(&mut tokenizer, args)?;
         let model = LlamaModel::load(
             backend,
             &GgufWeights::new(&file, args.dtype),
@@ -184,6 +190,23 @@ pub fn load_model<B: Backend>(
             },
         ))
     }
+}
+
+/// Applies `--chat-template`: a path to a file, or the template itself.
+fn override_chat_template(tokenizer: &mut Tokenizer, args: &EngineArgs) -> Result<()> {
+    let Some(t) = &args.chat_template else {
+        return Ok(());
+    };
+    let path = std::path::Path::new(t);
+    let source = if !t.contains("{%") && !t.contains("{{") && path.exists() {
+        std::fs::read_to_string(path)
+            .with_context(|| format!("--chat-template {}: cannot read", path.display()))?
+    } else {
+        t.clone()
+    };
+    tokenizer
+        .set_chat_template(&source)
+        .context("--chat-template")
 }
 
 /// Free memory as the kernel reports it (`MemAvailable`), if known.

@@ -37,6 +37,10 @@ pub struct RequestOptions {
     /// Which of a request's `n` samples this is. Only sample 0 counts its
     /// prompt in the prompt-token metrics, as the API's usage counts it.
     pub sample_index: usize,
+    /// For a reasoning model: the tokens that end its reasoning
+    /// (`</think>`). The `grammar` then applies only after the output has
+    /// produced them, as in vLLM: the reasoning itself is free text.
+    pub reasoning_end: Option<Vec<u32>>,
 }
 
 /// Counters the engine keeps for metrics and logs.
@@ -264,6 +268,7 @@ impl EngineCore {
             prompt_logprobs_done: prompt_len <= 1,
             params,
             grammar: opts.grammar,
+            reasoning_end: opts.reasoning_end.filter(|e| !e.is_empty()),
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);
@@ -347,6 +352,10 @@ impl EngineCore {
                 continue;
             }
             if let Some(req) = self.scheduler.get_mut(s.id) {
+                if req.reasoning_end.is_some() {
+                    // Still reasoning: sampled freely, the grammar waits.
+                    continue;
+                }
                 if let Some(matcher) = req.grammar.take() {
                     guided.push(GuidedRow {
                         // A sequence's sampling row is its last.
@@ -426,6 +435,13 @@ impl EngineCore {
                 self.stats.generation_tokens += 1;
                 let out =
                     output_processor::process_token(req, sampled.token, sampled.logprob, false);
+                // The reasoning ends with its end tokens; the grammar, if
+                // any, takes over at the next token.
+                if let Some(end) = &req.reasoning_end {
+                    if req.token_ids[req.prompt_len..].ends_with(end) {
+                        req.reasoning_end = None;
+                    }
+                }
                 if let Some(reason) = out.finish_reason {
                     self.scheduler.remove(s.id, reason, &mut self.kv);
                 }

@@ -441,6 +441,10 @@ pub struct Request {
     /// Where the output stands in its structured-output grammar, if it has
     /// one. The engine takes it out for the steps that sample.
     pub(crate) grammar: Option<crate::engine::structured_output::GrammarMatcher>,
+    /// While the output is still reasoning: the tokens that end it (see
+    /// [`RequestOptions::reasoning_end`](crate::engine::core::RequestOptions)).
+    /// Cleared once generated; the grammar applies from then on.
+    pub(crate) reasoning_end: Option<Vec<u32>>,
     /// With `prompt_logprobs`: those of prompt tokens `1..=len()` so far
     /// (entry `i` scores token `i + 1`), until an output takes them.
     pub(crate) prompt_logprobs: Option<Vec<TokenLogprob>>,

@@ -64,6 +64,8 @@ pub struct ServerConfig {
     /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
     /// with `--tool-call-parser`); without it, "auto" is refused.
     pub auto_tool_parser: Option<crate::server::openai::tool_parsers::ToolCallParser>,
+    /// Splits chat output into reasoning and answer (`--reasoning-parser`).
+    pub reasoning_parser: Option<crate::server::openai::reasoning::ReasoningParser>,
     /// Serve `/metrics` and the probes on their own port
     /// (`--metrics-port`); the API port then has no `/metrics`.
     pub metrics_port: Option<u16>,
@@ -104,6 +106,11 @@ impl AppState {
     /// The parser for `tool_choice: "auto"`, if the server enables it.
     pub fn auto_tool_parser(&self) -> Option<crate::server::openai::tool_parsers::ToolCallParser> {
         self.config.auto_tool_parser
+    }
+
+    /// `--reasoning-parser`, if given.
+    pub fn reasoning_parser(&self) -> Option<crate::server::openai::reasoning::ReasoningParser> {
+        self.config.reasoning_parser
     }
 
     /// The engine, if `model` is one this server serves and the engine is up.

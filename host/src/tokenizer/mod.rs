@@ -729,6 +729,16 @@ impl Tokenizer {
         Ok(ids)
     }
 
+    /// Replaces the model's chat template with `source` (`--chat-template`).
+    pub fn set_chat_template(&mut self, source: &str) -> Result<()> {
+        self.chat_template = Some(ChatTemplate::new(
+            source,
+            self.bos_token.as_deref(),
+            self.eos_token.as_deref(),
+        )?);
+        Ok(())
+    }
+
     /// The texts of the special tokens (`<|im_end|>`, ...).
     pub fn special_texts(&self) -> &[String] {
         self.special_texts.get_or_init(|| {

@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod protocol;
+pub mod reasoning;
 pub mod responses;
 pub mod structured;
 pub mod tenant;
@@ -297,7 +298,23 @@ async fn render_chat(
                 })
                 .collect();
             let source = tok.chat_template().map_or("", |t| t.source());
-            let (msgs, extra) = tools::template_input(&Value::Array(normalized), tools, source);
+            let (msgs, mut extra) = tools::template_input(&Value::Array(normalized), tools, source);
+            // vLLM's `chat_template_kwargs` (`{"enable_thinking": false}`):
+            // more template variables, never replacing the request's own.
+            match body.get("chat_template_kwargs") {
+                None | Some(Value::Null) => {}
+                Some(Value::Object(kw)) => {
+                    for (k, v) in kw {
+                        extra.entry(k.clone()).or_insert_with(|| v.clone());
+                    }
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid(
+                        Some("chat_template_kwargs".into()),
+                        "'chat_template_kwargs' must be an object",
+                    ))
+                }
+            }
             ChatInput::Template(msgs, extra)
         }
     };
@@ -374,6 +391,11 @@ struct Choice {
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     /// Streaming with `echo`: the prompt has gone out.
     echoed: bool,
+    /// With a reasoning parser: the reasoning (`text` is then the answer),
+    /// what of it the next chunk carries, and how far the split has got.
+    reasoning: String,
+    new_reasoning: String,
+    reasoning_stream: reasoning::ReasoningStream,
 }
 
 struct Run {
@@ -406,6 +428,8 @@ struct Run {
     tenant: Option<TenantCtx>,
     /// The request's access-log record.
     log: Option<Arc<crate::server::access_log::Record>>,
+    /// Splits chat output into reasoning and answer (`--reasoning-parser`).
+    reasoning: Option<reasoning::ReasoningParser>,
     _slot: InFlight,
 }
 
@@ -511,8 +535,25 @@ async fn start_run(
         .params
         .validate(engine.vocab_size())
         .map_err(|e| ApiError::invalid(Some(e.param.to_string()), e.message))?;
+    // A reasoning model's output is split into reasoning and answer,
+    // unless the prompt already closed the reasoning (a template given
+    // `enable_thinking: false`), as vLLM decides it.
+    let reasoning = match (state.reasoning_parser(), api, prompts.first()) {
+        (Some(parser), Api::Chat, Some(p)) => {
+            let tok = engine.tokenizer();
+            let end = tok.encode("</think>", false).unwrap_or_default();
+            let start = tok.encode("<think>", false).unwrap_or_default();
+            (!reasoning::prompt_closed_reasoning(&p.ids, &start, &end)).then_some((parser, end))
+        }
+        _ => None,
+    };
     if let Some(r) = &common.structured {
         common.opts.grammar = Some(compile_structure(&engine, r).await?);
+        // The reasoning is free text; the constraint applies to the
+        // answer, after `</think>` (as in vLLM).
+        if let Some((_, end)) = &reasoning {
+            common.opts.reasoning_end = Some(end.clone());
+        }
     }
     let in_flight = state.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
     let slot = InFlight(Arc::clone(&state));
@@ -602,6 +643,7 @@ async fn start_run(
         tools,
         tenant,
         log,
+        reasoning: reasoning.map(|(parser, _)| parser),
         _slot: slot,
     };
     Ok(run)
@@ -668,8 +710,18 @@ impl Run {
     }
 
     /// Folds one engine output into its choice; returns the choice index.
-    fn absorb(&mut self, o: &StepOutput) -> Option<usize> {
+    fn absorb(&mut self, o: &mut StepOutput) -> Option<usize> {
         let &i = self.choice_of.get(&o.id)?;
+        if let Some(p) = self.reasoning {
+            // From here on `o.new_text` is only the answer's part.
+            let c = &mut self.choices[i];
+            let (r, a) = c
+                .reasoning_stream
+                .push(p, &o.new_text, o.finish_reason.is_some());
+            c.reasoning.push_str(&r);
+            c.new_reasoning.push_str(&r);
+            o.new_text = a;
+        }
         if let (false, Some(l)) = (o.new_token_ids.is_empty(), &self.log) {
             l.first_token();
         }
@@ -861,6 +913,23 @@ impl Run {
     /// A finished chat choice's message, with the tool calls its output
     /// holds, and its finish reason ("tool_calls" when it called tools).
     fn chat_message(&self, c: &Choice) -> (Value, Option<&'static str>) {
+        let (mut message, finish) = self.answer_message(c);
+        if self.reasoning.is_some() {
+            // vLLM's field; the answer is null when the output was all
+            // reasoning.
+            message["reasoning_content"] = match c.reasoning.as_str() {
+                "" => Value::Null,
+                r => json!(r),
+            };
+            if message["content"] == json!("") && !c.reasoning.is_empty() {
+                message["content"] = Value::Null;
+            }
+        }
+        (message, finish)
+    }
+
+    /// The answer part of a finished chat choice, with its tool calls.
+    fn answer_message(&self, c: &Choice) -> (Value, Option<&'static str>) {
         let Some(mode) = &self.tools else {
             return (
                 json!({"role": "assistant", "content": c.text}),
@@ -897,6 +966,10 @@ impl Run {
         let mode = self.tools.clone()?;
         let engine_finish = o.finish_reason.map(|f| f.as_str());
         let mut delta = serde_json::Map::new();
+        let reasoning = std::mem::take(&mut self.choices[i].new_reasoning);
+        if !reasoning.is_empty() {
+            delta.insert("reasoning_content".into(), json!(reasoning));
+        }
         let mut called = false;
         match &mode {
             ToolMode::Named(name) => {
@@ -988,7 +1061,13 @@ impl Run {
             Some(t) if !self.choices[i].echoed => Some(t.to_string()),
             _ => None,
         };
-        if o.new_text.is_empty() && finish.is_none() && !has_logprobs && echo.is_none() {
+        let reasoning = std::mem::take(&mut self.choices[i].new_reasoning);
+        if o.new_text.is_empty()
+            && reasoning.is_empty()
+            && finish.is_none()
+            && !has_logprobs
+            && echo.is_none()
+        {
             return None;
         }
         let lp = if has_logprobs || echo.is_some() {
@@ -1011,11 +1090,13 @@ impl Run {
                 "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
             }),
             Api::Chat => {
-                let delta = if o.new_text.is_empty() {
-                    json!({})
-                } else {
-                    json!({"content": o.new_text})
-                };
+                let mut delta = serde_json::Map::new();
+                if !reasoning.is_empty() {
+                    delta.insert("reasoning_content".into(), json!(reasoning));
+                }
+                if !o.new_text.is_empty() {
+                    delta.insert("content".into(), json!(o.new_text));
+                }
                 json!({
                     "index": i, "delta": delta, "logprobs": lp,
                     "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
@@ -1036,8 +1117,8 @@ async fn collect_response(run: Run) -> Result<Response<Body>, ApiError> {
 async fn collect(mut run: Run) -> Result<Run, ApiError> {
     while run.remaining > 0 {
         match run.rx.recv().await {
-            Some(o) => {
-                run.absorb(&o);
+            Some(mut o) => {
+                run.absorb(&mut o);
             }
             None => {
                 return Err(ApiError::unavailable(
@@ -1106,7 +1187,7 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                                     Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
                                 break Some((Ok(Frame::data(b)), (run, Phase::End)));
                             }
-                            let Some(i) = run.absorb(&o) else { continue };
+                            let Some(i) = run.absorb(&mut o) else { continue };
                             let chunk = if run.tools.is_some() {
                                 run.tool_delta_chunk(i, &o)
                             } else {

@@ -311,6 +311,7 @@ pub fn parse_common(
             grammar: None,
             tenant: Default::default(),
             sample_index: 0,
+            reasoning_end: None,
         },
         stream,
         include_usage,

@@ -342,17 +342,17 @@ fn response_format(f: &Fields<'_>) -> Result<Option<Value>, ApiError> {
 }
 
 /// Refuses what this server does not do, rather than ignoring it.
-fn refuse_unsupported(f: &Fields<'_>) -> Result<(), ApiError> {
+fn refuse_unsupported(f: &Fields<'_>, reasoning: bool) -> Result<(), ApiError> {
     if f.bool("background")?.unwrap_or(false) {
         return Err(invalid(
             "background",
             "background responses are not supported",
         ));
     }
-    if f.0.get("reasoning").is_some_and(|r| !r.is_null()) {
+    if !reasoning && f.0.get("reasoning").is_some_and(|r| !r.is_null()) {
         return Err(invalid(
             "reasoning",
-            "'reasoning' is not supported: the model does not produce reasoning items",
+            "'reasoning' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
         ));
     }
     if f.0.get("conversation").is_some_and(|r| !r.is_null()) {
@@ -436,7 +436,7 @@ pub async fn responses(
     let store_key = tenant.as_ref().map_or_else(String::new, |t| t.id.clone());
     let (body, mut ctx) = super::admit(&state, tenant, &id, "/v1/responses", body).await?;
     let f = Fields::of(&body)?;
-    refuse_unsupported(&f)?;
+    refuse_unsupported(&f, state.reasoning_parser().is_some())?;
     let model = f
         .str("model")?
         .ok_or_else(|| invalid("model", "'model' is required"))?
@@ -580,6 +580,22 @@ pub async fn responses(
 /// turn that `previous_response_id` continues from.
 fn final_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
     let c = &run.choices[0];
+    let (mut items, assistant) = answer_output(run, msg_id);
+    // A reasoning model's thinking comes first, as its own item.
+    if !c.reasoning.is_empty() {
+        items.insert(
+            0,
+            json!({"type": "reasoning", "id": format!("rs_{:032x}", rand::random::<u128>()),
+                "summary": [], "status": "completed",
+                "content": [{"type": "reasoning_text", "text": c.reasoning}]}),
+        );
+    }
+    (items, assistant)
+}
+
+/// [`final_output`]'s answer: its text as a message, or its function calls.
+fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
+    let c = &run.choices[0];
     let parsed = run.tools.as_ref().map(|m| super::tools::extract(m, &c.text));
     match parsed {
         Some(p) if !p.calls.is_empty() => {
@@ -621,7 +637,10 @@ fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
     let mut open = item.clone();
     open["status"] = json!("in_progress");
     let mut ev = Vec::new();
-    if item["type"] == "function_call" {
+    if item["type"] == "reasoning" {
+        open["content"] = json!([]);
+        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+    } else if item["type"] == "function_call" {
         open["arguments"] = json!("");
         let args = item["arguments"].clone();
         ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
@@ -681,7 +700,9 @@ fn stream_events(
     remember: impl FnOnce(Value, &Value) + Send + 'static,
 ) -> Response<Body> {
     let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(64);
-    let live_text = run.tools.is_none();
+    // Text streams as it comes unless it may turn out to be tool calls or
+    // hold reasoning, whose items go out at the end.
+    let live_text = run.tools.is_none() && run.reasoning.is_none();
     tokio::spawn(async move {
         let mut seq = 0u64;
         let msg_id = format!("msg_{:032x}", rand::random::<u128>());
@@ -728,7 +749,7 @@ fn stream_events(
                 let _ = tx.send(event("error", &mut seq, data)).await;
                 return;
             }
-            if run.absorb(&o).is_none() {
+            if run.absorb(&mut o).is_none() {
                 continue;
             }
             if live_text && !o.new_text.is_empty() {

@@ -1,0 +1,180 @@
+//! vLLM's `--reasoning-parser`: a reasoning model's `<think>…</think>` is
+//! split from its answer, into `message.reasoning_content` (streamed as
+//! `delta.reasoning_content`) and, on the Responses API, a reasoning item.
+//!
+//! - `deepseek_r1`: the chat template opens `<think>` itself, so the output
+//!   starts inside the reasoning (a leading `<think>` is dropped too);
+//!   everything before `</think>` is reasoning, and an output cut short
+//!   before it is all reasoning.
+//! - `qwen3`: the model writes `<think>` itself when it thinks; an output
+//!   that does not start with it (thinking off, `enable_thinking: false`)
+//!   is all answer.
+//!
+//! Streaming keeps back a tail that may still become a tag (`</thi`), so
+//! no part of a tag is ever sent as text.
+
+use anyhow::bail;
+
+const START: &str = "<think>";
+const END: &str = "</think>";
+
+/// Which reasoning format the model writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReasoningParser {
+    DeepSeekR1,
+    Qwen3,
+}
+
+impl std::str::FromStr for ReasoningParser {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> anyhow::Result<Self> {
+        Ok(match s {
+            "deepseek_r1" => ReasoningParser::DeepSeekR1,
+            "qwen3" => ReasoningParser::Qwen3,
+            other => bail!("--reasoning-parser '{other}' is not one of deepseek_r1, qwen3"),
+        })
+    }
+}
+
+/// The longest tail of `text` that is a proper prefix of `tag`: text that
+/// may still turn out to be the tag.
+fn partial_tag(text: &str, tag: &str) -> usize {
+    (1..tag.len())
+        .rev()
+        .find(|&n| text.len() >= n && text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .unwrap_or(0)
+}
+
+impl ReasoningParser {
+    /// Splits `text` (an output so far, or all of it when `finished`)
+    /// into (reasoning, answer): slices of `text`, each only growing as
+    /// `text` grows.
+    pub fn classify(self, text: &str, finished: bool) -> (&str, &str) {
+        // An output that is still only a prefix of "<think>" could go
+        // either way.
+        if !finished && text.len() < START.len() && START.starts_with(text) {
+            return ("", "");
+        }
+        let thinking = match self {
+            ReasoningParser::DeepSeekR1 => true,
+            ReasoningParser::Qwen3 => text.starts_with(START),
+        };
+        if !thinking {
+            return ("", text);
+        }
+        let body = text.strip_prefix(START).unwrap_or(text);
+        match body.find(END) {
+            Some(i) => (&body[..i], &body[i + END.len()..]),
+            None if finished => (body, ""),
+            None => (&body[..body.len() - partial_tag(body, END)], ""),
+        }
+    }
+}
+
+/// One choice's output as it streams: what has been sent of its reasoning
+/// and of its answer.
+#[derive(Clone, Debug, Default)]
+pub struct ReasoningStream {
+    text: String,
+    reasoning_sent: usize,
+    answer_sent: usize,
+}
+
+impl ReasoningStream {
+    /// Adds `new` output; returns the reasoning and answer text that can
+    /// now be sent (all of it once `finished`).
+    pub fn push(&mut self, parser: ReasoningParser, new: &str, finished: bool) -> (String, String) {
+        self.text.push_str(new);
+        let (r, a) = parser.classify(&self.text, finished);
+        let rd = r.get(self.reasoning_sent..).unwrap_or("").to_string();
+        let ad = a.get(self.answer_sent..).unwrap_or("").to_string();
+        self.reasoning_sent = self.reasoning_sent.max(r.len());
+        self.answer_sent = self.answer_sent.max(a.len());
+        (rd, ad)
+    }
+}
+
+/// Whether the prompt `ids` already ended the reasoning: its last `end`
+/// comes after its last `start` (a template that closed an empty
+/// `<think></think>` because thinking is off). A prompt that opens the
+/// reasoning, or mentions neither, leaves it to the output.
+pub fn prompt_closed_reasoning(ids: &[u32], start: &[u32], end: &[u32]) -> bool {
+    let last = |needle: &[u32]| {
+        (!needle.is_empty() && ids.len() >= needle.len())
+            .then(|| ids.windows(needle.len()).rposition(|w| w == needle))
+            .flatten()
+    };
+    match (last(start), last(end)) {
+        (s, Some(e)) => s.is_none_or(|s| e > s),
+        (_, None) => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streams `pieces` and returns what was sent, reasoning and answer.
+    fn stream(p: ReasoningParser, pieces: &[&str]) -> (String, String) {
+        let mut s = ReasoningStream::default();
+        let (mut r, mut a) = (String::new(), String::new());
+        for (i, piece) in pieces.iter().enumerate() {
+            let (rd, ad) = s.push(p, piece, i + 1 == pieces.len());
+            r += &rd;
+            a += &ad;
+        }
+        (r, a)
+    }
+
+    #[test]
+    fn deepseek_r1_output_starts_inside_the_reasoning() {
+        let p = ReasoningParser::DeepSeekR1;
+        assert_eq!(p.classify("Let me see.</think>\n\n42", true), ("Let me see.", "\n\n42"));
+        assert_eq!(p.classify("<think>Hmm</think>Yes", true), ("Hmm", "Yes"));
+        // Cut short: all reasoning.
+        assert_eq!(p.classify("Still thinking", true), ("Still thinking", ""));
+    }
+
+    #[test]
+    fn qwen3_without_a_think_tag_is_all_answer() {
+        let p = ReasoningParser::Qwen3;
+        assert_eq!(p.classify("<think>\nok\n</think>\n\nHi", true), ("\nok\n", "\n\nHi"));
+        assert_eq!(p.classify("Hi there", true), ("", "Hi there"));
+        assert_eq!(p.classify("<think>cut", true), ("cut", ""));
+    }
+
+    #[test]
+    fn a_prompt_that_closed_its_reasoning_lets_the_constraint_apply_at_once() {
+        let (s, e) = ([1, 2], [3, 4]);
+        assert!(prompt_closed_reasoning(&[9, 1, 2, 3, 4, 9], &s, &e));
+        assert!(!prompt_closed_reasoning(&[9, 3, 4, 1, 2], &s, &e), "reopened");
+        assert!(!prompt_closed_reasoning(&[9, 9], &s, &e));
+        assert!(prompt_closed_reasoning(&[3, 4], &s, &e));
+    }
+
+    #[test]
+    fn a_tag_split_across_chunks_is_never_sent_as_text() {
+        for pieces in [
+            &["<th", "ink>Reason", "ing</th", "ink>Ans", "wer"][..],
+            &["<think>R", "easoning<", "/", "think", ">", "Answer"][..],
+            &["<", "think>", "Reasoning", "</think>Answer"][..],
+        ] {
+            for p in [ReasoningParser::DeepSeekR1, ReasoningParser::Qwen3] {
+                assert_eq!(
+                    stream(p, pieces),
+                    ("Reasoning".to_string(), "Answer".to_string()),
+                    "{p:?} {pieces:?}"
+                );
+            }
+        }
+        // A '<' that was not a tag after all is sent once it is known.
+        assert_eq!(
+            stream(ReasoningParser::DeepSeekR1, &["a <", " b</think>c"]),
+            ("a < b".to_string(), "c".to_string())
+        );
+        assert_eq!(
+            stream(ReasoningParser::Qwen3, &["<", "b>"]),
+            (String::new(), "<b>".to_string())
+        );
+    }
+}
