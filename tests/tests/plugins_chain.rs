@@ -13,7 +13,7 @@ const REPEAT: &str = "<|im_start|>system\nYou repeat text exactly.<|im_end|>\n<|
 #[test]
 fn template_router_and_redact_in_the_request_path() {
     let dir = TempDir::new("chain");
-    let p = start(&dir, &[]);
+    let p = start(&dir, &["--metrics-tenant-label", "id"]);
 
     // chat-template: a tenant whose template makes the model see a different prompt.
     p.put_tenant("plain", json!({"api_keys": ["key-plain-123456"]}));
