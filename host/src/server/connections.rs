@@ -13,14 +13,36 @@
 //!   [`ConnectionLimits::header_timeout`] (idle keep-alive connections
 //!   included) and its body within [`BODY_TIMEOUT`], so idle and slow
 //!   clients give their slots back;
+//! - when every normal slot is taken, a new connection evicts the
+//!   connection that has gone longest without a request in progress (an
+//!   idle keep-alive connection, or one still dribbling its request head,
+//!   as slowloris clients do), provided it has been so for
+//!   [`EVICT_AFTER_IDLE`]: connections serving a request are never
+//!   evicted, so slow and idle clients cannot hold every slot against
+//!   normal requests, whatever the descriptor limit (nginx and Envoy do
+//!   the same under pressure);
 //! - when `accept` fails for lack of descriptors or memory, the loop backs
 //!   off (up to a second) instead of spinning, and logs that at most once
 //!   every few seconds, with a count.
 
-use std::sync::Arc;
+use futures_util::task::AtomicWaker;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// How long a connection must have gone without a request in progress
+/// before a new connection may evict it. A client that has just connected
+/// sends its request head well within this.
+pub const EVICT_AFTER_IDLE: Duration = Duration::from_millis(500);
+
+/// How long a new connection waits for the slot of the one it evicted.
+const EVICT_WAIT: Duration = Duration::from_millis(250);
 
 /// How long a client may take to send a request's body.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(60);
@@ -93,11 +115,169 @@ pub fn default_max_connections(fd_limit: u64) -> usize {
 
 /// A connection taken, and how it may be served.
 pub struct Accepted {
-    pub stream: TcpStream,
+    /// The socket, whose reads fail once the connection is evicted.
+    pub stream: EvictableIo<TcpStream>,
     /// Held for as long as the connection is open.
     pub permit: OwnedSemaphorePermit,
     /// Served from the overflow pool: probes only, one request.
     pub overflow: bool,
+    /// Its entry among the open connections (for eviction).
+    pub conn: ConnHandle,
+}
+
+/// The signal that evicts one connection: its reads fail from then on,
+/// which ends the connection (and frees its slot) even while it waits for
+/// a request head.
+#[derive(Default)]
+struct Eviction {
+    evicted: AtomicBool,
+    waker: AtomicWaker,
+}
+
+/// One open connection's standing.
+struct ConnState {
+    /// Requests in progress (until their response has been sent).
+    requests: usize,
+    /// Since when none has been.
+    idle_since: Instant,
+    eviction: Arc<Eviction>,
+}
+
+/// The open connections of one listener.
+#[derive(Clone, Default)]
+struct Registry(Arc<Mutex<(u64, HashMap<u64, ConnState>)>>);
+
+impl Registry {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, HashMap<u64, ConnState>)> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn register(&self) -> ConnHandle {
+        let eviction = Arc::new(Eviction::default());
+        let mut g = self.lock();
+        g.0 += 1;
+        let id = g.0;
+        g.1.insert(
+            id,
+            ConnState {
+                requests: 0,
+                idle_since: Instant::now(),
+                eviction: Arc::clone(&eviction),
+            },
+        );
+        ConnHandle {
+            registry: self.clone(),
+            id,
+            eviction,
+        }
+    }
+
+    /// Evicts the connection idle the longest, if one has been idle for
+    /// [`EVICT_AFTER_IDLE`]; returns whether one was.
+    fn evict_idlest(&self) -> bool {
+        let g = self.lock();
+        let now = Instant::now();
+        let victim = g
+            .1
+            .values()
+            .filter(|c| c.requests == 0 && now.duration_since(c.idle_since) >= EVICT_AFTER_IDLE)
+            .filter(|c| !c.eviction.evicted.load(Ordering::Acquire))
+            .min_by_key(|c| c.idle_since);
+        match victim {
+            Some(c) => {
+                c.eviction.evicted.store(true, Ordering::Release);
+                c.eviction.waker.wake();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// A connection's entry among the open connections, removed when dropped.
+pub struct ConnHandle {
+    registry: Registry,
+    id: u64,
+    eviction: Arc<Eviction>,
+}
+
+impl ConnHandle {
+    /// Marks a request in progress on the connection until the returned
+    /// guard is dropped (when its response has been sent): meanwhile the
+    /// connection is never evicted.
+    pub fn request_started(&self) -> RequestGuard {
+        if let Some(c) = self.registry.lock().1.get_mut(&self.id) {
+            c.requests += 1;
+        }
+        RequestGuard {
+            registry: self.registry.clone(),
+            id: self.id,
+        }
+    }
+}
+
+impl Drop for ConnHandle {
+    fn drop(&mut self) {
+        self.registry.lock().1.remove(&self.id);
+    }
+}
+
+/// A request in progress on a connection (see [`ConnHandle::request_started`]).
+pub struct RequestGuard {
+    registry: Registry,
+    id: u64,
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        if let Some(c) = self.registry.lock().1.get_mut(&self.id) {
+            c.requests = c.requests.saturating_sub(1);
+            if c.requests == 0 {
+                c.idle_since = Instant::now();
+            }
+        }
+    }
+}
+
+/// A socket whose reads fail once its connection is evicted.
+pub struct EvictableIo<T> {
+    inner: T,
+    eviction: Arc<Eviction>,
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for EvictableIo<T> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.eviction.waker.register(cx.waker());
+        if self.eviction.evicted.load(Ordering::Acquire) {
+            return Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "evicted to make room for a new connection",
+            )));
+        }
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for EvictableIo<T> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
 }
 
 /// Accepts connections within the limits.
@@ -105,6 +285,8 @@ pub struct Acceptor {
     listener: TcpListener,
     slots: Arc<Semaphore>,
     overflow: Arc<Semaphore>,
+    /// The connections holding normal slots, for eviction.
+    registry: Registry,
     /// Why accept last failed, how often since it was last logged, when.
     failures: u64,
     last_logged: Option<Instant>,
@@ -120,6 +302,7 @@ impl Acceptor {
             listener,
             slots: Arc::new(Semaphore::new(max_connections)),
             overflow: Arc::new(Semaphore::new(OVERFLOW_SLOTS)),
+            registry: Registry::default(),
             failures: 0,
             last_logged: None,
             backoff: Duration::ZERO,
@@ -141,18 +324,36 @@ impl Acceptor {
                     continue;
                 }
             };
-            if let Ok(permit) = Arc::clone(&self.slots).try_acquire_owned() {
+            let mut permit = Arc::clone(&self.slots).try_acquire_owned().ok();
+            // Every slot taken: the connection idle the longest makes room.
+            if permit.is_none() && self.registry.evict_idlest() {
+                let slot = Arc::clone(&self.slots).acquire_owned();
+                permit = tokio::time::timeout(EVICT_WAIT, slot).await.ok().and_then(Result::ok);
+            }
+            if let Some(permit) = permit {
+                let conn = self.registry.register();
                 return Accepted {
-                    stream,
+                    stream: EvictableIo {
+                        inner: stream,
+                        eviction: Arc::clone(&conn.eviction),
+                    },
                     permit,
                     overflow: false,
+                    conn,
                 };
             }
             if let Ok(permit) = Arc::clone(&self.overflow).try_acquire_owned() {
+                // Overflow connections serve one probe and close; they are
+                // never evicted (a registry of their own, never consulted).
+                let conn = Registry::default().register();
                 return Accepted {
-                    stream,
+                    stream: EvictableIo {
+                        inner: stream,
+                        eviction: Arc::clone(&conn.eviction),
+                    },
                     permit,
                     overflow: true,
+                    conn,
                 };
             }
             // Both pools are full: closing at once frees the descriptor.

@@ -901,10 +901,13 @@ fn serve_one(
     // The slot is held for as long as the connection is open: the service
     // (and so this permit) lives as long as the connection.
     let permit = c.permit;
+    let conn = c.conn;
     let builder = connections::http1_builder(&state.config.connections, overflow);
     let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
         let state = Arc::clone(&state);
         let _slot = &permit;
+        // In progress (never evicted) until the response has been sent.
+        let busy = conn.request_started();
         async move {
             if overflow && !connections::served_when_full(req.uri().path()) {
                 let mut e = ApiError::unavailable(
@@ -913,7 +916,15 @@ fn serve_one(
                 e.retry_after = Some(1);
                 return Ok::<_, std::convert::Infallible>(e.response());
             }
-            Ok(route(state, req, listener).await)
+            let resp = route(state, req, listener).await;
+            let (parts, body) = resp.into_parts();
+            let body = body
+                .map_frame(move |f| {
+                    let _ = &busy;
+                    f
+                })
+                .boxed_unsync();
+            Ok(Response::from_parts(parts, body))
         }
     });
     builder.serve_connection(TokioIo::new(c.stream), svc)
