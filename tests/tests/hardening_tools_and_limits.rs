@@ -116,6 +116,12 @@ fn tokenize_is_bounded_and_constraints_are_checked_before_admission() {
         assert_eq!(st, 400, "{v}");
         assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     }
+    // /detokenize takes at most a context's worth of ids (2048 here).
+    let (st, v) = s.post("/detokenize", &json!({"model": "smol", "tokens": vec![1; 3000]}));
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["param"], "tokens", "{v}");
+    let (st, v) = s.post("/detokenize", &json!({"model": "smol", "tokens": [1, 2]}));
+    assert_eq!(st, 200, "{v}");
     // The first constrained request builds the token trie (and logs it).
     let (st, v) = s.post(
         "/v1/chat/completions",

@@ -503,7 +503,7 @@ async fn api_route(
         (Method::POST, "/detokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;
-            detokenize(&state, &body)
+            openai::detokenize(state, body, tenant).await
         }
         (Method::GET, "/tokenizer_info") => tokenizer_info(&state),
         (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions" | "/v1/responses")) => {
@@ -620,25 +620,6 @@ fn tokenizer_info(state: &AppState) -> Result<Response<Body>, ApiError> {
     })))
 }
 
-fn detokenize(state: &AppState, body: &Value) -> Result<Response<Body>, ApiError> {
-    let f = openai::protocol::Fields::of(body)?;
-    let engine = match f.str("model")? {
-        Some(m) => state.engine_for(m)?,
-        None => state.engine()?,
-    };
-    let ids = f.u32s("tokens")?;
-    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= engine.vocab_size()) {
-        return Err(ApiError::invalid(
-            Some("tokens".into()),
-            format!("token id {bad} is beyond the vocabulary"),
-        ));
-    }
-    let text = engine
-        .tokenizer()
-        .decode(&ids, false)
-        .map_err(|e| ApiError::invalid(Some("tokens".into()), format!("{e:#}")))?;
-    Ok(json_response(&json!({"prompt": text})))
-}
 
 /// Loads the model, then runs a one-token forward; marks the server ready
 /// only if both succeed within the timeout.

@@ -200,6 +200,54 @@ pub async fn tokenize(
     ))
 }
 
+/// `POST /detokenize`: token ids back to text. At most a context's worth
+/// of ids, decoded off the HTTP threads, and for a tenant admitted and
+/// counted against its limits like `/tokenize`.
+pub async fn detokenize(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let id = random_id("detokenize");
+    let ctx = match &tenant {
+        Some(t) => Some(TenantCtx::admit(&state, t, &id)?),
+        None => None,
+    };
+    let f = Fields::of(&body)?;
+    let engine = match f.str("model")? {
+        Some(m) => state.engine_for(m)?,
+        None => state.engine()?,
+    }
+    .clone();
+    let ids = f.u32s("tokens")?;
+    if ids.len() > engine.max_model_len() {
+        return Err(ApiError::context_length(
+            "tokens",
+            format!(
+                "This model's maximum context length is {} tokens, and {} token ids were given.",
+                engine.max_model_len(),
+                ids.len()
+            ),
+        ));
+    }
+    if let Some(&bad) = ids.iter().find(|&&t| t as usize >= engine.vocab_size()) {
+        return Err(ApiError::invalid(
+            Some("tokens".into()),
+            format!("token id {bad} is beyond the vocabulary"),
+        ));
+    }
+    if let Some(c) = &ctx {
+        c.admission.charge(ids.len() as u64);
+    }
+    let tok = engine.tokenizer().clone();
+    let text = off_runtime(move || {
+        tok.decode(&ids, false)
+            .map_err(|e| ApiError::invalid(Some("tokens".into()), format!("{e:#}")))
+    })
+    .await?;
+    Ok(json_response(&json!({"prompt": text})))
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat(
     state: Arc<AppState>,
