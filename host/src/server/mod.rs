@@ -479,6 +479,14 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             openai::completions(state, body, tenant).await
         }
+        (Method::POST, "/v1/completions/render") => {
+            let body = read_json(&state, req).await?;
+            openai::render(state, body, tenant, false).await
+        }
+        (Method::POST, "/v1/chat/completions/render") => {
+            let body = read_json(&state, req).await?;
+            openai::render(state, body, tenant, true).await
+        }
         (Method::POST, "/v1/chat/completions") => {
             let body = read_json(&state, req).await?;
             openai::chat(state, body, tenant).await

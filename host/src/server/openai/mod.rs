@@ -145,6 +145,81 @@ async fn admit(
     Ok((body, Some(ctx)))
 }
 
+/// `POST /v1/completions/render` and `/v1/chat/completions/render`: the
+/// token ids a generation request's prompts would have, generating
+/// nothing, for the endpoint picker of the Kubernetes inference gateway
+/// (llm-d), which hashes them into blocks as the KV-cache events do. The
+/// shapes are vLLM's: for completions a list with one entry per prompt,
+/// for chat one object; each entry carries `request_id`, `model`,
+/// `token_ids`, `sampling_params` and `features` (null: text only).
+/// Tenant auth, route plugins and the tenant's template plugin apply, as
+/// they do to generation.
+pub async fn render(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    chat: bool,
+) -> Result<Response<Body>, ApiError> {
+    let (prefix, endpoint) = if chat {
+        ("chatcmpl", "/v1/chat/completions")
+    } else {
+        ("cmpl", "/v1/completions")
+    };
+    let id = random_id(prefix);
+    let (body, mut ctx) = admit(&state, tenant, &id, endpoint, body).await?;
+    let f = Fields::of(&body)?;
+    let common = parse_common(&f, chat, state.default_model())?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
+    let engine = state.engine_for(&common.model)?.clone();
+    let tok = engine.tokenizer().clone();
+    let max_len = engine.max_model_len();
+    let sampling = json!({
+        "max_tokens": common.params.max_tokens,
+        "temperature": common.params.temperature,
+        "n": common.params.n,
+    });
+    let entry = |request_id: String, ids: Vec<u32>| {
+        json!({"request_id": request_id, "model": common.model, "token_ids": ids,
+            "sampling_params": sampling, "features": null})
+    };
+    let out = if chat {
+        let messages = parse_messages(&f)?;
+        let tools = tools::parse(&f, state.auto_tool_parser())?;
+        let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
+        check_prompt_size(&tok, bytes, max_len, "messages")?;
+        let ids = render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
+        entry(id, ids)
+    } else {
+        let prompts = parse_prompts(&f)?;
+        for p in &prompts {
+            if let PromptInput::Text(t) = p {
+                check_prompt_size(&tok, t.len(), max_len, "prompt")?;
+            }
+        }
+        let all = off_runtime(move || {
+            prompts
+                .into_iter()
+                .map(|p| match p {
+                    PromptInput::Text(t) => tok.encode(&t, true).map_err(|e| {
+                        ApiError::invalid(Some("prompt".into()), format!("{e:#}"))
+                    }),
+                    PromptInput::Tokens(t) => Ok(t),
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await?;
+        Value::Array(
+            all.into_iter()
+                .enumerate()
+                .map(|(i, ids)| entry(format!("{id}-{i}"), ids))
+                .collect(),
+        )
+    };
+    Ok(json_response(&out))
+}
+
 /// `POST /tokenize`: a prompt's token ids, or a chat's exactly as a chat
 /// request would see them (tools, tool calls and the tenant's template
 /// plugin included). Bounded like generation (a text that cannot fit the
