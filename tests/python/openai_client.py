@@ -127,6 +127,18 @@ for name in [
 ]:
     check(f"metric {name}", name in families, sorted(families))
 check("ttft is a histogram", families["vllm:time_to_first_token_seconds"].type == "histogram")
+# The model-server protocol of the Kubernetes inference gateway (its
+# endpoint picker reads these under vLLM's names and meanings).
+for name in ["vllm:num_requests_running", "vllm:num_requests_waiting"]:
+    samples = families[name].samples
+    check(f"{name} is a gauge of whole requests", families[name].type == "gauge" and samples
+          and all(x.value >= 0 and x.value == int(x.value) for x in samples), samples)
+usage = families["vllm:kv_cache_usage_perc"].samples
+check("kv_cache_usage_perc is a fraction from 0 to 1", usage and all(0 <= x.value <= 1 for x in usage), usage)
+info = families.get("vllm:cache_config_info")
+check("cache_config_info carries block_size and num_gpu_blocks", info is not None and any(
+    int(x.labels.get("block_size", "0")) > 0 and int(x.labels.get("num_gpu_blocks", "0")) > 0 and x.value == 1
+    for x in info.samples), info and info.samples)
 
 # The Responses API, as newer clients and agent frameworks call it.
 
