@@ -40,6 +40,12 @@ cargo test --release --workspace --locked -- --test-threads=2
 # this repeats the same kernels).
 PAGODA_SIMD=amx cargo test --release --locked -p pagoda --test engine_batching --test reference_smollm2 -- --test-threads=2
 
+# The same checks on the AVX2 kernels (Zen 2/3 EPYCs, pre-Ice-Lake Xeons),
+# which an AVX-512 machine would otherwise never run end to end.
+if grep -qw avx2 /proc/cpuinfo; then
+  PAGODA_SIMD=avx2 cargo test --release --locked -p pagoda --test engine_batching --test reference_smollm2 -- --test-threads=2
+fi
+
 # Fuzzing, bounded: every parser of untrusted input for 15 s on the
 # checked-in corpus (a crash fails the run; scripts/fuzz.sh says how to
 # fuzz for longer).
