@@ -80,6 +80,12 @@ fn slowloris_connections_at_a_low_descriptor_limit_do_not_starve_requests() {
             Err(e) => failures.push(format!("probe {i}: {e}")),
         }
     }
+    // The attack was real: the connections closed to make room come back
+    // (an attacker notices its socket closed a write or two later).
+    let reconnected = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(100));
+        opened.load(Ordering::Relaxed) > ATTACKERS
+    });
     stop.store(true, Ordering::Relaxed);
     for a in attackers {
         let _ = a.join();
@@ -90,11 +96,9 @@ fn slowloris_connections_at_a_low_descriptor_limit_do_not_starve_requests() {
         "{failures:?}\n{}",
         s.log_text().lines().rev().take(20).collect::<Vec<_>>().join("\n")
     );
-    // The attack was real: every attacker connected, and the evicted ones
-    // came back.
     assert!(
-        opened.load(Ordering::Relaxed) > ATTACKERS,
-        "{} connections opened",
+        reconnected,
+        "{} connections opened: no attacker was closed and came back",
         opened.load(Ordering::Relaxed)
     );
 }
