@@ -135,6 +135,30 @@ impl Server {
         env: &[(&str, &str)],
         fd_limit: Option<u64>,
     ) -> Server {
+        // A port free when picked can be taken before the server binds it
+        // (by a client socket of a test running alongside): try another.
+        for _ in 0..4 {
+            match Self::try_spawn(model, positional, extra, env, fd_limit) {
+                Ok(s) => return s,
+                Err(log) if log.contains("Address already in use") => continue,
+                Err(log) => panic!("pagoda serve exited:\n{log}"),
+            }
+        }
+        match Self::try_spawn(model, positional, extra, env, fd_limit) {
+            Ok(s) => s,
+            Err(log) => panic!("pagoda serve exited:\n{log}"),
+        }
+    }
+
+    /// Starts the server on a free port; its log if it exited before it
+    /// was ready.
+    fn try_spawn(
+        model: &std::path::Path,
+        positional: bool,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        fd_limit: Option<u64>,
+    ) -> Result<Server, String> {
         let port = free_port();
         let dir = TempDir::new("server");
         let log = dir.0.join("server.log");
@@ -183,20 +207,20 @@ impl Server {
             log,
             _dir: dir,
         };
-        s.wait_ready(Duration::from_secs(120));
-        s
+        s.wait_ready(Duration::from_secs(120))?;
+        Ok(s)
     }
 
-    fn wait_ready(&mut self, limit: Duration) {
+    fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         let a = agent();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("pagoda serve exited with {status}:\n{}", self.log_text());
+                return Err(format!("exit {status}:\n{}", self.log_text()));
             }
             if let Ok(r) = a.get(&format!("{}/health/ready", self.base)).call() {
                 if r.status() == 200 {
-                    return;
+                    return Ok(());
                 }
             }
             assert!(

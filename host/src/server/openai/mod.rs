@@ -230,17 +230,8 @@ pub async fn tokenize(
     body: Value,
     tenant: Option<Arc<crate::tenants::Tenant>>,
 ) -> Result<Response<Body>, ApiError> {
-    let id = random_id("tokenize");
-    let mut ctx = match &tenant {
-        Some(t) => Some(TenantCtx::admit(&state, t, &id)?),
-        None => None,
-    };
+    let (mut ctx, engine) = tokenizer_call(&state, &body, tenant.as_ref(), "tokenize")?;
     let f = Fields::of(&body)?;
-    let engine = match f.str("model")? {
-        Some(m) => state.engine_for(m)?,
-        None => state.engine()?,
-    }
-    .clone();
     let tok = engine.tokenizer().clone();
     let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
     let ids = if f.0.contains_key("messages") {
@@ -275,6 +266,26 @@ pub async fn tokenize(
     ))
 }
 
+/// Where `/tokenize` and `/detokenize` start: the tenant admitted (the call
+/// counts against its limits), and the engine of the body's `model` (or
+/// the default one).
+fn tokenizer_call(
+    state: &AppState,
+    body: &Value,
+    tenant: Option<&Arc<crate::tenants::Tenant>>,
+    what: &str,
+) -> Result<(Option<TenantCtx>, crate::engine::async_engine::AsyncEngine), ApiError> {
+    let ctx = match tenant {
+        Some(t) => Some(TenantCtx::admit(state, t, &random_id(what))?),
+        None => None,
+    };
+    let engine = match Fields::of(body)?.str("model")? {
+        Some(m) => state.engine_for(m)?,
+        None => state.engine()?,
+    };
+    Ok((ctx, engine.clone()))
+}
+
 /// `POST /detokenize`: token ids back to text. At most a context's worth
 /// of ids, decoded off the HTTP threads, and for a tenant admitted and
 /// counted against its limits like `/tokenize`.
@@ -283,18 +294,8 @@ pub async fn detokenize(
     body: Value,
     tenant: Option<Arc<crate::tenants::Tenant>>,
 ) -> Result<Response<Body>, ApiError> {
-    let id = random_id("detokenize");
-    let ctx = match &tenant {
-        Some(t) => Some(TenantCtx::admit(&state, t, &id)?),
-        None => None,
-    };
-    let f = Fields::of(&body)?;
-    let engine = match f.str("model")? {
-        Some(m) => state.engine_for(m)?,
-        None => state.engine()?,
-    }
-    .clone();
-    let ids = f.u32s("tokens")?;
+    let (ctx, engine) = tokenizer_call(&state, &body, tenant.as_ref(), "detokenize")?;
+    let ids = Fields::of(&body)?.u32s("tokens")?;
     if ids.len() > engine.max_model_len() {
         return Err(ApiError::context_length(
             "tokens",
