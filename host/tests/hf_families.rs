@@ -251,3 +251,36 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         ["attn_logit_softcapping", "frobnicate_heads"]
     );
 }
+
+/// The model's tensors that nothing used, for `family` with `edit` applied
+/// to its transformers-5 config.
+fn unused_tensors(family: &str, edit: impl Fn(&mut Value)) -> Vec<String> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = folder(family, "config.json", dir.path());
+    let path = model.join("config.json");
+    let mut v: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
+    edit(&mut v);
+    std::fs::write(&path, v.to_string()).expect("write config");
+    let mut a = EngineArgs::new(&model);
+    a.threads = 1;
+    a.dtype = DType::Float32;
+    let backend = pagoda::engine::args::cpu_backend(&a).expect("backend");
+    let (_, loaded) = pagoda::engine::args::load_model(&backend, &a, |_| 128)
+        .unwrap_or_else(|e| panic!("{family}: {e:#}"));
+    loaded.unused_tensors
+}
+
+#[test]
+fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
+    for family in ["llama", "llama-tied-bias", "mistral-swa", "qwen2", "qwen3"] {
+        assert_eq!(unused_tensors(family, |_| {}), Vec::<String>::new(), "{family}");
+    }
+    // A config that says there is no MLP bias, over weights that have one:
+    // the biases are reported, not silently dropped.
+    let unused = unused_tensors("llama-tied-bias", |v| v["mlp_bias"] = false.into());
+    assert!(
+        !unused.is_empty() && unused.iter().all(|t| t.contains("mlp.") && t.ends_with(".bias")),
+        "{unused:?}"
+    );
+}

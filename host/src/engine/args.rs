@@ -104,6 +104,9 @@ pub struct LoadedModel {
     /// The `generation_config.json` that `--generation-config` selects, if
     /// any: the defaults for what requests leave unset.
     pub generation_config: Option<GenerationConfig>,
+    /// Tensors of the checkpoint that the model did not use (Hugging Face
+    /// folders), reported in one start-up warning.
+    pub unused_tensors: Vec<String>,
 }
 
 /// Which format the model came from.
@@ -146,6 +149,17 @@ pub fn load_model<B: Backend>(
             tracing::info!("{}: {} checkpoint, kept quantized", path.display(), s.describe());
         }
         let model = LlamaModel::load(backend, &source, config.clone(), max_positions(&config))?;
+        let unused_tensors = source.unused();
+        if !unused_tensors.is_empty() {
+            const SHOWN: usize = 8;
+            tracing::warn!(
+                "{}: {} tensors of the checkpoint are not used by the model (check that none changes its math): {}{}",
+                path.display(),
+                unused_tensors.len(),
+                unused_tensors[..unused_tensors.len().min(SHOWN)].join(", "),
+                if unused_tensors.len() > SHOWN { ", ..." } else { "" }
+            );
+        }
         Ok((
             model,
             LoadedModel {
@@ -153,6 +167,7 @@ pub fn load_model<B: Backend>(
                 tokenizer,
                 source: LoadedFrom::HuggingFace,
                 generation_config,
+                unused_tensors,
             },
         ))
     } else {
@@ -187,6 +202,7 @@ pub fn load_model<B: Backend>(
                 tokenizer,
                 source: LoadedFrom::Gguf,
                 generation_config,
+                unused_tensors: Vec::new(),
             },
         ))
     }

@@ -7,8 +7,9 @@ use anyhow::{bail, Context, Result};
 use memmap2::Mmap;
 use pagoda_accel::{GgmlType, HostMatrix};
 use safetensors::{Dtype as StDtype, SafeTensors};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// The safetensors shards of an HF folder, memory-mapped.
 pub struct SafetensorsSource {
@@ -21,6 +22,8 @@ pub struct SafetensorsSource {
     scheme: Option<Scheme>,
     /// `--quantization int8`: the layers' float linears become Q8_0.
     online_int8: bool,
+    /// The tensors read so far, to report those nothing used.
+    read: Mutex<HashSet<String>>,
 }
 
 /// A shard named by the index: a plain file name in the model folder. A
@@ -122,6 +125,7 @@ impl SafetensorsSource {
             dir: dir.to_path_buf(),
             shards,
             index,
+            read: Mutex::new(HashSet::new()),
             dtype,
             scheme,
             online_int8: quantization == Some(QuantizationArg::Int8),
@@ -141,11 +145,30 @@ impl SafetensorsSource {
             && name.ends_with("_proj.weight")
     }
 
+    /// The checkpoint's tensors that nothing has read, sorted: after a
+    /// model has loaded, weights its definition does not use (a key the
+    /// config reader missed would show here).
+    pub fn unused(&self) -> Vec<String> {
+        let read = self.read.lock().unwrap_or_else(|e| e.into_inner());
+        let mut unused: Vec<String> = self
+            .index
+            .keys()
+            .filter(|k| !read.contains(*k))
+            .cloned()
+            .collect();
+        unused.sort();
+        unused
+    }
+
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
         let &i = self
             .index
             .get(name)
             .with_context(|| format!("{}: tensor '{name}' is missing", self.dir.display()))?;
+        self.read
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string());
         let (path, mmap) = &self.shards[i];
         let st = SafeTensors::deserialize(mmap)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
