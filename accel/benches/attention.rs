@@ -129,7 +129,9 @@ fn run<T: KvElem>(s: &Scenario, dtype: &str, pool: &ThreadPool, rng: &mut Lcg) {
     let secs = time(budget, window, || {
         let (kc, vc) = &caches[layer % s.layers];
         layer += 1;
-        paged_attention(pool, &layout, kc, vc, &q, s.n_heads, &seqs, scale, None, &mut out);
+        paged_attention(
+            pool, &layout, kc, vc, &q, s.n_heads, &seqs, scale, None, &mut out,
+        );
     });
     let visible: usize = s
         .seqs

@@ -29,7 +29,10 @@ fn fixtures() -> PathBuf {
 }
 
 /// The config forms: the file copied over `config.json`.
-const FORMS: [(&str, &str); 2] = [("transformers 5", "config.json"), ("transformers 4", "config.v4.json")];
+const FORMS: [(&str, &str); 2] = [
+    ("transformers 5", "config.json"),
+    ("transformers 4", "config.v4.json"),
+];
 
 /// A copy of fixture `family` whose `config.json` is `form`'s file.
 fn folder(family: &str, form: &str, dir: &Path) -> PathBuf {
@@ -88,7 +91,12 @@ fn agrees_with_transformers(family: &str) {
         let model = folder(family, file, dir.path());
         let mut llm = engine(&model).unwrap_or_else(|e| panic!("{family} ({form}): {e:#}"));
         let mut worst = 0f64;
-        for (c, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
+        for (c, case) in reference["cases"]
+            .as_array()
+            .expect("cases")
+            .iter()
+            .enumerate()
+        {
             let prompt = u32s(&case["prompt_ids"]);
             let want_lp = f64s(&case["prompt_logprobs"]);
             let want_greedy = u32s(&case["greedy_ids"]);
@@ -176,7 +184,10 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
     let cases: Vec<(&str, Box<dyn Fn(&mut Value)>, &[&str])> = vec![
         (
             "llama",
-            Box::new(|v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})),
+            Box::new(|v| {
+                v["rope_parameters"] =
+                    serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+            }),
             &["rope_type 'yarn'", "rope_parameters"],
         ),
         (
@@ -243,7 +254,10 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         &std::fs::read_to_string(fixtures().join("qwen3/config.json")).expect("config"),
     )
     .expect("JSON");
-    assert!(pagoda::engine::config::unknown_hf_keys(&v).is_empty(), "transformers' own keys are all known");
+    assert!(
+        pagoda::engine::config::unknown_hf_keys(&v).is_empty(),
+        "transformers' own keys are all known"
+    );
     v["frobnicate_heads"] = true.into();
     v["attn_logit_softcapping"] = 30.0.into();
     assert_eq!(
@@ -274,13 +288,20 @@ fn unused_tensors(family: &str, edit: impl Fn(&mut Value)) -> Vec<String> {
 #[test]
 fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
     for family in ["llama", "llama-tied-bias", "mistral-swa", "qwen2", "qwen3"] {
-        assert_eq!(unused_tensors(family, |_| {}), Vec::<String>::new(), "{family}");
+        assert_eq!(
+            unused_tensors(family, |_| {}),
+            Vec::<String>::new(),
+            "{family}"
+        );
     }
     // A config that says there is no MLP bias, over weights that have one:
     // the biases are reported, not silently dropped.
     let unused = unused_tensors("llama-tied-bias", |v| v["mlp_bias"] = false.into());
     assert!(
-        !unused.is_empty() && unused.iter().all(|t| t.contains("mlp.") && t.ends_with(".bias")),
+        !unused.is_empty()
+            && unused
+                .iter()
+                .all(|t| t.contains("mlp.") && t.ends_with(".bias")),
         "{unused:?}"
     );
 }

@@ -99,7 +99,12 @@ impl Alone {
         let core = self.llm.engine_mut();
         self.outputs.entry(prompt.to_vec()).or_insert_with(|| {
             let id = core
-                .add_request("alone".into(), prompt.to_vec(), greedy(MAX_TOKENS), RequestOptions::default())
+                .add_request(
+                    "alone".into(),
+                    prompt.to_vec(),
+                    greedy(MAX_TOKENS),
+                    RequestOptions::default(),
+                )
                 .unwrap_or_else(|e| panic!("alone: {}", e.message));
             let mut out = Vec::new();
             while core.has_unfinished() {
@@ -195,7 +200,12 @@ fn run_schedule(seed: u64, model: &Path, alone: &mut Alone) -> Result<Ran, Strin
         while next < plan.len() && plan[next].arrives_at <= step {
             let p = &plan[next];
             let id = core
-                .add_request(p.name.clone(), p.prompt.clone(), greedy(p.max_tokens), p.opts.clone())
+                .add_request(
+                    p.name.clone(),
+                    p.prompt.clone(),
+                    greedy(p.max_tokens),
+                    p.opts.clone(),
+                )
                 .map_err(|e| format!("add {}: {}", p.name, e.message))?;
             live.insert(id, (next, Vec::new(), step));
             next += 1;
@@ -241,7 +251,10 @@ fn run_schedule(seed: u64, model: &Path, alone: &mut Alone) -> Result<Ran, Strin
         }
     }
     if !live.is_empty() {
-        return Err(format!("schedule {seed}: {} requests never finished", live.len()));
+        return Err(format!(
+            "schedule {seed}: {} requests never finished",
+            live.len()
+        ));
     }
     let stats = core.stats();
     ran.preemptions = stats.num_preemptions;
@@ -282,7 +295,11 @@ fn every_greedy_output_under_random_schedules_equals_the_prompt_alone() {
     assert!(total.finished > 1000, "finished {}", total.finished);
     assert!(total.aborted > 50, "aborted {}", total.aborted);
     assert!(total.preemptions > 200, "preemptions {}", total.preemptions);
-    assert!(total.prefix_hits > 10_000, "prefix hits {}", total.prefix_hits);
+    assert!(
+        total.prefix_hits > 10_000,
+        "prefix hits {}",
+        total.prefix_hits
+    );
     let distinct: std::collections::HashSet<&Vec<u32>> = alone.outputs.values().collect();
     assert!(
         distinct.len() * 2 > alone.outputs.len(),

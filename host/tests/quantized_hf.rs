@@ -70,7 +70,16 @@ const FORMATS: &[Format] = &[
     },
     Format {
         name: "gptq int4 group 32 desc_act asymmetric",
-        args: &["--method", "gptq", "--bits", "4", "--group-size", "32", "--desc-act", "--asym"],
+        args: &[
+            "--method",
+            "gptq",
+            "--bits",
+            "4",
+            "--group-size",
+            "32",
+            "--desc-act",
+            "--asym",
+        ],
         held: GgmlType::Q4_1,
         static_input: false,
     },
@@ -82,7 +91,15 @@ const FORMATS: &[Format] = &[
     },
     Format {
         name: "gptq int8 group 32 desc_act",
-        args: &["--method", "gptq", "--bits", "8", "--group-size", "32", "--desc-act"],
+        args: &[
+            "--method",
+            "gptq",
+            "--bits",
+            "8",
+            "--group-size",
+            "32",
+            "--desc-act",
+        ],
         held: GgmlType::Q8_0,
         static_input: false,
     },
@@ -248,7 +265,12 @@ impl Fixture {
 
 /// The quantized layers of a model: (weight name, rows, cols).
 fn linears(spec: &TinySpec) -> Vec<(String, usize, usize)> {
-    let (d, q, kv, f) = (spec.hidden_size, spec.q_dim(), spec.kv_dim(), spec.intermediate_size);
+    let (d, q, kv, f) = (
+        spec.hidden_size,
+        spec.q_dim(),
+        spec.kv_dim(),
+        spec.intermediate_size,
+    );
     let mut out = Vec::new();
     for l in 0..spec.num_layers {
         for (name, rows, cols) in [
@@ -359,20 +381,25 @@ fn the_comparison_would_notice_a_misread_format() {
 }
 
 /// The engine's greedy continuation of a fixed prompt, and its prompt ids.
-fn llm_greedy(path: &Path, n: usize, quantization: Option<QuantizationArg>) -> (Vec<u32>, Vec<u32>) {
+fn llm_greedy(
+    path: &Path,
+    n: usize,
+    quantization: Option<QuantizationArg>,
+) -> (Vec<u32>, Vec<u32>) {
     let mut args = EngineArgs::new(path);
     args.threads = 2;
     args.max_model_len = Some(MAX_POSITIONS);
     args.kv_cache_memory = Some(4 << 20);
     args.kv_cache_dtype = KvCacheDtype::F32;
     args.quantization = quantization;
-    let mut llm =
-        LLM::new(args).unwrap_or_else(|e| panic!("LLM::new({}): {e:#}", path.display()));
+    let mut llm = LLM::new(args).unwrap_or_else(|e| panic!("LLM::new({}): {e:#}", path.display()));
     let mut params = SamplingParams::greedy(n);
     params.ignore_eos = true;
     let out = llm
         .generate(
-            &[Prompt::from("hello world the cat sat on the mat in the dog")],
+            &[Prompt::from(
+                "hello world the cat sat on the mat in the dog",
+            )],
             &params,
         )
         .expect("generate");
@@ -393,10 +420,9 @@ fn greedy_continuations_follow_the_reference_argmax_chain() {
             let weights = fx.dequantized_model();
             let mut seq = prompt.clone();
             for (step, &tok) in got.iter().enumerate() {
-                let logits =
-                    reference_logits_with(&weights, &seq, Mistakes::default(), &|l, x| {
-                        fx.round_inputs(l, x)
-                    });
+                let logits = reference_logits_with(&weights, &seq, Mistakes::default(), &|l, x| {
+                    fx.round_inputs(l, x)
+                });
                 let last = logits.last().expect("logits");
                 let scale = last.iter().fold(0f64, |a, v| a.max(v.abs()));
                 let (want, margin) = argmax(last);
@@ -437,7 +463,10 @@ fn edit_tensors(
     let views: BTreeMap<String, TensorView<'_>> = all
         .iter()
         .map(|(n, (dt, shape, data))| {
-            (n.clone(), TensorView::new(*dt, shape.clone(), data).expect("a consistent view"))
+            (
+                n.clone(),
+                TensorView::new(*dt, shape.clone(), data).expect("a consistent view"),
+            )
         })
         .collect();
     safetensors::serialize_to_file(views, None, &path).expect("write");
@@ -480,14 +509,20 @@ fn bad_gptq_checkpoints_are_refused_naming_the_tensor() {
         let s = t.get_mut(&format!("{Q}.scales")).expect("scales");
         s.1 = vec![s.1[0] * 2, s.1[1] / 2];
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.scales"), "shape"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.scales"), "shape"],
+    );
 
     // Missing scales.
     let fx = gptq();
     edit_tensors(&fx, |t| {
         t.remove(&format!("{Q}.scales"));
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.scales"), "missing"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.scales"), "missing"],
+    );
 
     // A packed tensor of the wrong length (one word row short).
     let fx = gptq();
@@ -497,7 +532,10 @@ fn bad_gptq_checkpoints_are_refused_naming_the_tensor() {
         w.1[0] -= 1;
         w.2.truncate(w.2.len() - row);
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.qweight"), "shape"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.qweight"), "shape"],
+    );
 
     // bits = 3.
     let fx = gptq();
@@ -510,7 +548,10 @@ fn bad_gptq_checkpoints_are_refused_naming_the_tensor() {
         let g = t.get_mut(&format!("{Q}.g_idx")).expect("g_idx");
         g.2[0..4].copy_from_slice(&99i32.to_le_bytes());
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.g_idx"), "group 99"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.g_idx"), "group 99"],
+    );
 
     // A layer the config quantizes, stored in float.
     let fx = gptq();
@@ -524,16 +565,20 @@ fn bad_gptq_checkpoints_are_refused_naming_the_tensor() {
             (Dtype::F32, vec![64, 64], vec![0u8; n * 4]),
         );
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.qweight"), "missing"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.qweight"), "missing"],
+    );
 }
 
 #[test]
 fn a_config_whose_method_the_tensors_do_not_match_is_refused() {
     // GPTQ tensors under an AWQ config: AWQ packs along the output.
     let fx = quantize(TinySpec::llama(), FORMATS[0].args);
-    edit_config(&fx, |q| {
-        *q = serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"})
-    });
+    edit_config(
+        &fx,
+        |q| *q = serde_json::json!({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": true, "version": "gemm"}),
+    );
     assert_mentions(
         &load_error(&fx.path, None),
         &["model.layers.0.self_attn.q_proj.qweight", "shape"],
@@ -560,17 +605,25 @@ fn a_config_whose_method_the_tensors_do_not_match_is_refused() {
         let w = t.get_mut(&format!("{Q}.weight")).expect("weight");
         *w = (Dtype::F32, w.1.clone(), vec![0u8; w.2.len() * 4]);
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.weight"), "int8"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.weight"), "int8"],
+    );
 
     // compressed-tensors W4A16 with a packed tensor of the wrong length.
     let fx = quantize(TinySpec::llama(), FORMATS[7].args);
     edit_tensors(&fx, |t| {
-        let w = t.get_mut(&format!("{Q}.weight_packed")).expect("weight_packed");
+        let w = t
+            .get_mut(&format!("{Q}.weight_packed"))
+            .expect("weight_packed");
         w.1[1] -= 1;
         let (rows, cols) = (w.1[0], w.1[1]);
         w.2.truncate(rows * cols * 4);
     });
-    assert_mentions(&load_error(&fx.path, None), &[&format!("{Q}.weight_packed"), "shape"]);
+    assert_mentions(
+        &load_error(&fx.path, None),
+        &[&format!("{Q}.weight_packed"), "shape"],
+    );
 }
 
 #[test]
@@ -598,7 +651,10 @@ fn the_quantization_flag_is_checked_against_the_folder() {
     assert_mentions(&msg, &["--quantization ascend", "compressed-tensors"]);
     // W4A16 is not W8A8.
     let w4 = quantize(TinySpec::llama(), FORMATS[7].args);
-    assert_mentions(&load_error(&w4.path, Some(QuantizationArg::W8A8)), &["W4A16"]);
+    assert_mentions(
+        &load_error(&w4.path, Some(QuantizationArg::W8A8)),
+        &["W4A16"],
+    );
     // int8 is for float checkpoints.
     assert_mentions(
         &load_error(&gptq.path, Some(QuantizationArg::Int8)),
@@ -636,7 +692,11 @@ fn online_int8_quantizes_a_float_checkpoint_at_load() {
         }
         // Embeddings and the LM head stay as stored.
         let e = src
-            .matrix("model.embed_tokens.weight", spec.vocab_size(), spec.hidden_size)
+            .matrix(
+                "model.embed_tokens.weight",
+                spec.vocab_size(),
+                spec.hidden_size,
+            )
             .expect("embeddings");
         assert_eq!(e.ty(), GgmlType::BF16);
 
@@ -651,4 +711,3 @@ fn online_int8_quantizes_a_float_checkpoint_at_load() {
         check_against_reference("online int8", &model, &bf16, 1e-1);
     }
 }
-

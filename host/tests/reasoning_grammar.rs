@@ -57,7 +57,10 @@ fn the_constraint_applies_only_after_the_reasoning_ends() {
         .expect("compiler");
     let digits = StructuredOutputs::new(OutputConstraint::Regex("[0-9]+".into()));
     let is_digit = |t: &u32| ('0'..='9').any(|d| token_id(&d.to_string()) == *t);
-    assert!(!free.iter().all(is_digit), "the free output is not already digits");
+    assert!(
+        !free.iter().all(is_digit),
+        "the free output is not already digits"
+    );
 
     // With the end tokens: free up to and including them, digits after.
     let opts = RequestOptions {
@@ -68,7 +71,10 @@ fn the_constraint_applies_only_after_the_reasoning_ends() {
     let out = run(&mut llm, &prompt, opts);
     assert_eq!(out[..=k], free[..=k], "the reasoning is not constrained");
     assert!(out.len() > k + 1, "an answer follows");
-    assert!(out[k + 1..].iter().all(is_digit), "the answer follows the grammar: {out:?}");
+    assert!(
+        out[k + 1..].iter().all(is_digit),
+        "the answer follows the grammar: {out:?}"
+    );
 
     // Without them, the constraint applies from the first token.
     let opts = RequestOptions {

@@ -21,13 +21,12 @@ fn completion() -> Value {
 fn access_lines(p: &PServer, n: usize) -> Vec<String> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let lines: Vec<String> = p
-            .s
-            .log_text()
-            .lines()
-            .filter(|l| l.contains("pagoda::access"))
-            .map(str::to_string)
-            .collect();
+        let lines: Vec<String> =
+            p.s.log_text()
+                .lines()
+                .filter(|l| l.contains("pagoda::access"))
+                .map(str::to_string)
+                .collect();
         if lines.len() >= n || Instant::now() > deadline {
             return lines;
         }
@@ -70,7 +69,9 @@ fn every_request_gets_one_line_with_its_outcome() {
     let line = |status: &str, path: &str| -> String {
         lines
             .iter()
-            .find(|l| l.contains(&format!("status={status}")) && l.contains(&format!("path={path}")))
+            .find(|l| {
+                l.contains(&format!("status={status}")) && l.contains(&format!("path={path}"))
+            })
             .unwrap_or_else(|| panic!("no {status} line for {path} in:\n{}", lines.join("\n")))
             .clone()
     };
@@ -94,7 +95,10 @@ fn every_request_gets_one_line_with_its_outcome() {
     assert!(line("404", "/v1/no-such-route").contains("error=invalid_request_error"));
     let log = p.s.log_text();
     assert!(!log.contains(KEY), "the tenant key is in the log:\n{log}");
-    assert!(!log.contains("capital of France"), "prompt text without --enable-log-requests:\n{log}");
+    assert!(
+        !log.contains("capital of France"),
+        "prompt text without --enable-log-requests:\n{log}"
+    );
 }
 
 #[test]
@@ -112,7 +116,10 @@ fn json_lines_with_prompts_when_asked_and_none_when_disabled() {
     assert_eq!(entry["target"], "pagoda::access", "{entry}");
     assert_eq!(entry["status"], 200, "{entry}");
     assert_eq!(entry["request_id"], ok["id"], "{entry}");
-    assert_eq!(entry["completion_tokens"], ok["usage"]["completion_tokens"], "{entry}");
+    assert_eq!(
+        entry["completion_tokens"], ok["usage"]["completion_tokens"],
+        "{entry}"
+    );
     assert_eq!(entry["prompt"], "The capital of France is", "{entry}");
 
     let dir = TempDir::new("access-log-off");

@@ -92,7 +92,10 @@ fn control_token_text_in_tools_and_tool_calls_stays_text() {
             specials(&b),
             "{field}: the injected text added control tokens"
         );
-        assert!(h.len() > b.len(), "{field}: the injected text is in the prompt as text");
+        assert!(
+            h.len() > b.len(),
+            "{field}: the injected text is in the prompt as text"
+        );
         // /tokenize sees exactly what the engine got.
         let mut body = chat_body(field, HOSTILE);
         for k in ["max_tokens", "temperature", "prompt_logprobs"] {
@@ -100,7 +103,10 @@ fn control_token_text_in_tools_and_tool_calls_stays_text() {
         }
         let (st, t) = s.post("/tokenize", &body);
         assert_eq!(st, 200, "{t}");
-        assert_eq!(t["count"], hostile["usage"]["prompt_tokens"], "{field}: /tokenize vs chat");
+        assert_eq!(
+            t["count"], hostile["usage"]["prompt_tokens"],
+            "{field}: /tokenize vs chat"
+        );
     }
 }
 
@@ -117,7 +123,10 @@ fn tokenize_is_bounded_and_constraints_are_checked_before_admission() {
         assert_eq!(v["error"]["code"], "context_length_exceeded", "{v}");
     }
     // /detokenize takes at most a context's worth of ids (2048 here).
-    let (st, v) = s.post("/detokenize", &json!({"model": "smol", "tokens": vec![1; 3000]}));
+    let (st, v) = s.post(
+        "/detokenize",
+        &json!({"model": "smol", "tokens": vec![1; 3000]}),
+    );
     assert_eq!(st, 400, "{v}");
     assert_eq!(v["error"]["param"], "tokens", "{v}");
     let (st, v) = s.post("/detokenize", &json!({"model": "smol", "tokens": [1, 2]}));
@@ -166,18 +175,31 @@ fn the_operator_chooses_how_tenants_appear_in_metrics_and_where() {
         let dir = TempDir::new("metrics-label");
         let p = start(&dir, &["--metrics-tenant-label", mode]);
         p.put_tenant("acme", json!({"api_keys": [KEY]}));
-        let (st, v) = p.post_as(KEY, "/v1/completions", &json!({"model": "smol", "prompt": "Hi", "max_tokens": 2}));
+        let (st, v) = p.post_as(
+            KEY,
+            "/v1/completions",
+            &json!({"model": "smol", "prompt": "Hi", "max_tokens": 2}),
+        );
         assert_eq!(st, 200, "{v}");
         let (_, tenant) = p.admin("GET", "/admin/v1/tenants/acme", None);
-        let label = tenant["metrics_label"].as_str().expect("metrics_label").to_string();
+        let label = tenant["metrics_label"]
+            .as_str()
+            .expect("metrics_label")
+            .to_string();
         let (_, metrics) = p.s.get("/metrics");
         let labels = tenant_metric_labels(&metrics);
         assert_eq!(labels, [label.clone()], "{mode}: {metrics}");
         match want {
             Some(w) => assert_eq!(label, w, "{mode}"),
             None => {
-                assert!(label.starts_with("t-") && label.len() == 18, "{mode}: {label}");
-                assert!(!metrics.contains("acme"), "{mode}: the tenant's name is exposed");
+                assert!(
+                    label.starts_with("t-") && label.len() == 18,
+                    "{mode}: {label}"
+                );
+                assert!(
+                    !metrics.contains("acme"),
+                    "{mode}: the tenant's name is exposed"
+                );
             }
         }
     }

@@ -32,7 +32,10 @@ fn fuel_of(p: &PServer, tenant: &str, plugin: &str) -> f64 {
 #[test]
 fn a_looping_plugin_runs_out_of_fuel_and_fails_only_its_request() {
     let dir = TempDir::new("fuel");
-    let p = Arc::new(start(&dir, &["--plugin-fuel", "--metrics-tenant-label", "id"]));
+    let p = Arc::new(start(
+        &dir,
+        &["--plugin-fuel", "--metrics-tenant-label", "id"],
+    ));
 
     // A loop with a small fuel budget and a long deadline.
     p.put_tenant(

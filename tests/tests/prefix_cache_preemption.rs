@@ -29,7 +29,16 @@ fn prompt(round: usize, i: usize) -> String {
     let mut p = String::from(
         "The following is a report on how people in a small town spend their evenings. ",
     );
-    let topics = ["television", "reading", "walking", "cooking", "music", "games", "gardening", "letters"];
+    let topics = [
+        "television",
+        "reading",
+        "walking",
+        "cooking",
+        "music",
+        "games",
+        "gardening",
+        "letters",
+    ];
     for k in 0..60 {
         p.push_str(&format!(
             "Survey {round}-{i} entry {k}: a household of {} reported {} hours of {} on day {}. ",

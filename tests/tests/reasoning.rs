@@ -41,7 +41,10 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
     let (st, v) = s.post("/v1/chat/completions", &chat(json!({})));
     assert_eq!(st, 200, "{v}");
     let msg = &v["choices"][0]["message"];
-    let reasoning = msg["reasoning_content"].as_str().expect("reasoning_content").to_string();
+    let reasoning = msg["reasoning_content"]
+        .as_str()
+        .expect("reasoning_content")
+        .to_string();
     assert!(!reasoning.is_empty(), "{v}");
     assert!(msg["content"].is_null(), "{v}");
 
@@ -55,7 +58,10 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         }
         let c: Value = serde_json::from_str(line).expect("chunk");
         let d = &c["choices"][0]["delta"];
-        assert!(d.get("content").is_none_or(|x| x == ""), "no answer text while reasoning: {c}");
+        assert!(
+            d.get("content").is_none_or(|x| x == ""),
+            "no answer text while reasoning: {c}"
+        );
         if let Some(r) = d["reasoning_content"].as_str() {
             streamed.push_str(r);
         }
@@ -73,12 +79,21 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         t["count"].as_u64().expect("count")
     };
     let off = json!({"chat_template_kwargs": {"enable_thinking": false}});
-    assert!(count(off.clone()) > count(json!({})), "the kwarg changed the prompt");
+    assert!(
+        count(off.clone()) > count(json!({})),
+        "the kwarg changed the prompt"
+    );
     let (st, v) = s.post("/v1/chat/completions", &chat(off.clone()));
     assert_eq!(st, 200, "{v}");
     let msg = &v["choices"][0]["message"];
-    assert!(msg["content"].as_str().is_some_and(|c| !c.is_empty()), "{v}");
-    assert!(msg.get("reasoning_content").is_none_or(Value::is_null), "{v}");
+    assert!(
+        msg["content"].as_str().is_some_and(|c| !c.is_empty()),
+        "{v}"
+    );
+    assert!(
+        msg.get("reasoning_content").is_none_or(Value::is_null),
+        "{v}"
+    );
     assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(count(off)));
 
     // With thinking off, a JSON schema constrains the answer at once.
@@ -90,9 +105,14 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
             "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})),
     );
     assert_eq!(st, 200, "{v}");
-    let content = v["choices"][0]["message"]["content"].as_str().expect("content");
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
     let parsed: Value = serde_json::from_str(content).expect("JSON answer");
-    assert!(parsed["answer"] == "yes" || parsed["answer"] == "no", "{content}");
+    assert!(
+        parsed["answer"] == "yes" || parsed["answer"] == "no",
+        "{content}"
+    );
     // With thinking on, the schema waits for the reasoning to end, which
     // it does not here: the output is free reasoning, not JSON.
     let (st, v) = s.post(
@@ -100,7 +120,10 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         &chat(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})),
     );
     assert_eq!(st, 200, "{v}");
-    assert_eq!(v["choices"][0]["message"]["reasoning_content"].as_str(), Some(reasoning.as_str()));
+    assert_eq!(
+        v["choices"][0]["message"]["reasoning_content"].as_str(),
+        Some(reasoning.as_str())
+    );
 
     // The Responses API: the reasoning is an item of its own.
     let (st, v) = s.post(
@@ -111,5 +134,9 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
     let item = &v["output"][0];
     assert_eq!(item["type"], "reasoning", "{v}");
     assert_eq!(item["content"][0]["type"], "reasoning_text", "{v}");
-    assert_eq!(item["content"][0]["text"].as_str(), Some(reasoning.as_str()), "{v}");
+    assert_eq!(
+        item["content"][0]["text"].as_str(),
+        Some(reasoning.as_str()),
+        "{v}"
+    );
 }

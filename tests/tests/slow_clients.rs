@@ -24,8 +24,7 @@ fn slowloris(addr: String, stop: Arc<AtomicBool>, opened: Arc<AtomicUsize>) {
         };
         opened.fetch_add(1, Ordering::Relaxed);
         let _ = s.set_write_timeout(Some(Duration::from_secs(1)));
-        if s
-            .write_all(b"POST /v1/completions HTTP/1.1\r\nHost: pagoda\r\n")
+        if s.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: pagoda\r\n")
             .is_err()
         {
             continue;
@@ -66,9 +65,9 @@ fn slowloris_connections_at_a_low_descriptor_limit_do_not_starve_requests() {
     let mut failures = Vec::new();
     for i in 0..20 {
         // A fresh connection each, as a new client's would be.
-        let r = agent()
-            .post(&s.url("/v1/completions"))
-            .send_json(json!({"model": "smol", "prompt": format!("Request {i}:"), "max_tokens": 4}));
+        let r = agent().post(&s.url("/v1/completions")).send_json(
+            json!({"model": "smol", "prompt": format!("Request {i}:"), "max_tokens": 4}),
+        );
         match r {
             Ok(r) if r.status().as_u16() == 200 => served += 1,
             Ok(r) => failures.push(format!("request {i}: {}", r.status())),
@@ -94,7 +93,12 @@ fn slowloris_connections_at_a_low_descriptor_limit_do_not_starve_requests() {
         (served, probes),
         (20, 20),
         "{failures:?}\n{}",
-        s.log_text().lines().rev().take(20).collect::<Vec<_>>().join("\n")
+        s.log_text()
+            .lines()
+            .rev()
+            .take(20)
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     assert!(
         reconnected,

@@ -67,7 +67,10 @@ fn wait_saturated(p: &PServer) {
 #[test]
 fn weights_three_to_one_split_generated_tokens_three_to_one() {
     let dir = TempDir::new("fair-share");
-    let p = start(&dir, &["--max-num-seqs", "4", "--metrics-tenant-label", "id"]);
+    let p = start(
+        &dir,
+        &["--max-num-seqs", "4", "--metrics-tenant-label", "id"],
+    );
     // The admin API validates and reports a tenant's scheduling.
     for bad in [
         json!({"weight": 0}),

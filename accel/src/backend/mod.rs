@@ -259,7 +259,9 @@ impl<'a> HostMatrix<'a> {
     /// column count, and inputs read the same way.
     pub fn can_concat(parts: &[HostMatrix<'_>]) -> bool {
         parts.first().is_some_and(|first| {
-            parts.iter().all(|p| p.ty == first.ty && p.cols == first.cols)
+            parts
+                .iter()
+                .all(|p| p.ty == first.ty && p.cols == first.cols)
                 && HostMatrix::concat_affine(parts).is_ok()
         })
     }

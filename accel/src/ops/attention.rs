@@ -399,7 +399,10 @@ pub(crate) fn paged_attention_at<T: KvElem>(
     out: &mut [f32],
 ) {
     check_level(level);
-    assert!(window != Some(0), "paged_attention: a window of 0 positions");
+    assert!(
+        window != Some(0),
+        "paged_attention: a window of 0 positions"
+    );
     let d = layout.head_dim;
     let n_kv = layout.n_kv_heads;
     let bs = layout.block_size;
@@ -1967,7 +1970,9 @@ mod tests {
                 ctx_len: ctx,
                 block_table: &table,
             }];
-            paged_attention_at(level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, &mut out);
+            paged_attention_at(
+                level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, &mut out,
+            );
             for t in 0..40 {
                 // Score of position p is 10p: the last visible position wins.
                 let pos = (ctx - 40 + t) as f32;
@@ -2219,8 +2224,7 @@ mod tests {
             ];
             let mut ob = vec![f32::NAN; qb.len()];
             paged_attention_at(
-                level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window,
-                &mut ob,
+                level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, &mut ob,
             );
             out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
             start += len;

@@ -89,10 +89,16 @@ impl Affine {
                 return bad(format!("input scale {} is not positive", a.scale));
             }
             if !(a.offset.is_finite() && a.offset.fract() == 0.0 && a.offset.abs() <= 128.0) {
-                return bad(format!("input offset {} is not an int8 zero point", a.offset));
+                return bad(format!(
+                    "input offset {} is not an int8 zero point",
+                    a.offset
+                ));
             }
         }
-        for (name, v) in [("output scales", &self.out_scale), ("output biases", &self.out_bias)] {
+        for (name, v) in [
+            ("output scales", &self.out_scale),
+            ("output biases", &self.out_bias),
+        ] {
             if let Some(v) = v {
                 if v.len() != rows {
                     return bad(format!("{} {name} for {rows} rows", v.len()));
@@ -198,8 +204,12 @@ impl Affine {
                 return None;
             }
         }
-        let any_scale = parts.iter().any(|(a, _)| a.is_some_and(|a| a.out_scale.is_some()));
-        let any_bias = parts.iter().any(|(a, _)| a.is_some_and(|a| a.out_bias.is_some()));
+        let any_scale = parts
+            .iter()
+            .any(|(a, _)| a.is_some_and(|a| a.out_scale.is_some()));
+        let any_bias = parts
+            .iter()
+            .any(|(a, _)| a.is_some_and(|a| a.out_bias.is_some()));
         let stack = |pick: fn(&Affine) -> &Option<Vec<f32>>, fill: f32| -> Vec<f32> {
             let mut v = Vec::new();
             for (a, rows) in parts {

@@ -1079,7 +1079,12 @@ fn ref_affine_input(x: &[f32], cols: usize, perm: &[u32], scale: f32, offset: f3
 fn affine_matmul_is_the_plain_matmul_of_the_rewritten_input_then_scaled_and_biased() {
     let mut rng = StdRng::seed_from_u64(41);
     let pool = ThreadPool::new(2);
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_1, GgmlType::Q4_0, GgmlType::F32] {
+    for ty in [
+        GgmlType::Q8_0,
+        GgmlType::Q4_1,
+        GgmlType::Q4_0,
+        GgmlType::F32,
+    ] {
         let (rows, cols) = (24, 96);
         let bytes = random_bytes(&mut rng, ty, rows, cols);
         let mut perm: Vec<u32> = (0..cols as u32).collect();
@@ -1116,7 +1121,13 @@ fn affine_matmul_is_the_plain_matmul_of_the_rewritten_input_then_scaled_and_bias
             let wide = vec![true; m];
             wrapped.matmul_rows(&pool, &x, m, &mut got, &mut MatmulScratch::default(), &wide);
             let mut got_plain_path = vec![0f32; m * rows];
-            wrapped.matmul(&pool, &x, m, &mut got_plain_path, &mut MatmulScratch::default());
+            wrapped.matmul(
+                &pool,
+                &x,
+                m,
+                &mut got_plain_path,
+                &mut MatmulScratch::default(),
+            );
             assert_eq!(got_plain_path, want, "{ty} m={m}: matmul");
             if !plain.has_wide_kernel() {
                 assert_eq!(got, want, "{ty} m={m}: matmul_rows");

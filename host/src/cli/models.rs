@@ -9,7 +9,9 @@ pub fn run() {
         println!("{hf:<22} {gguf:<8} {examples}");
     }
     println!();
-    println!("formats: Hugging Face folders (config.json as transformers 4 or 5 writes it, safetensors)");
+    println!(
+        "formats: Hugging Face folders (config.json as transformers 4 or 5 writes it, safetensors)"
+    );
     println!("           float32, bfloat16, float16");
     println!("           --quantization gptq: GPTQ int4/int8 (group size incl. -1, desc_act, sym or not)");
     println!("           --quantization awq: AWQ int4");

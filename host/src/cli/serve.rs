@@ -173,7 +173,9 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             flag.display()
         ),
         (None, Some(_)) => {}
-        (None, None) => bail!("no model given: `pagoda serve MODEL` or `pagoda serve --model MODEL`"),
+        (None, None) => {
+            bail!("no model given: `pagoda serve MODEL` or `pagoda serve --model MODEL`")
+        }
     }
     check_unbuilt(&a)?;
     let label: crate::tenants::metric_label::TenantLabel = a.metrics_tenant_label.parse()?;
@@ -219,11 +221,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             },
             auto_tool_parser,
             metrics_port: a.metrics_port,
-            reasoning_parser: a
-                .reasoning_parser
-                .as_deref()
-                .map(str::parse)
-                .transpose()?,
+            reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,
                 log_prompts: a.enable_log_requests && !a.disable_log_requests,

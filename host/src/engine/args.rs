@@ -8,8 +8,8 @@ use crate::engine::generation_config::{self, GenerationConfig, GenerationConfigS
 use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::gguf_weights::GgufWeights;
-use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::hf_quant::QuantizationArg;
+use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
 use crate::engine::models::{LlamaModel, Workspace};
 use crate::engine::runner::{ModelExecutor, ModelRunner};
@@ -146,7 +146,11 @@ pub fn load_model<B: Backend>(
         override_chat_template(&mut tokenizer, args)?;
         let source = SafetensorsSource::open(path, args.dtype, args.quantization)?;
         if let Some(s) = source.scheme() {
-            tracing::info!("{}: {} checkpoint, kept quantized", path.display(), s.describe());
+            tracing::info!(
+                "{}: {} checkpoint, kept quantized",
+                path.display(),
+                s.describe()
+            );
         }
         let model = LlamaModel::load(backend, &source, config.clone(), max_positions(&config))?;
         let unused_tensors = source.unused();

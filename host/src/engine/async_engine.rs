@@ -407,7 +407,11 @@ fn engine_loop(
                     reply,
                 } => {
                     // A prompt counts once, whatever its number of samples.
-                    let n = if opts.sample_index == 0 { prompt_ids.len() } else { 0 };
+                    let n = if opts.sample_index == 0 {
+                        prompt_ids.len()
+                    } else {
+                        0
+                    };
                     let tenant = tenant_label(&opts.tenant.name);
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {

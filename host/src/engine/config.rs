@@ -646,7 +646,8 @@ fn read_hf_sliding_windows(
     if !sliding.contains(&true) {
         return Ok(Vec::new());
     }
-    let w = window.context("layers use sliding-window attention, but 'sliding_window' is not set")?;
+    let w =
+        window.context("layers use sliding-window attention, but 'sliding_window' is not set")?;
     Ok(sliding.into_iter().map(|s| s.then_some(w)).collect())
 }
 
@@ -654,19 +655,63 @@ fn read_hf_sliding_windows(
 /// change nothing in the forward pass or are read above. Any other key is
 /// reported in one warning at load, so that a new key is noticed.
 const KNOWN_HF_KEYS: &[&str] = &[
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta",
-    "rope_scaling", "rope_parameters", "partial_rotary_factor", "max_position_embeddings",
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "hidden_act", "hidden_activation",
-    "sliding_window", "use_sliding_window", "max_window_layers", "layer_types",
-    "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "initializer_range",
-    "attention_dropout", "pretraining_tp", "quantization_config", "_name_or_path",
-    "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
-    "id2label", "label2id", "problem_type", "tokenizer_class", "chunk_size_feed_forward",
-    "add_cross_attention", "is_decoder", "cross_attention_hidden_size", "tf_legacy_loss",
-    "use_bfloat16", "torchscript", "pruned_heads", "finetuning_task", "task_specific_params",
-    "prefix", "sep_token_id", "decoder_start_token_id",
+    "architectures",
+    "model_type",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "hidden_act",
+    "hidden_activation",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+    "pretraining_tp",
+    "quantization_config",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "tokenizer_class",
+    "chunk_size_feed_forward",
+    "add_cross_attention",
+    "is_decoder",
+    "cross_attention_hidden_size",
+    "tf_legacy_loss",
+    "use_bfloat16",
+    "torchscript",
+    "pruned_heads",
+    "finetuning_task",
+    "task_specific_params",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

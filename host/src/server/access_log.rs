@@ -152,7 +152,11 @@ impl Pending {
 
     /// Ties the line to `resp`: it is written when the body has been sent
     /// or dropped. `error_type` is the OpenAI error type of a failure.
-    pub fn finish(mut self, resp: Response<Body>, error_type: Option<&'static str>) -> Response<Body> {
+    pub fn finish(
+        mut self,
+        resp: Response<Body>,
+        error_type: Option<&'static str>,
+    ) -> Response<Body> {
         if !self.config.enabled {
             return resp;
         }
@@ -178,14 +182,21 @@ impl Drop for Pending {
         }
         let r = &self.record;
         let tenant = r.tenant.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let request_id = r.request_id.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let request_id = r
+            .request_id
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let prompt = r.prompt.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let count = |a: &AtomicUsize| {
             let v = a.load(Ordering::Relaxed);
             (v != UNSET).then_some(v as u64)
         };
         let ms = |d: std::time::Duration| (d.as_secs_f64() * 1e4).round() / 10.0;
-        let ttft = r.first_token.get().map(|t| ms(t.duration_since(self.started)));
+        let ttft = r
+            .first_token
+            .get()
+            .map(|t| ms(t.duration_since(self.started)));
         tracing::info!(
             target: "pagoda::access",
             method = %self.method,

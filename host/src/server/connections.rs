@@ -177,12 +177,11 @@ impl Registry {
     fn evict_idlest(&self) -> bool {
         let g = self.lock();
         let now = Instant::now();
-        let victim = g
-            .1
-            .values()
-            .filter(|c| c.requests == 0 && now.duration_since(c.idle_since) >= EVICT_AFTER_IDLE)
-            .filter(|c| !c.eviction.evicted.load(Ordering::Acquire))
-            .min_by_key(|c| c.idle_since);
+        let victim =
+            g.1.values()
+                .filter(|c| c.requests == 0 && now.duration_since(c.idle_since) >= EVICT_AFTER_IDLE)
+                .filter(|c| !c.eviction.evicted.load(Ordering::Acquire))
+                .min_by_key(|c| c.idle_since);
         match victim {
             Some(c) => {
                 c.eviction.evicted.store(true, Ordering::Release);
@@ -328,7 +327,10 @@ impl Acceptor {
             // Every slot taken: the connection idle the longest makes room.
             if permit.is_none() && self.registry.evict_idlest() {
                 let slot = Arc::clone(&self.slots).acquire_owned();
-                permit = tokio::time::timeout(EVICT_WAIT, slot).await.ok().and_then(Result::ok);
+                permit = tokio::time::timeout(EVICT_WAIT, slot)
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
             }
             if let Some(permit) = permit {
                 let conn = self.registry.register();

@@ -628,7 +628,6 @@ fn tokenizer_info(state: &AppState) -> Result<Response<Body>, ApiError> {
     })))
 }
 
-
 /// Loads the model, then runs a one-token forward; marks the server ready
 /// only if both succeed within the timeout.
 fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {

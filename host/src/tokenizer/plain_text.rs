@@ -65,7 +65,8 @@ impl PlainText {
     /// `s` with its special-token text swapped, or `None` if it holds none.
     fn protect_str(&mut self, tok: &Tokenizer, s: &str) -> Result<Option<String>> {
         let specials = tok.special_texts();
-        let placeholder_char = |c: char| (FIRST..FIRST + MAX_PLACEHOLDERS as u32).contains(&(c as u32));
+        let placeholder_char =
+            |c: char| (FIRST..FIRST + MAX_PLACEHOLDERS as u32).contains(&(c as u32));
         if !specials.iter().any(|t| s.contains(t.as_str())) && !s.chars().any(placeholder_char) {
             return Ok(None);
         }

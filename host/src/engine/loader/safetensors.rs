@@ -141,8 +141,7 @@ impl SafetensorsSource {
     /// (what `--quantization int8` quantizes; embeddings and the LM head
     /// stay as they are, as in vLLM's online quantization).
     fn is_layer_linear(name: &str) -> bool {
-        name.starts_with("model.layers.")
-            && name.ends_with("_proj.weight")
+        name.starts_with("model.layers.") && name.ends_with("_proj.weight")
     }
 
     /// The checkpoint's tensors that nothing has read, sorted: after a
@@ -251,8 +250,9 @@ impl WeightSource for SafetensorsSource {
             let (path, t) = self.tensor(name)?;
             check_shape(path, name, t.shape(), &[rows, cols])?;
             let values = to_f32(path, name, t.dtype(), t.data())?;
-            return HostMatrix::from_f32_as(GgmlType::Q8_0, rows, cols, &values)
-                .with_context(|| format!("{}: tensor '{name}': quantizing to int8", path.display()));
+            return HostMatrix::from_f32_as(GgmlType::Q8_0, rows, cols, &values).with_context(
+                || format!("{}: tensor '{name}': quantizing to int8", path.display()),
+            );
         }
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[rows, cols])?;

@@ -202,9 +202,9 @@ pub async fn render(
             prompts
                 .into_iter()
                 .map(|p| match p {
-                    PromptInput::Text(t) => tok.encode(&t, true).map_err(|e| {
-                        ApiError::invalid(Some("prompt".into()), format!("{e:#}"))
-                    }),
+                    PromptInput::Text(t) => tok
+                        .encode(&t, true)
+                        .map_err(|e| ApiError::invalid(Some("prompt".into()), format!("{e:#}"))),
                     PromptInput::Tokens(t) => Ok(t),
                 })
                 .collect::<Result<Vec<_>, _>>()
@@ -249,7 +249,9 @@ pub async fn tokenize(
     } else {
         let text = f
             .str("prompt")?
-            .ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required"))?
+            .ok_or_else(|| {
+                ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
+            })?
             .to_string();
         check_prompt_size(&tok, text.len(), engine.max_model_len(), "prompt")?;
         off_runtime(move || {
@@ -712,13 +714,7 @@ async fn start_run(
             let mut opts = common.opts.clone();
             opts.sample_index = si;
             let eid = engine
-                .submit(
-                    format!("{id}-{pi}-{si}"),
-                    ids.clone(),
-                    p,
-                    opts,
-                    tx.clone(),
-                )
+                .submit(format!("{id}-{pi}-{si}"), ids.clone(), p, opts, tx.clone())
                 .await
                 .map_err(|e| match e {
                     SubmitError::Invalid(e) => {
@@ -1311,7 +1307,9 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                                     Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
                                 break Some((Ok(Frame::data(b)), (run, Phase::End)));
                             }
-                            let Some(i) = run.absorb(&mut o) else { continue };
+                            let Some(i) = run.absorb(&mut o) else {
+                                continue;
+                            };
                             let chunk = if run.tools.is_some() {
                                 run.tool_delta_chunk(i, &o)
                             } else {

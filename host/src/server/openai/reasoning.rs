@@ -41,7 +41,11 @@ impl std::str::FromStr for ReasoningParser {
 fn partial_tag(text: &str, tag: &str) -> usize {
     (1..tag.len())
         .rev()
-        .find(|&n| text.len() >= n && text.is_char_boundary(text.len() - n) && tag.starts_with(&text[text.len() - n..]))
+        .find(|&n| {
+            text.len() >= n
+                && text.is_char_boundary(text.len() - n)
+                && tag.starts_with(&text[text.len() - n..])
+        })
         .unwrap_or(0)
 }
 
@@ -129,7 +133,10 @@ mod tests {
     #[test]
     fn deepseek_r1_output_starts_inside_the_reasoning() {
         let p = ReasoningParser::DeepSeekR1;
-        assert_eq!(p.classify("Let me see.</think>\n\n42", true), ("Let me see.", "\n\n42"));
+        assert_eq!(
+            p.classify("Let me see.</think>\n\n42", true),
+            ("Let me see.", "\n\n42")
+        );
         assert_eq!(p.classify("<think>Hmm</think>Yes", true), ("Hmm", "Yes"));
         // Cut short: all reasoning.
         assert_eq!(p.classify("Still thinking", true), ("Still thinking", ""));
@@ -138,7 +145,10 @@ mod tests {
     #[test]
     fn qwen3_without_a_think_tag_is_all_answer() {
         let p = ReasoningParser::Qwen3;
-        assert_eq!(p.classify("<think>\nok\n</think>\n\nHi", true), ("\nok\n", "\n\nHi"));
+        assert_eq!(
+            p.classify("<think>\nok\n</think>\n\nHi", true),
+            ("\nok\n", "\n\nHi")
+        );
         assert_eq!(p.classify("Hi there", true), ("", "Hi there"));
         assert_eq!(p.classify("<think>cut", true), ("cut", ""));
     }
@@ -147,7 +157,10 @@ mod tests {
     fn a_prompt_that_closed_its_reasoning_lets_the_constraint_apply_at_once() {
         let (s, e) = ([1, 2], [3, 4]);
         assert!(prompt_closed_reasoning(&[9, 1, 2, 3, 4, 9], &s, &e));
-        assert!(!prompt_closed_reasoning(&[9, 3, 4, 1, 2], &s, &e), "reopened");
+        assert!(
+            !prompt_closed_reasoning(&[9, 3, 4, 1, 2], &s, &e),
+            "reopened"
+        );
         assert!(!prompt_closed_reasoning(&[9, 9], &s, &e));
         assert!(prompt_closed_reasoning(&[3, 4], &s, &e));
     }

@@ -535,7 +535,12 @@ pub async fn responses(
             .get("text")
             .cloned()
             .unwrap_or_else(|| json!({"format": {"type": "text"}})),
-        tools: f.0.get("tools").cloned().filter(|v| !v.is_null()).unwrap_or(json!([])),
+        tools: f
+            .0
+            .get("tools")
+            .cloned()
+            .filter(|v| !v.is_null())
+            .unwrap_or(json!([])),
         tool_choice: f
             .0
             .get("tool_choice")
@@ -596,7 +601,10 @@ fn final_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
 /// [`final_output`]'s answer: its text as a message, or its function calls.
 fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
     let c = &run.choices[0];
-    let parsed = run.tools.as_ref().map(|m| super::tools::extract(m, &c.text));
+    let parsed = run
+        .tools
+        .as_ref()
+        .map(|m| super::tools::extract(m, &c.text));
     match parsed {
         Some(p) if !p.calls.is_empty() => {
             let mut items = Vec::new();
@@ -639,11 +647,17 @@ fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
     let mut ev = Vec::new();
     if item["type"] == "reasoning" {
         open["content"] = json!([]);
-        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+        ev.push((
+            "response.output_item.added",
+            json!({"output_index": index, "item": open}),
+        ));
     } else if item["type"] == "function_call" {
         open["arguments"] = json!("");
         let args = item["arguments"].clone();
-        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+        ev.push((
+            "response.output_item.added",
+            json!({"output_index": index, "item": open}),
+        ));
         ev.push((
             "response.function_call_arguments.delta",
             json!({"item_id": id, "output_index": index, "delta": args}),
@@ -656,7 +670,10 @@ fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
         open["content"] = json!([]);
         let part = item["content"][0].clone();
         let text = part["text"].clone();
-        ev.push(("response.output_item.added", json!({"output_index": index, "item": open})));
+        ev.push((
+            "response.output_item.added",
+            json!({"output_index": index, "item": open}),
+        ));
         ev.push((
             "response.content_part.added",
             json!({"item_id": id, "output_index": index, "content_index": 0,
@@ -669,12 +686,20 @@ fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
         ));
         ev.extend(text_closing(&id, index, &text, &part));
     }
-    ev.push(("response.output_item.done", json!({"output_index": index, "item": item})));
+    ev.push((
+        "response.output_item.done",
+        json!({"output_index": index, "item": item}),
+    ));
     ev
 }
 
 /// The events that close a message's text part.
-fn text_closing(id: &Value, index: usize, text: &Value, part: &Value) -> [(&'static str, Value); 2] {
+fn text_closing(
+    id: &Value,
+    index: usize,
+    text: &Value,
+    part: &Value,
+) -> [(&'static str, Value); 2] {
     [
         (
             "response.output_text.done",
@@ -772,7 +797,10 @@ fn stream_events(
             let item = &items[0];
             let part = item["content"][0].clone();
             closing.extend(text_closing(&json!(msg_id), 0, &part["text"], &part));
-            closing.push(("response.output_item.done", json!({"output_index": 0, "item": item})));
+            closing.push((
+                "response.output_item.done",
+                json!({"output_index": 0, "item": item}),
+            ));
         } else {
             for (i, item) in items.iter().enumerate() {
                 closing.extend(item_events(item, i));

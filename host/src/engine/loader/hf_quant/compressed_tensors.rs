@@ -153,7 +153,11 @@ impl CompressedTensors {
             .collect();
         format!(
             "compressed-tensors {}: {}",
-            if self.packed { "pack-quantized" } else { "int-quantized" },
+            if self.packed {
+                "pack-quantized"
+            } else {
+                "int-quantized"
+            },
             parts.join("; ")
         )
     }
@@ -194,7 +198,9 @@ impl CompressedTensors {
                 self.describe()
             ),
         };
-        group.linear(store, prefix, rows, cols, self.packed).map(Some)
+        group
+            .linear(store, prefix, rows, cols, self.packed)
+            .map(Some)
     }
 }
 
@@ -219,8 +225,12 @@ impl ConfigGroup {
         let bits = int_field(w, &["num_bits"])?.context("weights.num_bits is missing")?;
         match (packed, bits) {
             (false, 8) | (true, 4) | (true, 8) => {}
-            (false, b) => bail!("int-quantized weights with num_bits = {b} are not supported (8 is)"),
-            (true, b) => bail!("pack-quantized weights with num_bits = {b} are not supported (4 and 8 are)"),
+            (false, b) => {
+                bail!("int-quantized weights with num_bits = {b} are not supported (8 is)")
+            }
+            (true, b) => {
+                bail!("pack-quantized weights with num_bits = {b} are not supported (4 and 8 are)")
+            }
         }
         let strategy = match w.get("strategy").and_then(Value::as_str) {
             Some("tensor") => Strategy::Tensor,
@@ -229,9 +239,9 @@ impl ConfigGroup {
                 Some(n) if n > 0 => Strategy::Group(n as usize),
                 _ => bail!("weights.strategy 'group' needs a positive group_size"),
             },
-            other => bail!(
-                "weights.strategy {other:?} is not supported (tensor, channel and group are)"
-            ),
+            other => {
+                bail!("weights.strategy {other:?} is not supported (tensor, channel and group are)")
+            }
         };
         match w.get("actorder") {
             None | Some(Value::Null) => {}
@@ -241,7 +251,9 @@ impl ConfigGroup {
             None | Some(Value::Null) => None,
             Some(a) => {
                 let bits = int_field(a, &["num_bits"])?;
-                if bits != Some(8) || a.get("type").and_then(Value::as_str).unwrap_or("int") != "int" {
+                if bits != Some(8)
+                    || a.get("type").and_then(Value::as_str).unwrap_or("int") != "int"
+                {
                     bail!("input_activations must be 8-bit int (got {a})");
                 }
                 if !bool_field(a, "symmetric", true)? {
@@ -288,9 +300,7 @@ impl ConfigGroup {
                 _ => shape.i32s()?.into_iter().map(i64::from).collect(),
             };
             if s != [rows as i64, cols as i64] {
-                bail!(
-                    "tensor '{prefix}.weight_shape' is {s:?}, but the layer is [{rows}, {cols}]"
-                );
+                bail!("tensor '{prefix}.weight_shape' is {s:?}, but the layer is [{rows}, {cols}]");
             }
             let per = (32 / b) as usize;
             if cols % per != 0 {
@@ -333,7 +343,8 @@ impl ConfigGroup {
             bail!("tensor '{prefix}.weight_zero_point' holds {z}, not an integer");
         }
         // Per-tensor and per-channel scales stay f32, outside the blocks.
-        let (mut lane_scales, mut lane_zeros) = (vec![1f32; rows * lanes], vec![0i32; rows * lanes]);
+        let (mut lane_scales, mut lane_zeros) =
+            (vec![1f32; rows * lanes], vec![0i32; rows * lanes]);
         let per_row = |n: usize| match self.strategy {
             Strategy::Tensor => 0,
             _ => n,

@@ -38,9 +38,19 @@ pub struct Gptq {
 
 impl PartialEq for Gptq {
     fn eq(&self, o: &Gptq) -> bool {
-        let pats = |g: &Gptq| g.skip.iter().map(|r| r.as_str().to_string()).collect::<Vec<_>>();
-        (self.bits, self.group_size, self.desc_act, self.sym, self.zeros_minus_one)
-            == (o.bits, o.group_size, o.desc_act, o.sym, o.zeros_minus_one)
+        let pats = |g: &Gptq| {
+            g.skip
+                .iter()
+                .map(|r| r.as_str().to_string())
+                .collect::<Vec<_>>()
+        };
+        (
+            self.bits,
+            self.group_size,
+            self.desc_act,
+            self.sym,
+            self.zeros_minus_one,
+        ) == (o.bits, o.group_size, o.desc_act, o.sym, o.zeros_minus_one)
             && pats(self) == pats(o)
     }
 }
@@ -67,12 +77,15 @@ impl Gptq {
         };
         let mut skip = Vec::new();
         if let Some(d) = q.get("dynamic").filter(|d| !d.is_null()) {
-            let rules = d.as_object().context("'dynamic' must be an object of module rules")?;
+            let rules = d
+                .as_object()
+                .context("'dynamic' must be an object of module rules")?;
             for key in rules.keys() {
                 if let Some(p) = key.strip_prefix("-:") {
                     skip.push(
-                        Regex::new(&format!("^(?:{p})"))
-                            .with_context(|| format!("dynamic rule '{key}' is not a valid pattern"))?,
+                        Regex::new(&format!("^(?:{p})")).with_context(|| {
+                            format!("dynamic rule '{key}' is not a valid pattern")
+                        })?,
                     );
                 }
             }

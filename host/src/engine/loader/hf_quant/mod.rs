@@ -69,7 +69,10 @@ impl RawTensor<'_> {
                 .chunks_exact(4)
                 .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect()),
-            other => bail!("tensor '{}' is {other:?}; this scheme stores it as I32", self.name),
+            other => bail!(
+                "tensor '{}' is {other:?}; this scheme stores it as I32",
+                self.name
+            ),
         }
     }
 
@@ -77,7 +80,10 @@ impl RawTensor<'_> {
     fn i8s(&self) -> Result<&[i8]> {
         match self.dtype {
             Dtype::I8 => Ok(bytemuck::cast_slice(self.data)),
-            other => bail!("tensor '{}' is {other:?}; this scheme stores it as I8", self.name),
+            other => bail!(
+                "tensor '{}' is {other:?}; this scheme stores it as I8",
+                self.name
+            ),
         }
     }
 
@@ -170,12 +176,18 @@ impl Scheme {
             return in_file("config.json", Scheme::from_config(q)).map(Some);
         }
         if let Some(q) = read("quantize_config.json")? {
-            return in_file("quantize_config.json", Gptq::from_config(&q).map(Scheme::Gptq))
-                .map(Some);
+            return in_file(
+                "quantize_config.json",
+                Gptq::from_config(&q).map(Scheme::Gptq),
+            )
+            .map(Some);
         }
         if let Some(q) = read("quant_config.json")? {
-            return in_file("quant_config.json", awq::Awq::from_config(&q).map(Scheme::Awq))
-                .map(Some);
+            return in_file(
+                "quant_config.json",
+                awq::Awq::from_config(&q).map(Scheme::Awq),
+            )
+            .map(Some);
         }
         if let Some(d) = read(modelslim::DESCRIPTION)? {
             return in_file(
@@ -255,7 +267,12 @@ impl Scheme {
     /// The bias `name` for a checkpoint that folded it into the layer's
     /// integer bias (ModelSlim's static W8A8 `quant_bias`): zeros of `len`,
     /// since [`Scheme::linear`] already adds it. `None` otherwise.
-    pub fn folded_bias(&self, store: &dyn TensorStore, name: &str, len: usize) -> Result<Option<Vec<f32>>> {
+    pub fn folded_bias(
+        &self,
+        store: &dyn TensorStore,
+        name: &str,
+        len: usize,
+    ) -> Result<Option<Vec<f32>>> {
         match self {
             Scheme::ModelSlim(m) => m.folded_bias(store, name, len),
             _ => Ok(None),

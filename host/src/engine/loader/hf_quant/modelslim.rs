@@ -53,9 +53,9 @@ fn kind(s: &str) -> Result<Kind> {
         "W8A8" => Kind::Static,
         "W8A8_DYNAMIC" => Kind::Dynamic,
         "FLOAT" => Kind::Float,
-        other => bail!(
-            "ModelSlim type '{other}' is not supported (W8A8, W8A8_DYNAMIC and FLOAT are)"
-        ),
+        other => {
+            bail!("ModelSlim type '{other}' is not supported (W8A8, W8A8_DYNAMIC and FLOAT are)")
+        }
     })
 }
 
