@@ -163,16 +163,23 @@ fn qwen3_with_qk_norm_and_wide_heads_agrees_with_transformers() {
     agrees_with_transformers("qwen3");
 }
 
-/// Loads `family` with `edit` applied to its transformers-5 config and
-/// returns the load error's whole message.
-fn refusal(family: &str, edit: impl Fn(&mut Value)) -> String {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let model = folder(family, "config.json", dir.path());
+/// A copy of fixture `family` in `dir` with `edit` applied to its
+/// transformers-5 config.
+fn edited_folder(family: &str, edit: impl Fn(&mut Value), dir: &Path) -> PathBuf {
+    let model = folder(family, "config.json", dir);
     let path = model.join("config.json");
     let mut v: Value =
         serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
     edit(&mut v);
     std::fs::write(&path, v.to_string()).expect("write config");
+    model
+}
+
+/// Loads `family` with `edit` applied to its transformers-5 config and
+/// returns the load error's whole message.
+fn refusal(family: &str, edit: impl Fn(&mut Value)) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = edited_folder(family, edit, dir.path());
     match engine(&model) {
         Ok(_) => panic!("{family}: the edited config loaded"),
         Err(e) => format!("{e:#}"),
@@ -270,12 +277,7 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
 /// to its transformers-5 config.
 fn unused_tensors(family: &str, edit: impl Fn(&mut Value)) -> Vec<String> {
     let dir = tempfile::tempdir().expect("tempdir");
-    let model = folder(family, "config.json", dir.path());
-    let path = model.join("config.json");
-    let mut v: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
-    edit(&mut v);
-    std::fs::write(&path, v.to_string()).expect("write config");
+    let model = edited_folder(family, edit, dir.path());
     let mut a = EngineArgs::new(&model);
     a.threads = 1;
     a.dtype = DType::Float32;

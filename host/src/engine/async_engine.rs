@@ -67,10 +67,6 @@ pub mod metric_names {
     pub const TENANT_QUEUE_TIME: &str = "pagoda_tenant_request_queue_time_seconds";
 }
 
-/// The `tenant` label of a request's per-tenant metrics.
-fn tenant_label(name: &str) -> String {
-    crate::tenants::metric_label::of(name)
-}
 use metric_names as m;
 
 enum Command {
@@ -412,7 +408,7 @@ fn engine_loop(
                     } else {
                         0
                     };
-                    let tenant = tenant_label(&opts.tenant.name);
+                    let tenant = crate::tenants::metric_label::of(&opts.tenant.name);
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
                         let max_tokens = core.max_output_tokens(id).unwrap_or(0);
@@ -518,7 +514,7 @@ fn set_tenant_gauges(core: &EngineCore, shown: &mut Vec<String>) {
     let loads = core.tenant_loads();
     let mut now = Vec::with_capacity(loads.len());
     for l in loads {
-        let label = tenant_label(&l.name);
+        let label = crate::tenants::metric_label::of(&l.name);
         metrics::gauge!(m::TENANT_RUNNING, "tenant" => label.clone()).set(l.running as f64);
         metrics::gauge!(m::TENANT_WAITING, "tenant" => label.clone()).set(l.waiting as f64);
         now.push(label);
