@@ -7,7 +7,7 @@ mod common;
 use pagoda::engine::args::{cpu_backend, load_model};
 use pagoda::engine::models::Workspace;
 use pagoda::engine::EngineArgs;
-use pagoda_accel::ops::{KvDtype, KvLayout};
+use pagoda_accel::ops::KvDtype;
 use pagoda_accel::{Backend, CpuBackend, KvSpec, StepBatch};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -47,13 +47,9 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     let bs = 16;
     let spec = KvSpec {
         dtype: KvDtype::F16,
-        num_layers: c.num_layers,
-        layout: KvLayout {
-            num_blocks: 64,
-            block_size: bs,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        },
+        num_blocks: 64,
+        block_size: bs,
+        layers: model.kv_layers(),
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();

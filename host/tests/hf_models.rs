@@ -5,7 +5,7 @@
 //! Specification checked here:
 //! - An HF folder (`config.json`, `model.safetensors` in F32, BF16 or F16,
 //!   or sharded through `model.safetensors.index.json`, plus tokenizer
-//!   files) loads, and `LlamaModel::forward` gives the logits of the f64
+//!   files) loads, and `CausalLm::forward` gives the logits of the f64
 //!   reference at every position: in prefill, in chunked prefill, in decode,
 //!   with several sequences in one batch and scattered KV blocks. F32
 //!   weights agree to 1e-4 of the logit scale; 16-bit weights agree to 1e-3

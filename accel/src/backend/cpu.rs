@@ -62,45 +62,62 @@ impl DeviceMatrix for Weight {
     }
 }
 
-/// One layer's K and V in host memory.
+/// One layer's K and V in host memory, of `layout` each.
 pub struct LayerKv<T> {
     pub k: Vec<T>,
     pub v: Vec<T>,
+    pub layout: KvLayout,
 }
 
 /// The KV pool of every layer, in one of the supported element types.
 pub enum CpuKv {
-    F32(Vec<LayerKv<f32>>, KvLayout),
-    F16(Vec<LayerKv<f16>>, KvLayout),
-    Bf16(Vec<LayerKv<bf16>>, KvLayout),
+    F32(Vec<LayerKv<f32>>),
+    F16(Vec<LayerKv<f16>>),
+    Bf16(Vec<LayerKv<bf16>>),
 }
 
-fn layers<T: KvElem + bytemuck::Zeroable>(num_layers: usize, layout: &KvLayout) -> Vec<LayerKv<T>> {
+fn layers<T: KvElem + bytemuck::Zeroable>(layouts: &[KvLayout]) -> Vec<LayerKv<T>> {
     // Zeroed allocations come from calloc, so the OS commits pages only as
     // blocks are first written: a large pool costs address space, not RSS.
-    (0..num_layers)
-        .map(|_| LayerKv {
-            k: bytemuck::zeroed_vec(layout.elems()),
-            v: bytemuck::zeroed_vec(layout.elems()),
+    layouts
+        .iter()
+        .map(|l| LayerKv {
+            k: bytemuck::zeroed_vec(l.elems()),
+            v: bytemuck::zeroed_vec(l.elems()),
+            layout: *l,
         })
         .collect()
 }
 
 impl CpuKv {
-    /// Allocates the pool `spec` describes.
-    pub fn new(spec: &KvSpec) -> CpuKv {
-        let (n, l) = (spec.num_layers, spec.layout);
-        match spec.dtype {
-            KvDtype::F32 => CpuKv::F32(layers(n, &l), l),
-            KvDtype::F16 => CpuKv::F16(layers(n, &l), l),
-            KvDtype::Bf16 => CpuKv::Bf16(layers(n, &l), l),
-        }
+    /// Allocates the pool `spec` describes. The paged-attention kernel
+    /// reads K and V heads of one width, so a layer whose widths differ is
+    /// refused.
+    pub fn new(spec: &KvSpec) -> Result<CpuKv, BackendError> {
+        let layouts = (0..spec.layers.len())
+            .map(|i| {
+                spec.symmetric_layout(i).ok_or_else(|| BackendError::UnsupportedKv {
+                    device: "cpu".into(),
+                    detail: format!(
+                        "layer {i} keeps K heads of {} and V heads of {} elements; the CPU attention kernel needs them equal",
+                        spec.layers[i].k_head_dim, spec.layers[i].v_head_dim
+                    ),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(match spec.dtype {
+            KvDtype::F32 => CpuKv::F32(layers(&layouts)),
+            KvDtype::F16 => CpuKv::F16(layers(&layouts)),
+            KvDtype::Bf16 => CpuKv::Bf16(layers(&layouts)),
+        })
     }
 
-    /// The shape of each layer's K (or V).
-    pub fn layout(&self) -> &KvLayout {
+    /// The shape of layer `i`'s K (or V).
+    pub fn layout(&self, i: usize) -> &KvLayout {
         match self {
-            CpuKv::F32(_, l) | CpuKv::F16(_, l) | CpuKv::Bf16(_, l) => l,
+            CpuKv::F32(l) => &l[i].layout,
+            CpuKv::F16(l) => &l[i].layout,
+            CpuKv::Bf16(l) => &l[i].layout,
         }
     }
 }
@@ -202,7 +219,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_kv(&self, spec: &KvSpec) -> Result<CpuKv, BackendError> {
-        Ok(CpuKv::new(spec))
+        CpuKv::new(spec)
     }
 
     fn has_prompt_kernel(&self, m: &Weight) -> bool {
@@ -345,9 +362,9 @@ impl Backend for CpuBackend {
     ) {
         let slots = &step.batch.slot_mapping;
         match kv {
-            CpuKv::F32(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
-            CpuKv::F16(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
-            CpuKv::Bf16(l, layout) => write_layer(&mut l[layer], layout, k, v, slots),
+            CpuKv::F32(l) => write_layer(&mut l[layer], k, v, slots),
+            CpuKv::F16(l) => write_layer(&mut l[layer], k, v, slots),
+            CpuKv::Bf16(l) => write_layer(&mut l[layer], k, v, slots),
         }
     }
 
@@ -362,17 +379,17 @@ impl Backend for CpuBackend {
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
-        let layout = *kv.layout();
+        let layout = *kv.layout(layer);
         let n = step.batch.num_tokens() * n_heads * layout.head_dim;
         let (q, out) = (first(q, n), first_mut(out, n));
         match kv {
-            CpuKv::F32(l, _) => {
+            CpuKv::F32(l) => {
                 self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
-            CpuKv::F16(l, _) => {
+            CpuKv::F16(l) => {
                 self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
-            CpuKv::Bf16(l, _) => {
+            CpuKv::Bf16(l) => {
                 self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
             }
         }
@@ -386,13 +403,8 @@ impl Backend for CpuBackend {
     }
 }
 
-fn write_layer<T: KvElem>(
-    cache: &mut LayerKv<T>,
-    layout: &KvLayout,
-    k: &[f32],
-    v: &[f32],
-    slots: &[u32],
-) {
+fn write_layer<T: KvElem>(cache: &mut LayerKv<T>, k: &[f32], v: &[f32], slots: &[u32]) {
+    let layout = cache.layout;
     let n = slots.len() * layout.n_kv_heads * layout.head_dim;
-    ops::write_kv(layout, &mut cache.k, &mut cache.v, &k[..n], &v[..n], slots);
+    ops::write_kv(&layout, &mut cache.k, &mut cache.v, &k[..n], &v[..n], slots);
 }

@@ -58,6 +58,9 @@ pub enum BackendError {
         ty: GgmlType,
         hint: &'static str,
     },
+    /// The backend cannot hold a KV pool of this shape.
+    #[error("{device}: {detail}")]
+    UnsupportedKv { device: String, detail: String },
     /// A device call failed (a launch, a copy, a library call).
     #[error("{device}: {what} failed: {detail}")]
     Device {
@@ -416,24 +419,70 @@ impl StepBatch {
     }
 }
 
-/// The shape of a KV pool: `num_layers` layers, each a K and a V cache of
-/// `layout`, in `dtype`.
-#[derive(Clone, Copy, Debug)]
+/// What one layer keeps per token in the KV pool: `n_kv_heads` heads, each a
+/// K of `k_head_dim` and a V of `v_head_dim` elements. Layers may differ (a
+/// model can mix attention kinds), which is why the pool is described layer
+/// by layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLayerSpec {
+    pub n_kv_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+}
+
+impl KvLayerSpec {
+    /// A layer whose K and V heads are alike (`head_dim` each).
+    pub fn symmetric(n_kv_heads: usize, head_dim: usize) -> KvLayerSpec {
+        KvLayerSpec {
+            n_kv_heads,
+            k_head_dim: head_dim,
+            v_head_dim: head_dim,
+        }
+    }
+
+    /// Elements one token takes in this layer, K and V together.
+    pub fn elems_per_token(&self) -> usize {
+        self.n_kv_heads * (self.k_head_dim + self.v_head_dim)
+    }
+}
+
+/// The shape of a KV pool: `num_blocks` blocks of `block_size` token slots,
+/// shared by every layer (a block id means the same tokens in each), and
+/// per layer what a slot holds, in `dtype`.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvSpec {
     pub dtype: KvDtype,
-    pub num_layers: usize,
-    pub layout: KvLayout,
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub layers: Vec<KvLayerSpec>,
 }
 
 impl KvSpec {
     /// Bytes one block takes across all layers, K and V.
-    pub fn bytes_per_block(
-        dtype: KvDtype,
-        num_layers: usize,
-        block_size: usize,
-        kv_dim: usize,
-    ) -> usize {
-        2 * num_layers * block_size * kv_dim * dtype.size()
+    pub fn bytes_per_block(&self) -> usize {
+        let per_token: usize = self.layers.iter().map(KvLayerSpec::elems_per_token).sum();
+        per_token * self.block_size * self.dtype.size()
+    }
+
+    /// Bytes one token takes across all layers, K and V.
+    pub fn bytes_per_token(&self) -> usize {
+        self.layers
+            .iter()
+            .map(KvLayerSpec::elems_per_token)
+            .sum::<usize>()
+            * self.dtype.size()
+    }
+
+    /// The K (and V) cache layout of layer `i`, for backends whose caches
+    /// hold K and V heads of one width; `None` when they differ.
+    pub fn symmetric_layout(&self, i: usize) -> Option<KvLayout> {
+        let l = self.layers.get(i)?;
+        (l.k_head_dim == l.v_head_dim).then_some(KvLayout {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            n_kv_heads: l.n_kv_heads,
+            head_dim: l.k_head_dim,
+        })
     }
 }
 

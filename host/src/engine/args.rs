@@ -11,12 +11,11 @@ use crate::engine::loader::gguf_weights::GgufWeights;
 use crate::engine::loader::hf_quant::QuantizationArg;
 use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
-use crate::engine::models::{LlamaModel, Workspace};
+use crate::engine::models::{self, CausalLm, Model, Workspace};
 use crate::engine::runner::{ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::KvLayout;
 use pagoda_accel::{Backend, CpuBackend, Device, KvSpec, StepBatch};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -122,7 +121,7 @@ pub fn load_model<B: Backend>(
     backend: &B,
     args: &EngineArgs,
     max_positions: impl Fn(&ModelConfig) -> usize,
-) -> Result<(LlamaModel<B>, LoadedModel)> {
+) -> Result<(Model<B>, LoadedModel)> {
     let path = &args.model;
     if !path.exists() {
         bail!(
@@ -152,7 +151,7 @@ pub fn load_model<B: Backend>(
                 s.describe()
             );
         }
-        let model = LlamaModel::load(backend, &source, config.clone(), max_positions(&config))?;
+        let model = models::load(backend, &source, config.clone(), max_positions(&config))?;
         let unused_tensors = source.unused();
         if !unused_tensors.is_empty() {
             const SHOWN: usize = 8;
@@ -193,7 +192,7 @@ pub fn load_model<B: Backend>(
         }
         let mut tokenizer = Tokenizer::from_gguf(&file)?;
         override_chat_template(&mut tokenizer, args)?;
-        let model = LlamaModel::load(
+        let model = models::load(
             backend,
             &GgufWeights::new(&file, args.dtype),
             config.clone(),
@@ -302,7 +301,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
 /// free memory is measured, as vLLM's profile run does.
 fn profile_forward<B: Backend>(
     backend: &mut B,
-    model: &LlamaModel<B>,
+    model: &dyn CausalLm<B>,
     ws: &mut Workspace<B>,
     args: &EngineArgs,
     kv_dtype: KvCacheDtype,
@@ -312,16 +311,7 @@ fn profile_forward<B: Backend>(
     let tokens = args.max_num_batched_tokens.min(max_model_len).max(1);
     let bs = args.block_size;
     let blocks = tokens.div_ceil(bs);
-    let spec = KvSpec {
-        dtype: kv_dtype.kv_dtype(),
-        num_layers: c.num_layers,
-        layout: KvLayout {
-            num_blocks: blocks,
-            block_size: bs,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        },
-    };
+    let spec = kv_spec(model, kv_dtype, blocks, bs);
     let mut kv = backend
         .alloc_kv(&spec)
         .context("allocating the profile forward's KV blocks")?;
@@ -342,6 +332,22 @@ fn profile_forward<B: Backend>(
         .to_host(&mut ws.logits, rows * c.vocab_size)
         .context("the profile forward's logits")?;
     Ok(())
+}
+
+/// The KV pool `model` needs: `num_blocks` blocks of `block_size` slots in
+/// `dtype`, each layer as the model describes it.
+pub fn kv_spec<B: Backend>(
+    model: &dyn CausalLm<B>,
+    dtype: KvCacheDtype,
+    num_blocks: usize,
+    block_size: usize,
+) -> KvSpec {
+    KvSpec {
+        dtype: dtype.kv_dtype(),
+        num_blocks,
+        block_size,
+        layers: model.kv_layers(),
+    }
 }
 
 /// The CPU backend `args` ask for: `--threads` workers, and quantized
@@ -372,19 +378,21 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         );
     }
     let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
-    let per_block = KvSpec::bytes_per_block(
-        kv_dtype.kv_dtype(),
-        c.num_layers,
-        args.block_size,
-        c.kv_dim(),
-    );
+    let per_block = kv_spec(&*model, kv_dtype, 0, args.block_size).bytes_per_block();
     let mut ws = Workspace::<B>::default();
     let budget = match (args.kv_cache_memory, backend.memory_info()?) {
         (Some(b), _) => b,
         // A device with memory of its own: what the weights and the largest
         // step's activations leave of the allowed fraction.
         (None, Some(_)) => {
-            profile_forward(&mut backend, &model, &mut ws, args, kv_dtype, max_model_len)?;
+            profile_forward(
+                &mut backend,
+                &*model,
+                &mut ws,
+                args,
+                kv_dtype,
+                max_model_len,
+            )?;
             let (free, total) = backend.memory_info()?.unwrap_or((0, 0));
             let keep = total as f64 * (1.0 - args.gpu_memory_utilization as f64);
             let budget = (free as f64 - keep).max(0.0) as u64;
@@ -427,16 +435,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         model.weight_bytes() as f64 / (1 << 20) as f64,
         backend.describe()
     );
-    let spec = KvSpec {
-        dtype: kv_dtype.kv_dtype(),
-        num_layers: c.num_layers,
-        layout: KvLayout {
-            num_blocks,
-            block_size: args.block_size,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        },
-    };
+    let spec = kv_spec(&*model, kv_dtype, num_blocks, args.block_size);
     let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
     let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
     if model.has_prompt_kernel() {

@@ -7,7 +7,7 @@
 //! device it runs on.
 
 use crate::engine::config::ModelConfig;
-use crate::engine::models::{LlamaModel, Workspace};
+use crate::engine::models::{Model, Workspace};
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, StepBatch};
 
@@ -33,7 +33,7 @@ pub trait ModelExecutor: Send {
 /// Runs `model` on `backend` over the KV pool `kv`.
 pub struct ModelRunner<B: Backend> {
     backend: B,
-    model: LlamaModel<B>,
+    model: Model<B>,
     kv: B::Kv,
     ws: Workspace<B>,
     step: B::Step,
@@ -41,7 +41,7 @@ pub struct ModelRunner<B: Backend> {
 
 impl<B: Backend> ModelRunner<B> {
     /// A runner for `model` over the pool `kv`, both on `backend`'s device.
-    pub fn new(backend: B, model: LlamaModel<B>, kv: B::Kv) -> ModelRunner<B> {
+    pub fn new(backend: B, model: Model<B>, kv: B::Kv) -> ModelRunner<B> {
         ModelRunner {
             backend,
             model,
@@ -55,7 +55,7 @@ impl<B: Backend> ModelRunner<B> {
     /// start-up profile forward).
     pub fn with_workspace(
         backend: B,
-        model: LlamaModel<B>,
+        model: Model<B>,
         kv: B::Kv,
         ws: Workspace<B>,
     ) -> ModelRunner<B> {
@@ -66,8 +66,8 @@ impl<B: Backend> ModelRunner<B> {
     }
 
     /// The model being run.
-    pub fn model(&self) -> &LlamaModel<B> {
-        &self.model
+    pub fn model(&self) -> &dyn crate::engine::models::CausalLm<B> {
+        &*self.model
     }
 
     /// The backend.

@@ -6,9 +6,9 @@
 use super::tiny_model::TinyModel;
 use pagoda::engine::args::{cpu_backend, load_model};
 use pagoda::engine::loader::DType;
-use pagoda::engine::models::{LlamaModel, Workspace};
+use pagoda::engine::models::Workspace;
 use pagoda::engine::EngineArgs;
-use pagoda_accel::ops::{KvDtype, KvLayout};
+use pagoda_accel::ops::KvDtype;
 use pagoda_accel::{Backend, CpuBackend, KvSpec, StepBatch};
 use std::path::Path;
 
@@ -260,7 +260,7 @@ pub fn argmax(row: &[f64]) -> (u32, f64) {
 // ---------------------------------------------------------------------------
 
 /// The model on the CPU backend.
-pub type Model = LlamaModel<CpuBackend>;
+pub type Model = pagoda::engine::models::Model<CpuBackend>;
 
 /// A CPU backend like the engine's for `args`, on 2 threads.
 pub fn backend(args: &EngineArgs) -> CpuBackend {
@@ -309,13 +309,9 @@ pub fn run_schedule(
     let mut b = backend(&EngineArgs::new("unused"));
     let spec = KvSpec {
         dtype: KvDtype::F32,
-        num_layers: c.num_layers,
-        layout: KvLayout {
-            num_blocks,
-            block_size: BLOCK,
-            n_kv_heads: c.num_kv_heads,
-            head_dim: c.head_dim,
-        },
+        num_blocks,
+        block_size: BLOCK,
+        layers: model.kv_layers(),
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();

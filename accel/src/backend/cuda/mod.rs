@@ -156,14 +156,14 @@ pub struct CudaRope {
 /// the pool's element type.
 pub struct CudaKv {
     dtype: KvDtype,
-    layout: KvLayout,
+    layouts: Vec<KvLayout>,
     layers: Vec<(CudaSlice<u8>, CudaSlice<u8>)>,
 }
 
 impl CudaKv {
-    /// The shape of each layer's K (or V).
-    pub fn layout(&self) -> &KvLayout {
-        &self.layout
+    /// The shape of layer `i`'s K (or V).
+    pub fn layout(&self, i: usize) -> &KvLayout {
+        &self.layouts[i]
     }
 }
 
@@ -620,7 +620,7 @@ impl CudaBackend {
         out: u64,
         plan: &AttnPlan,
     ) -> Result<(), BackendError> {
-        let l = &kv.layout;
+        let l = &kv.layouts[layer];
         let (k_c, v_c) = &kv.layers[layer];
         let (k_p, v_p) = (addr(k_c, &self.stream), addr(v_c, &self.stream));
         let name = match kv.dtype {
@@ -757,20 +757,28 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_kv(&self, spec: &KvSpec) -> Result<CudaKv, BackendError> {
-        let bytes = spec
-            .layout
-            .elems()
-            .checked_mul(spec.dtype.size())
-            .ok_or_else(|| self.err("sizing the KV pool", "overflow"))?;
-        let mut layers = Vec::with_capacity(spec.num_layers);
-        for _ in 0..spec.num_layers {
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        let mut layouts = Vec::with_capacity(spec.layers.len());
+        for (i, ls) in spec.layers.iter().enumerate() {
+            let layout = spec.symmetric_layout(i).ok_or_else(|| BackendError::UnsupportedKv {
+                device: self.describe(),
+                detail: format!(
+                    "layer {i} keeps K heads of {} and V heads of {} elements; the CUDA attention kernel needs them equal",
+                    ls.k_head_dim, ls.v_head_dim
+                ),
+            })?;
+            let bytes = layout
+                .elems()
+                .checked_mul(spec.dtype.size())
+                .ok_or_else(|| self.err("sizing the KV pool", "overflow"))?;
             let k = self.alloc::<u8>(bytes, "the K cache")?;
             let v = self.alloc::<u8>(bytes, "the V cache")?;
             layers.push((k, v));
+            layouts.push(layout);
         }
         Ok(CudaKv {
             dtype: spec.dtype,
-            layout: spec.layout,
+            layouts,
             layers,
         })
     }
@@ -1031,7 +1039,7 @@ impl Backend for CudaBackend {
         if n == 0 {
             return;
         }
-        let l = kv.layout;
+        let l = kv.layouts[layer];
         let n_slots = l.num_blocks * l.block_size;
         if let Some(s) = step.max_slot {
             assert!(
@@ -1073,7 +1081,7 @@ impl Backend for CudaBackend {
         if step.n_tokens == 0 {
             return;
         }
-        let l = kv.layout;
+        let l = kv.layouts[layer];
         if let Some(b) = step.max_block {
             assert!(
                 (b as usize) < l.num_blocks,

@@ -1,6 +1,67 @@
-//! Model definitions and loading. One definition per architecture family,
-//! written against `pagoda_accel` operations with no backend code inside.
+//! Model definitions: one [`CausalLm`] trait, one file per family, each
+//! assembled from the blocks in [`layers`] and written against
+//! `pagoda_accel`'s operations with no backend code inside (vLLM's
+//! `model_executor/models`, llama.cpp's model graphs).
+//!
+//! | file | architectures |
+//! |---|---|
+//! | [`llama`] | `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` |
+//! | [`qwen3`] | `Qwen3ForCausalLM` |
 
+pub mod layers;
 pub mod llama;
+pub mod qwen3;
 
-pub use llama::{LlamaModel, Workspace};
+use crate::engine::config::{Arch, ModelConfig};
+use crate::engine::loader::WeightSource;
+use anyhow::Result;
+use pagoda_accel::{Backend, BackendError, KvLayerSpec};
+
+pub use layers::Workspace;
+
+/// A causal language model loaded onto the device of `B`.
+pub trait CausalLm<B: Backend>: Send {
+    /// The model's shape.
+    fn config(&self) -> &ModelConfig;
+    /// What each layer keeps per token in the KV pool, in layer order.
+    fn kv_layers(&self) -> Vec<KvLayerSpec>;
+    /// Runs one step, whose metadata `step` already holds on the device
+    /// (`n_tokens` tokens, `n_logits` logit rows), and leaves the logits of
+    /// the logit rows in `ws.logits` (`[n_logits, vocab]`). K/V of every
+    /// token are written into `kv` at the step's slots.
+    fn forward(
+        &self,
+        b: &mut B,
+        step: &B::Step,
+        n_tokens: usize,
+        n_logits: usize,
+        kv: &mut B::Kv,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError>;
+    /// Bytes of weights held on the device.
+    fn weight_bytes(&self) -> usize;
+    /// The storage type of the layers' projections, for logs ("Q4_1").
+    fn weight_type(&self) -> &'static str;
+    /// Whether prompt rows can run on other kernels than generated rows on
+    /// this device (see [`Backend::has_prompt_kernel`]).
+    fn has_prompt_kernel(&self) -> bool;
+}
+
+/// A loaded model of any family.
+pub type Model<B> = Box<dyn CausalLm<B>>;
+
+/// Builds the model `config` describes from `source` onto `backend`'s
+/// device, checking every tensor's shape against the config.
+/// `max_positions` bounds the RoPE table (the engine's `--max-model-len`).
+pub fn load<B: Backend>(
+    backend: &B,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+    max_positions: usize,
+) -> Result<Model<B>> {
+    layers::decoder::check_context(backend, &config, max_positions)?;
+    Ok(match config.arch {
+        Arch::Llama | Arch::Qwen2 => Box::new(llama::load(backend, source, config, max_positions)?),
+        Arch::Qwen3 => Box::new(qwen3::load(backend, source, config, max_positions)?),
+    })
+}

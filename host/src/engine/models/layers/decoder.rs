@@ -1,0 +1,199 @@
+//! The pre-norm decoder stack every family here shares: embed, then per
+//! layer `x += attn(norm(x))` and `x += ffn(norm(x))`, then a final norm
+//! and the LM head on the rows that sample. A family's file decides what
+//! each layer's attention and feed-forward block are.
+
+use super::attention::SelfAttention;
+use super::mlp::GatedMlp;
+use super::Workspace;
+use crate::engine::config::{ModelConfig, MAX_CONTEXT};
+use crate::engine::loader::WeightSource;
+use crate::engine::models::CausalLm;
+use anyhow::{bail, Context, Result};
+use pagoda_accel::ops::RopeTable;
+use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
+
+/// A layer's feed-forward block.
+pub enum FeedForward<B: Backend> {
+    Dense(GatedMlp<B>),
+}
+
+impl<B: Backend> FeedForward<B> {
+    fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
+        match self {
+            FeedForward::Dense(m) => Box::new(m.matrices()),
+        }
+    }
+
+    fn forward(
+        &self,
+        b: &mut B,
+        step: &B::Step,
+        n: usize,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError> {
+        match self {
+            FeedForward::Dense(m) => m.forward(b, step, n, ws),
+        }
+    }
+}
+
+/// One decoder layer.
+pub struct DecoderLayer<B: Backend> {
+    pub attn_norm: B::Vector,
+    pub attn: SelfAttention<B>,
+    pub ffn_norm: B::Vector,
+    pub ffn: FeedForward<B>,
+}
+
+/// A whole decoder-only model: what a family's file assembles.
+pub struct DecoderStack<B: Backend> {
+    config: ModelConfig,
+    embed: B::Matrix,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<B::Matrix>,
+    layers: Vec<DecoderLayer<B>>,
+    norm: B::Vector,
+    rope: B::Rope,
+    /// See [`CausalLm::has_prompt_kernel`]; fixed at load, since it
+    /// depends only on the weights and the device.
+    prompt_kernel: bool,
+    weight_type: &'static str,
+}
+
+/// Checks the context length a model is loaded for, and that the device
+/// can honour the config's sliding windows within it.
+pub fn check_context<B: Backend>(backend: &B, c: &ModelConfig, max_positions: usize) -> Result<()> {
+    if max_positions == 0 || max_positions > MAX_CONTEXT {
+        bail!("max_model_len {max_positions} must be between 1 and {MAX_CONTEXT}");
+    }
+    if let Some(w) = c.min_sliding_window() {
+        if w < max_positions && !backend.supports_sliding_window() {
+            bail!(
+                "the model attends over a sliding window of {w} tokens, which a context of {max_positions} would exceed, and this device's attention has no sliding window yet; serve it on the CPU, or with --max-model-len {w} or less"
+            );
+        }
+    }
+    Ok(())
+}
+
+impl<B: Backend> DecoderStack<B> {
+    /// Assembles the stack: loads the embedding, the final norm and the LM
+    /// head with HF's names, and takes `layers` as the family built them.
+    pub fn new(
+        backend: &B,
+        source: &dyn WeightSource,
+        config: ModelConfig,
+        layers: Vec<DecoderLayer<B>>,
+        max_positions: usize,
+    ) -> Result<DecoderStack<B>> {
+        let c = &config;
+        let d = c.hidden_size;
+        let upload = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
+            let m = source.matrix(name, rows, cols)?;
+            backend
+                .upload_matrix(&m)
+                .with_context(|| format!("{}: tensor '{name}'", source.describe()))
+        };
+        let embed = upload("model.embed_tokens.weight", c.vocab_size, d)?;
+        let lm_head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
+            None
+        } else {
+            Some(upload("lm_head.weight", c.vocab_size, d)?)
+        };
+        let norm = backend.upload_vector(&source.vector("model.norm.weight", d)?)?;
+        let rope = backend.upload_rope(&RopeTable::new(
+            c.head_dim,
+            c.rope_theta,
+            max_positions,
+            &c.rope_scaling,
+            c.rope_style,
+        ))?;
+        let head = lm_head.as_ref().unwrap_or(&embed);
+        let prompt_kernel = backend.has_prompt_kernel(head)
+            || layers.iter().any(|l| {
+                l.attn
+                    .matrices()
+                    .chain(l.ffn.matrices())
+                    .any(|m| backend.has_prompt_kernel(m))
+            });
+        let weight_type = layers
+            .first()
+            .and_then(|l| l.attn.matrices().last())
+            .map_or("none", |o| o.ty().name());
+        Ok(DecoderStack {
+            config,
+            embed,
+            lm_head,
+            layers,
+            norm,
+            rope,
+            prompt_kernel,
+            weight_type,
+        })
+    }
+}
+
+impl<B: Backend> CausalLm<B> for DecoderStack<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn kv_layers(&self) -> Vec<KvLayerSpec> {
+        self.layers.iter().map(|l| l.attn.kv_layer()).collect()
+    }
+
+    fn weight_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| l.attn.matrices().chain(l.ffn.matrices()))
+            .map(|m| m.size_bytes())
+            .sum();
+        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+    }
+
+    fn has_prompt_kernel(&self) -> bool {
+        self.prompt_kernel
+    }
+
+    fn weight_type(&self) -> &'static str {
+        self.weight_type
+    }
+
+    fn forward(
+        &self,
+        b: &mut B,
+        step: &B::Step,
+        n_tokens: usize,
+        n_logits: usize,
+        kv: &mut B::Kv,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let (d, n, eps) = (c.hidden_size, n_tokens, c.rms_norm_eps);
+        b.reserve(&mut ws.x, n * d)?;
+        b.reserve(&mut ws.h, n * d)?;
+        b.embed(&self.embed, step, &mut ws.x);
+        for layer in &self.layers {
+            b.rms_norm(&ws.x, &layer.attn_norm, eps, n, d, &mut ws.h);
+            layer.attn.forward(b, &self.rope, step, n, kv, ws)?;
+            b.add(&mut ws.x, &ws.proj, n * d);
+            b.rms_norm(&ws.x, &layer.ffn_norm, eps, n, d, &mut ws.h);
+            layer.ffn.forward(b, step, n, ws)?;
+            b.add(&mut ws.x, &ws.proj, n * d);
+        }
+        let r = n_logits;
+        if r == 0 {
+            return Ok(());
+        }
+        // `ws.h` already holds `n ≥ r` rows.
+        b.reserve(&mut ws.rows, r * d)?;
+        b.reserve(&mut ws.logits, r * c.vocab_size)?;
+        b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
+        b.rms_norm(&ws.rows, &self.norm, eps, r, d, &mut ws.h);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        b.matmul(head, &ws.h, r, &mut ws.logits, step, Rows::Logits);
+        Ok(())
+    }
+}

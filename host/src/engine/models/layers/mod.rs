@@ -1,0 +1,56 @@
+//! The blocks family definitions are assembled from, as in vLLM's
+//! `model_executor/layers`: each written once against
+//! [`pagoda_accel::Backend`].
+
+pub mod attention;
+pub mod decoder;
+pub mod mlp;
+pub mod projection;
+
+use pagoda_accel::Backend;
+
+/// Activation buffers reused across steps, so a warm step allocates
+/// nothing. Each block grows what it uses ([`Backend::reserve`]).
+pub struct Workspace<B: Backend> {
+    /// The residual stream, `[tokens, hidden]`.
+    pub(crate) x: B::Buffer,
+    /// The normed residual a block reads.
+    pub(crate) h: B::Buffer,
+    pub(crate) qkv: B::Buffer,
+    pub(crate) q: B::Buffer,
+    pub(crate) k: B::Buffer,
+    pub(crate) v: B::Buffer,
+    /// Where the per-head q/k norms write, swapped with `q` / `k` after.
+    pub(crate) normed: B::Buffer,
+    pub(crate) attn: B::Buffer,
+    /// A block's output, added into `x`.
+    pub(crate) proj: B::Buffer,
+    pub(crate) gate_up: B::Buffer,
+    pub(crate) act: B::Buffer,
+    pub(crate) split_tmp: B::Buffer,
+    /// The logit rows' hidden states.
+    pub(crate) rows: B::Buffer,
+    /// The logits of the step's logit rows.
+    pub logits: B::Buffer,
+}
+
+impl<B: Backend> Default for Workspace<B> {
+    fn default() -> Self {
+        Workspace {
+            x: Default::default(),
+            h: Default::default(),
+            qkv: Default::default(),
+            q: Default::default(),
+            k: Default::default(),
+            v: Default::default(),
+            normed: Default::default(),
+            attn: Default::default(),
+            proj: Default::default(),
+            gate_up: Default::default(),
+            act: Default::default(),
+            split_tmp: Default::default(),
+            rows: Default::default(),
+            logits: Default::default(),
+        }
+    }
+}
