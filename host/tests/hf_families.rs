@@ -163,6 +163,21 @@ fn qwen3_with_qk_norm_and_wide_heads_agrees_with_transformers() {
     agrees_with_transformers("qwen3");
 }
 
+#[test]
+fn mixtral_agrees_with_transformers() {
+    agrees_with_transformers("mixtral");
+}
+
+#[test]
+fn qwen2_moe_with_a_gated_shared_expert_agrees_with_transformers() {
+    agrees_with_transformers("qwen2moe");
+}
+
+#[test]
+fn qwen3_moe_with_a_dense_first_layer_agrees_with_transformers() {
+    agrees_with_transformers("qwen3moe");
+}
+
 /// A copy of fixture `family` in `dir` with `edit` applied to its
 /// transformers-5 config.
 fn edited_folder(family: &str, edit: impl Fn(&mut Value), dir: &Path) -> PathBuf {
@@ -289,7 +304,16 @@ fn unused_tensors(family: &str, edit: impl Fn(&mut Value)) -> Vec<String> {
 
 #[test]
 fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
-    for family in ["llama", "llama-tied-bias", "mistral-swa", "qwen2", "qwen3"] {
+    for family in [
+        "llama",
+        "llama-tied-bias",
+        "mistral-swa",
+        "qwen2",
+        "qwen3",
+        "mixtral",
+        "qwen2moe",
+        "qwen3moe",
+    ] {
         assert_eq!(
             unused_tensors(family, |_| {}),
             Vec::<String>::new(),
@@ -306,4 +330,87 @@ fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
                 .all(|t| t.contains("mlp.") && t.ends_with(".bias")),
         "{unused:?}"
     );
+}
+
+/// A copy of fixture `family` in `dir` whose weights went through `edit`
+/// (name → f32 tensor and shape; `None` drops the tensor).
+fn edited_weights(
+    family: &str,
+    dir: &Path,
+    edit: impl Fn(&str, Vec<f32>, Vec<usize>) -> Option<(Vec<f32>, Vec<usize>)>,
+) -> PathBuf {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let model = folder(family, "config.json", dir);
+    let path = model.join("model.safetensors");
+    let bytes = std::fs::read(&path).expect("read weights");
+    let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let mut kept: Vec<(String, Vec<u8>, Vec<usize>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        assert_eq!(view.dtype(), Dtype::F32, "{name}");
+        let values: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        if let Some((v, shape)) = edit(&name, values, view.shape().to_vec()) {
+            kept.push((
+                name,
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                shape,
+            ));
+        }
+    }
+    let views: Vec<(String, TensorView<'_>)> = kept
+        .iter()
+        .map(|(n, b, s)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).expect("view"),
+            )
+        })
+        .collect();
+    std::fs::write(
+        &path,
+        safetensors::serialize(views, None).expect("serialize"),
+    )
+    .expect("write weights");
+    model
+}
+
+fn load_error(model: &Path) -> String {
+    match engine(model) {
+        Ok(_) => panic!("{}: the edited checkpoint loaded", model.display()),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
+#[test]
+fn bad_mixture_of_experts_checkpoints_are_refused_naming_the_key_or_tensor() {
+    // More experts per token than there are experts.
+    let msg = refusal("mixtral", |v| v["num_experts_per_tok"] = 5.into());
+    assert!(msg.contains("num_experts_per_tok"), "{msg}");
+    let msg = refusal("qwen3moe", |v| v["decoder_sparse_step"] = 0.into());
+    assert!(msg.contains("decoder_sparse_step"), "{msg}");
+
+    // A missing expert tensor.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gone = "model.layers.1.mlp.experts.5.up_proj.weight";
+    let model = edited_weights("qwen3moe", dir.path(), |name, v, s| {
+        (name != gone).then_some((v, s))
+    });
+    let msg = load_error(&model);
+    assert!(msg.contains(gone), "{msg}");
+
+    // One expert whose shape differs from the others'.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let odd = "model.layers.0.block_sparse_moe.experts.2.w2.weight";
+    let model = edited_weights("mixtral", dir.path(), |name, v, s| {
+        if name == odd {
+            Some((v[..64 * 96].to_vec(), vec![64, 96]))
+        } else {
+            Some((v, s))
+        }
+    });
+    let msg = load_error(&model);
+    assert!(msg.contains(odd), "{msg}");
 }

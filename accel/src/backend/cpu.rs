@@ -193,6 +193,7 @@ impl Backend for CpuBackend {
     type Kv = CpuKv;
     type Rope = RopeTable;
     type Step = CpuStep;
+    type Routes = ops::Routing;
 
     fn describe(&self) -> String {
         format!(
@@ -227,6 +228,10 @@ impl Backend for CpuBackend {
     }
 
     fn supports_sliding_window(&self) -> bool {
+        true
+    }
+
+    fn supports_experts(&self) -> bool {
         true
     }
 
@@ -391,6 +396,83 @@ impl Backend for CpuBackend {
             }
             CpuKv::Bf16(l) => {
                 self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
+            }
+        }
+    }
+
+    fn route_experts(
+        &mut self,
+        logits: &Vec<f32>,
+        m: usize,
+        spec: &ops::RouterSpec,
+        bias: Option<&Vec<f32>>,
+        routes: &mut ops::Routing,
+    ) {
+        ops::moe::route(logits, m, spec, bias.map(|b| b.as_slice()), routes);
+    }
+
+    fn gather_routed(&mut self, x: &Vec<f32>, d: usize, routes: &ops::Routing, out: &mut Vec<f32>) {
+        for (s, dst) in out[..routes.pairs() * d].chunks_exact_mut(d).enumerate() {
+            let t = routes.token_of(s);
+            dst.copy_from_slice(&x[t * d..(t + 1) * d]);
+        }
+    }
+
+    fn grouped_matmul(
+        &mut self,
+        experts: &[Weight],
+        x: &Vec<f32>,
+        routes: &ops::Routing,
+        out: &mut Vec<f32>,
+    ) {
+        assert_eq!(
+            experts.len() + 1,
+            routes.offsets.len(),
+            "grouped_matmul: one matrix per expert"
+        );
+        for (e, w) in experts.iter().enumerate() {
+            let (r0, r1) = (routes.offsets[e], routes.offsets[e + 1]);
+            if r0 == r1 {
+                continue;
+            }
+            let (k, n) = (w.cols(), w.rows());
+            w.matmul(
+                self.ctx.pool(),
+                &x[r0 * k..r1 * k],
+                r1 - r0,
+                &mut out[r0 * n..r1 * n],
+                &mut self.scratch,
+            );
+        }
+    }
+
+    fn scatter_routed(
+        &mut self,
+        y: &Vec<f32>,
+        d: usize,
+        routes: &ops::Routing,
+        out: &mut Vec<f32>,
+    ) {
+        let k = routes.k;
+        let m = routes.pairs() / k.max(1);
+        for (t, dst) in out[..m * d].chunks_exact_mut(d).enumerate() {
+            dst.fill(0.0);
+            for j in 0..k {
+                let p = t * k + j;
+                let s = routes.slot[p] as usize;
+                let w = routes.weights[p];
+                for (o, &v) in dst.iter_mut().zip(&y[s * d..(s + 1) * d]) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+
+    fn add_gated(&mut self, x: &mut Vec<f32>, y: &Vec<f32>, gate: &Vec<f32>, m: usize, d: usize) {
+        for t in 0..m {
+            let g = 1.0 / (1.0 + (-gate[t]).exp());
+            for (o, &v) in x[t * d..(t + 1) * d].iter_mut().zip(&y[t * d..(t + 1) * d]) {
+                *o += g * v;
             }
         }
     }

@@ -515,6 +515,9 @@ pub trait Backend: Send + 'static {
     type Rope: Send + Sync;
     /// One step's metadata as the device holds it.
     type Step: Default + Send;
+    /// One step's expert routing as the device holds it (see
+    /// [`Backend::route_experts`]).
+    type Routes: Default + Send;
 
     /// A one-line description for logs ("cpu: 2 threads, AVX-512 VNNI").
     fn describe(&self) -> String;
@@ -538,6 +541,12 @@ pub trait Backend: Send + 'static {
     /// Whether [`Backend::attention`] takes a sliding window. A model with
     /// windows shorter than its context is refused on backends without.
     fn supports_sliding_window(&self) -> bool {
+        false
+    }
+    /// Whether the mixture-of-experts operations ([`Backend::route_experts`]
+    /// and the four after it) run here. A MoE model is refused at load on
+    /// a backend without them, so they are never called there.
+    fn supports_experts(&self) -> bool {
         false
     }
     /// Free and total bytes of the device's own memory, for devices that
@@ -647,4 +656,86 @@ pub trait Backend: Send + 'static {
         step: &Self::Step,
         out: &mut Self::Buffer,
     );
+
+    /// Routes the `m` tokens whose router logits are the rows of `logits`
+    /// (`[m, spec.n_experts]`) by `spec`, with `bias` added to the scores
+    /// for the choice only, into `routes`: each token's `spec.top_k`
+    /// experts and weights, and the (token, choice) pairs grouped by
+    /// expert. The grouped rows of the ops below are these pairs.
+    fn route_experts(
+        &mut self,
+        logits: &Self::Buffer,
+        m: usize,
+        spec: &crate::ops::RouterSpec,
+        bias: Option<&Self::Vector>,
+        routes: &mut Self::Routes,
+    ) {
+        let _ = (logits, m, spec, bias, routes);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// `out[s] = x[token of pair s]` for every grouped row `s` (`x: [m,
+    /// d]`, `out: [m·k, d]`).
+    fn gather_routed(
+        &mut self,
+        x: &Self::Buffer,
+        d: usize,
+        routes: &Self::Routes,
+        out: &mut Self::Buffer,
+    ) {
+        let _ = (x, d, routes, out);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// For every expert `e`, its grouped rows of `x` times `experts[e]`
+    /// (`x: [m·k, cols]`, `out: [m·k, rows]`): each expert's weights are
+    /// read once for all the tokens routed to it.
+    fn grouped_matmul(
+        &mut self,
+        experts: &[Self::Matrix],
+        x: &Self::Buffer,
+        routes: &Self::Routes,
+        out: &mut Self::Buffer,
+    ) {
+        let _ = (experts, x, routes, out);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// `out[t] = Σ_j weight(t, j) · y[slot(t, j)]`: each token's experts'
+    /// outputs, weighted, in choice order (`y: [m·k, d]`, `out: [m, d]`).
+    fn scatter_routed(
+        &mut self,
+        y: &Self::Buffer,
+        d: usize,
+        routes: &Self::Routes,
+        out: &mut Self::Buffer,
+    ) {
+        let _ = (y, d, routes, out);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// `x[t] += sigmoid(gate[t]) · y[t]` for `m` rows of `d` (`gate: [m,
+    /// 1]`): Qwen-MoE's gated shared expert.
+    fn add_gated(
+        &mut self,
+        x: &mut Self::Buffer,
+        y: &Self::Buffer,
+        gate: &Self::Buffer,
+        m: usize,
+        d: usize,
+    ) {
+        let _ = (x, y, gate, m, d);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
 }

@@ -27,6 +27,21 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "qwen3",
         "Qwen3 dense (q/k RMSNorm per head, explicit head_dim)",
     ),
+    (
+        "MixtralForCausalLM",
+        "llama",
+        "Mixtral 8x7B, 8x22B (mixture of experts, top-2)",
+    ),
+    (
+        "Qwen2MoeForCausalLM",
+        "qwen2moe",
+        "Qwen1.5-MoE, Qwen2-MoE (routed experts and a gated shared expert)",
+    ),
+    (
+        "Qwen3MoeForCausalLM",
+        "qwen3moe",
+        "Qwen3-MoE (30B-A3B, 235B-A22B)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -44,6 +59,34 @@ pub enum Arch {
     Qwen2,
     /// Qwen3: RMSNorm over each q and k head before RoPE.
     Qwen3,
+    /// Mixtral: Mistral's attention, a mixture of experts in every layer.
+    Mixtral,
+    /// Qwen2-MoE: Qwen2's attention; routed experts plus a shared expert
+    /// behind a sigmoid gate.
+    Qwen2Moe,
+    /// Qwen3-MoE: Qwen3's attention; routed experts.
+    Qwen3Moe,
+}
+
+/// The mixture-of-experts part of a config.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per MoE layer.
+    pub n_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Whether the chosen experts' weights are renormalized to sum to 1
+    /// (`norm_topk_prob`; Mixtral always).
+    pub normalize: bool,
+    /// Each routed expert's intermediate width (`moe_intermediate_size`;
+    /// Mixtral's `intermediate_size`).
+    pub expert_ffn: usize,
+    /// The shared expert's intermediate width, where the model has one
+    /// (Qwen2-MoE's `shared_expert_intermediate_size`).
+    pub shared_ffn: Option<usize>,
+    /// Which layers are mixtures (the rest are dense MLPs of
+    /// `intermediate_size`): `decoder_sparse_step` and `mlp_only_layers`.
+    pub sparse_layers: Vec<bool>,
 }
 
 /// Everything the forward pass needs to know about the model's shape.
@@ -80,6 +123,8 @@ pub struct ModelConfig {
     /// only the `w` most recent positions (itself included), `None` for
     /// full attention. Empty means full attention everywhere.
     pub sliding_windows: Vec<Option<usize>>,
+    /// The mixture of experts, for the MoE families.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -115,6 +160,9 @@ impl ModelConfig {
             (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
             (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => HfFamily::Qwen2,
             (Some("Qwen3ForCausalLM"), _) | (None, "qwen3") => HfFamily::Qwen3,
+            (Some("MixtralForCausalLM"), _) | (None, "mixtral") => HfFamily::Mixtral,
+            (Some("Qwen2MoeForCausalLM"), _) | (None, "qwen2_moe") => HfFamily::Qwen2Moe,
+            (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => HfFamily::Qwen3Moe,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -157,6 +205,9 @@ impl ModelConfig {
             HfFamily::Llama | HfFamily::Mistral => Arch::Llama,
             HfFamily::Qwen2 => Arch::Qwen2,
             HfFamily::Qwen3 => Arch::Qwen3,
+            HfFamily::Mixtral => Arch::Mixtral,
+            HfFamily::Qwen2Moe => Arch::Qwen2Moe,
+            HfFamily::Qwen3Moe => Arch::Qwen3Moe,
         };
         let (rope_theta, rope_scaling) = read_hf_rope(v)?;
         let num_layers = usize_of("num_hidden_layers")?;
@@ -184,9 +235,15 @@ impl ModelConfig {
         // `attention_bias`); Llama and Qwen3 read the key, which puts a
         // bias on q, k, v and o alike.
         let (attention_bias, o_bias) = match family {
-            HfFamily::Mistral => (false, false),
+            HfFamily::Mistral | HfFamily::Mixtral => (false, false),
             HfFamily::Qwen2 => (true, false),
-            HfFamily::Llama | HfFamily::Qwen3 => {
+            // transformers 5 writes Qwen2-MoE's `qkv_bias`; 4 has none and
+            // always builds the biases.
+            HfFamily::Qwen2Moe => match v.get("qkv_bias") {
+                None | Some(Value::Null) => (true, false),
+                Some(_) => (flag("qkv_bias")?, false),
+            },
+            HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe => {
                 let b = flag("attention_bias")?;
                 (b, b)
             }
@@ -196,6 +253,8 @@ impl ModelConfig {
             _ => false,
         };
         let sliding_windows = read_hf_sliding_windows(v, family, num_layers)?;
+        let intermediate_size = usize_of("intermediate_size")?;
+        let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -203,7 +262,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size: usize_of("intermediate_size")?,
+            intermediate_size,
             vocab_size: usize_of("vocab_size")?,
             rms_norm_eps: f32_of("rms_norm_eps", 1e-6)?,
             rope_theta,
@@ -220,8 +279,9 @@ impl ModelConfig {
             attention_bias,
             o_bias,
             mlp_bias,
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -240,10 +300,14 @@ impl ModelConfig {
     /// Reads the model's shape from GGUF metadata (`{arch}.*` keys).
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         let name = g.architecture()?;
+        let experts = g.get_u64(&format!("{name}.expert_count"))?.unwrap_or(0);
         let arch = match name {
+            "llama" | "mistral" if experts > 0 => Arch::Mixtral,
             "llama" | "mistral" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
+            "qwen2moe" => Arch::Qwen2Moe,
+            "qwen3moe" => Arch::Qwen3Moe,
             other => bail!(
                 "{}: GGUF architecture '{other}' is not supported; supported: {}",
                 g.path().display(),
@@ -300,16 +364,6 @@ impl ModelConfig {
             ),
         };
         let tie_word_embeddings = !g.tensors().iter().any(|t| t.name == "output.weight");
-        // Keys that change the math and that nothing here computes.
-        if let Some(n) = g.get_u64(&key("expert_count"))? {
-            if n > 0 {
-                bail!(
-                    "{}: {} is {n}: mixture-of-experts models are not supported yet",
-                    g.path().display(),
-                    key("expert_count")
-                );
-            }
-        }
         let num_layers = req("block_count")?;
         if num_layers > MAX_LAYERS {
             bail!(
@@ -323,6 +377,54 @@ impl ModelConfig {
             _ => Vec::new(),
         };
         let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
+        let intermediate_size = req("feed_forward_length")?;
+        let moe = match arch {
+            Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe => {
+                let n_experts = experts as usize;
+                let top_k = req("expert_used_count")?;
+                if n_experts > 1 << 12 {
+                    bail!(
+                        "{}: {} = {n_experts} is beyond the supported maximum of 4096",
+                        g.path().display(),
+                        key("expert_count")
+                    );
+                }
+                if top_k == 0 || top_k > n_experts {
+                    bail!(
+                        "{}: {} = {top_k} must be between 1 and {} ({n_experts})",
+                        g.path().display(),
+                        key("expert_used_count"),
+                        key("expert_count")
+                    );
+                }
+                let expert_ffn = match arch {
+                    Arch::Mixtral => intermediate_size,
+                    _ => req("expert_feed_forward_length")?,
+                };
+                let shared_ffn = match arch {
+                    Arch::Qwen2Moe => g
+                        .get_u64(&key("expert_shared_feed_forward_length"))?
+                        .map(|f| f as usize)
+                        .filter(|&f| f > 0),
+                    _ => None,
+                };
+                Some(MoeConfig {
+                    n_experts,
+                    top_k,
+                    // As llama.cpp builds these architectures: Mixtral and
+                    // Qwen3-MoE renormalize the chosen weights, Qwen2-MoE
+                    // does not.
+                    normalize: arch != Arch::Qwen2Moe,
+                    expert_ffn,
+                    shared_ffn,
+                    // A layer is a mixture where the file has its router.
+                    sparse_layers: (0..num_layers)
+                        .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
+                        .collect(),
+                })
+            }
+            _ => None,
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -330,7 +432,7 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size: req("feed_forward_length")?,
+            intermediate_size,
             vocab_size,
             rms_norm_eps: g
                 .get_f32(&key("attention.layer_norm_rms_epsilon"))?
@@ -340,7 +442,7 @@ impl ModelConfig {
             // llama.cpp's converter permutes the q/k rows of llama-arch
             // models so that rotation pairs are adjacent; qwen2 keeps HF's
             // half-split layout.
-            rope_style: if arch == Arch::Llama {
+            rope_style: if matches!(arch, Arch::Llama | Arch::Mixtral) {
                 RopeStyle::Interleaved
             } else {
                 RopeStyle::Neox
@@ -350,8 +452,9 @@ impl ModelConfig {
             attention_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
             o_bias: has("blk.0.attn_output.bias"),
             mlp_bias: has("blk.0.ffn_down.bias"),
-            qk_norm: arch == Arch::Qwen3,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
+            moe,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -481,6 +584,122 @@ enum HfFamily {
     Mistral,
     Qwen2,
     Qwen3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+}
+
+/// The mixture of experts of the MoE families: Mixtral's
+/// `num_local_experts` experts of `intermediate_size` in every layer,
+/// always renormalized; Qwen-MoE's `num_experts` (transformers 5 may write
+/// `num_local_experts`) of `moe_intermediate_size` in the layers that
+/// `decoder_sparse_step` and `mlp_only_layers` pick, renormalized with
+/// `norm_topk_prob`, and Qwen2-MoE's shared expert.
+fn read_hf_moe(
+    v: &Value,
+    family: HfFamily,
+    num_layers: usize,
+    intermediate_size: usize,
+) -> Result<Option<MoeConfig>> {
+    if !matches!(
+        family,
+        HfFamily::Mixtral | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe
+    ) {
+        return Ok(None);
+    }
+    let int = |key: &str| -> Result<Option<usize>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => Ok(Some(
+                x.as_u64()
+                    .with_context(|| format!("'{key}' must be a non-negative integer, got {x}"))?
+                    as usize,
+            )),
+        }
+    };
+    let n_experts = match (int("num_experts")?, int("num_local_experts")?) {
+        (Some(a), Some(b)) if a != b => {
+            bail!("'num_experts' ({a}) and 'num_local_experts' ({b}) disagree")
+        }
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => {
+            bail!("a mixture-of-experts config needs 'num_local_experts' or 'num_experts'")
+        }
+    };
+    let top_k = int("num_experts_per_tok")?.context("missing 'num_experts_per_tok'")?;
+    if n_experts == 0 || n_experts > 1 << 12 {
+        bail!("'num_experts' = {n_experts} must be between 1 and 4096");
+    }
+    if top_k == 0 || top_k > n_experts {
+        bail!("'num_experts_per_tok' = {top_k} must be between 1 and the number of experts ({n_experts})");
+    }
+    let moe = match family {
+        HfFamily::Mixtral => MoeConfig {
+            n_experts,
+            top_k,
+            normalize: true,
+            expert_ffn: intermediate_size,
+            shared_ffn: None,
+            sparse_layers: vec![true; num_layers],
+        },
+        _ => {
+            let step = int("decoder_sparse_step")?.unwrap_or(1);
+            if step == 0 {
+                bail!("'decoder_sparse_step' must be positive");
+            }
+            let dense: Vec<usize> = match v.get("mlp_only_layers") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| {
+                        x.as_u64().map(|x| x as usize).with_context(|| {
+                            format!("'mlp_only_layers' entries must be layer indices, got {x}")
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+                Some(other) => bail!("'mlp_only_layers' must be a list, got {other}"),
+            };
+            let normalize = match v.get("norm_topk_prob") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => bail!("'norm_topk_prob' must be true or false, got {other}"),
+            };
+            let expert_ffn =
+                int("moe_intermediate_size")?.context("missing 'moe_intermediate_size'")?;
+            let shared_ffn = match family {
+                HfFamily::Qwen2Moe => Some(
+                    int("shared_expert_intermediate_size")?
+                        .context("missing 'shared_expert_intermediate_size'")?,
+                )
+                .filter(|&f| f > 0),
+                _ => None,
+            };
+            MoeConfig {
+                n_experts,
+                top_k,
+                normalize,
+                expert_ffn,
+                shared_ffn,
+                sparse_layers: (0..num_layers)
+                    .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+                    .collect(),
+            }
+        }
+    };
+    if moe.expert_ffn == 0 || moe.expert_ffn > 1 << 19 {
+        bail!(
+            "the experts' intermediate size {} must be between 1 and {}",
+            moe.expert_ffn,
+            1 << 19
+        );
+    }
+    if moe.shared_ffn.is_some_and(|f| f > 1 << 19) {
+        bail!(
+            "'shared_expert_intermediate_size' is beyond the supported maximum of {}",
+            1 << 19
+        );
+    }
+    Ok(Some(moe))
 }
 
 /// RoPE's base and scaling, from either form transformers writes:
@@ -592,12 +811,11 @@ fn read_hf_sliding_windows(
 ) -> Result<Vec<Option<usize>>> {
     let window = match v.get("sliding_window") {
         None | Some(Value::Null) => None,
-        Some(x) => Some(
-            x.as_u64()
-                .filter(|&w| w > 0)
-                .with_context(|| format!("'sliding_window' must be a positive integer, got {x}"))?
-                as usize,
-        ),
+        // Qwen2-MoE's configs write 0 when the window is off.
+        Some(x) => x
+            .as_u64()
+            .with_context(|| format!("'sliding_window' must be a non-negative integer, got {x}"))
+            .map(|w| (w > 0).then_some(w as usize))?,
     };
     let layer_types: Option<Vec<&str>> = match v.get("layer_types") {
         None | Some(Value::Null) => None,
@@ -625,10 +843,16 @@ fn read_hf_sliding_windows(
             bail!("'layer_types' entry '{t}' is not supported (full_attention, sliding_attention)");
         }
     }
+    if window.is_none()
+        && matches!(family, HfFamily::Mistral | HfFamily::Mixtral)
+        && v.get("sliding_window").is_some_and(|x| !x.is_null())
+    {
+        bail!("'sliding_window' must be a positive integer or null, got 0");
+    }
     let sliding: Vec<bool> = match family {
         HfFamily::Llama => vec![false; num_layers],
-        HfFamily::Mistral => vec![window.is_some(); num_layers],
-        HfFamily::Qwen2 | HfFamily::Qwen3 => {
+        HfFamily::Mistral | HfFamily::Mixtral => vec![window.is_some(); num_layers],
+        HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
             match (&layer_types, enabled) {
                 (_, false) => vec![false; num_layers],
@@ -712,6 +936,19 @@ const KNOWN_HF_KEYS: &[&str] = &[
     "prefix",
     "sep_token_id",
     "decoder_start_token_id",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "qkv_bias",
+    // Training only: the load-balancing loss and router noise.
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "router_jitter_noise",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

@@ -701,6 +701,9 @@ impl Backend for CudaBackend {
     type Kv = CudaKv;
     type Rope = CudaRope;
     type Step = CudaStep;
+    /// The mixture-of-experts operations have no CUDA kernels yet
+    /// (`supports_experts` is false), so there is no routing to hold.
+    type Routes = ();
 
     fn describe(&self) -> String {
         self.describe.clone()

@@ -47,17 +47,107 @@ pub fn gguf_name(hf: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" => "ffn_down_shexp",
+        "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.{suffix}"))
 }
 
+/// Translates an HF expert tensor name (`model.layers.N.mlp.experts.E.
+/// gate_proj.weight`, Mixtral's `block_sparse_moe.experts.E.w1.weight`)
+/// into the GGUF tensor that stacks every expert's (`blk.N.ffn_gate_exps.
+/// weight`) and the expert's index in it.
+pub fn gguf_expert_name(hf: &str) -> Option<(String, usize)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let tail = tail
+        .strip_prefix("mlp.experts.")
+        .or_else(|| tail.strip_prefix("block_sparse_moe.experts."))?;
+    let (expert, tail) = tail.split_once('.')?;
+    let expert: usize = expert.parse().ok()?;
+    let part = match tail {
+        "gate_proj.weight" | "w1.weight" => "ffn_gate_exps",
+        "up_proj.weight" | "w3.weight" => "ffn_up_exps",
+        "down_proj.weight" | "w2.weight" => "ffn_down_exps",
+        _ => return None,
+    };
+    Some((format!("blk.{layer}.{part}.weight"), expert))
+}
+
+impl GgufWeights<'_> {
+    /// Expert `e`'s `[rows, cols]` slice of the stacked tensor `gname`
+    /// (`[experts, rows, cols]`), in its storage type.
+    fn expert_matrix(
+        &self,
+        gname: &str,
+        e: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostMatrix<'_>> {
+        let t = self.file.tensor(gname)?;
+        let path = self.file.path().display();
+        let [n, r, c] = t.shape[..] else {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, not [experts, rows, cols]",
+                t.shape
+            );
+        };
+        if (r, c) != (rows, cols) || e >= n {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies expert {e} of [_, {rows}, {cols}]",
+                t.shape
+            );
+        }
+        let ctx = || format!("{path}: tensor '{gname}', expert {e}");
+        let bytes = t.ty.row_bytes(cols).with_context(ctx)? * rows;
+        let data = t
+            .data
+            .get(e * bytes..(e + 1) * bytes)
+            .with_context(|| format!("{}: shorter than its shape", ctx()))?;
+        self.convert(
+            HostMatrix::new(t.ty, rows, cols, data).with_context(ctx)?,
+            &ctx,
+        )
+    }
+
+    /// Applies `--dtype` to a float matrix; quantized ones stay as stored.
+    fn convert<'m>(
+        &self,
+        stored: HostMatrix<'m>,
+        ctx: &dyn Fn() -> String,
+    ) -> Result<HostMatrix<'m>> {
+        let ty = stored.ty();
+        let want = match self.dtype {
+            DType::Auto => return Ok(stored),
+            _ if !ty.is_float() => return Ok(stored),
+            DType::Float32 => GgmlType::F32,
+            DType::BFloat16 => GgmlType::BF16,
+            DType::Float16 => GgmlType::F16,
+        };
+        if want == ty {
+            return Ok(stored);
+        }
+        let values = stored.dequantize().with_context(ctx)?;
+        HostMatrix::from_f32_as(want, stored.rows(), stored.cols(), &values).with_context(ctx)
+    }
+}
+
 impl WeightSource for GgufWeights<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
+        if let Some((gname, e)) = gguf_expert_name(name) {
+            return self.expert_matrix(&gname, e, rows, cols);
+        }
         let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
         let t = self.file.tensor(&gname)?;
         let path = self.file.path().display();
-        if t.shape != [rows, cols] {
+        // A one-row matrix may be stored as a vector (the shared expert's
+        // gate, `ffn_gate_inp_shexp`).
+        if t.shape != [rows, cols] && !(rows == 1 && t.shape == [cols]) {
             bail!(
                 "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {:?}",
                 t.shape,
@@ -66,18 +156,7 @@ impl WeightSource for GgufWeights<'_> {
         }
         let ctx = || format!("{path}: tensor '{gname}'");
         let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
-        let want = match self.dtype {
-            DType::Auto => return Ok(stored),
-            _ if !t.ty.is_float() => return Ok(stored),
-            DType::Float32 => GgmlType::F32,
-            DType::BFloat16 => GgmlType::BF16,
-            DType::Float16 => GgmlType::F16,
-        };
-        if want == t.ty {
-            return Ok(stored);
-        }
-        let values = stored.dequantize().with_context(ctx)?;
-        HostMatrix::from_f32_as(want, rows, cols, &values).with_context(ctx)
+        self.convert(stored, &ctx)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
@@ -97,6 +176,13 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn contains(&self, name: &str) -> bool {
+        if let Some((g, e)) = gguf_expert_name(name) {
+            return self
+                .file
+                .tensors()
+                .iter()
+                .any(|t| t.name == g && t.shape.first().is_some_and(|&n| e < n));
+        }
         gguf_name(name).is_some_and(|g| self.file.tensors().iter().any(|t| t.name == g))
     }
 
@@ -124,5 +210,17 @@ mod tests {
             Some("blk.0.ffn_norm.weight")
         );
         assert_eq!(gguf_name("model.layers.x.mlp.up_proj.weight"), None);
+        assert_eq!(
+            gguf_name("model.layers.3.mlp.shared_expert_gate.weight").as_deref(),
+            Some("blk.3.ffn_gate_inp_shexp.weight")
+        );
+        assert_eq!(
+            super::gguf_expert_name("model.layers.2.mlp.experts.7.down_proj.weight"),
+            Some(("blk.2.ffn_down_exps.weight".to_string(), 7))
+        );
+        assert_eq!(
+            super::gguf_expert_name("model.layers.0.block_sparse_moe.experts.1.w3.weight"),
+            Some(("blk.0.ffn_up_exps.weight".to_string(), 1))
+        );
     }
 }

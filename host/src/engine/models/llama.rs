@@ -3,7 +3,7 @@
 //! biases on q, k and v; HF Llama's `attention_bias` puts them on the
 //! output projection too, and `mlp_bias` on the MLP's projections.
 
-use super::layers::attention::{AttentionParts, SelfAttention};
+use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
 use super::layers::mlp::GatedMlp;
 use crate::engine::config::ModelConfig;
@@ -24,14 +24,15 @@ pub fn load<B: Backend>(
         qk_norm: false,
     };
     let layers = (0..config.num_layers)
-        .map(|i| decoder_layer(backend, source, &config, i, parts, max_positions))
+        .map(|i| dense_layer(backend, source, &config, i, parts, max_positions))
         .collect::<Result<Vec<_>>>()?;
     DecoderStack::new(backend, source, config, layers, max_positions)
 }
 
 /// Layer `i` of a dense model whose attention has `parts`: the shape
-/// Llama, Mistral, Qwen2 and Qwen3 share.
-pub fn decoder_layer<B: Backend>(
+/// Llama, Mistral, Qwen2 and Qwen3 share (and the dense layers of the
+/// Qwen mixtures).
+pub fn dense_layer<B: Backend>(
     backend: &B,
     source: &dyn WeightSource,
     c: &ModelConfig,
@@ -39,21 +40,21 @@ pub fn decoder_layer<B: Backend>(
     parts: AttentionParts,
     max_positions: usize,
 ) -> Result<DecoderLayer<B>> {
-    let p = |s: &str| format!("model.layers.{i}.{s}");
-    let d = c.hidden_size;
-    let vector =
-        |name: &str| -> Result<B::Vector> { Ok(backend.upload_vector(&source.vector(name, d)?)?) };
-    Ok(DecoderLayer {
-        attn_norm: vector(&p("input_layernorm.weight"))?,
-        attn: SelfAttention::load(backend, source, c, i, &p("self_attn"), parts, max_positions)?,
-        ffn_norm: vector(&p("post_attention_layernorm.weight"))?,
-        ffn: FeedForward::Dense(GatedMlp::load(
-            backend,
-            source,
-            &p("mlp"),
-            d,
-            c.intermediate_size,
-            c.mlp_bias,
-        )?),
-    })
+    let mlp = GatedMlp::load(
+        backend,
+        source,
+        &format!("model.layers.{i}.mlp"),
+        c.hidden_size,
+        c.intermediate_size,
+        c.mlp_bias,
+    )?;
+    DecoderLayer::load(
+        backend,
+        source,
+        c,
+        i,
+        parts,
+        max_positions,
+        FeedForward::Dense(mlp),
+    )
 }

@@ -7,10 +7,14 @@
 //! |---|---|
 //! | [`llama`] | `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` |
 //! | [`qwen3`] | `Qwen3ForCausalLM` |
+//! | [`mixtral`] | `MixtralForCausalLM` |
+//! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
 
 pub mod layers;
 pub mod llama;
+pub mod mixtral;
 pub mod qwen3;
+pub mod qwen_moe;
 
 use crate::engine::config::{Arch, ModelConfig};
 use crate::engine::loader::WeightSource;
@@ -63,5 +67,9 @@ pub fn load<B: Backend>(
     Ok(match config.arch {
         Arch::Llama | Arch::Qwen2 => Box::new(llama::load(backend, source, config, max_positions)?),
         Arch::Qwen3 => Box::new(qwen3::load(backend, source, config, max_positions)?),
+        Arch::Mixtral => Box::new(mixtral::load(backend, source, config, max_positions)?),
+        Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            Box::new(qwen_moe::load(backend, source, config, max_positions)?)
+        }
     })
 }

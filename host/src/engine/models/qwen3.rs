@@ -5,7 +5,7 @@
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::DecoderStack;
-use super::llama::decoder_layer;
+use super::llama::dense_layer;
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use anyhow::Result;
@@ -25,7 +25,7 @@ pub fn load<B: Backend>(
         qk_norm: true,
     };
     let layers = (0..config.num_layers)
-        .map(|i| decoder_layer(backend, source, &config, i, parts, max_positions))
+        .map(|i| dense_layer(backend, source, &config, i, parts, max_positions))
         .collect::<Result<Vec<_>>>()?;
     DecoderStack::new(backend, source, config, layers, max_positions)
 }

@@ -3,8 +3,10 @@
 //! and the LM head on the rows that sample. A family's file decides what
 //! each layer's attention and feed-forward block are.
 
+use super::attention::AttentionParts;
 use super::attention::SelfAttention;
 use super::mlp::GatedMlp;
+use super::moe::SparseMoe;
 use super::Workspace;
 use crate::engine::config::{ModelConfig, MAX_CONTEXT};
 use crate::engine::loader::WeightSource;
@@ -16,12 +18,14 @@ use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
 /// A layer's feed-forward block.
 pub enum FeedForward<B: Backend> {
     Dense(GatedMlp<B>),
+    Moe(SparseMoe<B>),
 }
 
 impl<B: Backend> FeedForward<B> {
     fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
         match self {
             FeedForward::Dense(m) => Box::new(m.matrices()),
+            FeedForward::Moe(m) => m.matrices(),
         }
     }
 
@@ -34,6 +38,7 @@ impl<B: Backend> FeedForward<B> {
     ) -> Result<(), BackendError> {
         match self {
             FeedForward::Dense(m) => m.forward(b, step, n, ws),
+            FeedForward::Moe(m) => m.forward(b, step, n, ws),
         }
     }
 }
@@ -44,6 +49,41 @@ pub struct DecoderLayer<B: Backend> {
     pub attn: SelfAttention<B>,
     pub ffn_norm: B::Vector,
     pub ffn: FeedForward<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// Loads layer `i`'s norms and attention with HF's names
+    /// (`model.layers.N.input_layernorm`, `self_attn`,
+    /// `post_attention_layernorm`), around the feed-forward block the
+    /// family built.
+    pub fn load(
+        backend: &B,
+        source: &dyn WeightSource,
+        c: &ModelConfig,
+        i: usize,
+        parts: AttentionParts,
+        max_positions: usize,
+        ffn: FeedForward<B>,
+    ) -> Result<DecoderLayer<B>> {
+        let p = |s: &str| format!("model.layers.{i}.{s}");
+        let vector = |name: &str| -> Result<B::Vector> {
+            Ok(backend.upload_vector(&source.vector(name, c.hidden_size)?)?)
+        };
+        Ok(DecoderLayer {
+            attn_norm: vector(&p("input_layernorm.weight"))?,
+            attn: SelfAttention::load(
+                backend,
+                source,
+                c,
+                i,
+                &p("self_attn"),
+                parts,
+                max_positions,
+            )?,
+            ffn_norm: vector(&p("post_attention_layernorm.weight"))?,
+            ffn,
+        })
+    }
 }
 
 /// A whole decoder-only model: what a family's file assembles.
@@ -66,6 +106,12 @@ pub struct DecoderStack<B: Backend> {
 pub fn check_context<B: Backend>(backend: &B, c: &ModelConfig, max_positions: usize) -> Result<()> {
     if max_positions == 0 || max_positions > MAX_CONTEXT {
         bail!("max_model_len {max_positions} must be between 1 and {MAX_CONTEXT}");
+    }
+    if c.moe.is_some() && !backend.supports_experts() {
+        bail!(
+            "the model is a mixture of experts, and this device has no expert kernels yet ({}); serve it with --device cpu",
+            backend.describe()
+        );
     }
     if let Some(w) = c.min_sliding_window() {
         if w < max_positions && !backend.supports_sliding_window() {

@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod decoder;
 pub mod mlp;
+pub mod moe;
 pub mod projection;
 
 use pagoda_accel::Backend;
@@ -30,6 +31,8 @@ pub struct Workspace<B: Backend> {
     pub(crate) split_tmp: B::Buffer,
     /// The logit rows' hidden states.
     pub(crate) rows: B::Buffer,
+    /// The mixture-of-experts blocks' buffers.
+    pub(crate) moe: moe::MoeWorkspace<B>,
     /// The logits of the step's logit rows.
     pub logits: B::Buffer,
 }
@@ -50,6 +53,7 @@ impl<B: Backend> Default for Workspace<B> {
             act: Default::default(),
             split_tmp: Default::default(),
             rows: Default::default(),
+            moe: Default::default(),
             logits: Default::default(),
         }
     }

@@ -1,0 +1,249 @@
+//! A sparse mixture-of-experts feed-forward block: a router picks each
+//! token's top-k experts (SwiGLU MLPs of their own), and the block's output
+//! is their outputs weighted by the router; Qwen2-MoE adds a shared expert
+//! behind a sigmoid gate.
+//!
+//! Every expert's weights are read once per step for all the tokens routed
+//! to it: the tokens are grouped by expert ([`Backend::gather_routed`]),
+//! each group runs through its expert ([`Backend::grouped_matmul`]), and
+//! the results go back to their tokens, weighted
+//! ([`Backend::scatter_routed`]). No loop over tokens or experts here.
+
+use super::mlp::GatedMlp;
+use super::Workspace;
+use crate::engine::config::{ModelConfig, MoeConfig};
+use crate::engine::loader::WeightSource;
+use anyhow::{bail, Context, Result};
+use pagoda_accel::ops::{RouterScoring, RouterSpec};
+use pagoda_accel::{Backend, BackendError, HostMatrix, Rows};
+
+/// Which of an expert's three projections a tensor name is asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertPart {
+    Gate,
+    Up,
+    Down,
+}
+
+/// The tensor names of one MoE block, as the family writes them.
+pub struct MoeNames<'a> {
+    /// The router's `[n_experts, hidden]` weight.
+    pub router: String,
+    /// The tensor of expert `e`'s part.
+    pub expert: &'a dyn Fn(usize, ExpertPart) -> String,
+    /// The shared expert's prefix (`gate_proj`, … under it) and its gate's
+    /// `[1, hidden]` weight, for Qwen2-MoE.
+    pub shared: Option<(String, String)>,
+}
+
+/// The routed experts' gate and up projections: fused per expert (one
+/// grouped matmul) when their storage allows, else apart.
+enum GateUp<B: Backend> {
+    Fused(Vec<B::Matrix>),
+    Split {
+        gate: Vec<B::Matrix>,
+        up: Vec<B::Matrix>,
+    },
+}
+
+/// One sparse MoE block on the device.
+pub struct SparseMoe<B: Backend> {
+    /// f32, whatever the checkpoint's dtype: the routing is f32 math.
+    router: B::Matrix,
+    spec: RouterSpec,
+    gate_up: GateUp<B>,
+    down: Vec<B::Matrix>,
+    shared: Option<(GatedMlp<B>, B::Matrix)>,
+    hidden: usize,
+    ffn: usize,
+}
+
+/// Uploads `m` as f32 (exact for every float type a checkpoint holds).
+fn upload_f32<B: Backend>(backend: &B, m: &HostMatrix<'_>) -> Result<B::Matrix> {
+    let f = HostMatrix::from_f32(m.rows(), m.cols(), &m.dequantize()?)?;
+    Ok(backend.upload_matrix(&f)?)
+}
+
+impl<B: Backend> SparseMoe<B> {
+    /// Loads the block `names` describes for a model of shape `c`.
+    pub fn load(
+        backend: &B,
+        source: &dyn WeightSource,
+        c: &ModelConfig,
+        moe: &MoeConfig,
+        names: &MoeNames<'_>,
+    ) -> Result<SparseMoe<B>> {
+        let (d, f, e) = (c.hidden_size, moe.expert_ffn, moe.n_experts);
+        let spec = RouterSpec {
+            n_experts: e,
+            top_k: moe.top_k,
+            scoring: RouterScoring::Softmax,
+            normalize: moe.normalize,
+            scale: 1.0,
+            groups: None,
+        };
+        if let Err(why) = spec.check() {
+            bail!("{}: {why}", source.describe());
+        }
+        let router = upload_f32(backend, &source.matrix(&names.router, e, d)?)
+            .with_context(|| format!("{}: tensor '{}'", source.describe(), names.router))?;
+        let mut pairs = Vec::with_capacity(e);
+        let mut down = Vec::with_capacity(e);
+        for x in 0..e {
+            pairs.push([
+                source.matrix(&(names.expert)(x, ExpertPart::Gate), f, d)?,
+                source.matrix(&(names.expert)(x, ExpertPart::Up), f, d)?,
+            ]);
+            let name = (names.expert)(x, ExpertPart::Down);
+            let m = source.matrix(&name, d, f)?;
+            down.push(
+                backend
+                    .upload_matrix(&m)
+                    .with_context(|| format!("{}: tensor '{name}'", source.describe()))?,
+            );
+        }
+        let gate_up = if pairs.iter().all(|p| HostMatrix::can_concat(p)) {
+            let mut fused = Vec::with_capacity(e);
+            for p in &pairs {
+                fused.push(backend.upload_matrix(&HostMatrix::concat_rows(p)?)?);
+            }
+            GateUp::Fused(fused)
+        } else {
+            let (mut gate, mut up) = (Vec::with_capacity(e), Vec::with_capacity(e));
+            for [g, u] in &pairs {
+                gate.push(backend.upload_matrix(g)?);
+                up.push(backend.upload_matrix(u)?);
+            }
+            GateUp::Split { gate, up }
+        };
+        drop(pairs);
+        let shared = match (&names.shared, moe.shared_ffn) {
+            (Some((prefix, gate_name)), Some(sf)) => {
+                let mlp = GatedMlp::load(backend, source, prefix, d, sf, false)?;
+                let g = upload_f32(backend, &source.matrix(gate_name, 1, d)?)
+                    .with_context(|| format!("{}: tensor '{gate_name}'", source.describe()))?;
+                Some((mlp, g))
+            }
+            _ => None,
+        };
+        Ok(SparseMoe {
+            router,
+            spec,
+            gate_up,
+            down,
+            shared,
+            hidden: d,
+            ffn: f,
+        })
+    }
+
+    /// Every matrix of the block, for load-time facts (sizes, kernels).
+    pub fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
+        let gate_up: Box<dyn Iterator<Item = &B::Matrix>> = match &self.gate_up {
+            GateUp::Fused(v) => Box::new(v.iter()),
+            GateUp::Split { gate, up } => Box::new(gate.iter().chain(up)),
+        };
+        let shared: Box<dyn Iterator<Item = &B::Matrix>> = match &self.shared {
+            Some((mlp, g)) => Box::new(mlp.matrices().chain(std::iter::once(g))),
+            None => Box::new(std::iter::empty()),
+        };
+        Box::new(
+            std::iter::once(&self.router)
+                .chain(gate_up)
+                .chain(&self.down)
+                .chain(shared),
+        )
+    }
+
+    /// Runs the block on the step's `n` normed hidden states in `ws.h`,
+    /// leaving the result in `ws.proj`.
+    pub fn forward(
+        &self,
+        b: &mut B,
+        step: &B::Step,
+        n: usize,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError> {
+        let (d, f, e) = (self.hidden, self.ffn, self.spec.n_experts);
+        let pairs = n * self.spec.top_k;
+        let w = &mut ws.moe;
+        b.reserve(&mut w.router_logits, n * e)?;
+        b.reserve(&mut w.x, pairs * d)?;
+        b.reserve(&mut w.gate_up, pairs * 2 * f)?;
+        b.reserve(&mut w.act, pairs * f)?;
+        b.reserve(&mut w.y, pairs * d)?;
+        b.reserve(&mut ws.proj, n * d)?;
+
+        b.matmul(
+            &self.router,
+            &ws.h,
+            n,
+            &mut w.router_logits,
+            step,
+            Rows::Tokens,
+        );
+        b.route_experts(&w.router_logits, n, &self.spec, None, &mut w.routes);
+        b.gather_routed(&ws.h, d, &w.routes, &mut w.x);
+        match &self.gate_up {
+            GateUp::Fused(gu) => b.grouped_matmul(gu, &w.x, &w.routes, &mut w.gate_up),
+            GateUp::Split { gate, up } => {
+                b.reserve(&mut w.tmp, pairs * f)?;
+                b.grouped_matmul(gate, &w.x, &w.routes, &mut w.tmp);
+                b.copy_columns(&w.tmp, f, 0, &mut w.gate_up, 2 * f, 0, f, pairs);
+                b.grouped_matmul(up, &w.x, &w.routes, &mut w.tmp);
+                b.copy_columns(&w.tmp, f, 0, &mut w.gate_up, 2 * f, f, f, pairs);
+            }
+        }
+        b.silu_mul(&w.gate_up, pairs, f, &mut w.act);
+        b.grouped_matmul(&self.down, &w.act, &w.routes, &mut w.y);
+        b.scatter_routed(&w.y, d, &w.routes, &mut ws.proj);
+        if let Some((mlp, gate)) = &self.shared {
+            b.reserve(&mut w.shared, n * d)?;
+            b.reserve(&mut w.shared_gate, n)?;
+            mlp.forward_rows(
+                b,
+                &ws.h,
+                n,
+                step,
+                &mut w.shared,
+                &mut ws.gate_up,
+                &mut ws.act,
+                &mut ws.split_tmp,
+            )?;
+            b.matmul(gate, &ws.h, n, &mut w.shared_gate, step, Rows::Tokens);
+            b.add_gated(&mut ws.proj, &w.shared, &w.shared_gate, n, d);
+        }
+        Ok(())
+    }
+}
+
+/// The buffers of the MoE blocks, in [`Workspace::moe`].
+pub struct MoeWorkspace<B: Backend> {
+    router_logits: B::Buffer,
+    routes: B::Routes,
+    /// The tokens' hidden states, grouped by expert (`[n·k, hidden]`).
+    x: B::Buffer,
+    gate_up: B::Buffer,
+    act: B::Buffer,
+    /// The experts' outputs, grouped (`[n·k, hidden]`).
+    y: B::Buffer,
+    tmp: B::Buffer,
+    shared: B::Buffer,
+    shared_gate: B::Buffer,
+}
+
+impl<B: Backend> Default for MoeWorkspace<B> {
+    fn default() -> Self {
+        MoeWorkspace {
+            router_logits: Default::default(),
+            routes: Default::default(),
+            x: Default::default(),
+            gate_up: Default::default(),
+            act: Default::default(),
+            y: Default::default(),
+            tmp: Default::default(),
+            shared: Default::default(),
+            shared_gate: Default::default(),
+        }
+    }
+}
