@@ -5,5 +5,6 @@
 
 #![allow(dead_code)]
 
+pub mod hf_to_gguf;
 pub mod reference;
 pub mod tiny_model;
