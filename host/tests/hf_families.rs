@@ -153,6 +153,39 @@ fn agrees_with_transformers(family: &str) {
     }
 }
 
+#[test]
+fn deepseek_v2_lite_with_latent_attention_and_shared_experts_agrees_with_transformers() {
+    agrees_with_transformers("deepseekv2lite");
+}
+
+#[test]
+fn deepseek_v3_with_yarn_and_group_limited_sigmoid_routing_agrees_with_transformers() {
+    agrees_with_transformers("deepseekv3");
+}
+
+#[test]
+fn the_latent_cache_keeps_kv_lora_rank_plus_rope_values_per_token_and_layer() {
+    for (family, layers, width) in [("deepseekv2lite", 2, 32 + 8), ("deepseekv3", 2, 32 + 8)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = folder(family, "config.json", dir.path());
+        let a = EngineArgs::new(&model);
+        let backend = pagoda::engine::args::cpu_backend(&a).expect("backend");
+        let (m, _) = pagoda::engine::args::load_model(&backend, &a, |_| 128)
+            .unwrap_or_else(|e| panic!("{family}: {e:#}"));
+        for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+            let spec = pagoda::engine::args::kv_spec(&*m, dtype, 4, 16);
+            let elem = spec.dtype.size();
+            assert_eq!(
+                spec.bytes_per_token(),
+                width * layers * elem,
+                "{family} in {}: (kv_lora_rank + qk_rope_head_dim) × layers × element size",
+                dtype.name()
+            );
+            assert_eq!(spec.bytes_per_block(), 16 * width * layers * elem);
+        }
+    }
+}
+
 /// `family` converted to a GGUF file of `ty` as llama.cpp's converter lays
 /// it out (see `support::hf_to_gguf`).
 fn as_gguf(family: &str, ty: GgmlType, dir: &Path) -> PathBuf {
@@ -265,10 +298,39 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
         (
             "llama",
             Box::new(|v| {
-                v["rope_parameters"] =
-                    serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+                v["rope_parameters"] = serde_json::json!({"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0})
             }),
-            &["rope_type 'yarn'", "rope_parameters"],
+            &["rope_type 'longrope'", "rope_parameters"],
+        ),
+        (
+            // transformers would take the factor from the two lengths (2),
+            // vLLM from `factor` (4): ambiguous, so refused.
+            "llama",
+            Box::new(
+                |v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 2048}),
+            ),
+            &["yarn factor 4", "original_max_position_embeddings"],
+        ),
+        (
+            "deepseekv3",
+            Box::new(|v| v["n_group"] = 3.into()),
+            &["n_group = 3", "8 experts"],
+        ),
+        (
+            "deepseekv3",
+            Box::new(|v| v["num_experts_per_tok"] = 9.into()),
+            &["num_experts_per_tok"],
+        ),
+        (
+            // The tensors say the latent is 32 wide.
+            "deepseekv2lite",
+            Box::new(|v| v["kv_lora_rank"] = 24.into()),
+            &["kv_lora_rank", "kv_a_proj_with_mqa"],
+        ),
+        (
+            "deepseekv2lite",
+            Box::new(|v| v["moe_layer_freq"] = 2.into()),
+            &["moe_layer_freq"],
         ),
         (
             "llama",
@@ -371,6 +433,8 @@ fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
         "mixtral",
         "qwen2moe",
         "qwen3moe",
+        "deepseekv2lite",
+        "deepseekv3",
     ] {
         assert_eq!(
             unused_tensors(family, |_| {}),

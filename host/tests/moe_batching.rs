@@ -1,9 +1,11 @@
-//! Mixture-of-experts models in the batched engine: routing is per token,
-//! so batching, chunked prefill, preemption and prefix caching must not
-//! change any greedy output. Each of 16 prompts of mixed lengths (some
-//! sharing prefixes) must give exactly what it gives alone, on
-//! transformers' own tiny Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints
-//! (float32) and on a Q8_0 GGUF of Qwen2-MoE whose experts stay quantized.
+//! Mixture-of-experts and latent-attention models in the batched engine:
+//! routing is per token and the latent cache is paged like any other, so
+//! batching, chunked prefill, preemption and prefix caching must not change
+//! any greedy output. Each of 16 prompts of mixed lengths (some sharing
+//! prefixes) must give exactly what it gives alone, on transformers' own
+//! tiny Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2-Lite and DeepSeek-V3
+//! checkpoints (float32) and on a Q8_0 GGUF of Qwen2-MoE whose experts stay
+//! quantized.
 
 mod support;
 
@@ -146,6 +148,16 @@ fn qwen2_moe_batches_exactly() {
 #[test]
 fn qwen3_moe_batches_exactly() {
     batch_changes_nothing(&fixtures().join("qwen3moe"), "qwen3moe");
+}
+
+#[test]
+fn deepseek_v2_lite_batches_exactly() {
+    batch_changes_nothing(&fixtures().join("deepseekv2lite"), "deepseekv2lite");
+}
+
+#[test]
+fn deepseek_v3_batches_exactly() {
+    batch_changes_nothing(&fixtures().join("deepseekv3"), "deepseekv3");
 }
 
 #[test]

@@ -22,6 +22,9 @@ pub struct CpuBackend {
     /// Kept empty between calls; only its capacity is reused (see
     /// [`CpuBackend::attention`]).
     attn_seqs: Vec<AttnSeq<'static>>,
+    /// One head's rows in and out of [`Backend::matmul_heads`].
+    head_in: Vec<f32>,
+    head_out: Vec<f32>,
 }
 
 impl CpuBackend {
@@ -33,6 +36,8 @@ impl CpuBackend {
             level,
             scratch: MatmulScratch::default(),
             attn_seqs: Vec::new(),
+            head_in: Vec::new(),
+            head_out: Vec::new(),
         }
     }
 
@@ -62,11 +67,14 @@ impl DeviceMatrix for Weight {
     }
 }
 
-/// One layer's K and V in host memory, of `layout` each.
+/// One layer's K and V in host memory, of `layout` each; for a latent
+/// (MLA) layer, `k` holds `[slots, layout.head_dim]` latent rows and `v`
+/// is empty.
 pub struct LayerKv<T> {
     pub k: Vec<T>,
     pub v: Vec<T>,
     pub layout: KvLayout,
+    pub latent: bool,
 }
 
 /// The KV pool of every layer, in one of the supported element types.
@@ -76,15 +84,20 @@ pub enum CpuKv {
     Bf16(Vec<LayerKv<bf16>>),
 }
 
-fn layers<T: KvElem + bytemuck::Zeroable>(layouts: &[KvLayout]) -> Vec<LayerKv<T>> {
+fn layers<T: KvElem + bytemuck::Zeroable>(layouts: &[(KvLayout, bool)]) -> Vec<LayerKv<T>> {
     // Zeroed allocations come from calloc, so the OS commits pages only as
     // blocks are first written: a large pool costs address space, not RSS.
     layouts
         .iter()
-        .map(|l| LayerKv {
+        .map(|&(l, latent)| LayerKv {
             k: bytemuck::zeroed_vec(l.elems()),
-            v: bytemuck::zeroed_vec(l.elems()),
-            layout: *l,
+            v: if latent {
+                Vec::new()
+            } else {
+                bytemuck::zeroed_vec(l.elems())
+            },
+            layout: l,
+            latent,
         })
         .collect()
 }
@@ -96,7 +109,19 @@ impl CpuKv {
     pub fn new(spec: &KvSpec) -> Result<CpuKv, BackendError> {
         let layouts = (0..spec.layers.len())
             .map(|i| {
-                spec.symmetric_layout(i).ok_or_else(|| BackendError::UnsupportedKv {
+                let l = spec.layers[i];
+                if l.is_latent() {
+                    return Ok((
+                        KvLayout {
+                            num_blocks: spec.num_blocks,
+                            block_size: spec.block_size,
+                            n_kv_heads: 1,
+                            head_dim: l.k_head_dim,
+                        },
+                        true,
+                    ));
+                }
+                spec.symmetric_layout(i).map(|l| (l, false)).ok_or_else(|| BackendError::UnsupportedKv {
                     device: "cpu".into(),
                     detail: format!(
                         "layer {i} keeps K heads of {} and V heads of {} elements; the CPU attention kernel needs them equal",
@@ -232,6 +257,10 @@ impl Backend for CpuBackend {
     }
 
     fn supports_experts(&self) -> bool {
+        true
+    }
+
+    fn supports_latent_attention(&self) -> bool {
         true
     }
 
@@ -396,6 +425,110 @@ impl Backend for CpuBackend {
             }
             CpuKv::Bf16(l) => {
                 self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
+            }
+        }
+    }
+
+    fn write_latent(&mut self, kv: &mut CpuKv, layer: usize, latent: &Vec<f32>, step: &CpuStep) {
+        let slots = &step.batch.slot_mapping;
+        fn write<T: KvElem>(l: &mut LayerKv<T>, latent: &[f32], slots: &[u32]) {
+            assert!(l.latent, "write_latent: layer is not a latent layer");
+            let w = l.layout.head_dim;
+            ops::mla::write_latent(&mut l.k, w, &latent[..slots.len() * w], slots);
+        }
+        match kv {
+            CpuKv::F32(l) => write(&mut l[layer], latent, slots),
+            CpuKv::F16(l) => write(&mut l[layer], latent, slots),
+            CpuKv::Bf16(l) => write(&mut l[layer], latent, slots),
+        }
+    }
+
+    fn latent_attention(
+        &mut self,
+        kv: &CpuKv,
+        layer: usize,
+        q: &Vec<f32>,
+        n_heads: usize,
+        v_width: usize,
+        scale: f32,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) {
+        let seqs: Vec<AttnSeq<'_>> = step
+            .batch
+            .seqs
+            .iter()
+            .map(|s| AttnSeq {
+                q_start: s.q_start as usize,
+                q_len: s.q_len as usize,
+                ctx_len: s.ctx_len as usize,
+                block_table: step.batch.block_table(s),
+            })
+            .collect();
+        let pool = self.ctx.pool();
+        fn run<T: KvElem>(
+            pool: &crate::ThreadPool,
+            l: &LayerKv<T>,
+            q: &[f32],
+            n_heads: usize,
+            v_width: usize,
+            seqs: &[AttnSeq<'_>],
+            scale: f32,
+            out: &mut [f32],
+        ) {
+            assert!(l.latent, "latent_attention: layer is not a latent layer");
+            let lay = l.layout;
+            ops::mla::latent_attention(
+                pool,
+                &l.k,
+                lay.block_size,
+                lay.head_dim,
+                q,
+                n_heads,
+                v_width,
+                seqs,
+                scale,
+                out,
+            );
+        }
+        match kv {
+            CpuKv::F32(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
+            CpuKv::F16(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
+            CpuKv::Bf16(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
+        }
+    }
+
+    fn matmul_heads(
+        &mut self,
+        w: &[Weight],
+        x: &Vec<f32>,
+        m: usize,
+        x_stride: usize,
+        x_col: usize,
+        out: &mut Vec<f32>,
+        out_stride: usize,
+        out_col: usize,
+    ) {
+        let heads = w.len();
+        let (x_row, out_row) = (heads * x_stride, heads * out_stride);
+        for (h, wh) in w.iter().enumerate() {
+            let (k, n) = (wh.cols(), wh.rows());
+            self.head_in.clear();
+            for r in 0..m {
+                let at = r * x_row + h * x_stride + x_col;
+                self.head_in.extend_from_slice(&x[at..at + k]);
+            }
+            self.head_out.resize(m * n, 0.0);
+            wh.matmul(
+                self.ctx.pool(),
+                &self.head_in,
+                m,
+                &mut self.head_out,
+                &mut self.scratch,
+            );
+            for r in 0..m {
+                let at = r * out_row + h * out_stride + out_col;
+                out[at..at + n].copy_from_slice(&self.head_out[r * n..(r + 1) * n]);
             }
         }
     }

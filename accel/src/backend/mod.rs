@@ -422,7 +422,8 @@ impl StepBatch {
 /// What one layer keeps per token in the KV pool: `n_kv_heads` heads, each a
 /// K of `k_head_dim` and a V of `v_head_dim` elements. Layers may differ (a
 /// model can mix attention kinds), which is why the pool is described layer
-/// by layer.
+/// by layer. A latent layer (MLA) is one head of `k_head_dim` and no V
+/// ([`KvLayerSpec::latent`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KvLayerSpec {
     pub n_kv_heads: usize,
@@ -438,6 +439,21 @@ impl KvLayerSpec {
             k_head_dim: head_dim,
             v_head_dim: head_dim,
         }
+    }
+
+    /// An MLA layer: one latent row of `width` values per token, which
+    /// serves as both key and value ([`Backend::latent_attention`]).
+    pub fn latent(width: usize) -> KvLayerSpec {
+        KvLayerSpec {
+            n_kv_heads: 1,
+            k_head_dim: width,
+            v_head_dim: 0,
+        }
+    }
+
+    /// Whether this is a latent (MLA) layer.
+    pub fn is_latent(&self) -> bool {
+        self.v_head_dim == 0 && self.n_kv_heads == 1
     }
 
     /// Elements one token takes in this layer, K and V together.
@@ -547,6 +563,13 @@ pub trait Backend: Send + 'static {
     /// and the four after it) run here. A MoE model is refused at load on
     /// a backend without them, so they are never called there.
     fn supports_experts(&self) -> bool {
+        false
+    }
+    /// Whether the latent-attention operations ([`Backend::write_latent`],
+    /// [`Backend::latent_attention`], [`Backend::matmul_heads`]) run here,
+    /// and the KV pool takes latent layers. An MLA model is refused at load
+    /// on a backend without them, so they are never called there.
+    fn supports_latent_attention(&self) -> bool {
         false
     }
     /// Free and total bytes of the device's own memory, for devices that
@@ -735,6 +758,66 @@ pub trait Backend: Send + 'static {
         let _ = (x, y, gate, m, d);
         panic!(
             "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+
+    /// Writes the step's latent rows (`latent: [tokens, width]`) into latent
+    /// layer `layer` of `kv` at the step's slots.
+    fn write_latent(
+        &mut self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        latent: &Self::Buffer,
+        step: &Self::Step,
+    ) {
+        let _ = (kv, layer, latent, step);
+        panic!(
+            "{}: no latent attention (supports_latent_attention is false)",
+            self.describe()
+        );
+    }
+    /// Causal multi-head latent attention over latent layer `layer`:
+    /// `q: [tokens, n_heads, width]` (each head's absorbed query), `out:
+    /// [tokens, n_heads, v_width]`, each head's softmax-weighted sum of the
+    /// rows' first `v_width` values (see [`crate::ops::mla`]).
+    #[allow(clippy::too_many_arguments)]
+    fn latent_attention(
+        &mut self,
+        kv: &Self::Kv,
+        layer: usize,
+        q: &Self::Buffer,
+        n_heads: usize,
+        v_width: usize,
+        scale: f32,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) {
+        let _ = (kv, layer, q, n_heads, v_width, scale, step, out);
+        panic!(
+            "{}: no latent attention (supports_latent_attention is false)",
+            self.describe()
+        );
+    }
+    /// One matrix per head: for each of `m` rows and each head `h`,
+    /// `out[r][h·out_stride + out_col ..][..w[h].rows()] = w[h] ·
+    /// x[r][h·x_stride + x_col ..][..w[h].cols()]`. MLA's absorbed key and
+    /// value up-projections.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_heads(
+        &mut self,
+        w: &[Self::Matrix],
+        x: &Self::Buffer,
+        m: usize,
+        x_stride: usize,
+        x_col: usize,
+        out: &mut Self::Buffer,
+        out_stride: usize,
+        out_col: usize,
+    ) {
+        let _ = (w, x, m, x_stride, x_col, out, out_stride, out_col);
+        panic!(
+            "{}: no latent attention (supports_latent_attention is false)",
             self.describe()
         );
     }

@@ -10,6 +10,7 @@
 
 mod act;
 mod attention;
+pub mod mla;
 pub mod moe;
 mod norm;
 mod rope;

@@ -40,6 +40,41 @@ pub enum RopeScaling {
         /// The context length the model was pre-trained with.
         original_max_position: usize,
     },
+    /// YaRN (arXiv 2309.00071), as transformers and DeepSeek compute it:
+    /// each frequency a blend of itself and itself divided by `factor`,
+    /// ramping from kept (above `beta_fast` rotations over the original
+    /// context) to fully scaled (below `beta_slow`), and cos/sin multiplied
+    /// by `attention_factor`.
+    Yarn {
+        factor: f32,
+        original_max_position: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        /// Multiplies cos and sin (transformers' `attention_factor`).
+        attention_factor: f32,
+        /// Round the ramp's ends to whole dimensions (transformers'
+        /// `truncate`, true unless the config says otherwise).
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// What cos and sin are multiplied by.
+    pub fn attention_factor(&self) -> f32 {
+        match *self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
+        }
+    }
+}
+
+/// The dimension (of `head_dim`) whose wavelength makes `rotations` turns
+/// over `max_position` positions, YaRN's inverse dimension formula.
+fn yarn_correction_dim(rotations: f64, head_dim: usize, theta: f64, max_position: usize) -> f64 {
+    head_dim as f64 * (max_position as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+        / (2.0 * theta.ln())
 }
 
 /// Precomputed cos/sin for positions `0..max_positions` and the
@@ -83,6 +118,31 @@ fn frequency(i: usize, head_dim: usize, theta: f64, scaling: &RopeScaling) -> f6
                 (1.0 - smooth) * freq / factor + smooth * freq
             }
         }
+        RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } => {
+            let mut low =
+                yarn_correction_dim(beta_fast as f64, head_dim, theta, original_max_position);
+            let mut high =
+                yarn_correction_dim(beta_slow as f64, head_dim, theta, original_max_position);
+            if truncate {
+                low = low.floor();
+                high = high.ceil();
+            }
+            let low = low.max(0.0);
+            let mut high = high.min(head_dim as f64 - 1.0);
+            if low == high {
+                high += 0.001;
+            }
+            // 1 where the frequency is kept (extrapolated), 0 where scaled.
+            let keep = 1.0 - ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+            freq / factor as f64 * (1.0 - keep) + freq * keep
+        }
     }
 }
 
@@ -108,11 +168,12 @@ impl RopeTable {
             .collect();
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
+        let a = scaling.attention_factor() as f64;
         for p in 0..max_positions {
             for &f in &freqs {
                 let (s, c) = (p as f64 * f).sin_cos();
-                cos.push(c as f32);
-                sin.push(s as f32);
+                cos.push((c * a) as f32);
+                sin.push((s * a) as f32);
             }
         }
         RopeTable {

@@ -436,6 +436,23 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         backend.describe()
     );
     let spec = kv_spec(&*model, kv_dtype, num_blocks, args.block_size);
+    let latent = spec.layers.iter().filter(|l| l.is_latent()).count();
+    tracing::info!(
+        "KV cache: {} bytes per token across {} layers{}",
+        spec.bytes_per_token(),
+        spec.layers.len(),
+        if latent > 0 {
+            format!(
+                " ({latent} latent-attention layers keep one {}-value latent row per token)",
+                spec.layers
+                    .iter()
+                    .find(|l| l.is_latent())
+                    .map_or(0, |l| l.k_head_dim)
+            )
+        } else {
+            String::new()
+        }
+    );
     let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
     let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
     if model.has_prompt_kernel() {

@@ -3,7 +3,7 @@
 
 use crate::engine::loader::gguf::GgufFile;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::{RopeScaling, RopeStyle};
+use pagoda_accel::ops::{GroupLimit, GroupScore, RopeScaling, RopeStyle, RouterScoring};
 use serde_json::Value;
 use std::path::Path;
 
@@ -42,6 +42,16 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "qwen3moe",
         "Qwen3-MoE (30B-A3B, 235B-A22B)",
     ),
+    (
+        "DeepseekV2ForCausalLM",
+        "-",
+        "DeepSeek-V2, V2-Lite (MLA, shared and routed experts)",
+    ),
+    (
+        "DeepseekV3ForCausalLM",
+        "-",
+        "DeepSeek-V3, R1 (MLA, sigmoid group-limited routing)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -66,6 +76,35 @@ pub enum Arch {
     Qwen2Moe,
     /// Qwen3-MoE: Qwen3's attention; routed experts.
     Qwen3Moe,
+    /// DeepSeek-V2 and V3: multi-head latent attention, shared and routed
+    /// experts after the first dense layers.
+    Deepseek,
+}
+
+/// DeepSeek's multi-head latent attention.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MlaConfig {
+    /// The query's low-rank width (`q_lora_rank`); `None`: a full `q_proj`
+    /// (V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    /// The compressed KV latent's width (`kv_lora_rank`).
+    pub kv_lora_rank: usize,
+    /// Per head: the query/key part without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Per head: the query/key part with RoPE (the key's is shared by all
+    /// heads).
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// Multiplies the softmax scale `1/√(nope + rope)`: YaRN's mscale²
+    /// where the RoPE scaling sets `mscale_all_dim`, else 1.
+    pub softmax_mscale: f32,
+}
+
+impl MlaConfig {
+    /// Values the latent KV cache keeps per token and layer.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
 }
 
 /// The mixture-of-experts part of a config.
@@ -85,8 +124,20 @@ pub struct MoeConfig {
     /// (Qwen2-MoE's `shared_expert_intermediate_size`).
     pub shared_ffn: Option<usize>,
     /// Which layers are mixtures (the rest are dense MLPs of
-    /// `intermediate_size`): `decoder_sparse_step` and `mlp_only_layers`.
+    /// `intermediate_size`): `decoder_sparse_step` and `mlp_only_layers`,
+    /// or DeepSeek's `first_k_dense_replace`.
     pub sparse_layers: Vec<bool>,
+    /// How router logits become scores (DeepSeek-V3: sigmoid).
+    pub scoring: RouterScoring,
+    /// `routed_scaling_factor` (1 elsewhere).
+    pub routed_scale: f32,
+    /// DeepSeek's group-limited choice (`n_group`, `topk_group`).
+    pub groups: Option<GroupLimit>,
+    /// The router has `e_score_correction_bias` (DeepSeek-V3).
+    pub score_bias: bool,
+    /// The shared expert's output goes through a sigmoid gate (Qwen2-MoE);
+    /// DeepSeek's shared experts are always added.
+    pub shared_gated: bool,
 }
 
 /// Everything the forward pass needs to know about the model's shape.
@@ -125,6 +176,8 @@ pub struct ModelConfig {
     pub sliding_windows: Vec<Option<usize>>,
     /// The mixture of experts, for the MoE families.
     pub moe: Option<MoeConfig>,
+    /// Multi-head latent attention, for DeepSeek.
+    pub mla: Option<MlaConfig>,
 }
 
 impl ModelConfig {
@@ -163,6 +216,8 @@ impl ModelConfig {
             (Some("MixtralForCausalLM"), _) | (None, "mixtral") => HfFamily::Mixtral,
             (Some("Qwen2MoeForCausalLM"), _) | (None, "qwen2_moe") => HfFamily::Qwen2Moe,
             (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => HfFamily::Qwen3Moe,
+            (Some("DeepseekV2ForCausalLM"), _) | (None, "deepseek_v2") => HfFamily::DeepseekV2,
+            (Some("DeepseekV3ForCausalLM"), _) | (None, "deepseek_v3") => HfFamily::DeepseekV3,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -208,8 +263,13 @@ impl ModelConfig {
             HfFamily::Mixtral => Arch::Mixtral,
             HfFamily::Qwen2Moe => Arch::Qwen2Moe,
             HfFamily::Qwen3Moe => Arch::Qwen3Moe,
+            HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => Arch::Deepseek,
         };
-        let (rope_theta, rope_scaling) = read_hf_rope(v)?;
+        let max_position_embeddings = match v.get("max_position_embeddings") {
+            None | Some(Value::Null) => 2048,
+            Some(_) => usize_of("max_position_embeddings")?,
+        };
+        let (rope_theta, rope_scaling) = read_hf_rope(v, max_position_embeddings)?;
         let num_layers = usize_of("num_hidden_layers")?;
         // Checked before anything is sized by it (validate checks again).
         if num_layers > MAX_LAYERS {
@@ -236,6 +296,12 @@ impl ModelConfig {
         // bias on q, k, v and o alike.
         let (attention_bias, o_bias) = match family {
             HfFamily::Mistral | HfFamily::Mixtral => (false, false),
+            HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => {
+                if flag("attention_bias")? {
+                    bail!("'attention_bias' on DeepSeek's latent-attention projections is not supported");
+                }
+                (false, false)
+            }
             HfFamily::Qwen2 => (true, false),
             // transformers 5 writes Qwen2-MoE's `qkv_bias`; 4 has none and
             // always builds the biases.
@@ -255,6 +321,24 @@ impl ModelConfig {
         let sliding_windows = read_hf_sliding_windows(v, family, num_layers)?;
         let intermediate_size = usize_of("intermediate_size")?;
         let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
+        let mla = read_hf_mla(v, family, &rope_scaling)?;
+        // DeepSeek's heads: the RoPE table covers the rotary part only, and
+        // the latent cache has one KV head.
+        let (head_dim, num_kv_heads) = match &mla {
+            Some(m) => (m.qk_rope_head_dim, num_heads),
+            None => (head_dim, num_kv_heads),
+        };
+        let rope_style = match family {
+            // DeepSeek rotates adjacent pairs: V2 as complex numbers, V3
+            // with `rope_interleave` (its default).
+            HfFamily::DeepseekV2 => RopeStyle::Interleaved,
+            HfFamily::DeepseekV3 => match v.get("rope_interleave") {
+                Some(Value::Bool(false)) => RopeStyle::Neox,
+                None | Some(Value::Null) | Some(Value::Bool(true)) => RopeStyle::Interleaved,
+                Some(other) => bail!("'rope_interleave' must be true or false, got {other}"),
+            },
+            _ => RopeStyle::Neox,
+        };
         let cfg = ModelConfig {
             arch,
             hidden_size,
@@ -267,11 +351,8 @@ impl ModelConfig {
             rms_norm_eps: f32_of("rms_norm_eps", 1e-6)?,
             rope_theta,
             rope_scaling,
-            rope_style: RopeStyle::Neox,
-            max_position_embeddings: match v.get("max_position_embeddings") {
-                None | Some(Value::Null) => 2048,
-                Some(_) => usize_of("max_position_embeddings")?,
-            },
+            rope_style,
+            max_position_embeddings,
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
@@ -282,6 +363,7 @@ impl ModelConfig {
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
             moe,
+            mla,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -421,6 +503,11 @@ impl ModelConfig {
                     sparse_layers: (0..num_layers)
                         .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
                         .collect(),
+                    scoring: RouterScoring::Softmax,
+                    routed_scale: 1.0,
+                    groups: None,
+                    score_bias: false,
+                    shared_gated: true,
                 })
             }
             _ => None,
@@ -455,6 +542,7 @@ impl ModelConfig {
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
             moe,
+            mla: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -523,6 +611,33 @@ impl ModelConfig {
                     bail!("llama3 rope_scaling needs a positive original_max_position_embeddings");
                 }
             }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                ..
+            } => {
+                if !(factor.is_finite() && factor > 0.0) {
+                    bail!("yarn rope scaling factor {factor} must be a positive number");
+                }
+                if original_max_position == 0 {
+                    bail!("yarn rope scaling needs a positive original_max_position_embeddings");
+                }
+                if !(beta_fast.is_finite()
+                    && beta_slow.is_finite()
+                    && beta_fast > 0.0
+                    && beta_slow > 0.0)
+                {
+                    bail!(
+                        "yarn beta_fast ({beta_fast}) and beta_slow ({beta_slow}) must be positive"
+                    );
+                }
+                if !(attention_factor.is_finite() && attention_factor > 0.0) {
+                    bail!("yarn attention_factor {attention_factor} must be a positive number");
+                }
+            }
         }
         if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             bail!(
@@ -587,6 +702,93 @@ enum HfFamily {
     Mixtral,
     Qwen2Moe,
     Qwen3Moe,
+    DeepseekV2,
+    DeepseekV3,
+}
+
+/// YaRN's magnitude correction, `0.1 · mscale · ln(scale) + 1` (1 when the
+/// context is not extended), as DeepSeek and transformers define it.
+fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+    if scale <= 1.0 {
+        1.0
+    } else {
+        0.1 * mscale * scale.ln() + 1.0
+    }
+}
+
+/// DeepSeek's latent attention: `q_lora_rank` (null: a full `q_proj`),
+/// `kv_lora_rank`, the nope/rope head split and `v_head_dim`; and the
+/// softmax scale's YaRN correction, `mscale(factor, mscale_all_dim)²`, as
+/// DeepSeek's own code and vLLM apply it for V2 and V3.
+fn read_hf_mla(v: &Value, family: HfFamily, rope: &RopeScaling) -> Result<Option<MlaConfig>> {
+    if !matches!(family, HfFamily::DeepseekV2 | HfFamily::DeepseekV3) {
+        return Ok(None);
+    }
+    let int = |key: &str| -> Result<Option<usize>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => Ok(Some(
+                x.as_u64()
+                    .filter(|&x| x > 0)
+                    .with_context(|| format!("'{key}' must be a positive integer, got {x}"))?
+                    as usize,
+            )),
+        }
+    };
+    let req =
+        |key: &str| -> Result<usize> { int(key)?.with_context(|| format!("missing '{key}'")) };
+    let mla = MlaConfig {
+        q_lora_rank: int("q_lora_rank")?,
+        kv_lora_rank: req("kv_lora_rank")?,
+        qk_nope_head_dim: req("qk_nope_head_dim")?,
+        qk_rope_head_dim: req("qk_rope_head_dim")?,
+        v_head_dim: req("v_head_dim")?,
+        softmax_mscale: {
+            let params = v
+                .get("rope_parameters")
+                .filter(|p| p.is_object())
+                .or_else(|| v.get("rope_scaling").filter(|p| p.is_object()));
+            match (rope, params) {
+                (RopeScaling::Yarn { .. }, Some(p)) => {
+                    let all_dim = p
+                        .get("mscale_all_dim")
+                        .and_then(Value::as_f64)
+                        .unwrap_or(0.0);
+                    let factor = p.get("factor").and_then(Value::as_f64).unwrap_or(1.0);
+                    if all_dim != 0.0 {
+                        let m = yarn_mscale(factor, all_dim);
+                        (m * m) as f32
+                    } else {
+                        1.0
+                    }
+                }
+                _ => 1.0,
+            }
+        },
+    };
+    if let Some(qk) = int("qk_head_dim")? {
+        if qk != mla.qk_nope_head_dim + mla.qk_rope_head_dim {
+            bail!(
+                "'qk_head_dim' ({qk}) is not qk_nope_head_dim + qk_rope_head_dim ({} + {})",
+                mla.qk_nope_head_dim,
+                mla.qk_rope_head_dim
+            );
+        }
+    }
+    if mla.latent_width() > pagoda_accel::ops::mla::MAX_LATENT {
+        bail!(
+            "kv_lora_rank + qk_rope_head_dim = {} is beyond the supported maximum of {}",
+            mla.latent_width(),
+            pagoda_accel::ops::mla::MAX_LATENT
+        );
+    }
+    if !mla.qk_rope_head_dim.is_multiple_of(2) {
+        bail!(
+            "'qk_rope_head_dim' must be even, got {}",
+            mla.qk_rope_head_dim
+        );
+    }
+    Ok(Some(mla))
 }
 
 /// The mixture of experts of the MoE families: Mixtral's
@@ -603,7 +805,11 @@ fn read_hf_moe(
 ) -> Result<Option<MoeConfig>> {
     if !matches!(
         family,
-        HfFamily::Mixtral | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe
+        HfFamily::Mixtral
+            | HfFamily::Qwen2Moe
+            | HfFamily::Qwen3Moe
+            | HfFamily::DeepseekV2
+            | HfFamily::DeepseekV3
     ) {
         return Ok(None);
     }
@@ -617,7 +823,10 @@ fn read_hf_moe(
             )),
         }
     };
-    let n_experts = match (int("num_experts")?, int("num_local_experts")?) {
+    let n_experts = match (
+        int("num_experts")?.or(int("n_routed_experts")?),
+        int("num_local_experts")?,
+    ) {
         (Some(a), Some(b)) if a != b => {
             bail!("'num_experts' ({a}) and 'num_local_experts' ({b}) disagree")
         }
@@ -641,7 +850,15 @@ fn read_hf_moe(
             expert_ffn: intermediate_size,
             shared_ffn: None,
             sparse_layers: vec![true; num_layers],
+            scoring: RouterScoring::Softmax,
+            routed_scale: 1.0,
+            groups: None,
+            score_bias: false,
+            shared_gated: false,
         },
+        HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => {
+            read_deepseek_moe(v, family, num_layers, n_experts, top_k)?
+        }
         _ => {
             let step = int("decoder_sparse_step")?.unwrap_or(1);
             if step == 0 {
@@ -683,6 +900,11 @@ fn read_hf_moe(
                 sparse_layers: (0..num_layers)
                     .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
                     .collect(),
+                scoring: RouterScoring::Softmax,
+                routed_scale: 1.0,
+                groups: None,
+                score_bias: false,
+                shared_gated: true,
             }
         }
     };
@@ -702,12 +924,115 @@ fn read_hf_moe(
     Ok(Some(moe))
 }
 
+/// DeepSeek's experts: `n_routed_experts` of `moe_intermediate_size` from
+/// layer `first_k_dense_replace` on, `n_shared_experts` of them shared;
+/// V2 routes by softmax (`topk_method` greedy, or group_limited_greedy over
+/// `n_group` groups scored by their best), V3 by sigmoid with the
+/// router's `e_score_correction_bias` and groups scored by their two best;
+/// `norm_topk_prob` and `routed_scaling_factor` weigh the choice.
+fn read_deepseek_moe(
+    v: &Value,
+    family: HfFamily,
+    num_layers: usize,
+    n_experts: usize,
+    top_k: usize,
+) -> Result<MoeConfig> {
+    let int = |key: &str| -> Result<Option<usize>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => Ok(Some(
+                x.as_u64()
+                    .with_context(|| format!("'{key}' must be a non-negative integer, got {x}"))?
+                    as usize,
+            )),
+        }
+    };
+    if let Some(f) = int("moe_layer_freq")? {
+        if f != 1 {
+            bail!("'moe_layer_freq' = {f}: only every layer after first_k_dense_replace being a mixture (1) is supported");
+        }
+    }
+    let first_dense = int("first_k_dense_replace")?.unwrap_or(0);
+    let expert_ffn = int("moe_intermediate_size")?.context("missing 'moe_intermediate_size'")?;
+    let shared_ffn = int("n_shared_experts")?
+        .filter(|&n| n > 0)
+        .map(|n| n * expert_ffn);
+    let scoring = match v.get("scoring_func").and_then(Value::as_str) {
+        None => match family {
+            HfFamily::DeepseekV3 => RouterScoring::Sigmoid,
+            _ => RouterScoring::Softmax,
+        },
+        Some("softmax") => RouterScoring::Softmax,
+        Some("sigmoid") => RouterScoring::Sigmoid,
+        Some(other) => bail!("'scoring_func' '{other}' is not supported (softmax, sigmoid)"),
+    };
+    let method = v.get("topk_method").and_then(Value::as_str);
+    let n_group = int("n_group")?;
+    let topk_group = int("topk_group")?;
+    let group_score = match (family, method) {
+        (HfFamily::DeepseekV3, None | Some("noaux_tc")) => Some(GroupScore::SumTop2),
+        (HfFamily::DeepseekV2, None | Some("greedy")) => None,
+        (HfFamily::DeepseekV2, Some("group_limited_greedy")) => Some(GroupScore::Max),
+        (_, Some(other)) => bail!("'topk_method' '{other}' is not supported for this architecture"),
+        _ => None,
+    };
+    let groups = match (group_score, n_group, topk_group) {
+        (Some(score), Some(n_group), Some(topk_group)) if n_group > 1 => Some(GroupLimit {
+            n_group,
+            topk_group,
+            score,
+        }),
+        (Some(GroupScore::Max), _, _) => {
+            bail!("'topk_method' group_limited_greedy needs 'n_group' and 'topk_group'")
+        }
+        _ => None,
+    };
+    let routed_scale = match v.get("routed_scaling_factor") {
+        None | Some(Value::Null) => 1.0,
+        Some(x) => x
+            .as_f64()
+            .filter(|x| x.is_finite())
+            .with_context(|| format!("'routed_scaling_factor' must be a number, got {x}"))?
+            as f32,
+    };
+    let normalize = match v.get("norm_topk_prob") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(other) => bail!("'norm_topk_prob' must be true or false, got {other}"),
+    };
+    let moe = MoeConfig {
+        n_experts,
+        top_k,
+        normalize,
+        expert_ffn,
+        shared_ffn,
+        sparse_layers: (0..num_layers).map(|i| i >= first_dense).collect(),
+        scoring,
+        routed_scale,
+        groups,
+        score_bias: family == HfFamily::DeepseekV3,
+        shared_gated: false,
+    };
+    let spec = pagoda_accel::ops::RouterSpec {
+        n_experts,
+        top_k,
+        scoring,
+        normalize,
+        scale: routed_scale,
+        groups,
+    };
+    if let Err(why) = spec.check() {
+        bail!("{why}");
+    }
+    Ok(moe)
+}
+
 /// RoPE's base and scaling, from either form transformers writes:
 /// transformers 5's `rope_parameters` (`rope_theta` and `rope_type` inside)
 /// or transformers 4's top-level `rope_theta` and `rope_scaling`. A value
 /// that both forms give must agree; a scaling that is not implemented, and
 /// a `partial_rotary_factor` below 1, are refused with the key named.
-fn read_hf_rope(v: &Value) -> Result<(f32, RopeScaling)> {
+fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeScaling)> {
     let params = match v.get("rope_parameters") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => Some(o),
@@ -792,8 +1117,52 @@ fn read_hf_rope(v: &Value) -> Result<(f32, RopeScaling)> {
             high_freq_factor: num("high_freq_factor")?,
             original_max_position: num("original_max_position_embeddings")? as usize,
         },
+        "yarn" => {
+            let factor = num("factor")?;
+            let opt = |k: &str| -> Result<Option<f32>> {
+                match obj.get(k) {
+                    None | Some(Value::Null) => Ok(None),
+                    Some(x) => Ok(Some(number(x, &format!("{key}.{k}"))?)),
+                }
+            };
+            let original = opt("original_max_position_embeddings")?
+                .map_or(max_position_embeddings, |o| o as usize);
+            // transformers derives the factor from the two lengths when the
+            // original is given; DeepSeek and vLLM read `factor`. They agree
+            // on every published config; where they would not, refuse.
+            if obj.contains_key("original_max_position_embeddings")
+                && (max_position_embeddings as f64 / original as f64 - factor as f64).abs() > 1e-6
+            {
+                bail!(
+                    "{key}: yarn factor {factor} is not max_position_embeddings / original_max_position_embeddings ({max_position_embeddings} / {original}), and transformers and vLLM would compute different models; set max_position_embeddings to factor × original_max_position_embeddings"
+                );
+            }
+            let mscale = opt("mscale")?.unwrap_or(0.0) as f64;
+            let mscale_all_dim = opt("mscale_all_dim")?.unwrap_or(0.0) as f64;
+            let attention_factor = match opt("attention_factor")? {
+                Some(a) => a,
+                None if mscale != 0.0 && mscale_all_dim != 0.0 => {
+                    (yarn_mscale(factor as f64, mscale) / yarn_mscale(factor as f64, mscale_all_dim))
+                        as f32
+                }
+                None => yarn_mscale(factor as f64, 1.0) as f32,
+            };
+            let truncate = match obj.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(other) => bail!("{key}.truncate must be true or false, got {other}"),
+            };
+            RopeScaling::Yarn {
+                factor,
+                original_max_position: original,
+                beta_fast: opt("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+                beta_slow: opt("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+                attention_factor,
+                truncate,
+            }
+        }
         other => bail!(
-            "{key}: rope_type '{other}' is not supported yet (supported: default, linear, llama3)"
+            "{key}: rope_type '{other}' is not supported yet (supported: default, linear, llama3, yarn)"
         ),
     };
     Ok((theta, scaling))
@@ -850,7 +1219,7 @@ fn read_hf_sliding_windows(
         bail!("'sliding_window' must be a positive integer or null, got 0");
     }
     let sliding: Vec<bool> = match family {
-        HfFamily::Llama => vec![false; num_layers],
+        HfFamily::Llama | HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => vec![false; num_layers],
         HfFamily::Mistral | HfFamily::Mixtral => vec![window.is_some(); num_layers],
         HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
@@ -945,7 +1314,29 @@ const KNOWN_HF_KEYS: &[&str] = &[
     "decoder_sparse_step",
     "mlp_only_layers",
     "qkv_bias",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "qk_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "routed_scaling_factor",
+    "topk_method",
+    "n_group",
+    "topk_group",
+    "scoring_func",
+    "rope_interleave",
+    // DeepSeek-V3's multi-token-prediction layers, for speculative
+    // decoding; the model's own layers do not use them.
+    "num_nextn_predict_layers",
+    "ep_size",
     // Training only: the load-balancing loss and router noise.
+    "aux_loss_alpha",
+    "seq_aux",
     "router_aux_loss_coef",
     "output_router_logits",
     "router_jitter_noise",

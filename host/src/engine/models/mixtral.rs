@@ -35,6 +35,7 @@ pub fn load<B: Backend>(
         let names = MoeNames {
             router: format!("model.layers.{i}.block_sparse_moe.gate.weight"),
             expert: &expert,
+            bias: None,
             shared: None,
         };
         let ffn = SparseMoe::load(backend, source, &config, &moe, &names)

@@ -9,7 +9,9 @@
 //! | [`qwen3`] | `Qwen3ForCausalLM` |
 //! | [`mixtral`] | `MixtralForCausalLM` |
 //! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
+//! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
 
+pub mod deepseek;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
@@ -68,6 +70,7 @@ pub fn load<B: Backend>(
         Arch::Llama | Arch::Qwen2 => Box::new(llama::load(backend, source, config, max_positions)?),
         Arch::Qwen3 => Box::new(qwen3::load(backend, source, config, max_positions)?),
         Arch::Mixtral => Box::new(mixtral::load(backend, source, config, max_positions)?),
+        Arch::Deepseek => Box::new(deepseek::load(backend, source, config, max_positions)?),
         Arch::Qwen2Moe | Arch::Qwen3Moe => {
             Box::new(qwen_moe::load(backend, source, config, max_positions)?)
         }

@@ -55,9 +55,10 @@ pub fn load<B: Backend>(
         let names = MoeNames {
             router: p("gate.weight"),
             expert: &expert,
+            bias: None,
             shared: moe
                 .shared_ffn
-                .map(|_| (p("shared_expert"), p("shared_expert_gate.weight"))),
+                .map(|_| (p("shared_expert"), Some(p("shared_expert_gate.weight")))),
         };
         let ffn = SparseMoe::load(backend, source, &config, &moe, &names)
             .with_context(|| format!("layer {i}'s experts"))?;

@@ -5,6 +5,7 @@
 
 use super::attention::AttentionParts;
 use super::attention::SelfAttention;
+use super::mla::LatentAttention;
 use super::mlp::GatedMlp;
 use super::moe::SparseMoe;
 use super::Workspace;
@@ -43,10 +44,54 @@ impl<B: Backend> FeedForward<B> {
     }
 }
 
+/// A layer's attention block.
+pub enum Attention<B: Backend> {
+    /// Grouped-query attention over paged K/V.
+    Gqa(SelfAttention<B>),
+    /// DeepSeek's multi-head latent attention over latent rows.
+    Latent(LatentAttention<B>),
+}
+
+impl<B: Backend> Attention<B> {
+    fn kv_layer(&self) -> KvLayerSpec {
+        match self {
+            Attention::Gqa(a) => a.kv_layer(),
+            Attention::Latent(a) => a.kv_layer(),
+        }
+    }
+
+    fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
+        match self {
+            Attention::Gqa(a) => Box::new(a.matrices()),
+            Attention::Latent(a) => a.matrices(),
+        }
+    }
+
+    /// The output projection, whose type the logs report.
+    fn output(&self) -> Option<&B::Matrix> {
+        self.matrices().last()
+    }
+
+    fn forward(
+        &self,
+        b: &mut B,
+        rope: &B::Rope,
+        step: &B::Step,
+        n: usize,
+        kv: &mut B::Kv,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError> {
+        match self {
+            Attention::Gqa(a) => a.forward(b, rope, step, n, kv, ws),
+            Attention::Latent(a) => a.forward(b, rope, step, n, kv, ws),
+        }
+    }
+}
+
 /// One decoder layer.
 pub struct DecoderLayer<B: Backend> {
     pub attn_norm: B::Vector,
-    pub attn: SelfAttention<B>,
+    pub attn: Attention<B>,
     pub ffn_norm: B::Vector,
     pub ffn: FeedForward<B>,
 }
@@ -71,7 +116,7 @@ impl<B: Backend> DecoderLayer<B> {
         };
         Ok(DecoderLayer {
             attn_norm: vector(&p("input_layernorm.weight"))?,
-            attn: SelfAttention::load(
+            attn: Attention::Gqa(SelfAttention::load(
                 backend,
                 source,
                 c,
@@ -79,7 +124,7 @@ impl<B: Backend> DecoderLayer<B> {
                 &p("self_attn"),
                 parts,
                 max_positions,
-            )?,
+            )?),
             ffn_norm: vector(&p("post_attention_layernorm.weight"))?,
             ffn,
         })
@@ -110,6 +155,12 @@ pub fn check_context<B: Backend>(backend: &B, c: &ModelConfig, max_positions: us
     if c.moe.is_some() && !backend.supports_experts() {
         bail!(
             "the model is a mixture of experts, and this device has no expert kernels yet ({}); serve it with --device cpu",
+            backend.describe()
+        );
+    }
+    if c.mla.is_some() && !backend.supports_latent_attention() {
+        bail!(
+            "the model uses multi-head latent attention, and this device has no latent-attention kernels yet ({}); serve it with --device cpu",
             backend.describe()
         );
     }
@@ -165,7 +216,7 @@ impl<B: Backend> DecoderStack<B> {
             });
         let weight_type = layers
             .first()
-            .and_then(|l| l.attn.matrices().last())
+            .and_then(|l| l.attn.output())
             .map_or("none", |o| o.ty().name());
         Ok(DecoderStack {
             config,

@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod mla;
 pub mod mlp;
 pub mod moe;
 pub mod projection;
@@ -33,6 +34,8 @@ pub struct Workspace<B: Backend> {
     pub(crate) rows: B::Buffer,
     /// The mixture-of-experts blocks' buffers.
     pub(crate) moe: moe::MoeWorkspace<B>,
+    /// The latent attention's buffers.
+    pub(crate) mla: mla::MlaWorkspace<B>,
     /// The logits of the step's logit rows.
     pub logits: B::Buffer,
 }
@@ -54,6 +57,7 @@ impl<B: Backend> Default for Workspace<B> {
             split_tmp: Default::default(),
             rows: Default::default(),
             moe: Default::default(),
+            mla: Default::default(),
             logits: Default::default(),
         }
     }

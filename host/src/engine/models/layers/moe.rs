@@ -14,7 +14,7 @@ use super::Workspace;
 use crate::engine::config::{ModelConfig, MoeConfig};
 use crate::engine::loader::WeightSource;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::{RouterScoring, RouterSpec};
+use pagoda_accel::ops::RouterSpec;
 use pagoda_accel::{Backend, BackendError, HostMatrix, Rows};
 
 /// Which of an expert's three projections a tensor name is asked for.
@@ -31,9 +31,11 @@ pub struct MoeNames<'a> {
     pub router: String,
     /// The tensor of expert `e`'s part.
     pub expert: &'a dyn Fn(usize, ExpertPart) -> String,
-    /// The shared expert's prefix (`gate_proj`, … under it) and its gate's
-    /// `[1, hidden]` weight, for Qwen2-MoE.
-    pub shared: Option<(String, String)>,
+    /// The router's `e_score_correction_bias` (DeepSeek-V3).
+    pub bias: Option<String>,
+    /// The shared expert's prefix (`gate_proj`, … under it), and for
+    /// Qwen2-MoE its gate's `[1, hidden]` weight.
+    pub shared: Option<(String, Option<String>)>,
 }
 
 /// The routed experts' gate and up projections: fused per expert (one
@@ -50,10 +52,13 @@ enum GateUp<B: Backend> {
 pub struct SparseMoe<B: Backend> {
     /// f32, whatever the checkpoint's dtype: the routing is f32 math.
     router: B::Matrix,
+    /// Added to the scores for the choice only.
+    bias: Option<B::Vector>,
     spec: RouterSpec,
     gate_up: GateUp<B>,
     down: Vec<B::Matrix>,
-    shared: Option<(GatedMlp<B>, B::Matrix)>,
+    /// The shared expert, and its sigmoid gate where it has one.
+    shared: Option<(GatedMlp<B>, Option<B::Matrix>)>,
     hidden: usize,
     ffn: usize,
 }
@@ -77,16 +82,20 @@ impl<B: Backend> SparseMoe<B> {
         let spec = RouterSpec {
             n_experts: e,
             top_k: moe.top_k,
-            scoring: RouterScoring::Softmax,
+            scoring: moe.scoring,
             normalize: moe.normalize,
-            scale: 1.0,
-            groups: None,
+            scale: moe.routed_scale,
+            groups: moe.groups,
         };
         if let Err(why) = spec.check() {
             bail!("{}: {why}", source.describe());
         }
         let router = upload_f32(backend, &source.matrix(&names.router, e, d)?)
             .with_context(|| format!("{}: tensor '{}'", source.describe(), names.router))?;
+        let bias = match (&names.bias, moe.score_bias) {
+            (Some(name), true) => Some(backend.upload_vector(&source.vector(name, e)?)?),
+            _ => None,
+        };
         let mut pairs = Vec::with_capacity(e);
         let mut down = Vec::with_capacity(e);
         for x in 0..e {
@@ -120,14 +129,20 @@ impl<B: Backend> SparseMoe<B> {
         let shared = match (&names.shared, moe.shared_ffn) {
             (Some((prefix, gate_name)), Some(sf)) => {
                 let mlp = GatedMlp::load(backend, source, prefix, d, sf, false)?;
-                let g = upload_f32(backend, &source.matrix(gate_name, 1, d)?)
-                    .with_context(|| format!("{}: tensor '{gate_name}'", source.describe()))?;
-                Some((mlp, g))
+                let gate = match (gate_name, moe.shared_gated) {
+                    (Some(g), true) => Some(
+                        upload_f32(backend, &source.matrix(g, 1, d)?)
+                            .with_context(|| format!("{}: tensor '{g}'", source.describe()))?,
+                    ),
+                    _ => None,
+                };
+                Some((mlp, gate))
             }
             _ => None,
         };
         Ok(SparseMoe {
             router,
+            bias,
             spec,
             gate_up,
             down,
@@ -144,7 +159,7 @@ impl<B: Backend> SparseMoe<B> {
             GateUp::Split { gate, up } => Box::new(gate.iter().chain(up)),
         };
         let shared: Box<dyn Iterator<Item = &B::Matrix>> = match &self.shared {
-            Some((mlp, g)) => Box::new(mlp.matrices().chain(std::iter::once(g))),
+            Some((mlp, g)) => Box::new(mlp.matrices().chain(g.iter())),
             None => Box::new(std::iter::empty()),
         };
         Box::new(
@@ -182,7 +197,13 @@ impl<B: Backend> SparseMoe<B> {
             step,
             Rows::Tokens,
         );
-        b.route_experts(&w.router_logits, n, &self.spec, None, &mut w.routes);
+        b.route_experts(
+            &w.router_logits,
+            n,
+            &self.spec,
+            self.bias.as_ref(),
+            &mut w.routes,
+        );
         b.gather_routed(&ws.h, d, &w.routes, &mut w.x);
         match &self.gate_up {
             GateUp::Fused(gu) => b.grouped_matmul(gu, &w.x, &w.routes, &mut w.gate_up),
@@ -210,8 +231,13 @@ impl<B: Backend> SparseMoe<B> {
                 &mut ws.act,
                 &mut ws.split_tmp,
             )?;
-            b.matmul(gate, &ws.h, n, &mut w.shared_gate, step, Rows::Tokens);
-            b.add_gated(&mut ws.proj, &w.shared, &w.shared_gate, n, d);
+            match gate {
+                Some(gate) => {
+                    b.matmul(gate, &ws.h, n, &mut w.shared_gate, step, Rows::Tokens);
+                    b.add_gated(&mut ws.proj, &w.shared, &w.shared_gate, n, d);
+                }
+                None => b.add(&mut ws.proj, &w.shared, n * d),
+            }
         }
         Ok(())
     }
