@@ -12,9 +12,12 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
 PAGODA_DEMO_GGUF="$(scripts/fetch-demo-model.sh)"
 export PAGODA_DEMO_GGUF
 
-# Real clients the end-to-end tests drive (from PyPI), and numpy for the
-# quantized-checkpoint fixtures (scripts/quantize-hf.py).
-python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" numpy >&2
+# Real clients the end-to-end tests drive (from PyPI), numpy for the
+# quantized-checkpoint fixtures (scripts/quantize-hf.py), and numpy and
+# gguf for the generated model fixtures with their float64 references.
+python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" numpy "gguf==0.17.1" >&2
+rm -rf "$CARGO_TARGET_DIR/generated-fixtures"
+python3 scripts/make-fixtures.py "$CARGO_TARGET_DIR/generated-fixtures" >&2
 
 # NVRTC from PyPI, so that the CUDA backend's kernels compile to PTX for
 # sm_80 and sm_90 in the tests (no GPU or CUDA toolkit needed); the test

@@ -1,0 +1,267 @@
+//! Every family on checkpoints that scripts/make-fixtures.py writes (tiny
+//! random models in both config forms, with non-default `rope_theta`,
+//! Llama 3 and YaRN scaling, a sliding window shorter than the prompts,
+//! and as GGUF where the family has a GGUF architecture), against that
+//! script's float64 forward, which is written from each model's published
+//! definition and shares nothing with Pagoda:
+//!
+//! - Pagoda's float32 logits at every prompt position are within 1e-4 of
+//!   the largest logit of the reference's, for each config form and for
+//!   the F32 GGUF;
+//! - 32 greedy tokens agree (up to a near-tie, under 1e-3 apart);
+//! - 16 prompts of mixed lengths batched, chunked, preempted and prefix
+//!   cached each give exactly what they give alone;
+//! - the Q8_0 GGUF keeps its weights quantized.
+//!
+//! The fixtures are made once into `target/generated-fixtures` (or
+//! `$PAGODA_GENERATED_FIXTURES`); scripts/test.sh makes them before the
+//! suite runs, and this test makes them itself when they are missing.
+
+mod support;
+
+use pagoda::engine::loader::DType;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use support::batching::batch_changes_nothing;
+use support::reference::{load, run_schedule};
+
+/// Largest |logit − reference| as a fraction of the position's largest
+/// |reference logit|.
+const TOL: f64 = 1e-4;
+/// Greedy steps whose top two logits are closer than this may go either
+/// way in float32.
+const NEAR_TIE: f64 = 1e-3;
+
+const FAMILIES: [&str; 8] = [
+    "llama3",
+    "mistral",
+    "qwen3",
+    "mixtral",
+    "qwen2moe",
+    "qwen3moe",
+    "deepseek-v2-lite",
+    "deepseek-v3",
+];
+
+/// The fixtures' folder, made by the script if it is not there yet.
+fn fixtures() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let dir = std::env::var_os("PAGODA_GENERATED_FIXTURES")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target/generated-fixtures"));
+        let complete = FAMILIES
+            .iter()
+            .all(|f| dir.join(f).join("reference.json").exists());
+        if !complete {
+            let status = std::process::Command::new("python3")
+                .arg(root.join("scripts/make-fixtures.py"))
+                .arg(&dir)
+                .status()
+                .expect("running python3 scripts/make-fixtures.py (needs python3 with numpy)");
+            assert!(
+                status.success(),
+                "scripts/make-fixtures.py failed; install numpy (and gguf for the GGUF files)"
+            );
+        }
+        dir
+    })
+}
+
+fn reference(family: &str) -> Value {
+    let path = fixtures().join(family).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&path).expect("reference.json")).expect("JSON")
+}
+
+fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// A copy of `family`'s folder whose config.json is the `form` file.
+fn folder(family: &str, form: &str, dir: &Path) -> PathBuf {
+    let src = fixtures().join(family);
+    let dst = dir.join(family);
+    std::fs::create_dir_all(&dst).expect("mkdir");
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy fixture file");
+    }
+    std::fs::copy(src.join(form), dst.join("config.json")).expect("copy config");
+    dst
+}
+
+/// Checks `model`'s logits at every prompt position against the
+/// reference's; returns the worst error relative to the largest logit.
+fn logits_agree(family: &str, what: &str, model: &Path) -> f64 {
+    let r = reference(family);
+    let cases = r["cases"].as_array().expect("cases");
+    let seqs: Vec<Vec<u32>> = cases.iter().map(|c| u32s(&c["prompt_ids"])).collect();
+    let (m, _) = load(model, DType::Float32);
+    // Every prompt in one step, then again in chunks of 7 beside each
+    // other, through scattered KV blocks.
+    let one: Vec<Vec<(usize, usize)>> =
+        vec![seqs.iter().enumerate().map(|(i, s)| (i, s.len())).collect()];
+    let mut chunked = Vec::new();
+    let mut left: Vec<usize> = seqs.iter().map(Vec::len).collect();
+    while left.iter().any(|&n| n > 0) {
+        let step: Vec<(usize, usize)> = left
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .map(|(i, n)| {
+                let k = (*n).min(7);
+                *n -= k;
+                (i, k)
+            })
+            .collect();
+        chunked.push(step);
+    }
+    let mut worst = 0f64;
+    for schedule in [one, chunked] {
+        let got = run_schedule(&m, &seqs, &schedule);
+        for (c, case) in cases.iter().enumerate() {
+            for (pos, want) in case["logits"]
+                .as_array()
+                .expect("logits")
+                .iter()
+                .enumerate()
+            {
+                let want: Vec<f64> = want
+                    .as_array()
+                    .expect("row")
+                    .iter()
+                    .map(|x| x.as_f64().expect("logit"))
+                    .collect();
+                let scale = want.iter().fold(0f64, |a, x| a.max(x.abs()));
+                let err = got[c][pos]
+                    .iter()
+                    .zip(&want)
+                    .map(|(g, w)| (*g as f64 - w).abs())
+                    .fold(0f64, f64::max)
+                    / scale;
+                worst = worst.max(err);
+                assert!(
+                    err < TOL,
+                    "{what}: prompt {c} position {pos}: logits {err:.2e} of the largest apart"
+                );
+            }
+        }
+    }
+    eprintln!("{what}: logits within {worst:.2e} of the largest");
+    worst
+}
+
+/// 32 greedy tokens of each prompt agree with the reference's, up to the
+/// first near-tie.
+fn greedy_agrees(family: &str, what: &str, model: &Path) {
+    let mut a = EngineArgs::new(model);
+    a.threads = 2;
+    a.dtype = DType::Float32;
+    a.max_model_len = Some(128);
+    a.kv_cache_memory = Some(8 << 20);
+    let mut llm = LLM::new(a).unwrap_or_else(|e| panic!("{what}: {e:#}"));
+    for (c, case) in reference(family)["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .enumerate()
+    {
+        let want = u32s(&case["greedy_ids"]);
+        let gaps: Vec<f64> = case["greedy_top2_logit_gap"]
+            .as_array()
+            .expect("gaps")
+            .iter()
+            .map(|g| g.as_f64().expect("gap"))
+            .collect();
+        let mut p = SamplingParams::greedy(want.len());
+        p.ignore_eos = true;
+        let out = llm
+            .generate(&[Prompt::Tokens(u32s(&case["prompt_ids"]))], &p)
+            .expect("generate");
+        let got = &out[0].outputs[0].token_ids;
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            if gaps[i] < NEAR_TIE {
+                break;
+            }
+            assert_eq!(
+                g, w,
+                "{what} prompt {c}: greedy token {i} (got {got:?}, want {want:?})"
+            );
+        }
+    }
+}
+
+fn check_family(family: &str) {
+    for (form, file) in [
+        ("transformers 5", "config.json"),
+        ("transformers 4", "config.v4.json"),
+    ] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let model = folder(family, file, dir.path());
+        let what = format!("{family} ({form})");
+        logits_agree(family, &what, &model);
+        greedy_agrees(family, &what, &model);
+        if file == "config.json" {
+            batch_changes_nothing(&model, &what);
+        }
+    }
+    let f32 = fixtures().join(family).join("model-F32.gguf");
+    if f32.exists() {
+        let what = format!("{family} (GGUF F32)");
+        logits_agree(family, &what, &f32);
+        greedy_agrees(family, &what, &f32);
+        let q8 = fixtures().join(family).join("model-Q8_0.gguf");
+        let (m, _) = load(&q8, DType::Auto);
+        assert_eq!(m.weight_type(), "Q8_0", "{family}: Q8_0 stays quantized");
+    }
+}
+
+#[test]
+fn llama_with_llama3_rope_scaling() {
+    check_family("llama3");
+}
+
+#[test]
+fn mistral_with_a_sliding_window_shorter_than_the_prompts() {
+    check_family("mistral");
+}
+
+#[test]
+fn qwen3_with_qk_norm_and_wide_heads() {
+    check_family("qwen3");
+}
+
+#[test]
+fn mixtral() {
+    check_family("mixtral");
+}
+
+#[test]
+fn qwen2_moe_with_a_gated_shared_expert() {
+    check_family("qwen2moe");
+}
+
+#[test]
+fn qwen3_moe_with_a_dense_layer() {
+    check_family("qwen3moe");
+}
+
+#[test]
+fn deepseek_v2_lite_with_yarn() {
+    check_family("deepseek-v2-lite");
+}
+
+#[test]
+fn deepseek_v3_with_yarn_and_group_limited_routing() {
+    check_family("deepseek-v3");
+}

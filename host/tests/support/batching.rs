@@ -1,0 +1,123 @@
+//! Batching must not change a greedy output: 16 prompts of mixed lengths
+//! (some sharing prefixes) run together, with prefix caching, and again in
+//! small chunks over a pool small enough to preempt, must each give exactly
+//! what they give alone.
+
+use pagoda::engine::core::RequestOptions;
+use pagoda::engine::loader::DType;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use std::path::Path;
+
+const MAX_TOKENS: usize = 24;
+
+fn params() -> SamplingParams {
+    let mut p = SamplingParams::greedy(MAX_TOKENS);
+    p.ignore_eos = true;
+    p
+}
+
+fn args(model: &Path) -> EngineArgs {
+    let mut a = EngineArgs::new(model);
+    a.threads = 2;
+    a.dtype = DType::Float32;
+    a.max_model_len = Some(128);
+    a.kv_cache_memory = Some(16 << 20);
+    a
+}
+
+/// 16 prompts of 3 to 70 tokens below `vocab`; every other one opens with one of two
+/// 20-token prefixes, so the prefix cache has something to share.
+fn prompts(vocab: u32) -> Vec<Vec<u32>> {
+    let ids = vocab - 3;
+    let prefix = |k: u32| -> Vec<u32> { (0..20).map(|i| 3 + (k * 131 + i * 17) % ids).collect() };
+    (0..16u32)
+        .map(|i| {
+            let mut p = if i % 2 == 0 {
+                prefix(i % 4 / 2)
+            } else {
+                Vec::new()
+            };
+            let len = 3 + (i * 29) % 50;
+            p.extend((0..len).map(|j| 3 + (i * 37 + j * 53 + 7) % ids));
+            p
+        })
+        .collect()
+}
+
+fn solo(model: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let mut llm = LLM::new(args(model)).expect("engine");
+    prompts
+        .iter()
+        .map(|p| {
+            llm.generate(&[Prompt::Tokens(p.clone())], &params())
+                .expect("generate")[0]
+                .outputs[0]
+                .token_ids
+                .clone()
+        })
+        .collect()
+}
+
+fn batched(a: EngineArgs, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, LLM) {
+    let mut llm = LLM::new(a).expect("engine");
+    let core = llm.engine_mut();
+    let ids: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            core.add_request(
+                format!("p{i}"),
+                p.clone(),
+                params(),
+                RequestOptions::default(),
+            )
+            .expect("add")
+        })
+        .collect();
+    let mut out = vec![Vec::new(); ids.len()];
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            let i = ids.iter().position(|&e| e == o.id).expect("known request");
+            out[i].extend_from_slice(&o.new_token_ids);
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    (out, llm)
+}
+
+pub fn batch_changes_nothing(model: &Path, what: &str) {
+    // The pool's bytes per block, from the blocks a known budget gave.
+    let probe = LLM::new(args(model)).expect("engine");
+    let prompts = prompts(probe.engine().runner().config().vocab_size as u32);
+    let alone = solo(model, &prompts);
+    let per_block = (16usize << 20) / probe.engine().kv_cache().pool().num_blocks();
+    drop(probe);
+    let conditions: Vec<(&str, EngineArgs)> = vec![
+        ("one batch, prefix caching", args(model)),
+        ("chunked prefill (16-token steps) and a 12-block pool", {
+            let mut a = args(model);
+            a.max_num_batched_tokens = 16;
+            a.kv_cache_memory = Some(12 * per_block as u64);
+            a.max_model_len = Some(12 * a.block_size);
+            a
+        }),
+    ];
+    for (name, a) in conditions {
+        let (got, llm) = batched(a, &prompts);
+        for (i, (g, s)) in got.iter().zip(&alone).enumerate() {
+            assert_eq!(g, s, "{what}, {name}: prompt {i} differs from its solo run");
+        }
+        let stats = llm.engine().stats();
+        if name.starts_with("chunked") {
+            assert!(
+                stats.num_preemptions > 0,
+                "{what}: the small pool should preempt"
+            );
+        } else {
+            assert!(
+                stats.prefix.hits > 0,
+                "{what}: the shared prefixes should hit the cache"
+            );
+        }
+    }
+}
