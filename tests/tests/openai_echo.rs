@@ -359,3 +359,37 @@ fn chat_prompt_logprobs_and_bad_scoring_requests() {
     );
     assert_eq!(status, 200);
 }
+
+#[test]
+fn return_tokens_as_token_ids_names_every_token_by_its_id() {
+    let s = Server::start(&[]);
+    let reference = reference_json("smollm2_llamacpp.json");
+    let case = &reference["greedy"][0];
+    let prompt = ids(&case["prompt_ids"]);
+    let body = json!({
+        "model": "smol", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+        "echo": true, "logprobs": 2, "return_tokens_as_token_ids": true,
+    });
+    let (status, v) = s.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_str().expect("a token"))
+        .collect();
+    assert_eq!(tokens.len(), prompt.len() + 4, "{v}");
+    for (t, id) in tokens.iter().zip(&prompt) {
+        assert_eq!(*t, format!("token_id:{id}"));
+    }
+    // The generated tokens, and every alternative, are named alike.
+    let output = ids(&case["output_ids"]);
+    assert_eq!(
+        tokens[prompt.len()],
+        format!("token_id:{}", output[0]),
+        "{v}"
+    );
+    let top = lp["top_logprobs"][prompt.len()].as_object().expect("top");
+    assert!(top.keys().all(|k| k.starts_with("token_id:")), "{top:?}");
+}

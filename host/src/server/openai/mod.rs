@@ -547,6 +547,8 @@ struct Run {
     logprobs_k: usize,
     /// vLLM's `prompt_logprobs`, as asked.
     prompt_logprobs_k: Option<usize>,
+    /// Name tokens `token_id:{id}` in logprobs (`return_tokens_as_token_ids`).
+    tokens_as_ids: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
     /// How chat output becomes tool calls, when the request offers tools.
     tools: Option<ToolMode>,
@@ -759,6 +761,7 @@ async fn start_run(
         want_logprobs: common.params.logprobs.is_some(),
         logprobs_k: common.params.logprobs.unwrap_or(0),
         prompt_logprobs_k: common.prompt_logprobs,
+        tokens_as_ids: common.tokens_as_ids,
         tokenizer: engine.tokenizer().clone(),
         tools,
         tenant,
@@ -880,6 +883,9 @@ impl Run {
     }
 
     fn token_text(&self, id: u32) -> String {
+        if self.tokens_as_ids {
+            return format!("token_id:{id}");
+        }
         self.tokenizer.decode(&[id], false).unwrap_or_default()
     }
 

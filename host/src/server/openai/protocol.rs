@@ -149,6 +149,10 @@ pub struct CommonParams {
     /// vLLM's `prompt_logprobs` as asked: how many alternatives to list
     /// beside each prompt token in the response's `prompt_logprobs`.
     pub prompt_logprobs: Option<usize>,
+    /// vLLM's `return_tokens_as_token_ids`: logprobs name each token
+    /// `token_id:{id}` instead of its text, so that clients can match
+    /// tokens that do not decode on their own.
+    pub tokens_as_ids: bool,
 }
 
 /// Parses the sampling fields common to completions and chat. Fields the
@@ -317,6 +321,7 @@ pub fn parse_common(
         include_usage,
         echo,
         prompt_logprobs,
+        tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
     })
 }
 
