@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench, llama-batched-bench and llama-server from
+# Builds llama.cpp's llama-bench, llama-batched-bench, llama-server and
+# llama-quantize from
 # the llama-cpp-python sdist on PyPI (which vendors llama.cpp whole), into a
 # cache outside the repository. Idempotent; prints the bin directory.
 # Peers' code is never committed: it lives only in the cache.
@@ -7,7 +8,8 @@ set -euo pipefail
 VERSION=0.3.36
 ROOT="${PAGODA_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda}/peers/llama.cpp-$VERSION"
 BIN="$ROOT/build/bin"
-if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ]; then
+if [ -x "$BIN/llama-bench" ] && [ -x "$BIN/llama-server" ] && [ -x "$BIN/llama-batched-bench" ] \
+  && [ -x "$BIN/llama-quantize" ]; then
   echo "$BIN"; exit 0
 fi
 mkdir -p "$ROOT"
@@ -21,5 +23,5 @@ if [ ! -d src ]; then
 fi
 cmake -S src/vendor/llama.cpp -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF >&2
-cmake --build build -j2 --target llama-server llama-bench llama-batched-bench >&2
+cmake --build build -j2 --target llama-server llama-bench llama-batched-bench llama-quantize >&2
 echo "$BIN"

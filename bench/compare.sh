@@ -17,7 +17,8 @@ INPUT_LEN="${INPUT_LEN:-128}"
 OUTPUT_LEN="${OUTPUT_LEN:-128}"
 OUT="${OUT:-docs/benchmarks}"
 RESULTS="$(mktemp -d /tmp/pagoda-compare.XXXXXX)"
-MODEL="$(scripts/fetch-demo-model.sh)"
+# Any GGUF (MODEL=...); the demo model by default.
+MODEL="${MODEL:-$(scripts/fetch-demo-model.sh)}"
 cargo build --release --locked -p pagoda -p pagoda-bench-report >&2
 LLAMA_BIN="$(bench/build-llamacpp.sh)"
 . bench/llamacpp-env.sh

@@ -3,6 +3,7 @@
 float64 reference forward of each, for host/tests/generated_fixtures.rs.
 
     python3 scripts/make-fixtures.py OUT_DIR
+    python3 scripts/make-fixtures.py --bench-moe OUT.gguf   (bench/moe.sh's model)
 
 For each family, OUT_DIR/<family>/ gets:
   config.json       the config as transformers 5 writes it (rope_parameters)
@@ -685,7 +686,25 @@ def make(out, name, c, seed):
           + (f", GGUF {' '.join(gguf_files)}" if gguf_files else ""))
 
 
+def bench_moe(path):
+    """A Mixtral-shaped model large enough to be bound by memory: 16
+    experts (top 2) of 512 over hidden 1024, 8 layers; random weights,
+    written as an F32 GGUF only (llama-quantize makes Q8_0 and Q4_K)."""
+    c = base_config("MixtralForCausalLM", "mixtral", hidden_size=1024, intermediate_size=512,
+                    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                    num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=4096,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    rng = np.random.default_rng(7)
+    w = make_weights(c, rng)
+    folder, name = os.path.split(path)
+    write_gguf(folder or ".", c, w, "F32")
+    os.replace(os.path.join(folder or ".", "model-F32.gguf"), path)
+    print(f"{path}: {sum(a.size for a in w.values()) / 1e6:.0f}M parameters")
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--bench-moe":
+        return bench_moe(sys.argv[2])
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     out = sys.argv[1]
