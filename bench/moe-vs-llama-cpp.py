@@ -81,7 +81,7 @@ def main():
     if len(sys.argv) < 4:
         sys.exit(__doc__)
     pagoda_bin, llama_bin, fixtures = sys.argv[1:4]
-    families = sys.argv[4:] or ["mixtral", "qwen2moe", "qwen3moe"]
+    families = sys.argv[4:] or ["mixtral", "qwen2moe", "qwen3moe", "deepseek-v2-lite", "deepseek-v3"]
     env = dict(os.environ, LLAMA_ARG_REPACK=os.environ.get("LLAMA_ARG_REPACK", "0"))
     failed = False
     for family in families:

@@ -132,7 +132,7 @@ def families():
             max_position_embeddings=256,
             rope_parameters={"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0,
                              "original_max_position_embeddings": 64, "beta_fast": 32,
-                             "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}),
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
     }
 
 
@@ -522,7 +522,8 @@ def write_tokenizer(folder):
 
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen3": "qwen3",
-             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "deepseek_v2": "deepseek2",
+             "deepseek_v3": "deepseek2"}
 
 
 def gguf_name(hf):
@@ -539,6 +540,8 @@ def gguf_name(hf):
             g = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
                  "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}[part]
             return f"blk.{layer}.{g}.weight", int(e)
+    if rest == "mlp.gate.e_score_correction_bias":
+        return f"blk.{layer}.exp_probs_b.bias", None
     module, suffix = rest.rsplit(".", 1)
     g = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -547,7 +550,11 @@ def gguf_name(hf):
          "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
-         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}[module]
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+         "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+         "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+         "self_attn.kv_a_layernorm": "attn_kv_a_norm", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}[module]
     return f"blk.{layer}.{g}.{suffix}", None
 
 
@@ -571,10 +578,40 @@ def write_gguf(folder, c, w, qtype_name):
     g.add_block_count(c["num_hidden_layers"])
     g.add_feed_forward_length(c["intermediate_size"])
     g.add_head_count(h)
-    g.add_head_count_kv(c["num_key_value_heads"])
-    g.add_key_length(hd)
-    g.add_value_length(hd)
-    g.add_rope_dimension_count(hd)
+    if arch == "deepseek2":
+        # As llama.cpp's converter writes MLA: one KV head of the latent.
+        r, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+        g.add_head_count_kv(1)
+        g.add_key_length(r + rope)
+        g.add_value_length(r)
+        g.add_key_length_mla(c["qk_nope_head_dim"] + rope)
+        g.add_value_length_mla(c["v_head_dim"])
+        g.add_kv_lora_rank(r)
+        if c["q_lora_rank"]:
+            g.add_q_lora_rank(c["q_lora_rank"])
+        g.add_rope_dimension_count(rope)
+        g.add_leading_dense_block_count(c["first_k_dense_replace"])
+        g.add_expert_shared_count(c["n_shared_experts"])
+        g.add_expert_weights_scale(c["routed_scaling_factor"])
+        if c.get("norm_topk_prob"):
+            g.add_expert_weights_norm(True)
+        v3 = c["model_type"] == "deepseek_v3"
+        g.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+        if v3:
+            g.add_uint32(f"{arch}.expert_group_count", c["n_group"])
+            g.add_uint32(f"{arch}.expert_group_used_count", c["topk_group"])
+        p = c["rope_parameters"]
+        if p.get("rope_type") == "yarn":
+            g.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            g.add_rope_scaling_factor(p["factor"])
+            g.add_rope_scaling_orig_ctx_len(p["original_max_position_embeddings"])
+            # llama.cpp's converter stores 0.1 × mscale_all_dim here.
+            g.add_rope_scaling_yarn_log_mul(0.1 * p["mscale_all_dim"])
+    else:
+        g.add_head_count_kv(c["num_key_value_heads"])
+        g.add_key_length(hd)
+        g.add_value_length(hd)
+        g.add_rope_dimension_count(hd)
     g.add_rope_freq_base(p["rope_theta"])
     g.add_layer_norm_rms_eps(c["rms_norm_eps"])
     g.add_vocab_size(VOCAB)
@@ -600,6 +637,16 @@ def write_gguf(folder, c, w, qtype_name):
     stacks = {}
     for name in sorted(w):
         a = w[name]
+        if name.endswith("kv_b_proj.weight"):
+            # llama.cpp's MLA layout: kv_b split per head into k_b (each
+            # head's W_UK transposed, [heads, rank, nope]) and v_b ([heads,
+            # v, rank]).
+            nope, v = c["qk_nope_head_dim"], c["v_head_dim"]
+            kv = a.reshape(h, nope + v, -1)
+            layer = name.split(".")[2]
+            add(g, gguf, f"blk.{layer}.attn_k_b.weight", np.ascontiguousarray(kv[:, :nope, :].transpose(0, 2, 1)), qtype)
+            add(g, gguf, f"blk.{layer}.attn_v_b.weight", np.ascontiguousarray(kv[:, nope:, :]), qtype)
+            continue
         if arch == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             a = permute_qk(a, hd)
         gname, expert = gguf_name(name)
@@ -619,7 +666,9 @@ def write_gguf(folder, c, w, qtype_name):
 
 def add(g, gguf, name, a, qtype):
     a = np.ascontiguousarray(a, dtype=np.float32)
-    if qtype is None or qtype == gguf.GGMLQuantizationType.F32:
+    # Rows shorter than a quantization block stay F32 (llama-quantize does
+    # the same).
+    if qtype is None or qtype == gguf.GGMLQuantizationType.F32 or a.shape[-1] % 32 != 0:
         g.add_tensor(name, a)
     else:
         g.add_tensor(name, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
@@ -674,7 +723,9 @@ def make(out, name, c, seed):
     with open(os.path.join(folder, "reference.json"), "w") as f:
         json.dump({"family": name, "cases": cases}, f)
     gguf_files = []
-    if c["model_type"] in GGUF_ARCH and c["rope_parameters"].get("rope_type") == "default":
+    rope_type = c["rope_parameters"].get("rope_type")
+    gguf_ok = rope_type == "default" or (rope_type == "yarn" and c["model_type"].startswith("deepseek"))
+    if c["model_type"] in GGUF_ARCH and gguf_ok:
         try:
             for q in ("F32", "Q8_0"):
                 write_gguf(folder, c, w, q)

@@ -333,7 +333,7 @@ fn an_unsupported_rope_scaling_type_is_rejected_with_the_supported_ones() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = hf_folder_with_config(dir.path(), |c| {
         c["rope_scaling"] =
-            json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32});
+            json!({"type": "longrope", "factor": 4.0, "short_factor": [1.0], "long_factor": [1.0]});
     });
     expect_error(
         dir.path(),
@@ -341,10 +341,11 @@ fn an_unsupported_rope_scaling_type_is_rejected_with_the_supported_ones() {
         &[
             &shown(&config),
             "rope_scaling",
-            "'yarn'",
+            "'longrope'",
             "not supported",
             "linear",
             "llama3",
+            "yarn",
         ],
     );
 }

@@ -47,11 +47,24 @@ pub fn gguf_name(hf: &str) -> Option<String> {
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
-        "mlp.gate" | "block_sparse_moe.gate" => "ffn_gate_inp",
+        "mlp.gate" | "block_sparse_moe.gate" if suffix == "weight" => "ffn_gate_inp",
         "mlp.shared_expert.gate_proj" => "ffn_gate_shexp",
         "mlp.shared_expert.up_proj" => "ffn_up_shexp",
         "mlp.shared_expert.down_proj" => "ffn_down_shexp",
         "mlp.shared_expert_gate" => "ffn_gate_inp_shexp",
+        "mlp.shared_experts.gate_proj" => "ffn_gate_shexp",
+        "mlp.shared_experts.up_proj" => "ffn_up_shexp",
+        "mlp.shared_experts.down_proj" => "ffn_down_shexp",
+        "self_attn.q_a_proj" => "attn_q_a",
+        "self_attn.q_a_layernorm" => "attn_q_a_norm",
+        "self_attn.q_b_proj" => "attn_q_b",
+        "self_attn.kv_a_proj_with_mqa" => "attn_kv_a_mqa",
+        "self_attn.kv_a_layernorm" => "attn_kv_a_norm",
+        "self_attn.kv_b_proj" => "attn_kv_b",
+        // DeepSeek-V3's router bias.
+        "mlp.gate" if suffix == "e_score_correction_bias" => {
+            return Some(format!("blk.{layer}.exp_probs_b.bias"))
+        }
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.{suffix}"))
@@ -137,10 +150,65 @@ impl GgufWeights<'_> {
     }
 }
 
+impl GgufWeights<'_> {
+    /// HF's `kv_b_proj` (`[heads · (nope + v), rank]`) rebuilt from the
+    /// halves llama.cpp's converter writes for MLA: `attn_k_b` (each head's
+    /// key up-projection transposed, `[heads, rank, nope]`) and `attn_v_b`
+    /// (`[heads, v, rank]`); exact, in f32.
+    fn kv_b_from_halves(
+        &self,
+        layer: &str,
+        rows: usize,
+        rank: usize,
+    ) -> Result<HostMatrix<'static>> {
+        let path = self.file.path().display();
+        let read = |g: &str| -> Result<(Vec<usize>, Vec<f32>)> {
+            let t = self.file.tensor(g)?;
+            let [h, r, c] = t.shape[..] else {
+                bail!(
+                    "{path}: tensor '{g}' has shape {:?}, not [heads, rows, cols]",
+                    t.shape
+                );
+            };
+            let m = HostMatrix::new(t.ty, h * r, c, t.data)
+                .with_context(|| format!("{path}: tensor '{g}'"))?;
+            Ok((vec![h, r, c], m.dequantize()?))
+        };
+        let (ks, k) = read(&format!("blk.{layer}.attn_k_b.weight"))?;
+        let (vs, v) = read(&format!("blk.{layer}.attn_v_b.weight"))?;
+        let (heads, nope, vd) = (ks[0], ks[2], vs[1]);
+        if ks[1] != rank || vs[2] != rank || vs[0] != heads || heads * (nope + vd) != rows {
+            bail!(
+                "{path}: blk.{layer}.attn_k_b {ks:?} and attn_v_b {vs:?} do not make a kv_b_proj of [{rows}, {rank}] (kv_lora_rank {rank})"
+            );
+        }
+        let mut out = vec![0f32; rows * rank];
+        for h in 0..heads {
+            let base = h * (nope + vd);
+            for i in 0..nope {
+                for j in 0..rank {
+                    out[(base + i) * rank + j] = k[(h * rank + j) * nope + i];
+                }
+            }
+            let src = &v[h * vd * rank..(h + 1) * vd * rank];
+            out[(base + nope) * rank..(base + nope + vd) * rank].copy_from_slice(src);
+        }
+        Ok(HostMatrix::from_f32(rows, rank, &out)?)
+    }
+}
+
 impl WeightSource for GgufWeights<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
         if let Some((gname, e)) = gguf_expert_name(name) {
             return self.expert_matrix(&gname, e, rows, cols);
+        }
+        if let Some(layer) = name
+            .strip_prefix("model.layers.")
+            .and_then(|r| r.strip_suffix(".self_attn.kv_b_proj.weight"))
+        {
+            if !self.contains(name) {
+                return self.kv_b_from_halves(layer, rows, cols);
+            }
         }
         let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
         let t = self.file.tensor(&gname)?;

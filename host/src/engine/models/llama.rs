@@ -40,21 +40,14 @@ pub fn dense_layer<B: Backend>(
     parts: AttentionParts,
     max_positions: usize,
 ) -> Result<DecoderLayer<B>> {
-    let mlp = GatedMlp::load(
-        backend,
-        source,
-        &format!("model.layers.{i}.mlp"),
-        c.hidden_size,
-        c.intermediate_size,
-        c.mlp_bias,
-    )?;
-    DecoderLayer::load(
-        backend,
-        source,
-        c,
-        i,
-        parts,
-        max_positions,
-        FeedForward::Dense(mlp),
-    )
+    DecoderLayer::load(backend, source, c, i, parts, max_positions, || {
+        Ok(FeedForward::Dense(GatedMlp::load(
+            backend,
+            source,
+            &format!("model.layers.{i}.mlp"),
+            c.hidden_size,
+            c.intermediate_size,
+            c.mlp_bias,
+        )?))
+    })
 }

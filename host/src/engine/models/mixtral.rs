@@ -38,8 +38,12 @@ pub fn load<B: Backend>(
             bias: None,
             shared: None,
         };
-        let ffn = SparseMoe::load(backend, source, &config, &moe, &names)
-            .with_context(|| format!("layer {i}'s experts"))?;
+        let ffn = || -> Result<FeedForward<B>> {
+            Ok(FeedForward::Moe(
+                SparseMoe::load(backend, source, &config, &moe, &names)
+                    .with_context(|| format!("layer {i}'s experts"))?,
+            ))
+        };
         layers.push(DecoderLayer::load(
             backend,
             source,
@@ -47,7 +51,7 @@ pub fn load<B: Backend>(
             i,
             AttentionParts::default(),
             max_positions,
-            FeedForward::Moe(ffn),
+            ffn,
         )?);
     }
     DecoderStack::new(backend, source, config, layers, max_positions)

@@ -60,8 +60,12 @@ pub fn load<B: Backend>(
                 .shared_ffn
                 .map(|_| (p("shared_expert"), Some(p("shared_expert_gate.weight")))),
         };
-        let ffn = SparseMoe::load(backend, source, &config, &moe, &names)
-            .with_context(|| format!("layer {i}'s experts"))?;
+        let ffn = || -> Result<FeedForward<B>> {
+            Ok(FeedForward::Moe(
+                SparseMoe::load(backend, source, &config, &moe, &names)
+                    .with_context(|| format!("layer {i}'s experts"))?,
+            ))
+        };
         layers.push(DecoderLayer::load(
             backend,
             source,
@@ -69,7 +73,7 @@ pub fn load<B: Backend>(
             i,
             parts,
             max_positions,
-            FeedForward::Moe(ffn),
+            ffn,
         )?);
     }
     DecoderStack::new(backend, source, config, layers, max_positions)

@@ -99,8 +99,9 @@ pub struct DecoderLayer<B: Backend> {
 impl<B: Backend> DecoderLayer<B> {
     /// Loads layer `i`'s norms and attention with HF's names
     /// (`model.layers.N.input_layernorm`, `self_attn`,
-    /// `post_attention_layernorm`), around the feed-forward block the
-    /// family built.
+    /// `post_attention_layernorm`), then the feed-forward block the family
+    /// builds with `ffn` (in the checkpoint's order, so the first bad
+    /// tensor is the one reported).
     pub fn load(
         backend: &B,
         source: &dyn WeightSource,
@@ -108,7 +109,7 @@ impl<B: Backend> DecoderLayer<B> {
         i: usize,
         parts: AttentionParts,
         max_positions: usize,
-        ffn: FeedForward<B>,
+        ffn: impl FnOnce() -> Result<FeedForward<B>>,
     ) -> Result<DecoderLayer<B>> {
         let p = |s: &str| format!("model.layers.{i}.{s}");
         let vector = |name: &str| -> Result<B::Vector> {
@@ -126,7 +127,7 @@ impl<B: Backend> DecoderLayer<B> {
                 max_positions,
             )?),
             ffn_norm: vector(&p("post_attention_layernorm.weight"))?,
-            ffn,
+            ffn: ffn()?,
         })
     }
 }
