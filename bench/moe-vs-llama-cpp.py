@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Greedy tokens of Pagoda and llama.cpp's llama-server on the same GGUF,
-step by step, for the generated MoE fixtures (scripts/make-fixtures.py).
+step by step, for the generated fixtures (scripts/make-fixtures.py): the
+mixtures of experts and DeepSeek by default, any family by name.
 
     python3 bench/moe-vs-llama-cpp.py PAGODA_BIN LLAMA_BIN_DIR FIXTURES_DIR [family ...]
 
@@ -116,15 +117,16 @@ def main():
                         gap = own_gap
                     if w == g:
                         continue
+                    before = f"agree at steps 0-{i - 1}" if i > 0 else "no step before"
                     exact = case["greedy_ids"]
                     on_reference = [t for t, _ in got[:i + 1]] == exact[:i + 1]
                     if g < SPECIALS and on_reference:
-                        verdict = (f"agree at steps 0-{i - 1}; at step {i} Pagoda and the float64 reference take the "
+                        verdict = (f"{before}; at step {i} Pagoda and the float64 reference take the "
                                    f"special token {g}, which llama-server's ignore_eos masks (all end-of-generation tokens)")
                     elif gap < NEAR_TIE:
-                        verdict = f"agree at steps 0-{i - 1}; step {i} is a near-tie (top-2 gap {gap:.3f}) and the runs part"
+                        verdict = f"{before}; step {i} is a near-tie (top-2 gap {gap:.3f}) and the runs part"
                     elif on_reference:
-                        verdict = (f"agree at steps 0-{i - 1}; at step {i} (top-2 gap {gap:.3f}) llama.cpp takes {w} "
+                        verdict = (f"{before}; at step {i} (top-2 gap {gap:.3f}) llama.cpp takes {w} "
                                    f"and Pagoda {g}, which the float64 reference of the unquantized model takes too")
                     else:
                         verdict = f"DISAGREE at step {i}: pagoda {g}, llama.cpp {w} (top-2 gap {gap:.3f})"

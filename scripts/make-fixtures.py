@@ -656,6 +656,23 @@ def write_gguf(folder, c, w, qtype_name):
         if gname.endswith("ffn_gate_inp_shexp.weight"):
             a = a.reshape(-1)
         add(g, gguf, gname, a, qtype if a.ndim == 2 and "ffn_gate_inp" not in gname else None)
+    if p.get("rope_type") == "llama3":
+        # llama.cpp carries Llama 3.1's scaling as data: one divisor per
+        # rotary pair (`rope_freqs.weight`), from the same rule as above.
+        base = np.arange(0, hd, 2, dtype=np.float64)
+        freq = p["rope_theta"] ** (-base / hd)
+        f, lo, hi, orig = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        divisors = []
+        for x in freq:
+            wavelen = 2 * math.pi / x
+            if wavelen < orig / hi:
+                divisors.append(1.0)
+            elif wavelen > orig / lo:
+                divisors.append(f)
+            else:
+                smooth = (orig / wavelen - lo) / (hi - lo)
+                divisors.append(1 / ((1 - smooth) / f + smooth))
+        add(g, gguf, "rope_freqs.weight", np.array(divisors), None)
     for gname, per in sorted(stacks.items()):
         add(g, gguf, gname, np.stack([per[i] for i in range(len(per))]), qtype)
     g.write_header_to_file()
@@ -724,7 +741,7 @@ def make(out, name, c, seed):
         json.dump({"family": name, "cases": cases}, f)
     gguf_files = []
     rope_type = c["rope_parameters"].get("rope_type")
-    gguf_ok = rope_type == "default" or (rope_type == "yarn" and c["model_type"].startswith("deepseek"))
+    gguf_ok = rope_type in ("default", "llama3") or (rope_type == "yarn" and c["model_type"].startswith("deepseek"))
     if c["model_type"] in GGUF_ARCH and gguf_ok:
         try:
             for q in ("F32", "Q8_0"):

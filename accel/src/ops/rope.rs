@@ -56,9 +56,18 @@ pub enum RopeScaling {
         /// `truncate`, true unless the config says otherwise).
         truncate: bool,
     },
+    /// A divisor per rotary pair (`head_dim / 2` of them): llama.cpp's
+    /// `rope_freqs.weight`, which its converter computes from a Llama 3.1
+    /// `rope_scaling` so that GGUF files carry the scaling as data.
+    Factors(Vec<f32>),
 }
 
 impl RopeScaling {
+    /// Whether the scaling changes nothing.
+    pub fn is_none(&self) -> bool {
+        matches!(self, RopeScaling::None)
+    }
+
     /// What cos and sin are multiplied by.
     pub fn attention_factor(&self) -> f32 {
         match *self {
@@ -118,6 +127,7 @@ fn frequency(i: usize, head_dim: usize, theta: f64, scaling: &RopeScaling) -> f6
                 (1.0 - smooth) * freq / factor + smooth * freq
             }
         }
+        RopeScaling::Factors(ref f) => freq / f[i] as f64,
         RopeScaling::Yarn {
             factor,
             original_max_position,
@@ -163,6 +173,9 @@ impl RopeTable {
             "RoPE head_dim must be even, got {head_dim}"
         );
         let half = head_dim / 2;
+        if let RopeScaling::Factors(f) = scaling {
+            assert_eq!(f.len(), half, "RoPE frequency factors: one per rotary pair");
+        }
         let freqs: Vec<f64> = (0..half)
             .map(|i| frequency(i, head_dim, theta as f64, scaling))
             .collect();

@@ -184,12 +184,6 @@ pub fn load_model<B: Backend>(
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         check_generation_config(&config)?;
-        if file.tensors().iter().any(|t| t.name == "rope_freqs.weight") {
-            bail!(
-                "{}: per-dimension RoPE frequency factors (rope_freqs.weight, Llama 3.1 GGUF) are not supported yet; load the HF folder instead, whose rope_scaling is supported",
-                path.display()
-            );
-        }
         let mut tokenizer = Tokenizer::from_gguf(&file)?;
         override_chat_template(&mut tokenizer, args)?;
         let model = models::load(

@@ -449,6 +449,28 @@ impl ModelConfig {
                 g.path().display()
             ),
         };
+        // llama.cpp's converter turns a Llama 3.1 `rope_scaling` into one
+        // divisor per rotary pair, stored as the tensor `rope_freqs.weight`.
+        let rope_scaling = match g.tensors().iter().find(|t| t.name == "rope_freqs.weight") {
+            None => rope_scaling,
+            Some(info) => {
+                if !rope_scaling.is_none() {
+                    bail!(
+                        "{}: both rope_freqs.weight and {} are set; only one RoPE scaling is supported",
+                        g.path().display(),
+                        key("rope.scaling.type")
+                    );
+                }
+                let t = g.tensor(&info.name)?;
+                let n = t.shape.iter().product::<usize>();
+                let f = pagoda_accel::HostMatrix::new(t.ty, 1, n, t.data)
+                    .and_then(|m| m.dequantize())
+                    .with_context(|| {
+                        format!("{}: tensor 'rope_freqs.weight'", g.path().display())
+                    })?;
+                RopeScaling::Factors(f)
+            }
+        };
         let tie_word_embeddings = !g.tensors().iter().any(|t| t.name == "output.weight");
         let num_layers = req("block_count")?;
         if num_layers > MAX_LAYERS {
@@ -789,6 +811,19 @@ impl ModelConfig {
                 }
                 if original_max_position == 0 {
                     bail!("llama3 rope_scaling needs a positive original_max_position_embeddings");
+                }
+            }
+            RopeScaling::Factors(ref f) => {
+                if f.len() != self.head_dim / 2 {
+                    bail!(
+                        "rope_freqs.weight holds {} factors, but heads of {} have {} rotary pairs",
+                        f.len(),
+                        self.head_dim,
+                        self.head_dim / 2
+                    );
+                }
+                if let Some(x) = f.iter().find(|x| !(x.is_finite() && **x > 0.0)) {
+                    bail!("rope_freqs.weight holds {x}; every factor must be a positive number");
                 }
             }
             RopeScaling::Yarn {
