@@ -921,6 +921,19 @@ enum HfFamily {
     DeepseekV3,
 }
 
+/// The integer `key` of a config, absent or null as `None`; a value below
+/// `min` (or not an integer) is refused with the key named.
+fn optional_count(v: &Value, key: &str, min: u64) -> Result<Option<usize>> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(x) => match x.as_u64().filter(|&n| n >= min) {
+            Some(n) => Ok(Some(n as usize)),
+            None if min == 0 => bail!("'{key}' must be a non-negative integer, got {x}"),
+            None => bail!("'{key}' must be a positive integer, got {x}"),
+        },
+    }
+}
+
 /// YaRN's magnitude correction, `0.1 · mscale · ln(scale) + 1` (1 when the
 /// context is not extended), as DeepSeek and transformers define it.
 fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
@@ -939,17 +952,7 @@ fn read_hf_mla(v: &Value, family: HfFamily, rope: &RopeScaling) -> Result<Option
     if !matches!(family, HfFamily::DeepseekV2 | HfFamily::DeepseekV3) {
         return Ok(None);
     }
-    let int = |key: &str| -> Result<Option<usize>> {
-        match v.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => Ok(Some(
-                x.as_u64()
-                    .filter(|&x| x > 0)
-                    .with_context(|| format!("'{key}' must be a positive integer, got {x}"))?
-                    as usize,
-            )),
-        }
-    };
+    let int = |key: &str| optional_count(v, key, 1);
     let req =
         |key: &str| -> Result<usize> { int(key)?.with_context(|| format!("missing '{key}'")) };
     let mla = MlaConfig {
@@ -1028,16 +1031,7 @@ fn read_hf_moe(
     ) {
         return Ok(None);
     }
-    let int = |key: &str| -> Result<Option<usize>> {
-        match v.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => Ok(Some(
-                x.as_u64()
-                    .with_context(|| format!("'{key}' must be a non-negative integer, got {x}"))?
-                    as usize,
-            )),
-        }
-    };
+    let int = |key: &str| optional_count(v, key, 0);
     let n_experts = match (
         int("num_experts")?.or(int("n_routed_experts")?),
         int("num_local_experts")?,
@@ -1152,16 +1146,7 @@ fn read_deepseek_moe(
     n_experts: usize,
     top_k: usize,
 ) -> Result<MoeConfig> {
-    let int = |key: &str| -> Result<Option<usize>> {
-        match v.get(key) {
-            None | Some(Value::Null) => Ok(None),
-            Some(x) => Ok(Some(
-                x.as_u64()
-                    .with_context(|| format!("'{key}' must be a non-negative integer, got {x}"))?
-                    as usize,
-            )),
-        }
-    };
+    let int = |key: &str| optional_count(v, key, 0);
     if let Some(f) = int("moe_layer_freq")? {
         if f != 1 {
             bail!("'moe_layer_freq' = {f}: only every layer after first_k_dense_replace being a mixture (1) is supported");

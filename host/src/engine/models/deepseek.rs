@@ -8,7 +8,7 @@
 use super::layers::decoder::{Attention, DecoderLayer, DecoderStack, FeedForward};
 use super::layers::mla::LatentAttention;
 use super::layers::mlp::GatedMlp;
-use super::layers::moe::{ExpertPart, MoeNames, SparseMoe};
+use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use anyhow::{Context, Result};
@@ -39,14 +39,7 @@ pub fn load<B: Backend>(
         let attn = LatentAttention::load(backend, source, &config, &mla, i, &p("self_attn"))
             .with_context(|| format!("layer {i}'s attention"))?;
         let ffn = if moe.sparse_layers.get(i).copied().unwrap_or(false) {
-            let expert = |e: usize, part: ExpertPart| {
-                let w = match part {
-                    ExpertPart::Gate => "gate_proj",
-                    ExpertPart::Up => "up_proj",
-                    ExpertPart::Down => "down_proj",
-                };
-                p(&format!("mlp.experts.{e}.{w}.weight"))
-            };
+            let expert = hf_expert_names(format!("model.layers.{i}.mlp"));
             let names = MoeNames {
                 router: p("mlp.gate.weight"),
                 expert: &expert,

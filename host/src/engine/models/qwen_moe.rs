@@ -7,7 +7,7 @@
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
-use super::layers::moe::{ExpertPart, MoeNames, SparseMoe};
+use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
 use super::llama::dense_layer;
 use crate::engine::config::{Arch, ModelConfig};
 use crate::engine::loader::WeightSource;
@@ -44,14 +44,7 @@ pub fn load<B: Backend>(
             continue;
         }
         let p = |s: &str| format!("model.layers.{i}.mlp.{s}");
-        let expert = |e: usize, part: ExpertPart| {
-            let w = match part {
-                ExpertPart::Gate => "gate_proj",
-                ExpertPart::Up => "up_proj",
-                ExpertPart::Down => "down_proj",
-            };
-            p(&format!("experts.{e}.{w}.weight"))
-        };
+        let expert = hf_expert_names(format!("model.layers.{i}.mlp"));
         let names = MoeNames {
             router: p("gate.weight"),
             expert: &expert,

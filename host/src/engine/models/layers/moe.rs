@@ -25,6 +25,19 @@ pub enum ExpertPart {
     Down,
 }
 
+/// HF's per-expert names under `prefix` (Qwen-MoE's and DeepSeek's
+/// `mlp`): `{prefix}.experts.E.{gate_proj,up_proj,down_proj}.weight`.
+pub fn hf_expert_names(prefix: String) -> impl Fn(usize, ExpertPart) -> String {
+    move |e, part| {
+        let w = match part {
+            ExpertPart::Gate => "gate_proj",
+            ExpertPart::Up => "up_proj",
+            ExpertPart::Down => "down_proj",
+        };
+        format!("{prefix}.experts.{e}.{w}.weight")
+    }
+}
+
 /// The tensor names of one MoE block, as the family writes them.
 pub struct MoeNames<'a> {
     /// The router's `[n_experts, hidden]` weight.
