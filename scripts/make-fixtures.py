@@ -4,6 +4,7 @@ float64 reference forward of each, for host/tests/generated_fixtures.rs.
 
     python3 scripts/make-fixtures.py OUT_DIR
     python3 scripts/make-fixtures.py --bench-moe OUT.gguf   (bench/moe.sh's model)
+    python3 scripts/make-fixtures.py --bench-dense OUT_DIR  (bench/quantized-hf.sh's model)
 
 For each family, OUT_DIR/<family>/ gets:
   config.json       the config as transformers 5 writes it (rope_parameters)
@@ -770,9 +771,52 @@ def bench_moe(path):
     print(f"{path}: {sum(a.size for a in w.values()) / 1e6:.0f}M parameters")
 
 
+def bench_dense(folder):
+    """A Llama-shaped model for the quantized-checkpoint benchmark (hidden
+    1024, 12 layers, MLP 2816, vocabulary 4096: 142M parameters): an HF
+    folder in bfloat16, and the same bfloat16 values as an F32 GGUF
+    (llama-quantize makes its Q4_0)."""
+    c = base_config("LlamaForCausalLM", "llama", hidden_size=1024, intermediate_size=2816,
+                    num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+                    max_position_embeddings=4096, vocab_size=4096, attention_bias=False, mlp_bias=False,
+                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    c["dtype"] = "bfloat16"
+    global VOCAB
+    VOCAB = c["vocab_size"]
+    rng = np.random.default_rng(11)
+    w = make_weights(c, rng)
+    bf16 = {}
+    for k, a in w.items():
+        u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        bf16[k] = r
+        w[k] = (r.astype(np.uint32) << 16).view(np.float32)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(c, f, indent=2)
+    header, offset, blobs = {}, 0, []
+    for name in sorted(bf16):
+        a = np.ascontiguousarray(bf16[name], dtype="<u2")
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        blobs.append(a.tobytes())
+    h = json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+    write_tokenizer(folder)
+    write_gguf(folder, c, w, "F32")
+    print(f"{folder}: {sum(a.size for a in w.values()) / 1e6:.0f}M parameters")
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--bench-moe":
         return bench_moe(sys.argv[2])
+    if len(sys.argv) == 3 and sys.argv[1] == "--bench-dense":
+        return bench_dense(sys.argv[2])
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     out = sys.argv[1]
