@@ -7,7 +7,7 @@
 # draws (hidden 1024, 12 layers, MLP 2816, vocabulary 4096: 144M
 # parameters), quantized by scripts/quantize-hf.py (GPTQ, 4 bits, group
 # 128) and, from an F32 GGUF of the same bfloat16 values, by llama.cpp's
-# llama-quantize (Q4_0, --pure).
+# llama-quantize (Q4_0 layers, bfloat16 embedding and head, as GPTQ keeps them).
 #
 # Resident size: the peak RSS (`/usr/bin/time -v`) of `pagoda bench
 # latency` on each, which loads the model and runs one short request.
@@ -25,7 +25,10 @@ if [ ! -f "$DIR/hf/model.safetensors" ]; then
   mv "$DIR/hf/model-F32.gguf" "$DIR/model-F32.gguf"
 fi
 [ -f "$DIR/gptq/model.safetensors" ] || python3 scripts/quantize-hf.py --method gptq --bits 4 --group-size 128 "$DIR/hf" "$DIR/gptq" >&2
-[ -f "$DIR/model-Q4_0.gguf" ] || "$LLAMA_BIN/llama-quantize" --pure "$DIR/model-F32.gguf" "$DIR/model-Q4_0.gguf" Q4_0 >/dev/null 2>&1
+# The layers in Q4_0, the embedding and LM head left in bfloat16 as the
+# GPTQ checkpoint leaves them, so that only the layers' format differs.
+[ -f "$DIR/model-Q4_0.gguf" ] || "$LLAMA_BIN/llama-quantize" --pure --output-tensor-type bf16 --token-embedding-type bf16 \
+  "$DIR/model-F32.gguf" "$DIR/model-Q4_0.gguf" Q4_0 >/dev/null 2>&1
 PAGODA="$CARGO_TARGET_DIR/release/pagoda"
 echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "--- peak resident size (load + one request of 16 + 16 tokens, 1 thread)"
