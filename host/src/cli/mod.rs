@@ -95,9 +95,10 @@ pub struct EngineFlags {
     /// f32.
     #[arg(long, default_value = "auto")]
     pub kv_cache_dtype: String,
-    /// Most sequences running at once.
-    #[arg(long, default_value_t = 256)]
-    pub max_num_seqs: usize,
+    /// Most sequences running at once (default: 64 on the CPU, where
+    /// batched throughput has saturated; 256 on accelerators).
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
     /// Most tokens in one step (prefill chunks plus decodes).
     #[arg(long, default_value_t = crate::engine::args::DEFAULT_MAX_NUM_BATCHED_TOKENS)]
     pub max_num_batched_tokens: usize,
@@ -158,7 +159,10 @@ impl EngineFlags {
             .map(parse_bytes)
             .transpose()?;
         a.kv_cache_dtype = self.kv_cache_dtype.parse::<KvCacheDtype>()?;
-        a.max_num_seqs = self.max_num_seqs;
+        a.max_num_seqs = self.max_num_seqs.unwrap_or(match a.device {
+            pagoda_accel::Device::Cpu => crate::engine::args::DEFAULT_MAX_NUM_SEQS_CPU,
+            _ => crate::engine::args::DEFAULT_MAX_NUM_SEQS_ACCELERATOR,
+        });
         a.max_num_batched_tokens = self.max_num_batched_tokens;
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;

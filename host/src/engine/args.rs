@@ -70,8 +70,21 @@ pub struct EngineArgs {
     pub generation_config: GenerationConfigSource,
 }
 
+/// `--max-num-seqs` on the CPU when the flag is not given: where batched
+/// throughput stops rising, measured rather than copied from GPUs. On the
+/// 2-core Sapphire Rapids Xeon (demo model, `bench/cpu-max-num-seqs.sh`,
+/// docs/benchmarks.md), output tok/s at 2 / 4 / 8 / 16 / 32 / 64 / 128
+/// sequences was 223 / 396 / 571 / 762 / 835 / 894 / 905: 64 reaches 98% of
+/// the peak, and every sequence beyond only lengthens each step, and with it
+/// every tenant's time to first token.
+pub const DEFAULT_MAX_NUM_SEQS_CPU: usize = 64;
+
+/// `--max-num-seqs` on accelerators when the flag is not given (vLLM's).
+pub const DEFAULT_MAX_NUM_SEQS_ACCELERATOR: usize = 256;
+
 impl EngineArgs {
-    /// Defaults for `model`, as `vllm serve` would pick them.
+    /// Defaults for `model`, as `vllm serve` would pick them (on the CPU:
+    /// [`DEFAULT_MAX_NUM_SEQS_CPU`] sequences).
     pub fn new(model: impl Into<PathBuf>) -> EngineArgs {
         EngineArgs {
             model: model.into(),
@@ -85,7 +98,7 @@ impl EngineArgs {
             block_size: 16,
             kv_cache_memory: None,
             kv_cache_dtype: KvCacheDtype::Auto,
-            max_num_seqs: 256,
+            max_num_seqs: DEFAULT_MAX_NUM_SEQS_CPU,
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fair,
