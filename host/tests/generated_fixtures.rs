@@ -265,3 +265,59 @@ fn deepseek_v2_lite_with_yarn() {
 fn deepseek_v3_with_yarn_and_group_limited_routing() {
     check_family("deepseek-v3");
 }
+
+/// A model whose every layer has a window gives back the blocks that fell
+/// below it: a long sequence holds about a window's worth of blocks, not
+/// its whole length, and still computes the reference's tokens.
+#[test]
+fn a_windowed_model_holds_about_a_window_of_blocks() {
+    let case = &reference("mistral")["cases"][2];
+    let prompt = u32s(&case["prompt_ids"]);
+    let want = u32s(&case["greedy_ids"]);
+    let gaps: Vec<f64> = case["greedy_top2_logit_gap"]
+        .as_array()
+        .expect("gaps")
+        .iter()
+        .map(|g| g.as_f64().expect("gap"))
+        .collect();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = folder("mistral", "config.json", dir.path());
+    let mut a = EngineArgs::new(&model);
+    a.threads = 2;
+    a.dtype = DType::Float32;
+    a.block_size = 4;
+    a.max_model_len = Some(160);
+    a.kv_cache_memory = Some(8 << 20);
+    let mut llm = LLM::new(a).expect("engine");
+    let core = llm.engine_mut();
+    let mut p = SamplingParams::greedy(100);
+    p.ignore_eos = true;
+    let id = core
+        .add_request("long".into(), prompt.clone(), p, Default::default())
+        .expect("add");
+    let (mut out, mut most) = (Vec::new(), 0);
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            out.extend_from_slice(&o.new_token_ids);
+        }
+        core.check_kv_accounting().expect("KV accounting");
+        most = most.max(core.kv_cache().num_held_blocks(id));
+    }
+    // Window 8, blocks of 4, and the kernel reads from the 32-position
+    // chunk boundary below the window: at most (8 + 32) / 4 + 2 blocks,
+    // where the whole 140-token sequence spans 35.
+    assert!(most <= 12, "held up to {most} blocks");
+    assert_eq!(out.len(), 100);
+    for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+        if gaps[i] < NEAR_TIE {
+            break;
+        }
+        assert_eq!(g, w, "token {i} (got {out:?}, want {want:?})");
+    }
+    let kv = core.kv_cache();
+    assert_eq!(
+        kv.pool().num_free(),
+        kv.pool().num_blocks(),
+        "blocks leaked"
+    );
+}

@@ -567,6 +567,14 @@ struct Ctx<'a> {
     seqs: &'a [AttnSeq<'a>],
 }
 
+/// The lowest cache position [`paged_attention`] may read for a query whose
+/// window starts at `window_start`: the chunk boundary at or below it (see
+/// "Sliding windows" above). Blocks wholly below this are never read again
+/// by that query or any later one, so a KV manager may give them back.
+pub fn window_reads_from(window_start: usize, block_size: usize) -> usize {
+    window_start - window_start % lcm(block_size.max(1), KT)
+}
+
 fn lcm(a: usize, b: usize) -> usize {
     let gcd = |mut a: usize, mut b: usize| {
         while b != 0 {

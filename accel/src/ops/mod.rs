@@ -17,7 +17,9 @@ mod rope;
 pub(crate) mod simd;
 
 pub use act::{log_softmax_inplace, silu_mul, softmax_inplace};
-pub use attention::{paged_attention, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM};
+pub use attention::{
+    paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
+};
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};
 pub use norm::{add_inplace, rms_norm, rms_norm_inplace};
 pub use rope::{rope_inplace, RopeScaling, RopeStyle, RopeTable};

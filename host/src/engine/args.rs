@@ -461,7 +461,22 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         }
     );
     let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
-    let kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
+    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
+    // Every layer attends over a window shorter than the context: blocks
+    // below it go back to the pool as sequences move on.
+    let windows = &c.sliding_windows;
+    if !windows.is_empty() && windows.iter().all(Option::is_some) {
+        let w = windows
+            .iter()
+            .flatten()
+            .copied()
+            .max()
+            .unwrap_or(usize::MAX);
+        if w < max_model_len {
+            tracing::info!("every layer attends over {w} positions: KV blocks below the window are freed as sequences advance");
+            kvm = kvm.with_sliding_window(w);
+        }
+    }
     if model.has_prompt_kernel() {
         tracing::info!(
             "prompts of {} tokens or more run on the AMX-BF16 tile kernel",

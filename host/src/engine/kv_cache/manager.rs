@@ -15,6 +15,18 @@
 //! same rule from below: it accepts a hash only for a block whose every
 //! slot was reported written.
 //!
+//! # Sliding windows
+//!
+//! In a model whose every layer attends over a window of `w` positions
+//! (Mistral v0.1), a sequence's blocks that lie wholly below what its next
+//! query can read ([`pagoda_accel::ops::window_reads_from`]) are given back
+//! to the pool as soon as a step commits past them, as vLLM's sliding-window
+//! manager does: a long sequence then holds about `w` positions of blocks,
+//! not its whole length. The block table keeps their ids (no later query
+//! reads them); [`KvCacheManager::free`] releases only the rest. Released
+//! blocks were computed and keep their hashes, so other requests can still
+//! find them in the prefix cache until they are evicted.
+//!
 //! Blocks planned for a step that has not run are tracked as *in flight*
 //! ([`KvCacheManager::in_flight`]), never as cached: the scheduler holds a
 //! new request back while the block after its cache hit is being computed
@@ -62,6 +74,9 @@ struct SeqBlocks {
     /// Tokens whose K/V is in `blocks`: committed by steps that ran, or
     /// found in the prefix cache.
     computed: usize,
+    /// Leading entries of `blocks` already given back to the pool because
+    /// they fell out of the sliding window.
+    released: usize,
     key: CacheKey,
 }
 
@@ -75,6 +90,8 @@ pub struct KvCacheManager {
     /// sequences are computing it.
     in_flight: HashMap<BlockHash, u32>,
     stats: PrefixStats,
+    /// The attention window every layer shares, if they all have one.
+    window: Option<usize>,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -105,7 +122,22 @@ impl KvCacheManager {
             seqs: HashMap::new(),
             in_flight: HashMap::new(),
             stats: PrefixStats::default(),
+            window: None,
         }
+    }
+
+    /// Gives back blocks that fell out of a window of `window` positions
+    /// (one that every layer of the model has; see the module docs).
+    pub fn with_sliding_window(mut self, window: usize) -> KvCacheManager {
+        self.window = Some(window.max(1));
+        self
+    }
+
+    /// Blocks `seq` still holds (its table, less what the window released).
+    pub fn num_held_blocks(&self, seq: u64) -> usize {
+        self.seqs
+            .get(&seq)
+            .map_or(0, |s| s.blocks.len() - s.released)
     }
 
     /// Tokens per block.
@@ -288,6 +320,18 @@ impl KvCacheManager {
             }
             entry.planned.drain(..done);
         }
+        if let Some(w) = self.window {
+            // The next query sits at `num_computed` and sees from
+            // `num_computed + 1 - w`; the kernel reads from the chunk
+            // boundary below that. Blocks wholly below are done with.
+            let lowest =
+                pagoda_accel::ops::window_reads_from((num_computed + 1).saturating_sub(w), bs);
+            let dead = (lowest / bs).min(entry.blocks.len());
+            while entry.released < dead {
+                self.pool.release(entry.blocks[entry.released]);
+                entry.released += 1;
+            }
+        }
     }
 
     /// Releases every block of `seq`. Blocks are released from the end of
@@ -295,7 +339,7 @@ impl KvCacheManager {
     /// evicted before its prefix.
     pub fn free(&mut self, seq: u64) {
         if let Some(s) = self.seqs.remove(&seq) {
-            for &b in s.blocks.iter().rev() {
+            for &b in s.blocks[s.released..].iter().rev() {
                 self.pool.release(b);
             }
             for h in s.planned {
