@@ -10,6 +10,22 @@
 //! | [`mixtral`] | `MixtralForCausalLM` |
 //! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
 //! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
+//!
+//! # Adding a family
+//!
+//! 1. Read its config in `engine/config.rs` (both transformers forms and
+//!    GGUF metadata), implementing or refusing by name every key that
+//!    changes the math, and give it an [`Arch`].
+//! 2. Write `models/<family>.rs`: load each layer from [`layers`]' blocks
+//!    (attention, MLP, mixture of experts, latent attention) under the
+//!    checkpoint's tensor names, and hand them to a
+//!    [`layers::decoder::DecoderStack`] (or implement [`CausalLm`] itself
+//!    if the layer shape differs). A block the device lacks is refused at
+//!    load through the backend's `supports_*` queries.
+//! 3. Map its GGUF tensor names in `loader/gguf_weights.rs`.
+//! 4. Add it to `scripts/make-fixtures.py` (weights, a float64 forward
+//!    written from the published definition, GGUF) and to
+//!    `host/tests/generated_fixtures.rs`.
 
 pub mod deepseek;
 pub mod layers;
