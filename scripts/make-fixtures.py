@@ -465,11 +465,14 @@ def forward(c, w, ids, stats):
 # Files
 # ---------------------------------------------------------------------------
 
-def write_safetensors(path, tensors):
+def write_safetensors(path, tensors, dtype="F32"):
+    """Writes {name: array} as safetensors: f32 arrays as F32, or with
+    dtype "BF16", uint16 arrays holding bfloat16 bits."""
+    np_type = {"F32": "<f4", "BF16": "<u2"}[dtype]
     header, offset, blobs = {}, 0, []
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        a = np.ascontiguousarray(tensors[name], dtype=np_type)
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         blobs.append(a.tobytes())
     h = json.dumps(header, separators=(",", ":")).encode()
@@ -794,19 +797,7 @@ def bench_dense(folder):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
-    header, offset, blobs = {}, 0, []
-    for name in sorted(bf16):
-        a = np.ascontiguousarray(bf16[name], dtype="<u2")
-        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
-        blobs.append(a.tobytes())
-    h = json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+    write_safetensors(os.path.join(folder, "model.safetensors"), bf16, "BF16")
     write_tokenizer(folder)
     write_gguf(folder, c, w, "F32")
     print(f"{folder}: {sum(a.size for a in w.values()) / 1e6:.0f}M parameters")
