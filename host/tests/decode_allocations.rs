@@ -39,10 +39,39 @@ static GLOBAL: Counting = Counting;
 
 #[test]
 fn a_warm_batched_decode_step_allocates_nothing() {
-    let mut args = EngineArgs::new(common::demo_gguf());
+    warm_decode_allocates_nothing(EngineArgs::new(common::demo_gguf()));
+}
+
+/// transformers' tiny checkpoint of `family` (../shared/fixtures/hf-families).
+fn hf_family(family: &str) -> EngineArgs {
+    let root = match std::env::var_os("PAGODA_HF_FAMILIES") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../shared/fixtures/hf-families"),
+    };
+    EngineArgs::new(root.join(family))
+}
+
+#[test]
+fn a_warm_mixture_of_experts_decode_step_allocates_nothing() {
+    // Routing, grouping by expert and the grouped matmuls, and Qwen2-MoE's
+    // gated shared expert.
+    warm_decode_allocates_nothing(hf_family("qwen2moe"));
+}
+
+#[test]
+fn a_warm_latent_attention_decode_step_allocates_nothing() {
+    // DeepSeek-V3: the latent cache, the absorbed per-head matmuls, and
+    // sigmoid routing limited to groups.
+    warm_decode_allocates_nothing(hf_family("deepseekv3"));
+}
+
+/// Prefills four sequences, then decodes them step by step: every decode
+/// step after the first must not touch the heap.
+fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     args.threads = 2;
     let mut b: CpuBackend = cpu_backend(&args).expect("a CPU backend");
-    let (model, loaded) = load_model(&b, &args, |_| 512).expect("load the demo model");
+    let (model, loaded) = load_model(&b, &args, |_| 512).expect("load the model");
     let c = loaded.config;
     let bs = 16;
     let spec = KvSpec {

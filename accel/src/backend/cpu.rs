@@ -165,6 +165,35 @@ fn first_mut(v: &mut [f32], n: usize) -> &mut [f32] {
 }
 
 impl CpuBackend {
+    /// Runs `f` on the step's sequences as the attention kernels take them,
+    /// in a buffer reused across layers and steps, so a warm step
+    /// allocates nothing.
+    fn with_attn_seqs<R>(
+        &mut self,
+        step: &CpuStep,
+        f: impl FnOnce(&crate::ThreadPool, &[AttnSeq<'_>]) -> R,
+    ) -> R {
+        let seqs = std::mem::take(&mut self.attn_seqs);
+        // SAFETY: `seqs` is empty (it is cleared before being stored back),
+        // so changing the lifetime parameter of its element type
+        // reinterprets no element; this only lets a step reuse the buffer's
+        // capacity instead of allocating one per layer.
+        let mut seqs: Vec<AttnSeq<'_>> =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
+        seqs.extend(step.batch.seqs.iter().map(|s| AttnSeq {
+            q_start: s.q_start as usize,
+            q_len: s.q_len as usize,
+            ctx_len: s.ctx_len as usize,
+            block_table: step.batch.block_table(s),
+        }));
+        let r = f(self.ctx.pool(), &seqs);
+        seqs.clear();
+        // SAFETY: empty again; see above.
+        self.attn_seqs =
+            unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
+        r
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn attention_typed<T: KvElem>(
         &mut self,
@@ -179,35 +208,11 @@ impl CpuBackend {
         out: &mut [f32],
     ) {
         let cache = &layers[layer];
-        let seqs = std::mem::take(&mut self.attn_seqs);
-        // SAFETY: `seqs` is empty (it is cleared before being stored back),
-        // so changing the lifetime parameter of its element type
-        // reinterprets no element; this only lets a step reuse the buffer's
-        // capacity instead of allocating one per layer.
-        let mut seqs: Vec<AttnSeq<'_>> =
-            unsafe { std::mem::transmute::<Vec<AttnSeq<'static>>, Vec<AttnSeq<'_>>>(seqs) };
-        seqs.extend(step.batch.seqs.iter().map(|s| AttnSeq {
-            q_start: s.q_start as usize,
-            q_len: s.q_len as usize,
-            ctx_len: s.ctx_len as usize,
-            block_table: step.batch.block_table(s),
-        }));
-        ops::paged_attention(
-            self.ctx.pool(),
-            layout,
-            &cache.k,
-            &cache.v,
-            q,
-            n_heads,
-            &seqs,
-            scale,
-            window,
-            out,
-        );
-        seqs.clear();
-        // SAFETY: empty again; see above.
-        self.attn_seqs =
-            unsafe { std::mem::transmute::<Vec<AttnSeq<'_>>, Vec<AttnSeq<'static>>>(seqs) };
+        self.with_attn_seqs(step, |pool, seqs| {
+            ops::paged_attention(
+                pool, layout, &cache.k, &cache.v, q, n_heads, seqs, scale, window, out,
+            )
+        });
     }
 }
 
@@ -454,18 +459,7 @@ impl Backend for CpuBackend {
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
-        let seqs: Vec<AttnSeq<'_>> = step
-            .batch
-            .seqs
-            .iter()
-            .map(|s| AttnSeq {
-                q_start: s.q_start as usize,
-                q_len: s.q_len as usize,
-                ctx_len: s.ctx_len as usize,
-                block_table: step.batch.block_table(s),
-            })
-            .collect();
-        let pool = self.ctx.pool();
+        #[allow(clippy::too_many_arguments)]
         fn run<T: KvElem>(
             pool: &crate::ThreadPool,
             l: &LayerKv<T>,
@@ -491,11 +485,11 @@ impl Backend for CpuBackend {
                 out,
             );
         }
-        match kv {
-            CpuKv::F32(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
-            CpuKv::F16(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
-            CpuKv::Bf16(l) => run(pool, &l[layer], q, n_heads, v_width, &seqs, scale, out),
-        }
+        self.with_attn_seqs(step, |pool, seqs| match kv {
+            CpuKv::F32(l) => run(pool, &l[layer], q, n_heads, v_width, seqs, scale, out),
+            CpuKv::F16(l) => run(pool, &l[layer], q, n_heads, v_width, seqs, scale, out),
+            CpuKv::Bf16(l) => run(pool, &l[layer], q, n_heads, v_width, seqs, scale, out),
+        });
     }
 
     fn matmul_heads(

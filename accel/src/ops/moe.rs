@@ -115,10 +115,15 @@ pub struct Routing {
     pub order: Vec<u32>,
     /// `slot[t·k + j]`: the grouped row of that pair (`order`'s inverse).
     pub slot: Vec<u32>,
-    /// Scratch: one token's scores.
+    /// Scratch, kept so that a warm step allocates nothing: one token's
+    /// scores, its biased scores, the chosen experts, the group scores,
+    /// the kept groups and each expert's next grouped row.
     scores: Vec<f32>,
     choice: Vec<f32>,
     picked: Vec<u32>,
+    group_scores: Vec<f32>,
+    kept: Vec<u32>,
+    next: Vec<usize>,
 }
 
 impl Routing {
@@ -193,22 +198,19 @@ pub fn route(logits: &[f32], m: usize, spec: &RouterSpec, bias: Option<&[f32]>, 
         }
         if let Some(g) = spec.groups {
             let per = e / g.n_group;
-            let group_scores: Vec<f32> = out
-                .choice
-                .chunks_exact(per)
-                .map(|grp| match g.score {
+            out.group_scores.clear();
+            for grp in out.choice.chunks_exact(per) {
+                out.group_scores.push(match g.score {
                     GroupScore::Max => grp.iter().copied().fold(f32::NEG_INFINITY, f32::max),
                     GroupScore::SumTop2 => {
-                        let mut two = Vec::with_capacity(2);
-                        top_k_into(grp, 2, &mut two);
-                        two.iter().map(|&i| grp[i as usize]).sum()
+                        top_k_into(grp, 2, &mut out.kept);
+                        out.kept.iter().map(|&i| grp[i as usize]).sum()
                     }
-                })
-                .collect();
-            let mut keep = Vec::with_capacity(g.topk_group);
-            top_k_into(&group_scores, g.topk_group, &mut keep);
+                });
+            }
+            top_k_into(&out.group_scores, g.topk_group, &mut out.kept);
             for (gi, grp) in out.choice.chunks_exact_mut(per).enumerate() {
-                if !keep.contains(&(gi as u32)) {
+                if !out.kept.contains(&(gi as u32)) {
                     grp.fill(f32::NEG_INFINITY);
                 }
             }
@@ -250,10 +252,11 @@ pub fn route(logits: &[f32], m: usize, spec: &RouterSpec, bias: Option<&[f32]>, 
     out.order.resize(pairs, 0);
     out.slot.clear();
     out.slot.resize(pairs, 0);
-    let mut next: Vec<usize> = out.offsets[..e].to_vec();
+    out.next.clear();
+    out.next.extend_from_slice(&out.offsets[..e]);
     for (p, &x) in out.experts.iter().enumerate() {
-        let s = next[x as usize];
-        next[x as usize] += 1;
+        let s = out.next[x as usize];
+        out.next[x as usize] += 1;
         out.order[s] = p as u32;
         out.slot[p] = s as u32;
     }
