@@ -167,9 +167,6 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// The gate, up and down projections carry biases (`mlp_bias`).
     pub mlp_bias: bool,
-    /// Each q and k head goes through an RMSNorm (with its own weight over
-    /// `head_dim`) before RoPE (Qwen3).
-    pub qk_norm: bool,
     /// The attention window of each layer: `Some(w)` when a query sees
     /// only the `w` most recent positions (itself included), `None` for
     /// full attention. Empty means full attention everywhere.
@@ -360,7 +357,6 @@ impl ModelConfig {
             attention_bias,
             o_bias,
             mlp_bias,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
             moe,
             mla,
@@ -565,7 +561,6 @@ impl ModelConfig {
             attention_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
             o_bias: has("blk.0.attn_output.bias"),
             mlp_bias: has("blk.0.ffn_down.bias"),
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe),
             sliding_windows,
             moe,
             mla: None,
@@ -742,7 +737,6 @@ impl ModelConfig {
             attention_bias: false,
             o_bias: false,
             mlp_bias: false,
-            qk_norm: false,
             sliding_windows: Vec::new(),
             moe: Some(moe),
             mla: Some(mla),

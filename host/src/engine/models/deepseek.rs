@@ -6,6 +6,7 @@
 //! experts by `routed_scaling_factor`.
 
 use super::layers::decoder::{Attention, DecoderLayer, DecoderStack, FeedForward};
+use super::layers::load_vector;
 use super::layers::mla::LatentAttention;
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
@@ -33,9 +34,7 @@ pub fn load<B: Backend>(
     let mut layers = Vec::with_capacity(config.num_layers);
     for i in 0..config.num_layers {
         let p = |s: &str| format!("model.layers.{i}.{s}");
-        let vector = |name: &str| -> Result<B::Vector> {
-            Ok(backend.upload_vector(&source.vector(name, d)?)?)
-        };
+        let vector = |name: &str| load_vector(backend, source, name, d);
         let attn = LatentAttention::load(backend, source, &config, &mla, i, &p("self_attn"))
             .with_context(|| format!("layer {i}'s attention"))?;
         let ffn = if moe.sparse_layers.get(i).copied().unwrap_or(false) {

@@ -3,7 +3,7 @@
 //! models built on them).
 
 use super::projection::Projection;
-use super::Workspace;
+use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use anyhow::{Context, Result};
@@ -75,9 +75,7 @@ impl<B: Backend> SelfAttention<B> {
         } else {
             None
         };
-        let vector = |name: &str, len: usize| -> Result<B::Vector> {
-            Ok(backend.upload_vector(&source.vector(name, len)?)?)
-        };
+        let vector = |name: &str, len| load_vector(backend, source, name, len);
         let qk_norm = match parts.qk_norm {
             true => Some((
                 vector(&p("q_norm.weight"), c.head_dim)?,
@@ -89,9 +87,7 @@ impl<B: Backend> SelfAttention<B> {
             true => Some(vector(&p("o_proj.bias"), d)?),
             false => None,
         };
-        let o = backend
-            .upload_matrix(&source.matrix(&p("o_proj.weight"), d, q)?)
-            .with_context(|| format!("{}: tensor '{}'", source.describe(), p("o_proj.weight")))?;
+        let o = load_matrix(backend, source, &p("o_proj.weight"), d, q)?;
         Ok(SelfAttention {
             qkv,
             qkv_bias,

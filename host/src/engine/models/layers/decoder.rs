@@ -8,11 +8,11 @@ use super::attention::SelfAttention;
 use super::mla::LatentAttention;
 use super::mlp::GatedMlp;
 use super::moe::SparseMoe;
-use super::Workspace;
+use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::{ModelConfig, MAX_CONTEXT};
 use crate::engine::loader::WeightSource;
 use crate::engine::models::CausalLm;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use pagoda_accel::ops::RopeTable;
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
 
@@ -112,9 +112,7 @@ impl<B: Backend> DecoderLayer<B> {
         ffn: impl FnOnce() -> Result<FeedForward<B>>,
     ) -> Result<DecoderLayer<B>> {
         let p = |s: &str| format!("model.layers.{i}.{s}");
-        let vector = |name: &str| -> Result<B::Vector> {
-            Ok(backend.upload_vector(&source.vector(name, c.hidden_size)?)?)
-        };
+        let vector = |name: &str| load_vector(backend, source, name, c.hidden_size);
         Ok(DecoderLayer {
             attn_norm: vector(&p("input_layernorm.weight"))?,
             attn: Attention::Gqa(SelfAttention::load(
@@ -187,19 +185,14 @@ impl<B: Backend> DecoderStack<B> {
     ) -> Result<DecoderStack<B>> {
         let c = &config;
         let d = c.hidden_size;
-        let upload = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
-            let m = source.matrix(name, rows, cols)?;
-            backend
-                .upload_matrix(&m)
-                .with_context(|| format!("{}: tensor '{name}'", source.describe()))
-        };
+        let upload = |name: &str, rows, cols| load_matrix(backend, source, name, rows, cols);
         let embed = upload("model.embed_tokens.weight", c.vocab_size, d)?;
         let lm_head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {
             None
         } else {
             Some(upload("lm_head.weight", c.vocab_size, d)?)
         };
-        let norm = backend.upload_vector(&source.vector("model.norm.weight", d)?)?;
+        let norm = load_vector(backend, source, "model.norm.weight", d)?;
         let rope = backend.upload_rope(&RopeTable::new(
             c.head_dim,
             c.rope_theta,

@@ -12,10 +12,10 @@
 //! cache keeps, and `W_UV[h]` up-projects each head's result. The cache
 //! holds `kv_lora_rank + qk_rope_head_dim` values per token and layer.
 
-use super::Workspace;
+use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::{MlaConfig, ModelConfig};
 use crate::engine::loader::WeightSource;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, GgmlType, HostMatrix, KvLayerSpec, Rows};
 
 /// RMSNorm epsilon of the query and KV latents: DeepSeek's modeling code
@@ -83,15 +83,8 @@ impl<B: Backend> LatentAttention<B> {
             m.kv_lora_rank,
             m.v_head_dim,
         );
-        let upload = |name: &str, rows: usize, cols: usize| -> Result<B::Matrix> {
-            let w = source.matrix(name, rows, cols)?;
-            backend
-                .upload_matrix(&w)
-                .with_context(|| format!("{}: tensor '{name}'", source.describe()))
-        };
-        let vector = |name: &str, len: usize| -> Result<B::Vector> {
-            Ok(backend.upload_vector(&source.vector(name, len)?)?)
-        };
+        let upload = |name: &str, rows, cols| load_matrix(backend, source, name, rows, cols);
+        let vector = |name: &str, len| load_vector(backend, source, name, len);
         let q = match m.q_lora_rank {
             None => QueryProj::Direct(upload(&p("q_proj.weight"), h * (nope + rope), d)?),
             Some(rank) => QueryProj::LowRank {
@@ -137,12 +130,6 @@ impl<B: Backend> LatentAttention<B> {
             uv.push(backend.upload_matrix(&HostMatrix::from_f32_as(ty, v, r, wv)?)?);
         }
         let o = upload(&p("o_proj.weight"), d, h * v)?;
-        if !backend.supports_latent_attention() {
-            bail!(
-                "{}: this device has no latent-attention kernels yet",
-                backend.describe()
-            );
-        }
         Ok(LatentAttention {
             q,
             kv_a,

@@ -2,7 +2,7 @@
 //! up(x))`, optionally with biases.
 
 use super::projection::Projection;
-use super::Workspace;
+use super::{load_matrix, load_vector, Workspace};
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, Rows};
 
@@ -45,16 +45,12 @@ impl<B: Backend> GatedMlp<B> {
             b.extend(source.vector(&p("up_proj.bias"), ffn)?);
             (
                 Some(backend.upload_vector(&b)?),
-                Some(backend.upload_vector(&source.vector(&p("down_proj.bias"), hidden)?)?),
+                Some(load_vector(backend, source, &p("down_proj.bias"), hidden)?),
             )
         } else {
             (None, None)
         };
-        let down = backend
-            .upload_matrix(&source.matrix(&p("down_proj.weight"), hidden, ffn)?)
-            .with_context(|| {
-                format!("{}: tensor '{}'", source.describe(), p("down_proj.weight"))
-            })?;
+        let down = load_matrix(backend, source, &p("down_proj.weight"), hidden, ffn)?;
         Ok(GatedMlp {
             gate_up,
             gate_up_bias,

@@ -9,7 +9,34 @@ pub mod mlp;
 pub mod moe;
 pub mod projection;
 
+use crate::engine::loader::WeightSource;
+use anyhow::{Context, Result};
 use pagoda_accel::Backend;
+
+/// Uploads the checkpoint's `[rows, cols]` matrix `name` to `backend`'s
+/// device, in its storage type; errors name the tensor.
+pub fn load_matrix<B: Backend>(
+    backend: &B,
+    source: &dyn WeightSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<B::Matrix> {
+    let m = source.matrix(name, rows, cols)?;
+    backend
+        .upload_matrix(&m)
+        .with_context(|| format!("{}: tensor '{name}'", source.describe()))
+}
+
+/// Uploads the checkpoint's vector `name` (`len` values) as f32.
+pub fn load_vector<B: Backend>(
+    backend: &B,
+    source: &dyn WeightSource,
+    name: &str,
+    len: usize,
+) -> Result<B::Vector> {
+    Ok(backend.upload_vector(&source.vector(name, len)?)?)
+}
 
 /// Activation buffers reused across steps, so a warm step allocates
 /// nothing. Each block grows what it uses ([`Backend::reserve`]).

@@ -10,7 +10,7 @@
 //! ([`Backend::scatter_routed`]). No loop over tokens or experts here.
 
 use super::mlp::GatedMlp;
-use super::Workspace;
+use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::{ModelConfig, MoeConfig};
 use crate::engine::loader::WeightSource;
 use anyhow::{bail, Context, Result};
@@ -106,7 +106,7 @@ impl<B: Backend> SparseMoe<B> {
         let router = upload_f32(backend, &source.matrix(&names.router, e, d)?)
             .with_context(|| format!("{}: tensor '{}'", source.describe(), names.router))?;
         let bias = match (&names.bias, moe.score_bias) {
-            (Some(name), true) => Some(backend.upload_vector(&source.vector(name, e)?)?),
+            (Some(name), true) => Some(load_vector(backend, source, name, e)?),
             _ => None,
         };
         let mut pairs = Vec::with_capacity(e);
@@ -117,12 +117,7 @@ impl<B: Backend> SparseMoe<B> {
                 source.matrix(&(names.expert)(x, ExpertPart::Up), f, d)?,
             ]);
             let name = (names.expert)(x, ExpertPart::Down);
-            let m = source.matrix(&name, d, f)?;
-            down.push(
-                backend
-                    .upload_matrix(&m)
-                    .with_context(|| format!("{}: tensor '{name}'", source.describe()))?,
-            );
+            down.push(load_matrix(backend, source, &name, d, f)?);
         }
         let gate_up = if pairs.iter().all(|p| HostMatrix::can_concat(p)) {
             let mut fused = Vec::with_capacity(e);
