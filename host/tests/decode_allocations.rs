@@ -69,6 +69,12 @@ fn a_warm_latent_attention_decode_step_allocates_nothing() {
 /// Prefills four sequences, then decodes them step by step: every decode
 /// step after the first must not touch the heap.
 fn warm_decode_allocates_nothing(mut args: EngineArgs) {
+    // The allocation counter is global to the process: one test at a time,
+    // or another test's loading counts against this one's decode.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _only = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     args.threads = 2;
     let mut b: CpuBackend = cpu_backend(&args).expect("a CPU backend");
     let (model, loaded) = load_model(&b, &args, |_| 512).expect("load the model");
