@@ -1,5 +1,9 @@
-//! The engine core: one step is schedule → run the model → sample → process
-//! the outputs (the output processor) → update the scheduler. It is
+//! The engine core: one step is schedule → run the model and sample (the
+//! model runner, which returns the sampled ids) → update the scheduler
+//! from them (through the output processor). Plain data passes between
+//! the stages: a [`SchedulerOutput`](crate::engine::scheduler::SchedulerOutput)
+//! forward, a [`ModelRunnerOutput`](crate::engine::runner::ModelRunnerOutput)
+//! back. It is
 //! synchronous and owned by one thread; the async front end talks to it
 //! through channels.
 
@@ -11,9 +15,8 @@ use crate::engine::request::{
     FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
 };
 use crate::engine::runner::ModelExecutor;
-use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
-use crate::engine::structured_output::{GrammarMatcher, TokenMask};
+use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -63,7 +66,6 @@ pub struct EngineCore {
     scheduler: Scheduler,
     kv: KvCacheManager,
     runner: Box<dyn ModelExecutor>,
-    sampler: Sampler,
     tokenizer: Arc<Tokenizer>,
     max_model_len: usize,
     next_id: u64,
@@ -76,15 +78,6 @@ pub struct EngineCore {
     eos_ids: Vec<u32>,
     /// The step's constrained rows, kept to reuse the allocation.
     guided: Vec<GuidedRow>,
-}
-
-/// A sampling row whose request follows a grammar: its matcher, taken out
-/// of the request for the step, and the mask computed beside the forward.
-struct GuidedRow {
-    row: usize,
-    id: u64,
-    matcher: GrammarMatcher,
-    mask: Option<Result<TokenMask, String>>,
 }
 
 impl EngineCore {
@@ -101,7 +94,6 @@ impl EngineCore {
             scheduler,
             kv,
             runner,
-            sampler: Sampler::default(),
             tokenizer,
             max_model_len,
             next_id: 0,
@@ -342,7 +334,6 @@ impl EngineCore {
         }
         self.stats.steps += 1;
         self.stats.last_step_tokens = plan.batch.tokens.len();
-        let vocab = self.runner.config().vocab_size;
         // Constrained rows: their matchers leave the requests for the step.
         let mut guided = std::mem::take(&mut self.guided);
         let mut rows = 0;
@@ -367,8 +358,8 @@ impl EngineCore {
                 }
             }
         }
-        let logits = if guided.is_empty() {
-            self.runner.execute(&plan.batch)
+        if guided.is_empty() {
+            self.runner.execute_model(&plan.batch)
         } else {
             // The masks are computed on their own thread while the forward
             // runs, so constrained decoding costs the step little more than
@@ -381,115 +372,24 @@ impl EngineCore {
                         g.mask = Some(g.matcher.compute_mask());
                     }
                 });
-                let logits = runner.execute(batch);
+                let ran = runner.execute_model(batch);
                 if masks.join().is_err() {
                     return Err(anyhow::anyhow!("computing a grammar's token mask panicked"));
                 }
-                logits
+                ran
             })
         }?;
+        let sampled = self
+            .runner
+            .sample_tokens(&plan.seqs, &mut self.scheduler, &mut guided)?;
         let mut outputs = Vec::new();
-        let mut next_row = 0;
-        let mut next_guided = 0;
-        for s in &plan.seqs {
-            self.scheduler.mark_computed(s, &mut self.kv);
-            // The sequence's logit rows, in plan order: prompt rows whose
-            // logprobs were asked for, then the sampling row.
-            let first_row = next_row;
-            next_row += s.logit_rows;
-            let Some(req) = self.scheduler.get_mut(s.id) else {
-                continue;
-            };
-            if let (Some(k), Some(_)) = (req.params.prompt_logprobs, req.prompt_logprobs_from()) {
-                for r in 0..s.logit_rows {
-                    let pos = s.logits_from() + r;
-                    let Some(&next) = req.token_ids[..req.prompt_len].get(pos + 1) else {
-                        break;
-                    };
-                    let row = &logits[(first_row + r) * vocab..(first_row + r + 1) * vocab];
-                    let score = self.sampler.score(row, next, k);
-                    req.record_prompt_logprob(pos, score);
-                }
-            }
-            if !s.sample {
-                continue;
-            }
-            let row = next_row - 1;
-            let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
-            let mut guide = None;
-            if guided.get(next_guided).is_some_and(|g| g.row == row) {
-                guide = Some(&mut guided[next_guided]);
-                next_guided += 1;
-            }
-            if req.token_ids.len() >= req.max_len {
-                // max_tokens 0: the prompt ran (and was scored); nothing
-                // is generated.
-                let out = output_processor::prompt_only(req);
-                self.scheduler
-                    .remove(s.id, FinishReason::Length, &mut self.kv);
-                outputs.push(out);
-                continue;
-            }
-            let Some(g) = guide else {
-                let sampled = self.sampler.sample(row_logits, req, None);
-                self.stats.generation_tokens += 1;
-                let out =
-                    output_processor::process_token(req, sampled.token, sampled.logprob, false);
-                // The reasoning ends with its end tokens; the grammar, if
-                // any, takes over at the next token.
-                if let Some(end) = &req.reasoning_end {
-                    if req.token_ids[req.prompt_len..].ends_with(end) {
-                        req.reasoning_end = None;
-                    }
-                }
-                if let Some(reason) = out.finish_reason {
-                    self.scheduler.remove(s.id, reason, &mut self.kv);
-                }
-                outputs.push(out);
-                continue;
-            };
-            let mask = g
-                .mask
-                .take()
-                .unwrap_or_else(|| Err("no mask was computed".into()));
-            let result = mask.and_then(|mask| {
-                let sampled = self.sampler.sample(row_logits, req, Some(&mask));
-                g.matcher.consume(sampled.token).map(|()| sampled)
-            });
-            match result {
-                Ok(sampled) => {
-                    self.stats.generation_tokens += 1;
-                    let complete = g.matcher.is_complete();
-                    let out = output_processor::process_token(
-                        req,
-                        sampled.token,
-                        sampled.logprob,
-                        complete,
-                    );
-                    if let Some(reason) = out.finish_reason {
-                        self.scheduler.remove(s.id, reason, &mut self.kv);
-                    }
-                    outputs.push(out);
-                }
-                Err(e) => {
-                    // The grammar cannot go on (it is too complex, or
-                    // allows nothing here): end the request rather than
-                    // emit output that breaks it.
-                    // One line: llguidance's errors carry its whole state.
-                    tracing::warn!(
-                        request = %req.external_id,
-                        "structured output failed, aborting the request: {}",
-                        e.lines().next().unwrap_or("")
-                    );
-                    if let Some(req) =
-                        self.scheduler
-                            .remove(s.id, FinishReason::Abort, &mut self.kv)
-                    {
-                        outputs.push(output_processor::aborted(req));
-                    }
-                }
-            }
-        }
+        self.stats.generation_tokens += self.scheduler.update_from_output(
+            &plan,
+            sampled,
+            &mut guided,
+            &mut self.kv,
+            &mut outputs,
+        );
         // Matchers go back to the requests that are still running.
         for g in guided.drain(..) {
             if let Some(req) = self.scheduler.get_mut(g.id) {

@@ -11,7 +11,10 @@
 
 use crate::engine::fair_share::{FairShare, TenantLoad};
 use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
+use crate::engine::output_processor::{self, StepOutput};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
+use crate::engine::runner::{ModelRunnerOutput, SamplingStates};
+use crate::engine::structured_output::GuidedRow;
 use pagoda_accel::StepBatch;
 use std::collections::{HashMap, VecDeque};
 
@@ -365,10 +368,104 @@ impl Scheduler {
 
     /// Records that a step ran: the scheduled tokens are now in the cache,
     /// and the blocks they complete become findable by prefix.
-    pub fn mark_computed(&mut self, seq: &ScheduledSeq, kv: &mut KvCacheManager) {
+    fn mark_computed(&mut self, seq: &ScheduledSeq, kv: &mut KvCacheManager) {
         if let Some(r) = self.requests.get_mut(&seq.id) {
             r.num_computed = seq.start + seq.num_tokens;
             kv.commit(seq.id, &r.token_ids, r.num_computed);
+        }
+    }
+
+    /// Updates the requests from what the step sampled (`out`, from the
+    /// model runner): their tokens are computed, prompt scores recorded,
+    /// each sampled id goes through the output processor (and a grammar's
+    /// matcher, from `guided`), and finished requests leave, freeing their
+    /// blocks. Pushes the step's outputs to `outputs`; returns how many
+    /// tokens were generated.
+    pub fn update_from_output(
+        &mut self,
+        plan: &SchedulerOutput,
+        out: &mut ModelRunnerOutput,
+        guided: &mut [GuidedRow],
+        kv: &mut KvCacheManager,
+        outputs: &mut Vec<StepOutput>,
+    ) -> u64 {
+        for s in &plan.seqs {
+            self.mark_computed(s, kv);
+        }
+        for p in out.prompt_logprobs.drain(..) {
+            if let Some(req) = self.requests.get_mut(&p.id) {
+                req.record_prompt_logprob(p.pos, p.score);
+            }
+        }
+        let mut generated = 0;
+        let mut next_guided = 0;
+        for (i, s) in plan.seqs.iter().enumerate() {
+            if !s.sample {
+                continue;
+            }
+            let mut guide = None;
+            if guided.get(next_guided).is_some_and(|g| g.id == s.id) {
+                guide = Some(&mut guided[next_guided]);
+                next_guided += 1;
+            }
+            let Some(req) = self.requests.get_mut(&s.id) else {
+                continue;
+            };
+            if let Some(e) = out.seqs.get_mut(i).and_then(|o| o.failure.take()) {
+                self.abort_guided(s.id, &e, kv, outputs);
+                continue;
+            }
+            let Some(&token) = out.sampled(i).first() else {
+                // Nothing was left to generate (max_tokens 0): the prompt
+                // ran and was scored.
+                let done = output_processor::prompt_only(req);
+                self.remove(s.id, FinishReason::Length, kv);
+                outputs.push(done);
+                continue;
+            };
+            let mut complete = false;
+            if let Some(g) = guide {
+                if let Err(e) = g.matcher.consume(token) {
+                    self.abort_guided(s.id, &e, kv, outputs);
+                    continue;
+                }
+                complete = g.matcher.is_complete();
+            }
+            generated += 1;
+            let logprob = out.take_logprob(i, 0);
+            let done = output_processor::process_token(req, token, logprob, complete);
+            // The reasoning ends with its end tokens; the grammar, if any,
+            // takes over at the next token.
+            if let Some(end) = &req.reasoning_end {
+                if req.token_ids[req.prompt_len..].ends_with(end) {
+                    req.reasoning_end = None;
+                }
+            }
+            if let Some(reason) = done.finish_reason {
+                self.remove(s.id, reason, kv);
+            }
+            outputs.push(done);
+        }
+        generated
+    }
+
+    /// Ends a request whose grammar cannot go on (it is too complex, or
+    /// allows nothing here) rather than emit output that breaks it.
+    fn abort_guided(
+        &mut self,
+        id: u64,
+        error: &str,
+        kv: &mut KvCacheManager,
+        outputs: &mut Vec<StepOutput>,
+    ) {
+        if let Some(req) = self.remove(id, FinishReason::Abort, kv) {
+            // One line: llguidance's errors carry its whole state.
+            tracing::warn!(
+                request = %req.external_id,
+                "structured output failed, aborting the request: {}",
+                error.lines().next().unwrap_or("")
+            );
+            outputs.push(output_processor::aborted(req));
         }
     }
 
@@ -502,5 +599,11 @@ impl Scheduler {
     /// Ids of the requests in the running queue, in order.
     pub fn running_ids(&self) -> &[u64] {
         &self.running
+    }
+}
+
+impl SamplingStates for Scheduler {
+    fn request_mut(&mut self, id: u64) -> Option<&mut Request> {
+        self.requests.get_mut(&id)
     }
 }

@@ -364,3 +364,16 @@ mod tests {
         assert!(not_object.grammar().is_err());
     }
 }
+
+/// A step's sampling row whose request follows a grammar: its matcher,
+/// taken out of the request for the step, and the mask computed beside
+/// the forward, which the runner applies when it samples the row.
+pub struct GuidedRow {
+    /// The row among the step's logit rows.
+    pub row: usize,
+    /// The request.
+    pub id: u64,
+    pub matcher: GrammarMatcher,
+    /// The mask, once computed (or why it could not be); the runner takes it.
+    pub mask: Option<Result<TokenMask, String>>,
+}
