@@ -5,7 +5,8 @@
 //! - [`kv_cache`]: the block pool, block tables and prefix hashes;
 //! - [`runner`]: one flattened batch per step through the model, on any
 //!   device ([`pagoda_accel::Backend`]);
-//! - [`sampler`]: logits → next token;
+//! - [`sampler`]: logits → next token, and the verification of drafts;
+//! - [`spec_decode`]: speculative decoding's configuration and proposers;
 //! - [`structured_output`]: grammars (JSON schema, regex, choice, Lark)
 //!   that mask the logits before sampling;
 //! - [`output_processor`]: token → detokenized text, stop conditions and
@@ -30,6 +31,7 @@ pub mod request;
 pub mod runner;
 pub mod sampler;
 pub mod scheduler;
+pub mod spec_decode;
 pub mod structured_output;
 
 pub use args::{build_engine, EngineArgs};

@@ -1,0 +1,60 @@
+//! Speculative decoding: a proposer drafts the next few tokens of a
+//! sequence cheaply, the target model verifies all drafts of all sequences
+//! in one batched forward (the scheduler gives each draft a slot in the
+//! step, the runner samples every drafted row), and the sequence keeps the
+//! longest verified prefix plus one token of the target's own. Rejected
+//! drafts roll back: their KV slots are freed and never enter the prefix
+//! cache.
+//!
+//! - [`config`]: `--speculative-config` (vLLM's keys) and the seed's
+//!   `--speculative-model` / `--num-speculative-tokens`;
+//! - [`ngram`]: prompt lookup, the longest suffix match in the history;
+//! - [`SpecStats`]: the counters behind vLLM's `vllm:spec_decode_*` metrics.
+//!
+//! Verification itself (a prefix match under greedy sampling, rejection
+//! sampling otherwise) lives in the sampler, next to the distribution it
+//! must preserve.
+
+pub mod config;
+pub mod ngram;
+
+pub use config::{DraftSampleMethod, SpecMethod, SpeculativeConfig};
+pub use ngram::NgramProposer;
+
+/// The most drafts per sequence and step: the per-position acceptance
+/// counters are a fixed array so that the engine's stats stay `Copy`.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Speculative-decoding counters, as vLLM's metrics name them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Verifications: one per sequence and step that carried drafts
+    /// (`vllm:spec_decode_num_drafts_total`).
+    pub num_drafts: u64,
+    /// Drafted tokens verified (`vllm:spec_decode_num_draft_tokens_total`).
+    pub num_draft_tokens: u64,
+    /// Of those, accepted (`vllm:spec_decode_num_accepted_tokens_total`).
+    pub num_accepted_tokens: u64,
+    /// Accepted drafts by position in the draft
+    /// (`vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`).
+    pub accepted_per_pos: [u64; MAX_SPECULATIVE_TOKENS],
+}
+
+impl SpecStats {
+    /// Records one verification of `drafted` tokens, the first `accepted`
+    /// of which the target agreed with.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        self.num_drafts += 1;
+        self.num_draft_tokens += drafted as u64;
+        self.num_accepted_tokens += accepted as u64;
+        for p in &mut self.accepted_per_pos[..accepted.min(MAX_SPECULATIVE_TOKENS)] {
+            *p += 1;
+        }
+    }
+
+    /// Accepted over drafted tokens, if any were drafted.
+    pub fn acceptance_rate(&self) -> Option<f64> {
+        (self.num_draft_tokens > 0)
+            .then(|| self.num_accepted_tokens as f64 / self.num_draft_tokens as f64)
+    }
+}
