@@ -125,6 +125,19 @@ pub struct EngineFlags {
     /// model's own is used; given, it must match the model.
     #[arg(long)]
     pub quantization: Option<String>,
+    /// Speculative decoding, as vLLM configures it: a JSON object such as
+    /// {"method": "ngram", "num_speculative_tokens": 4} (keys: method,
+    /// model, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
+    /// draft_sample_method, disable_by_batch_size).
+    #[arg(long)]
+    pub speculative_config: Option<String>,
+    /// The seed's form of a draft model ("[ngram]" for prompt lookup);
+    /// needs --num-speculative-tokens.
+    #[arg(long)]
+    pub speculative_model: Option<String>,
+    /// Drafts per sequence and step, with --speculative-model.
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
 }
 
 impl EngineFlags {
@@ -167,6 +180,11 @@ impl EngineFlags {
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
         a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
+        a.speculative = crate::engine::spec_decode::SpeculativeConfig::from_flags(
+            self.speculative_config.as_deref(),
+            self.speculative_model.as_deref(),
+            self.num_speculative_tokens,
+        )?;
         Ok(a)
     }
 }

@@ -71,13 +71,6 @@ pub struct ServeArgs {
     /// Pipeline-parallel degree (only 1 is built so far).
     #[arg(long, default_value_t = 1)]
     pub pipeline_parallel_size: usize,
-    /// A draft model for speculative decoding (not built yet).
-    #[arg(long)]
-    pub speculative_model: Option<String>,
-    #[arg(long)]
-    pub num_speculative_tokens: Option<usize>,
-    #[arg(long)]
-    pub speculative_config: Option<String>,
     /// Requests in flight beyond this get a 429.
     #[arg(long, default_value_t = 1024)]
     pub max_pending_requests: usize,
@@ -153,12 +146,6 @@ fn check_unbuilt(a: &ServeArgs) -> Result<()> {
     }
     if a.pipeline_parallel_size != 1 {
         bail!("--pipeline-parallel-size {} is not supported yet: this build runs one device context (use 1)", a.pipeline_parallel_size);
-    }
-    if a.speculative_model.is_some()
-        || a.num_speculative_tokens.is_some()
-        || a.speculative_config.is_some()
-    {
-        bail!("speculative decoding (--speculative-model, --num-speculative-tokens, --speculative-config) is not built yet; remove those flags");
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ use crate::engine::loader::DType;
 use crate::engine::models::{self, CausalLm, Model, Workspace};
 use crate::engine::runner::{ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
+use crate::engine::spec_decode::{SpeculativeConfig, Speculator};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::{Backend, CpuBackend, Device, KvSpec, StepBatch};
@@ -68,6 +69,8 @@ pub struct EngineArgs {
     /// (`--generation-config`: the model folder's `generation_config.json`
     /// by default).
     pub generation_config: GenerationConfigSource,
+    /// Speculative decoding (`--speculative-config`), if on.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// `--max-num-seqs` on the CPU when the flag is not given: where batched
@@ -78,6 +81,11 @@ pub struct EngineArgs {
 /// the peak, and every sequence beyond only lengthens each step, and with it
 /// every tenant's time to first token.
 pub const DEFAULT_MAX_NUM_SEQS_CPU: usize = 64;
+
+/// Speculative decoding pauses while more sequences than this run, unless
+/// `disable_by_batch_size` says otherwise. A larger batch is compute-bound,
+/// so every verified draft costs nearly what a decoded token does.
+pub const DEFAULT_SPEC_MAX_BATCH: usize = 8;
 
 /// `--max-num-seqs` on accelerators when the flag is not given (vLLM's).
 pub const DEFAULT_MAX_NUM_SEQS_ACCELERATOR: usize = 256;
@@ -104,6 +112,7 @@ impl EngineArgs {
             scheduling_policy: SchedulingPolicy::Fair,
             seed: None,
             generation_config: GenerationConfigSource::Auto,
+            speculative: None,
         }
     }
 }
@@ -498,6 +507,16 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         max_model_len,
     );
     core.set_default_seed(args.seed);
+    if let Some(spec) = &args.speculative {
+        let speculator = Speculator::new(spec, DEFAULT_SPEC_MAX_BATCH)?;
+        tracing::info!(
+            "speculative decoding: {:?}, {} tokens per step, paused while more than {} sequences run",
+            spec.method,
+            spec.num_speculative_tokens,
+            spec.disable_by_batch_size.unwrap_or(DEFAULT_SPEC_MAX_BATCH)
+        );
+        core.set_speculator(Some(speculator));
+    }
     if let Some(g) = loaded.generation_config {
         core.set_sampling_defaults(g.defaults);
         // What actually changes: the sampling defaults, and EOS ids the

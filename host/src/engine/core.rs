@@ -16,6 +16,7 @@ use crate::engine::request::{
 };
 use crate::engine::runner::ModelExecutor;
 use crate::engine::scheduler::Scheduler;
+use crate::engine::spec_decode::{SpecStats, Speculator};
 use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
@@ -57,8 +58,10 @@ pub struct EngineStats {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub steps: u64,
-    /// Tokens the last step ran (prefill chunks and decodes).
+    /// Tokens the last step ran (prefill chunks, decodes and drafts).
     pub last_step_tokens: usize,
+    /// Speculative decoding's counters.
+    pub spec: SpecStats,
 }
 
 /// The engine core.
@@ -78,6 +81,8 @@ pub struct EngineCore {
     eos_ids: Vec<u32>,
     /// The step's constrained rows, kept to reuse the allocation.
     guided: Vec<GuidedRow>,
+    /// Drafts tokens for speculative decoding, when it is on.
+    speculator: Option<Speculator>,
 }
 
 impl EngineCore {
@@ -102,7 +107,15 @@ impl EngineCore {
             sampling_defaults: SamplingDefaults::default(),
             eos_ids,
             guided: Vec::new(),
+            speculator: None,
         }
+    }
+
+    /// Turns speculative decoding on: after each step, `speculator` drafts
+    /// the next tokens of every sequence it can, and the next step
+    /// verifies them.
+    pub fn set_speculator(&mut self, speculator: Option<Speculator>) {
+        self.speculator = speculator;
     }
 
     /// Seeds requests that give no seed of their own (`--seed`).
@@ -261,6 +274,7 @@ impl EngineCore {
             params,
             grammar: opts.grammar,
             reasoning_end: opts.reasoning_end.filter(|e| !e.is_empty()),
+            spec: Default::default(),
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);
@@ -389,11 +403,20 @@ impl EngineCore {
             &mut guided,
             &mut self.kv,
             &mut outputs,
+            &mut self.stats.spec,
         );
         // Matchers go back to the requests that are still running.
         for g in guided.drain(..) {
             if let Some(req) = self.scheduler.get_mut(g.id) {
                 req.grammar = Some(g.matcher);
+            }
+        }
+        if let Some(speculator) = &self.speculator {
+            let running = self.scheduler.num_running();
+            for s in plan.seqs.iter().filter(|s| s.sample) {
+                if let Some(req) = self.scheduler.get_mut(s.id) {
+                    speculator.propose(req, running);
+                }
             }
         }
         self.guided = guided;

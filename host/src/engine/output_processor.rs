@@ -36,6 +36,22 @@ pub struct StepOutput {
     pub scheduled_at: Option<std::time::Instant>,
 }
 
+impl StepOutput {
+    /// Extends this output with the next token's (several tokens come out
+    /// of one step when drafts were verified).
+    pub fn append(&mut self, next: StepOutput) {
+        self.new_token_ids.extend_from_slice(&next.new_token_ids);
+        self.new_text.push_str(&next.new_text);
+        self.logprobs.extend(next.logprobs);
+        if next.prompt_logprobs.is_some() {
+            self.prompt_logprobs = next.prompt_logprobs;
+        }
+        self.finish_reason = next.finish_reason;
+        self.stop_reason = next.stop_reason;
+        self.num_output_tokens = next.num_output_tokens;
+    }
+}
+
 /// Appends a sampled token to `req`, applies the stop conditions and
 /// returns the output to emit: the new token and the text that can no
 /// longer turn into a stop string, with the finish reason once `req` is

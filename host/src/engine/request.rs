@@ -451,6 +451,36 @@ pub struct Request {
     /// Whether the prompt logprobs are complete (they may have been handed
     /// out already): a preempted request does not compute them again.
     pub(crate) prompt_logprobs_done: bool,
+    /// Speculative decoding: the drafted continuation the next step
+    /// verifies, and how the drafts have fared.
+    pub(crate) spec: SpecState,
+}
+
+/// One sequence's speculative-decoding state.
+#[derive(Clone, Debug, Default)]
+pub struct SpecState {
+    /// Tokens drafted after the last one, for the next step to verify.
+    pub drafts: Vec<u32>,
+    /// Verifications in a row that accepted nothing.
+    pub misses: u32,
+    /// Steps to go before drafting again: a sequence whose drafts keep
+    /// being rejected stops paying for their verification, and tries
+    /// again after a back-off that doubles with each miss.
+    pub pause: u32,
+}
+
+impl SpecState {
+    /// Records a verification of the drafts, `accepted` of which held.
+    pub fn verified(&mut self, accepted: usize) {
+        if accepted == 0 {
+            self.misses += 1;
+            if self.misses >= 2 {
+                self.pause = 1 << (self.misses - 2).min(6);
+            }
+        } else {
+            self.misses = 0;
+        }
+    }
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model
@@ -501,6 +531,19 @@ impl Request {
         } else {
             None
         }
+    }
+
+    /// Whether the engine may draft tokens for this request: its sampling
+    /// depends on nothing a draft would change mid-step (no grammar, no
+    /// penalties over the output so far, no EOS ban still to lift).
+    pub(crate) fn may_speculate(&self) -> bool {
+        let p = &self.params;
+        self.grammar.is_none()
+            && p.repetition_penalty() == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && self.num_output() >= p.min_tokens
+            && self.num_computed + 1 == self.token_ids.len()
     }
 
     /// Tokens generated so far.

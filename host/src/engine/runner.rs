@@ -38,6 +38,8 @@ pub struct ModelRunnerOutput {
     /// The prompt-token scores the step computed, for requests that asked
     /// for prompt logprobs.
     pub prompt_logprobs: Vec<PromptScore>,
+    /// The drafts being verified, copied out of their request.
+    drafts: Vec<u32>,
 }
 
 /// One sequence's share of a [`ModelRunnerOutput`].
@@ -290,6 +292,25 @@ fn sample_step(
         // max_tokens 0: the prompt ran (and was scored); nothing is
         // generated.
         if !s.sample || req.token_ids.len() >= req.max_len {
+            out.seqs.push(entry);
+            continue;
+        }
+        if s.num_drafts > 0 {
+            // Drafts never carry a grammar (see `Request::may_speculate`):
+            // their rows are the sequence's last `num_drafts + 1`.
+            let first = row - s.num_drafts;
+            out.drafts.clear();
+            out.drafts
+                .extend_from_slice(&req.spec.drafts[..s.num_drafts]);
+            sampler.verify(
+                &mut logits[first * vocab..(row + 1) * vocab],
+                vocab,
+                &out.drafts,
+                req,
+                &mut out.tokens,
+                &mut out.logprobs,
+            );
+            entry.len = out.tokens.len() - entry.first;
             out.seqs.push(entry);
             continue;
         }

@@ -160,44 +160,47 @@ impl Sampler {
     /// Temperature / top-k / top-p / min-p sampling from `logits` (which
     /// become probabilities in place).
     fn sample_random(&mut self, logits: &mut [f32], p: &SamplingParams, rng: &mut StdRng) -> u32 {
-        let (top_k, top_p, min_p) = (p.top_k(), p.top_p(), p.min_p());
-        let inv_t = 1.0 / p.temperature();
-        if inv_t != 1.0 {
-            for l in logits.iter_mut() {
-                *l *= inv_t;
+        to_probs(logits, p);
+        if !self.select_candidates(logits, p) {
+            // Plain temperature sampling: one scan, no sorting.
+            return draw(logits, 1.0, rng);
+        }
+        let cands = &self.candidates;
+        let sum: f64 = cands.iter().map(|c| c.0 as f64).sum();
+        let mut u = rng.random::<f64>() * sum;
+        for c in cands.iter() {
+            u -= c.0 as f64;
+            if u <= 0.0 {
+                return c.1;
             }
         }
-        // Probabilities, in place, with the SIMD exp: a scalar `exp` per
-        // vocabulary entry cost about 6% of a 16-sequence decode step.
-        ops::softmax_inplace(logits);
-        let total = 1f64;
-        let vocab = logits.len();
+        cands[0].1
+    }
+
+    /// Leaves in `self.candidates` the tokens that top-k, top-p and min-p
+    /// keep of the distribution `probs`, most likely first, and returns
+    /// true; returns false (and leaves them alone) when none of the three
+    /// limits anything.
+    fn select_candidates(&mut self, probs: &[f32], p: &SamplingParams) -> bool {
+        let (top_k, top_p, min_p) = (p.top_k(), p.top_p(), p.min_p());
+        let vocab = probs.len();
         let top_k = if top_k > 0 {
             (top_k as usize).min(vocab)
         } else {
             vocab
         };
-        let cands = &mut self.candidates;
         if top_k == vocab && top_p >= 1.0 && min_p <= 0.0 {
-            // Plain temperature sampling: one scan, no sorting.
-            let mut u = rng.random::<f64>() * total;
-            for (i, &w) in logits.iter().enumerate() {
-                u -= w as f64;
-                // A token of probability 0 (masked out) is never chosen,
-                // even when the draw is exactly 0.
-                if u <= 0.0 && w > 0.0 {
-                    return i as u32;
-                }
-            }
-            return argmax(logits) as u32;
+            return false;
         }
+        let total = 1f64;
+        let cands = &mut self.candidates;
         // Take the k most likely tokens; when only top-p limits the set,
         // grow k until it covers top_p of the mass, which avoids sorting the
         // whole vocabulary in the common case.
         let mut k = if top_k < vocab { top_k } else { 64.min(vocab) };
         loop {
             cands.clear();
-            cands.extend(logits.iter().enumerate().map(|(i, &w)| (w, i as u32)));
+            cands.extend(probs.iter().enumerate().map(|(i, &w)| (w, i as u32)));
             cands.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
             cands.truncate(k);
             cands.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -225,16 +228,113 @@ impl Sampler {
             let threshold = cands[0].0 * min_p;
             cands.retain(|c| c.0 >= threshold);
         }
-        let sum: f64 = cands.iter().map(|c| c.0 as f64).sum();
-        let mut u = rng.random::<f64>() * sum;
-        for c in cands.iter() {
-            u -= c.0 as f64;
-            if u <= 0.0 {
-                return c.1;
+        true
+    }
+
+    /// Turns `logits` in place into the distribution the request samples
+    /// from: processors, temperature, softmax, and top-k / top-p / min-p
+    /// (tokens they drop get 0, the rest are renormalized).
+    fn target_probs(&mut self, logits: &mut [f32], req: &Request) {
+        self.process(logits, req);
+        to_probs(logits, &req.params);
+        if self.select_candidates(logits, &req.params) {
+            let sum: f64 = self.candidates.iter().map(|c| c.0 as f64).sum();
+            logits.fill(0.0);
+            for &(w, t) in &self.candidates {
+                logits[t as usize] = (w as f64 / sum) as f32;
             }
         }
-        cands[0].1
     }
+
+    /// Verifies `drafts` of `req` against the target's rows: `rows` holds
+    /// `drafts.len() + 1` rows of `vocab` logits, row `i` predicting the
+    /// token after draft `i - 1` (row 0: after the last real token). Pushes
+    /// the ids the sequence gains to `tokens` (with their logprobs, if
+    /// asked for, to `logprobs`): the drafts the target accepts, then one
+    /// of its own — the correction at the first rejection, or a bonus token
+    /// when every draft holds.
+    ///
+    /// Greedy requests accept a draft when it is the target's argmax, so
+    /// the output is token for token what plain decoding gives. Others use
+    /// rejection sampling (Leviathan et al.; Chen et al.) with the draft as
+    /// a certain proposal: draft `d` is accepted with probability `p(d)`
+    /// under the request's own sampling distribution `p`, and on rejection
+    /// the token is drawn from `p` without `d`, renormalized, so each
+    /// emitted token is distributed exactly as plain sampling's.
+    pub fn verify(
+        &mut self,
+        rows: &mut [f32],
+        vocab: usize,
+        drafts: &[u32],
+        req: &mut Request,
+        tokens: &mut Vec<u32>,
+        logprobs: &mut Vec<Option<TokenLogprob>>,
+    ) {
+        let greedy = req.params.is_greedy();
+        let logprob_k = req.params.logprobs;
+        for (i, &draft) in drafts.iter().enumerate() {
+            let row = &mut rows[i * vocab..(i + 1) * vocab];
+            if greedy {
+                let sampled = self.sample(row, req, None);
+                tokens.push(sampled.token);
+                logprobs.push(sampled.logprob);
+                if sampled.token != draft {
+                    return;
+                }
+                continue;
+            }
+            if logprob_k.is_some() {
+                log_softmax_into(row, &mut self.logprobs);
+            }
+            self.target_probs(row, req);
+            let p_draft = row.get(draft as usize).copied().unwrap_or(0.0) as f64;
+            let accept = req.rng.random::<f64>() < p_draft;
+            let token = if accept {
+                draft
+            } else {
+                if let Some(w) = row.get_mut(draft as usize) {
+                    *w = 0.0;
+                }
+                let rest: f64 = row.iter().map(|&w| w as f64).sum();
+                draw(row, rest, &mut req.rng)
+            };
+            tokens.push(token);
+            logprobs.push(logprob_k.map(|k| self.describe(token, k)));
+            if !accept {
+                return;
+            }
+        }
+        // Every draft held: the target's own next token comes free.
+        let k = drafts.len();
+        let sampled = self.sample(&mut rows[k * vocab..(k + 1) * vocab], req, None);
+        tokens.push(sampled.token);
+        logprobs.push(sampled.logprob);
+    }
+}
+
+/// Temperature, then softmax, in place. A scalar `exp` per vocabulary
+/// entry cost about 6% of a 16-sequence decode step, hence the SIMD one.
+fn to_probs(logits: &mut [f32], p: &SamplingParams) {
+    let inv_t = 1.0 / p.temperature();
+    if inv_t != 1.0 {
+        for l in logits.iter_mut() {
+            *l *= inv_t;
+        }
+    }
+    ops::softmax_inplace(logits);
+}
+
+/// Draws a token from the weights `w`, which sum to `total`. A token of
+/// weight 0 (masked out) is never chosen, even when the draw is exactly 0.
+fn draw(w: &[f32], total: f64, rng: &mut StdRng) -> u32 {
+    let mut u = rng.random::<f64>() * total;
+    for (i, &x) in w.iter().enumerate() {
+        u -= x as f64;
+        if u <= 0.0 && x > 0.0 {
+            return i as u32;
+        }
+    }
+    argmax(w) as u32
 }
 
 #[cfg(test)]

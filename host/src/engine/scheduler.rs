@@ -14,6 +14,7 @@ use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
 use crate::engine::output_processor::{self, StepOutput};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
 use crate::engine::runner::{ModelRunnerOutput, SamplingStates};
+use crate::engine::spec_decode::SpecStats;
 use crate::engine::structured_output::GuidedRow;
 use pagoda_accel::StepBatch;
 use std::collections::{HashMap, VecDeque};
@@ -68,6 +69,10 @@ pub struct ScheduledSeq {
     /// and the prompt rows whose log-probabilities the request asked for
     /// ([`ScheduledSeq::logits_from`] is the first one's position).
     pub logit_rows: usize,
+    /// Of the `num_tokens`, how many at the end are drafts to verify
+    /// (speculative decoding); each has a logit row, as the last real token
+    /// does.
+    pub num_drafts: usize,
 }
 
 impl ScheduledSeq {
@@ -91,9 +96,10 @@ fn chunk_limit(req: &Request, budget: usize) -> usize {
     }
 }
 
-/// One sequence's share of a step, with its logit rows counted.
-fn schedule_seq(req: &Request, start: usize, num_tokens: usize) -> ScheduledSeq {
-    let end = start + num_tokens;
+/// One sequence's share of a step, with its logit rows counted: its
+/// tokens from `start`, the last `num_drafts` of them drafts.
+fn schedule_seq(req: &Request, start: usize, num_tokens: usize, num_drafts: usize) -> ScheduledSeq {
+    let end = start + num_tokens - num_drafts;
     let sample = end == req.token_ids.len();
     let from = match req.prompt_logprobs_from() {
         // Position p scores prompt token p + 1.
@@ -106,7 +112,8 @@ fn schedule_seq(req: &Request, start: usize, num_tokens: usize) -> ScheduledSeq 
         start,
         num_tokens,
         sample,
-        logit_rows: end - from,
+        logit_rows: end - from + num_drafts,
+        num_drafts,
     }
 }
 
@@ -121,6 +128,8 @@ pub struct SchedulerOutput {
     /// `seqs`, in order, with their positions, KV slots, block tables and
     /// the rows that sample. The runner reads nothing else.
     pub batch: StepBatch,
+    /// A sequence's last token and its drafts, laid out for the batch.
+    scratch: Vec<u32>,
 }
 
 /// Owns the requests and the waiting and running queues.
@@ -136,6 +145,7 @@ pub struct Scheduler {
     /// The last step's batch, handed back by [`Scheduler::recycle`], so
     /// that laying a step out reuses its vectors instead of allocating.
     spare_batch: StepBatch,
+    spare_scratch: Vec<u32>,
 }
 
 impl Scheduler {
@@ -149,6 +159,7 @@ impl Scheduler {
             num_preemptions: 0,
             fair: FairShare::default(),
             spare_batch: StepBatch::default(),
+            spare_scratch: Vec::new(),
         }
     }
 
@@ -215,6 +226,7 @@ impl Scheduler {
     pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
         let mut out = SchedulerOutput {
             batch: std::mem::take(&mut self.spare_batch),
+            scratch: std::mem::take(&mut self.spare_scratch),
             ..SchedulerOutput::default()
         };
         out.batch.clear();
@@ -243,11 +255,23 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
-            let num_new = (req.token_ids.len() - req.num_computed).min(chunk_limit(req, budget));
+            let mut num_new =
+                (req.token_ids.len() - req.num_computed).min(chunk_limit(req, budget));
             if num_new == 0 {
                 i += 1;
                 continue;
             }
+            // A decode with drafts verifies them in the same step, within
+            // the budget and the request's length limit.
+            let mut num_drafts = if req.num_computed + 1 == req.token_ids.len() {
+                req.spec
+                    .drafts
+                    .len()
+                    .min(budget - 1)
+                    .min(req.max_len.saturating_sub(req.token_ids.len() + 1))
+            } else {
+                0
+            };
             let scheduled = loop {
                 let req = &self.requests[&id];
                 if kv.allocate(
@@ -256,9 +280,15 @@ impl Scheduler {
                     req.cache_key(),
                     None,
                     req.num_computed,
-                    num_new,
+                    num_new + num_drafts,
                 ) {
                     break true;
+                }
+                if num_drafts > 0 {
+                    // Short of blocks: give up the drafts before anyone's
+                    // cache.
+                    num_drafts = 0;
+                    continue;
                 }
                 let victim = self.pick_victim(i);
                 self.preempt(victim, kv);
@@ -272,7 +302,9 @@ impl Scheduler {
                 continue;
             }
             let req = &self.requests[&id];
-            out.seqs.push(schedule_seq(req, req.num_computed, num_new));
+            num_new += num_drafts;
+            out.seqs
+                .push(schedule_seq(req, req.num_computed, num_new, num_drafts));
             budget -= num_new;
             out.num_tokens += num_new;
             i += 1;
@@ -336,7 +368,7 @@ impl Scheduler {
                 self.waiting.remove(pos);
                 self.running.push(id);
                 self.fair.admitted(&req.tenant.name);
-                out.seqs.push(schedule_seq(req, cached, num_new));
+                out.seqs.push(schedule_seq(req, cached, num_new, 0));
                 budget -= num_new;
                 out.num_tokens += num_new;
             }
@@ -349,8 +381,19 @@ impl Scheduler {
             let req = &self.requests[&s.id];
             self.fair.charge(&req.tenant.name, s.num_tokens);
             let prompt_kernel_until = if req.prompt_kernel { req.prompt_len } else { 0 };
+            let real = s.num_tokens - s.num_drafts;
+            let tokens = if s.num_drafts == 0 {
+                &req.token_ids[s.start..s.start + real]
+            } else {
+                out.scratch.clear();
+                out.scratch
+                    .extend_from_slice(&req.token_ids[s.start..s.start + real]);
+                out.scratch
+                    .extend_from_slice(&req.spec.drafts[..s.num_drafts]);
+                &out.scratch
+            };
             out.batch.push_seq(
-                &req.token_ids[s.start..s.start + s.num_tokens],
+                tokens,
                 s.start,
                 kv.block_table(s.id),
                 bs,
@@ -364,23 +407,26 @@ impl Scheduler {
     /// Takes back a finished step's batch, to lay the next step out in.
     pub fn recycle(&mut self, plan: SchedulerOutput) {
         self.spare_batch = plan.batch;
+        self.spare_scratch = plan.scratch;
     }
 
-    /// Records that a step ran: the scheduled tokens are now in the cache,
-    /// and the blocks they complete become findable by prefix.
-    fn mark_computed(&mut self, seq: &ScheduledSeq, kv: &mut KvCacheManager) {
-        if let Some(r) = self.requests.get_mut(&seq.id) {
-            r.num_computed = seq.start + seq.num_tokens;
-            kv.commit(seq.id, &r.token_ids, r.num_computed);
+    /// Records that a step ran: the first `num_computed` tokens of the
+    /// sequence are now in the cache, and the blocks they complete become
+    /// findable by prefix.
+    fn mark_computed(&mut self, id: u64, num_computed: usize, kv: &mut KvCacheManager) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.num_computed = num_computed;
+            kv.commit(id, &r.token_ids, r.num_computed);
         }
     }
 
     /// Updates the requests from what the step sampled (`out`, from the
     /// model runner): their tokens are computed, prompt scores recorded,
     /// each sampled id goes through the output processor (and a grammar's
-    /// matcher, from `guided`), and finished requests leave, freeing their
-    /// blocks. Pushes the step's outputs to `outputs`; returns how many
-    /// tokens were generated.
+    /// matcher, from `guided`), drafts are settled (the verified ones stay
+    /// computed, the rest give their slots back), and finished requests
+    /// leave, freeing their blocks. Pushes the step's outputs to `outputs`;
+    /// returns how many tokens were generated.
     pub fn update_from_output(
         &mut self,
         plan: &SchedulerOutput,
@@ -388,10 +434,8 @@ impl Scheduler {
         guided: &mut [GuidedRow],
         kv: &mut KvCacheManager,
         outputs: &mut Vec<StepOutput>,
+        spec: &mut SpecStats,
     ) -> u64 {
-        for s in &plan.seqs {
-            self.mark_computed(s, kv);
-        }
         for p in out.prompt_logprobs.drain(..) {
             if let Some(req) = self.requests.get_mut(&p.id) {
                 req.record_prompt_logprob(p.pos, p.score);
@@ -400,7 +444,9 @@ impl Scheduler {
         let mut generated = 0;
         let mut next_guided = 0;
         for (i, s) in plan.seqs.iter().enumerate() {
+            let computed = s.start + s.num_tokens - s.num_drafts;
             if !s.sample {
+                self.mark_computed(s.id, computed, kv);
                 continue;
             }
             let mut guide = None;
@@ -408,39 +454,75 @@ impl Scheduler {
                 guide = Some(&mut guided[next_guided]);
                 next_guided += 1;
             }
-            let Some(req) = self.requests.get_mut(&s.id) else {
-                continue;
-            };
             if let Some(e) = out.seqs.get_mut(i).and_then(|o| o.failure.take()) {
+                self.mark_computed(s.id, computed, kv);
                 self.abort_guided(s.id, &e, kv, outputs);
                 continue;
             }
-            let Some(&token) = out.sampled(i).first() else {
+            let sampled = out.sampled(i).len();
+            // The drafts the target agreed with: every sampled id but the
+            // last (its own token after them) confirms one.
+            let accepted = sampled.saturating_sub(1).min(s.num_drafts);
+            // Their K/V was written by this step with the right tokens, so
+            // they count as computed; the rejected drafts' slots go back.
+            self.mark_computed(s.id, computed + accepted, kv);
+            if s.num_drafts > 0 {
+                kv.truncate(s.id, computed + accepted);
+                spec.record(s.num_drafts, accepted);
+            }
+            let Some(req) = self.requests.get_mut(&s.id) else {
+                continue;
+            };
+            if s.num_drafts > 0 {
+                req.spec.verified(accepted);
+            }
+            if sampled == 0 {
                 // Nothing was left to generate (max_tokens 0): the prompt
                 // ran and was scored.
                 let done = output_processor::prompt_only(req);
                 self.remove(s.id, FinishReason::Length, kv);
                 outputs.push(done);
                 continue;
+            }
+            let mut emitted: Option<StepOutput> = None;
+            let mut failed = None;
+            for j in 0..sampled {
+                let token = out.sampled(i)[j];
+                let mut complete = false;
+                if let Some(g) = guide.as_deref_mut() {
+                    if let Err(e) = g.matcher.consume(token) {
+                        failed = Some(e);
+                        break;
+                    }
+                    complete = g.matcher.is_complete();
+                }
+                generated += 1;
+                let logprob = out.take_logprob(i, j);
+                let step = output_processor::process_token(req, token, logprob, complete);
+                // The reasoning ends with its end tokens; the grammar, if
+                // any, takes over at the next token.
+                if let Some(end) = &req.reasoning_end {
+                    if req.token_ids[req.prompt_len..].ends_with(end) {
+                        req.reasoning_end = None;
+                    }
+                }
+                let finished = step.finish_reason.is_some();
+                match &mut emitted {
+                    None => emitted = Some(step),
+                    Some(e) => e.append(step),
+                }
+                if finished {
+                    // A stop among verified drafts ends the output there.
+                    break;
+                }
+            }
+            if let Some(e) = failed {
+                self.abort_guided(s.id, &e, kv, outputs);
+                continue;
+            }
+            let Some(done) = emitted else {
+                continue;
             };
-            let mut complete = false;
-            if let Some(g) = guide {
-                if let Err(e) = g.matcher.consume(token) {
-                    self.abort_guided(s.id, &e, kv, outputs);
-                    continue;
-                }
-                complete = g.matcher.is_complete();
-            }
-            generated += 1;
-            let logprob = out.take_logprob(i, 0);
-            let done = output_processor::process_token(req, token, logprob, complete);
-            // The reasoning ends with its end tokens; the grammar, if any,
-            // takes over at the next token.
-            if let Some(end) = &req.reasoning_end {
-                if req.token_ids[req.prompt_len..].ends_with(end) {
-                    req.reasoning_end = None;
-                }
-            }
             if let Some(reason) = done.finish_reason {
                 self.remove(s.id, reason, kv);
             }
@@ -589,6 +671,7 @@ impl Scheduler {
         if let Some(r) = self.requests.get_mut(&id) {
             self.fair.preempted(&r.tenant.name);
             r.num_computed = 0;
+            r.spec.drafts.clear();
             r.status = RequestStatus::Waiting;
             r.num_preemptions += 1;
         }

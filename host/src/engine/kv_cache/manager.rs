@@ -334,6 +334,22 @@ impl KvCacheManager {
         }
     }
 
+    /// Gives back the blocks of `seq` past its first `num_tokens` tokens:
+    /// the slots of drafts the target rejected. They were never committed,
+    /// so nothing of theirs is findable by prefix.
+    pub fn truncate(&mut self, seq: u64, num_tokens: usize) {
+        let bs = self.block_size;
+        let Some(entry) = self.seqs.get_mut(&seq) else {
+            return;
+        };
+        let keep = num_tokens.div_ceil(bs).max(entry.released);
+        while entry.blocks.len() > keep {
+            if let Some(b) = entry.blocks.pop() {
+                self.pool.release(b);
+            }
+        }
+    }
+
     /// Releases every block of `seq`. Blocks are released from the end of
     /// the sequence backwards, so its tail (least likely to be shared) is
     /// evicted before its prefix.

@@ -71,10 +71,9 @@ const UNBUILT_METHODS: &[&str] = &[
 fn usize_key(obj: &Map<String, Value>, key: &str) -> Result<Option<usize>> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v
-            .as_u64()
-            .map(|n| Some(n as usize))
-            .with_context(|| format!("--speculative-config: \"{key}\" must be a non-negative integer, got {v}")),
+        Some(v) => v.as_u64().map(|n| Some(n as usize)).with_context(|| {
+            format!("--speculative-config: \"{key}\" must be a non-negative integer, got {v}")
+        }),
     }
 }
 
@@ -239,7 +238,10 @@ mod tests {
             Ok(SpecMethod::Ngram { min, max }) => (min, max),
             other => panic!("{json}: {other:?}"),
         };
-        assert_eq!(bounds(r#"{"method": "ngram", "num_speculative_tokens": 3}"#), (5, 5));
+        assert_eq!(
+            bounds(r#"{"method": "ngram", "num_speculative_tokens": 3}"#),
+            (5, 5)
+        );
         assert_eq!(
             bounds(r#"{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}"#),
             (4, 4)
@@ -249,7 +251,9 @@ mod tests {
             (2, 2)
         );
         assert_eq!(
-            bounds(r#"{"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#),
+            bounds(
+                r#"{"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}"#
+            ),
             (1, 3)
         );
     }
@@ -271,32 +275,82 @@ mod tests {
     #[test]
     fn the_seed_flags_mean_the_same_as_the_json() {
         let flags = SpeculativeConfig::from_flags(None, Some("/m"), Some(3)).unwrap();
-        let json =
-            SpeculativeConfig::from_flags(Some(r#"{"model": "/m", "num_speculative_tokens": 3}"#), None, None)
-                .unwrap();
+        let json = SpeculativeConfig::from_flags(
+            Some(r#"{"model": "/m", "num_speculative_tokens": 3}"#),
+            None,
+            None,
+        )
+        .unwrap();
         assert_eq!(flags, json);
-        assert!(SpeculativeConfig::from_flags(None, None, None).unwrap().is_none());
+        assert!(SpeculativeConfig::from_flags(None, None, None)
+            .unwrap()
+            .is_none());
         let ngram = SpeculativeConfig::from_flags(None, Some("[ngram]"), Some(2)).unwrap();
-        assert!(matches!(ngram.map(|c| c.method), Some(SpecMethod::Ngram { .. })));
+        assert!(matches!(
+            ngram.map(|c| c.method),
+            Some(SpecMethod::Ngram { .. })
+        ));
     }
 
     #[test]
     fn bad_combinations_say_what_to_change() {
         for (json, says) in [
-            (r#"{"method": "ngram"}"#, "\"num_speculative_tokens\" is required"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 0}"#, "between 1 and 16"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 99}"#, "between 1 and 16"),
-            (r#"{"method": "eagle", "model": "x", "num_speculative_tokens": 2}"#, "method \"eagle\" is not supported"),
-            (r#"{"method": "draft_model", "num_speculative_tokens": 2}"#, "needs \"model\""),
-            (r#"{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}"#, "takes no \"model\""),
-            (r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}"#, "larger than"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}"#, "at least 1"),
-            (r#"{"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}"#, "apply only to method \"ngram\""),
-            (r#"{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}"#, "always greedy"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "top"}"#, "\"greedy\" or \"probabilistic\""),
-            (r#"{"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}"#, "one device context"),
-            (r#"{"method": "ngram", "num_speculative_tokens": "4"}"#, "non-negative integer"),
-            (r#"{"method": "ngram", "num_speculative_tokens": 4, "acceptance": 1}"#, "key \"acceptance\" is not supported"),
+            (
+                r#"{"method": "ngram"}"#,
+                "\"num_speculative_tokens\" is required",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 0}"#,
+                "between 1 and 16",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 99}"#,
+                "between 1 and 16",
+            ),
+            (
+                r#"{"method": "eagle", "model": "x", "num_speculative_tokens": 2}"#,
+                "method \"eagle\" is not supported",
+            ),
+            (
+                r#"{"method": "draft_model", "num_speculative_tokens": 2}"#,
+                "needs \"model\"",
+            ),
+            (
+                r#"{"method": "ngram", "model": "/m", "num_speculative_tokens": 2}"#,
+                "takes no \"model\"",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}"#,
+                "larger than",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}"#,
+                "at least 1",
+            ),
+            (
+                r#"{"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}"#,
+                "apply only to method \"ngram\"",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}"#,
+                "always greedy",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "top"}"#,
+                "\"greedy\" or \"probabilistic\"",
+            ),
+            (
+                r#"{"model": "/m", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}"#,
+                "one device context",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": "4"}"#,
+                "non-negative integer",
+            ),
+            (
+                r#"{"method": "ngram", "num_speculative_tokens": 4, "acceptance": 1}"#,
+                "key \"acceptance\" is not supported",
+            ),
             (r#"["ngram"]"#, "must be a JSON object"),
             (r#"{"method": "#, "not valid JSON"),
             (r#"{}"#, "needs \"method\""),
@@ -304,9 +358,15 @@ mod tests {
             let e = err(json);
             assert!(e.contains(says), "{json}: {e}");
         }
-        let e = format!("{:#}", SpeculativeConfig::from_flags(None, None, Some(3)).unwrap_err());
+        let e = format!(
+            "{:#}",
+            SpeculativeConfig::from_flags(None, None, Some(3)).unwrap_err()
+        );
         assert!(e.contains("add --speculative-model"), "{e}");
-        let e = format!("{:#}", SpeculativeConfig::from_flags(None, Some("/m"), None).unwrap_err());
+        let e = format!(
+            "{:#}",
+            SpeculativeConfig::from_flags(None, Some("/m"), None).unwrap_err()
+        );
         assert!(e.contains("--num-speculative-tokens is required"), "{e}");
         let e = format!(
             "{:#}",

@@ -21,6 +21,59 @@ pub mod ngram;
 pub use config::{DraftSampleMethod, SpecMethod, SpeculativeConfig};
 pub use ngram::NgramProposer;
 
+use crate::engine::request::Request;
+use anyhow::{bail, Result};
+
+/// Drafts for the engine core: after each step, every sequence that may
+/// speculate gets the drafts its next step verifies.
+pub struct Speculator {
+    proposer: NgramProposer,
+    /// Drafts per sequence and step.
+    k: usize,
+    /// No drafts while more sequences than this run.
+    max_batch: usize,
+}
+
+impl Speculator {
+    /// The speculator `config` describes; `default_max_batch` applies when
+    /// it sets no `disable_by_batch_size`.
+    pub fn new(config: &SpeculativeConfig, default_max_batch: usize) -> Result<Speculator> {
+        let proposer = match &config.method {
+            SpecMethod::Ngram { min, max } => NgramProposer::new(*min, *max),
+            SpecMethod::DraftModel { model } => bail!(
+                "--speculative-config: draft models ({}) are not supported yet; use {{\"method\": \"ngram\", \"num_speculative_tokens\": {}}}",
+                model.display(),
+                config.num_speculative_tokens
+            ),
+        };
+        Ok(Speculator {
+            proposer,
+            k: config.num_speculative_tokens,
+            max_batch: config.disable_by_batch_size.unwrap_or(default_max_batch),
+        })
+    }
+
+    /// Drafts the continuation of `req` for its next step (or none: while
+    /// `num_running` sequences fill the batch, while its drafts are being
+    /// rejected, or when its sampling cannot be verified draft by draft).
+    pub fn propose(&self, req: &mut Request, num_running: usize) {
+        let spec = &mut req.spec;
+        spec.drafts.clear();
+        if spec.pause > 0 {
+            spec.pause -= 1;
+            return;
+        }
+        if num_running > self.max_batch || !req.may_speculate() {
+            return;
+        }
+        // The last token is sampled, not computed: one more fits after it.
+        let room = req.max_len.saturating_sub(req.token_ids.len() + 1);
+        let k = self.k.min(room);
+        self.proposer
+            .propose(&req.token_ids, k, &mut req.spec.drafts);
+    }
+}
+
 /// The most drafts per sequence and step: the per-position acceptance
 /// counters are a fixed array so that the engine's stats stay `Copy`.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;

@@ -1,0 +1,276 @@
+//! Speculative decoding on the demo model: under greedy sampling every
+//! prompt gives token for token what plain decoding gives, alone and in a
+//! batch of 32 with prefix caching, chunked prefill and preemption; under
+//! temperature 1 the tokens follow the same distribution as plain
+//! sampling; and the drafts really were verified (and mostly accepted where
+//! the output quotes the prompt).
+
+mod common;
+
+use pagoda::engine::core::RequestOptions;
+use pagoda::engine::spec_decode::SpeculativeConfig;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+
+const MAX_TOKENS: usize = 40;
+
+fn args(spec: Option<&str>) -> EngineArgs {
+    let mut a = EngineArgs::new(common::demo_gguf());
+    a.threads = 2;
+    a.max_model_len = Some(512);
+    a.kv_cache_memory = Some(64 << 20);
+    a.speculative = spec.map(|s| SpeculativeConfig::from_json(s).expect("config"));
+    a
+}
+
+/// Drafts for every sequence of a 32-sequence batch.
+const NGRAM: &str = r#"{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "disable_by_batch_size": 64}"#;
+
+/// 32 prompts: most ask to repeat a passage (the n-gram proposer's best
+/// case, so many drafts hold), others are free text (most drafts fail);
+/// several share a prefix.
+fn prompts() -> Vec<Prompt> {
+    let passages = [
+        "The river bends twice before it reaches the old mill, where the water slows and the children fish on summer evenings.",
+        "fn add(a: u32, b: u32) -> u32 { a + b }\nfn mul(a: u32, b: u32) -> u32 { a * b }",
+        "Tea is grown on hillsides, picked by hand, withered, rolled, oxidized and dried before it is sorted into grades.",
+        "Prime numbers have exactly two divisors: one and themselves. Two, three, five, seven and eleven are the first five.",
+    ];
+    (0..32)
+        .map(|i| {
+            let p = passages[i % passages.len()];
+            let text = match i % 4 {
+                3 => format!("Write a short story about number {i}."),
+                _ => format!(
+                    "Copy this text exactly.\nText: {p}\nCopy: {}",
+                    &p[..(i % 3) * 7]
+                ),
+            };
+            Prompt::Text(text)
+        })
+        .collect()
+}
+
+fn greedy() -> SamplingParams {
+    let mut p = SamplingParams::greedy(MAX_TOKENS);
+    p.ignore_eos = true;
+    p
+}
+
+fn solo(spec: Option<&str>, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
+    let mut llm = LLM::new(args(spec)).expect("engine");
+    let out = prompts
+        .iter()
+        .map(|p| {
+            llm.generate(std::slice::from_ref(p), &greedy())
+                .expect("generate")[0]
+                .outputs[0]
+                .token_ids
+                .clone()
+        })
+        .collect();
+    (out, llm)
+}
+
+/// Runs every prompt at once, stepping by hand so the KV accounting is
+/// checked after every step (rejected drafts must give their slots back).
+fn batched(a: EngineArgs, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (Vec<Vec<u32>>, LLM) {
+    let mut llm = LLM::new(a).expect("engine");
+    let core = llm.engine_mut();
+    let ids: Vec<u64> = prompts
+        .iter()
+        .zip(params)
+        .enumerate()
+        .map(|(i, (p, sp))| {
+            core.add_request(
+                format!("p{i}"),
+                p.clone(),
+                sp.clone(),
+                RequestOptions::default(),
+            )
+            .expect("add")
+        })
+        .collect();
+    let mut out = vec![Vec::new(); ids.len()];
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            let i = ids.iter().position(|&e| e == o.id).expect("known request");
+            out[i].extend_from_slice(&o.new_token_ids);
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    let kv = llm.engine().kv_cache();
+    assert_eq!(
+        kv.pool().num_free(),
+        kv.pool().num_blocks(),
+        "blocks leaked"
+    );
+    kv.pool().check_invariants().expect("pool invariants");
+    (out, llm)
+}
+
+#[test]
+fn greedy_output_is_unchanged_by_ngram_speculation() {
+    let prompts = prompts();
+    let (plain, llm) = solo(None, &prompts);
+    let ids: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| llm.encode(p).expect("encode"))
+        .collect();
+    drop(llm);
+    let (spec, llm) = solo(Some(NGRAM), &prompts);
+    for (i, (s, p)) in spec.iter().zip(&plain).enumerate() {
+        assert_eq!(s, p, "alone: prompt {i} differs with speculation");
+    }
+    let stats = llm.engine().stats().spec;
+    assert!(
+        stats.num_drafts > 0 && stats.num_accepted_tokens > 0,
+        "{stats:?}"
+    );
+    // Quoting a passage is what prompt lookup is for: most drafts hold.
+    let rate = stats.acceptance_rate().unwrap_or(0.0);
+    assert!(rate > 0.4, "acceptance rate {rate} ({stats:?})");
+    drop(llm);
+
+    let params = vec![greedy(); prompts.len()];
+    let conditions: Vec<(&str, EngineArgs)> = vec![
+        ("one batch of 32, prefix caching", args(Some(NGRAM))),
+        ("chunked prefill (48-token steps), a 40-block pool", {
+            let mut a = args(Some(NGRAM));
+            a.max_num_batched_tokens = 48;
+            // 40 blocks of 16 tokens: a handful of sequences fill the pool,
+            // and their decodes (and drafts) then need blocks that are not
+            // there.
+            let per_block = 2 * 30 * 16 * 192 * 2;
+            a.max_model_len = Some(320);
+            a.kv_cache_memory = Some(40 * per_block);
+            a
+        }),
+    ];
+    for (name, a) in conditions {
+        let (got, llm) = batched(a, &ids, &params);
+        for (i, (g, p)) in got.iter().zip(&plain).enumerate() {
+            assert_eq!(g, p, "{name}: prompt {i} differs from plain decoding");
+        }
+        let stats = llm.engine().stats();
+        assert!(
+            stats.spec.num_accepted_tokens > 0,
+            "{name}: {:?}",
+            stats.spec
+        );
+        if name.starts_with("chunked") {
+            assert!(
+                stats.num_preemptions > 0,
+                "{name}: the small pool should preempt"
+            );
+        } else {
+            assert!(
+                stats.prefix.hits > 0,
+                "{name}: shared prefixes should hit the cache"
+            );
+        }
+    }
+}
+
+/// The Wilson–Hilferty approximation of the chi-squared quantile with `df`
+/// degrees of freedom at the upper-tail normal quantile `z`.
+fn chi2_quantile(df: f64, z: f64) -> f64 {
+    let a = 2.0 / (9.0 * df);
+    df * (1.0 - a + z * a.sqrt()).powi(3)
+}
+
+/// Pearson's two-sample (homogeneity) statistic for counts `a` and `b`
+/// over the same categories, pooling categories expected fewer than 5
+/// times into one; returns it with its degrees of freedom.
+fn homogeneity(
+    a: &std::collections::HashMap<u32, f64>,
+    b: &std::collections::HashMap<u32, f64>,
+) -> (f64, f64) {
+    let (na, nb): (f64, f64) = (a.values().sum(), b.values().sum());
+    let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
+    keys.sort_unstable();
+    keys.dedup();
+    let mut cells: Vec<(f64, f64)> = Vec::new();
+    let mut other = (0.0, 0.0);
+    for k in keys {
+        let (x, y) = (
+            a.get(&k).copied().unwrap_or(0.0),
+            b.get(&k).copied().unwrap_or(0.0),
+        );
+        let total = x + y;
+        if total * na.min(nb) / (na + nb) < 5.0 {
+            other.0 += x;
+            other.1 += y;
+        } else {
+            cells.push((x, y));
+        }
+    }
+    if other.0 + other.1 > 0.0 {
+        cells.push(other);
+    }
+    let mut stat = 0.0;
+    for &(x, y) in &cells {
+        let total = x + y;
+        let (ex, ey) = (total * na / (na + nb), total * nb / (na + nb));
+        stat += (x - ex).powi(2) / ex + (y - ey).powi(2) / ey;
+    }
+    (stat, cells.len() as f64 - 1.0)
+}
+
+#[test]
+fn sampled_tokens_follow_the_target_distribution() {
+    // One prompt whose pattern the proposer follows but the model only
+    // half believes, drawn 3000 times with temperature 1, each draw seeded:
+    // the 2nd to 5th tokens (verified drafts, or corrections drawn from
+    // the residual) must be distributed as plain sampling's.
+    let llm = LLM::new(args(None)).expect("engine");
+    let prompt = llm
+        .encode(&Prompt::Text(
+            "Colors: red, blue, red, green, red, yellow, red, green, red, blue, red,".into(),
+        ))
+        .expect("encode");
+    drop(llm);
+    let draws = 3000;
+    let prompts = vec![prompt; draws];
+    let params: Vec<SamplingParams> = (0..draws as u64)
+        .map(|seed| {
+            let mut p = SamplingParams::greedy(6);
+            p.temperature = Some(1.0);
+            p.seed = Some(seed);
+            p.ignore_eos = true;
+            p
+        })
+        .collect();
+    let counts = |spec: Option<&str>| {
+        let mut a = args(spec);
+        a.max_num_seqs = 64;
+        let (out, llm) = batched(a, &prompts, &params);
+        let mut by_pos = vec![std::collections::HashMap::<u32, f64>::new(); 4];
+        for o in &out {
+            for (pos, m) in by_pos.iter_mut().enumerate() {
+                *m.entry(o[pos + 1]).or_insert(0.0) += 1.0;
+            }
+        }
+        (by_pos, llm.engine().stats().spec)
+    };
+    let (plain, _) = counts(None);
+    let (spec, stats) = counts(Some(
+        r#"{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2, "disable_by_batch_size": 64}"#,
+    ));
+    // Both outcomes of verification happened many times.
+    assert!(stats.num_draft_tokens > 1000, "{stats:?}");
+    assert!(stats.num_accepted_tokens > 300, "{stats:?}");
+    assert!(
+        stats.num_draft_tokens - stats.num_accepted_tokens > 100,
+        "{stats:?}"
+    );
+    for pos in 0..4 {
+        let (stat, df) = homogeneity(&plain[pos], &spec[pos]);
+        // p = 0.001: z = 3.09.
+        let limit = chi2_quantile(df, 3.09);
+        assert!(
+            stat < limit,
+            "token {}: chi-squared {stat:.1} over {df} degrees of freedom exceeds {limit:.1}",
+            pos + 2
+        );
+    }
+}
