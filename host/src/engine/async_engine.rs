@@ -55,6 +55,10 @@ pub mod metric_names {
     pub const PREFIX_CACHE_HITS_GPU: &str = "vllm:gpu_prefix_cache_hits_total";
     pub const GPU_CACHE_USAGE: &str = "vllm:gpu_cache_usage_perc";
     pub const NUM_REQUESTS_SWAPPED: &str = "vllm:num_requests_swapped";
+    pub const SPEC_NUM_DRAFTS: &str = "vllm:spec_decode_num_drafts_total";
+    pub const SPEC_NUM_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
+    pub const SPEC_NUM_ACCEPTED_TOKENS: &str = "vllm:spec_decode_num_accepted_tokens_total";
+    pub const SPEC_ACCEPTED_PER_POS: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
 
     // Pagoda's own, per tenant (label `tenant`: the tenant id, or
     // `default` for requests made without a tenant's key). The label's
@@ -68,6 +72,11 @@ pub mod metric_names {
 }
 
 use metric_names as m;
+
+/// The `position` label's values, without formatting one each step.
+const POSITIONS: [&str; crate::engine::spec_decode::MAX_SPECULATIVE_TOKENS] = [
+    "0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15",
+];
 
 enum Command {
     Add {
@@ -504,6 +513,18 @@ fn engine_loop(
         metrics::counter!(m::PREFIX_CACHE_QUERIES_GPU)
             .increment(s.prefix.queries - last.prefix.queries);
         metrics::counter!(m::PREFIX_CACHE_HITS_GPU).increment(s.prefix.hits - last.prefix.hits);
+        if s.spec.num_drafts > last.spec.num_drafts {
+            let (now, was) = (&s.spec, &last.spec);
+            metrics::counter!(m::SPEC_NUM_DRAFTS).increment(now.num_drafts - was.num_drafts);
+            metrics::counter!(m::SPEC_NUM_DRAFT_TOKENS)
+                .increment(now.num_draft_tokens - was.num_draft_tokens);
+            metrics::counter!(m::SPEC_NUM_ACCEPTED_TOKENS)
+                .increment(now.num_accepted_tokens - was.num_accepted_tokens);
+            for pos in 0..now.num_positions {
+                metrics::counter!(m::SPEC_ACCEPTED_PER_POS, "position" => POSITIONS[pos])
+                    .increment(now.accepted_per_pos[pos] - was.accepted_per_pos[pos]);
+            }
+        }
         last = s;
         *stats.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }

@@ -203,6 +203,22 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
     metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
     metrics::describe_counter!(
+        m::SPEC_NUM_DRAFTS,
+        "Speculative decoding: verifications (one per sequence and step with drafts)."
+    );
+    metrics::describe_counter!(
+        m::SPEC_NUM_DRAFT_TOKENS,
+        "Speculative decoding: drafted tokens verified."
+    );
+    metrics::describe_counter!(
+        m::SPEC_NUM_ACCEPTED_TOKENS,
+        "Speculative decoding: drafted tokens accepted."
+    );
+    metrics::describe_counter!(
+        m::SPEC_ACCEPTED_PER_POS,
+        "Speculative decoding: accepted drafts by position in the draft."
+    );
+    metrics::describe_counter!(
         m::PREFIX_QUERIES,
         "Prompt tokens looked up in the prefix cache."
     );
@@ -968,6 +984,29 @@ async fn log_stats(state: Arc<AppState>) {
                     s.num_running,
                     s.num_waiting,
                     100.0 * s.kv_usage
+                );
+            }
+            let (spec, was) = (&s.spec, &prev.spec);
+            let drafted = spec.num_draft_tokens - was.num_draft_tokens;
+            if drafted > 0 {
+                let drafts = (spec.num_drafts - was.num_drafts).max(1);
+                let accepted = spec.num_accepted_tokens - was.num_accepted_tokens;
+                let per_pos: Vec<String> = (0..spec.num_positions)
+                    .map(|p| {
+                        format!(
+                            "{:.3}",
+                            (spec.accepted_per_pos[p] - was.accepted_per_pos[p]) as f64
+                                / drafts as f64
+                        )
+                    })
+                    .collect();
+                tracing::info!(
+                    "SpecDecoding metrics: Mean acceptance length: {:.2}, Accepted throughput: {:.2} tokens/s, Drafted throughput: {:.2} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {}, Avg Draft acceptance rate: {:.1}%",
+                    1.0 + accepted as f64 / drafts as f64,
+                    accepted as f64 / dt,
+                    drafted as f64 / dt,
+                    per_pos.join(", "),
+                    100.0 * accepted as f64 / drafted as f64
                 );
             }
         }

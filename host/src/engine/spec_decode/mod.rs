@@ -91,6 +91,9 @@ pub struct SpecStats {
     /// Accepted drafts by position in the draft
     /// (`vllm:spec_decode_num_accepted_tokens_per_pos_total{position}`).
     pub accepted_per_pos: [u64; MAX_SPECULATIVE_TOKENS],
+    /// The most drafts verified at once so far: the positions worth
+    /// reporting.
+    pub num_positions: usize,
 }
 
 impl SpecStats {
@@ -98,6 +101,7 @@ impl SpecStats {
     /// of which the target agreed with.
     pub fn record(&mut self, drafted: usize, accepted: usize) {
         self.num_drafts += 1;
+        self.num_positions = self.num_positions.max(drafted.min(MAX_SPECULATIVE_TOKENS));
         self.num_draft_tokens += drafted as u64;
         self.num_accepted_tokens += accepted as u64;
         for p in &mut self.accepted_per_pos[..accepted.min(MAX_SPECULATIVE_TOKENS)] {
