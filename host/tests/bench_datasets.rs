@@ -100,3 +100,25 @@ fn jsonl_prompts_are_read_with_their_output_lengths_and_bad_lines_are_named() {
     );
     assert!(e.contains(":2:") && e.contains("prompt"), "{e}");
 }
+
+#[test]
+fn rewrite_prompts_ask_for_their_passage_and_expect_its_length() {
+    use pagoda::bench::datasets::REWRITE_PASSAGES;
+    let tok = tokenizer();
+    let n = REWRITE_PASSAGES.len() + 2;
+    let reqs = generate(&"rewrite".parse().expect("dataset"), &tok, n, 0, 100, 0).expect("rewrite");
+    assert_eq!(reqs.len(), n);
+    for (i, r) in reqs.iter().enumerate() {
+        let passage = REWRITE_PASSAGES[i % REWRITE_PASSAGES.len()];
+        assert!(r.prompt_text.contains(passage), "{}", r.prompt_text);
+        // A chat turn of the model's template, which opens the answer.
+        assert!(
+            r.prompt_text.contains("<|im_start|>assistant"),
+            "{}",
+            r.prompt_text
+        );
+        let passage_len = tok.encode(passage, false).expect("encode").len();
+        assert_eq!(r.output_len, passage_len.min(100));
+        assert_eq!(r.prompt_len, ids(&r.prompt).len());
+    }
+}

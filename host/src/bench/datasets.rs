@@ -31,7 +31,25 @@ pub enum Dataset {
     PrefixRepetition { prefix_len: usize },
     /// One prompt per line: `{"prompt": "...", "output_len": N}`.
     Jsonl(std::path::PathBuf),
+    /// Passage rewriting: a chat turn asking to repeat a passage word for
+    /// word, the output as long as the passage (at most `output_len`).
+    /// The output quotes the prompt, which is where prompt-lookup
+    /// speculative decoding helps; `random` is where it cannot.
+    Rewrite,
 }
+
+/// The passages of the rewrite workload: plain prose and code, about 80
+/// to 130 tokens each.
+pub const REWRITE_PASSAGES: &[&str] = &[
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished the great lens, and wound the clockwork that turned the light. Ships passing the headland saw the beam sweep across the water every ten seconds, and they knew where the rocks lay. In winter the storms came from the north, and spray reached the lantern room a hundred feet above the sea.",
+    "Bread needs only flour, water, salt and yeast, but time is the ingredient most recipes forget. A slow first rise in a cool kitchen lets the dough develop flavour, and a second, shorter rise after shaping gives the loaf its height. Bake it hot, with steam for the first ten minutes, so that the crust stays thin while the inside springs up.",
+    "fn parse_port(s: &str) -> Result<u16, String> {\n    let n: u32 = s.trim().parse().map_err(|e| format!(\"{s}: {e}\"))?;\n    if n == 0 || n > 65535 {\n        return Err(format!(\"{n} is not a port\"));\n    }\n    Ok(n as u16)\n}",
+    "The committee met on Tuesday to review the budget for the coming year. Spending on roads will rise by four percent, while the library keeps its current funding. A new bus route will connect the north side of town to the hospital, starting in March. Residents may comment on the plan at the town hall until the end of the month.",
+    "Rivers carry sand and silt from the mountains to the sea. Where the current slows, at a bend or at the mouth, the sediment settles and builds banks, bars and deltas. Over centuries a delta can push the coastline many miles outward, and the channels that cross it shift with every great flood.",
+    "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError(\"window must be positive\")\n    total = 0.0\n    out = []\n    for i, v in enumerate(values):\n        total += v\n        if i >= window:\n            total -= values[i - window]\n        if i >= window - 1:\n            out.append(total / window)\n    return out",
+    "The museum opens at nine in the morning and closes at five, except on Thursdays, when it stays open until eight. Tickets are free for children under twelve and for students with a card. The east wing, which holds the collection of maps, is closed for repairs until the spring.",
+    "A good cup of tea starts with fresh water brought just to the boil. Warm the pot first, add one spoon of leaves for each cup, and pour the water over them. Let it steep for three to five minutes, depending on how strong you like it, then pour through a strainer.",
+];
 
 impl std::str::FromStr for Dataset {
     type Err = anyhow::Error;
@@ -40,13 +58,14 @@ impl std::str::FromStr for Dataset {
             "random" => Dataset::Random,
             "seed" => Dataset::Seed,
             // vLLM's `--dataset-name prefix_repetition` too.
+            "rewrite" | "passage-rewrite" | "passage_rewrite" => Dataset::Rewrite,
             "prefix-repetition" | "prefix_repetition" => {
                 Dataset::PrefixRepetition { prefix_len: 1024 }
             }
             path if path.ends_with(".jsonl") => Dataset::Jsonl(path.into()),
             "custom" => bail!("--dataset-name custom needs --dataset-path FILE.jsonl"),
             other => {
-                bail!("--dataset '{other}' is not random, seed, prefix-repetition (prefix_repetition), custom with --dataset-path, or a .jsonl file")
+                bail!("--dataset '{other}' is not random, seed, rewrite, prefix-repetition (prefix_repetition), custom with --dataset-path, or a .jsonl file")
             }
         })
     }
@@ -113,6 +132,32 @@ pub fn generate(
                     prompt_text: text.clone(),
                     prompt_len: ids.len(),
                     output_len,
+                });
+            }
+        }
+        Dataset::Rewrite => {
+            for i in 0..num {
+                let passage = REWRITE_PASSAGES[i % REWRITE_PASSAGES.len()];
+                let ask = format!(
+                    "Repeat the following passage exactly, word for word.\n\nPassage: {passage}"
+                );
+                let text = match tok.chat_template() {
+                    Some(t) => t.render(
+                        &[crate::tokenizer::chat_template::ChatMessage {
+                            role: "user".into(),
+                            content: ask,
+                        }],
+                        true,
+                    )?,
+                    None => format!("{ask}\n\n"),
+                };
+                let ids = tok.encode(&text, true)?;
+                let passage_len = tok.encode(passage, false)?.len();
+                out.push(BenchRequest {
+                    prompt_len: ids.len(),
+                    prompt: Prompt::Tokens(ids),
+                    prompt_text: text,
+                    output_len: output_len.min(passage_len),
                 });
             }
         }

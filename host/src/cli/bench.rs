@@ -126,6 +126,11 @@ pub struct LatencyArgs {
     /// Measured iterations (after one warm-up); the median is reported.
     #[arg(long, default_value_t = 3)]
     pub num_iters: usize,
+    /// random (input-len random tokens) or rewrite (repeat a passage word
+    /// for word: the output quotes the prompt, as speculative decoding's
+    /// n-gram drafts like).
+    #[arg(long, visible_alias = "dataset-name", default_value = "random")]
+    pub dataset: String,
     #[arg(long)]
     pub result_json: Option<PathBuf>,
 }
@@ -136,6 +141,20 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Throughput(a) => run_throughput(a),
         BenchCommand::Latency(a) => run_latency(a),
         BenchCommand::Serve(a) => run_serve(a),
+    }
+}
+
+/// "; speculative decoding: …" when drafts were verified, else nothing.
+fn describe_spec(s: &crate::engine::spec_decode::SpecStats) -> String {
+    match s.acceptance_rate() {
+        Some(rate) => format!(
+            "; speculative decoding: {} of {} drafted tokens accepted ({:.1}%), mean acceptance length {:.2}",
+            s.num_accepted_tokens,
+            s.num_draft_tokens,
+            100.0 * rate,
+            1.0 + s.num_accepted_tokens as f64 / s.num_drafts.max(1) as f64
+        ),
+        None => String::new(),
     }
 }
 
@@ -165,16 +184,23 @@ fn run_throughput(a: ThroughputArgs) -> Result<()> {
     );
     let s = core.stats();
     println!(
-        "Preemptions: {}, prefix cache hits: {} of {} tokens",
-        s.num_preemptions, s.prefix.hits, s.prefix.queries
+        "Preemptions: {}, prefix cache hits: {} of {} tokens{}",
+        s.num_preemptions,
+        s.prefix.hits,
+        s.prefix.queries,
+        describe_spec(&s.spec)
     );
     write_json(&a.result_json, &serde_json::to_value(&r)?)
 }
 
 fn run_latency(a: LatencyArgs) -> Result<()> {
     let mut core = build_engine(&a.engine.to_engine_args()?)?;
+    let dataset: Dataset = a.dataset.parse()?;
+    if !matches!(dataset, Dataset::Random | Dataset::Rewrite) {
+        anyhow::bail!("bench latency runs --dataset random or rewrite");
+    }
     let reqs = datasets::generate(
-        &Dataset::Random,
+        &dataset,
         core.tokenizer(),
         a.num_iters + 1,
         a.input_len,
@@ -186,7 +212,7 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
         let Prompt::Tokens(ids) = &r.prompt else {
             continue;
         };
-        let s = latency::run_once(&mut core, ids.clone(), a.output_len, i)?;
+        let s = latency::run_once(&mut core, ids.clone(), r.output_len, i)?;
         if i > 0 {
             samples.push(s);
         }
@@ -197,19 +223,22 @@ fn run_latency(a: LatencyArgs) -> Result<()> {
     let device = core.runner().describe_device();
     // The first output token comes from the prefill step, so one output
     // token means no decode steps to time.
-    let decode = if a.output_len > 1 {
+    let n = samples.len().max(1);
+    let prompt_len = samples.iter().map(|s| s.prompt_tokens).sum::<usize>() / n;
+    let output_len = samples.iter().map(|s| s.output_tokens).sum::<usize>() / n;
+    let decode = if output_len > 1 {
         format!(
-            "decode {} tokens: {:.1} tok/s (median)",
-            a.output_len, tg.median
+            "decode {output_len} tokens: {:.1} tok/s (median)",
+            tg.median
         )
     } else {
         "no decode steps (output length 1)".to_string()
     };
     println!(
-        "{device}: prompt {} tokens: {:.1} tok/s (median of {}); {decode}",
-        a.input_len,
+        "{device}: prompt {prompt_len} tokens: {:.1} tok/s (median of {}); {decode}{}",
         pp.median,
         samples.len(),
+        describe_spec(&core.stats().spec),
     );
     write_json(
         &a.result_json,

@@ -467,11 +467,26 @@ pub struct SpecState {
     /// being rejected stops paying for their verification, and tries
     /// again after a back-off that doubles with each miss.
     pub pause: u32,
+    /// Drafts accepted per verification, a moving average (`None` before
+    /// the first): the next draft is about one longer than what recent
+    /// drafts got accepted, so a sequence that is only partly predictable
+    /// verifies short drafts.
+    pub accepted_avg: Option<f32>,
 }
 
 impl SpecState {
+    /// How many of `k` drafts to propose next.
+    pub fn draft_len(&self, k: usize) -> usize {
+        match self.accepted_avg {
+            None => k,
+            Some(a) => ((a + 1.0).ceil() as usize).clamp(1, k),
+        }
+    }
+
     /// Records a verification of the drafts, `accepted` of which held.
     pub fn verified(&mut self, accepted: usize) {
+        let a = accepted as f32;
+        self.accepted_avg = Some(self.accepted_avg.map_or(a, |avg| 0.6 * avg + 0.4 * a));
         if accepted == 0 {
             self.misses += 1;
             if self.misses >= 2 {

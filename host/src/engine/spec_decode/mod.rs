@@ -68,7 +68,7 @@ impl Speculator {
         }
         // The last token is sampled, not computed: one more fits after it.
         let room = req.max_len.saturating_sub(req.token_ids.len() + 1);
-        let k = self.k.min(room);
+        let k = req.spec.draft_len(self.k).min(room);
         self.proposer
             .propose(&req.token_ids, k, &mut req.spec.drafts);
     }

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Speculative decoding beside plain decoding, same run, alternating, on the
+# demo model (SmolLM2-135M-Instruct Q4_1):
+#
+# 1. Single stream, 1 thread, the rewrite workload (repeat a passage word
+#    for word, greedy): `pagoda bench latency --dataset rewrite`, plain and
+#    with n-gram drafts ($NGRAM).
+# 2. The same on the random workload, where prompt lookup finds nothing.
+# 3. 16 concurrent streams, 2 threads (`pagoda bench throughput`, 16
+#    prompts, sampled at temperature 1 as vLLM's bench does), random
+#    128/128 and rewrite, plain and with the same flag.
+#
+# Results go to stdout.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
+ROUNDS="${ROUNDS:-3}"
+NGRAM="${NGRAM:-{\"method\": \"ngram\", \"num_speculative_tokens\": 5, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}}"
+cargo build --release --locked -p pagoda >&2
+PAGODA="$CARGO_TARGET_DIR/release/pagoda"
+MODEL="${MODEL:-$(scripts/fetch-demo-model.sh)}"
+echo "machine: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs), $(nproc) cores"
+echo "speculative config: $NGRAM"
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+for round in $(seq 1 "$ROUNDS"); do
+  for dataset in rewrite random; do
+    for mode in plain ngram; do
+      spec=()
+      [ "$mode" = ngram ] && spec=(--speculative-config "$NGRAM")
+      printf 'round %s, single stream, 1 thread, %-7s %-5s: ' "$round" "$dataset" "$mode"
+      "$PAGODA" bench latency --model "$MODEL" --threads 1 --dataset "$dataset" \
+        --input-len 128 --output-len 128 --num-iters 8 "${spec[@]}" 2>/dev/null | sed 's/^cpu[^:]*: //'
+    done
+  done
+  for dataset in random rewrite; do
+    for mode in plain ngram; do
+      spec=()
+      [ "$mode" = ngram ] && spec=(--speculative-config "$NGRAM")
+      printf 'round %s, 16 streams, 2 threads, %-7s %-5s: ' "$round" "$dataset" "$mode"
+      "$PAGODA" bench throughput --model "$MODEL" --threads 2 --dataset "$dataset" \
+        --num-prompts 16 --input-len 128 --output-len 128 "${spec[@]}" 2>/dev/null \
+        | tr '\n' ' ' | sed 's/  */ /g'
+      echo
+    done
+  done
+done
+echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
