@@ -6,9 +6,10 @@
 #    for word, greedy): `pagoda bench latency --dataset rewrite`, plain and
 #    with n-gram drafts ($NGRAM).
 # 2. The same on the random workload, where prompt lookup finds nothing.
-# 3. 16 concurrent streams, 2 threads (`pagoda bench throughput`, 16
-#    prompts, sampled at temperature 1 as vLLM's bench does), random
-#    128/128 and rewrite, plain and with the same flag.
+# 3. 16 concurrent streams, 2 threads (`pagoda bench throughput` with
+#    --max-num-seqs 16: 48 prompts, sampled at temperature 1 as vLLM's
+#    bench does), random 128/128 and rewrite, plain and with the same flag
+#    at its defaults (speculation pauses above 8 running sequences).
 #
 # Results go to stdout.
 set -euo pipefail
@@ -38,7 +39,7 @@ for round in $(seq 1 "$ROUNDS"); do
       [ "$mode" = ngram ] && spec=(--speculative-config "$NGRAM")
       printf 'round %s, 16 streams, 2 threads, %-7s %-5s: ' "$round" "$dataset" "$mode"
       "$PAGODA" bench throughput --model "$MODEL" --threads 2 --dataset "$dataset" \
-        --num-prompts 16 --input-len 128 --output-len 128 "${spec[@]}" 2>/dev/null \
+        --num-prompts 48 --max-num-seqs 16 --input-len 128 --output-len 128 "${spec[@]}" 2>/dev/null \
         | tr '\n' ' ' | sed 's/  */ /g'
       echo
     done

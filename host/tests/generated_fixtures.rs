@@ -23,8 +23,8 @@ use pagoda::engine::loader::DType;
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use support::batching::batch_changes_nothing;
+use support::fixtures::fixtures;
 use support::reference::{load, run_schedule};
 
 /// Largest |logit − reference| as a fraction of the position's largest
@@ -33,43 +33,6 @@ const TOL: f64 = 1e-4;
 /// Greedy steps whose top two logits are closer than this may go either
 /// way in float32.
 const NEAR_TIE: f64 = 1e-3;
-
-const FAMILIES: [&str; 8] = [
-    "llama3",
-    "mistral",
-    "qwen3",
-    "mixtral",
-    "qwen2moe",
-    "qwen3moe",
-    "deepseek-v2-lite",
-    "deepseek-v3",
-];
-
-/// The fixtures' folder, made by the script if it is not there yet.
-fn fixtures() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let dir = std::env::var_os("PAGODA_GENERATED_FIXTURES")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target/generated-fixtures"));
-        let complete = FAMILIES
-            .iter()
-            .all(|f| dir.join(f).join("reference.json").exists());
-        if !complete {
-            let status = std::process::Command::new("python3")
-                .arg(root.join("scripts/make-fixtures.py"))
-                .arg(&dir)
-                .status()
-                .expect("running python3 scripts/make-fixtures.py (needs python3 with numpy)");
-            assert!(
-                status.success(),
-                "scripts/make-fixtures.py failed; install numpy (and gguf for the GGUF files)"
-            );
-        }
-        dir
-    })
-}
 
 fn reference(family: &str) -> Value {
     let path = fixtures().join(family).join("reference.json");

@@ -8,7 +8,7 @@
 mod common;
 
 use pagoda::engine::core::RequestOptions;
-use pagoda::engine::spec_decode::SpeculativeConfig;
+use pagoda::engine::spec_decode::{SpecStats, SpeculativeConfig};
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
 
 const MAX_TOKENS: usize = 40;
@@ -110,6 +110,30 @@ fn batched(a: EngineArgs, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (V
 
 #[test]
 fn greedy_output_is_unchanged_by_ngram_speculation() {
+    let stats = greedy_output_is_unchanged_by(NGRAM);
+    // Quoting a passage is what prompt lookup is for: most drafts hold.
+    let rate = stats.acceptance_rate().unwrap_or(0.0);
+    assert!(rate > 0.4, "acceptance rate {rate} ({stats:?})");
+}
+
+#[test]
+fn a_draft_model_equal_to_the_target_accepts_every_draft() {
+    let config = format!(
+        r#"{{"model": {:?}, "num_speculative_tokens": 4, "disable_by_batch_size": 64}}"#,
+        common::demo_gguf()
+    );
+    let stats = greedy_output_is_unchanged_by(&config);
+    assert_eq!(
+        stats.num_accepted_tokens, stats.num_draft_tokens,
+        "{stats:?}"
+    );
+}
+
+/// Every prompt of [`prompts`] gives token for token its plain greedy
+/// output under speculative decoding `config`: alone, in one batch of 32
+/// with prefix caching, and chunked over a pool small enough to preempt.
+/// Returns the solo run's speculation counters.
+fn greedy_output_is_unchanged_by(config: &str) -> SpecStats {
     let prompts = prompts();
     let (plain, llm) = solo(None, &prompts);
     let ids: Vec<Vec<u32>> = prompts
@@ -117,35 +141,34 @@ fn greedy_output_is_unchanged_by_ngram_speculation() {
         .map(|p| llm.encode(p).expect("encode"))
         .collect();
     drop(llm);
-    let (spec, llm) = solo(Some(NGRAM), &prompts);
+    let (spec, llm) = solo(Some(config), &prompts);
     for (i, (s, p)) in spec.iter().zip(&plain).enumerate() {
         assert_eq!(s, p, "alone: prompt {i} differs with speculation");
     }
-    let stats = llm.engine().stats().spec;
+    let solo_stats = llm.engine().stats().spec;
     assert!(
-        stats.num_drafts > 0 && stats.num_accepted_tokens > 0,
-        "{stats:?}"
+        solo_stats.num_drafts > 0 && solo_stats.num_accepted_tokens > 0,
+        "{solo_stats:?}"
     );
-    // Quoting a passage is what prompt lookup is for: most drafts hold.
-    let rate = stats.acceptance_rate().unwrap_or(0.0);
-    assert!(rate > 0.4, "acceptance rate {rate} ({stats:?})");
+    // A draft model's pool takes its share of the budget: the small pool
+    // below is sized in this engine's blocks.
+    let bytes_per_block = (64usize << 20) / llm.engine().kv_cache().pool().num_blocks();
     drop(llm);
 
-    let params = vec![greedy(); prompts.len()];
     let conditions: Vec<(&str, EngineArgs)> = vec![
-        ("one batch of 32, prefix caching", args(Some(NGRAM))),
-        ("chunked prefill (48-token steps), a 40-block pool", {
-            let mut a = args(Some(NGRAM));
+        ("one batch of 32, prefix caching", args(Some(config))),
+        ("chunked prefill (48-token steps), a 24-block pool", {
+            let mut a = args(Some(config));
             a.max_num_batched_tokens = 48;
-            // 40 blocks of 16 tokens: a handful of sequences fill the pool,
+            // 24 blocks of 16 tokens: a few sequences fill the pool,
             // and their decodes (and drafts) then need blocks that are not
             // there.
-            let per_block = 2 * 30 * 16 * 192 * 2;
             a.max_model_len = Some(320);
-            a.kv_cache_memory = Some(40 * per_block);
+            a.kv_cache_memory = Some(24 * bytes_per_block as u64);
             a
         }),
     ];
+    let params = vec![greedy(); prompts.len()];
     for (name, a) in conditions {
         let (got, llm) = batched(a, &ids, &params);
         for (i, (g, p)) in got.iter().zip(&plain).enumerate() {
@@ -160,7 +183,7 @@ fn greedy_output_is_unchanged_by_ngram_speculation() {
         if name.starts_with("chunked") {
             assert!(
                 stats.num_preemptions > 0,
-                "{name}: the small pool should preempt"
+                "{name}: the small pool should preempt ({stats:?})"
             );
         } else {
             assert!(
@@ -169,6 +192,7 @@ fn greedy_output_is_unchanged_by_ngram_speculation() {
             );
         }
     }
+    solo_stats
 }
 
 /// The Wilson–Hilferty approximation of the chi-squared quantile with `df`

@@ -12,9 +12,9 @@ use crate::engine::loader::hf_quant::QuantizationArg;
 use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
 use crate::engine::models::{self, CausalLm, Model, Workspace};
-use crate::engine::runner::{ModelExecutor, ModelRunner};
+use crate::engine::runner::{DraftRunner, ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
-use crate::engine::spec_decode::{SpeculativeConfig, Speculator};
+use crate::engine::spec_decode::{DraftSampleMethod, SpecMethod, SpeculativeConfig, Speculator};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::{Backend, CpuBackend, Device, KvSpec, StepBatch};
@@ -379,6 +379,65 @@ pub fn cpu_backend(args: &EngineArgs) -> Result<CpuBackend> {
     Ok(CpuBackend::new(ctx, level))
 }
 
+/// Loads speculative decoding's draft model from `path` onto `backend`,
+/// beside the target (`target`), after checking that it can draft for it:
+/// the same vocabulary, token for token, and room for `max_model_len`.
+fn load_draft_model<B: Backend>(
+    backend: &B,
+    args: &EngineArgs,
+    path: &std::path::Path,
+    target: &LoadedModel,
+    max_model_len: usize,
+) -> Result<Model<B>> {
+    if let Some(spec) = &args.speculative {
+        if spec.draft_sample_method == DraftSampleMethod::Probabilistic {
+            bail!("--speculative-config: \"draft_sample_method\": \"probabilistic\" is not supported yet; use \"greedy\" (the default), which keeps sampled output exact too");
+        }
+    }
+    let mut draft_args = EngineArgs::new(path);
+    draft_args.dtype = DType::Auto;
+    draft_args.generation_config = GenerationConfigSource::Vllm;
+    let (draft, loaded) = load_model(backend, &draft_args, |_| max_model_len)
+        .with_context(|| format!("loading the draft model {}", path.display()))?;
+    let (t, d) = (&target.tokenizer, &loaded.tokenizer);
+    if loaded.config.vocab_size != target.config.vocab_size || d.vocab_size() != t.vocab_size() {
+        bail!(
+            "the draft model {} has a vocabulary of {} tokens ({} in its tokenizer), the model {} ({}): a draft model must share the model's tokenizer",
+            path.display(),
+            loaded.config.vocab_size,
+            d.vocab_size(),
+            target.config.vocab_size,
+            t.vocab_size()
+        );
+    }
+    if let Some(id) =
+        (0..t.vocab_size() as u32).find(|&id| t.token_to_str(id) != d.token_to_str(id))
+    {
+        bail!(
+            "the draft model {} does not share the model's tokenizer: token {id} is {:?} there and {:?} in the model; use a draft model of the same family and tokenizer",
+            path.display(),
+            d.token_to_str(id).unwrap_or_default(),
+            t.token_to_str(id).unwrap_or_default()
+        );
+    }
+    if loaded.config.max_position_embeddings < max_model_len {
+        bail!(
+            "the draft model {} reaches {} positions, fewer than --max-model-len {max_model_len}: lower --max-model-len",
+            path.display(),
+            loaded.config.max_position_embeddings
+        );
+    }
+    tracing::info!(
+        "draft model: {} ({} layers, hidden {}, {} weights, {:.1} MiB)",
+        path.display(),
+        loaded.config.num_layers,
+        loaded.config.hidden_size,
+        draft.weight_type(),
+        draft.weight_bytes() as f64 / (1 << 20) as f64
+    );
+    Ok(draft)
+}
+
 /// Loads the model onto `backend`, allocates the KV pool there and wires
 /// the engine around them.
 fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore> {
@@ -394,7 +453,22 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         );
     }
     let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
-    let per_block = kv_spec(&*model, kv_dtype, 0, args.block_size).bytes_per_block();
+    let draft = match args.speculative.as_ref().map(|s| &s.method) {
+        Some(SpecMethod::DraftModel { model: path }) => Some(load_draft_model(
+            &backend,
+            args,
+            path,
+            &loaded,
+            max_model_len,
+        )?),
+        _ => None,
+    };
+    // The draft model's pool has as many blocks as the target's, under
+    // the same block tables: a block costs both.
+    let per_block = kv_spec(&*model, kv_dtype, 0, args.block_size).bytes_per_block()
+        + draft.as_ref().map_or(0, |d| {
+            kv_spec(&**d, kv_dtype, 0, args.block_size).bytes_per_block()
+        });
     let mut ws = Workspace::<B>::default();
     let budget = match (args.kv_cache_memory, backend.memory_info()?) {
         (Some(b), _) => b,
@@ -492,8 +566,16 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let runner: Box<dyn ModelExecutor> =
-        Box::new(ModelRunner::with_workspace(backend, model, kv, ws));
+    let mut runner = ModelRunner::with_workspace(backend, model, kv, ws);
+    if let Some(d) = draft {
+        let spec = kv_spec(&*d, kv_dtype, num_blocks, args.block_size);
+        let dkv = runner
+            .backend()
+            .alloc_kv(&spec)
+            .context("allocating the draft model's KV cache")?;
+        runner = runner.with_draft(DraftRunner::new(d, dkv));
+    }
+    let runner: Box<dyn ModelExecutor> = Box::new(runner);
     let scheduler = Scheduler::new(SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
@@ -508,7 +590,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     );
     core.set_default_seed(args.seed);
     if let Some(spec) = &args.speculative {
-        let speculator = Speculator::new(spec, DEFAULT_SPEC_MAX_BATCH)?;
+        let speculator = Speculator::new(spec, DEFAULT_SPEC_MAX_BATCH);
         tracing::info!(
             "speculative decoding: {:?}, {} tokens per step, paused while more than {} sequences run",
             spec.method,

@@ -16,7 +16,7 @@ use crate::engine::request::{
 };
 use crate::engine::runner::ModelExecutor;
 use crate::engine::scheduler::Scheduler;
-use crate::engine::spec_decode::{SpecStats, Speculator};
+use crate::engine::spec_decode::{Proposer, SpecStats, Speculator};
 use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
@@ -83,6 +83,11 @@ pub struct EngineCore {
     guided: Vec<GuidedRow>,
     /// Drafts tokens for speculative decoding, when it is on.
     speculator: Option<Speculator>,
+    /// The draft model's steps, and which sequences draft how many tokens
+    /// (kept to reuse their allocations).
+    draft_batch: pagoda_accel::StepBatch,
+    drafting: Vec<(u64, usize)>,
+    draft_ids: Vec<u32>,
 }
 
 impl EngineCore {
@@ -108,7 +113,99 @@ impl EngineCore {
             eos_ids,
             guided: Vec::new(),
             speculator: None,
+            draft_batch: Default::default(),
+            drafting: Vec::new(),
+            draft_ids: Vec::new(),
         }
+    }
+
+    /// Runs the draft model after a step: it first catches up on every
+    /// planned sequence's tokens whose draft K/V it lacks (prompt chunks,
+    /// verified drafts, the newly sampled token), then drafts up to
+    /// `num_speculative_tokens` tokens, one batched single-token step at a
+    /// time, for each sequence that may speculate. The draft K/V goes into
+    /// the draft pool under the target's block tables, so the slots of the
+    /// drafts are reserved here; the next step verifies the drafts and
+    /// gives back the slots of the rejected ones.
+    fn propose_with_draft_model(
+        &mut self,
+        plan: &crate::engine::scheduler::SchedulerOutput,
+    ) -> anyhow::Result<()> {
+        let Some(speculator) = &self.speculator else {
+            return Ok(());
+        };
+        let running = self.scheduler.num_running();
+        let bs = self.kv.block_size();
+        let mut batch = std::mem::take(&mut self.draft_batch);
+        let mut drafting = std::mem::take(&mut self.drafting);
+        let mut next = std::mem::take(&mut self.draft_ids);
+        batch.clear();
+        drafting.clear();
+        for s in &plan.seqs {
+            let Some(req) = self.scheduler.get_mut(s.id) else {
+                continue;
+            };
+            let n = req.num_computed;
+            let mut k = if s.sample {
+                speculator.draft_len(req, running)
+            } else {
+                0
+            };
+            // The draft K/V of the new token and of drafts 1..k-1 need
+            // slots past the computed tokens.
+            if k > 0
+                && !self
+                    .kv
+                    .allocate(s.id, &req.token_ids, req.cache_key(), None, n, k)
+            {
+                k = 0;
+            }
+            let end = if k > 0 { n + 1 } else { n };
+            let from = req.spec.draft_computed.min(end);
+            if from == end {
+                continue;
+            }
+            batch.push_seq(
+                &req.token_ids[from..end],
+                from,
+                self.kv.block_table(s.id),
+                bs,
+                0,
+                usize::from(k > 0),
+            );
+            req.spec.draft_computed = end;
+            if k > 0 {
+                drafting.push((s.id, k));
+            }
+        }
+        for j in 0.. {
+            next.clear();
+            self.runner.draft_step(&batch, &mut next)?;
+            batch.clear();
+            let mut more = false;
+            for (&(id, k), &token) in drafting.iter().zip(&next) {
+                let Some(req) = self.scheduler.get_mut(id) else {
+                    continue;
+                };
+                req.spec.drafts.push(token);
+                if j + 1 < k {
+                    // Feed the draft back for the next one.
+                    let pos = req.num_computed + 1 + j;
+                    batch.push_seq(&[token], pos, self.kv.block_table(id), bs, 0, 1);
+                    req.spec.draft_computed = pos + 1;
+                    more = true;
+                }
+            }
+            if !more {
+                break;
+            }
+            // Sequences done drafting leave the next steps' rows.
+            drafting.retain(|&(_, k)| j + 1 < k);
+        }
+        self.draft_batch = batch;
+        self.drafting = drafting;
+        self.draft_ids = next;
+        Ok(())
     }
 
     /// Turns speculative decoding on: after each step, `speculator` drafts
@@ -303,10 +400,13 @@ impl EngineCore {
             };
             let held = self.kv.block_table(id).len();
             let need = req.num_computed.div_ceil(bs);
-            if held != need {
+            // A draft model's drafts have their slots already.
+            let reserved = (req.num_computed + req.spec.drafts.len()).div_ceil(bs);
+            if held < need || held > reserved {
                 return Err(format!(
-                    "request {id} holds {held} blocks for {} computed tokens (needs {need})",
-                    req.num_computed
+                    "request {id} holds {held} blocks for {} computed tokens and {} drafts (needs {need} to {reserved})",
+                    req.num_computed,
+                    req.spec.drafts.len()
                 ));
             }
         }
@@ -411,13 +511,19 @@ impl EngineCore {
                 req.grammar = Some(g.matcher);
             }
         }
-        if let Some(speculator) = &self.speculator {
-            let running = self.scheduler.num_running();
-            for s in plan.seqs.iter().filter(|s| s.sample) {
-                if let Some(req) = self.scheduler.get_mut(s.id) {
-                    speculator.propose(req, running);
+        match self.speculator.as_ref().map(Speculator::proposer) {
+            None => {}
+            Some(Proposer::Ngram(_)) => {
+                let running = self.scheduler.num_running();
+                if let Some(speculator) = &self.speculator {
+                    for s in plan.seqs.iter().filter(|s| s.sample) {
+                        if let Some(req) = self.scheduler.get_mut(s.id) {
+                            speculator.propose(req, running);
+                        }
+                    }
                 }
             }
+            Some(Proposer::DraftModel) => self.propose_with_draft_model(&plan)?,
         }
         self.guided = guided;
         self.scheduler.recycle(plan);

@@ -472,6 +472,10 @@ pub struct SpecState {
     /// drafts got accepted, so a sequence that is only partly predictable
     /// verifies short drafts.
     pub accepted_avg: Option<f32>,
+    /// With a draft model: how many leading tokens have the draft model's
+    /// K/V in the sequence's blocks (the draft pool shares the target's
+    /// block tables).
+    pub draft_computed: usize,
 }
 
 impl SpecState {

@@ -105,12 +105,41 @@ pub trait ModelExecutor: Send {
         requests: &mut dyn SamplingStates,
         guided: &mut [GuidedRow],
     ) -> Result<&mut ModelRunnerOutput>;
+    /// Runs the draft model (speculative decoding's `draft_model`) over
+    /// `batch`, in its own KV pool under the same block tables, and pushes
+    /// the argmax of each of `batch.logit_rows` to `out`.
+    ///
+    /// # Errors
+    /// If no draft model is loaded, or the device failed.
+    fn draft_step(&mut self, batch: &StepBatch, out: &mut Vec<u32>) -> Result<()>;
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
     /// The projections' storage type, for logs ("Q4_1").
     fn weight_type(&self) -> &'static str;
     /// The device, for logs.
     fn describe_device(&self) -> String;
+}
+
+/// A draft model beside the target, on the same device: its weights, its
+/// KV pool (as many blocks as the target's, addressed by the same block
+/// tables) and its activations.
+pub struct DraftRunner<B: Backend> {
+    model: Model<B>,
+    kv: B::Kv,
+    ws: Workspace<B>,
+    step: B::Step,
+}
+
+impl<B: Backend> DraftRunner<B> {
+    /// The draft `model` over its pool `kv`.
+    pub fn new(model: Model<B>, kv: B::Kv) -> DraftRunner<B> {
+        DraftRunner {
+            model,
+            kv,
+            ws: Workspace::default(),
+            step: B::Step::default(),
+        }
+    }
 }
 
 /// Runs `model` on `backend` over the KV pool `kv`.
@@ -124,6 +153,7 @@ pub struct ModelRunner<B: Backend> {
     output: ModelRunnerOutput,
     /// How many logit rows the last forward computed.
     num_logit_rows: usize,
+    draft: Option<DraftRunner<B>>,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -138,6 +168,7 @@ impl<B: Backend> ModelRunner<B> {
             sampler: Sampler::default(),
             output: ModelRunnerOutput::default(),
             num_logit_rows: 0,
+            draft: None,
         }
     }
 
@@ -153,6 +184,12 @@ impl<B: Backend> ModelRunner<B> {
             ws,
             ..ModelRunner::new(backend, model, kv)
         }
+    }
+
+    /// Adds a draft model, which [`ModelExecutor::draft_step`] runs.
+    pub fn with_draft(mut self, draft: DraftRunner<B>) -> ModelRunner<B> {
+        self.draft = Some(draft);
+        self
     }
 
     /// The model being run.
@@ -221,8 +258,41 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
         Ok(&mut self.output)
     }
 
+    fn draft_step(&mut self, batch: &StepBatch, out: &mut Vec<u32>) -> Result<()> {
+        let Some(d) = &mut self.draft else {
+            anyhow::bail!("no draft model is loaded");
+        };
+        let n_logits = batch.logit_rows.len();
+        if batch.num_tokens() == 0 {
+            return Ok(());
+        }
+        let b = &mut self.backend;
+        b.upload_step(batch, &mut d.step)
+            .context("uploading the draft step's metadata")?;
+        d.model
+            .forward(
+                b,
+                &d.step,
+                batch.num_tokens(),
+                n_logits,
+                &mut d.kv,
+                &mut d.ws,
+            )
+            .context("running the draft model")?;
+        let vocab = d.model.config().vocab_size;
+        let len = n_logits * vocab;
+        b.reserve(&mut d.ws.logits, len)?;
+        let logits = b
+            .to_host(&mut d.ws.logits, len)
+            .context("reading the draft logits back")?;
+        for row in logits.chunks_exact(vocab) {
+            out.push(crate::engine::sampler::argmax(row) as u32);
+        }
+        Ok(())
+    }
+
     fn weight_bytes(&self) -> usize {
-        self.model.weight_bytes()
+        self.model.weight_bytes() + self.draft.as_ref().map_or(0, |d| d.model.weight_bytes())
     }
 
     fn weight_type(&self) -> &'static str {

@@ -24,7 +24,8 @@ pub struct Sampled {
     pub logprob: Option<TokenLogprob>,
 }
 
-fn argmax(x: &[f32]) -> usize {
+/// The index of the largest value; ties go to the lowest.
+pub(crate) fn argmax(x: &[f32]) -> usize {
     let mut best = 0;
     let mut best_v = f32::NEG_INFINITY;
     for (i, &v) in x.iter().enumerate() {

@@ -362,6 +362,9 @@ impl Scheduler {
                     req.num_cached_prompt = cached;
                 }
                 req.num_computed = cached;
+                // Cached blocks were computed by both models (the draft
+                // model catches up in the step that commits them).
+                req.spec.draft_computed = cached;
                 req.status = RequestStatus::Running;
                 req.first_scheduled_at
                     .get_or_insert_with(std::time::Instant::now);
@@ -416,6 +419,8 @@ impl Scheduler {
     fn mark_computed(&mut self, id: u64, num_computed: usize, kv: &mut KvCacheManager) {
         if let Some(r) = self.requests.get_mut(&id) {
             r.num_computed = num_computed;
+            // Draft K/V past the verified tokens belongs to rejected drafts.
+            r.spec.draft_computed = r.spec.draft_computed.min(num_computed);
             kv.commit(id, &r.token_ids, r.num_computed);
         }
     }
@@ -466,8 +471,10 @@ impl Scheduler {
             // Their K/V was written by this step with the right tokens, so
             // they count as computed; the rejected drafts' slots go back.
             self.mark_computed(s.id, computed + accepted, kv);
+            // Blocks beyond the computed tokens held rejected drafts (or
+            // slots reserved for drafts that were then dropped).
+            kv.truncate(s.id, computed + accepted);
             if s.num_drafts > 0 {
-                kv.truncate(s.id, computed + accepted);
                 spec.record(s.num_drafts, accepted);
             }
             let Some(req) = self.requests.get_mut(&s.id) else {
@@ -672,6 +679,7 @@ impl Scheduler {
             self.fair.preempted(&r.tenant.name);
             r.num_computed = 0;
             r.spec.drafts.clear();
+            r.spec.draft_computed = 0;
             r.status = RequestStatus::Waiting;
             r.num_preemptions += 1;
         }

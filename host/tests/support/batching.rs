@@ -86,8 +86,23 @@ fn batched(a: EngineArgs, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, LLM) {
 }
 
 pub fn batch_changes_nothing(model: &Path, what: &str) {
-    // The pool's bytes per block, from the blocks a known budget gave.
-    let probe = LLM::new(args(model)).expect("engine");
+    batch_changes_nothing_with(model, what, |_| {});
+}
+
+/// [`batch_changes_nothing`] with the batched engines configured further
+/// by `configure` (speculative decoding, say): their outputs must still
+/// equal the plain engine's solo outputs. Returns the batched engines'
+/// stats, in condition order.
+pub fn batch_changes_nothing_with(
+    model: &Path,
+    what: &str,
+    configure: impl Fn(&mut EngineArgs),
+) -> Vec<pagoda::engine::core::EngineStats> {
+    // The pool's bytes per block (a draft model's included), from the
+    // blocks a known budget gave.
+    let mut probe_args = args(model);
+    configure(&mut probe_args);
+    let probe = LLM::new(probe_args).expect("engine");
     let prompts = prompts(probe.engine().runner().config().vocab_size as u32);
     let alone = solo(model, &prompts);
     let per_block = (16usize << 20) / probe.engine().kv_cache().pool().num_blocks();
@@ -102,7 +117,9 @@ pub fn batch_changes_nothing(model: &Path, what: &str) {
             a
         }),
     ];
-    for (name, a) in conditions {
+    let mut all = Vec::new();
+    for (name, mut a) in conditions {
+        configure(&mut a);
         let (got, llm) = batched(a, &prompts);
         for (i, (g, s)) in got.iter().zip(&alone).enumerate() {
             assert_eq!(g, s, "{what}, {name}: prompt {i} differs from its solo run");
@@ -119,5 +136,7 @@ pub fn batch_changes_nothing(model: &Path, what: &str) {
                 "{what}: the shared prefixes should hit the cache"
             );
         }
+        all.push(stats);
     }
+    all
 }

@@ -22,12 +22,22 @@ pub use config::{DraftSampleMethod, SpecMethod, SpeculativeConfig};
 pub use ngram::NgramProposer;
 
 use crate::engine::request::Request;
-use anyhow::{bail, Result};
 
-/// Drafts for the engine core: after each step, every sequence that may
-/// speculate gets the drafts its next step verifies.
+/// Where a [`Speculator`]'s drafts come from.
+#[derive(Clone, Copy, Debug)]
+pub enum Proposer {
+    /// Prompt lookup, on the host.
+    Ngram(NgramProposer),
+    /// The draft model the model runner holds beside the target
+    /// ([`crate::engine::runner::ModelExecutor::draft_step`]); the engine
+    /// core runs it.
+    DraftModel,
+}
+
+/// Drafting policy for the engine core: after each step, every sequence
+/// that may speculate gets the drafts its next step verifies.
 pub struct Speculator {
-    proposer: NgramProposer,
+    proposer: Proposer,
     /// Drafts per sequence and step.
     k: usize,
     /// No drafts while more sequences than this run.
@@ -37,40 +47,50 @@ pub struct Speculator {
 impl Speculator {
     /// The speculator `config` describes; `default_max_batch` applies when
     /// it sets no `disable_by_batch_size`.
-    pub fn new(config: &SpeculativeConfig, default_max_batch: usize) -> Result<Speculator> {
+    pub fn new(config: &SpeculativeConfig, default_max_batch: usize) -> Speculator {
         let proposer = match &config.method {
-            SpecMethod::Ngram { min, max } => NgramProposer::new(*min, *max),
-            SpecMethod::DraftModel { model } => bail!(
-                "--speculative-config: draft models ({}) are not supported yet; use {{\"method\": \"ngram\", \"num_speculative_tokens\": {}}}",
-                model.display(),
-                config.num_speculative_tokens
-            ),
+            SpecMethod::Ngram { min, max } => Proposer::Ngram(NgramProposer::new(*min, *max)),
+            SpecMethod::DraftModel { .. } => Proposer::DraftModel,
         };
-        Ok(Speculator {
+        Speculator {
             proposer,
             k: config.num_speculative_tokens,
             max_batch: config.disable_by_batch_size.unwrap_or(default_max_batch),
-        })
+        }
     }
 
-    /// Drafts the continuation of `req` for its next step (or none: while
-    /// `num_running` sequences fill the batch, while its drafts are being
-    /// rejected, or when its sampling cannot be verified draft by draft).
-    pub fn propose(&self, req: &mut Request, num_running: usize) {
-        let spec = &mut req.spec;
-        spec.drafts.clear();
-        if spec.pause > 0 {
-            spec.pause -= 1;
-            return;
+    /// Where the drafts come from.
+    pub fn proposer(&self) -> Proposer {
+        self.proposer
+    }
+
+    /// Clears the drafts of `req` and says how many to draft for its next
+    /// step: none while `num_running` sequences fill the batch, while its
+    /// drafts are being rejected (the back-off), or when its sampling
+    /// cannot be verified draft by draft; otherwise about one more than
+    /// recent drafts got accepted, within `num_speculative_tokens` and the
+    /// request's length limit.
+    pub fn draft_len(&self, req: &mut Request, num_running: usize) -> usize {
+        req.spec.drafts.clear();
+        if req.spec.pause > 0 {
+            req.spec.pause -= 1;
+            return 0;
         }
         if num_running > self.max_batch || !req.may_speculate() {
-            return;
+            return 0;
         }
         // The last token is sampled, not computed: one more fits after it.
         let room = req.max_len.saturating_sub(req.token_ids.len() + 1);
-        let k = req.spec.draft_len(self.k).min(room);
-        self.proposer
-            .propose(&req.token_ids, k, &mut req.spec.drafts);
+        req.spec.draft_len(self.k).min(room)
+    }
+
+    /// Drafts the continuation of `req` by prompt lookup (for the draft
+    /// model, the engine core runs it).
+    pub fn propose(&self, req: &mut Request, num_running: usize) {
+        let k = self.draft_len(req, num_running);
+        if let Proposer::Ngram(p) = &self.proposer {
+            p.propose(&req.token_ids, k, &mut req.spec.drafts);
+        }
     }
 }
 
