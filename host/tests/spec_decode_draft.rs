@@ -3,15 +3,20 @@
 //! with the target almost always (its own Q8_0 copy) or hardly ever (an
 //! unrelated model), 16 prompts batched with prefix caching, and chunked
 //! over a pool small enough to preempt, give exactly the plain engine's
-//! solo greedy outputs. A draft with another vocabulary is refused.
+//! solo greedy outputs; and drafts sampled from the draft model's own
+//! distribution leave sampled output distributed as plain sampling's. A
+//! draft with another vocabulary is refused.
 
 mod common;
 mod support;
 
+use pagoda::engine::core::RequestOptions;
 use pagoda::engine::spec_decode::SpeculativeConfig;
-use pagoda::engine::{EngineArgs, LLM};
+use pagoda::engine::{EngineArgs, SamplingParams, LLM};
+use std::collections::HashMap;
 use std::path::Path;
 use support::batching::batch_changes_nothing_with;
+use support::chi2::{chi2_quantile, homogeneity};
 use support::fixtures::fixtures;
 
 fn with_draft(draft: &Path) -> impl Fn(&mut EngineArgs) {
@@ -64,4 +69,101 @@ fn a_draft_model_with_another_vocabulary_is_refused() {
     with_draft(&common::demo_gguf())(&mut a);
     let e = format!("{:#}", LLM::new(a).err().expect("refused"));
     assert!(e.contains("must share the model's tokenizer"), "{e}");
+}
+
+/// Token frequencies at output positions 1..=3 of `draws` seeded samples
+/// (at `temperature`, top-k 40) of one prompt on `a`'s engine, with the
+/// engine's speculation counters.
+fn sampled_frequencies(
+    a: EngineArgs,
+    draws: u64,
+    temperature: f32,
+) -> (
+    Vec<HashMap<u32, f64>>,
+    pagoda::engine::spec_decode::SpecStats,
+) {
+    let mut llm = LLM::new(a).expect("engine");
+    let core = llm.engine_mut();
+    let prompt: Vec<u32> = (0..12u32).map(|i| 3 + (i * 37 + 11) % 300).collect();
+    let mut ids = Vec::new();
+    for seed in 0..draws {
+        let mut p = SamplingParams::greedy(4);
+        p.temperature = Some(temperature);
+        p.top_k = Some(40);
+        p.seed = Some(seed);
+        p.ignore_eos = true;
+        ids.push(
+            core.add_request(
+                format!("d{seed}"),
+                prompt.clone(),
+                p,
+                RequestOptions::default(),
+            )
+            .expect("add"),
+        );
+    }
+    let mut out: HashMap<u64, Vec<u32>> = HashMap::new();
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            out.entry(o.id)
+                .or_default()
+                .extend_from_slice(&o.new_token_ids);
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    let mut by_pos = vec![HashMap::new(); 3];
+    for id in ids {
+        let o = &out[&id];
+        for (pos, m) in by_pos.iter_mut().enumerate() {
+            *m.entry(o[pos + 1]).or_insert(0.0) += 1.0;
+        }
+    }
+    (by_pos, llm.engine().stats().spec)
+}
+
+#[test]
+fn sampled_drafts_keep_the_target_distribution() {
+    // llama3 drafted by the unrelated qwen3, drafts drawn from qwen3's own
+    // distribution (`draft_sample_method` probabilistic): verification
+    // divides by it, so the tokens must still follow llama3's (with its
+    // top-k), as plain sampling draws them.
+    let dir = fixtures();
+    let args = |spec: Option<String>| {
+        let mut a = EngineArgs::new(dir.join("llama3/model-F32.gguf"));
+        a.threads = 2;
+        a.max_model_len = Some(128);
+        a.kv_cache_memory = Some(64 << 20);
+        a.max_num_seqs = 64;
+        a.speculative = spec.map(|s| SpeculativeConfig::from_json(&s).expect("config"));
+        a
+    };
+    let draws = 3000;
+    // A high temperature makes the two tiny random models' distributions
+    // overlap enough for both outcomes of verification to be common.
+    let t = 4.0;
+    let (plain, _) = sampled_frequencies(args(None), draws, t);
+    let (spec, stats) = sampled_frequencies(
+        args(Some(format!(
+            r#"{{"model": {:?}, "num_speculative_tokens": 2, "draft_sample_method": "probabilistic", "disable_by_batch_size": 64}}"#,
+            dir.join("qwen3/model-F32.gguf")
+        ))),
+        draws,
+        t,
+    );
+    // Both outcomes of verification happened many times.
+    assert!(stats.num_accepted_tokens > 300, "{stats:?}");
+    assert!(
+        stats.num_draft_tokens - stats.num_accepted_tokens > 300,
+        "{stats:?}"
+    );
+    for pos in 0..3 {
+        let (stat, df) = homogeneity(&plain[pos], &spec[pos]);
+        // p = 0.001: z = 3.09.
+        let limit = chi2_quantile(df, 3.09);
+        assert!(
+            stat < limit,
+            "token {}: chi-squared {stat:.1} over {df} degrees of freedom exceeds {limit:.1}",
+            pos + 2
+        );
+    }
 }

@@ -14,7 +14,7 @@ use crate::engine::loader::DType;
 use crate::engine::models::{self, CausalLm, Model, Workspace};
 use crate::engine::runner::{DraftRunner, ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
-use crate::engine::spec_decode::{DraftSampleMethod, SpecMethod, SpeculativeConfig, Speculator};
+use crate::engine::spec_decode::{SpecMethod, SpeculativeConfig, Speculator};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::{Backend, CpuBackend, Device, KvSpec, StepBatch};
@@ -384,16 +384,10 @@ pub fn cpu_backend(args: &EngineArgs) -> Result<CpuBackend> {
 /// the same vocabulary, token for token, and room for `max_model_len`.
 fn load_draft_model<B: Backend>(
     backend: &B,
-    args: &EngineArgs,
     path: &std::path::Path,
     target: &LoadedModel,
     max_model_len: usize,
 ) -> Result<Model<B>> {
-    if let Some(spec) = &args.speculative {
-        if spec.draft_sample_method == DraftSampleMethod::Probabilistic {
-            bail!("--speculative-config: \"draft_sample_method\": \"probabilistic\" is not supported yet; use \"greedy\" (the default), which keeps sampled output exact too");
-        }
-    }
     let mut draft_args = EngineArgs::new(path);
     draft_args.dtype = DType::Auto;
     draft_args.generation_config = GenerationConfigSource::Vllm;
@@ -454,13 +448,9 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     }
     let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
     let draft = match args.speculative.as_ref().map(|s| &s.method) {
-        Some(SpecMethod::DraftModel { model: path }) => Some(load_draft_model(
-            &backend,
-            args,
-            path,
-            &loaded,
-            max_model_len,
-        )?),
+        Some(SpecMethod::DraftModel { model: path }) => {
+            Some(load_draft_model(&backend, path, &loaded, max_model_len)?)
+        }
         _ => None,
     };
     // The draft model's pool has as many blocks as the target's, under

@@ -15,6 +15,7 @@ use crate::engine::request::{
     FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
 };
 use crate::engine::runner::ModelExecutor;
+use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
 use crate::engine::spec_decode::{Proposer, SpecStats, Speculator};
 use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
@@ -88,6 +89,8 @@ pub struct EngineCore {
     draft_batch: pagoda_accel::StepBatch,
     drafting: Vec<(u64, usize)>,
     draft_ids: Vec<u32>,
+    /// Picks the draft model's tokens.
+    draft_sampler: Sampler,
 }
 
 impl EngineCore {
@@ -116,6 +119,7 @@ impl EngineCore {
             draft_batch: Default::default(),
             drafting: Vec::new(),
             draft_ids: Vec::new(),
+            draft_sampler: Sampler::default(),
         }
     }
 
@@ -135,6 +139,7 @@ impl EngineCore {
             return Ok(());
         };
         let running = self.scheduler.num_running();
+        let sample_drafts = speculator.samples_drafts();
         let bs = self.kv.block_size();
         let mut batch = std::mem::take(&mut self.draft_batch);
         let mut drafting = std::mem::take(&mut self.drafting);
@@ -178,9 +183,19 @@ impl EngineCore {
                 drafting.push((s.id, k));
             }
         }
+        let vocab = self.runner.config().vocab_size;
         for j in 0.. {
             next.clear();
-            self.runner.draft_step(&batch, &mut next)?;
+            let logits = self.runner.draft_step(&batch)?;
+            // Each drafting sequence's row: its draft token, chosen as the
+            // request samples (see `Sampler::draft`).
+            for (&(id, _), row) in drafting.iter().zip(logits.chunks_exact_mut(vocab)) {
+                let token = match self.scheduler.get_mut(id) {
+                    Some(req) => self.draft_sampler.draft(row, req, sample_drafts),
+                    None => 0,
+                };
+                next.push(token);
+            }
             batch.clear();
             let mut more = false;
             for (&(id, k), &token) in drafting.iter().zip(&next) {

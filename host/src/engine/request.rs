@@ -461,6 +461,11 @@ pub struct Request {
 pub struct SpecState {
     /// Tokens drafted after the last one, for the next step to verify.
     pub drafts: Vec<u32>,
+    /// With drafts sampled from a draft model (`draft_sample_method`
+    /// `probabilistic`): the distribution each was drawn from, one
+    /// vocabulary-wide row per draft. Empty when the drafts were chosen
+    /// outright (n-gram, argmax), which verification treats as certain.
+    pub draft_probs: Vec<f32>,
     /// Verifications in a row that accepted nothing.
     pub misses: u32,
     /// Steps to go before drafting again: a sequence whose drafts keep

@@ -106,12 +106,13 @@ pub trait ModelExecutor: Send {
         guided: &mut [GuidedRow],
     ) -> Result<&mut ModelRunnerOutput>;
     /// Runs the draft model (speculative decoding's `draft_model`) over
-    /// `batch`, in its own KV pool under the same block tables, and pushes
-    /// the argmax of each of `batch.logit_rows` to `out`.
+    /// `batch`, in its own KV pool under the same block tables, and returns
+    /// the logits of `batch.logit_rows`, one `vocab`-wide row each, in host
+    /// memory.
     ///
     /// # Errors
     /// If no draft model is loaded, or the device failed.
-    fn draft_step(&mut self, batch: &StepBatch, out: &mut Vec<u32>) -> Result<()>;
+    fn draft_step(&mut self, batch: &StepBatch) -> Result<&mut [f32]>;
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
     /// The projections' storage type, for logs ("Q4_1").
@@ -258,37 +259,30 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
         Ok(&mut self.output)
     }
 
-    fn draft_step(&mut self, batch: &StepBatch, out: &mut Vec<u32>) -> Result<()> {
+    fn draft_step(&mut self, batch: &StepBatch) -> Result<&mut [f32]> {
         let Some(d) = &mut self.draft else {
             anyhow::bail!("no draft model is loaded");
         };
         let n_logits = batch.logit_rows.len();
-        if batch.num_tokens() == 0 {
-            return Ok(());
-        }
         let b = &mut self.backend;
-        b.upload_step(batch, &mut d.step)
-            .context("uploading the draft step's metadata")?;
-        d.model
-            .forward(
-                b,
-                &d.step,
-                batch.num_tokens(),
-                n_logits,
-                &mut d.kv,
-                &mut d.ws,
-            )
-            .context("running the draft model")?;
-        let vocab = d.model.config().vocab_size;
-        let len = n_logits * vocab;
-        b.reserve(&mut d.ws.logits, len)?;
-        let logits = b
-            .to_host(&mut d.ws.logits, len)
-            .context("reading the draft logits back")?;
-        for row in logits.chunks_exact(vocab) {
-            out.push(crate::engine::sampler::argmax(row) as u32);
+        if batch.num_tokens() > 0 {
+            b.upload_step(batch, &mut d.step)
+                .context("uploading the draft step's metadata")?;
+            d.model
+                .forward(
+                    b,
+                    &d.step,
+                    batch.num_tokens(),
+                    n_logits,
+                    &mut d.kv,
+                    &mut d.ws,
+                )
+                .context("running the draft model")?;
         }
-        Ok(())
+        let len = n_logits * d.model.config().vocab_size;
+        b.reserve(&mut d.ws.logits, len)?;
+        b.to_host(&mut d.ws.logits, len)
+            .context("reading the draft logits back")
     }
 
     fn weight_bytes(&self) -> usize {

@@ -257,11 +257,13 @@ impl Sampler {
     ///
     /// Greedy requests accept a draft when it is the target's argmax, so
     /// the output is token for token what plain decoding gives. Others use
-    /// rejection sampling (Leviathan et al.; Chen et al.) with the draft as
-    /// a certain proposal: draft `d` is accepted with probability `p(d)`
-    /// under the request's own sampling distribution `p`, and on rejection
-    /// the token is drawn from `p` without `d`, renormalized, so each
-    /// emitted token is distributed exactly as plain sampling's.
+    /// rejection sampling (Leviathan et al.; Chen et al.): draft `d`, drawn
+    /// from `q`, is accepted with probability `min(1, p(d) / q(d))` under
+    /// the request's own sampling distribution `p`, and on rejection the
+    /// token is drawn from `max(0, p − q)`, renormalized, so each emitted
+    /// token is distributed exactly as plain sampling's. A draft chosen
+    /// outright (n-gram, a draft model's argmax) has `q` one-hot: accepted
+    /// with probability `p(d)`, else drawn from `p` without `d`.
     pub fn verify(
         &mut self,
         rows: &mut [f32],
@@ -273,6 +275,9 @@ impl Sampler {
     ) {
         let greedy = req.params.is_greedy();
         let logprob_k = req.params.logprobs;
+        // Drafts sampled from a draft model carry the distribution each was
+        // drawn from.
+        let sampled_drafts = req.spec.draft_probs.len() >= drafts.len() * vocab;
         for (i, &draft) in drafts.iter().enumerate() {
             let row = &mut rows[i * vocab..(i + 1) * vocab];
             if greedy {
@@ -288,16 +293,15 @@ impl Sampler {
                 log_softmax_into(row, &mut self.logprobs);
             }
             self.target_probs(row, req);
-            let p_draft = row.get(draft as usize).copied().unwrap_or(0.0) as f64;
-            let accept = req.rng.random::<f64>() < p_draft;
-            let token = if accept {
-                draft
-            } else {
-                if let Some(w) = row.get_mut(draft as usize) {
-                    *w = 0.0;
-                }
-                let rest: f64 = row.iter().map(|&w| w as f64).sum();
-                draw(row, rest, &mut req.rng)
+            // The draft's own distribution; none for a draft chosen outright.
+            let q = req
+                .spec
+                .draft_probs
+                .get(i * vocab..(i + 1) * vocab)
+                .filter(|_| sampled_drafts);
+            let (token, accept) = match q {
+                Some(q) => accept_or_resample(row, Some(q), draft, &mut req.rng),
+                None => accept_or_resample(row, None, draft, &mut req.rng),
             };
             tokens.push(token);
             logprobs.push(logprob_k.map(|k| self.describe(token, k)));
@@ -311,6 +315,59 @@ impl Sampler {
         tokens.push(sampled.token);
         logprobs.push(sampled.logprob);
     }
+}
+
+impl Sampler {
+    /// Chooses a draft model's next draft for `req` from its logits `row`:
+    /// the argmax, unless `sample` and the request samples, in which case
+    /// it is drawn from the draft model's distribution at the request's
+    /// temperature (`row` becomes that distribution), which is appended to
+    /// `req.spec.draft_probs` for verification to divide by.
+    pub fn draft(&mut self, row: &mut [f32], req: &mut Request, sample: bool) -> u32 {
+        if !sample || req.params.is_greedy() {
+            return argmax(row) as u32;
+        }
+        to_probs(row, &req.params);
+        let total: f64 = row.iter().map(|&w| w as f64).sum();
+        let token = draw(row, total, &mut req.rng);
+        req.spec.draft_probs.extend_from_slice(row);
+        token
+    }
+}
+
+/// One rejection-sampling decision: keeps `draft`, drawn from `q` (or
+/// chosen outright when `q` is `None`), with probability
+/// `min(1, p(draft) / q(draft))` under the target distribution `p`; else
+/// draws from `max(0, p − q)` renormalized (`p` without `draft` for a
+/// certain draft). `p` is overwritten. Returns the token and whether it is
+/// the draft.
+fn accept_or_resample(
+    p: &mut [f32],
+    q: Option<&[f32]>,
+    draft: u32,
+    rng: &mut StdRng,
+) -> (u32, bool) {
+    let p_draft = p.get(draft as usize).copied().unwrap_or(0.0) as f64;
+    let q_draft = q.map_or(1.0, |q| {
+        q.get(draft as usize).copied().unwrap_or(0.0) as f64
+    });
+    if rng.random::<f64>() * q_draft < p_draft {
+        return (draft, true);
+    }
+    match q {
+        Some(q) => {
+            for (w, &qx) in p.iter_mut().zip(q) {
+                *w = (*w - qx).max(0.0);
+            }
+        }
+        None => {
+            if let Some(w) = p.get_mut(draft as usize) {
+                *w = 0.0;
+            }
+        }
+    }
+    let rest: f64 = p.iter().map(|&w| w as f64).sum();
+    (draw(p, rest, rng), false)
 }
 
 /// Temperature, then softmax, in place. A scalar `exp` per vocabulary
@@ -395,6 +452,37 @@ mod tests {
                 &reference(t as f64, |_| true),
                 draws,
             );
+        }
+    }
+
+    /// Emits tokens as one verification position does: the draft drawn
+    /// from `q` (or fixed), then kept or replaced by `accept_or_resample`.
+    fn verified_frequencies(p: &[f32], q: Option<&[f32]>, fixed: u32, draws: usize) -> Vec<f64> {
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut counts = vec![0usize; p.len()];
+        for _ in 0..draws {
+            let draft = match q {
+                Some(q) => draw(q, q.iter().map(|&x| x as f64).sum(), &mut rng),
+                None => fixed,
+            };
+            let mut row = p.to_vec();
+            counts[accept_or_resample(&mut row, q, draft, &mut rng).0 as usize] += 1;
+        }
+        counts.iter().map(|&c| c as f64 / draws as f64).collect()
+    }
+
+    #[test]
+    fn rejection_sampling_emits_the_target_distribution() {
+        // p has zeros (a top-k cut) where q does not, q has mass where p
+        // has none, and neither is proportional to the other.
+        let p = [0.5f32, 0.3, 0.15, 0.05, 0.0, 0.0];
+        let q = [0.1f32, 0.2, 0.3, 0.1, 0.25, 0.05];
+        let draws = 200_000;
+        let want: Vec<f64> = p.iter().map(|&x| x as f64).collect();
+        assert_close(&verified_frequencies(&p, Some(&q), 0, draws), &want, draws);
+        // Drafts chosen outright (n-gram, argmax): any fixed draft.
+        for fixed in [0, 2, 4] {
+            assert_close(&verified_frequencies(&p, None, fixed, draws), &want, draws);
         }
     }
 

@@ -679,6 +679,7 @@ impl Scheduler {
             self.fair.preempted(&r.tenant.name);
             r.num_computed = 0;
             r.spec.drafts.clear();
+            r.spec.draft_probs.clear();
             r.spec.draft_computed = 0;
             r.status = RequestStatus::Waiting;
             r.num_preemptions += 1;

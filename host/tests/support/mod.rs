@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod batching;
+pub mod chi2;
 pub mod fixtures;
 pub mod hf_to_gguf;
 pub mod reference;

@@ -42,6 +42,9 @@ pub struct Speculator {
     k: usize,
     /// No drafts while more sequences than this run.
     max_batch: usize,
+    /// Whether a draft model samples its drafts (`draft_sample_method`
+    /// `probabilistic`) rather than taking its argmax.
+    sample_drafts: bool,
 }
 
 impl Speculator {
@@ -56,7 +59,13 @@ impl Speculator {
             proposer,
             k: config.num_speculative_tokens,
             max_batch: config.disable_by_batch_size.unwrap_or(default_max_batch),
+            sample_drafts: config.draft_sample_method == DraftSampleMethod::Probabilistic,
         }
+    }
+
+    /// Whether drafts are sampled from the draft model's distribution.
+    pub fn samples_drafts(&self) -> bool {
+        self.sample_drafts
     }
 
     /// Where the drafts come from.
@@ -72,6 +81,7 @@ impl Speculator {
     /// request's length limit.
     pub fn draft_len(&self, req: &mut Request, num_running: usize) -> usize {
         req.spec.drafts.clear();
+        req.spec.draft_probs.clear();
         if req.spec.pause > 0 {
             req.spec.pause -= 1;
             return 0;
