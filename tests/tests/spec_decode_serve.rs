@@ -100,6 +100,28 @@ fn ngram_speculation_serves_the_plain_text_and_counts_its_drafts() {
     assert!(first >= last && first > 0.0, "{first} {last}");
     let summed: f64 = (0..4).filter_map(per_pos).sum();
     assert_eq!(summed, accepted);
+    // Every metric docs/metrics.md lists for speculative decoding is served.
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../docs/metrics.md"
+    ))
+    .expect("docs/metrics.md");
+    let section = doc
+        .split("## Served with speculative decoding")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("a section for speculative decoding");
+    let names: Vec<&str> = section
+        .lines()
+        .filter_map(|l| l.strip_prefix("| `")?.split(['`', '{']).next())
+        .collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    for name in names {
+        assert!(
+            m.lines().any(|l| l.starts_with(&format!("{name}{{"))),
+            "{name} is documented but not served:\n{m}"
+        );
+    }
 }
 
 #[test]
