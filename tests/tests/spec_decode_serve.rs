@@ -101,11 +101,8 @@ fn ngram_speculation_serves_the_plain_text_and_counts_its_drafts() {
     let summed: f64 = (0..4).filter_map(per_pos).sum();
     assert_eq!(summed, accepted);
     // Every metric docs/metrics.md lists for speculative decoding is served.
-    let doc = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../docs/metrics.md"
-    ))
-    .expect("docs/metrics.md");
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/metrics.md"))
+        .expect("docs/metrics.md");
     let section = doc
         .split("## Served with speculative decoding")
         .nth(1)

@@ -138,6 +138,12 @@ pub struct EngineFlags {
     /// Drafts per sequence and step, with --speculative-model.
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
+    /// KV-cache events for prefix-aware routers, as vLLM configures them:
+    /// a JSON object such as {"enable_kv_cache_events": true, "publisher":
+    /// "zmq", "endpoint": "tcp://*:5557", "replay_endpoint":
+    /// "tcp://*:5558", "topic": "kv@pod@model"} (also buffer_steps, hwm).
+    #[arg(long)]
+    pub kv_events_config: Option<String>,
 }
 
 impl EngineFlags {
@@ -180,6 +186,12 @@ impl EngineFlags {
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
         a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
+        a.kv_events = self
+            .kv_events_config
+            .as_deref()
+            .map(crate::engine::kv_events::KvEventsConfig::from_json)
+            .transpose()?
+            .flatten();
         a.speculative = crate::engine::spec_decode::SpeculativeConfig::from_flags(
             self.speculative_config.as_deref(),
             self.speculative_model.as_deref(),

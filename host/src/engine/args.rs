@@ -6,6 +6,7 @@ use crate::engine::config::ModelConfig;
 use crate::engine::core::EngineCore;
 use crate::engine::generation_config::{self, GenerationConfig, GenerationConfigSource};
 use crate::engine::kv_cache::{KvCacheDtype, KvCacheManager};
+use crate::engine::kv_events::{KvEventPublisher, KvEventsConfig};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::gguf_weights::GgufWeights;
 use crate::engine::loader::hf_quant::QuantizationArg;
@@ -71,6 +72,9 @@ pub struct EngineArgs {
     pub generation_config: GenerationConfigSource,
     /// Speculative decoding (`--speculative-config`), if on.
     pub speculative: Option<SpeculativeConfig>,
+    /// KV-cache events for prefix-aware routers (`--kv-events-config`),
+    /// if on.
+    pub kv_events: Option<KvEventsConfig>,
 }
 
 /// `--max-num-seqs` on the CPU when the flag is not given: where batched
@@ -113,6 +117,7 @@ impl EngineArgs {
             seed: None,
             generation_config: GenerationConfigSource::Auto,
             speculative: None,
+            kv_events: None,
         }
     }
 }
@@ -550,6 +555,13 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             kvm = kvm.with_sliding_window(w);
         }
     }
+    let kv_events = match &args.kv_events {
+        Some(config) => {
+            kvm = kvm.with_events();
+            Some(KvEventPublisher::start(config)?)
+        }
+        None => None,
+    };
     if model.has_prompt_kernel() {
         tracing::info!(
             "prompts of {} tokens or more run on the AMX-BF16 tile kernel",
@@ -579,6 +591,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         max_model_len,
     );
     core.set_default_seed(args.seed);
+    core.set_kv_events(kv_events);
     if let Some(spec) = &args.speculative {
         let speculator = Speculator::new(spec, DEFAULT_SPEC_MAX_BATCH);
         tracing::info!(

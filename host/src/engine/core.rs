@@ -9,6 +9,7 @@
 
 use crate::engine::fair_share::{TenantLoad, TenantShare};
 use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
+use crate::engine::kv_events::KvEventPublisher;
 use crate::engine::output_processor;
 pub use crate::engine::output_processor::{StepOutput, StopReason};
 use crate::engine::request::{
@@ -91,6 +92,8 @@ pub struct EngineCore {
     draft_ids: Vec<u32>,
     /// Picks the draft model's tokens.
     draft_sampler: Sampler,
+    /// Where the prefix cache's events go, when they are published.
+    kv_events: Option<KvEventPublisher>,
 }
 
 impl EngineCore {
@@ -120,6 +123,7 @@ impl EngineCore {
             drafting: Vec::new(),
             draft_ids: Vec::new(),
             draft_sampler: Sampler::default(),
+            kv_events: None,
         }
     }
 
@@ -221,6 +225,18 @@ impl EngineCore {
         self.drafting = drafting;
         self.draft_ids = next;
         Ok(())
+    }
+
+    /// Publishes the prefix cache's events after every step (the KV-cache
+    /// manager must record them: [`KvCacheManager::with_events`]).
+    pub fn set_kv_events(&mut self, publisher: Option<KvEventPublisher>) {
+        self.kv_events = publisher;
+    }
+
+    /// Batches of KV-cache events dropped because their publisher fell
+    /// behind.
+    pub fn kv_events_dropped(&self) -> u64 {
+        self.kv_events.as_ref().map_or(0, KvEventPublisher::dropped)
     }
 
     /// Turns speculative decoding on: after each step, `speculator` drafts
@@ -542,6 +558,13 @@ impl EngineCore {
         }
         self.guided = guided;
         self.scheduler.recycle(plan);
+        if let Some(publisher) = &self.kv_events {
+            let mut events = Vec::new();
+            self.kv.take_events(&mut events);
+            if !events.is_empty() {
+                publisher.publish(events);
+            }
+        }
         Ok(outputs)
     }
 }

@@ -3,6 +3,8 @@
 //! - [`fair_share`]: weighted fair share and priority classes between
 //!   tenants, which the scheduler's default policy orders by;
 //! - [`kv_cache`]: the block pool, block tables and prefix hashes;
+//! - [`kv_events`]: the prefix cache's events published over ZeroMQ for
+//!   prefix-aware routers (`--kv-events-config`);
 //! - [`runner`]: one flattened batch per step through the model, on any
 //!   device ([`pagoda_accel::Backend`]);
 //! - [`sampler`]: logits → next token, and the verification of drafts;
@@ -23,6 +25,7 @@ pub mod core;
 pub mod fair_share;
 pub mod generation_config;
 pub mod kv_cache;
+pub mod kv_events;
 pub mod llm;
 pub mod loader;
 pub mod models;

@@ -58,6 +58,9 @@ pub struct BlockPool {
     written: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
     cached: HashMap<BlockHash, u32>,
+    /// Hashes evicted since the last [`BlockPool::take_evictions`], when
+    /// someone listens ([`BlockPool::record_evictions`]).
+    evictions: Option<Vec<BlockHash>>,
     prev: Vec<u32>,
     next: Vec<u32>,
     head: u32,
@@ -76,6 +79,7 @@ impl BlockPool {
             written: vec![0; num_blocks],
             hash: vec![None; num_blocks],
             cached: HashMap::with_capacity(num_blocks),
+            evictions: None,
             prev: (0..n).map(|i| if i == 0 { NIL } else { i - 1 }).collect(),
             next: (0..n)
                 .map(|i| if i + 1 == n { NIL } else { i + 1 })
@@ -124,6 +128,9 @@ impl BlockPool {
         if let Some(h) = self.hash[b as usize].take() {
             if self.cached.get(&h) == Some(&b) {
                 self.cached.remove(&h);
+                if let Some(e) = &mut self.evictions {
+                    e.push(h);
+                }
             }
         }
         self.ref_cnt[b as usize] = 1;
@@ -167,8 +174,9 @@ impl BlockPool {
     /// Records that `block` holds `hash`, making it findable by prefix. The
     /// block must be full: every slot written ([`BlockPool::mark_written`]).
     /// If another block already holds the same hash, that one stays the
-    /// canonical copy.
-    pub fn cache(&mut self, block: u32, hash: BlockHash) {
+    /// canonical copy. Returns whether `block` became the canonical copy
+    /// of `hash` (what a KV-cache event reports as stored).
+    pub fn cache(&mut self, block: u32, hash: BlockHash) -> bool {
         debug_assert!(
             self.is_full(block),
             "block {block} entered the prefix cache with {} of {} slots written",
@@ -176,10 +184,23 @@ impl BlockPool {
             self.block_size
         );
         if self.hash[block as usize].is_some() || !self.is_full(block) {
-            return;
+            return false;
         }
         self.hash[block as usize] = Some(hash);
-        self.cached.entry(hash).or_insert(block);
+        *self.cached.entry(hash).or_insert(block) == block
+    }
+
+    /// Starts keeping the hashes of evicted canonical blocks, for
+    /// [`BlockPool::take_evictions`].
+    pub fn record_evictions(&mut self) {
+        self.evictions.get_or_insert_with(Vec::new);
+    }
+
+    /// Moves the hashes evicted since the last call to `out`.
+    pub fn take_evictions(&mut self, out: &mut Vec<BlockHash>) {
+        if let Some(e) = &mut self.evictions {
+            out.append(e);
+        }
     }
 
     /// Checks the pool's invariants: the free queue holds exactly the

@@ -35,6 +35,7 @@
 //! same K/V again.
 
 use super::block_pool::{BlockHash, BlockPool};
+use super::events::{external_hash, salt_key, KvEvent};
 use std::collections::HashMap;
 
 /// Prefix-cache counters, in tokens, as vLLM reports them.
@@ -92,6 +93,9 @@ pub struct KvCacheManager {
     stats: PrefixStats,
     /// The attention window every layer shares, if they all have one.
     window: Option<usize>,
+    /// KV-cache events since the last [`KvCacheManager::take_events`],
+    /// when they are published ([`KvCacheManager::with_events`]).
+    events: Option<Vec<KvEvent>>,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -123,7 +127,33 @@ impl KvCacheManager {
             in_flight: HashMap::new(),
             stats: PrefixStats::default(),
             window: None,
+            events: None,
         }
+    }
+
+    /// Keeps KV-cache events (blocks stored in and evicted from the prefix
+    /// cache) for [`KvCacheManager::take_events`].
+    pub fn with_events(mut self) -> KvCacheManager {
+        self.events = Some(Vec::new());
+        self.pool.record_evictions();
+        self
+    }
+
+    /// Moves the events since the last call to `out`, in the order they
+    /// happened within a step: evictions (planning) before stores
+    /// (commits).
+    pub fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        let Some(events) = &mut self.events else {
+            return;
+        };
+        let mut evicted = Vec::new();
+        self.pool.take_evictions(&mut evicted);
+        if !evicted.is_empty() {
+            out.push(KvEvent::BlockRemoved {
+                block_hashes: evicted.into_iter().map(external_hash).collect(),
+            });
+        }
+        out.append(events);
     }
 
     /// Gives back blocks that fell out of a window of `window` positions
@@ -315,7 +345,10 @@ impl KvCacheManager {
                     }
                     None => block_hash(bs, entry.hashes.last().copied(), j, tokens, key),
                 };
-                self.pool.cache(entry.blocks[j], h);
+                let stored = self.pool.cache(entry.blocks[j], h);
+                if let (true, Some(events)) = (stored, &mut self.events) {
+                    record_stored(events, &entry.hashes, j, h, tokens, bs, key.salt);
+                }
                 entry.hashes.push(h);
             }
             entry.planned.drain(..done);
@@ -370,6 +403,48 @@ impl KvCacheManager {
     }
 }
 
+/// Records that block `j` of `tokens` (hash `h`, after `hashes[..j]`)
+/// entered the cache: it extends the last event when that one stored the
+/// block before it, so a sequence's run of blocks is one event, as vLLM
+/// sends them.
+fn record_stored(
+    events: &mut Vec<KvEvent>,
+    hashes: &[BlockHash],
+    j: usize,
+    h: BlockHash,
+    tokens: &[u32],
+    bs: usize,
+    salt: u64,
+) {
+    let parent = j
+        .checked_sub(1)
+        .and_then(|p| hashes.get(p))
+        .map(|&p| external_hash(p));
+    let block_tokens = &tokens[j * bs..(j + 1) * bs];
+    let extra = (j == 0 && salt != 0).then(|| vec![salt_key(salt)]);
+    if let Some(KvEvent::BlockStored {
+        block_hashes,
+        token_ids,
+        extra_keys,
+        ..
+    }) = events.last_mut()
+    {
+        if parent.is_some() && block_hashes.last().copied() == parent {
+            block_hashes.push(external_hash(h));
+            token_ids.extend_from_slice(block_tokens);
+            extra_keys.push(extra);
+            return;
+        }
+    }
+    events.push(KvEvent::BlockStored {
+        block_hashes: vec![external_hash(h)],
+        parent_block_hash: parent,
+        token_ids: block_tokens.to_vec(),
+        block_size: bs,
+        extra_keys: vec![extra],
+    });
+}
+
 /// Drops one sequence's claim that it is computing block `h`.
 fn forget_in_flight(in_flight: &mut HashMap<BlockHash, u32>, h: BlockHash) {
     if let Some(n) = in_flight.get_mut(&h) {
@@ -413,6 +488,93 @@ mod tests {
             prompt_len: usize::MAX,
             prompt_kernel: false,
         }
+    }
+
+    #[test]
+    fn stores_and_evictions_are_told_as_vllm_kv_events() {
+        use crate::engine::kv_cache::events::{encode_batch, external_hash};
+        let key = CacheKey {
+            salt: 7,
+            prompt_len: usize::MAX,
+            prompt_kernel: false,
+        };
+        let mut m = KvCacheManager::new(4, 4, true).with_events();
+        let t: Vec<u32> = (10..20).collect();
+        // Ten tokens: two full blocks enter the cache, as one event.
+        assert!(m.allocate(1, &t, key, None, 0, 10));
+        m.commit(1, &t, 10);
+        let mut ev = Vec::new();
+        m.take_events(&mut ev);
+        let [KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            extra_keys,
+        }] = ev.as_slice()
+        else {
+            panic!("{ev:?}");
+        };
+        assert_eq!(block_hashes.len(), 2);
+        assert_eq!(*parent_block_hash, None);
+        assert_eq!(token_ids, &t[..8]);
+        assert_eq!(*block_size, 4);
+        // The salt rides on block 0, so tenants stay apart for a router.
+        assert_eq!(
+            extra_keys,
+            &vec![Some(vec!["0000000000000007".to_string()]), None]
+        );
+        let stored = block_hashes.clone();
+        assert_eq!(stored[0], external_hash(m.seqs[&1].hashes[0]));
+        // The next block of the same sequence names its parent.
+        let t2: Vec<u32> = (10..22).collect();
+        assert!(m.allocate(1, &t2, key, None, 10, 2));
+        m.commit(1, &t2, 12);
+        ev.clear();
+        m.take_events(&mut ev);
+        assert!(
+            matches!(&ev[..], [KvEvent::BlockStored { parent_block_hash: Some(p), block_hashes, .. }]
+                if *p == stored[1] && block_hashes.len() == 1),
+            "{ev:?}"
+        );
+        let third = match &ev[0] {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes[0],
+            _ => unreachable!(),
+        };
+        // Freed, the blocks stay cached; handed out to another sequence,
+        // they are evicted, and told so, oldest first.
+        m.free(1);
+        let other: Vec<u32> = (100..116).collect();
+        assert!(m.allocate(2, &other, CacheKey::default(), None, 0, 16));
+        ev.clear();
+        m.take_events(&mut ev);
+        let [KvEvent::BlockRemoved { block_hashes }] = ev.as_slice() else {
+            panic!("{ev:?}");
+        };
+        let mut removed = block_hashes.clone();
+        removed.sort_unstable();
+        let mut all = vec![stored[0], stored[1], third];
+        all.sort_unstable();
+        assert_eq!(removed, all);
+
+        // The wire form: [ts, [["BlockRemoved", hashes, "GPU"]], 0].
+        let bytes = encode_batch(1.5, &ev, 0).expect("encode");
+        let v: serde_json::Value = rmp_serde::from_slice(&bytes).expect("msgpack");
+        assert_eq!(v[0], 1.5);
+        assert_eq!(v[1][0][0], "BlockRemoved");
+        assert_eq!(v[1][0][2], "GPU");
+        assert_eq!(v[2], 0);
+    }
+
+    #[test]
+    fn nothing_is_recorded_unless_events_are_on() {
+        let mut m = KvCacheManager::new(4, 4, true);
+        let t: Vec<u32> = (0..8).collect();
+        assert!(m.allocate(1, &t, k(1), None, 0, 8));
+        m.commit(1, &t, 8);
+        let mut ev = Vec::new();
+        m.take_events(&mut ev);
+        assert!(ev.is_empty());
     }
 
     #[test]

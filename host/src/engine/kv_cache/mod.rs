@@ -7,11 +7,15 @@
 //!   the prefix-hash map.
 //! - [`manager`] maps requests to block tables and decides which prompt
 //!   blocks are already cached.
+//! - [`events`] tells what enters and leaves the prefix cache, as vLLM's
+//!   KV-cache events do, for prefix-aware routers.
 
 pub mod block_pool;
 pub mod dtype;
+pub mod events;
 pub mod manager;
 
 pub use block_pool::{BlockHash, BlockPool};
 pub use dtype::KvCacheDtype;
+pub use events::KvEvent;
 pub use manager::{CacheKey, KvCacheManager, PrefixHit, PrefixStats};
