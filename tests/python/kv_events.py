@@ -130,6 +130,8 @@ while dealer.poll(5000):
     replayed.append((seq, msgpack.unpackb(payload, raw=False)[1]))
 check("replay from 0 returns every batch, in order, then -1",
       [s for s, _ in replayed][-len(received):] == seqs and replayed[0][0] == 0, ([s for s, _ in replayed][:5], seqs[:5]))
+check("batch 0 is AllBlocksCleared: the process started with an empty cache",
+      bool(replayed) and replayed[0][0] == 0 and replayed[0][1] == [["AllBlocksCleared"]], replayed[:1])
 check("replayed batches equal the published ones",
       dict(replayed).get(seqs[0]) == received[0][1] if seqs else False)
 

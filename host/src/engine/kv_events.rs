@@ -4,6 +4,10 @@
 //! big-endian sequence number, the msgpack batch), and an optional ROUTER
 //! socket replays buffered batches to a subscriber that missed some.
 //!
+//! The first batch (sequence 0) is `AllBlocksCleared`: a process starts
+//! with an empty cache, and a router that tracked an earlier process at
+//! the same endpoint must drop what it knew.
+//!
 //! Publishing runs on a thread of its own. The engine hands each step's
 //! events over a bounded channel without waiting: when the publisher falls
 //! behind, the batch is dropped and counted, never the step delayed. A PUB
@@ -149,6 +153,10 @@ impl KvEventPublisher {
     pub fn start(config: &KvEventsConfig) -> Result<KvEventPublisher> {
         let (tx, rx) = sync_channel(QUEUE_BATCHES);
         let dropped = Arc::new(AtomicU64::new(0));
+        // The cache starts empty: batch 0 tells a router to forget whatever
+        // an earlier process at this endpoint had stored (a restarted pod).
+        tx.try_send(vec![KvEvent::AllBlocksCleared])
+            .context("queueing the first KV-event batch")?;
         let sockets = if config.zmq {
             Some(Sockets::open(config)?)
         } else {
