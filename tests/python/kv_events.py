@@ -2,7 +2,7 @@
 reads vLLM's: a pyzmq SUB socket on the publisher, msgpack batches, and a
 DEALER socket asking the replay endpoint for what a late subscriber missed.
 
-    python3 kv_events.py BASE_URL MODEL PUB_ENDPOINT REPLAY_ENDPOINT KEY_A KEY_B
+    python3 kv_events.py BASE_URL MODEL PUB_ENDPOINT REPLAY_ENDPOINT KEY_A KEY_B ADMIN_TOKEN
 
 Prints one line per check and, last, "N passed, M failed".
 """
@@ -14,7 +14,7 @@ import urllib.request
 import msgpack
 import zmq
 
-BASE, MODEL, PUB, REPLAY, KEY_A, KEY_B = sys.argv[1:7]
+BASE, MODEL, PUB, REPLAY, KEY_A, KEY_B, ADMIN = sys.argv[1:8]
 BLOCK = 16
 results = []
 
@@ -134,5 +134,17 @@ check("batch 0 is AllBlocksCleared: the process started with an empty cache",
       bool(replayed) and replayed[0][0] == 0 and replayed[0][1] == [["AllBlocksCleared"]], replayed[:1])
 check("replayed batches equal the published ones",
       dict(replayed).get(seqs[0]) == received[0][1] if seqs else False)
+
+# Resetting the prefix cache (admin API) tells subscribers, and the next
+# identical prompt finds nothing cached.
+received.clear()
+reset = post("/admin/v1/reset_prefix_cache", {}, ADMIN)
+check("the admin API resets the prefix cache", reset == {"reset": True}, reset)
+drain(1.0)
+check("a reset is told as AllBlocksCleared", any(events == [["AllBlocksCleared"]] for _, events in received),
+      received[:3])
+again = post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}, KEY_A)
+cached = (again["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+check("after a reset the same prompt computes every token", not cached, again["usage"])
 
 print(f"{sum(results)} passed, {len(results) - sum(results)} failed")

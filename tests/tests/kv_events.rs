@@ -50,6 +50,7 @@ fn a_zmq_subscriber_sees_stores_evictions_tenants_and_replays() {
             &format!("tcp://127.0.0.1:{replay_port}"),
             A,
             B,
+            ADMIN,
         ])
         .output()
         .expect("python3");

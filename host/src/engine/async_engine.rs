@@ -88,6 +88,9 @@ enum Command {
         reply: oneshot::Sender<Result<u64, ParamError>>,
     },
     Abort(u64),
+    /// Empty the prefix cache; the reply is how many blocks are held if
+    /// requests are running.
+    ResetPrefixCache(oneshot::Sender<Result<(), usize>>),
     Shutdown,
 }
 
@@ -346,6 +349,15 @@ impl AsyncEngine {
         let _ = self.tx.send(Command::Abort(id));
     }
 
+    /// Empties the prefix cache between steps (vLLM's
+    /// `reset_prefix_cache`). `Err(n)`: `n` blocks are held by running
+    /// requests, and nothing changed; `None` if the engine is gone.
+    pub async fn reset_prefix_cache(&self) -> Option<Result<(), usize>> {
+        let (reply, rx) = oneshot::channel();
+        self.tx.send(Command::ResetPrefixCache(reply)).ok()?;
+        rx.await.ok()
+    }
+
     /// Stops the engine thread after its current step.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
@@ -451,6 +463,9 @@ fn engine_loop(
                     if let Some(out) = core.abort(id) {
                         finish(tracks, out);
                     }
+                }
+                Command::ResetPrefixCache(reply) => {
+                    let _ = reply.send(core.reset_prefix_cache());
                 }
                 Command::Shutdown => return Ok(()),
             }

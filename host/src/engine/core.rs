@@ -233,6 +233,25 @@ impl EngineCore {
         self.kv_events = publisher;
     }
 
+    /// Empties the prefix cache, and tells KV-event subscribers at once.
+    /// Refused, with how many blocks are held, while requests run.
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        self.kv.reset_prefix_cache()?;
+        self.publish_kv_events();
+        Ok(())
+    }
+
+    /// Hands the events since the last call to the publisher, if any.
+    fn publish_kv_events(&mut self) {
+        if let Some(publisher) = &self.kv_events {
+            let mut events = Vec::new();
+            self.kv.take_events(&mut events);
+            if !events.is_empty() {
+                publisher.publish(events);
+            }
+        }
+    }
+
     /// Batches of KV-cache events dropped because their publisher fell
     /// behind.
     pub fn kv_events_dropped(&self) -> u64 {
@@ -558,13 +577,7 @@ impl EngineCore {
         }
         self.guided = guided;
         self.scheduler.recycle(plan);
-        if let Some(publisher) = &self.kv_events {
-            let mut events = Vec::new();
-            self.kv.take_events(&mut events);
-            if !events.is_empty() {
-                publisher.publish(events);
-            }
-        }
+        self.publish_kv_events();
         Ok(outputs)
     }
 }

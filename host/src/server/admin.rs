@@ -134,6 +134,16 @@ pub async fn route(
     let parts: Vec<&str> = parts.iter().map(String::as_str).collect();
     let method = req.method().clone();
     match (method, parts.as_slice()) {
+        (Method::POST, ["admin", "v1", "reset_prefix_cache"]) => {
+            match state
+                .engine()?.reset_prefix_cache().await {
+                Some(Ok(())) => Ok(json_response(&json!({"reset": true}))),
+                Some(Err(held)) => Err(ApiError::conflict(format!(
+                    "the prefix cache cannot be reset while requests run ({held} blocks are held); retry when the server is idle"
+                ))),
+                None => Err(ApiError::unavailable("the engine has stopped")),
+            }
+        }
         (Method::GET, ["admin", "v1", "tenants"]) => {
             let ids = state.tenants.ids();
             Ok(json_response(&json!({"object": "list", "data": ids})))

@@ -111,6 +111,19 @@ impl ApiError {
         }
     }
 
+    /// 409: the request conflicts with the server's current state; the
+    /// message says when to retry.
+    pub fn conflict(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::CONFLICT,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: None,
+            code: "conflict",
+            retry_after: None,
+        }
+    }
+
     /// 503: the server is starting, shutting down, or its engine stopped.
     pub fn unavailable(message: impl Into<String>) -> ApiError {
         ApiError {

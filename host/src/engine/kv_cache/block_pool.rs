@@ -190,6 +190,19 @@ impl BlockPool {
         *self.cached.entry(hash).or_insert(block) == block
     }
 
+    /// Forgets every cached hash, so nothing is found by prefix any more.
+    /// Refused (with how many blocks are held) while any block is in use:
+    /// a running sequence's blocks must keep what they hold.
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        let held = self.ref_cnt.iter().filter(|&&r| r > 0).count();
+        if held > 0 {
+            return Err(held);
+        }
+        self.cached.clear();
+        self.hash.iter_mut().for_each(|h| *h = None);
+        Ok(())
+    }
+
     /// Starts keeping the hashes of evicted canonical blocks, for
     /// [`BlockPool::take_evictions`].
     pub fn record_evictions(&mut self) {

@@ -139,6 +139,22 @@ impl KvCacheManager {
         self
     }
 
+    /// Empties the prefix cache (vLLM's `reset_prefix_cache`), telling
+    /// subscribers with `AllBlocksCleared`. Refused, with how many blocks
+    /// are held, while any sequence holds blocks.
+    pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
+        self.pool.reset_prefix_cache()?;
+        self.in_flight.clear();
+        if let Some(events) = &mut self.events {
+            // Evictions before the reset are moot now.
+            let mut evicted = Vec::new();
+            self.pool.take_evictions(&mut evicted);
+            events.clear();
+            events.push(KvEvent::AllBlocksCleared);
+        }
+        Ok(())
+    }
+
     /// Moves the events since the last call to `out`, in the order they
     /// happened within a step: evictions (planning) before stores
     /// (commits).
@@ -564,6 +580,23 @@ mod tests {
         assert_eq!(v[1][0][0], "BlockRemoved");
         assert_eq!(v[1][0][2], "GPU");
         assert_eq!(v[2], 0);
+    }
+
+    #[test]
+    fn a_reset_empties_the_cache_only_when_idle_and_is_told() {
+        let mut m = KvCacheManager::new(4, 4, true).with_events();
+        let t: Vec<u32> = (0..8).collect();
+        assert!(m.allocate(1, &t, k(1), None, 0, 8));
+        m.commit(1, &t, 8);
+        assert_eq!(m.reset_prefix_cache(), Err(2), "blocks in use are kept");
+        m.free(1);
+        assert!(m.lookup_prefix(&t, k(1)).num_tokens(4) > 0);
+        assert_eq!(m.reset_prefix_cache(), Ok(()));
+        assert_eq!(m.lookup_prefix(&t, k(1)).num_tokens(4), 0);
+        let mut ev = Vec::new();
+        m.take_events(&mut ev);
+        assert_eq!(ev, vec![KvEvent::AllBlocksCleared]);
+        m.pool().check_invariants().expect("invariants");
     }
 
     #[test]
