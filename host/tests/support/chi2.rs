@@ -45,3 +45,22 @@ pub fn homogeneity(
     }
     (stat, cells.len() as f64 - 1.0)
 }
+
+/// Asserts that two samplers' token counts agree at every position
+/// (`a[i]` against `b[i]`), under the homogeneity test at p = 0.001
+/// (z = 3.09). Position `i` is named as output token `i + first`.
+pub fn assert_same_distributions(
+    a: &[std::collections::HashMap<u32, f64>],
+    b: &[std::collections::HashMap<u32, f64>],
+    first: usize,
+) {
+    for (pos, (x, y)) in a.iter().zip(b).enumerate() {
+        let (stat, df) = homogeneity(x, y);
+        let limit = chi2_quantile(df, 3.09);
+        assert!(
+            stat < limit,
+            "token {}: chi-squared {stat:.1} over {df} degrees of freedom exceeds {limit:.1}",
+            pos + first
+        );
+    }
+}
