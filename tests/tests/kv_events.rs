@@ -66,6 +66,14 @@ fn a_zmq_subscriber_sees_stores_evictions_tenants_and_replays() {
         "kv_events.py:\n{stdout}\n{stderr}\nserver log:\n{}",
         p.s.log_text()
     );
+    // The publisher kept up: nothing dropped, and the counter is shown.
+    let (_, metrics) = p.s.get("/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("pagoda_kv_events_dropped_batches_total{") && l.ends_with(" 0")),
+        "{metrics}"
+    );
     assert!(
         p.s.log_text().contains("KV-cache events: publishing on"),
         "{}",

@@ -59,6 +59,9 @@ pub mod metric_names {
     pub const SPEC_NUM_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
     pub const SPEC_NUM_ACCEPTED_TOKENS: &str = "vllm:spec_decode_num_accepted_tokens_total";
     pub const SPEC_ACCEPTED_PER_POS: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+    /// Pagoda's own: KV-event batches dropped because the publisher thread
+    /// fell behind (`--kv-events-config`).
+    pub const KV_EVENTS_DROPPED: &str = "pagoda_kv_events_dropped_batches_total";
 
     // Pagoda's own, per tenant (label `tenant`: the tenant id, or
     // `default` for requests made without a tenant's key). The label's
@@ -399,6 +402,10 @@ fn engine_loop(
     tracks: &mut HashMap<u64, Track>,
 ) -> anyhow::Result<()> {
     let mut last = core.stats();
+    if core.publishes_kv_events() {
+        // Shown from the start, so a dashboard can tell 0 from absent.
+        metrics::counter!(m::KV_EVENTS_DROPPED).increment(0);
+    }
     // Tenants whose gauges are set: a tenant that leaves the engine gets
     // zeros once, then no more updates.
     let mut tenant_gauges: Vec<String> = Vec::new();
@@ -528,6 +535,10 @@ fn engine_loop(
         metrics::counter!(m::PREFIX_CACHE_QUERIES_GPU)
             .increment(s.prefix.queries - last.prefix.queries);
         metrics::counter!(m::PREFIX_CACHE_HITS_GPU).increment(s.prefix.hits - last.prefix.hits);
+        if s.kv_events_dropped > last.kv_events_dropped {
+            metrics::counter!(m::KV_EVENTS_DROPPED)
+                .increment(s.kv_events_dropped - last.kv_events_dropped);
+        }
         if s.spec.num_drafts > last.spec.num_drafts {
             let (now, was) = (&s.spec, &last.spec);
             metrics::counter!(m::SPEC_NUM_DRAFTS).increment(now.num_drafts - was.num_drafts);

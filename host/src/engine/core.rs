@@ -64,6 +64,8 @@ pub struct EngineStats {
     pub last_step_tokens: usize,
     /// Speculative decoding's counters.
     pub spec: SpecStats,
+    /// KV-event batches dropped because their publisher fell behind.
+    pub kv_events_dropped: u64,
 }
 
 /// The engine core.
@@ -250,6 +252,11 @@ impl EngineCore {
                 publisher.publish(events);
             }
         }
+    }
+
+    /// Whether the prefix cache's events are published.
+    pub fn publishes_kv_events(&self) -> bool {
+        self.kv_events.is_some()
     }
 
     /// Batches of KV-cache events dropped because their publisher fell
@@ -476,6 +483,7 @@ impl EngineCore {
             kv_usage: self.kv.pool().usage(),
             num_preemptions: self.scheduler.num_preemptions(),
             prefix: self.kv.prefix_stats(),
+            kv_events_dropped: self.kv_events_dropped(),
             ..self.stats
         }
     }

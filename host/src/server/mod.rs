@@ -203,6 +203,10 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
     metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
     metrics::describe_counter!(
+        m::KV_EVENTS_DROPPED,
+        "KV-cache event batches dropped because the publisher thread fell behind."
+    );
+    metrics::describe_counter!(
         m::SPEC_NUM_DRAFTS,
         "Speculative decoding: verifications (one per sequence and step with drafts)."
     );
