@@ -1,6 +1,7 @@
-//! `pagoda serve --speculative-config`: n-gram speculation through the
-//! OpenAI API gives the plain server's greedy text, streamed and not, and
-//! reports vLLM's `vllm:spec_decode_*` metrics; bad configurations stop
+//! `pagoda serve --speculative-config`: n-gram speculation and a draft
+//! model through the OpenAI API give the plain server's greedy text,
+//! streamed and not, seeded sampling stays reproducible, and vLLM's
+//! `vllm:spec_decode_*` metrics are served; bad configurations stop
 //! start-up with what to change.
 
 use pagoda_e2e::{demo_gguf, pagoda_bin, Server};
@@ -166,4 +167,43 @@ fn bad_speculative_configurations_stop_start_up() {
         assert!(stderr.contains(says), "{flags:?}: {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
     }
+}
+
+#[test]
+fn a_draft_model_serves_the_plain_text_and_seeds_stay_reproducible() {
+    let plain = {
+        let s = Server::start(&[]);
+        text(&s)
+    };
+    // The demo model drafting for itself: every draft holds.
+    let config = format!(
+        r#"{{"model": {:?}, "num_speculative_tokens": 3}}"#,
+        demo_gguf()
+    );
+    let s = Server::start(&["--speculative-config", &config]);
+    assert!(s.log_text().contains("draft model:"), "{}", s.log_text());
+    assert_eq!(text(&s), plain);
+    let m = settled_metrics(&s);
+    let value = |name| sample(&m, name, "model_name=").unwrap_or_else(|| panic!("{name}:\n{m}"));
+    let drafted = value("vllm:spec_decode_num_draft_tokens_total");
+    assert!(drafted > 0.0);
+    assert_eq!(value("vllm:spec_decode_num_accepted_tokens_total"), drafted);
+    // A seeded sampled request gives the same text every time, drafts and
+    // all.
+    let seeded = json!({
+        "model": "smol",
+        "prompt": "Once upon a time",
+        "max_tokens": 32,
+        "temperature": 0.9,
+        "seed": 7,
+        "ignore_eos": true,
+    });
+    let texts: Vec<String> = (0..2)
+        .map(|_| {
+            let (status, v) = s.post("/v1/completions", &seeded);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().expect("text").to_string()
+        })
+        .collect();
+    assert_eq!(texts[0], texts[1]);
 }
