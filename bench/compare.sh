@@ -20,7 +20,7 @@ RESULTS="$(mktemp -d /tmp/pagoda-compare.XXXXXX)"
 # Any GGUF (MODEL=...); the demo model by default.
 MODEL="${MODEL:-$(scripts/fetch-demo-model.sh)}"
 cargo build --release --locked -p pagoda -p pagoda-bench-report >&2
-LLAMA_BIN="$(bench/build-llamacpp.sh)"
+LLAMA_BIN="${LLAMA_BIN:-$(bench/build-llamacpp.sh)}"
 . bench/llamacpp-env.sh
 . bench/lib.sh
 PAGODA="$CARGO_TARGET_DIR/release/pagoda"
