@@ -8,9 +8,9 @@
 mod common;
 mod support;
 
-use pagoda::engine::core::RequestOptions;
 use pagoda::engine::spec_decode::{SpecStats, SpeculativeConfig};
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use support::batching::batched_with as batched;
 use support::chi2::assert_same_distributions;
 
 const MAX_TOKENS: usize = 40;
@@ -70,43 +70,6 @@ fn solo(spec: Option<&str>, prompts: &[Prompt]) -> (Vec<Vec<u32>>, LLM) {
                 .clone()
         })
         .collect();
-    (out, llm)
-}
-
-/// Runs every prompt at once, stepping by hand so the KV accounting is
-/// checked after every step (rejected drafts must give their slots back).
-fn batched(a: EngineArgs, prompts: &[Vec<u32>], params: &[SamplingParams]) -> (Vec<Vec<u32>>, LLM) {
-    let mut llm = LLM::new(a).expect("engine");
-    let core = llm.engine_mut();
-    let ids: Vec<u64> = prompts
-        .iter()
-        .zip(params)
-        .enumerate()
-        .map(|(i, (p, sp))| {
-            core.add_request(
-                format!("p{i}"),
-                p.clone(),
-                sp.clone(),
-                RequestOptions::default(),
-            )
-            .expect("add")
-        })
-        .collect();
-    let mut out = vec![Vec::new(); ids.len()];
-    while core.has_unfinished() {
-        for o in core.step().expect("a step") {
-            let i = ids.iter().position(|&e| e == o.id).expect("known request");
-            out[i].extend_from_slice(&o.new_token_ids);
-        }
-        core.check_kv_accounting().expect("KV accounting");
-    }
-    let kv = llm.engine().kv_cache();
-    assert_eq!(
-        kv.pool().num_free(),
-        kv.pool().num_blocks(),
-        "blocks leaked"
-    );
-    kv.pool().check_invariants().expect("pool invariants");
     (out, llm)
 }
 

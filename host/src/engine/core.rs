@@ -91,7 +91,6 @@ pub struct EngineCore {
     /// (kept to reuse their allocations).
     draft_batch: pagoda_accel::StepBatch,
     drafting: Vec<(u64, usize)>,
-    draft_ids: Vec<u32>,
     /// Picks the draft model's tokens.
     draft_sampler: Sampler,
     /// Where the prefix cache's events go, when they are published.
@@ -123,7 +122,6 @@ impl EngineCore {
             speculator: None,
             draft_batch: Default::default(),
             drafting: Vec::new(),
-            draft_ids: Vec::new(),
             draft_sampler: Sampler::default(),
             kv_events: None,
         }
@@ -149,7 +147,6 @@ impl EngineCore {
         let bs = self.kv.block_size();
         let mut batch = std::mem::take(&mut self.draft_batch);
         let mut drafting = std::mem::take(&mut self.drafting);
-        let mut next = std::mem::take(&mut self.draft_ids);
         batch.clear();
         drafting.clear();
         for s in &plan.seqs {
@@ -191,26 +188,19 @@ impl EngineCore {
         }
         let vocab = self.runner.config().vocab_size;
         for j in 0.. {
-            next.clear();
             let logits = self.runner.draft_step(&batch)?;
-            // Each drafting sequence's row: its draft token, chosen as the
-            // request samples (see `Sampler::draft`).
-            for (&(id, _), row) in drafting.iter().zip(logits.chunks_exact_mut(vocab)) {
-                let token = match self.scheduler.get_mut(id) {
-                    Some(req) => self.draft_sampler.draft(row, req, sample_drafts),
-                    None => 0,
-                };
-                next.push(token);
-            }
             batch.clear();
             let mut more = false;
-            for (&(id, k), &token) in drafting.iter().zip(&next) {
+            // Each drafting sequence's row gives its next draft, chosen as
+            // the request samples (see `Sampler::draft`), which is fed back
+            // for the one after.
+            for (&(id, k), row) in drafting.iter().zip(logits.chunks_exact_mut(vocab)) {
                 let Some(req) = self.scheduler.get_mut(id) else {
                     continue;
                 };
+                let token = self.draft_sampler.draft(row, req, sample_drafts);
                 req.spec.drafts.push(token);
                 if j + 1 < k {
-                    // Feed the draft back for the next one.
                     let pos = req.num_computed + 1 + j;
                     batch.push_seq(&[token], pos, self.kv.block_table(id), bs, 0, 1);
                     req.spec.draft_computed = pos + 1;
@@ -225,7 +215,6 @@ impl EngineCore {
         }
         self.draft_batch = batch;
         self.drafting = drafting;
-        self.draft_ids = next;
         Ok(())
     }
 

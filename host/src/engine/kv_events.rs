@@ -26,9 +26,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// `--kv-events-config`, with vLLM's keys and defaults.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvEventsConfig {
-    /// `enable_kv_cache_events`: whether the KV-cache manager records
-    /// events at all.
-    pub enabled: bool,
     /// `publisher`: `zmq`, or `null` (events recorded, sent nowhere).
     pub zmq: bool,
     /// `endpoint`: where the PUB socket binds (a `*` or `::` host) or
@@ -57,7 +54,8 @@ const KEYS: &[&str] = &[
 
 impl KvEventsConfig {
     /// Parses vLLM's `--kv-events-config` JSON. `None` when events are
-    /// off (`enable_kv_cache_events` false or absent).
+    /// off (`enable_kv_cache_events` false or absent): a config exists
+    /// only for a server that records events.
     pub fn from_json(json: &str) -> Result<Option<KvEventsConfig>> {
         let v: Value = serde_json::from_str(json)
             .with_context(|| format!("--kv-events-config is not valid JSON: {json}"))?;
@@ -124,7 +122,6 @@ impl KvEventsConfig {
             return Ok(None);
         }
         Ok(Some(KvEventsConfig {
-            enabled,
             zmq,
             endpoint,
             replay_endpoint,

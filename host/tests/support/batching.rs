@@ -59,16 +59,28 @@ fn solo(model: &Path, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
 }
 
 fn batched(a: EngineArgs, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, LLM) {
+    batched_with(a, prompts, &vec![params(); prompts.len()])
+}
+
+/// Runs every prompt at once (prompt `i` with `params[i]`), stepping by
+/// hand so the KV accounting is checked after every step, and checks that
+/// every block came back to the pool. Returns each prompt's output ids.
+pub fn batched_with(
+    a: EngineArgs,
+    prompts: &[Vec<u32>],
+    params: &[SamplingParams],
+) -> (Vec<Vec<u32>>, LLM) {
     let mut llm = LLM::new(a).expect("engine");
     let core = llm.engine_mut();
-    let ids: Vec<_> = prompts
+    let ids: Vec<u64> = prompts
         .iter()
+        .zip(params)
         .enumerate()
-        .map(|(i, p)| {
+        .map(|(i, (p, sp))| {
             core.add_request(
                 format!("p{i}"),
                 p.clone(),
-                params(),
+                sp.clone(),
                 RequestOptions::default(),
             )
             .expect("add")
@@ -82,6 +94,13 @@ fn batched(a: EngineArgs, prompts: &[Vec<u32>]) -> (Vec<Vec<u32>>, LLM) {
         }
         core.check_kv_accounting().expect("KV accounting");
     }
+    let kv = llm.engine().kv_cache();
+    assert_eq!(
+        kv.pool().num_free(),
+        kv.pool().num_blocks(),
+        "blocks leaked"
+    );
+    kv.pool().check_invariants().expect("pool invariants");
     (out, llm)
 }
 
