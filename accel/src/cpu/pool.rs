@@ -33,6 +33,10 @@ struct Shared {
     /// Workers that have not yet finished the current region.
     active: AtomicUsize,
     shutdown: AtomicBool,
+    /// Whether the current region is a [`ThreadPool::broadcast`]: each
+    /// worker then calls the job once with its own index instead of
+    /// draining tasks. Written with `job`, under the same protocol.
+    broadcast: AtomicBool,
     /// Workers blocked (or about to block) on `wake`. Notifying a condvar
     /// is a futex syscall even when nobody waits; at two regions per layer
     /// op that was ~600 syscalls per decoded token, so `run` notifies only
@@ -57,6 +61,8 @@ unsafe impl Send for Shared {}
 /// A pool of `threads - 1` workers; the calling thread is the last worker.
 pub struct ThreadPool {
     shared: Arc<Shared>,
+    /// See [`ThreadPool::id`].
+    id: u64,
     workers: Vec<JoinHandle<()>>,
     threads: usize,
     /// Serializes callers: one parallel region at a time per pool.
@@ -75,6 +81,7 @@ impl ThreadPool {
             next_task: AtomicUsize::new(0),
             active: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            broadcast: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             caller_sleeping: AtomicBool::new(false),
             sleep_lock: Mutex::new(()),
@@ -87,12 +94,14 @@ impl ThreadPool {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("pagoda-cpu-{i}"))
-                    .spawn(move || worker_loop(&shared))
+                    .spawn(move || worker_loop(&shared, i))
                     .expect("spawning a CPU worker thread")
             })
             .collect();
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         ThreadPool {
             shared,
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             workers,
             threads,
             region: Mutex::new(()),
@@ -102,6 +111,12 @@ impl ThreadPool {
     /// The number of threads a region runs on, the caller included.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// An identity no other pool of this process has (never 0). Lets a
+    /// caller remember what it prepared on a pool's threads.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Runs `f(i)` for every `i` in `0..n_tasks`, spread over the pool, and
@@ -115,6 +130,22 @@ impl ThreadPool {
             (0..n_tasks).for_each(f);
             return;
         }
+        self.region(n_tasks, false, f);
+    }
+
+    /// Runs `f(t)` exactly once on every thread of the pool, `t` being the
+    /// thread's index (`0` is the caller). Which thread runs a task of
+    /// [`ThreadPool::run`] is up to timing; this is how per-thread state
+    /// (kernel scratch buffers) is prepared on all of them deterministically.
+    pub fn broadcast(&self, f: &(dyn Fn(usize) + Sync)) {
+        if self.threads == 1 {
+            f(0);
+            return;
+        }
+        self.region(1, true, f);
+    }
+
+    fn region(&self, n_tasks: usize, broadcast: bool, f: &(dyn Fn(usize) + Sync)) {
         let _region = self.region.lock().unwrap_or_else(|e| e.into_inner());
         let s = &*self.shared;
         // SAFETY: the previous region ended with `active == 0`, so no worker
@@ -126,13 +157,18 @@ impl ThreadPool {
         }
         s.n_tasks.store(n_tasks, Ordering::Relaxed);
         s.next_task.store(0, Ordering::Relaxed);
+        s.broadcast.store(broadcast, Ordering::Relaxed);
         s.active.store(self.threads - 1, Ordering::Relaxed);
         s.generation.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             s.wake.notify_all();
         }
-        drain_tasks(s, f);
+        if broadcast {
+            f(0);
+        } else {
+            drain_tasks(s, f);
+        }
         // Wait for the workers to leave the region before `f` goes away.
         let mut polls = 0;
         while s.active.load(Ordering::Acquire) != 0 {
@@ -185,7 +221,7 @@ fn drain_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
-fn worker_loop(s: &Shared) {
+fn worker_loop(s: &Shared, index: usize) {
     let mut seen = 0u64;
     loop {
         let mut polls = 0;
@@ -216,7 +252,11 @@ fn worker_loop(s: &Shared) {
         // alive by `run` until we decrement `active`.
         let job = unsafe { (*s.job.get()).expect("a job is published with each generation") };
         let f: &(dyn Fn(usize) + Sync) = unsafe { &*job };
-        drain_tasks(s, f);
+        if s.broadcast.load(Ordering::Relaxed) {
+            f(index);
+        } else {
+            drain_tasks(s, f);
+        }
         if s.active.fetch_sub(1, Ordering::SeqCst) == 1 && s.caller_sleeping.load(Ordering::SeqCst)
         {
             let _g = s.done_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -274,6 +314,29 @@ mod tests {
                 }
             });
             assert!(covered.iter().all(|c| c.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn broadcast_runs_once_on_every_thread() {
+        for threads in [1usize, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            for _ in 0..50 {
+                let hits: Vec<AtomicU64> = (0..threads).map(|_| AtomicU64::new(0)).collect();
+                let names = Mutex::new(std::collections::HashSet::new());
+                pool.broadcast(&|t| {
+                    hits[t].fetch_add(1, Ordering::Relaxed);
+                    names.lock().unwrap().insert(std::thread::current().id());
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+                assert_eq!(names.lock().unwrap().len(), threads);
+            }
+            // A plain region still works after a broadcast.
+            let sum = AtomicU64::new(0);
+            pool.run(10, &|i| {
+                sum.fetch_add(i as u64, Ordering::Relaxed);
+            });
+            assert_eq!(sum.load(Ordering::Relaxed), 45);
         }
     }
 

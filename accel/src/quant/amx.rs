@@ -256,8 +256,25 @@ struct Scratch {
     c: Option<ABuf>,
 }
 
+impl Scratch {
+    /// Grows the buffers for a weight of `lanes` lane blocks.
+    fn reserve(&mut self, lanes: usize) {
+        let pitch = lanes.div_ceil(16) * 16 * 32;
+        grow_abuf(&mut self.a, ROWS * pitch);
+        grow_abuf(&mut self.c, lanes * C_BYTES);
+        super::grow(&mut self.dw, ROWS * lanes);
+        super::grow(&mut self.mw, ROWS * lanes);
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Grows this thread's [`run_rows`] buffers for a weight of `lanes` lane
+/// blocks, so that a later call for it allocates nothing.
+pub(crate) fn reserve_thread_scratch(lanes: usize) {
+    SCRATCH.with_borrow_mut(|s| s.reserve(lanes));
 }
 
 /// Grows `buf` to at least `len` bytes (never shrinks, so warm calls
@@ -292,12 +309,9 @@ pub(crate) unsafe fn run_rows<const K: u8>(
     let pitch = lanes.div_ceil(16) * 16 * 32;
     let tiles = m.div_ceil(TOK);
     SCRATCH.with_borrow_mut(|s| {
-        let abuf = grow_abuf(&mut s.a, ROWS * pitch).bytes_mut().as_mut_ptr();
-        let cbuf = grow_abuf(&mut s.c, lanes * C_BYTES)
-            .bytes_mut()
-            .as_mut_ptr();
-        super::grow(&mut s.dw, ROWS * lanes);
-        super::grow(&mut s.mw, ROWS * lanes);
+        s.reserve(lanes);
+        let abuf = s.a.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
+        let cbuf = s.c.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
         // SAFETY (whole block): the caller guarantees AMX (tiles released
         // below on this thread); rows r0..r1 exist; buffers are sized above;
         // `t` holds every slot of each token tile.

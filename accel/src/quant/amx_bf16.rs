@@ -146,8 +146,26 @@ struct Scratch {
     c: Option<ABuf>,
 }
 
+impl Scratch {
+    /// Grows the buffers for a weight of `lanes` lane blocks.
+    fn reserve(&mut self, lanes: usize) {
+        let pitch = lanes.div_ceil(16) * 16 * 32;
+        grow_abuf(&mut self.a, ROWS * pitch);
+        grow_abuf(&mut self.b, lanes * TILE);
+        grow_abuf(&mut self.c, GROUP * TILE);
+        super::grow(&mut self.dw, ROWS * lanes);
+        super::grow(&mut self.mw, ROWS * lanes);
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Grows this thread's [`run_rows`] buffers for a weight of `lanes` lane
+/// blocks, so that a later call for it allocates nothing.
+pub(crate) fn reserve_thread_scratch(lanes: usize) {
+    SCRATCH.with_borrow_mut(|s| s.reserve(lanes));
 }
 
 /// Dequantizes the unpacked row tile (`codes`, `pitch` bytes per row; scales
@@ -228,11 +246,10 @@ pub(crate) unsafe fn run_rows<const K: u8>(
         return;
     };
     SCRATCH.with_borrow_mut(|s| {
-        let codes = grow_abuf(&mut s.a, ROWS * pitch).bytes_mut().as_mut_ptr();
-        let bbuf = grow_abuf(&mut s.b, lanes * TILE).bytes_mut().as_mut_ptr();
-        let cbuf = grow_abuf(&mut s.c, GROUP * TILE).bytes_mut().as_mut_ptr();
-        super::grow(&mut s.dw, ROWS * lanes);
-        super::grow(&mut s.mw, ROWS * lanes);
+        s.reserve(lanes);
+        let codes = s.a.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
+        let bbuf = s.b.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
+        let cbuf = s.c.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
         // SAFETY (whole block): AMX-BF16 is configured below and released
         // at the end on this thread; rows `r0..r1` exist; the buffers are
         // sized above; A holds whole groups of token tiles (padded).

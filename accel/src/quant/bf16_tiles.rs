@@ -119,7 +119,7 @@ pub(crate) struct TileMat {
     pub(crate) kind: u8,
     pub(crate) rows: usize,
     /// Blocks per row.
-    blocks: usize,
+    pub(super) blocks: usize,
     data: ABuf,
 }
 
@@ -368,8 +368,22 @@ struct Scratch {
     c: Option<ABuf>,
 }
 
+impl Scratch {
+    /// Grows the buffers for a weight of `blocks` blocks per row.
+    fn reserve(&mut self, blocks: usize) {
+        super::amx::grow_abuf(&mut self.a, blocks.max((LAG + 1) * PASS) * A_TILE);
+        super::amx::grow_abuf(&mut self.c, 2 * GROUP * A_TILE);
+    }
+}
+
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Grows this thread's [`run_tiles`] buffers for a weight of `blocks`
+/// blocks per row, so that a later call for it allocates nothing.
+pub(crate) fn reserve_thread_scratch(blocks: usize) {
+    SCRATCH.with_borrow_mut(|s| s.reserve(blocks));
 }
 
 /// Row tiles per pass when all tokens fit one token tile: they share each
@@ -414,12 +428,9 @@ pub(crate) unsafe fn run_tiles<const K: u8>(
         (16, 64),
     ]);
     SCRATCH.with_borrow_mut(|s| {
-        let abuf = super::amx::grow_abuf(&mut s.a, blocks.max((LAG + 1) * PASS) * A_TILE)
-            .bytes_mut()
-            .as_mut_ptr();
-        let cbuf = super::amx::grow_abuf(&mut s.c, 2 * GROUP * A_TILE)
-            .bytes_mut()
-            .as_mut_ptr();
+        s.reserve(blocks);
+        let abuf = s.a.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
+        let cbuf = s.c.as_mut().expect("reserved").bytes_mut().as_mut_ptr();
         // SAFETY (whole block): the caller guarantees AMX-BF16; the tiles
         // are released below on this thread; records `t0..t1` exist; the
         // buffers are sized above; B holds every block of each token tile.

@@ -596,6 +596,7 @@ impl Weight {
                 // AmxBf16 (checked at build), so AMX-BF16 and AVX512-BF16
                 // are there; `x` holds `m × cols` (asserted above); tasks own
                 // disjoint 16-row column ranges of `out`.
+                scratch.reserve_on_threads(pool, ThreadBuffers::Tiles, t.blocks);
                 unsafe {
                     scratch.tile_act.build(pool, x, m, self.cols);
                     let act = &scratch.tile_act;
@@ -694,6 +695,7 @@ impl Weight {
         #[cfg(target_arch = "x86_64")]
         if let Repr::Quant(q) = &self.repr {
             let kind = q.kind;
+            scratch.reserve_on_threads(pool, ThreadBuffers::Wide, q.lanes);
             // SAFETY: `has_wide_kernel` checked the level (AMX with BF16,
             // so AVX-512 too) and the kind; every index in `wide_rows` is a
             // row of `x` and `out` (checked above); tasks own disjoint
@@ -775,6 +777,65 @@ pub struct MatmulScratch {
     exact_out: Vec<f32>,
     /// The input as an [`Affine`] rewrites it (gathered, rounded).
     affine_x: Vec<f32>,
+    /// How far the tile kernels' per-thread buffers are grown on the
+    /// threads of one pool.
+    #[cfg(target_arch = "x86_64")]
+    reserved: ThreadReserve,
+}
+
+/// The sizes every thread of pool `pool` has grown the tile kernels'
+/// per-thread buffers to. Which thread runs which task of a region is up to
+/// timing, so a thread that sat out the first calls would otherwise grow its
+/// buffers in the middle of serving; [`MatmulScratch::reserve_on_threads`]
+/// grows them on all threads at once instead.
+#[cfg(target_arch = "x86_64")]
+#[derive(Default)]
+struct ThreadReserve {
+    pool: u64,
+    amx_lanes: usize,
+    wide_lanes: usize,
+    tile_blocks: usize,
+}
+
+/// Which kernel's per-thread buffers to grow.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum ThreadBuffers {
+    /// [`amx::run_rows`], by lane blocks.
+    Amx,
+    /// [`amx_bf16::run_rows`], by lane blocks.
+    Wide,
+    /// [`bf16_tiles::run_tiles`], by blocks per row.
+    Tiles,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl MatmulScratch {
+    /// Grows `which` kernel's per-thread buffers to `size` on every thread
+    /// of `pool`, unless this scratch already did.
+    fn reserve_on_threads(&mut self, pool: &ThreadPool, which: ThreadBuffers, size: usize) {
+        let r = &mut self.reserved;
+        if r.pool != pool.id() {
+            *r = ThreadReserve {
+                pool: pool.id(),
+                ..ThreadReserve::default()
+            };
+        }
+        let have = match which {
+            ThreadBuffers::Amx => &mut r.amx_lanes,
+            ThreadBuffers::Wide => &mut r.wide_lanes,
+            ThreadBuffers::Tiles => &mut r.tile_blocks,
+        };
+        if *have >= size {
+            return;
+        }
+        pool.broadcast(&|_| match which {
+            ThreadBuffers::Amx => amx::reserve_thread_scratch(size),
+            ThreadBuffers::Wide => amx_bf16::reserve_thread_scratch(size),
+            ThreadBuffers::Tiles => bf16_tiles::reserve_thread_scratch(size),
+        });
+        *have = size;
+    }
 }
 
 /// Grows `v` to at least `n` elements; never shrinks (no allocation once warm).

@@ -156,6 +156,7 @@ pub(crate) fn matmul(
     let kind = q.kind;
     #[cfg(target_arch = "x86_64")]
     if level >= SimdLevel::Amx && amx::supports(kind) && amx::worth(m, lanes) {
+        scratch.reserve_on_threads(pool, super::ThreadBuffers::Amx, lanes);
         let aq = amx::ActQuant {
             q: &scratch.aq[..m * cols],
             d: &scratch.ad[..m * lanes],
