@@ -99,9 +99,19 @@ pub struct ServeArgs {
     pub admin_host: Option<String>,
     #[arg(long)]
     pub admin_port: Option<u16>,
-    /// Where tenants and plugin versions persist across restarts.
+    /// Where tenants and plugin versions persist across restarts; with
+    /// --state-store, the local cache of the shared state.
     #[arg(long)]
     pub state_dir: Option<std::path::PathBuf>,
+    /// Tenant and plugin state shared by replicas: s3://bucket/prefix,
+    /// gs://bucket/prefix, az://container/prefix or file:///path
+    /// (credentials from the environment, as each cloud's SDK names them).
+    #[arg(long, env = "PAGODA_STATE_STORE", requires = "state_dir")]
+    pub state_store: Option<String>,
+    /// How often a replica reads the shared state store for changes made
+    /// through other replicas.
+    #[arg(long, default_value_t = 5.0)]
+    pub state_poll_seconds: f64,
     /// Meter plugin calls with fuel (tenants set the fuel per call in plugin_limits.fuel).
     #[arg(long)]
     pub plugin_fuel: bool,
@@ -201,6 +211,16 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
                 (h, p) => Some((h.unwrap_or_else(|| "127.0.0.1".into()), p.unwrap_or(8001))),
             },
             state_dir: a.state_dir,
+            state_store: a.state_store,
+            state_poll: {
+                if !(a.state_poll_seconds.is_finite() && a.state_poll_seconds > 0.0) {
+                    anyhow::bail!(
+                        "--state-poll-seconds {} must be a positive number of seconds",
+                        a.state_poll_seconds
+                    );
+                }
+                std::time::Duration::from_secs_f64(a.state_poll_seconds)
+            },
             plugins: crate::plugins::RuntimeConfig {
                 fuel: a.plugin_fuel,
                 max_instances: a.plugin_max_instances,

@@ -70,8 +70,19 @@ fn query_param(req: &Request<Incoming>, name: &str) -> Result<Option<String>, Ap
     Ok(None)
 }
 
+/// An admin change that failed: a lost race with another replica (409) or
+/// an unreachable state store (503) as such, anything else as bad input.
 fn bad(e: anyhow::Error) -> ApiError {
-    ApiError::invalid(None, format!("{e:#}"))
+    use crate::tenants::shared::StoreError;
+    match e.downcast_ref::<StoreError>() {
+        Some(StoreError::Conflict(_)) => ApiError::conflict(format!("{e:#}")),
+        Some(StoreError::Unavailable { .. }) => {
+            let mut a = ApiError::unavailable(format!("{e:#}"));
+            a.retry_after = Some(5);
+            a
+        }
+        None => ApiError::invalid(None, format!("{e:#}")),
+    }
 }
 
 fn tenant_not_found(id: &str) -> ApiError {
@@ -96,6 +107,9 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "plugin_limits": c.plugin_limits,
         "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),
         "installed": state.tenants.list_plugins(t)["data"],
+        // With --state-store: the revision of the shared manifest this
+        // replica serves (each landed change adds one).
+        "state_revision": state.tenants.revision_of(&c.id),
     })
 }
 
@@ -165,12 +179,15 @@ pub async fn route(
             Ok(json_response(&tenant_view(&state, &t)))
         }
         (Method::DELETE, ["admin", "v1", "tenants", id]) => {
-            if state
-                .tenants
-                .delete(id)
-                .await
-                .map_err(|e| ApiError::internal(format!("{e:#}")))?
-            {
+            if state.tenants.delete(id).await.map_err(|e| {
+                if e.downcast_ref::<crate::tenants::shared::StoreError>()
+                    .is_some()
+                {
+                    bad(e)
+                } else {
+                    ApiError::internal(format!("{e:#}"))
+                }
+            })? {
                 Ok(json_response(&json!({"id": id, "deleted": true})))
             } else {
                 Err(tenant_not_found(id))

@@ -59,6 +59,10 @@ pub struct ServerConfig {
     pub admin_addr: Option<(String, u16)>,
     /// Where tenants and plugin versions persist (in memory only if None).
     pub state_dir: Option<std::path::PathBuf>,
+    /// `--state-store`: the object store replicas share tenants through.
+    pub state_store: Option<String>,
+    /// `--state-poll-seconds`.
+    pub state_poll: std::time::Duration,
     /// Plugin runtime settings.
     pub plugins: crate::plugins::RuntimeConfig,
     /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
@@ -200,6 +204,14 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         "Fraction of KV-cache blocks in use (0 to 1)."
     );
     metrics::describe_counter!(m::PROMPT_TOKENS, "Prompt tokens processed.");
+    metrics::describe_gauge!(
+        crate::tenants::shared::metrics::UP,
+        "1 while the shared state store (--state-store) answers, else 0."
+    );
+    metrics::describe_counter!(
+        crate::tenants::shared::metrics::ERRORS,
+        "Operations on the shared state store that failed to reach it."
+    );
     metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
     metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
     metrics::describe_counter!(
@@ -695,16 +707,53 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         crate::tenants::store::create_private_dir(dir)
             .with_context(|| format!("cannot create --state-dir {}", dir.display()))?;
     }
-    let tenants = Arc::new(crate::tenants::Tenants::new(
-        runtime,
-        config.state_dir.clone(),
-        admin_token.clone(),
-    )?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("pagoda-http")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let mut tenants =
+        crate::tenants::Tenants::new(runtime, config.state_dir.clone(), admin_token.clone())?;
+    if let Some(url) = &config.state_store {
+        let store = Arc::new(crate::tenants::shared::StateStore::open(url)?);
+        // The store's key salt, so every replica hashes keys alike; while
+        // it is unreachable the cache's serves, and the first poll that
+        // reaches it confirms or replaces that.
+        let salt = match rt.block_on(store.salt(tenants.salt())) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                tracing::error!("{e}");
+                None
+            }
+        };
+        tenants = tenants.with_store(store, salt)?;
+    }
+    let tenants = Arc::new(tenants);
     if let Some(dir) = &config.state_dir {
         let n = tenants
             .load_all()
             .context("cannot load the tenants from --state-dir")?;
         tracing::info!("loaded {n} tenants from {}", dir.display());
+    }
+    if let Some(store) = tenants.state_store() {
+        match rt.block_on(tenants.sync_from_store()) {
+            Ok(()) => tracing::info!(
+                "state store {}: {} tenants",
+                store.url(),
+                tenants.ids().len()
+            ),
+            Err(e) => tracing::error!("{e:#}"),
+        }
+        let (t, every) = (Arc::clone(&tenants), config.state_poll);
+        rt.spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                if let Err(e) = t.sync_from_store().await {
+                    tracing::debug!("state store poll: {e:#}");
+                }
+            }
+        });
     }
     let model_root = args.model.display().to_string();
     let state = Arc::new(AppState {
@@ -721,12 +770,6 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         in_flight: AtomicUsize::new(0),
         metrics,
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("pagoda-http")
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
     rt.block_on(async move {
         let addr: SocketAddr = format!("{}:{}", state.config.host, state.config.port)
             .parse()

@@ -20,6 +20,8 @@
 //! plugin artifacts are the server's alone.
 
 pub mod metric_label;
+mod replica;
+pub mod shared;
 pub mod store;
 
 use crate::plugins::{
@@ -472,9 +474,20 @@ pub struct Tenants {
     map: RwLock<HashMap<String, Arc<Tenant>>>,
     /// key hash → tenant id
     keys: RwLock<HashMap<String, String>>,
-    /// The salt of the key hashes: `key-salt` in the state directory, or
-    /// random for a server that keeps no state.
-    salt: [u8; 32],
+    /// The salt of the key hashes: `key-salt` in the state directory (the
+    /// shared store's, with one), or random for a server that keeps no
+    /// state.
+    salt: RwLock<[u8; 32]>,
+    /// Whether `salt` is the shared store's (false until the store has
+    /// been reached once).
+    salt_confirmed: std::sync::atomic::AtomicBool,
+    /// The state store replicas share (`--state-store`).
+    shared: Option<Arc<shared::StateStore>>,
+    /// What this replica last applied of each tenant's manifest.
+    seen: Mutex<HashMap<String, replica::Seen>>,
+    /// Serializes this replica's changes to the shared store (and its
+    /// polls), so each change is based on the latest manifest it read.
+    writes: tokio::sync::Mutex<()>,
     /// The admin token, which no tenant key may equal.
     admin_token: Option<String>,
     /// Plugin instances reserved by requests in flight, all tenants.
@@ -498,7 +511,11 @@ impl Tenants {
             dir,
             map: RwLock::new(HashMap::new()),
             keys: RwLock::new(HashMap::new()),
-            salt,
+            salt: RwLock::new(salt),
+            salt_confirmed: std::sync::atomic::AtomicBool::new(false),
+            shared: None,
+            seen: Mutex::new(HashMap::new()),
+            writes: tokio::sync::Mutex::new(()),
             admin_token,
             instances_held: Arc::new(AtomicUsize::new(0)),
         })
@@ -552,6 +569,14 @@ impl Tenants {
         Ok(adm)
     }
 
+    /// The salt API keys are hashed with.
+    pub fn salt(&self) -> [u8; 32] {
+        *self
+            .salt
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub fn is_empty(&self) -> bool {
         self.map
             .read()
@@ -583,7 +608,7 @@ impl Tenants {
     /// each in constant time, so the time taken says nothing about which
     /// keys exist or how close a guess came.
     pub fn by_key(&self, key: &str) -> Option<Arc<Tenant>> {
-        let salted = hash_key(&self.salt, key);
+        let salted = hash_key(&self.salt(), key);
         let plain = sha256_hex(key.as_bytes());
         let index = self
             .keys
@@ -625,6 +650,7 @@ impl Tenants {
         if !valid_name(id) {
             bail!("tenant id '{id}' is not valid (1-64 of A-Z a-z 0-9 _ - .)");
         }
+        let write = self.begin_write(id).await?;
         let existing = self.get(id);
         let old = existing.as_ref().map(|t| t.snapshot().config.clone());
         let api_key_hashes = match spec.api_keys {
@@ -642,7 +668,7 @@ impl Tenants {
                 }
                 let hashes: Vec<String> = keys
                     .iter()
-                    .map(|k| hash_key(&self.salt, k.trim()))
+                    .map(|k| hash_key(&self.salt(), k.trim()))
                     .collect();
                 let index = self
                     .keys
@@ -703,6 +729,19 @@ impl Tenants {
                     .clone()
             }
         };
+        if let Some((_, basis)) = &write {
+            let m = self.manifest_of(Some(&tenant), config.clone());
+            if let Err(e) = self.commit(id, basis, m).await {
+                if old.is_none() {
+                    // Not created after all.
+                    self.map
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .remove(id);
+                }
+                return Err(e);
+            }
+        }
         let _g = tenant.admin.lock().await;
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
@@ -721,9 +760,22 @@ impl Tenants {
     }
 
     pub async fn delete(&self, id: &str) -> Result<bool> {
+        let write = self.begin_write(id).await?;
         let Some(t) = self.get(id) else {
             return Ok(false);
         };
+        if let Some((_, basis)) = &write {
+            // A tombstone, written on the version read like any change.
+            let mut m = self.manifest_of(
+                None,
+                TenantConfig {
+                    id: id.to_string(),
+                    ..TenantConfig::default()
+                },
+            );
+            m.deleted = true;
+            self.commit(id, basis, m).await?;
+        }
         let _g = t.admin.lock().await;
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
@@ -768,6 +820,10 @@ impl Tenants {
         })
         .await
         .map_err(|e| anyhow!("the compiler task failed: {e}"))??;
+        let write = self.begin_write(&tenant.id).await?;
+        let tenant = &self
+            .get(&tenant.id)
+            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
         let _g = tenant.admin.lock().await;
         let (version, history) = {
             let slots = tenant
@@ -804,6 +860,16 @@ impl Tenants {
             config,
             pre,
         ));
+        if let (Some((_, basis)), Some(shared)) = (&write, &self.shared) {
+            // The component first: a manifest never names a missing blob.
+            shared.put_blob(&record.sha256, wasm.clone()).await?;
+            let mut m = self.manifest_of(Some(tenant), tenant.snapshot().config.clone());
+            let p = m.plugins.entry(name.to_string()).or_default();
+            p.versions.insert(version, record.clone());
+            p.active = Some(version);
+            p.history = history.clone();
+            self.commit(&tenant.id, basis, m).await?;
+        }
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
             let (tid, n, r, h) = (
@@ -837,6 +903,10 @@ impl Tenants {
 
     /// Makes the previously active version active again.
     pub async fn rollback(&self, tenant: &Arc<Tenant>, name: &str) -> Result<VersionRecord> {
+        let write = self.begin_write(&tenant.id).await?;
+        let tenant = &self
+            .get(&tenant.id)
+            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
         let _g = tenant.admin.lock().await;
         let (target, history, record, loaded) = {
             let slots = tenant
@@ -859,6 +929,11 @@ impl Tenants {
         };
         let loaded = match loaded {
             Some(l) => l,
+            None if self.shared.is_some() => {
+                let limits = tenant.snapshot().config.plugin_limits.clone();
+                self.load_shared_version(&tenant.id, name, &record, &limits)
+                    .await?
+            }
             None => {
                 let dir = self
                     .dir
@@ -874,6 +949,13 @@ impl Tenants {
                 .map_err(|e| anyhow!("{e}"))??
             }
         };
+        if let Some((_, basis)) = &write {
+            let mut m = self.manifest_of(Some(tenant), tenant.snapshot().config.clone());
+            let p = m.plugins.entry(name.to_string()).or_default();
+            p.active = Some(target);
+            p.history = history.clone();
+            self.commit(&tenant.id, basis, m).await?;
+        }
         if let Some(dir) = &self.dir {
             let dir = dir.clone();
             let (tid, n, h) = (tenant.id.clone(), name.to_string(), history.clone());

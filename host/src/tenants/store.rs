@@ -315,3 +315,42 @@ pub fn load_all(
     }
     Ok(out)
 }
+
+/// The version record `<v>.json` the cache holds, if readable.
+pub fn cached_record(root: &Path, id: &str, name: &str, version: u64) -> Option<VersionRecord> {
+    let b = std::fs::read(plugin_dir(root, id, name).join(format!("{version}.json"))).ok()?;
+    serde_json::from_slice(&b).ok()
+}
+
+/// Writes record `r` into the cache unless one for its version (and
+/// component) is there: the cached one may carry its artifact's hash.
+pub fn save_record_if_absent(root: &Path, id: &str, name: &str, r: &VersionRecord) -> Result<()> {
+    if cached_record(root, id, name, r.version).is_some_and(|c| c.sha256 == r.sha256) {
+        return Ok(());
+    }
+    write_atomic(
+        &plugin_dir(root, id, name).join(format!("{}.json", r.version)),
+        &serde_json::to_vec_pretty(r)?,
+    )
+}
+
+/// Whether the cache holds version `r`'s component, byte for byte.
+pub fn cached_component(root: &Path, id: &str, name: &str, r: &VersionRecord) -> bool {
+    std::fs::read(plugin_dir(root, id, name).join(format!("{}.wasm", r.version)))
+        .is_ok_and(|b| super::sha256_hex(&b) == r.sha256)
+}
+
+/// Puts version `r`'s component into the cache, then its record.
+pub fn save_component(
+    root: &Path,
+    id: &str,
+    name: &str,
+    r: &VersionRecord,
+    wasm: &[u8],
+) -> Result<()> {
+    write_atomic(
+        &plugin_dir(root, id, name).join(format!("{}.wasm", r.version)),
+        wasm,
+    )?;
+    save_record_if_absent(root, id, name, r)
+}

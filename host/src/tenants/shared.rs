@@ -1,0 +1,571 @@
+//! Tenant and plugin state shared by replicas through an object store
+//! (`--state-store s3://bucket/prefix`, `gs://…`, `az://…`, `file:///path`).
+//!
+//! Layout under the store's prefix:
+//! - `key-salt`: the 32-byte salt of the API-key hashes, written once (the
+//!   first replica's), so that every replica hashes a key alike.
+//! - `blobs/<sha256>`: plugin components, immutable, named by their content.
+//!   Compiled artifacts are native code for one machine and stay in each
+//!   replica's `--state-dir`.
+//! - `tenants/<id>/manifest.json`: one [`Manifest`] per tenant: its config,
+//!   key hashes, plugin chain and versions. It is only ever replaced by a
+//!   conditional write on the version that was read (`PutMode::Update`), so
+//!   two replicas that change one tenant at once never lose an update: the
+//!   second write fails with [`StoreError::Conflict`]. A deleted tenant
+//!   leaves a tombstone written the same way, so a delete cannot silently
+//!   undo a concurrent update either.
+
+use super::{TenantConfig, VersionRecord};
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use object_store::path::Path;
+use object_store::{
+    ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
+    UpdateVersion,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Metric names (described in the server's metrics setup).
+pub mod metrics {
+    /// 1 while the last operation on the state store succeeded, else 0.
+    pub const UP: &str = "pagoda_state_store_up";
+    /// Operations on the state store that failed because it was unreachable.
+    pub const ERRORS: &str = "pagoda_state_store_errors_total";
+}
+
+/// One tenant's state as the store holds it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Manifest {
+    /// Bumped by every write: tells which of several writes landed last.
+    pub revision: u64,
+    /// A tombstone: the tenant was deleted at this revision.
+    pub deleted: bool,
+    pub config: TenantConfig,
+    pub plugins: BTreeMap<String, ManifestPlugin>,
+}
+
+/// A plugin's versions in a [`Manifest`].
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ManifestPlugin {
+    /// The records, without artifact hashes (those are per machine).
+    pub versions: BTreeMap<u64, VersionRecord>,
+    pub active: Option<u64>,
+    pub history: Vec<u64>,
+}
+
+/// A manifest as read, with the version a conditional write is based on.
+pub struct ReadManifest {
+    /// None: the tenant has never been written (a tombstone is `Some`).
+    pub manifest: Option<Manifest>,
+    /// What [`StateStore::write_manifest`] must find to replace it.
+    pub basis: Option<UpdateVersion>,
+}
+
+/// Why a store operation failed, as the admin API reports it.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// A conditional write found another replica's write in its place.
+    #[error("tenant '{0}' was changed through another replica at the same time; read it again and retry")]
+    Conflict(String),
+    /// The store could not be reached (or answered with a server error).
+    #[error("the state store {url} is unreachable ({detail}); requests are served from the local cache, and admin changes are refused until it is back")]
+    Unavailable { url: String, detail: String },
+}
+
+/// The shared store of one server.
+pub struct StateStore {
+    store: Arc<dyn ObjectStore>,
+    prefix: Path,
+    /// `file://` only: `LocalFileSystem` has no conditional update, so a
+    /// manifest is compared and replaced under an exclusive lock on this
+    /// file, which every replica on the machine (or on a shared mount with
+    /// working locks) takes.
+    local_lock: Option<std::path::PathBuf>,
+    url: String,
+    /// Whether the last operation reached the store (for the transition log
+    /// lines and the gauge).
+    up: AtomicBool,
+}
+
+impl StateStore {
+    /// Opens the store `url` names. Cloud credentials and endpoints come
+    /// from the environment as each SDK names them (`AWS_ACCESS_KEY_ID`,
+    /// `AWS_ENDPOINT_URL`, `AWS_ALLOW_HTTP`, `GOOGLE_SERVICE_ACCOUNT`,
+    /// `AZURE_STORAGE_ACCOUNT_NAME`, ...).
+    pub fn open(url: &str) -> Result<StateStore> {
+        let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+            anyhow!("--state-store {url}: give a URL such as s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or file:///path")
+        })?;
+        // Fail fast unless the environment says otherwise: an admin write
+        // waits on these, and serving never does.
+        let timeouts = [
+            (ClientConfigKey::Timeout, "5s"),
+            (ClientConfigKey::ConnectTimeout, "2s"),
+        ];
+        let retry = RetryConfig {
+            max_retries: 2,
+            retry_timeout: Duration::from_secs(5),
+            ..RetryConfig::default()
+        };
+        let bucket_prefix = |rest: &str| -> (String, String) {
+            let (b, p) = rest.split_once('/').unwrap_or((rest, ""));
+            (b.to_string(), p.trim_matches('/').to_string())
+        };
+        let (store, prefix, local_lock): (Arc<dyn ObjectStore>, String, _) = match scheme {
+            "s3" | "s3a" => {
+                let (bucket, prefix) = bucket_prefix(rest);
+                let mut b = object_store::aws::AmazonS3Builder::from_env();
+                for (k, v) in timeouts {
+                    let k = object_store::aws::AmazonS3ConfigKey::Client(k);
+                    if b.get_config_value(&k).is_none() {
+                        b = b.with_config(k, v);
+                    }
+                }
+                let s = b
+                    .with_bucket_name(bucket)
+                    .with_retry(retry)
+                    .build()
+                    .with_context(|| format!("--state-store {url}"))?;
+                (Arc::new(s), prefix, None)
+            }
+            "gs" => {
+                let (bucket, prefix) = bucket_prefix(rest);
+                let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env();
+                for (k, v) in timeouts {
+                    let k = object_store::gcp::GoogleConfigKey::Client(k);
+                    if b.get_config_value(&k).is_none() {
+                        b = b.with_config(k, v);
+                    }
+                }
+                let s = b
+                    .with_bucket_name(bucket)
+                    .with_retry(retry)
+                    .build()
+                    .with_context(|| format!("--state-store {url}"))?;
+                (Arc::new(s), prefix, None)
+            }
+            "az" | "azure" => {
+                let (container, prefix) = bucket_prefix(rest);
+                let mut b = object_store::azure::MicrosoftAzureBuilder::from_env();
+                for (k, v) in timeouts {
+                    let k = object_store::azure::AzureConfigKey::Client(k);
+                    if b.get_config_value(&k).is_none() {
+                        b = b.with_config(k, v);
+                    }
+                }
+                let s = b
+                    .with_container_name(container)
+                    .with_retry(retry)
+                    .build()
+                    .with_context(|| format!("--state-store {url}"))?;
+                (Arc::new(s), prefix, None)
+            }
+            "file" => {
+                let root = std::path::PathBuf::from(rest);
+                if !root.is_absolute() {
+                    bail!(
+                        "--state-store {url}: a file store needs an absolute path (file:///path)"
+                    );
+                }
+                super::store::create_private_dir(&root)
+                    .with_context(|| format!("cannot create --state-store {}", root.display()))?;
+                let s = object_store::local::LocalFileSystem::new_with_prefix(&root)
+                    .with_context(|| format!("--state-store {url}"))?;
+                (
+                    Arc::new(s),
+                    String::new(),
+                    Some(root.join(".manifest-lock")),
+                )
+            }
+            other => {
+                bail!("--state-store {url}: the scheme '{other}' is not one of s3, gs, az and file")
+            }
+        };
+        Ok(StateStore {
+            store,
+            prefix: Path::from(prefix),
+            local_lock,
+            url: url.to_string(),
+            up: AtomicBool::new(true),
+        })
+    }
+
+    /// The URL it was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn path(&self, rel: &str) -> Path {
+        rel.split('/')
+            .fold(self.prefix.clone(), |p, part| p.join(part))
+    }
+
+    fn manifest_path(&self, id: &str) -> Path {
+        self.path(&format!("tenants/{id}/manifest.json"))
+    }
+
+    /// Records whether the store answered: a log line and the gauge on
+    /// each change, and the error counter on each failure.
+    fn note(&self, ok: bool, what: &str, detail: &str) {
+        let was = self.up.swap(ok, Ordering::AcqRel);
+        ::metrics::gauge!(metrics::UP).set(if ok { 1.0 } else { 0.0 });
+        if !ok {
+            ::metrics::counter!(metrics::ERRORS).increment(1);
+        }
+        match (was, ok) {
+            (true, false) => tracing::error!(
+                "state store {} unreachable ({what}: {detail}); serving from the local cache, admin changes get 503 until it is back",
+                self.url
+            ),
+            (false, true) => {
+                tracing::info!("state store {} reachable again", self.url)
+            }
+            _ => {}
+        }
+    }
+
+    /// Classifies an object store error: the store's own answers pass
+    /// through, anything else means it could not be reached.
+    fn unavailable(&self, what: &str, e: &object_store::Error) -> StoreError {
+        let detail = format!("{what}: {e}");
+        self.note(false, what, &e.to_string());
+        StoreError::Unavailable {
+            url: self.url.clone(),
+            detail,
+        }
+    }
+
+    /// Whether the last operation reached the store.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Acquire)
+    }
+
+    /// The shared key salt: the store's if it has one, else `proposed`
+    /// (the local cache's), written so every later replica uses it too.
+    pub async fn salt(&self, proposed: [u8; 32]) -> Result<[u8; 32], StoreError> {
+        let path = self.path("key-salt");
+        for _ in 0..2 {
+            match self.store.get(&path).await {
+                Ok(r) => {
+                    let b = r
+                        .bytes()
+                        .await
+                        .map_err(|e| self.unavailable("key-salt", &e))?;
+                    self.note(true, "", "");
+                    return <[u8; 32]>::try_from(b.as_ref()).map_err(|_| StoreError::Unavailable {
+                        url: self.url.clone(),
+                        detail: format!(
+                            "key-salt holds {} bytes, not 32; restore it from a backup",
+                            b.len()
+                        ),
+                    });
+                }
+                Err(object_store::Error::NotFound { .. }) => {
+                    let opts = PutOptions::from(PutMode::Create);
+                    match self
+                        .store
+                        .put_opts(&path, PutPayload::from(proposed.to_vec()), opts)
+                        .await
+                    {
+                        Ok(_) => {
+                            self.note(true, "", "");
+                            return Ok(proposed);
+                        }
+                        // Another replica wrote it first: read theirs.
+                        Err(object_store::Error::AlreadyExists { .. }) => continue,
+                        Err(e) => return Err(self.unavailable("key-salt", &e)),
+                    }
+                }
+                Err(e) => return Err(self.unavailable("key-salt", &e)),
+            }
+        }
+        Err(StoreError::Unavailable {
+            url: self.url.clone(),
+            detail: "key-salt vanished while being read".into(),
+        })
+    }
+
+    /// Reads tenant `id`'s manifest.
+    pub async fn read_manifest(&self, id: &str) -> Result<ReadManifest> {
+        let path = self.manifest_path(id);
+        let r = match self.store.get(&path).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => {
+                self.note(true, "", "");
+                return Ok(ReadManifest {
+                    manifest: None,
+                    basis: None,
+                });
+            }
+            Err(e) => return Err(self.unavailable(&format!("reading {path}"), &e).into()),
+        };
+        let basis = UpdateVersion {
+            e_tag: r.meta.e_tag.clone(),
+            version: r.meta.version.clone(),
+        };
+        let b = r
+            .bytes()
+            .await
+            .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
+        self.note(true, "", "");
+        let manifest: Manifest = serde_json::from_slice(&b)
+            .with_context(|| format!("the state store's {path} is not a tenant manifest"))?;
+        Ok(ReadManifest {
+            manifest: Some(manifest),
+            basis: Some(basis),
+        })
+    }
+
+    /// Replaces tenant `id`'s manifest if it is still the one `basis` was
+    /// read from (`None`: if there is none yet). Returns the new version's
+    /// e-tag.
+    pub async fn write_manifest(
+        &self,
+        id: &str,
+        m: &Manifest,
+        basis: Option<UpdateVersion>,
+    ) -> Result<Option<String>> {
+        let path = self.manifest_path(id);
+        let body = PutPayload::from(serde_json::to_vec_pretty(m)?);
+        let result = match &self.local_lock {
+            Some(lock) => self.write_locked(lock, &path, body, basis, id).await?,
+            None => {
+                let mode = match basis {
+                    Some(v) => PutMode::Update(v),
+                    None => PutMode::Create,
+                };
+                self.store
+                    .put_opts(&path, body, PutOptions::from(mode))
+                    .await
+            }
+        };
+        match result {
+            Ok(r) => {
+                self.note(true, "", "");
+                Ok(r.e_tag)
+            }
+            Err(
+                object_store::Error::Precondition { .. }
+                | object_store::Error::AlreadyExists { .. },
+            ) => {
+                self.note(true, "", "");
+                Err(StoreError::Conflict(id.to_string()).into())
+            }
+            Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
+        }
+    }
+
+    /// [`StateStore::write_manifest`] on a local file system: compare the
+    /// e-tag and replace the file under an exclusive lock.
+    async fn write_locked(
+        &self,
+        lock: &std::path::Path,
+        path: &Path,
+        body: PutPayload,
+        basis: Option<UpdateVersion>,
+        id: &str,
+    ) -> Result<object_store::Result<object_store::PutResult>> {
+        let lock = lock.to_path_buf();
+        let file = tokio::task::spawn_blocking(move || -> Result<std::fs::File> {
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&lock)
+                .with_context(|| format!("cannot open {}", lock.display()))?;
+            f.lock()
+                .with_context(|| format!("cannot lock {}", lock.display()))?;
+            Ok(f)
+        })
+        .await
+        .map_err(|e| anyhow!("the lock task failed: {e}"))??;
+        let current = match self.store.head(path).await {
+            Ok(meta) => Some(meta.e_tag),
+            Err(object_store::Error::NotFound { .. }) => None,
+            Err(e) => return Ok(Err(e)),
+        };
+        let expected = basis.map(|b| b.e_tag);
+        let r = if current != expected {
+            Err(object_store::Error::Precondition {
+                path: path.to_string(),
+                source: format!("tenant {id} changed").into(),
+            })
+        } else {
+            self.store
+                .put_opts(path, body, PutOptions::from(PutMode::Overwrite))
+                .await
+        };
+        drop(file);
+        Ok(r)
+    }
+
+    /// Stores a plugin component under its sha256 (a no-op if present).
+    pub async fn put_blob(&self, sha256: &str, bytes: Bytes) -> Result<()> {
+        let path = self.path(&format!("blobs/{sha256}"));
+        let opts = PutOptions::from(PutMode::Create);
+        let bytes_again = bytes.clone();
+        match self
+            .store
+            .put_opts(&path, PutPayload::from(bytes), opts)
+            .await
+        {
+            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
+                self.note(true, "", "");
+                Ok(())
+            }
+            // A store without conditional creation: the name is the
+            // content's hash, so overwriting it changes nothing.
+            Err(object_store::Error::NotImplemented { .. }) => {
+                match self.store.put(&path, PutPayload::from(bytes_again)).await {
+                    Ok(_) => {
+                        self.note(true, "", "");
+                        Ok(())
+                    }
+                    Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
+                }
+            }
+            Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
+        }
+    }
+
+    /// Fetches the plugin component with this sha256, checked.
+    pub async fn get_blob(&self, sha256: &str) -> Result<Bytes> {
+        let path = self.path(&format!("blobs/{sha256}"));
+        let b = match self.store.get(&path).await {
+            Ok(r) => r.bytes().await,
+            Err(e) => Err(e),
+        }
+        .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
+        self.note(true, "", "");
+        let actual = super::sha256_hex(&b);
+        if actual != sha256 {
+            bail!("the state store's {path} has sha256 {actual}; upload the plugin again");
+        }
+        Ok(b)
+    }
+
+    /// Every tenant manifest in the store, by id, with its e-tag.
+    pub async fn list_manifests(&self) -> Result<BTreeMap<String, Option<String>>> {
+        use futures_util::TryStreamExt;
+        let dir = self.path("tenants");
+        let metas: Vec<object_store::ObjectMeta> = self
+            .store
+            .list(Some(&dir))
+            .try_collect()
+            .await
+            .map_err(|e| self.unavailable(&format!("listing {dir}"), &e))?;
+        self.note(true, "", "");
+        let mut out = BTreeMap::new();
+        for m in metas {
+            let mut parts = m.location.prefix_match(&dir).into_iter().flatten();
+            let (Some(id), Some(file), None) = (parts.next(), parts.next(), parts.next()) else {
+                continue;
+            };
+            if file.as_ref() == "manifest.json" && super::valid_name(id.as_ref()) {
+                out.insert(id.as_ref().to_string(), m.e_tag);
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(revision: u64) -> Manifest {
+        Manifest {
+            revision,
+            config: TenantConfig {
+                id: "t".into(),
+                ..TenantConfig::default()
+            },
+            ..Manifest::default()
+        }
+    }
+
+    /// The conditional write, as the admin API relies on it: a write based
+    /// on a stale read loses, on every kind of store we can run here.
+    async fn stale_writes_conflict(s: &StateStore) {
+        let r = s.read_manifest("t").await.unwrap();
+        assert!(r.manifest.is_none());
+        s.write_manifest("t", &manifest(1), None).await.unwrap();
+        // A second creation conflicts.
+        let e = s.write_manifest("t", &manifest(1), None).await.unwrap_err();
+        assert!(
+            matches!(e.downcast_ref(), Some(StoreError::Conflict(_))),
+            "{e:#}"
+        );
+        let a = s.read_manifest("t").await.unwrap();
+        let b = s.read_manifest("t").await.unwrap();
+        assert_eq!(a.manifest.as_ref().unwrap().revision, 1);
+        s.write_manifest("t", &manifest(2), a.basis).await.unwrap();
+        let e = s
+            .write_manifest("t", &manifest(2), b.basis)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e.downcast_ref(), Some(StoreError::Conflict(_))),
+            "{e:#}"
+        );
+        let now = s.read_manifest("t").await.unwrap();
+        assert_eq!(now.manifest.unwrap().revision, 2);
+        let listed = s.list_manifests().await.unwrap();
+        assert_eq!(listed.keys().collect::<Vec<_>>(), ["t"]);
+        // Blobs are content-addressed and checked on the way back.
+        let wasm = Bytes::from_static(b"\0asm component");
+        let sha = super::super::sha256_hex(&wasm);
+        s.put_blob(&sha, wasm.clone()).await.unwrap();
+        s.put_blob(&sha, wasm.clone()).await.unwrap();
+        assert_eq!(s.get_blob(&sha).await.unwrap(), wasm);
+        // The salt is the first proposal, whatever later replicas propose.
+        let first = s.salt([7; 32]).await.unwrap();
+        assert_eq!(first, [7; 32]);
+        assert_eq!(s.salt([9; 32]).await.unwrap(), [7; 32]);
+    }
+
+    #[tokio::test]
+    async fn a_stale_write_conflicts_on_a_file_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(&format!("file://{}", dir.path().display())).unwrap();
+        stale_writes_conflict(&s).await;
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_store_is_reported_as_such() {
+        // Nothing listens on port 9 of loopback.
+        std::env::set_var("AWS_ENDPOINT", "http://127.0.0.1:9");
+        std::env::set_var("AWS_ALLOW_HTTP", "true");
+        std::env::set_var("AWS_ACCESS_KEY_ID", "x");
+        std::env::set_var("AWS_SECRET_ACCESS_KEY", "x");
+        std::env::set_var("AWS_REGION", "us-east-1");
+        let s = StateStore::open("s3://bucket/prefix").unwrap();
+        let e = s.read_manifest("t").await.err().unwrap();
+        assert!(
+            matches!(e.downcast_ref(), Some(StoreError::Unavailable { .. })),
+            "{e:#}"
+        );
+        // Refused by the network, not by the client's own configuration.
+        let text = format!("{e:#}");
+        assert!(!text.contains("builder error"), "{text}");
+        assert!(!s.is_up());
+    }
+
+    #[test]
+    fn bad_urls_say_what_to_give() {
+        for (url, says) in [
+            ("bucket/prefix", "s3://bucket/prefix"),
+            ("ftp://x/y", "not one of"),
+            ("file://relative/path", "absolute path"),
+        ] {
+            let e = StateStore::open(url).err().unwrap();
+            assert!(format!("{e:#}").contains(says), "{url}: {e:#}");
+        }
+    }
+}

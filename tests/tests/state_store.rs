@@ -1,0 +1,342 @@
+//! Replicas sharing tenants and plugins through an S3 store
+//! (`--state-store`): three `pagoda serve` processes on loopback and a moto
+//! S3 server (from PyPI; scripts/test.sh installs it).
+//!
+//! - A tenant and a plugin created through replica A are served by B and C
+//!   within two poll intervals.
+//! - 20 concurrent conflicting admin writes spread over the replicas lose
+//!   no update: each lands or gets a 409, the landed ones have distinct
+//!   revisions, and every replica ends at the last one that landed.
+//! - With the store unreachable, requests are still served, admin writes
+//!   get a 503 with an OpenAI error body, the gauge says so; when it is
+//!   back, a change made through one replica reaches the others.
+//!
+//! The outage is a TCP proxy in front of moto that the test stops and
+//! starts: moto keeps its objects in memory, so killing the process itself
+//! would also wipe the bucket, which is not the outage being tested.
+
+mod plugins_common;
+
+use pagoda_e2e::{agent, demo_gguf, free_port, Server, TempDir};
+use plugins_common::*;
+use serde_json::{json, Value};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BUCKET: &str = "pagoda-state";
+const KEY: &str = "key-shared-tenant-1";
+const POLL_SECONDS: u64 = 2;
+
+/// A moto S3 server on a free loopback port, killed on drop.
+struct Moto {
+    child: Child,
+    port: u16,
+}
+
+impl Moto {
+    fn start() -> Moto {
+        let port = free_port();
+        let child = Command::new("python3")
+            .args([
+                "-m",
+                "moto.server",
+                "-H",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 -m moto.server (pip install 'moto[server]')");
+        let m = Moto { child, port };
+        let t0 = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "moto did not start; is moto[server] installed?"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let r = agent()
+            .put(&format!("http://127.0.0.1:{port}/{BUCKET}"))
+            .send_empty()
+            .expect("creating the bucket");
+        assert_eq!(r.status().as_u16(), 200);
+        m
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A TCP proxy that can be taken down (every connection cut, the port
+/// refusing) and brought back on the same port.
+struct Proxy {
+    port: u16,
+    target: u16,
+    up: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Proxy {
+    fn start(target: u16) -> Proxy {
+        let mut p = Proxy {
+            port: free_port(),
+            target,
+            up: Arc::new(AtomicBool::new(false)),
+            conns: Arc::new(Mutex::new(Vec::new())),
+            acceptor: None,
+        };
+        p.bring_up();
+        p
+    }
+
+    fn bring_up(&mut self) {
+        let l = TcpListener::bind(("127.0.0.1", self.port)).expect("proxy port");
+        l.set_nonblocking(true).expect("nonblocking");
+        self.up.store(true, Ordering::SeqCst);
+        let (up, conns, target) = (Arc::clone(&self.up), Arc::clone(&self.conns), self.target);
+        self.acceptor = Some(std::thread::spawn(move || {
+            while up.load(Ordering::SeqCst) {
+                match l.accept() {
+                    Ok((c, _)) => {
+                        c.set_nonblocking(false).expect("blocking");
+                        let Ok(s) = TcpStream::connect(("127.0.0.1", target)) else {
+                            continue;
+                        };
+                        let mut held = conns.lock().unwrap();
+                        held.push(c.try_clone().unwrap());
+                        held.push(s.try_clone().unwrap());
+                        for (mut a, mut b) in
+                            [(c.try_clone().unwrap(), s.try_clone().unwrap()), (s, c)]
+                        {
+                            std::thread::spawn(move || {
+                                let _ = std::io::copy(&mut a, &mut b);
+                                let _ = b.shutdown(Shutdown::Write);
+                            });
+                        }
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        }));
+    }
+
+    fn take_down(&mut self) {
+        self.up.store(false, Ordering::SeqCst);
+        if let Some(a) = self.acceptor.take() {
+            a.join().unwrap();
+        }
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+fn replica(dir: &TempDir, name: &str, proxy_port: u16) -> Server {
+    let state = dir.0.join(name);
+    let endpoint = format!("http://127.0.0.1:{proxy_port}");
+    let poll = POLL_SECONDS.to_string();
+    Server::start_with_env(
+        &demo_gguf(),
+        &[
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--state-store",
+            &format!("s3://{BUCKET}/replicas"),
+            "--state-poll-seconds",
+            &poll,
+            "--admin-token",
+            ADMIN,
+            "--kv-cache-memory",
+            "64MiB",
+        ],
+        &[
+            ("AWS_ENDPOINT", &endpoint),
+            ("AWS_ALLOW_HTTP", "true"),
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_REGION", "us-east-1"),
+            ("RUST_LOG", "info"),
+        ],
+    )
+}
+
+fn admin(s: &Server, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    call_url(&s.url(path), method, ADMIN, body)
+}
+
+/// Uploads a built component as tenant t's plugin `tag` through `s`.
+fn upload(s: &Server, file: &str) -> (u16, String) {
+    let mut r = agent()
+        .put(&s.url("/admin/v1/tenants/t/plugins/tag"))
+        .header("Authorization", &format!("Bearer {ADMIN}"))
+        .send(&component(file)[..])
+        .expect("upload");
+    let st = r.status().as_u16();
+    (st, r.body_mut().read_to_string().unwrap_or_default())
+}
+
+/// The tag the tenant's plugin appends to a completion through `s`.
+fn tag_of(s: &Server) -> (u16, String) {
+    let body = json!({"model": "smol", "prompt": "Count:", "max_tokens": 4, "temperature": 0});
+    let (st, v) = call_url(&s.url("/v1/completions"), "POST", KEY, Some(&body));
+    (
+        st,
+        v["choices"][0]["text"].as_str().unwrap_or("").to_string(),
+    )
+}
+
+/// Waits until `ok` holds; how long it took.
+fn wait_for(limit: Duration, what: &str, mut ok: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < limit, "{what}: not after {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    t0.elapsed()
+}
+
+#[test]
+fn three_replicas_share_tenants_and_plugins_through_s3() {
+    let moto = Moto::start();
+    let mut proxy = Proxy::start(moto.port);
+    let dir = TempDir::new("state-store");
+    let reps: Vec<Server> = ["a", "b", "c"]
+        .iter()
+        .map(|n| replica(&dir, n, proxy.port))
+        .collect();
+    let (a, b, c) = (&reps[0], &reps[1], &reps[2]);
+    let interval = Duration::from_secs(POLL_SECONDS);
+
+    // A tenant and a plugin through A reach B and C.
+    let (st, v) = admin(
+        a,
+        "PUT",
+        "/admin/v1/tenants/t",
+        Some(&json!({"api_keys": [KEY], "plugins": ["tag"]})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let (st, v) = upload(a, "tag-v1");
+    assert_eq!(st, 201, "{v}");
+    let uploaded = Instant::now();
+    assert!(tag_of(a).1.ends_with(" [v1]"));
+    for (name, s) in [("B", b), ("C", c)] {
+        wait_for(2 * interval + Duration::from_secs(1), name, || {
+            let (st, text) = tag_of(s);
+            st == 200 && text.ends_with(" [v1]")
+        });
+        eprintln!(
+            "{name} serves tenant t with tag-v1 {:.1} s after the upload through A",
+            uploaded.elapsed().as_secs_f64()
+        );
+    }
+
+    // 20 conflicting writes of one tenant, spread over the replicas.
+    let (st, v) = admin(
+        b,
+        "PUT",
+        "/admin/v1/tenants/race",
+        Some(&json!({"models": ["w-init"]})),
+    );
+    assert_eq!(st, 201, "{v}");
+    let base = v["state_revision"].as_u64().expect("a revision");
+    let results = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for i in 0..20 {
+            let (s, results) = (&reps[i % 3], &results);
+            scope.spawn(move || {
+                let body = json!({"models": [format!("w-{i}")]});
+                let (st, v) = admin(s, "PUT", "/admin/v1/tenants/race", Some(&body));
+                results.lock().unwrap().push((i, st, v));
+            });
+        }
+    });
+    let results = results.into_inner().unwrap();
+    let mut landed: Vec<(u64, usize)> = Vec::new();
+    for (i, st, v) in &results {
+        match st {
+            200 => landed.push((v["state_revision"].as_u64().expect("revision"), *i)),
+            409 => assert_eq!(openai_error(v)["code"], "conflict", "{v}"),
+            _ => panic!("write {i}: {st} {v}"),
+        }
+    }
+    landed.sort();
+    let revisions: Vec<u64> = landed.iter().map(|l| l.0).collect();
+    eprintln!(
+        "{} of 20 conflicting writes landed (revisions {revisions:?}), {} got 409",
+        landed.len(),
+        20 - landed.len()
+    );
+    assert!(!landed.is_empty());
+    // Each landed write is based on the one before it: nothing lost.
+    let expected: Vec<u64> = (base + 1..=base + landed.len() as u64).collect();
+    assert_eq!(revisions, expected, "landed writes must chain");
+    let (last_rev, last_i) = *landed.last().unwrap();
+    for s in &reps {
+        wait_for(2 * interval + Duration::from_secs(1), "convergence", || {
+            let (_, v) = admin(s, "GET", "/admin/v1/tenants/race", None);
+            v["state_revision"] == json!(last_rev) && v["models"] == json!([format!("w-{last_i}")])
+        });
+    }
+
+    // The store goes away.
+    proxy.take_down();
+    for s in &reps {
+        let (st, text) = tag_of(s);
+        assert_eq!(st, 200, "served from the cache during the outage");
+        assert!(text.ends_with(" [v1]"), "{text:?}");
+    }
+    let (st, v) = admin(
+        c,
+        "PUT",
+        "/admin/v1/tenants/t2",
+        Some(&json!({"api_keys": ["key-tenant-two-1"]})),
+    );
+    assert_eq!(st, 503, "{v}");
+    assert_eq!(openai_error(&v)["code"], "service_unavailable", "{v}");
+    assert!(
+        openai_error(&v)["message"]
+            .as_str()
+            .unwrap()
+            .contains("unreachable"),
+        "{v}"
+    );
+    for s in &reps {
+        wait_for(3 * interval, "the gauge shows the outage", || {
+            s.metric("pagoda_state_store_up") == 0.0
+        });
+    }
+    assert!(c.log_text().contains("unreachable"));
+
+    // Back: a change through C reaches A and B.
+    proxy.bring_up();
+    for s in &reps {
+        wait_for(3 * interval, "the gauge shows the store back", || {
+            s.metric("pagoda_state_store_up") == 1.0
+        });
+    }
+    let (st, v) = upload(c, "tag-v2");
+    assert_eq!(st, 201, "{v}");
+    for s in &reps {
+        wait_for(
+            2 * interval + Duration::from_secs(1),
+            "tag-v2 everywhere",
+            || {
+                let (st, text) = tag_of(s);
+                st == 200 && text.ends_with(" [v2]")
+            },
+        );
+    }
+    assert!(c.log_text().contains("reachable again"));
+    drop(moto);
+}
