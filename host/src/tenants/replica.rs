@@ -83,9 +83,11 @@ impl Tenants {
             let salt = shared.salt(self.salt()).await?;
             self.set_salt(salt)?;
         }
-        let listed = shared.list_manifests().await?;
-        // Never interleaved with this replica's own admin changes.
+        // Never interleaved with this replica's own admin changes: one
+        // that landed between the listing and the lock would look like a
+        // tenant the store does not have.
         let _w = self.writes.lock().await;
+        let listed = shared.list_manifests().await?;
         for (id, e_tag) in &listed {
             let known = self.seen_of(id).and_then(|s| s.e_tag);
             if e_tag.is_some() && known == *e_tag && self.get(id).is_some() {
