@@ -5,7 +5,7 @@
 //!
 //! Work is split over output rows; each task walks its rows in tiles of `R`
 //! rows (8 for decode, else 4) × `M` activation rows (up to 4 with AVX-512,
-//! 2 with AVX2), so one load of a weight vector feeds `M`
+//! 3 with AVX2), so one load of a weight vector feeds `M`
 //! dot products (batched decode and prefill are compute-bound, not
 //! memory-bound) while the tile's weight rows stay in L1 across the `m`
 //! loop.
@@ -222,8 +222,9 @@ unsafe fn run_rows<const K: u8>(
         let mut r = r0;
         while r < r1 {
             // Decode (m = 1) takes 8 rows at a time: twice the independent
-            // accumulator chains, and half the per-tile overhead.
-            let rt = if me - mb == 1 && level.has_avx512() && r1 - r >= 8 {
+            // accumulator chains, half the per-tile overhead, and a whole
+            // panel, whose loads are then one sequential stream.
+            let rt = if me - mb == 1 && level >= SimdLevel::Avx2 && r1 - r >= 8 {
                 8
             } else if r1 - r >= 4 {
                 4
@@ -251,12 +252,15 @@ unsafe fn run_rows<const K: u8>(
 
 /// Activation rows per tile. AVX-512's 32 registers hold the 4 × 4 integer
 /// accumulators plus operands (the float accumulators, touched once per
-/// group, may live on the stack); AVX2's 16 registers allow 4 × 2. Measured
-/// on Zen 4 at m = 16, 4 × 4 beat 4 × 3 and 4 × 2.
+/// group, may live on the stack). Measured on Zen 4 at m = 16, 4 × 4 beat
+/// 4 × 3 and 4 × 2. AVX2's 16 registers hold 4 × 3 16-bit accumulators
+/// plus the two nibble vectors and the mask; on a Sapphire Rapids Xeon
+/// forced to AVX2 (SmolLM2-135M shapes, m = 16), 4 × 3 beat 4 × 2, 8 × 2
+/// and 2 × 4 by 5–15%, and 4 × 4, which spills, by 20–30%.
 fn max_m_tile(level: SimdLevel) -> usize {
     match level {
         SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => 4,
-        SimdLevel::Avx2 => 2,
+        SimdLevel::Avx2 => 3,
         SimdLevel::Scalar => 1,
     }
 }
@@ -382,7 +386,7 @@ mod x86 {
         }
         p
     }
-    dispatch_tiles!(tile256_dispatch, tile256, 1, 2);
+    dispatch_tiles!(tile256_dispatch, tile256, 1, 2, 3);
 
     /// The vector operations the AVX-512 kernel needs, at two widths: 16
     /// lanes (`Zmm`) for full groups and 8 lanes (`Ymm`, AVX-512VL) for short
@@ -972,26 +976,6 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps::<1>(s2, s2)))
     }
 
-    /// Loads 8 lanes of 4 bytes, only the first `hl` when the half is short.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn ld8(p: *const u8, full: bool, maskv: __m256i) -> __m256i {
-        if full {
-            _mm256_loadu_si256(p as *const __m256i)
-        } else {
-            _mm256_maskload_epi32(p as *const i32, maskv)
-        }
-    }
-
-    /// Copies `n <= 8` elements of `T` into a zeroed 8-element stack array,
-    /// for the scale loads of a short half-group that AVX2 cannot mask.
-    #[inline(always)]
-    unsafe fn short8<T: Copy + Default>(p: *const T, n: usize) -> [T; 8] {
-        let mut t = [T::default(); 8];
-        std::ptr::copy_nonoverlapping(p, t.as_mut_ptr(), n);
-        t
-    }
-
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn hbits256(qh: __m256i, c: usize) -> __m256i {
@@ -1014,7 +998,14 @@ mod x86 {
         }
     }
 
-    /// Per-lane scale and min of half `h` (8 lanes, `hl` valid) of group `g`.
+    /// Per-lane scale and min of half `h` (8 lanes, `hl` valid) of group `g`,
+    /// zero on the lanes past `hl`.
+    ///
+    /// A short half loads all 8 lanes anyway and clears the extra ones: the
+    /// scale arrays are [`super::layout::ABuf`]s, padded past their end, and
+    /// the lanes past `hl` hold the next row's scales, which may be any f16
+    /// (inf or NaN included) and so must not meet the zeros of the masked
+    /// activation lanes.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn scales256<const K: u8>(
@@ -1026,38 +1017,32 @@ mod x86 {
     ) -> (__m256, __m256) {
         let lb = r * w.lanes + 16 * g + 8 * h;
         let zero = _mm256_setzero_ps();
+        let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32(hl as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        ));
+        let clear = |v: __m256| if hl == 8 { v } else { _mm256_and_ps(v, keep) };
         let f16x8 = |p: *const u8| {
-            let p = p.add(2 * lb) as *const u16;
-            let v = if hl == 8 {
-                _mm_loadu_si128(p as *const __m128i)
-            } else {
-                _mm_loadu_si128(short8(p, hl).as_ptr() as *const __m128i)
-            };
-            _mm256_cvtph_ps(v)
+            clear(_mm256_cvtph_ps(_mm_loadu_si128(
+                p.add(2 * lb) as *const __m128i
+            )))
         };
-        let u8x8 = |p: *const u8| {
-            let p = p.add(lb);
-            if hl == 8 {
-                _mm_loadl_epi64(p as *const __m128i)
-            } else {
-                _mm_loadl_epi64(short8(p, hl).as_ptr() as *const __m128i)
-            }
-        };
+        let u8x8 = |p: *const u8| _mm_loadl_epi64(p.add(lb) as *const __m128i);
         match K {
             K_Q4_0 | K_Q8_0 => (f16x8(w.d), zero),
             K_Q4_1 => (f16x8(w.d), f16x8(w.m)),
             K_Q4K => {
                 // A half-group of 8 sub-blocks is exactly one super-block.
                 let sb = r * w.nsb + 2 * g + h;
-                let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d)));
-                let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m)));
+                let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d))));
+                let mn = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m))));
                 (
                     _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
                     _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn),
                 )
             }
             _ => {
-                let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8x8(w.d)));
+                let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8x8(w.d))));
                 (
                     _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
                     zero,
@@ -1075,10 +1060,301 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// Loads 8 lanes of 4 bytes: all of them, or (`FULL` false) the lanes
+    /// that `maskv` selects, zero elsewhere.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ld<const FULL: bool>(p: *const u8, maskv: __m256i) -> __m256i {
+        if FULL {
+            _mm256_loadu_si256(p as *const __m256i)
+        } else {
+            _mm256_maskload_epi32(p as *const i32, maskv)
+        }
+    }
+
+    /// How far ahead of the decode tile's loads [`half_dots`] prefetches
+    /// weight bytes. A panel's rows are one sequential stream, yet on a
+    /// Sapphire Rapids Xeon forced to AVX2 (SmolLM2-135M's matrices, whole
+    /// model, 1 thread; `benches/matmul.rs`) the hardware prefetchers alone
+    /// streamed 10–14 GB/s, and 2 KiB ahead (four 8-row units) 18–19 GB/s.
+    /// 1 to 8 KiB measured alike.
+    const PREFETCH_AHEAD: usize = 2048;
+
+    /// The `4 · n` bytes at `p` (`n` = 1, 2 or 4 lanes) repeated across a
+    /// 256-bit vector.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn bcast256(p: *const u8, n: usize) -> __m256i {
+        match n {
+            1 => _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32)),
+            2 => _mm256_set1_epi64x(std::ptr::read_unaligned(p as *const i64)),
+            _ => _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i)),
+        }
+    }
+
+    /// `Σ u·a` over one 32-bit lane's 4 byte pairs, as 16-bit pair sums
+    /// (`vpmaddubsw`): the caller adds these in 16 bits while they cannot
+    /// overflow and widens once with [`widen`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot16(lo: __m256i, alo: __m256i, hi: __m256i, ahi: __m256i) -> __m256i {
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi))
+    }
+
+    /// Sums each 32-bit lane's two 16-bit halves into a 32-bit integer.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn widen(v: __m256i) -> __m256i {
+        _mm256_madd_epi16(v, _mm256_set1_epi16(1))
+    }
+
+    /// The low and high nibbles of each byte.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn nib256(v: __m256i) -> (__m256i, __m256i) {
+        let m = _mm256_set1_epi8(0x0f);
+        (
+            _mm256_and_si256(v, m),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v), m),
+        )
+    }
+
+    /// Q8_0's signed product of one chunk: the stored codes are `q + 128`,
+    /// so flipping the top bit gives `q`; `|q| · (a · sign q)` keeps
+    /// `vpmaddubsw`'s pairs within 2 · 128 · 127, which 16 bits hold.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q8_dot(wv: __m256i, av: __m256i) -> __m256i {
+        let ws = _mm256_xor_si256(wv, _mm256_set1_epi8(-128));
+        widen(_mm256_maddubs_epi16(
+            _mm256_abs_epi8(ws),
+            _mm256_sign_epi8(av, ws),
+        ))
+    }
+
+    /// The integer dot products of half `h` of group `g` (8 lanes, the
+    /// first `hl` valid; `FULL` when all 8 are): per row and activation, a
+    /// vector of 8 lanes' `Σ u·a`.
+    ///
+    /// The 4-bit types sum all 8 chunks' `vpmaddubsw` pair sums in 16 bits
+    /// and widen once: each 16-bit slot then holds 16 products of a 4-bit
+    /// code and a code in [-127, 127], at most 16 · 15 · 127 = 30480 <
+    /// 2^15 (act.rs keeps -128 out). That halves the widening `vpmaddwd`s
+    /// and 32-bit adds per load, which bound the loop. Q6_K's 6-bit codes
+    /// allow two chunks per widening (4 · 63 · 127 = 32004).
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn half_dots<const K: u8, const R: usize, const M: usize, const FULL: bool>(
+        wrow: &[QRow; R],
+        hrow: &[*const u8; R],
+        arow: &[*const u8; M],
+        lanes: usize,
+        g: usize,
+        h: usize,
+        maskv: __m256i,
+    ) -> [[__m256i; M]; R] {
+        let l = lane_len(K);
+        let gl = group_lanes(lanes, g);
+        let stride = 4 * gl;
+        let unit = PANEL * stride;
+        let abase = 16 * g * l + 32 * h;
+        let hoff = 32 * h;
+        let zi = _mm256_setzero_si256();
+        let mut acc = [[zi; M]; R];
+        if code_bits(K) == 8 {
+            let wg = group_ptrs(wrow, 16 * g * 32, stride);
+            for c in 0..8 {
+                let mut av = [zi; M];
+                for i in 0..M {
+                    av[i] = ld::<FULL>(arow[i].add(abase + c * stride), maskv);
+                }
+                for r in 0..R {
+                    let wv = ld::<FULL>(wg[r].add(hoff + c * unit), maskv);
+                    for i in 0..M {
+                        acc[r][i] = _mm256_add_epi32(acc[r][i], q8_dot(wv, av[i]));
+                    }
+                }
+            }
+            return acc;
+        }
+        let wg = group_ptrs(wrow, 16 * g * l / 2, stride);
+        for s in 0..l / 8 {
+            let mut alo = [zi; M];
+            let mut ahi = [zi; M];
+            for i in 0..M {
+                alo[i] = ld::<FULL>(arow[i].add(abase + 2 * s * stride), maskv);
+                ahi[i] = ld::<FULL>(arow[i].add(abase + (2 * s + 1) * stride), maskv);
+            }
+            for r in 0..R {
+                if FULL && h == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(wg[r].add(s * unit + PREFETCH_AHEAD) as *const i8);
+                }
+                let (mut lo, mut hi) = nib256(ld::<FULL>(wg[r].add(hoff + s * unit), maskv));
+                if code_bits(K) == 6 {
+                    let qh = ld::<FULL>(hrow[r].add(64 * g + hoff), maskv);
+                    lo = _mm256_or_si256(lo, hbits256(qh, 2 * s));
+                    hi = _mm256_or_si256(hi, hbits256(qh, 2 * s + 1));
+                }
+                for i in 0..M {
+                    let p = dot16(lo, alo[i], hi, ahi[i]);
+                    acc[r][i] = if code_bits(K) == 6 {
+                        _mm256_add_epi32(acc[r][i], widen(p))
+                    } else {
+                        _mm256_add_epi16(acc[r][i], p)
+                    };
+                }
+            }
+        }
+        if code_bits(K) == 4 {
+            for r in 0..R {
+                for i in 0..M {
+                    acc[r][i] = widen(acc[r][i]);
+                }
+            }
+        }
+        acc
+    }
+
+    /// The integer dot products of a short last group of `GL` = 1, 2 or 4
+    /// lanes (Q4_0, Q4_1, Q8_0 rows whose width is not a multiple of 512),
+    /// with the tile's `R` rows packed side by side: the panel layout stores
+    /// a unit of consecutive rows contiguously, so one 32-byte load holds
+    /// `8 / GL` rows' lanes and a broadcast activation chunk feeds them all.
+    /// Loading each row's few lanes into a masked half-vector instead would
+    /// cost a whole half-group per row (a 576-wide row is 16 + 2 lanes).
+    ///
+    /// Returns each row's lanes moved to the front (lanes `0..GL`, zero
+    /// elsewhere), exactly what [`half_dots`] returns for a half of `GL`
+    /// valid lanes: the integer sums are exact, so both paths then share the
+    /// float epilogue and agree bitwise, whatever the tile shape.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn packed_dots<const K: u8, const R: usize, const M: usize, const GL: usize>(
+        wrow: &[QRow; R],
+        arow: &[*const u8; M],
+        g: usize,
+    ) -> [[__m256i; M]; R] {
+        debug_assert!((R * GL).is_multiple_of(8) && R * GL <= 32);
+        debug_assert!(wrow[0].j + R <= PANEL);
+        let l = lane_len(K);
+        let stride = 4 * GL;
+        let unit = PANEL * stride;
+        let abase = 16 * g * l;
+        let zi = _mm256_setzero_si256();
+        // Vectors of packed rows: R · GL lanes of 8.
+        let nv = R * GL / 8;
+        let mut acc = [[zi; M]; 4];
+        if code_bits(K) == 8 {
+            let wp = group_ptrs(&[wrow[0]], 16 * g * 32, stride)[0];
+            for c in 0..8 {
+                let mut av = [zi; M];
+                for i in 0..M {
+                    av[i] = bcast256(arow[i].add(abase + c * stride), GL);
+                }
+                for v in 0..nv {
+                    let wv = _mm256_loadu_si256(wp.add(c * unit + 32 * v) as *const __m256i);
+                    for i in 0..M {
+                        acc[v][i] = _mm256_add_epi32(acc[v][i], q8_dot(wv, av[i]));
+                    }
+                }
+            }
+        } else {
+            let wp = group_ptrs(&[wrow[0]], 16 * g * l / 2, stride)[0];
+            for s in 0..l / 8 {
+                let mut alo = [zi; M];
+                let mut ahi = [zi; M];
+                for i in 0..M {
+                    alo[i] = bcast256(arow[i].add(abase + 2 * s * stride), GL);
+                    ahi[i] = bcast256(arow[i].add(abase + (2 * s + 1) * stride), GL);
+                }
+                for v in 0..nv {
+                    let wv = _mm256_loadu_si256(wp.add(s * unit + 32 * v) as *const __m256i);
+                    let (lo, hi) = nib256(wv);
+                    for i in 0..M {
+                        acc[v][i] = _mm256_add_epi16(acc[v][i], dot16(lo, alo[i], hi, ahi[i]));
+                    }
+                }
+            }
+            for v in 0..nv {
+                for i in 0..M {
+                    acc[v][i] = widen(acc[v][i]);
+                }
+            }
+        }
+        let lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(GL as i32), lane_idx);
+        let mut out = [[zi; M]; R];
+        for r in 0..R {
+            let (v, first) = (r * GL / 8, r * GL % 8);
+            let idx = _mm256_add_epi32(lane_idx, _mm256_set1_epi32(first as i32));
+            for i in 0..M {
+                let x = if first == 0 {
+                    acc[v][i]
+                } else {
+                    _mm256_permutevar8x32_epi32(acc[v][i], idx)
+                };
+                out[r][i] = _mm256_and_si256(x, keep);
+            }
+        }
+        out
+    }
+
+    /// Applies the scales of half `h` of group `g` (`hl` valid lanes) to the
+    /// integer sums and adds them into the float accumulators. Every path
+    /// of [`tile256`] ends here, in this order, so a row's result does not
+    /// depend on the tile shape that computed it.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn epilogue<const K: u8, const R: usize, const M: usize>(
+        w: &QPtrs,
+        r0: usize,
+        a: &APtrs,
+        i0: usize,
+        g: usize,
+        h: usize,
+        hl: usize,
+        iacc: &[[__m256i; M]; R],
+        facc: &mut [[__m256; M]; R],
+    ) {
+        let lanes = w.lanes;
+        let lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
+        // Masked loads give the same values as plain ones on the valid
+        // lanes and zero elsewhere; plain loads are cheaper where all 8 are.
+        let ldf = |p: *const f32| {
+            if hl == 8 {
+                _mm256_loadu_ps(p)
+            } else {
+                _mm256_maskload_ps(p, maskv)
+            }
+        };
+        for r in 0..R {
+            let (dv, mv) = scales256::<K>(w, r0 + r, g, h, hl);
+            for i in 0..M {
+                let b = (i0 + i) * lanes + 16 * g + 8 * h;
+                let da = ldf(a.d.add(b));
+                let mut iv = iacc[r][i];
+                // Q8_0 already multiplied signed codes; the others
+                // subtract offset · Σa as the AVX-512 kernel does.
+                if !has_min(K) && K != K_Q8_0 {
+                    let su = _mm256_castps_si256(ldf(a.sum.add(b) as *const f32));
+                    iv = _mm256_sub_epi32(iv, shl256(su, off_shift(K)));
+                }
+                facc[r][i] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dv, da), facc[r][i]);
+                if has_min(K) {
+                    facc[r][i] = _mm256_fmadd_ps(mv, ldf(a.s.add(b)), facc[r][i]);
+                }
+            }
+        }
+    }
+
     /// The AVX2 kernel: each 16-lane group is two halves of 8 lanes;
-    /// `vpmaddubsw` + `vpmaddwd` stand in for `vpdpbusd`. Q8_0's codes are
-    /// turned back into signed bytes and multiplied with the sign trick,
-    /// because `u8 · i8` pairs of up to 255 · 127 would saturate 16 bits.
+    /// `vpmaddubsw` (+ `vpmaddwd` to widen) stands in for `vpdpbusd`. See
+    /// [`half_dots`] for the integer part, [`packed_dots`] for short last
+    /// groups and [`epilogue`] for the float part.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile256<const K: u8, const R: usize, const M: usize>(
         w: &QPtrs,
@@ -1088,111 +1364,36 @@ mod x86 {
         out: *mut f32,
         ldo: usize,
     ) {
-        let l = lane_len(K);
         let lanes = w.lanes;
-        let m0f = _mm256_set1_epi8(0x0f);
-        let x80 = _mm256_set1_epi8(-128);
-        let ones = _mm256_set1_epi16(1);
-        let zi = _mm256_setzero_si256();
         let lane_idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let all = _mm256_set1_epi32(-1);
         let mut facc = [[_mm256_setzero_ps(); M]; R];
         let (wrow, hrow) = row_ptrs::<R>(w, r0);
         let mut arow = [a.q as *const u8; M];
         for (i, p) in arow.iter_mut().enumerate() {
             *p = a.q.add((i0 + i) * a.row) as *const u8;
         }
+        let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R >= 4;
         for g in 0..lanes.div_ceil(16) {
             let gl = group_lanes(lanes, g);
-            let stride = 4 * gl;
-            let abase = 16 * g * l;
-            for h in 0..2 {
-                if 8 * h >= gl {
-                    break;
-                }
+            let packed =
+                gl < 8 && packable && (R * gl).is_multiple_of(8) && matches!(gl, 1 | 2 | 4);
+            for h in 0..gl.div_ceil(8) {
                 let hl = (gl - 8 * h).min(8);
-                let full = hl == 8;
-                let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
-                let hoff = 32 * h;
-                let mut iacc = [[zi; M]; R];
-                let unit = PANEL * stride;
-                if code_bits(K) == 8 {
-                    let wg = group_ptrs(&wrow, 16 * g * 32, stride);
-                    for c in 0..8 {
-                        let mut av = [zi; M];
-                        for i in 0..M {
-                            av[i] = ld8(arow[i].add(abase + hoff + c * stride), full, maskv);
-                        }
-                        for r in 0..R {
-                            let ws =
-                                _mm256_xor_si256(ld8(wg[r].add(hoff + c * unit), full, maskv), x80);
-                            let wa = _mm256_abs_epi8(ws);
-                            for i in 0..M {
-                                let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(av[i], ws));
-                                iacc[r][i] =
-                                    _mm256_add_epi32(iacc[r][i], _mm256_madd_epi16(p, ones));
-                            }
-                        }
+                let iacc = if packed {
+                    match gl {
+                        1 => packed_dots::<K, R, M, 1>(&wrow, &arow, g),
+                        2 => packed_dots::<K, R, M, 2>(&wrow, &arow, g),
+                        _ => packed_dots::<K, R, M, 4>(&wrow, &arow, g),
                     }
+                } else if hl == 8 {
+                    half_dots::<K, R, M, true>(&wrow, &hrow, &arow, lanes, g, h, all)
                 } else {
-                    let wg = group_ptrs(&wrow, 16 * g * l / 2, stride);
-                    let mut qh = [zi; R];
-                    if code_bits(K) == 6 {
-                        for r in 0..R {
-                            qh[r] = ld8(hrow[r].add(64 * g + hoff), full, maskv);
-                        }
-                    }
-                    for s in 0..l / 8 {
-                        let mut alo = [zi; M];
-                        let mut ahi = [zi; M];
-                        for i in 0..M {
-                            alo[i] = ld8(arow[i].add(abase + hoff + 2 * s * stride), full, maskv);
-                            ahi[i] = ld8(
-                                arow[i].add(abase + hoff + (2 * s + 1) * stride),
-                                full,
-                                maskv,
-                            );
-                        }
-                        for r in 0..R {
-                            let v = ld8(wg[r].add(hoff + s * unit), full, maskv);
-                            let mut lo = _mm256_and_si256(v, m0f);
-                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m0f);
-                            if code_bits(K) == 6 {
-                                lo = _mm256_or_si256(lo, hbits256(qh[r], 2 * s));
-                                hi = _mm256_or_si256(hi, hbits256(qh[r], 2 * s + 1));
-                            }
-                            for i in 0..M {
-                                let p = _mm256_add_epi32(
-                                    _mm256_madd_epi16(_mm256_maddubs_epi16(lo, alo[i]), ones),
-                                    _mm256_madd_epi16(_mm256_maddubs_epi16(hi, ahi[i]), ones),
-                                );
-                                iacc[r][i] = _mm256_add_epi32(iacc[r][i], p);
-                            }
-                        }
-                    }
-                }
-                for r in 0..R {
-                    let (dv, mv) = scales256::<K>(w, r0 + r, g, h, hl);
-                    for i in 0..M {
-                        let b = (i0 + i) * lanes + 16 * g + 8 * h;
-                        let da = _mm256_maskload_ps(a.d.add(b), maskv);
-                        let mut iv = iacc[r][i];
-                        // Q8_0 already multiplied signed codes; the others
-                        // subtract offset · Σa as the AVX-512 kernel does.
-                        if !has_min(K) && K != K_Q8_0 {
-                            let su = _mm256_maskload_epi32(a.sum.add(b), maskv);
-                            iv = _mm256_sub_epi32(iv, shl256(su, off_shift(K)));
-                        }
-                        facc[r][i] = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(iv),
-                            _mm256_mul_ps(dv, da),
-                            facc[r][i],
-                        );
-                        if has_min(K) {
-                            let s = _mm256_maskload_ps(a.s.add(b), maskv);
-                            facc[r][i] = _mm256_fmadd_ps(mv, s, facc[r][i]);
-                        }
-                    }
-                }
+                    let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
+                    half_dots::<K, R, M, false>(&wrow, &hrow, &arow, lanes, g, h, maskv)
+                };
+                // One call site, so that it is inlined.
+                epilogue::<K, R, M>(w, r0, a, i0, g, h, hl, &iacc, &mut facc);
             }
         }
         for r in 0..R {

@@ -339,16 +339,19 @@ fn matmul_large_m_paths() {
 
 /// Batch invariance: a row of a batched matmul is bitwise the row computed
 /// alone (m = 1, the decode kernel), whatever kernel the batch size picks:
-/// the VNNI tiles of every shape, or the AMX tiles (where the CPU has them)
-/// with their ragged row and token ends.
+/// the AVX2 or VNNI tiles of every shape (with short last groups packed
+/// across rows or not), or the AMX tiles (where the CPU has them) with
+/// their ragged row and token ends.
 #[test]
 fn batched_rows_are_bitwise_the_single_row_results() {
     let mut rng = StdRng::seed_from_u64(29);
     let pool = ThreadPool::new(2);
-    let wide = [SimdLevel::Avx512Vnni, SimdLevel::Amx];
+    let wide = [SimdLevel::Avx2, SimdLevel::Avx512Vnni, SimdLevel::Amx];
     let levels: Vec<SimdLevel> = wide.into_iter().filter(|&l| l <= max_level()).collect();
     if !levels.contains(&SimdLevel::Amx) {
-        eprintln!("note: no AMX on this CPU; checking the VNNI kernel only");
+        eprintln!(
+            "note: no AMX on this CPU (or PAGODA_SIMD lowered the level); checking {levels:?}"
+        );
     }
     for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
         for (k, (rows, cols)) in [
@@ -366,19 +369,21 @@ fn batched_rows_are_bitwise_the_single_row_results() {
                 Weight::from_raw(ty, rows, cols, &random_bytes(&mut rng, ty, rows, cols)).unwrap();
             let m = [12usize, 16, 130, 33, 70, 150][k];
             let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
-            let mut single = vec![0.0f32; m * rows];
-            for i in 0..m {
-                let mut s = MatmulScratch::default();
-                w.matmul_at(
-                    SimdLevel::Avx512Vnni,
-                    &pool,
-                    &x[i * cols..(i + 1) * cols],
-                    1,
-                    &mut single[i * rows..(i + 1) * rows],
-                    &mut s,
-                );
-            }
             for &level in &levels {
+                // A single row at Amx runs the VNNI decode kernel.
+                let single_level = level.min(SimdLevel::Avx512Vnni);
+                let mut single = vec![0.0f32; m * rows];
+                for i in 0..m {
+                    let mut s = MatmulScratch::default();
+                    w.matmul_at(
+                        single_level,
+                        &pool,
+                        &x[i * cols..(i + 1) * cols],
+                        1,
+                        &mut single[i * rows..(i + 1) * rows],
+                        &mut s,
+                    );
+                }
                 let mut out = vec![f32::NAN; m * rows];
                 w.matmul_at(level, &pool, &x, m, &mut out, &mut MatmulScratch::default());
                 for (e, (a, b)) in out.iter().zip(&single).enumerate() {
