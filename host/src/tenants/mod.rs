@@ -777,19 +777,7 @@ impl Tenants {
             self.commit(id, basis, m).await?;
         }
         let _g = t.admin.lock().await;
-        if let Some(dir) = &self.dir {
-            let dir = dir.clone();
-            let id2 = id.to_string();
-            tokio::task::spawn_blocking(move || store::delete_tenant(&dir, &id2))
-                .await
-                .map_err(|e| anyhow!("{e}"))??;
-        }
-        let c = t.snapshot().config.clone();
-        self.index_keys(id, &c.api_key_hashes, &[]);
-        self.map
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(id);
+        self.remove_local(id).await?;
         Ok(true)
     }
 

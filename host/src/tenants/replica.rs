@@ -351,7 +351,7 @@ impl Tenants {
     }
 
     /// Drops tenant `id` from this replica and its cache.
-    async fn remove_local(&self, id: &str) -> Result<()> {
+    pub(super) async fn remove_local(&self, id: &str) -> Result<()> {
         let Some(t) = self.get(id) else {
             return Ok(());
         };

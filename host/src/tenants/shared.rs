@@ -117,55 +117,43 @@ impl StateStore {
             let (b, p) = rest.split_once('/').unwrap_or((rest, ""));
             (b.to_string(), p.trim_matches('/').to_string())
         };
+        // One cloud: its builder from the environment, our timeouts where
+        // the environment sets none, the bucket (or container) and retries.
+        macro_rules! cloud {
+            ($builder:path, $key:path, $with_bucket:ident) => {{
+                use object_store::*;
+                let (bucket, prefix) = bucket_prefix(rest);
+                let mut b = <$builder>::from_env();
+                for (k, v) in timeouts {
+                    let k = <$key>::Client(k);
+                    if b.get_config_value(&k).is_none() {
+                        b = b.with_config(k, v);
+                    }
+                }
+                let s = b
+                    .$with_bucket(bucket)
+                    .with_retry(retry)
+                    .build()
+                    .with_context(|| format!("--state-store {url}"))?;
+                (Arc::new(s) as Arc<dyn ObjectStore>, prefix, None)
+            }};
+        }
         let (store, prefix, local_lock): (Arc<dyn ObjectStore>, String, _) = match scheme {
-            "s3" | "s3a" => {
-                let (bucket, prefix) = bucket_prefix(rest);
-                let mut b = object_store::aws::AmazonS3Builder::from_env();
-                for (k, v) in timeouts {
-                    let k = object_store::aws::AmazonS3ConfigKey::Client(k);
-                    if b.get_config_value(&k).is_none() {
-                        b = b.with_config(k, v);
-                    }
-                }
-                let s = b
-                    .with_bucket_name(bucket)
-                    .with_retry(retry)
-                    .build()
-                    .with_context(|| format!("--state-store {url}"))?;
-                (Arc::new(s), prefix, None)
-            }
-            "gs" => {
-                let (bucket, prefix) = bucket_prefix(rest);
-                let mut b = object_store::gcp::GoogleCloudStorageBuilder::from_env();
-                for (k, v) in timeouts {
-                    let k = object_store::gcp::GoogleConfigKey::Client(k);
-                    if b.get_config_value(&k).is_none() {
-                        b = b.with_config(k, v);
-                    }
-                }
-                let s = b
-                    .with_bucket_name(bucket)
-                    .with_retry(retry)
-                    .build()
-                    .with_context(|| format!("--state-store {url}"))?;
-                (Arc::new(s), prefix, None)
-            }
-            "az" | "azure" => {
-                let (container, prefix) = bucket_prefix(rest);
-                let mut b = object_store::azure::MicrosoftAzureBuilder::from_env();
-                for (k, v) in timeouts {
-                    let k = object_store::azure::AzureConfigKey::Client(k);
-                    if b.get_config_value(&k).is_none() {
-                        b = b.with_config(k, v);
-                    }
-                }
-                let s = b
-                    .with_container_name(container)
-                    .with_retry(retry)
-                    .build()
-                    .with_context(|| format!("--state-store {url}"))?;
-                (Arc::new(s), prefix, None)
-            }
+            "s3" | "s3a" => cloud!(
+                aws::AmazonS3Builder,
+                aws::AmazonS3ConfigKey,
+                with_bucket_name
+            ),
+            "gs" => cloud!(
+                gcp::GoogleCloudStorageBuilder,
+                gcp::GoogleConfigKey,
+                with_bucket_name
+            ),
+            "az" | "azure" => cloud!(
+                azure::MicrosoftAzureBuilder,
+                azure::AzureConfigKey,
+                with_container_name
+            ),
             "file" => {
                 let root = std::path::PathBuf::from(rest);
                 if !root.is_absolute() {
