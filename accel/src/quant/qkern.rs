@@ -1187,7 +1187,7 @@ mod x86 {
                 ahi[i] = ld::<FULL>(arow[i].add(abase + (2 * s + 1) * stride), maskv);
             }
             for r in 0..R {
-                if FULL && h == 0 {
+                if FULL && M == 1 && h == 0 {
                     _mm_prefetch::<_MM_HINT_T0>(wg[r].add(s * unit + PREFETCH_AHEAD) as *const i8);
                 }
                 let (mut lo, mut hi) = nib256(ld::<FULL>(wg[r].add(hoff + s * unit), maskv));
