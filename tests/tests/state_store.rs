@@ -217,6 +217,10 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
         .collect();
     let (a, b, c) = (&reps[0], &reps[1], &reps[2]);
     let interval = Duration::from_secs(POLL_SECONDS);
+    // Two poll intervals, plus room to fetch and compile a component on a
+    // machine busy with other tests; the figures printed
+    // are what the note and docs report.
+    let within_two_polls = 2 * interval + Duration::from_secs(4);
 
     // A tenant and a plugin through A reach B and C.
     let (st, v) = admin(
@@ -231,7 +235,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     let uploaded = Instant::now();
     assert!(tag_of(a).1.ends_with(" [v1]"));
     for (name, s) in [("B", b), ("C", c)] {
-        wait_for(2 * interval + Duration::from_secs(1), name, || {
+        wait_for(within_two_polls, name, || {
             let (st, text) = tag_of(s);
             st == 200 && text.ends_with(" [v1]")
         });
@@ -283,7 +287,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     assert_eq!(revisions, expected, "landed writes must chain");
     let (last_rev, last_i) = *landed.last().unwrap();
     for s in &reps {
-        wait_for(2 * interval + Duration::from_secs(1), "convergence", || {
+        wait_for(within_two_polls, "convergence", || {
             let (_, v) = admin(s, "GET", "/admin/v1/tenants/race", None);
             v["state_revision"] == json!(last_rev) && v["models"] == json!([format!("w-{last_i}")])
         });
@@ -312,7 +316,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
         "{v}"
     );
     for s in &reps {
-        wait_for(3 * interval, "the gauge shows the outage", || {
+        wait_for(4 * interval, "the gauge shows the outage", || {
             s.metric("pagoda_state_store_up") == 0.0
         });
     }
@@ -321,7 +325,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     // Back: a change through C reaches A and B.
     proxy.bring_up();
     for s in &reps {
-        wait_for(3 * interval, "the gauge shows the store back", || {
+        wait_for(4 * interval, "the gauge shows the store back", || {
             s.metric("pagoda_state_store_up") == 1.0
         });
     }
@@ -329,7 +333,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     assert_eq!(st, 201, "{v}");
     for s in &reps {
         wait_for(
-            2 * interval + Duration::from_secs(1),
+            within_two_polls,
             "tag-v2 everywhere",
             || {
                 let (st, text) = tag_of(s);
