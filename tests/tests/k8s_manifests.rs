@@ -96,7 +96,10 @@ fn the_inference_pool_routes_to_replicas_that_share_a_state_store() {
     assert!(arg("--state-store").starts_with("s3://"));
     let cache = arg("--state-dir");
     let mounts = container["volumeMounts"].as_array().unwrap();
-    assert!(mounts.iter().any(|m| m["mountPath"] == cache), "{cache} is not mounted");
+    assert!(
+        mounts.iter().any(|m| m["mountPath"] == cache),
+        "{cache} is not mounted"
+    );
     let events: serde_json::Value =
         serde_json::from_str(arg("--kv-events-config")).expect("--kv-events-config is JSON");
     assert_eq!(events["enable_kv_cache_events"], true);

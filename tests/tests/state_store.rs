@@ -19,7 +19,7 @@ mod plugins_common;
 
 use pagoda_e2e::{agent, demo_gguf, free_port, Server, TempDir};
 use plugins_common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -142,11 +142,11 @@ impl Proxy {
     }
 }
 
-fn replica(dir: &TempDir, name: &str, proxy_port: u16) -> Server {
+fn replica(dir: &TempDir, name: &str, proxy_port: u16) -> PServer {
     let state = dir.0.join(name);
     let endpoint = format!("http://127.0.0.1:{proxy_port}");
     let poll = POLL_SECONDS.to_string();
-    Server::start_with_env(
+    let s = Server::start_with_env(
         &demo_gguf(),
         &[
             "--state-dir",
@@ -168,28 +168,14 @@ fn replica(dir: &TempDir, name: &str, proxy_port: u16) -> Server {
             ("AWS_REGION", "us-east-1"),
             ("RUST_LOG", "info"),
         ],
-    )
-}
-
-fn admin(s: &Server, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
-    call_url(&s.url(path), method, ADMIN, body)
-}
-
-/// Uploads a built component as tenant t's plugin `tag` through `s`.
-fn upload(s: &Server, file: &str) -> (u16, String) {
-    let mut r = agent()
-        .put(&s.url("/admin/v1/tenants/t/plugins/tag"))
-        .header("Authorization", &format!("Bearer {ADMIN}"))
-        .send(&component(file)[..])
-        .expect("upload");
-    let st = r.status().as_u16();
-    (st, r.body_mut().read_to_string().unwrap_or_default())
+    );
+    PServer { s, state }
 }
 
 /// The tag the tenant's plugin appends to a completion through `s`.
-fn tag_of(s: &Server) -> (u16, String) {
+fn tag_of(p: &PServer) -> (u16, String) {
     let body = json!({"model": "smol", "prompt": "Count:", "max_tokens": 4, "temperature": 0});
-    let (st, v) = call_url(&s.url("/v1/completions"), "POST", KEY, Some(&body));
+    let (st, v) = p.post_as(KEY, "/v1/completions", &body);
     (
         st,
         v["choices"][0]["text"].as_str().unwrap_or("").to_string(),
@@ -211,7 +197,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     let moto = Moto::start();
     let mut proxy = Proxy::start(moto.port);
     let dir = TempDir::new("state-store");
-    let reps: Vec<Server> = ["a", "b", "c"]
+    let reps: Vec<PServer> = ["a", "b", "c"]
         .iter()
         .map(|n| replica(&dir, n, proxy.port))
         .collect();
@@ -223,14 +209,13 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     let within_two_polls = 2 * interval + Duration::from_secs(4);
 
     // A tenant and a plugin through A reach B and C.
-    let (st, v) = admin(
-        a,
+    let (st, v) = a.admin(
         "PUT",
         "/admin/v1/tenants/t",
         Some(&json!({"api_keys": [KEY], "plugins": ["tag"]})),
     );
     assert_eq!(st, 201, "{v}");
-    let (st, v) = upload(a, "tag-v1");
+    let (st, v) = a.upload("t", "tag", &component("tag-v1"), None);
     assert_eq!(st, 201, "{v}");
     let uploaded = Instant::now();
     assert!(tag_of(a).1.ends_with(" [v1]"));
@@ -246,8 +231,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     }
 
     // 20 conflicting writes of one tenant, spread over the replicas.
-    let (st, v) = admin(
-        b,
+    let (st, v) = b.admin(
         "PUT",
         "/admin/v1/tenants/race",
         Some(&json!({"models": ["w-init"]})),
@@ -260,7 +244,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
             let (s, results) = (&reps[i % 3], &results);
             scope.spawn(move || {
                 let body = json!({"models": [format!("w-{i}")]});
-                let (st, v) = admin(s, "PUT", "/admin/v1/tenants/race", Some(&body));
+                let (st, v) = s.admin("PUT", "/admin/v1/tenants/race", Some(&body));
                 results.lock().unwrap().push((i, st, v));
             });
         }
@@ -288,7 +272,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     let (last_rev, last_i) = *landed.last().unwrap();
     for s in &reps {
         wait_for(within_two_polls, "convergence", || {
-            let (_, v) = admin(s, "GET", "/admin/v1/tenants/race", None);
+            let (_, v) = s.admin("GET", "/admin/v1/tenants/race", None);
             v["state_revision"] == json!(last_rev) && v["models"] == json!([format!("w-{last_i}")])
         });
     }
@@ -300,8 +284,7 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
         assert_eq!(st, 200, "served from the cache during the outage");
         assert!(text.ends_with(" [v1]"), "{text:?}");
     }
-    let (st, v) = admin(
-        c,
+    let (st, v) = c.admin(
         "PUT",
         "/admin/v1/tenants/t2",
         Some(&json!({"api_keys": ["key-tenant-two-1"]})),
@@ -317,30 +300,26 @@ fn three_replicas_share_tenants_and_plugins_through_s3() {
     );
     for s in &reps {
         wait_for(4 * interval, "the gauge shows the outage", || {
-            s.metric("pagoda_state_store_up") == 0.0
+            s.s.metric("pagoda_state_store_up") == 0.0
         });
     }
-    assert!(c.log_text().contains("unreachable"));
+    assert!(c.s.log_text().contains("unreachable"));
 
     // Back: a change through C reaches A and B.
     proxy.bring_up();
     for s in &reps {
         wait_for(4 * interval, "the gauge shows the store back", || {
-            s.metric("pagoda_state_store_up") == 1.0
+            s.s.metric("pagoda_state_store_up") == 1.0
         });
     }
-    let (st, v) = upload(c, "tag-v2");
+    let (st, v) = c.upload("t", "tag", &component("tag-v2"), None);
     assert_eq!(st, 201, "{v}");
     for s in &reps {
-        wait_for(
-            within_two_polls,
-            "tag-v2 everywhere",
-            || {
-                let (st, text) = tag_of(s);
-                st == 200 && text.ends_with(" [v2]")
-            },
-        );
+        wait_for(within_two_polls, "tag-v2 everywhere", || {
+            let (st, text) = tag_of(s);
+            st == 200 && text.ends_with(" [v2]")
+        });
     }
-    assert!(c.log_text().contains("reachable again"));
+    assert!(c.s.log_text().contains("reachable again"));
     drop(moto);
 }

@@ -577,6 +577,16 @@ impl Tenants {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Tenant `config.id`, created with `config` if there is none.
+    fn get_or_insert(&self, config: &TenantConfig) -> Arc<Tenant> {
+        self.map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(config.id.clone())
+            .or_insert_with(|| Arc::new(Tenant::new(config.clone())))
+            .clone()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.map
             .read()
@@ -717,31 +727,11 @@ impl Tenants {
             plugins,
             plugin_limits,
         };
-        let tenant = match existing {
-            Some(t) => t,
-            None => {
-                let t = Arc::new(Tenant::new(config.clone()));
-                self.map
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .entry(id.to_string())
-                    .or_insert(t)
-                    .clone()
-            }
-        };
         if let Some((_, basis)) = &write {
-            let m = self.manifest_of(Some(&tenant), config.clone());
-            if let Err(e) = self.commit(id, basis, m).await {
-                if old.is_none() {
-                    // Not created after all.
-                    self.map
-                        .write()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .remove(id);
-                }
-                return Err(e);
-            }
+            let m = self.manifest_of(existing.as_deref(), config.clone());
+            self.commit(id, basis, m).await?;
         }
+        let tenant = existing.unwrap_or_else(|| self.get_or_insert(&config));
         let _g = tenant.admin.lock().await;
         if let Some(dir) = &self.dir {
             let dir = dir.clone();

@@ -114,6 +114,13 @@ impl Tenants {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Notes that this replica now holds revision `revision` (e-tag
+    /// `e_tag`) of tenant `id`'s manifest.
+    fn record_seen(&self, id: &str, e_tag: Option<String>, revision: u64) {
+        self.seen_lock()
+            .insert(id.to_string(), Seen { e_tag, revision });
+    }
+
     fn seen_of(&self, id: &str) -> Option<Seen> {
         self.seen_lock().get(id).cloned()
     }
@@ -159,13 +166,7 @@ impl Tenants {
             }
         }
         let e_tag = shared.write_manifest(id, &m, basis.version.clone()).await?;
-        self.seen_lock().insert(
-            id.to_string(),
-            Seen {
-                e_tag,
-                revision: m.revision,
-            },
-        );
+        self.record_seen(id, e_tag, m.revision);
         Ok(())
     }
 
@@ -206,9 +207,7 @@ impl Tenants {
             Some(m) if !m.deleted => m,
             other => {
                 self.remove_local(id).await?;
-                let revision = other.map_or(0, |m| m.revision);
-                self.seen_lock()
-                    .insert(id.to_string(), Seen { e_tag, revision });
+                self.record_seen(id, e_tag, other.map_or(0, |m| m.revision));
                 return Ok(());
             }
         };
@@ -253,18 +252,7 @@ impl Tenants {
             slots.insert(name.clone(), slot);
         }
         self.cache(&m).await?;
-        let tenant = match existing {
-            Some(t) => t,
-            None => {
-                let t = Arc::new(Tenant::new(m.config.clone()));
-                self.map
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .entry(id.to_string())
-                    .or_insert(t)
-                    .clone()
-            }
-        };
+        let tenant = existing.unwrap_or_else(|| self.get_or_insert(&m.config));
         let old_hashes = tenant.snapshot().config.api_key_hashes.clone();
         *tenant
             .plugins
@@ -272,13 +260,7 @@ impl Tenants {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = slots;
         self.index_keys(id, &old_hashes, &m.config.api_key_hashes);
         tenant.publish(m.config.clone());
-        self.seen_lock().insert(
-            id.to_string(),
-            Seen {
-                e_tag,
-                revision: m.revision,
-            },
-        );
+        self.record_seen(id, e_tag, m.revision);
         Ok(())
     }
 

@@ -198,34 +198,30 @@ impl StateStore {
         self.path(&format!("tenants/{id}/manifest.json"))
     }
 
-    /// Records whether the store answered: a log line and the gauge on
-    /// each change, and the error counter on each failure.
-    fn note(&self, ok: bool, what: &str, detail: &str) {
-        let was = self.up.swap(ok, Ordering::AcqRel);
-        ::metrics::gauge!(metrics::UP).set(if ok { 1.0 } else { 0.0 });
-        if !ok {
-            ::metrics::counter!(metrics::ERRORS).increment(1);
-        }
-        match (was, ok) {
-            (true, false) => tracing::error!(
-                "state store {} unreachable ({what}: {detail}); serving from the local cache, admin changes get 503 until it is back",
-                self.url
-            ),
-            (false, true) => {
-                tracing::info!("state store {} reachable again", self.url)
-            }
-            _ => {}
+    /// Records that the store answered: the gauge, and a log line if it
+    /// had been unreachable.
+    fn reached(&self) {
+        ::metrics::gauge!(metrics::UP).set(1.0);
+        if !self.up.swap(true, Ordering::AcqRel) {
+            tracing::info!("state store {} reachable again", self.url);
         }
     }
 
-    /// Classifies an object store error: the store's own answers pass
-    /// through, anything else means it could not be reached.
+    /// Records that an operation could not reach the store (the gauge, the
+    /// counter, and a log line on the change) and returns the error to
+    /// report.
     fn unavailable(&self, what: &str, e: &object_store::Error) -> StoreError {
-        let detail = format!("{what}: {e}");
-        self.note(false, what, &e.to_string());
+        ::metrics::gauge!(metrics::UP).set(0.0);
+        ::metrics::counter!(metrics::ERRORS).increment(1);
+        if self.up.swap(false, Ordering::AcqRel) {
+            tracing::error!(
+                "state store {} unreachable ({what}: {e}); serving from the local cache, admin changes get 503 until it is back",
+                self.url
+            );
+        }
         StoreError::Unavailable {
             url: self.url.clone(),
-            detail,
+            detail: format!("{what}: {e}"),
         }
     }
 
@@ -245,7 +241,7 @@ impl StateStore {
                         .bytes()
                         .await
                         .map_err(|e| self.unavailable("key-salt", &e))?;
-                    self.note(true, "", "");
+                    self.reached();
                     return <[u8; 32]>::try_from(b.as_ref()).map_err(|_| StoreError::Unavailable {
                         url: self.url.clone(),
                         detail: format!(
@@ -262,7 +258,7 @@ impl StateStore {
                         .await
                     {
                         Ok(_) => {
-                            self.note(true, "", "");
+                            self.reached();
                             return Ok(proposed);
                         }
                         // Another replica wrote it first: read theirs.
@@ -285,7 +281,7 @@ impl StateStore {
         let r = match self.store.get(&path).await {
             Ok(r) => r,
             Err(object_store::Error::NotFound { .. }) => {
-                self.note(true, "", "");
+                self.reached();
                 return Ok(ReadManifest {
                     manifest: None,
                     basis: None,
@@ -301,7 +297,7 @@ impl StateStore {
             .bytes()
             .await
             .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
-        self.note(true, "", "");
+        self.reached();
         let manifest: Manifest = serde_json::from_slice(&b)
             .with_context(|| format!("the state store's {path} is not a tenant manifest"))?;
         Ok(ReadManifest {
@@ -335,14 +331,14 @@ impl StateStore {
         };
         match result {
             Ok(r) => {
-                self.note(true, "", "");
+                self.reached();
                 Ok(r.e_tag)
             }
             Err(
                 object_store::Error::Precondition { .. }
                 | object_store::Error::AlreadyExists { .. },
             ) => {
-                self.note(true, "", "");
+                self.reached();
                 Err(StoreError::Conflict(id.to_string()).into())
             }
             Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
@@ -404,7 +400,7 @@ impl StateStore {
             .await
         {
             Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
-                self.note(true, "", "");
+                self.reached();
                 Ok(())
             }
             // A store without conditional creation: the name is the
@@ -412,7 +408,7 @@ impl StateStore {
             Err(object_store::Error::NotImplemented { .. }) => {
                 match self.store.put(&path, PutPayload::from(bytes_again)).await {
                     Ok(_) => {
-                        self.note(true, "", "");
+                        self.reached();
                         Ok(())
                     }
                     Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
@@ -430,7 +426,7 @@ impl StateStore {
             Err(e) => Err(e),
         }
         .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
-        self.note(true, "", "");
+        self.reached();
         let actual = super::sha256_hex(&b);
         if actual != sha256 {
             bail!("the state store's {path} has sha256 {actual}; upload the plugin again");
@@ -448,7 +444,7 @@ impl StateStore {
             .try_collect()
             .await
             .map_err(|e| self.unavailable(&format!("listing {dir}"), &e))?;
-        self.note(true, "", "");
+        self.reached();
         let mut out = BTreeMap::new();
         for m in metas {
             let mut parts = m.location.prefix_match(&dir).into_iter().flatten();
