@@ -166,7 +166,10 @@ check("a truncated schema answer finishes with length", finish == "length", (fin
 
 # Regex and choice on both endpoints.
 rx = r"\d{3}-\d{3}-\d{4}"
-text, finish, _ = chat(user("What is a phone number?"), max_tokens=30, extra_body={"structured_outputs": {"regex": rx}})
+# \d admits every Unicode decimal digit, as Python's re does, and a sampled
+# answer may draw ones that take several tokens each (U+1FBF8, 4 bytes):
+# the budget leaves room for ten of those.
+text, finish, _ = chat(user("What is a phone number?"), max_tokens=64, extra_body={"structured_outputs": {"regex": rx}})
 check("regex matches (chat)", finish == "stop" and re.fullmatch(rx, text), text)
 comp = client.completions.create(model=model, prompt="The year was", max_tokens=10, extra_body={"guided_regex": r" (19|20)\d\d"})
 check("regex matches (completions, guided_regex)", re.fullmatch(r" (19|20)\d\d", comp.choices[0].text), comp.choices[0].text)
