@@ -315,6 +315,7 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         m::PREFIX_CACHE_HITS_GPU,
         "vLLM's older name for prefix_cache_hits_total."
     );
+    connections::describe_metrics();
     // Counters start at zero so that they are present before any request.
     for name in [
         m::PROMPT_TOKENS,
@@ -941,26 +942,30 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
 }
 
 /// Serves one accepted connection: every request through [`route`], except
-/// that a connection from the overflow pool gets only the probes (others
-/// get a 503 telling the client to retry).
+/// that a connection from the overflow pool gets the probes at once and
+/// other requests once a normal slot is free (if none comes soon, a 503
+/// telling the client to retry).
 fn serve_one(
     state: Arc<AppState>,
     c: connections::Accepted,
     listener: Listener,
 ) -> impl hyper_util::server::graceful::GracefulConnection<Error = hyper::Error> + Send + 'static {
     let overflow = c.overflow;
-    // The slot is held for as long as the connection is open: the service
-    // (and so this permit) lives as long as the connection.
-    let permit = c.permit;
+    // It holds the connection's slot: the service (and so `conn`) lives as
+    // long as the connection.
     let conn = c.conn;
-    let builder = connections::http1_builder(&state.config.connections, overflow);
-    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+    let builder = connections::http1_builder(&state.config.connections, &conn);
+    let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
         let state = Arc::clone(&state);
-        let _slot = &permit;
-        // In progress (never evicted) until the response has been sent.
+        // In progress (never evicted, unless its body stalls) until the
+        // response has been sent.
         let busy = conn.request_started();
+        req.extensions_mut().insert(busy.body_watch());
         async move {
-            if overflow && !connections::served_when_full(req.uri().path()) {
+            if overflow
+                && !connections::served_when_full(req.uri().path())
+                && !busy.wait_for_slot().await
+            {
                 let mut e = ApiError::unavailable(
                     "The server has too many open connections. Retry shortly.",
                 );
