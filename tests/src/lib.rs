@@ -106,6 +106,20 @@ impl Server {
         Self::spawn(model, extra, env, None)
     }
 
+    /// Starts the server on `model` with extra environment variables, and
+    /// waits only until it is live (`/health` answers 200), not ready: for
+    /// a server that is meant not to become ready yet.
+    pub fn start_live(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        for _ in 0..4 {
+            match Self::try_spawn_as(model, false, extra, env, None, false) {
+                Ok(s) => return s,
+                Err(log) if log.contains("Address already in use") => continue,
+                Err(log) => panic!("pagoda serve exited:\n{log}"),
+            }
+        }
+        panic!("no free port for pagoda serve")
+    }
+
     /// Starts the server on the demo model given as `serve`'s first
     /// argument (`pagoda serve MODEL`, as `vllm serve MODEL`), not `--model`.
     pub fn start_positional(extra: &[&str]) -> Server {
@@ -159,6 +173,17 @@ impl Server {
         env: &[(&str, &str)],
         fd_limit: Option<u64>,
     ) -> Result<Server, String> {
+        Self::try_spawn_as(model, positional, extra, env, fd_limit, true)
+    }
+
+    fn try_spawn_as(
+        model: &std::path::Path,
+        positional: bool,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        fd_limit: Option<u64>,
+        ready: bool,
+    ) -> Result<Server, String> {
         let port = free_port();
         let dir = TempDir::new("server");
         let log = dir.0.join("server.log");
@@ -207,18 +232,19 @@ impl Server {
             log,
             _dir: dir,
         };
-        s.wait_ready(Duration::from_secs(120))?;
+        let probe = if ready { "/health/ready" } else { "/health" };
+        s.wait_for_probe(probe, Duration::from_secs(120))?;
         Ok(s)
     }
 
-    fn wait_ready(&mut self, limit: Duration) -> Result<(), String> {
+    fn wait_for_probe(&mut self, probe: &str, limit: Duration) -> Result<(), String> {
         let started = Instant::now();
         let a = agent();
         loop {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(format!("exit {status}:\n{}", self.log_text()));
             }
-            if let Ok(r) = a.get(&format!("{}/health/ready", self.base)).call() {
+            if let Ok(r) = a.get(&format!("{}{probe}", self.base)).call() {
                 if r.status() == 200 {
                     return Ok(());
                 }

@@ -105,7 +105,8 @@ fn every_request_gets_one_line_with_its_outcome() {
 fn json_lines_with_prompts_when_asked_and_none_when_disabled() {
     let dir = TempDir::new("access-log-json");
     let p = start(&dir, &["--log-format", "json", "--enable-log-requests"]);
-    let (st, ok) = p.post_as(ADMIN, "/v1/completions", &completion());
+    p.put_tenant("acme", json!({"api_keys": [KEY]}));
+    let (st, ok) = p.post_as(KEY, "/v1/completions", &completion());
     assert_eq!(st, 200, "{ok}");
     let lines = access_lines(&p, 1);
     let entry: Value = lines
@@ -124,7 +125,8 @@ fn json_lines_with_prompts_when_asked_and_none_when_disabled() {
 
     let dir = TempDir::new("access-log-off");
     let p = start(&dir, &["--disable-uvicorn-access-log"]);
-    let (st, _) = p.post_as(ADMIN, "/v1/completions", &completion());
+    p.put_tenant("acme", json!({"api_keys": [KEY]}));
+    let (st, _) = p.post_as(KEY, "/v1/completions", &completion());
     assert_eq!(st, 200);
     std::thread::sleep(Duration::from_millis(300));
     assert!(access_lines(&p, 0).is_empty(), "{}", p.s.log_text());

@@ -160,6 +160,7 @@ fn closed_by_server(sock: &mut std::net::TcpStream, limit: Duration) -> bool {
 fn idle_and_slow_clients_neither_block_others_nor_keep_their_connections() {
     let dir = TempDir::new("slow-clients");
     let p = start(&dir, &["--header-timeout-seconds", "2"]);
+    p.put_tenant("t", json!({"api_keys": ["key-t-123456"]}));
     let addr = p.s.base.trim_start_matches("http://").to_string();
     // 300 connections: a third idle, a third dripping a request head one
     // byte at a time, a third sending a head and then nothing of the body.
@@ -183,14 +184,14 @@ fn idle_and_slow_clients_neither_block_others_nor_keep_their_connections() {
     }
     // Meanwhile a normal client is served.
     let (st, v) = p.post_as(
-        "",
+        "key-t-123456",
         "/v1/completions",
         &json!({"model": "smol", "prompt": "Hello", "max_tokens": 4}),
     );
     assert_eq!(st, 200, "{v}");
     // The idle and dripping ones are closed once their head is overdue;
     // the stalled bodies get their 408 and a close after the body timeout
-    // (60 s), so only the first two kinds are waited for here.
+    // (30 s), so only the first two kinds are waited for here.
     for (i, s) in socks.iter_mut().enumerate().filter(|(i, _)| i % 3 != 2) {
         assert!(
             closed_by_server(s, Duration::from_secs(10)),
@@ -248,6 +249,7 @@ fn descriptor_exhaustion_keeps_probes_answering_and_the_log_quiet() {
 fn prompts_far_beyond_the_context_are_refused_by_size_while_probes_answer() {
     let dir = TempDir::new("huge-prompts");
     let p = start(&dir, &[]);
+    p.put_tenant("t", json!({"api_keys": ["key-t-123456"]}));
     let url = p.s.url("/v1/completions");
     let chat_url = p.s.url("/v1/chat/completions");
     // Three clients with 7.9 MB prompts, as in the finding that pushed
@@ -258,13 +260,17 @@ fn prompts_far_beyond_the_context_are_refused_by_size_while_probes_answer() {
             let (url, chat_url, big) = (url.clone(), chat_url.clone(), big.clone());
             std::thread::spawn(move || {
                 let mut r = if i == 2 {
-                    agent().post(&chat_url).send_json(json!({
-                        "model": "smol",
-                        "messages": [{"role": "user", "content": big}],
-                    }))
+                    agent()
+                        .post(&chat_url)
+                        .header("Authorization", "Bearer key-t-123456")
+                        .send_json(json!({
+                            "model": "smol",
+                            "messages": [{"role": "user", "content": big}],
+                        }))
                 } else {
                     agent()
                         .post(&url)
+                        .header("Authorization", "Bearer key-t-123456")
                         .send_json(json!({"model": "smol", "prompt": big}))
                 }
                 .expect("request");

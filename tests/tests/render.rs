@@ -20,16 +20,21 @@ fn ids(v: &Value) -> Vec<u64> {
         .collect()
 }
 
+/// The key of a tenant that renders with the model's own template.
+const PLAIN_KEY: &str = "key-render-plain-1";
+
 #[test]
 fn render_returns_the_ids_generation_sees_and_generates_nothing() {
     let dir = TempDir::new("render");
     let p = start(&dir, &[]);
+    // A tenant without plugins: the model's own template.
+    p.put_tenant("plain", json!({"api_keys": [PLAIN_KEY]}));
     let prompt = "The capital of France is";
     let messages = json!([{"role": "user", "content": "What is 2+2?"}]);
 
     // Completions: one entry per prompt.
     let (st, r) = p.post_as(
-        ADMIN,
+        PLAIN_KEY,
         "/v1/completions/render",
         &json!({"model": "smol", "prompt": [prompt, "Hello"], "max_tokens": 3}),
     );
@@ -44,7 +49,7 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
     );
     assert_eq!(list[0]["model"], "smol");
     let (st, t) = p.post_as(
-        ADMIN,
+        PLAIN_KEY,
         "/tokenize",
         &json!({"model": "smol", "prompt": prompt}),
     );
@@ -53,7 +58,7 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
 
     // Chat: one object, after the chat template.
     let (st, r) = p.post_as(
-        ADMIN,
+        PLAIN_KEY,
         "/v1/chat/completions/render",
         &json!({"model": "smol", "messages": messages}),
     );
@@ -66,7 +71,7 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
     );
     let chat_ids = ids(&r["token_ids"]);
     let (st, t) = p.post_as(
-        ADMIN,
+        PLAIN_KEY,
         "/tokenize",
         &json!({"model": "smol", "messages": messages}),
     );
@@ -79,7 +84,7 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
     let before = generated(&p);
     for _ in 0..3 {
         let (st, _) = p.post_as(
-            ADMIN,
+            PLAIN_KEY,
             "/v1/chat/completions/render",
             &json!({"model": "smol", "messages": messages}),
         );
@@ -87,7 +92,7 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
     }
     assert_eq!(generated(&p), before);
     let (st, v) = p.post_as(
-        ADMIN,
+        PLAIN_KEY,
         "/v1/chat/completions",
         &json!({"model": "smol", "messages": messages, "max_tokens": 2}),
     );

@@ -77,8 +77,10 @@ pub struct ServeArgs {
     /// Largest request body, in bytes; larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
-    /// Client connections served at once (beyond them, only health probes
-    /// are answered); default: from the open-files limit, at most 16384.
+    /// Client connections served at once (beyond them, health probes are
+    /// answered at once and other requests wait briefly for a slot, which
+    /// idle and stalled connections give up); default: from the
+    /// open-files limit, at most 16384.
     #[arg(long)]
     pub max_connections: Option<usize>,
     /// Seconds a client may take to send a request's head (idle
@@ -112,6 +114,12 @@ pub struct ServeArgs {
     /// through other replicas.
     #[arg(long, default_value_t = 5.0)]
     pub state_poll_seconds: f64,
+    /// The largest fraction of the tenants one poll of the state store may
+    /// find gone and drop; a poll that would drop more (or every tenant)
+    /// is held as a suspected store fault until the tenants come back or
+    /// an admin confirms (POST /admin/v1/state-store/confirm-drop).
+    #[arg(long, default_value_t = 0.5)]
+    pub state_store_max_drop_fraction: f64,
     /// Meter plugin calls with fuel (tenants set the fuel per call in plugin_limits.fuel).
     #[arg(long)]
     pub plugin_fuel: bool,
@@ -176,7 +184,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     }
     check_unbuilt(&a)?;
     let label: crate::tenants::metric_label::TenantLabel = a.metrics_tenant_label.parse()?;
-    crate::tenants::metric_label::configure(label, a.admin_token.as_deref().unwrap_or(""));
+    crate::tenants::metric_label::configure(label);
     let auto_tool_parser = auto_tool_parser(&a)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
@@ -212,6 +220,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             },
             state_dir: a.state_dir,
             state_store: a.state_store,
+            state_store_max_drop_fraction: a.state_store_max_drop_fraction,
             state_poll: {
                 if !(a.state_poll_seconds.is_finite() && a.state_poll_seconds > 0.0) {
                     anyhow::bail!(

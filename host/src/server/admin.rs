@@ -81,6 +81,13 @@ fn bad(e: anyhow::Error) -> ApiError {
             a.retry_after = Some(5);
             a
         }
+        // The store's fault, not the client's: a 5xx naming the object.
+        Some(StoreError::Corrupt { .. }) => ApiError {
+            status: StatusCode::BAD_GATEWAY,
+            kind: "server_error",
+            code: "state_store_corrupt",
+            ..ApiError::internal(format!("{e:#}"))
+        },
         None => ApiError::invalid(None, format!("{e:#}")),
     }
 }
@@ -110,6 +117,9 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         // With --state-store: the revision of the shared manifest this
         // replica serves (each landed change adds one).
         "state_revision": state.tenants.revision_of(&c.id),
+        // Why the store's newer state is not applied here (it is held at
+        // state_revision), if it is not: repair by PUT or DELETE.
+        "state_error": state.tenants.state_fault(&c.id),
     })
 }
 
@@ -157,6 +167,21 @@ pub async fn route(
                 ))),
                 None => Err(ApiError::unavailable("the engine has stopped")),
             }
+        }
+        (Method::GET, ["admin", "v1", "state-store"]) => {
+            let t = &state.tenants;
+            let store = t.state_store().ok_or_else(|| ApiError::not_found("the state store (this server runs without --state-store)"))?;
+            Ok(json_response(&json!({
+                "url": store.url(),
+                "reachable": store.is_up(),
+                "serving": t.not_serving().is_none(),
+                "not_serving_because": t.not_serving(),
+                "held_drop": t.held_drop(),
+            })))
+        }
+        (Method::POST, ["admin", "v1", "state-store", "confirm-drop"]) => {
+            let dropped = state.tenants.confirm_drop().await.map_err(bad)?;
+            Ok(json_response(&json!({"dropped": dropped})))
         }
         (Method::GET, ["admin", "v1", "tenants"]) => {
             let ids = state.tenants.ids();

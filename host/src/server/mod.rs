@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub state_store: Option<String>,
     /// `--state-poll-seconds`.
     pub state_poll: std::time::Duration,
+    /// `--state-store-max-drop-fraction`.
+    pub state_store_max_drop_fraction: f64,
     /// Plugin runtime settings.
     pub plugins: crate::plugins::RuntimeConfig,
     /// The parser of `tool_choice: "auto"` (`--enable-auto-tool-choice`
@@ -94,6 +96,10 @@ pub struct AppState {
     metrics: PrometheusHandle,
     pub(crate) tenants: Arc<crate::tenants::Tenants>,
     pub(crate) admin_token: Option<String>,
+    /// Whether this server is set up for tenants (an admin token, a state
+    /// directory or a state store): it then never serves a request
+    /// without a key, even while it knows no tenant.
+    tenancy: bool,
 }
 
 impl AppState {
@@ -124,6 +130,17 @@ impl AppState {
             return Err(ApiError::model_not_found(model));
         }
         Ok(engine)
+    }
+
+    /// The engine, if the server is ready to serve: the engine is up and,
+    /// with a state store, the store has been read once and agrees on the
+    /// key salt (what the readiness probes answer).
+    pub fn serving(&self) -> Result<&AsyncEngine, ApiError> {
+        let engine = self.engine()?;
+        match self.tenants.not_serving() {
+            Some(why) => Err(ApiError::unavailable(why)),
+            None => Ok(engine),
+        }
     }
 
     /// The engine, or a 503 while it loads or after shutdown began.
@@ -212,6 +229,29 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         crate::tenants::shared::metrics::ERRORS,
         "Operations on the shared state store that failed to reach it."
     );
+    {
+        use crate::tenants::shared::metrics as sm;
+        metrics::describe_counter!(
+            sm::TENANT_ERRORS,
+            "Changes to a tenant's shared state that this replica could not apply (a corrupt manifest, a component whose content does not match its hash); the tenant is held at its last good state."
+        );
+        metrics::describe_gauge!(
+            sm::TENANT_FAULTY,
+            "1 while a tenant's shared state cannot be applied on this replica."
+        );
+        metrics::describe_counter!(
+            sm::REFUSED_DROPS,
+            "Polls of the state store that would have dropped more tenants than --state-store-max-drop-fraction allows, refused as a suspected store fault."
+        );
+        metrics::describe_gauge!(
+            sm::DROP_HELD,
+            "1 while tenants missing from the state store are held instead of dropped (until they return or an admin confirms)."
+        );
+        metrics::describe_gauge!(
+            sm::SALT_CONFLICT,
+            "1 while this replica's API-key salt differs from the state store's key-salt (it refuses requests then)."
+        );
+    }
     metrics::describe_counter!(m::GENERATION_TOKENS, "Tokens generated.");
     metrics::describe_counter!(m::NUM_PREEMPTIONS, "Preemptions by recompute.");
     metrics::describe_counter!(
@@ -344,6 +384,10 @@ fn authenticate(
     state: &AppState,
     req: &Request<Incoming>,
 ) -> Result<Option<Arc<crate::tenants::Tenant>>, ApiError> {
+    // Keys would not match those made on other replicas: serve nobody.
+    if let Some(why) = state.tenants.salt_conflict() {
+        return Err(ApiError::unavailable(why));
+    }
     let key = auth::bearer_token(req.headers());
     if let Some(t) = key.and_then(|k| state.tenants.by_key(k)) {
         if let Some(r) = access_log::current() {
@@ -354,7 +398,11 @@ fn authenticate(
     match &state.config.api_key {
         Some(a) if key.is_some_and(|k| auth::same(k, a)) => Ok(None),
         Some(_) => Err(ApiError::invalid_api_key()),
-        None if state.tenants.is_empty() => Ok(None),
+        None if state.tenants.is_empty() && !state.tenancy => Ok(None),
+        None if key.is_none() => Err(ApiError {
+            message: "This server serves tenants: pass a tenant's API key as 'Authorization: Bearer KEY'.".into(),
+            ..ApiError::invalid_api_key()
+        }),
         None => Err(ApiError::invalid_api_key()),
     }
 }
@@ -395,11 +443,34 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>, listener: Listener)
         req.method().as_str(),
         req.uri().path(),
     );
+    let unread_body = has_body(&req);
     let result = log.scope(dispatch(state, req, listener)).await;
     match result {
         Ok(r) => log.finish(r, None),
-        Err(e) => log.finish(e.response(), Some(e.kind)),
+        Err(e) => {
+            let mut r = e.response();
+            // A request refused before its body was read (a bad key, a
+            // missing route) leaves that body on the connection, which
+            // hyper then cannot reuse: say so, rather than let the client
+            // send its next request into a connection about to close.
+            if unread_body && matches!(e.status.as_u16(), 401 | 403 | 404 | 405) {
+                r.headers_mut().insert(
+                    hyper::header::CONNECTION,
+                    hyper::header::HeaderValue::from_static("close"),
+                );
+            }
+            log.finish(r, Some(e.kind))
+        }
     }
+}
+
+/// Whether `req` says it has a body (a non-zero length, or chunked).
+fn has_body(req: &Request<Incoming>) -> bool {
+    let h = req.headers();
+    h.contains_key(hyper::header::TRANSFER_ENCODING)
+        || h.get(hyper::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim() != "0")
 }
 
 /// Answers one request: health, metrics, the admin API, or the OpenAI API.
@@ -437,13 +508,13 @@ async fn dispatch(
             (None, None) => json_response(&json!({})),
             (None, Some(_)) => ApiError::unavailable("the model failed to load").response(),
         }),
-        (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.engine() {
+        (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.serving() {
             Ok(_) => json_response(&json!({"status": "ready"})),
             Err(e) => e.response(),
         }),
         // SageMaker-style managed platforms probe /ping and send every
         // request to /invocations, as vLLM serves them.
-        (Method::GET | Method::POST, "/ping") => Ok(match state.engine() {
+        (Method::GET | Method::POST, "/ping") => Ok(match state.serving() {
             Ok(_) => json_response(&json!({})),
             Err(e) => e.response(),
         }),
@@ -717,6 +788,11 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let mut tenants =
         crate::tenants::Tenants::new(runtime, config.state_dir.clone(), admin_token.clone())?;
     if let Some(url) = &config.state_store {
+        use crate::tenants::shared::metrics as sm;
+        for g in [sm::DROP_HELD, sm::SALT_CONFLICT] {
+            metrics::gauge!(g).set(0.0);
+        }
+        metrics::counter!(sm::REFUSED_DROPS).increment(0);
         let store = Arc::new(crate::tenants::shared::StateStore::open(url)?);
         // The store's key salt, so every replica hashes keys alike; while
         // it is unreachable the cache's serves, and the first poll that
@@ -728,7 +804,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                 None
             }
         };
-        tenants = tenants.with_store(store, salt)?;
+        tenants = tenants.with_store(store, salt, config.state_store_max_drop_fraction)?;
     }
     let tenants = Arc::new(tenants);
     if let Some(dir) = &config.state_dir {
@@ -751,13 +827,22 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
             loop {
                 tokio::time::sleep(every).await;
                 if let Err(e) = t.sync_from_store().await {
-                    tracing::debug!("state store poll: {e:#}");
+                    // An outage is logged once, when it starts; anything
+                    // else is worth a line every time.
+                    if crate::tenants::shared::is_unavailable(&e) {
+                        tracing::debug!("state store poll: {e:#}");
+                    } else {
+                        tracing::warn!("state store poll: {e:#}");
+                    }
                 }
             }
         });
     }
     let model_root = args.model.display().to_string();
+    let tenancy =
+        admin_token.is_some() || config.state_dir.is_some() || config.state_store.is_some();
     let state = Arc::new(AppState {
+        tenancy,
         model_root,
         responses: Default::default(),
         tenants,

@@ -5,7 +5,7 @@
 //! API reports each tenant's label (`metrics_label`) to map it back.
 
 use sha2::{Digest, Sha256};
-use std::sync::OnceLock;
+use std::sync::{OnceLock, PoisonError, RwLock};
 
 /// How a tenant appears in metric labels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -13,8 +13,9 @@ pub enum TenantLabel {
     /// The tenant id itself.
     Id,
     /// `t-` and 16 hex digits of a hash of the id, salted with a secret
-    /// (the admin token), so the same tenant has the same label on every
-    /// replica but its name is not exposed.
+    /// derived from the key salt (see [`set_secret`]), so the same tenant
+    /// has the same label on every replica sharing a store, but its name
+    /// is not exposed.
     Hash,
     /// One series for all tenants (`all`).
     None,
@@ -32,12 +33,26 @@ impl std::str::FromStr for TenantLabel {
     }
 }
 
-static MODE: OnceLock<(TenantLabel, String)> = OnceLock::new();
+static MODE: OnceLock<TenantLabel> = OnceLock::new();
+
+/// The secret the hashed labels are salted with: derived from the key
+/// salt (the state store's, shared by every replica), which no request
+/// can read. Not the admin token: `/metrics` is open, so a label salted
+/// with a credential would let anyone test guesses of it offline.
+static SECRET: RwLock<[u8; 32]> = RwLock::new([0; 32]);
 
 /// Sets the labelling for this process, once (the server does at start-up;
 /// later calls change nothing). Until then, labels are tenant ids.
-pub fn configure(mode: TenantLabel, salt: &str) {
-    let _ = MODE.set((mode, salt.to_string()));
+pub fn configure(mode: TenantLabel) {
+    let _ = MODE.set(mode);
+}
+
+/// Salts the hashed labels with `key_salt` (the server's API-key salt).
+pub fn set_secret(key_salt: &[u8; 32]) {
+    let mut h = Sha256::new();
+    h.update(b"pagoda metrics tenant label\0");
+    h.update(key_salt);
+    *SECRET.write().unwrap_or_else(PoisonError::into_inner) = h.finalize().into();
 }
 
 /// The label of tenant `id` (`default` for requests without a tenant).
@@ -46,11 +61,12 @@ pub fn of(id: &str) -> String {
         return "default".to_string();
     }
     match MODE.get() {
-        None | Some((TenantLabel::Id, _)) => id.to_string(),
-        Some((TenantLabel::None, _)) => "all".to_string(),
-        Some((TenantLabel::Hash, salt)) => {
+        None | Some(TenantLabel::Id) => id.to_string(),
+        Some(TenantLabel::None) => "all".to_string(),
+        Some(TenantLabel::Hash) => {
+            let secret = *SECRET.read().unwrap_or_else(PoisonError::into_inner);
             let mut h = Sha256::new();
-            h.update(salt.as_bytes());
+            h.update(secret);
             h.update([0]);
             h.update(id.as_bytes());
             format!("t-{}", hex::encode(&h.finalize()[..8]))

@@ -485,6 +485,8 @@ pub struct Tenants {
     shared: Option<Arc<shared::StateStore>>,
     /// What this replica last applied of each tenant's manifest.
     seen: Mutex<HashMap<String, replica::Seen>>,
+    /// How the sync with the store stands (readiness, held drops, salt).
+    sync: replica::SyncState,
     /// Serializes this replica's changes to the shared store (and its
     /// polls), so each change is based on the latest manifest it read.
     writes: tokio::sync::Mutex<()>,
@@ -506,6 +508,7 @@ impl Tenants {
             Some(d) => store::load_or_create_salt(d)?,
             None => rand::random(),
         };
+        metric_label::set_secret(&salt);
         Ok(Tenants {
             runtime,
             dir,
@@ -515,6 +518,7 @@ impl Tenants {
             salt_confirmed: std::sync::atomic::AtomicBool::new(false),
             shared: None,
             seen: Mutex::new(HashMap::new()),
+            sync: replica::SyncState::default(),
             writes: tokio::sync::Mutex::new(()),
             admin_token,
             instances_held: Arc::new(AtomicUsize::new(0)),
@@ -751,9 +755,14 @@ impl Tenants {
 
     pub async fn delete(&self, id: &str) -> Result<bool> {
         let write = self.begin_write(id).await?;
-        let Some(t) = self.get(id) else {
+        let t = self.get(id);
+        // A tenant this replica never applied (its manifest is corrupt, or
+        // names a component it could not load) is still deleted from the
+        // store.
+        let live = write.as_ref().is_some_and(|(_, b)| b.live);
+        if t.is_none() && !live {
             return Ok(false);
-        };
+        }
         if let Some((_, basis)) = &write {
             // A tombstone, written on the version read like any change.
             let mut m = self.manifest_of(
@@ -766,8 +775,10 @@ impl Tenants {
             m.deleted = true;
             self.commit(id, basis, m).await?;
         }
-        let _g = t.admin.lock().await;
-        self.remove_local(id).await?;
+        if let Some(t) = t {
+            let _g = t.admin.lock().await;
+            self.remove_local(id).await?;
+        }
         Ok(true)
     }
 

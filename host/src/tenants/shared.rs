@@ -35,6 +35,22 @@ pub mod metrics {
     pub const UP: &str = "pagoda_state_store_up";
     /// Operations on the state store that failed because it was unreachable.
     pub const ERRORS: &str = "pagoda_state_store_errors_total";
+    /// Manifests (or the plugin components they name) this replica could
+    /// not apply, by `tenant` label: the tenant stays at its last good
+    /// state, every other tenant keeps syncing.
+    pub const TENANT_ERRORS: &str = "pagoda_state_store_tenant_errors_total";
+    /// 1 while tenant `tenant`'s shared state cannot be applied here.
+    pub const TENANT_FAULTY: &str = "pagoda_state_store_tenant_faulty";
+    /// Polls that would have dropped more tenants than
+    /// `--state-store-max-drop-fraction` allows, refused as a suspected
+    /// store fault.
+    pub const REFUSED_DROPS: &str = "pagoda_state_store_refused_drops_total";
+    /// 1 while such a drop is held back (until the store has the tenants
+    /// again or an admin confirms it).
+    pub const DROP_HELD: &str = "pagoda_state_store_drop_held";
+    /// 1 while this replica's key salt disagrees with the store's
+    /// `key-salt` (it then refuses to serve).
+    pub const SALT_CONFLICT: &str = "pagoda_state_store_salt_conflict";
 }
 
 /// One tenant's state as the store holds it.
@@ -61,8 +77,12 @@ pub struct ManifestPlugin {
 
 /// A manifest as read, with the version a conditional write is based on.
 pub struct ReadManifest {
-    /// None: the tenant has never been written (a tombstone is `Some`).
+    /// None: the tenant has never been written (a tombstone is `Some`),
+    /// or its object is corrupt (see `corrupt`).
     pub manifest: Option<Manifest>,
+    /// Why the object that is there is not a manifest: the tenant is
+    /// held at its last good state until an admin replaces or deletes it.
+    pub corrupt: Option<StoreError>,
     /// What [`StateStore::write_manifest`] must find to replace it.
     pub basis: Option<UpdateVersion>,
 }
@@ -76,7 +96,42 @@ pub enum StoreError {
     /// The store could not be reached (or answered with a server error).
     #[error("the state store {url} is unreachable ({detail}); requests are served from the local cache, and admin changes are refused until it is back")]
     Unavailable { url: String, detail: String },
+    /// An object in the store is not what it must be (a manifest that does
+    /// not parse, a component whose content does not match its name).
+    #[error("the state store {url} holds a corrupt {object} ({detail}); {repair}")]
+    Corrupt {
+        url: String,
+        object: String,
+        detail: String,
+        /// What an operator does about it.
+        repair: &'static str,
+    },
 }
+
+/// Whether `e` is the store being unreachable (which ends a poll) rather
+/// than one tenant's bad state (which ends only that tenant's update).
+pub fn is_unavailable(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<StoreError>(),
+            Some(StoreError::Unavailable { .. })
+        )
+    })
+}
+
+/// What [`StateStore::check_salt`] found.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SaltCheck {
+    /// The store's `key-salt` is the one this replica holds.
+    Same,
+    /// The store had none: the one this replica holds was written back.
+    Restored,
+    /// The store holds another salt (these bytes, or `None` if unreadable).
+    Differs(Option<[u8; 32]>),
+}
+
+/// What to do about a corrupt manifest.
+const MANIFEST_REPAIR: &str = "the tenant is held at its last good state on every replica; replace it (PUT /admin/v1/tenants/ID) or delete it (DELETE /admin/v1/tenants/ID)";
 
 /// The shared store of one server.
 pub struct StateStore {
@@ -242,12 +297,12 @@ impl StateStore {
                         .await
                         .map_err(|e| self.unavailable("key-salt", &e))?;
                     self.reached();
-                    return <[u8; 32]>::try_from(b.as_ref()).map_err(|_| StoreError::Unavailable {
-                        url: self.url.clone(),
-                        detail: format!(
-                            "key-salt holds {} bytes, not 32; restore it from a backup",
-                            b.len()
-                        ),
+                    return <[u8; 32]>::try_from(b.as_ref()).map_err(|_| {
+                        self.corrupt(
+                            &path,
+                            format!("{} bytes, not 32", b.len()),
+                            "restore it from a backup, or from a running replica's --state-dir/key-salt",
+                        )
                     });
                 }
                 Err(object_store::Error::NotFound { .. }) => {
@@ -275,7 +330,53 @@ impl StateStore {
         })
     }
 
-    /// Reads tenant `id`'s manifest.
+    /// Checks that the store's `key-salt` is still `held` (this replica's,
+    /// read from the store before): writes it back, conditionally, if the
+    /// object is gone (an emptied bucket, a wrong lifecycle rule), so that
+    /// a replica started later adopts it instead of making its own.
+    pub async fn check_salt(&self, held: [u8; 32]) -> Result<SaltCheck, StoreError> {
+        let path = self.path("key-salt");
+        match self.store.get(&path).await {
+            Ok(r) => {
+                let b = r
+                    .bytes()
+                    .await
+                    .map_err(|e| self.unavailable("key-salt", &e))?;
+                self.reached();
+                Ok(match <[u8; 32]>::try_from(b.as_ref()) {
+                    Ok(s) if s == held => SaltCheck::Same,
+                    Ok(s) => SaltCheck::Differs(Some(s)),
+                    Err(_) => SaltCheck::Differs(None),
+                })
+            }
+            Err(object_store::Error::NotFound { .. }) => {
+                let opts = PutOptions::from(PutMode::Create);
+                match self
+                    .store
+                    .put_opts(&path, PutPayload::from(held.to_vec()), opts)
+                    .await
+                {
+                    Ok(_) => {
+                        self.reached();
+                        Ok(SaltCheck::Restored)
+                    }
+                    // Another replica restored it (or wrote its own) first:
+                    // the next check compares.
+                    Err(object_store::Error::AlreadyExists { .. }) => {
+                        self.reached();
+                        Box::pin(self.check_salt(held)).await
+                    }
+                    Err(e) => Err(self.unavailable("key-salt", &e)),
+                }
+            }
+            Err(e) => Err(self.unavailable("key-salt", &e)),
+        }
+    }
+
+    /// Reads tenant `id`'s manifest. An unreachable store is an error; a
+    /// corrupt object is not (it comes back in `corrupt`, with the version
+    /// an admin write replaces it on), so one bad manifest never stops
+    /// the others from being read.
     pub async fn read_manifest(&self, id: &str) -> Result<ReadManifest> {
         let path = self.manifest_path(id);
         let r = match self.store.get(&path).await {
@@ -284,6 +385,7 @@ impl StateStore {
                 self.reached();
                 return Ok(ReadManifest {
                     manifest: None,
+                    corrupt: None,
                     basis: None,
                 });
             }
@@ -298,12 +400,39 @@ impl StateStore {
             .await
             .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
         self.reached();
-        let manifest: Manifest = serde_json::from_slice(&b)
-            .with_context(|| format!("the state store's {path} is not a tenant manifest"))?;
+        let (manifest, corrupt) = match serde_json::from_slice::<Manifest>(&b) {
+            Ok(m) if m.config.id == id || m.deleted => (Some(m), None),
+            Ok(m) => (
+                None,
+                Some(self.corrupt(
+                    &path,
+                    format!("it names tenant '{}'", m.config.id),
+                    MANIFEST_REPAIR,
+                )),
+            ),
+            Err(e) => (
+                None,
+                Some(self.corrupt(
+                    &path,
+                    format!("not a tenant manifest: {e}"),
+                    MANIFEST_REPAIR,
+                )),
+            ),
+        };
         Ok(ReadManifest {
-            manifest: Some(manifest),
+            manifest,
+            corrupt,
             basis: Some(basis),
         })
+    }
+
+    fn corrupt(&self, path: &Path, detail: String, repair: &'static str) -> StoreError {
+        StoreError::Corrupt {
+            url: self.url.clone(),
+            object: path.to_string(),
+            detail,
+            repair,
+        }
     }
 
     /// Replaces tenant `id`'s manifest if it is still the one `basis` was
@@ -389,30 +518,44 @@ impl StateStore {
         Ok(r)
     }
 
-    /// Stores a plugin component under its sha256 (a no-op if present).
+    /// Stores a plugin component under its sha256. One already there is
+    /// kept if its content matches the name, and replaced if it does not
+    /// (so uploading the plugin again repairs a corrupt blob).
     pub async fn put_blob(&self, sha256: &str, bytes: Bytes) -> Result<()> {
         let path = self.path(&format!("blobs/{sha256}"));
         let opts = PutOptions::from(PutMode::Create);
-        let bytes_again = bytes.clone();
         match self
             .store
-            .put_opts(&path, PutPayload::from(bytes), opts)
+            .put_opts(&path, PutPayload::from(bytes.clone()), opts)
             .await
         {
-            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => {
+            Ok(_) => {
                 self.reached();
                 Ok(())
             }
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                self.reached();
+                match self.get_blob(sha256).await {
+                    Ok(_) => Ok(()),
+                    Err(e) if matches!(e.downcast_ref(), Some(StoreError::Corrupt { .. })) => {
+                        tracing::warn!("{e:#}: replacing it with the uploaded component");
+                        self.overwrite(&path, bytes).await
+                    }
+                    Err(e) => Err(e),
+                }
+            }
             // A store without conditional creation: the name is the
             // content's hash, so overwriting it changes nothing.
-            Err(object_store::Error::NotImplemented { .. }) => {
-                match self.store.put(&path, PutPayload::from(bytes_again)).await {
-                    Ok(_) => {
-                        self.reached();
-                        Ok(())
-                    }
-                    Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
-                }
+            Err(object_store::Error::NotImplemented { .. }) => self.overwrite(&path, bytes).await,
+            Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
+        }
+    }
+
+    async fn overwrite(&self, path: &Path, bytes: Bytes) -> Result<()> {
+        match self.store.put(path, PutPayload::from(bytes)).await {
+            Ok(_) => {
+                self.reached();
+                Ok(())
             }
             Err(e) => Err(self.unavailable(&format!("writing {path}"), &e).into()),
         }
@@ -429,7 +572,13 @@ impl StateStore {
         self.reached();
         let actual = super::sha256_hex(&b);
         if actual != sha256 {
-            bail!("the state store's {path} has sha256 {actual}; upload the plugin again");
+            return Err(self
+                .corrupt(
+                    &path,
+                    format!("its content has sha256 {actual}"),
+                    "upload the plugin again (PUT /admin/v1/tenants/ID/plugins/NAME), roll back, or delete the tenant",
+                )
+                .into());
         }
         Ok(b)
     }
@@ -519,6 +668,60 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = StateStore::open(&format!("file://{}", dir.path().display())).unwrap();
         stale_writes_conflict(&s).await;
+    }
+
+    #[tokio::test]
+    async fn corrupt_objects_are_reported_as_such_and_repairable() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(&format!("file://{}", dir.path().display())).unwrap();
+        // A manifest that does not parse is read as corrupt, with the
+        // version a repairing write replaces.
+        std::fs::create_dir_all(dir.path().join("tenants/t")).unwrap();
+        std::fs::write(dir.path().join("tenants/t/manifest.json"), b"{oops").unwrap();
+        let r = s.read_manifest("t").await.unwrap();
+        assert!(r.manifest.is_none());
+        let bad = r.corrupt.expect("corrupt");
+        assert!(bad.to_string().contains("tenants/t/manifest.json"), "{bad}");
+        s.write_manifest("t", &manifest(5), r.basis).await.unwrap();
+        assert_eq!(s.read_manifest("t").await.unwrap().manifest.unwrap().revision, 5);
+        // One that names another tenant is corrupt too.
+        let mut other = manifest(1);
+        other.config.id = "u".into();
+        let r = s.read_manifest("t").await.unwrap();
+        s.write_manifest("t", &other, r.basis).await.unwrap();
+        assert!(s.read_manifest("t").await.unwrap().corrupt.is_some());
+        // A blob whose content is not its name: an error naming it, and a
+        // put of the right content replaces it.
+        let wasm = Bytes::from_static(b"\0asm the real component");
+        let sha = super::super::sha256_hex(&wasm);
+        std::fs::create_dir_all(dir.path().join("blobs")).unwrap();
+        std::fs::write(dir.path().join("blobs").join(&sha), b"garbage").unwrap();
+        let e = s.get_blob(&sha).await.unwrap_err();
+        assert!(
+            matches!(e.downcast_ref(), Some(StoreError::Corrupt { .. })),
+            "{e:#}"
+        );
+        assert!(format!("{e:#}").contains(&format!("blobs/{sha}")), "{e:#}");
+        s.put_blob(&sha, wasm.clone()).await.unwrap();
+        assert_eq!(s.get_blob(&sha).await.unwrap(), wasm);
+    }
+
+    #[tokio::test]
+    async fn a_missing_salt_is_written_back_and_a_different_one_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = StateStore::open(&format!("file://{}", dir.path().display())).unwrap();
+        assert_eq!(s.salt([3; 32]).await.unwrap(), [3; 32]);
+        assert_eq!(s.check_salt([3; 32]).await.unwrap(), SaltCheck::Same);
+        std::fs::remove_file(dir.path().join("key-salt")).unwrap();
+        assert_eq!(s.check_salt([3; 32]).await.unwrap(), SaltCheck::Restored);
+        assert_eq!(std::fs::read(dir.path().join("key-salt")).unwrap(), [3; 32]);
+        std::fs::write(dir.path().join("key-salt"), [4; 32]).unwrap();
+        assert_eq!(
+            s.check_salt([3; 32]).await.unwrap(),
+            SaltCheck::Differs(Some([4; 32]))
+        );
+        std::fs::write(dir.path().join("key-salt"), [4; 5]).unwrap();
+        assert_eq!(s.check_salt([3; 32]).await.unwrap(), SaltCheck::Differs(None));
     }
 
     #[tokio::test]
