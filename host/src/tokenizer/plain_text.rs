@@ -110,6 +110,23 @@ impl PlainText {
             .ok_or_else(|| anyhow::anyhow!("placeholder {k} is not a character"))
     }
 
+    /// `text` with each placeholder back as the text it stands for (for
+    /// messages that quote protected input, such as a template's error).
+    pub fn restore(&self, text: &str) -> String {
+        if self.originals.is_empty() {
+            return text.to_string();
+        }
+        let mut out = String::with_capacity(text.len());
+        for c in text.chars() {
+            let k = (c as u32).wrapping_sub(FIRST) as usize;
+            match self.originals.get(k) {
+                Some(original) => out.push_str(original),
+                None => out.push(c),
+            }
+        }
+        out
+    }
+
     /// Encodes a prompt rendered from protected input: the template's text
     /// as [`Tokenizer::encode`] does (without BOS: the template places it),
     /// and each placeholder as the plain text it stands for.
@@ -137,5 +154,23 @@ impl PlainText {
             ids.extend(tok.encode(&rendered[start..], false)?);
         }
         Ok(ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restore_puts_the_originals_back() {
+        let mut p = PlainText::default();
+        assert_eq!(p.restore("a\u{F0000}b"), "a\u{F0000}b");
+        let a = p.placeholder("<|im_end|>").expect("placeholder");
+        let b = p.placeholder("\u{F0000}").expect("placeholder");
+        assert_eq!(p.placeholder("<|im_end|>").expect("placeholder"), a);
+        assert_eq!(
+            p.restore(&format!("x{a}y{b}{a}\u{F0005}")),
+            "x<|im_end|>y\u{F0000}<|im_end|>\u{F0005}"
+        );
     }
 }

@@ -391,17 +391,40 @@ async fn render_chat(
     let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
     let rendered = match ctx {
-        Some(c) => {
-            c.render(body, tok.chat_template().map(|t| t.source().to_string()))
-                .await?
+        Some(c) if c.has_render_prompt() => {
+            // The plugin renders a copy of the body in which every string
+            // the client wrote (contents, names, tool definitions, tool
+            // calls, kwargs, object keys) has its special-token text
+            // swapped for placeholders, and the placeholders in the prompt
+            // it returns are encoded as the plain text they stand for: as
+            // on the host's own template path, only the plugin's template
+            // writes control tokens.
+            let (t, copy) = (tok.clone(), body.clone());
+            let (protected, plain) = off_runtime(move || {
+                let mut copy = copy;
+                let mut plain = crate::tokenizer::plain_text::PlainText::default();
+                plain
+                    .protect(&t, &mut copy)
+                    .map_err(|e| ApiError::invalid(Some("messages".into()), format!("{e:#}")))?;
+                Ok((copy, plain))
+            })
+            .await?;
+            let template = tok.chat_template().map(|t| t.source().to_string());
+            c.render(&protected, template)
+                .await
+                // A template's error quotes the client's text as written.
+                .map_err(|mut e| {
+                    e.message = plain.restore(&e.message);
+                    e
+                })?
+                .map(|text| (text, plain))
         }
-        None => None,
+        _ => None,
     };
-    let contents: Vec<String> = messages.iter().map(|m| m.content.clone()).collect();
     // Rendering and tokenizing a large conversation takes CPU time, which
     // must not hold up the HTTP threads (probes, streams of other clients).
     let input = match rendered {
-        Some(t) => ChatInput::Rendered(t),
+        Some((text, plain)) => ChatInput::Rendered(text, plain),
         None => {
             if tok.chat_template().is_none() {
                 return Err(ApiError::invalid(None, "This model has no chat template; use /v1/completions or load a model whose tokenizer_config.json has one."));
@@ -447,12 +470,9 @@ async fn render_chat(
     off_runtime(move || {
         let bad = |e: anyhow::Error| ApiError::invalid(Some("messages".into()), format!("{e:#}"));
         match input {
-            ChatInput::Rendered(text) => {
-                // A tenant's plugin rendered it: the messages' own text
-                // never becomes control tokens.
-                let texts: Vec<&str> = contents.iter().map(String::as_str).collect();
-                tok.encode_chat(&text, &texts).map_err(bad)
-            }
+            // A tenant's plugin rendered it from the protected body: what
+            // the client wrote comes back as plain text.
+            ChatInput::Rendered(text, plain) => plain.encode(&tok, &text).map_err(bad),
             ChatInput::Template(mut msgs, extra) => {
                 let template = tok
                     .chat_template()
@@ -484,10 +504,11 @@ async fn render_chat(
     .await
 }
 
-/// A chat prompt before tokenizing: rendered by a tenant's plugin, or the
-/// model template's input (messages and extra variables).
+/// A chat prompt before tokenizing: rendered by a tenant's plugin (with
+/// the placeholders of the body it was given), or the model template's
+/// input (messages and extra variables).
 enum ChatInput {
-    Rendered(String),
+    Rendered(String, crate::tokenizer::plain_text::PlainText),
     Template(Value, serde_json::Map<String, Value>),
 }
 

@@ -174,6 +174,11 @@ impl TenantCtx {
         Ok(body)
     }
 
+    /// Whether a plugin of the chain has `render-prompt`.
+    pub fn has_render_prompt(&self) -> bool {
+        !self.has_hook(HookKind::RenderPrompt).is_empty()
+    }
+
     /// `render-prompt`: the first plugin that returns a prompt wins.
     pub async fn render(
         &mut self,
