@@ -114,3 +114,90 @@ fn every_allowed_token_is_consumable_and_spells_accepted_text() {
         assert!(v["a"].is_i64() && (v["b"] == "x" || v["b"] == "é"), "{t}");
     }
 }
+
+/// A schema's regexes are enforced or refused at compile time, never
+/// dropped: a pattern too large to match (wherever the schema carries it)
+/// is the client's error, as are llguidance options that would weaken the
+/// schema.
+#[test]
+fn schema_regexes_too_large_to_match_are_refused() {
+    let (_, c) = compiler();
+    let js = |v: serde_json::Value| StructuredOutputs::new(OutputConstraint::JsonSchema(v));
+    let big = "(a{100}){100}";
+    for schema in [
+        json!({"type": "string", "pattern": big}),
+        json!({"type": "object", "properties": {"a": {"type": "string", "pattern": big}},
+            "required": ["a"]}),
+        json!({"type": "object", "patternProperties": {big: {"type": "integer"}}}),
+        json!({"type": "array", "items": {"anyOf": [{"type": "string", "pattern": big}]}}),
+        // A `$ref` may point anywhere in the document.
+        json!({"$ref": "#/x", "x": {"type": "string", "pattern": big}}),
+        json!({"type": "object", "x-guidance": {"whitespace_pattern": "(a{1000}){1000}"}}),
+    ] {
+        let e = c
+            .compile(&js(schema.clone()))
+            .expect_err(&schema.to_string());
+        assert!(e.contains("too large to match"), "{schema}: {e}");
+    }
+    // `lenient` would drop the unknown format; it is refused instead.
+    let e = c
+        .compile(&js(json!({"type": "string", "format": "no-such-format",
+            "x-guidance": {"lenient": true}})))
+        .expect_err("lenient");
+    assert!(e.contains("no-such-format"), "{e}");
+    // Realistic patterns compile, and are enforced.
+    for rx in [
+        "^[a-f0-9]{64}$",
+        r"^\w+([\.-]?\w+)*@\w+([\.-]?\w+)*(\.\w{2,})+$",
+        r"^\d{4}-\d{2}-\d{2}$",
+    ] {
+        c.compile(&js(json!({"type": "string", "pattern": rx})))
+            .unwrap_or_else(|e| panic!("{rx}: {e}"));
+    }
+    let (tok, c) = compiler();
+    let schema = js(json!({"type": "object",
+        "properties": {"a": {"type": "string", "pattern": "^x[yz]{2}$"}},
+        "required": ["a"], "additionalProperties": false}));
+    let texts = walk(&tok, &c, &schema, 40);
+    for t in texts {
+        let v: serde_json::Value =
+            serde_json::from_str(&t).unwrap_or_else(|e| panic!("{t:?}: {e}"));
+        let a = v["a"].as_str().unwrap_or_else(|| panic!("{t}"));
+        assert!(
+            a.len() == 3 && a.starts_with('x') && a[1..].chars().all(|ch| ch == 'y' || ch == 'z'),
+            "{t}"
+        );
+    }
+}
+
+/// A constraint whose language is empty is refused when it compiles, with
+/// a message that says so, whatever its kind.
+#[test]
+fn constraints_that_match_no_text_are_refused() {
+    let (_, c) = compiler();
+    let regex = |r: &str| StructuredOutputs::new(OutputConstraint::Regex(r.into()));
+    let lark = |g: &str| StructuredOutputs::new(OutputConstraint::Grammar(g.into()));
+    let js = |v: serde_json::Value| StructuredOutputs::new(OutputConstraint::JsonSchema(v));
+    for spec in [
+        regex(r"[^\s\S]"),
+        regex(r"a[^\s\S]b|[^\d\D]"),
+        lark(r#"start: start "a""#),
+        lark(r"start: /[^\s\S]/"),
+        js(json!({"type": "string", "enum": []})),
+        js(json!(false)),
+        js(json!({"allOf": [{"type": "string"}, {"type": "integer"}]})),
+        js(json!({"type": "object", "properties": {"a": false}, "required": ["a"]})),
+        js(json!({"type": "string", "pattern": "^a$", "minLength": 3})),
+    ] {
+        let e = c.compile(&spec).expect_err(&format!("{spec:?}"));
+        assert!(e.contains("matches no text"), "{spec:?}: {e}");
+    }
+    // Anchors that cannot hold: a text start after a character.
+    for rx in ["a^b", "a$b"] {
+        let e = c.compile(&regex(rx)).expect_err(rx);
+        assert!(e.contains("matches no text"), "{rx}: {e}");
+    }
+    // The empty string is a language, not an empty one.
+    c.compile(&regex("")).expect("the empty string");
+    c.compile(&regex("a?")).expect("optional");
+}

@@ -5,7 +5,8 @@
 //!   `/tokenize` counts exactly what the engine gets;
 //! - `/tokenize` is bounded like generation;
 //! - a constraint that cannot be matched within its budget is a 400 that
-//!   names the field, logged once;
+//!   names the field, logged once; so is a schema's pattern too large to
+//!   match, and a constraint that matches no text;
 //! - the operator chooses how tenants appear in `/metrics`, and on which
 //!   port it is served.
 
@@ -154,6 +155,75 @@ fn tokenize_is_bounded_and_constraints_are_checked_before_admission() {
     let new: Vec<&str> = log.lines().skip(before).collect();
     assert_eq!(new.len(), 1, "one line (the access log's): {new:#?}");
     assert!(new[0].contains("status=400"), "{new:#?}");
+}
+
+#[test]
+fn schema_patterns_too_large_and_empty_languages_are_refused_with_400() {
+    let s = Server::start(&[]);
+    let chat = |extra: Value| {
+        let mut body = json!({"model": "smol", "max_tokens": 8,
+            "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        s.post("/v1/chat/completions", &body)
+    };
+    // A pattern too large to match is refused, never dropped (the same
+    // expression as a `regex` is enforced, being anchored).
+    for (schema, what) in [
+        (
+            json!({"type": "object",
+                "properties": {"a": {"type": "string", "pattern": "(a{100}){100}"}},
+                "required": ["a"]}),
+            "pattern",
+        ),
+        (
+            json!({"type": "object",
+                "patternProperties": {"(a{100}){100}": {"type": "integer"}}}),
+            "patternProperties",
+        ),
+    ] {
+        let (st, v) = chat(json!({"response_format": {"type": "json_schema",
+            "json_schema": {"name": "x", "schema": schema}}}));
+        assert_eq!(st, 400, "{what}: {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+        assert_eq!(
+            v["error"]["param"], "response_format.json_schema.schema",
+            "{v}"
+        );
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains("too large to match"), "{what}: {msg}");
+    }
+    // A constraint whose language is empty is a 400, not a 200 with `abort`.
+    for (extra, param) in [
+        (
+            json!({"structured_outputs": {"regex": "[^\\s\\S]"}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"structured_outputs": {"regex": "a^b"}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"structured_outputs": {"grammar": "start: start \"a\""}}),
+            "structured_outputs.grammar",
+        ),
+        (
+            json!({"structured_outputs": {"json": {"type": "string", "enum": []}}}),
+            "structured_outputs.json",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                "schema": {"allOf": [{"type": "string"}, {"type": "integer"}]}}}}),
+            "response_format.json_schema.schema",
+        ),
+    ] {
+        let (st, v) = chat(extra.clone());
+        assert_eq!(st, 400, "{extra}: {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+        let msg = v["error"]["message"].as_str().expect("message");
+        assert!(msg.contains("matches no text"), "{extra}: {msg}");
+    }
 }
 
 fn tenant_metric_labels(metrics: &str) -> Vec<String> {
