@@ -1,9 +1,10 @@
-//! `pagoda bench`: `throughput` (offline, all requests at once) and
-//! `latency` (one request at a time: prompt and decode speed).
+//! `pagoda bench`: `throughput` (offline, all requests at once),
+//! `latency` (one request at a time: prompt and decode speed), `serve`
+//! (online load on a server) and `bandwidth` (the machine's read bandwidth).
 
 use super::EngineFlags;
 use crate::bench::datasets::{self, Dataset};
-use crate::bench::{latency, stats, throughput};
+use crate::bench::{bandwidth, latency, stats, throughput};
 use crate::engine::build_engine;
 use crate::engine::llm::Prompt;
 use anyhow::{Context, Result};
@@ -19,6 +20,26 @@ pub enum BenchCommand {
     Latency(LatencyArgs),
     /// Online load against any OpenAI-compatible server, like `vllm bench serve`.
     Serve(ServeBenchArgs),
+    /// Read bandwidth per thread count: a STREAM-like sum over a buffer far
+    /// larger than the last-level cache, the ceiling decode works against.
+    Bandwidth(BandwidthArgs),
+}
+
+/// Flags of `pagoda bench bandwidth`.
+#[derive(Args, Debug)]
+pub struct BandwidthArgs {
+    /// Buffer size in bytes; keep it far above the last-level cache.
+    #[arg(long, default_value_t = 1 << 30)]
+    pub bytes: usize,
+    /// Thread counts to measure, e.g. 1,2; default: 1 up to the number of cores.
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Timed rounds per thread count; the best and the median are reported.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Flags of `pagoda bench serve`.
@@ -141,7 +162,24 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Throughput(a) => run_throughput(a),
         BenchCommand::Latency(a) => run_latency(a),
         BenchCommand::Serve(a) => run_serve(a),
+        BenchCommand::Bandwidth(a) => run_bandwidth(a),
     }
+}
+
+fn run_bandwidth(a: BandwidthArgs) -> Result<()> {
+    let threads = if a.threads.is_empty() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        (1..=cores).collect()
+    } else {
+        a.threads
+    };
+    let r = bandwidth::run(a.bytes, &threads, a.rounds)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", bandwidth::table(&r));
+    }
+    Ok(())
 }
 
 /// "; speculative decoding: …" when drafts were verified, else nothing.
