@@ -533,6 +533,10 @@ async fn dispatch(
         (Method::GET, "/version") => Ok(json_response(
             &json!({"version": env!("CARGO_PKG_VERSION")}),
         )),
+        // Anthropic's Messages API: its own key header and error shape.
+        (_, p) if p == "/v1/messages" || p.starts_with("/v1/messages/") => {
+            Ok(openai::anthropic::route(Arc::clone(&state), req).await)
+        }
         (_, p)
             if p.starts_with("/v1/")
                 || matches!(p, "/tokenize" | "/detokenize" | "/tokenizer_info") =>

@@ -1,6 +1,7 @@
 //! The OpenAI-compatible endpoints: `/v1/completions` and
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
+pub mod anthropic;
 pub mod protocol;
 pub mod reasoning;
 pub mod responses;
