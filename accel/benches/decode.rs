@@ -1,0 +1,113 @@
+//! Single-token decode through a 1B-shaped model's matrices: how fast the
+//! quantized matmul kernels stream weights when nothing else runs.
+//!
+//! `cargo bench -p pagoda-accel --bench decode [TYPE...]` (types by name,
+//! e.g. `Q4_0 Q6_K`; default Q4_0 Q4_1 Q8_0 Q4_K Q6_K). Llama-3.2-1B's
+//! shapes: 16 layers of fused QKV (3072 × 2048), O (2048 × 2048), gate-up
+//! (16384 × 2048) and down (2048 × 8192), plus the 49152-row head, all
+//! distinct matrices, so every step streams them from DRAM as real decode
+//! does. Per type and thread count: ms per step, tok/s, GB/s of weights.
+//! `PAGODA_SIMD` picks the kernel level as in the server. Compare the GB/s
+//! with `pagoda bench bandwidth` on the same machine.
+
+use pagoda_accel::{GgmlType, MatmulScratch, ThreadPool, Weight};
+use std::time::{Duration, Instant};
+
+/// A cheap deterministic generator (benchmarks need no statistical quality).
+struct Lcg(u64);
+impl Lcg {
+    fn next_u8(&mut self) -> u8 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 56) as u8
+    }
+}
+
+/// Random blocks of `ty` with small, finite scales (the kernels' speed
+/// does not depend on the values, but NaNs would hide wrong arithmetic).
+fn weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut Lcg) -> Weight {
+    let bb = ty.block_bytes();
+    let mut bytes: Vec<u8> = (0..rows * cols / ty.block_len() * bb)
+        .map(|_| rng.next_u8())
+        .collect();
+    let d = half::f16::from_f32(0.001).to_bits().to_le_bytes();
+    // Where each type keeps its f16 scales (and mins) in a block.
+    let at: &[usize] = match ty {
+        GgmlType::Q4_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q4_K => &[0, 2],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    };
+    for blk in bytes.chunks_exact_mut(bb) {
+        for &o in at {
+            blk[o..o + 2].copy_from_slice(&d);
+        }
+    }
+    Weight::from_raw(ty, rows, cols, &bytes).expect("benchmark shapes are valid")
+}
+
+fn main() {
+    let names: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let all = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ];
+    let types: Vec<GgmlType> = all
+        .into_iter()
+        .filter(|t| names.is_empty() || names.iter().any(|n| n == t.name()))
+        .collect();
+    println!("simd level: {:?}", pagoda_accel::cpu::simd_level());
+    println!(
+        "{:<5} {:>8} {:>3} {:>9} {:>7} {:>7}",
+        "type", "MB", "thr", "ms/step", "tok/s", "GB/s"
+    );
+    let (hidden, ffn, qkv, vocab, layers) = (2048, 8192, 3072, 49152, 16);
+    let mut rng = Lcg(47);
+    for ty in types {
+        let mut ws = Vec::new();
+        for _ in 0..layers {
+            ws.push(weight(ty, qkv, hidden, &mut rng));
+            ws.push(weight(ty, hidden, hidden, &mut rng));
+            ws.push(weight(ty, 2 * ffn, hidden, &mut rng));
+            ws.push(weight(ty, hidden, ffn, &mut rng));
+        }
+        ws.push(weight(ty, vocab, hidden, &mut rng));
+        let bytes: usize = ws.iter().map(Weight::size_bytes).sum();
+        let x: Vec<f32> = (0..ffn).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
+        let mut out = vec![0.0f32; vocab];
+        let mut scratch = MatmulScratch::default();
+        for threads in [1, 2] {
+            let pool = ThreadPool::new(threads);
+            let mut step = || {
+                for w in &ws {
+                    w.matmul(&pool, &x[..w.cols()], 1, &mut out[..w.rows()], &mut scratch);
+                }
+            };
+            step();
+            let mut best = f64::INFINITY;
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(3) {
+                let s = Instant::now();
+                step();
+                best = best.min(s.elapsed().as_secs_f64());
+            }
+            println!(
+                "{:<5} {:>8.1} {:>3} {:>9.2} {:>7.1} {:>7.2}",
+                ty.name(),
+                bytes as f64 / 1e6,
+                threads,
+                best * 1e3,
+                1.0 / best,
+                bytes as f64 / best / 1e9
+            );
+        }
+    }
+}
