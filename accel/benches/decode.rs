@@ -7,6 +7,7 @@
 //! (16384 × 2048) and down (2048 × 8192), plus the 49152-row head, all
 //! distinct matrices, so every step streams them from DRAM as real decode
 //! does. Per type and thread count: ms per step, tok/s, GB/s of weights.
+//! `DECODE_M=8` decodes 8 tokens per step, as 8 concurrent streams do.
 //! `PAGODA_SIMD` picks the kernel level as in the server. Compare the GB/s
 //! with `pagoda bench bandwidth` on the same machine.
 
@@ -64,7 +65,16 @@ fn main() {
         .into_iter()
         .filter(|t| names.is_empty() || names.iter().any(|n| n == t.name()))
         .collect();
-    println!("simd level: {:?}", pagoda_accel::cpu::simd_level());
+    // Tokens per step: 1 for single-stream decode, more for concurrent
+    // streams decoding together (`DECODE_M=8`).
+    let m: usize = std::env::var("DECODE_M")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    println!(
+        "simd level: {:?}, {m} token(s) per step",
+        pagoda_accel::cpu::simd_level()
+    );
     println!(
         "{:<5} {:>8} {:>3} {:>9} {:>7} {:>7}",
         "type", "MB", "thr", "ms/step", "tok/s", "GB/s"
@@ -81,8 +91,10 @@ fn main() {
         }
         ws.push(weight(ty, vocab, hidden, &mut rng));
         let bytes: usize = ws.iter().map(Weight::size_bytes).sum();
-        let x: Vec<f32> = (0..ffn).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
-        let mut out = vec![0.0f32; vocab];
+        let x: Vec<f32> = (0..m * ffn)
+            .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
+            .collect();
+        let mut out = vec![0.0f32; m * vocab];
         let mut scratch = MatmulScratch::default();
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
@@ -105,7 +117,7 @@ fn main() {
                 bytes as f64 / 1e6,
                 threads,
                 best * 1e3,
-                1.0 / best,
+                m as f64 / best,
                 bytes as f64 / best / 1e9
             );
         }
