@@ -9,7 +9,7 @@
 //!
 //! 1. One tenant's manifest is overwritten with garbage: that tenant is
 //!    held at its last good state, logged once, counted; the others sync;
-//!    a PUT through the admin API repairs it.
+//!    a PUT through the admin API repairs it, a DELETE removes it.
 //! 2. A manifest names a component whose blob does not hash to its name:
 //!    the tenant keeps its last good plugin; uploading the component again
 //!    replaces the bad blob.
@@ -38,6 +38,7 @@ const K2B: &str = "key-tenant-two-rotated";
 const K2C: &str = "key-tenant-two-rotated-again";
 const K3: &str = "key-tenant-three";
 const K4: &str = "key-tenant-four";
+const K5: &str = "key-tenant-five";
 
 /// A poll every second: every wait below is a few polls.
 const POLL: &str = "1";
@@ -275,10 +276,11 @@ fn break_the_store(cluster: &Cluster, objects: &dyn Objects, mut outage: Option<
     a.put_tenant("t2", json!({"api_keys": [K2]}));
     b.put_tenant("t3", json!({"api_keys": [K3]}));
     c.put_tenant("t4", json!({"api_keys": [K4]}));
+    a.put_tenant("t5", json!({"api_keys": [K5]}));
     for s in &reps {
         wait_for(WAIT, "every tenant on every replica", || {
             complete(s, Some(K1)).1.ends_with(" [v1]")
-                && [K2, K3, K4].iter().all(|k| status(s, Some(k)) == 200)
+                && [K2, K3, K4, K5].iter().all(|k| status(s, Some(k)) == 200)
         });
     }
 
@@ -341,6 +343,15 @@ fn break_the_store(cluster: &Cluster, objects: &dyn Objects, mut outage: Option<
             "{v}"
         );
         assert_closed(s);
+    }
+    // A DELETE removes a corrupt manifest (a tombstone in its place).
+    objects.put("tenants/t5/manifest.json", b"not JSON at all");
+    let (st, v) = c.admin("DELETE", "/admin/v1/tenants/t5", None);
+    assert_eq!(st, 200, "{v}");
+    for s in &reps {
+        wait_for(WAIT, "a corrupt tenant deleted everywhere", || {
+            status(s, Some(K5)) == 401
+        });
     }
     // Repaired by a PUT through any replica.
     let (st, v) = c.admin(
