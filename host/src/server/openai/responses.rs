@@ -622,6 +622,12 @@ fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
                 json!({"role": "assistant", "content": p.content, "tool_calls": calls}),
             )
         }
+        // A forced call (named or required) that max_tokens cut is no
+        // call, and its fragment of JSON is no answer either.
+        Some(_) if !matches!(run.tools, Some(super::tools::ToolMode::Auto(_))) => (
+            vec![message_item(msg_id, "completed", Some(""))],
+            json!({"role": "assistant", "content": ""}),
+        ),
         _ => (
             vec![message_item(msg_id, "completed", Some(&c.text))],
             json!({"role": "assistant", "content": c.text}),

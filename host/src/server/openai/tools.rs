@@ -188,15 +188,20 @@ impl ToolRequest {
                 ))
             }
             ToolMode::Required => {
+                let mut defs = Map::new();
+                let mut definitions = Map::new();
                 let options: Vec<Value> = self
                     .tools
                     .iter()
-                    .map(|t| {
+                    .enumerate()
+                    .map(|(i, t)| {
+                        let parameters =
+                            hoist_definitions(i, &t.parameters, &mut defs, &mut definitions);
                         json!({
                             "type": "object",
                             "properties": {
                                 "name": {"type": "string", "enum": [t.name]},
-                                "parameters": t.parameters,
+                                "parameters": parameters,
                             },
                             "required": ["name", "parameters"],
                         })
@@ -210,6 +215,12 @@ impl ToolRequest {
                     // property at all).
                     "items": {"anyOf": options},
                 });
+                if !defs.is_empty() {
+                    schema["$defs"] = Value::Object(defs);
+                }
+                if !definitions.is_empty() {
+                    schema["definitions"] = Value::Object(definitions);
+                }
                 if !self.parallel {
                     schema["maxItems"] = json!(1);
                 }
@@ -223,15 +234,158 @@ impl ToolRequest {
     }
 }
 
+/// The key under the combined schema's `$defs` that holds tool `index`'s
+/// parameters, when its own references need them (`#`, `#/properties/..`).
+fn tool_root_name(index: usize) -> String {
+    format!("tool{index}")
+}
+
+/// The prefix of tool `index`'s definitions under the combined schema's
+/// `$defs` and `definitions`. No tool's prefixed name can equal another
+/// tool's, nor a [`tool_root_name`] (which has no `__`).
+fn tool_def_prefix(index: usize) -> String {
+    format!("tool{index}__")
+}
+
+/// Tool `index`'s parameters as they sit inside the schema that combines
+/// all tools, where a local `$ref` (`#/...`) resolves against that
+/// schema's root rather than the tool's. Its `$defs` and `definitions`
+/// move to `defs` and `definitions` (the combined root's) under prefixed
+/// names, and its local references are rewritten to match: `#/$defs/X`
+/// becomes `#/$defs/tool<index>__X`, `#/definitions/X` becomes
+/// `#/definitions/tool<index>__X`, and any other local pointer (`#`
+/// itself, a recursive reference to the root, or `#/properties/...`)
+/// points into a copy of the parameters at `#/$defs/tool<index>`, which
+/// the returned schema then references. References elsewhere (another
+/// document, an anchor) are left as sent: the compiler refuses them.
+fn hoist_definitions(
+    index: usize,
+    parameters: &Value,
+    defs: &mut Map<String, Value>,
+    definitions: &mut Map<String, Value>,
+) -> Value {
+    let mut params = parameters.clone();
+    let (mut own_defs, mut own_definitions) = (Map::new(), Map::new());
+    if let Some(o) = params.as_object_mut() {
+        // `$id` would set a base URI for references that now resolve
+        // against the combined root.
+        o.remove("$id");
+        if let Some(Value::Object(d)) = o.remove("$defs") {
+            own_defs = d;
+        }
+        if let Some(Value::Object(d)) = o.remove("definitions") {
+            own_definitions = d;
+        }
+    }
+    let mut needs_root = false;
+    rewrite_refs(&mut params, index, &mut needs_root);
+    let prefix = tool_def_prefix(index);
+    for (target, entries) in [(&mut *defs, own_defs), (&mut *definitions, own_definitions)] {
+        for (name, mut schema) in entries {
+            rewrite_refs(&mut schema, index, &mut needs_root);
+            target.insert(format!("{prefix}{name}"), schema);
+        }
+    }
+    if needs_root {
+        defs.insert(tool_root_name(index), params);
+        json!({"$ref": format!("#/$defs/{}", tool_root_name(index))})
+    } else {
+        params
+    }
+}
+
+/// Keywords whose values are data, not schemas: a `$ref` inside them is
+/// left alone.
+const DATA_KEYWORDS: [&str; 5] = ["const", "enum", "default", "examples", "example"];
+
+/// Keywords whose values map names to schemas (the names are not
+/// keywords).
+const SCHEMA_MAPS: [&str; 5] = [
+    "properties",
+    "patternProperties",
+    "$defs",
+    "definitions",
+    "dependentSchemas",
+];
+
+/// Rewrites the local `$ref`s of one schema of tool `index` as
+/// [`hoist_definitions`] describes; sets `needs_root` where one points
+/// into the tool's root.
+fn rewrite_refs(schema: &mut Value, index: usize, needs_root: &mut bool) {
+    match schema {
+        Value::Object(o) => {
+            for (key, value) in o.iter_mut() {
+                let key = key.as_str();
+                match value {
+                    Value::String(r) if key == "$ref" => {
+                        if let Some(new) = rewritten_ref(r, index, needs_root) {
+                            *r = new;
+                        }
+                    }
+                    _ if DATA_KEYWORDS.contains(&key) => {}
+                    // The names of a schema map are not keywords: a
+                    // property called `enum` is a schema.
+                    Value::Object(m) if SCHEMA_MAPS.contains(&key) => {
+                        for v in m.values_mut() {
+                            rewrite_refs(v, index, needs_root);
+                        }
+                    }
+                    _ => rewrite_refs(value, index, needs_root),
+                }
+            }
+        }
+        Value::Array(a) => {
+            for v in a.iter_mut() {
+                rewrite_refs(v, index, needs_root);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// One local reference of tool `index`, pointed at the combined schema;
+/// `None` for one that is not local (left as sent).
+fn rewritten_ref(r: &str, index: usize, needs_root: &mut bool) -> Option<String> {
+    let pointer = r.strip_prefix('#')?;
+    if !(pointer.is_empty() || pointer.starts_with('/')) {
+        // `#anchor`: not a JSON pointer.
+        return None;
+    }
+    for keyword in ["$defs", "definitions"] {
+        if let Some(rest) = pointer
+            .strip_prefix('/')
+            .and_then(|p| p.strip_prefix(keyword))
+            .and_then(|p| p.strip_prefix('/'))
+        {
+            // The name's escapes (`~0`, `~1`, `%xx`) carry over: the
+            // prefix has none.
+            return Some(format!("#/{keyword}/{}{rest}", tool_def_prefix(index)));
+        }
+    }
+    *needs_root = true;
+    // `#/` is the root too.
+    let pointer = if pointer == "/" { "" } else { pointer };
+    Some(format!("#/$defs/{}{pointer}", tool_root_name(index)))
+}
+
 /// Splits a choice's finished text into content and calls.
 pub fn extract(mode: &ToolMode, text: &str) -> ParsedOutput {
     match mode {
-        ToolMode::Named(name) => ParsedOutput {
-            content: None,
-            calls: vec![ParsedToolCall {
-                name: name.clone(),
-                arguments: text.to_string(),
-            }],
+        // The output is constrained to the arguments, so it is complete
+        // JSON unless max_tokens cut it: a cut call is no call (the
+        // arguments would be `{"a` or less), as with `required` below.
+        ToolMode::Named(name) => match serde_json::from_str::<Value>(text) {
+            Err(e) if e.is_eof() => ParsedOutput {
+                content: None,
+                calls: Vec::new(),
+            },
+            _ => ParsedOutput {
+                content: None,
+                calls: vec![ParsedToolCall {
+                    name: name.clone(),
+                    arguments: text.to_string(),
+                }],
+            },
         },
         ToolMode::Required => {
             let calls: Option<Vec<ParsedToolCall>> = serde_json::from_str::<Value>(text)
@@ -252,9 +406,10 @@ pub fn extract(mode: &ToolMode, text: &str) -> ParsedOutput {
                     content: None,
                     calls,
                 },
-                // Cut short by max_tokens: the text stays as content.
+                // Cut short by max_tokens: no call, and no content either
+                // (the text is a fragment of the call list, not an answer).
                 _ => ParsedOutput {
-                    content: Some(text.to_string()),
+                    content: None,
                     calls: Vec::new(),
                 },
             }
@@ -474,7 +629,7 @@ mod tests {
     }
 
     #[test]
-    fn required_output_becomes_calls_and_truncation_stays_text() {
+    fn forced_output_becomes_calls_and_truncation_is_no_call() {
         let out = extract(
             &ToolMode::Required,
             r#"[{"name": "get_time", "parameters": {}}]"#,
@@ -484,7 +639,166 @@ mod tests {
         assert_eq!(out.calls[0].arguments, "{}");
         let cut = extract(&ToolMode::Required, r#"[{"name": "get_ti"#);
         assert!(cut.calls.is_empty());
-        assert_eq!(cut.content.as_deref(), Some(r#"[{"name": "get_ti"#));
+        assert_eq!(cut.content, None);
+        // A named call cut by max_tokens is no call; a complete one is.
+        let named = ToolMode::Named("get_weather".into());
+        for cut in ["", "{", "{\"city\": \"Par"] {
+            let out = extract(&named, cut);
+            assert!(out.calls.is_empty(), "{cut:?}");
+            assert_eq!(out.content, None);
+        }
+        let out = extract(&named, "{\"city\": \"Paris\"}");
+        assert_eq!(out.calls.len(), 1);
+        assert_eq!(out.calls[0].arguments, "{\"city\": \"Paris\"}");
+    }
+
+    /// Two tools whose parameters each carry a `$defs` entry `Item` of a
+    /// different shape, as Pydantic writes nested models.
+    fn defs_tools() -> Value {
+        json!({"tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "add_order", "parameters": {
+                "type": "object",
+                "$defs": {"Item": {"type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}},
+                    "required": ["sku", "qty"]}},
+                "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}}},
+                "required": ["items"]}}},
+            {"type": "function", "function": {"name": "tag", "parameters": {
+                "type": "object",
+                "definitions": {"Label": {"type": "string", "enum": ["a", "b"]}},
+                "$defs": {"Item": {"type": "object",
+                    "properties": {"label": {"$ref": "#/definitions/Label"},
+                                   "child": {"$ref": "#/$defs/Item"}},
+                    "required": ["label"]}},
+                "properties": {"item": {"$ref": "#/$defs/Item"}},
+                "required": ["item"]}}}
+        ]})
+    }
+
+    fn required_schema(body: Value) -> Value {
+        let req = parsed(body, None).unwrap().unwrap();
+        let (c, _) = req.constraint().unwrap();
+        let OutputConstraint::JsonSchema(s) = c.constraint else {
+            panic!()
+        };
+        s
+    }
+
+    #[test]
+    fn required_hoists_each_tools_definitions_to_the_root() {
+        let s = required_schema(defs_tools());
+        // Each tool's definitions sit at the root under its own names...
+        assert_eq!(
+            s["$defs"]["tool0__Item"]["properties"]["sku"],
+            json!({"type": "string"})
+        );
+        assert_eq!(
+            s["$defs"]["tool1__Item"]["properties"]["child"],
+            json!({"$ref": "#/$defs/tool1__Item"})
+        );
+        assert_eq!(
+            s["$defs"]["tool1__Item"]["properties"]["label"],
+            json!({"$ref": "#/definitions/tool1__Label"})
+        );
+        assert_eq!(s["definitions"]["tool1__Label"]["enum"], json!(["a", "b"]));
+        // ...and each tool's references point at its own.
+        let p0 = &s["items"]["anyOf"][0]["properties"]["parameters"];
+        assert_eq!(
+            p0["properties"]["items"]["items"],
+            json!({"$ref": "#/$defs/tool0__Item"})
+        );
+        assert!(p0.get("$defs").is_none());
+        let p1 = &s["items"]["anyOf"][1]["properties"]["parameters"];
+        assert_eq!(
+            p1["properties"]["item"],
+            json!({"$ref": "#/$defs/tool1__Item"})
+        );
+        assert!(p1.get("$defs").is_none() && p1.get("definitions").is_none());
+        // The combined schema resolves: calls to either tool validate, and
+        // arguments of one tool's shape do not pass for the other.
+        let v = jsonschema::validator_for(&s).unwrap();
+        assert!(v.is_valid(&json!([
+            {"name": "add_order", "parameters": {"items": [{"sku": "x", "qty": 2}]}},
+            {"name": "tag", "parameters": {"item": {"label": "a", "child": {"label": "b"}}}}
+        ])));
+        assert!(!v.is_valid(&json!([
+            {"name": "add_order", "parameters": {"items": [{"label": "a"}]}}
+        ])));
+        assert!(!v.is_valid(&json!([
+            {"name": "tag", "parameters": {"item": {"label": "c"}}}
+        ])));
+    }
+
+    #[test]
+    fn root_references_and_foreign_references() {
+        // A recursive reference to the tool's root (`#`) and a pointer
+        // into it go to a copy of the parameters; an external reference
+        // and an anchor stay as sent; `$ref`s inside data are data.
+        let body = json!({"tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "tree", "parameters": {
+                "$id": "https://example.com/tree",
+                "type": "object",
+                "properties": {
+                    "value": {"type": "integer", "default": {"$ref": "#/x"}},
+                    "same": {"$ref": "#/properties/value"},
+                    "children": {"type": "array", "items": {"$ref": "#"}},
+                    "ext": {"$ref": "https://example.com/other.json"},
+                    "anchor": {"$ref": "#node"}
+                },
+                "required": ["value"]}}},
+            {"type": "function", "function": {"name": "plain",
+                "parameters": {"type": "object", "properties": {"a": {"$ref": "#/"}}}}}
+        ]});
+        let s = required_schema(body);
+        assert_eq!(
+            s["items"]["anyOf"][0]["properties"]["parameters"],
+            json!({"$ref": "#/$defs/tool0"})
+        );
+        let root = &s["$defs"]["tool0"];
+        assert!(root.get("$id").is_none());
+        let props = &root["properties"];
+        assert_eq!(props["children"]["items"], json!({"$ref": "#/$defs/tool0"}));
+        assert_eq!(
+            props["same"],
+            json!({"$ref": "#/$defs/tool0/properties/value"})
+        );
+        assert_eq!(props["value"]["default"], json!({"$ref": "#/x"}));
+        assert_eq!(
+            props["ext"],
+            json!({"$ref": "https://example.com/other.json"})
+        );
+        assert_eq!(props["anchor"], json!({"$ref": "#node"}));
+        assert_eq!(
+            s["$defs"]["tool1"]["properties"]["a"],
+            json!({"$ref": "#/$defs/tool1"})
+        );
+        // Tools without references are inlined as before.
+        let plain = required_schema(tools_body(json!({"tool_choice": "required"})));
+        assert!(plain.get("$defs").is_none() && plain.get("definitions").is_none());
+        assert_eq!(
+            plain["items"]["anyOf"][0]["properties"]["parameters"]["properties"]["city"],
+            json!({"type": "string"})
+        );
+    }
+
+    #[test]
+    fn hoisted_names_keep_pointer_escapes() {
+        let mut needs_root = false;
+        assert_eq!(
+            rewritten_ref("#/$defs/a~1b/properties/x", 3, &mut needs_root).as_deref(),
+            Some("#/$defs/tool3__a~1b/properties/x")
+        );
+        assert!(!needs_root);
+        assert_eq!(
+            rewritten_ref("other.json#/$defs/A", 0, &mut needs_root),
+            None
+        );
+        assert!(!needs_root);
+        assert_eq!(
+            rewritten_ref("#", 12, &mut needs_root).as_deref(),
+            Some("#/$defs/tool12")
+        );
+        assert!(needs_root);
     }
 
     #[test]
