@@ -232,6 +232,10 @@ fn forced_calls_cut_by_max_tokens_are_no_calls() {
             calls.is_null() || calls.as_array().is_some_and(|a| a.is_empty()),
             "{choice}: a cut call came back as a call: {v}"
         );
+        assert!(
+            c["message"]["content"].is_null(),
+            "{choice}: the fragment of a cut call came back as content: {v}"
+        );
     }
 
     let (status, v) = s.post(

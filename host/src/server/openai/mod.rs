@@ -1086,8 +1086,16 @@ impl Run {
         };
         let parsed = tools::extract(mode, &c.text);
         if parsed.calls.is_empty() {
+            // A forced call cut by max_tokens is no call, and its fragment
+            // (`{"a`) is no answer either: content null, as vLLM sends.
+            let forced = matches!(mode, tools::ToolMode::Named(_) | tools::ToolMode::Required);
+            let content = if forced {
+                json!(parsed.content)
+            } else {
+                json!(c.text)
+            };
             return (
-                json!({"role": "assistant", "content": c.text}),
+                json!({"role": "assistant", "content": content}),
                 c.finish_reason,
             );
         }
