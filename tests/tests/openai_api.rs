@@ -168,6 +168,23 @@ fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
     let (st, e) = s.post("/invocations", &json!({"model": "smol"}));
     assert_eq!(st, 400, "{e}");
     assert_eq!(e["error"]["type"], "invalid_request_error");
+    // Without a model, every generating route serves the first served
+    // name, as vLLM does (the Responses API included).
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "Hi", "max_tokens": 2})),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "Hi", "max_output_tokens": 2}),
+        ),
+    ] {
+        let (st, v) = s.post(path, &body);
+        assert_eq!(st, 200, "{path}: {v}");
+        assert_eq!(v["model"], "smol", "{path}: {v}");
+    }
 
     let (_, models) = s.get("/v1/models");
     let models: Value = serde_json::from_str(&models).unwrap();

@@ -437,10 +437,15 @@ pub async fn responses(
     let (body, mut ctx) = super::admit(&state, tenant, &id, "/v1/responses", body).await?;
     let f = Fields::of(&body)?;
     refuse_unsupported(&f, state.reasoning_parser().is_some())?;
-    let model = f
-        .str("model")?
-        .ok_or_else(|| invalid("model", "'model' is required"))?
-        .to_string();
+    // No model: the first served name, as chat and completions (and
+    // vLLM) do.
+    let model = match f.str("model")? {
+        Some(m) => m.to_string(),
+        None => state
+            .default_model()
+            .ok_or_else(|| invalid("model", "'model' is required"))?
+            .to_string(),
+    };
     let previous = f.str("previous_response_id")?.map(str::to_string);
     let mut messages: Vec<Value> = match &previous {
         Some(p) => state.responses.conversation(&store_key, p).ok_or_else(|| {
