@@ -6,6 +6,7 @@ pub mod config_file;
 pub mod generate;
 pub mod models;
 pub mod serve;
+pub mod vllm_compat;
 
 use crate::engine::args::{parse_bytes, EngineArgs};
 use crate::engine::generation_config::GenerationConfigSource;
@@ -36,13 +37,20 @@ impl Cli {
     /// command line win, and wrappers like scripts/demo.sh pass defaults
     /// that a user's `--port 9000` replaces. Exits on bad flags (with
     /// clap's message), as `Parser::parse_from` does.
+    /// vLLM's underscore spellings (`--max_model_len`) are taken too.
     pub fn parse_overridable(args: Vec<std::ffi::OsString>) -> Cli {
+        Self::try_parse_overridable(args).unwrap_or_else(|e| e.exit())
+    }
+
+    /// [`Cli::parse_overridable`] without exiting: clap's error instead.
+    pub fn try_parse_overridable(args: Vec<std::ffi::OsString>) -> Result<Cli, clap::Error> {
         use clap::{CommandFactory, FromArgMatches};
         fn overridable(c: clap::Command) -> clap::Command {
             c.args_override_self(true).mut_subcommands(overridable)
         }
-        let matches = overridable(Cli::command()).get_matches_from(args);
-        Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+        let args = vllm_compat::dash_flag_names(args);
+        let matches = overridable(Cli::command()).try_get_matches_from(args)?;
+        Cli::from_arg_matches(&matches)
     }
 }
 
@@ -159,7 +167,9 @@ impl EngineFlags {
                 bail!("--gpu-memory-utilization must be in (0, 1], got {u}");
             }
             if a.device == pagoda_accel::Device::Cpu {
-                bail!("--gpu-memory-utilization sizes accelerator memory, and --device {} runs on the CPU: size the KV cache with --kv-cache-memory (e.g. 4GiB) instead", self.device);
+                // vLLM command lines carry it whatever the device: warn, as
+                // it changes nothing on the CPU.
+                tracing::warn!("--gpu-memory-utilization {u} applies to GPUs only and is ignored: --device {} runs on the CPU, where --kv-cache-memory (e.g. 4GiB) sizes the KV cache", self.device);
             }
             a.gpu_memory_utilization = u;
         }

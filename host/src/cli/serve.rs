@@ -16,6 +16,9 @@ pub struct ServeArgs {
     pub model_arg: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub engine: EngineFlags,
+    /// `vllm serve` flags that change nothing here, accepted with a log line.
+    #[command(flatten)]
+    pub vllm: super::vllm_compat::VllmNoopFlags,
     /// Names the model is served under (default: the model path's file name);
     /// given again (or in --config too), the names add up.
     #[arg(long, num_args = 1..)]
@@ -183,6 +186,14 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
         }
     }
     check_unbuilt(&a)?;
+    a.vllm.check_and_log()?;
+    if a.disable_log_requests {
+        if a.enable_log_requests {
+            tracing::info!("--disable-log-requests: request prompts are not logged, whatever --enable-log-requests says");
+        } else {
+            tracing::info!("--disable-log-requests: accepted; request prompts are logged only with --enable-log-requests");
+        }
+    }
     let label: crate::tenants::metric_label::TenantLabel = a.metrics_tenant_label.parse()?;
     crate::tenants::metric_label::configure(label);
     let auto_tool_parser = auto_tool_parser(&a)?;
