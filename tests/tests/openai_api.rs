@@ -184,6 +184,19 @@ fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
         let (st, v) = s.post(path, &body);
         assert_eq!(st, 200, "{path}: {v}");
         assert_eq!(v["model"], "smol", "{path}: {v}");
+        // vLLM always sends `prompt_logprobs` (null unless asked): on the
+        // completion's choices, and once on a chat completion.
+        let holder = match path {
+            "/v1/completions" => &v["choices"][0],
+            "/v1/chat/completions" => &v,
+            _ => continue,
+        };
+        assert!(
+            holder
+                .as_object()
+                .is_some_and(|o| o.get("prompt_logprobs") == Some(&Value::Null)),
+            "{path}: {v}"
+        );
     }
 
     let (_, models) = s.get("/v1/models");

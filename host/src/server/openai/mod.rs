@@ -1028,9 +1028,8 @@ impl Run {
                             "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                         });
-                        if self.prompt_logprobs_k.is_some() {
-                            v["prompt_logprobs"] = self.prompt_logprobs_json(i);
-                        }
+                        // Always present (null unless asked), as vLLM sends it.
+                        v["prompt_logprobs"] = self.prompt_logprobs_json(i);
                         v
                     }
                     Api::Chat => {
@@ -1051,8 +1050,9 @@ impl Run {
             "choices": choices,
             "usage": self.usage(),
         });
-        if self.api == Api::Chat && self.prompt_logprobs_k.is_some() {
-            // Chat has one prompt, so vLLM gives its scores once.
+        if self.api == Api::Chat {
+            // Chat has one prompt, so vLLM gives its scores once (null
+            // unless asked, but always present).
             body["prompt_logprobs"] = self.prompt_logprobs_json(0);
         }
         body
