@@ -465,11 +465,18 @@ fn device_cuda_without_a_driver_says_so_in_one_line() {
 fn gpu_memory_utilization_on_the_cpu_points_to_kv_cache_memory() {
     let dir = tempfile::tempdir().expect("tempdir");
     let hf = hf_folder(dir.path(), &TinyModel::random(TinySpec::llama()));
-    expect_error(
-        &hf,
-        &["--device", "cpu", "--gpu-memory-utilization", "0.5"],
-        &["--gpu-memory-utilization", "--kv-cache-memory"],
+    // A vLLM command line carries it: on the CPU it is a warning naming
+    // the flag that sizes the cache there, not an exit.
+    let (code, stdout, stderr) =
+        generate(&hf, &["--device", "cpu", "--gpu-memory-utilization", "0.5"]);
+    assert_eq!(code, Some(0), "stdout:\n{stdout}\nstderr:\n{stderr}");
+    assert!(
+        stderr.lines().any(|l| l.contains("WARN")
+            && l.contains("--gpu-memory-utilization")
+            && l.contains("--kv-cache-memory")),
+        "{stderr}"
     );
+    // Out of range is still a mistake, on any device.
     expect_error(
         &hf,
         &["--device", "cpu", "--gpu-memory-utilization", "1.5"],
