@@ -8,6 +8,7 @@ use serde_json::json;
 
 #[test]
 fn a_vllm_command_line_starts_and_serves() {
+    let model = demo_gguf().to_string_lossy().to_string();
     let s = Server::start(&[
         "--enforce-eager",
         "--trust-remote-code",
@@ -34,6 +35,11 @@ fn a_vllm_command_line_starts_and_serves() {
         "cpu",
         "--gpu_memory_utilization",
         "0.9",
+        // Meaningful flags, given as the model is.
+        "--load-format",
+        "gguf",
+        "--tokenizer",
+        &model,
     ]);
     let (st, body) = s.post(
         "/v1/completions",
@@ -66,6 +72,8 @@ fn a_vllm_command_line_starts_and_serves() {
         "--root-path /llm",
         "--max-logprobs 20",
         "--gpu-memory-utilization 0.9 applies to GPUs only and is ignored",
+        "--load-format gguf",
+        "--tokenizer",
     ] {
         assert_eq!(
             log.lines().filter(|l| l.contains(flag)).count(),
@@ -85,7 +93,22 @@ fn values_that_would_change_results_are_refused() {
             &["--structured-outputs-config.backend", "magic"][..],
             "lm-format-enforcer",
         ),
-        (&["--max_logprobs", "5"][..], "--max-logprobs 5 is not supported"),
+        (
+            &["--max_logprobs", "5"][..],
+            "--max-logprobs 5 is not supported",
+        ),
+        (
+            &["--load-format", "dummy"][..],
+            "--load-format dummy is not supported",
+        ),
+        (
+            &["--load_format=safetensors"][..],
+            "does not match the model",
+        ),
+        (
+            &["--tokenizer", "/no/such/tokenizer"][..],
+            "--tokenizer /no/such/tokenizer: no such file",
+        ),
     ] {
         let out = std::process::Command::new(pagoda_bin())
             .arg("serve")

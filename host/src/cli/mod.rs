@@ -75,6 +75,15 @@ pub struct EngineFlags {
     /// `serve` also takes it as its first argument, as `vllm serve` does.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// A GGUF file or Hugging Face folder whose tokenizer is used instead
+    /// of the model's own (its ids must fit the model's vocabulary).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// How the weights are read, as vLLM names it: auto (the model's
+    /// form), gguf (a GGUF file) or safetensors (a Hugging Face folder);
+    /// others are refused.
+    #[arg(long, default_value = "auto")]
+    pub load_format: String,
     /// auto (a CUDA GPU if the driver finds one, else the CPU), cpu, cuda,
     /// rocm or npu.
     #[arg(long, default_value = "auto")]
@@ -160,7 +169,9 @@ impl EngineFlags {
         let Some(model) = &self.model else {
             bail!("no model given: pass --model PATH (a GGUF file or a Hugging Face folder)");
         };
+        check_load_format(&self.load_format, model)?;
         let mut a = EngineArgs::new(model);
+        a.tokenizer = self.tokenizer.clone();
         a.device = self.device.parse()?;
         if let Some(u) = self.gpu_memory_utilization {
             if !(u > 0.0 && u <= 1.0) {
@@ -209,6 +220,31 @@ impl EngineFlags {
         )?;
         Ok(a)
     }
+}
+
+/// `--load-format`: vLLM's names for the forms Pagoda reads are accepted
+/// when they match the model; others (`dummy` weights, `pt` files, …)
+/// would change results or cannot be read, and are refused.
+fn check_load_format(format: &str, model: &std::path::Path) -> Result<()> {
+    let is_dir = model.is_dir();
+    match format {
+        "auto" => {}
+        "gguf" if !is_dir => {
+            tracing::info!("--load-format gguf: the model is a GGUF file, as Pagoda reads it");
+        }
+        "safetensors" if is_dir => {
+            tracing::info!("--load-format safetensors: the model folder's *.safetensors are read, as Pagoda reads them");
+        }
+        "gguf" | "safetensors" => bail!(
+            "--load-format {format} does not match the model {}: it is {}; use --load-format auto",
+            model.display(),
+            if is_dir { "a folder (safetensors)" } else { "a file (gguf)" }
+        ),
+        other => bail!(
+            "--load-format {other} is not supported: Pagoda reads GGUF files (gguf) and Hugging Face folders of *.safetensors (safetensors); use auto"
+        ),
+    }
+    Ok(())
 }
 
 /// Runs the command line.

@@ -51,6 +51,9 @@ pub struct EngineArgs {
     /// `--chat-template`: a file holding a chat template, or the template
     /// itself, used instead of the model's.
     pub chat_template: Option<String>,
+    /// `--tokenizer`: a GGUF file or HF folder whose tokenizer is used
+    /// instead of the model's own.
+    pub tokenizer: Option<PathBuf>,
     /// Defaults to the model's `max_position_embeddings`.
     pub max_model_len: Option<usize>,
     /// CPU threads; 0 means every core.
@@ -105,6 +108,7 @@ impl EngineArgs {
             dtype: DType::Auto,
             quantization: None,
             chat_template: None,
+            tokenizer: None,
             max_model_len: None,
             threads: 0,
             block_size: 16,
@@ -168,7 +172,10 @@ pub fn load_model<B: Backend>(
     if path.is_dir() {
         let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
         check_generation_config(&config)?;
-        let mut tokenizer = Tokenizer::from_hf_dir(path)?;
+        let mut tokenizer = match &args.tokenizer {
+            Some(t) => load_tokenizer_override(t, config.vocab_size)?,
+            None => Tokenizer::from_hf_dir(path)?,
+        };
         override_chat_template(&mut tokenizer, args)?;
         let source = SafetensorsSource::open(path, args.dtype, args.quantization)?;
         if let Some(s) = source.scheme() {
@@ -211,7 +218,10 @@ pub fn load_model<B: Backend>(
         let file = GgufFile::open(path)?;
         let config = ModelConfig::from_gguf(&file)?;
         check_generation_config(&config)?;
-        let mut tokenizer = Tokenizer::from_gguf(&file)?;
+        let mut tokenizer = match &args.tokenizer {
+            Some(t) => load_tokenizer_override(t, config.vocab_size)?,
+            None => Tokenizer::from_gguf(&file)?,
+        };
         override_chat_template(&mut tokenizer, args)?;
         let model = models::load(
             backend,
@@ -230,6 +240,36 @@ pub fn load_model<B: Backend>(
             },
         ))
     }
+}
+
+/// Loads `--tokenizer`: an HF folder (tokenizer.json) or a GGUF file. Its
+/// ids must fit the model's vocabulary of `vocab_size`.
+fn load_tokenizer_override(path: &std::path::Path, vocab_size: usize) -> Result<Tokenizer> {
+    if !path.exists() {
+        bail!(
+            "--tokenizer {}: no such file or directory (give a Hugging Face folder with tokenizer.json, or a GGUF file)",
+            path.display()
+        );
+    }
+    let tokenizer = if path.is_dir() {
+        Tokenizer::from_hf_dir(path)
+    } else {
+        GgufFile::open(path).and_then(|g| Tokenizer::from_gguf(&g))
+    }
+    .with_context(|| format!("--tokenizer {}", path.display()))?;
+    if tokenizer.vocab_size() > vocab_size {
+        bail!(
+            "--tokenizer {}: its vocabulary of {} tokens does not fit the model's {}; use the model's own tokenizer",
+            path.display(),
+            tokenizer.vocab_size(),
+            vocab_size
+        );
+    }
+    tracing::info!(
+        "--tokenizer {}: used instead of the model's own",
+        path.display()
+    );
+    Ok(tokenizer)
 }
 
 /// Applies `--chat-template`: a path to a file, or the template itself.
