@@ -1,7 +1,9 @@
 //! `--reasoning-parser deepseek_r1` with a chat template that opens
 //! `<think>` (given with `--chat-template`, as a DeepSeek-R1 template
-//! does): the output goes to `reasoning_content`, streamed and not, and to
-//! a reasoning item on the Responses API; `chat_template_kwargs`
+//! does): the output goes to `reasoning` and `reasoning_content`, streamed
+//! and not, and to a reasoning item on the Responses API, its tokens
+//! counted in usage; an assistant turn's reasoning is read under either
+//! name; `chat_template_kwargs`
 //! (`enable_thinking: false`) reaches the template, which then closes the
 //! reasoning in the prompt, so the output is the answer and a JSON schema
 //! constrains it from the first token. (The split of an output that
@@ -12,7 +14,8 @@
 use pagoda_e2e::{Server, TempDir};
 use serde_json::{json, Value};
 
-const TEMPLATE: &str = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+const TEMPLATE: &str = "{%- for m in messages %}<|im_start|>{{ m.role }}\n\
+{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}\
 {%- if add_generation_prompt %}<|im_start|>assistant\n\
 {%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}";
 
@@ -47,26 +50,77 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         .to_string();
     assert!(!reasoning.is_empty(), "{v}");
     assert!(msg["content"].is_null(), "{v}");
+    // vLLM 0.32's name beside the older one.
+    assert_eq!(msg["reasoning"], msg["reasoning_content"], "{v}");
+    // Usage counts the reasoning's tokens: here all of the output's.
+    let usage = &v["usage"];
+    let thought = usage["completion_tokens_details"]["reasoning_tokens"]
+        .as_u64()
+        .expect("reasoning_tokens");
+    let completion = usage["completion_tokens"].as_u64().expect("tokens");
+    assert!(thought > 0 && thought <= completion, "{usage}");
 
-    // Streamed: the same text, as reasoning_content deltas.
-    let (st, text) = s.post_text("/v1/chat/completions", &chat(json!({"stream": true})));
+    // Streamed: the same text, as reasoning (and reasoning_content)
+    // deltas, and the same count in the usage chunk.
+    let (st, text) = s.post_text(
+        "/v1/chat/completions",
+        &chat(json!({"stream": true, "stream_options": {"include_usage": true}})),
+    );
     assert_eq!(st, 200);
     let mut streamed = String::new();
+    let mut streamed_usage = Value::Null;
     for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
         if line == "[DONE]" {
             break;
         }
         let c: Value = serde_json::from_str(line).expect("chunk");
+        if !c["usage"].is_null() {
+            streamed_usage = c["usage"].clone();
+        }
         let d = &c["choices"][0]["delta"];
         assert!(
             d.get("content").is_none_or(|x| x == ""),
             "no answer text while reasoning: {c}"
         );
-        if let Some(r) = d["reasoning_content"].as_str() {
+        assert_eq!(d.get("reasoning"), d.get("reasoning_content"), "{c}");
+        if let Some(r) = d["reasoning"].as_str() {
             streamed.push_str(r);
         }
     }
     assert_eq!(streamed, reasoning);
+    assert_eq!(
+        streamed_usage["completion_tokens_details"]["reasoning_tokens"].as_u64(),
+        Some(thought),
+        "{streamed_usage}"
+    );
+
+    // An assistant turn's reasoning is read under either name: it reaches
+    // the template (which reads `reasoning_content`) the same way.
+    let turn = |key: &str| {
+        let mut m = json!({"role": "assistant", "content": "Yes."});
+        m[key] = json!("The sky scatters blue light.");
+        json!({"model": "smol", "messages": [
+            {"role": "user", "content": "Is the sky blue?"}, m,
+            {"role": "user", "content": "Why?"}]})
+    };
+    let tokens = |body: &Value| {
+        let (st, t) = s.post("/tokenize", body);
+        assert_eq!(st, 200, "{t}");
+        t["count"].as_u64().expect("count")
+    };
+    let (with_new, with_old) = (turn("reasoning"), turn("reasoning_content"));
+    let mut without = with_new.clone();
+    without["messages"][1]
+        .as_object_mut()
+        .expect("message")
+        .remove("reasoning");
+    assert_eq!(tokens(&with_new), tokens(&with_old));
+    assert!(tokens(&with_new) > tokens(&without));
+    for mut body in [with_new, with_old] {
+        body["max_tokens"] = json!(4);
+        let (st, v) = s.post("/v1/chat/completions", &body);
+        assert_eq!(st, 200, "{v}");
+    }
 
     // enable_thinking: false reaches the template (more prompt tokens: it
     // writes an empty think block), and the output is the answer.
@@ -95,6 +149,11 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         "{v}"
     );
     assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(count(off)));
+    assert_eq!(
+        v["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64(),
+        Some(0),
+        "no reasoning, no reasoning tokens: {v}"
+    );
 
     // With thinking off, a JSON schema constrains the answer at once.
     let schema = json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
@@ -139,4 +198,10 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
         Some(reasoning.as_str()),
         "{v}"
     );
+    let usage = &v["usage"];
+    let thought = usage["output_tokens_details"]["reasoning_tokens"]
+        .as_u64()
+        .expect("reasoning_tokens");
+    let output = usage["output_tokens"].as_u64().expect("output_tokens");
+    assert!(thought > 0 && thought <= output, "{usage}");
 }

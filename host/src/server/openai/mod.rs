@@ -444,6 +444,7 @@ async fn render_chat(
                         .unwrap_or_else(|| json!({}));
                     v["role"] = json!(m.role);
                     v["content"] = json!(m.content);
+                    same_reasoning(&mut v);
                     v
                 })
                 .collect();
@@ -503,6 +504,25 @@ async fn render_chat(
         }
     })
     .await
+}
+
+/// An assistant message's reasoning under both its names: vLLM 0.32's
+/// `reasoning` and the older `reasoning_content` (what templates read), so
+/// a template finds it whichever one the client wrote.
+fn same_reasoning(m: &mut Value) {
+    let Some(o) = m.as_object_mut() else {
+        return;
+    };
+    let given = |k: &str| o.get(k).filter(|v| !v.is_null()).cloned();
+    match (given("reasoning"), given("reasoning_content")) {
+        (Some(r), None) => {
+            o.insert("reasoning_content".into(), r);
+        }
+        (None, Some(r)) => {
+            o.insert("reasoning".into(), r);
+        }
+        _ => {}
+    }
 }
 
 /// A chat prompt before tokenizing: rendered by a tenant's plugin (with
@@ -860,9 +880,12 @@ impl Run {
         if let Some(p) = self.reasoning {
             // From here on `o.new_text` is only the answer's part.
             let c = &mut self.choices[i];
-            let (r, a) = c
-                .reasoning_stream
-                .push(p, &o.new_text, o.finish_reason.is_some());
+            let (r, a) = c.reasoning_stream.push(
+                p,
+                &o.new_text,
+                o.new_token_ids.len(),
+                o.finish_reason.is_some(),
+            );
             c.reasoning.push_str(&r);
             c.new_reasoning.push_str(&r);
             o.new_text = a;
@@ -896,11 +919,29 @@ impl Run {
 
     fn usage(&self) -> Value {
         let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
-        json!({
+        let mut usage = json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        });
+        if self.api == Api::Chat {
+            // 0 without a reasoning parser, as OpenAI sends for models
+            // that do not reason.
+            usage["completion_tokens_details"] =
+                json!({"reasoning_tokens": self.reasoning_tokens()});
+        }
+        usage
+    }
+
+    /// The generated tokens that the reasoning parser put in the
+    /// reasoning, over all choices (0 without a parser).
+    fn reasoning_tokens(&self) -> usize {
+        self.reasoning.map_or(0, |p| {
+            self.choices
+                .iter()
+                .map(|c| c.reasoning_stream.reasoning_tokens(p))
+                .sum()
         })
     }
 
@@ -1063,12 +1104,15 @@ impl Run {
     fn chat_message(&self, c: &Choice) -> (Value, Option<&'static str>) {
         let (mut message, finish) = self.answer_message(c);
         if self.reasoning.is_some() {
-            // vLLM's field; the answer is null when the output was all
-            // reasoning.
-            message["reasoning_content"] = match c.reasoning.as_str() {
+            // vLLM 0.32's `reasoning`, and `reasoning_content` (its older
+            // name) for older clients; the answer is null when the output
+            // was all reasoning.
+            let r = match c.reasoning.as_str() {
                 "" => Value::Null,
                 r => json!(r),
             };
+            message["reasoning"] = r.clone();
+            message["reasoning_content"] = r;
             if message["content"] == json!("") && !c.reasoning.is_empty() {
                 message["content"] = Value::Null;
             }
@@ -1124,7 +1168,7 @@ impl Run {
         let mut delta = serde_json::Map::new();
         let reasoning = std::mem::take(&mut self.choices[i].new_reasoning);
         if !reasoning.is_empty() {
-            delta.insert("reasoning_content".into(), json!(reasoning));
+            insert_reasoning(&mut delta, reasoning);
         }
         let mut called = false;
         match &mode {
@@ -1248,7 +1292,7 @@ impl Run {
             Api::Chat => {
                 let mut delta = serde_json::Map::new();
                 if !reasoning.is_empty() {
-                    delta.insert("reasoning_content".into(), json!(reasoning));
+                    insert_reasoning(&mut delta, reasoning);
                 }
                 if !o.new_text.is_empty() {
                     delta.insert("content".into(), json!(o.new_text));
@@ -1261,6 +1305,13 @@ impl Run {
         };
         Some(self.chunk(vec![choice], None))
     }
+}
+
+/// A delta's reasoning text: vLLM 0.32's `reasoning`, and
+/// `reasoning_content` (its older name) for older clients.
+fn insert_reasoning(delta: &mut serde_json::Map<String, Value>, reasoning: String) {
+    delta.insert("reasoning_content".into(), json!(reasoning));
+    delta.insert("reasoning".into(), json!(reasoning));
 }
 
 async fn collect_response(run: Run) -> Result<Response<Body>, ApiError> {

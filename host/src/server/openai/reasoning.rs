@@ -1,6 +1,8 @@
 //! vLLM's `--reasoning-parser`: a reasoning model's `<think>…</think>` is
-//! split from its answer, into `message.reasoning_content` (streamed as
-//! `delta.reasoning_content`) and, on the Responses API, a reasoning item.
+//! split from its answer, into `message.reasoning` and `reasoning_content`
+//! (vLLM 0.32's name and its older one; streamed as `delta.reasoning` and
+//! `delta.reasoning_content`) and, on the Responses API, a reasoning item;
+//! usage counts its tokens as `reasoning_tokens`.
 //!
 //! - `deepseek_r1`: the chat template opens `<think>` itself, so the output
 //!   starts inside the reasoning (a leading `<think>` is dropped too);
@@ -14,6 +16,7 @@
 //! no part of a tag is ever sent as text.
 
 use anyhow::bail;
+use std::ops::Range;
 
 const START: &str = "<think>";
 const END: &str = "</think>";
@@ -54,47 +57,99 @@ impl ReasoningParser {
     /// into (reasoning, answer): slices of `text`, each only growing as
     /// `text` grows.
     pub fn classify(self, text: &str, finished: bool) -> (&str, &str) {
+        let (r, a) = self.spans(text, finished);
+        (text.get(r).unwrap_or(""), text.get(a).unwrap_or(""))
+    }
+
+    /// `classify`'s split as byte ranges of `text`.
+    fn spans(self, text: &str, finished: bool) -> (Range<usize>, Range<usize>) {
+        let n = text.len();
         // An output that is still only a prefix of "<think>" could go
         // either way.
-        if !finished && text.len() < START.len() && START.starts_with(text) {
-            return ("", "");
+        if !finished && n < START.len() && START.starts_with(text) {
+            return (0..0, 0..0);
         }
         let thinking = match self {
             ReasoningParser::DeepSeekR1 => true,
             ReasoningParser::Qwen3 => text.starts_with(START),
         };
         if !thinking {
-            return ("", text);
+            return (0..0, 0..n);
         }
-        let body = text.strip_prefix(START).unwrap_or(text);
+        let from = if text.starts_with(START) {
+            START.len()
+        } else {
+            0
+        };
+        let body = text.get(from..).unwrap_or("");
         match body.find(END) {
-            Some(i) => (&body[..i], &body[i + END.len()..]),
-            None if finished => (body, ""),
-            None => (&body[..body.len() - partial_tag(body, END)], ""),
+            Some(i) => (from..from + i, from + i + END.len()..n),
+            None if finished => (from..n, n..n),
+            None => (from..n - partial_tag(body, END), n..n),
         }
     }
 }
 
 /// One choice's output as it streams: what has been sent of its reasoning
-/// and of its answer.
+/// and of its answer, and where each step's tokens end in its text.
 #[derive(Clone, Debug, Default)]
 pub struct ReasoningStream {
     text: String,
     reasoning_sent: usize,
     answer_sent: usize,
+    /// Per engine output: (the length of `text` after it, its tokens).
+    steps: Vec<(usize, usize)>,
+    finished: bool,
 }
 
 impl ReasoningStream {
-    /// Adds `new` output; returns the reasoning and answer text that can
-    /// now be sent (all of it once `finished`).
-    pub fn push(&mut self, parser: ReasoningParser, new: &str, finished: bool) -> (String, String) {
+    /// Adds `new` output, the text of `tokens` generated tokens; returns
+    /// the reasoning and answer text that can now be sent (all of it once
+    /// `finished`).
+    pub fn push(
+        &mut self,
+        parser: ReasoningParser,
+        new: &str,
+        tokens: usize,
+        finished: bool,
+    ) -> (String, String) {
         self.text.push_str(new);
+        self.steps.push((self.text.len(), tokens));
+        self.finished |= finished;
         let (r, a) = parser.classify(&self.text, finished);
         let rd = r.get(self.reasoning_sent..).unwrap_or("").to_string();
         let ad = a.get(self.answer_sent..).unwrap_or("").to_string();
         self.reasoning_sent = self.reasoning_sent.max(r.len());
         self.answer_sent = self.answer_sent.max(a.len());
         (rd, ad)
+    }
+
+    /// How many of the generated tokens are reasoning (usage's
+    /// `reasoning_tokens`). The split is by text, so tokens are placed by
+    /// the boundaries the detokenizer reported: each engine output's text
+    /// is that of its tokens (a token whose text the detokenizer held
+    /// back, as an incomplete character, goes with the next output that
+    /// has text). A group of tokens wholly inside the reasoning counts
+    /// whole; one that straddles its end (several tokens from one step,
+    /// or a token holding the last reasoning text and part of `</think>`)
+    /// counts its share, rounded up; the tags themselves are not reasoning.
+    pub fn reasoning_tokens(&self, parser: ReasoningParser) -> usize {
+        let (r, _) = parser.spans(&self.text, self.finished);
+        if r.is_empty() {
+            return 0;
+        }
+        let (mut count, mut start, mut pending) = (0, 0, 0);
+        for &(end, tokens) in &self.steps {
+            pending += tokens;
+            if end == start || pending == 0 {
+                continue;
+            }
+            let overlap = end.min(r.end).saturating_sub(start.max(r.start));
+            count += (pending * overlap).div_ceil(end - start);
+            start = end;
+            pending = 0;
+        }
+        count
     }
 }
 
@@ -123,7 +178,7 @@ mod tests {
         let mut s = ReasoningStream::default();
         let (mut r, mut a) = (String::new(), String::new());
         for (i, piece) in pieces.iter().enumerate() {
-            let (rd, ad) = s.push(p, piece, i + 1 == pieces.len());
+            let (rd, ad) = s.push(p, piece, 1, i + 1 == pieces.len());
             r += &rd;
             a += &ad;
         }
@@ -163,6 +218,46 @@ mod tests {
         );
         assert!(!prompt_closed_reasoning(&[9, 9], &s, &e));
         assert!(prompt_closed_reasoning(&[3, 4], &s, &e));
+    }
+
+    /// The reasoning tokens of an output streamed as `steps` of
+    /// (text, tokens).
+    fn reasoning_tokens(p: ReasoningParser, steps: &[(&str, usize)]) -> usize {
+        let mut s = ReasoningStream::default();
+        for (i, (text, n)) in steps.iter().enumerate() {
+            s.push(p, text, *n, i + 1 == steps.len());
+        }
+        s.reasoning_tokens(p)
+    }
+
+    #[test]
+    fn reasoning_tokens_are_those_whose_text_is_reasoning() {
+        let (d, q) = (ReasoningParser::DeepSeekR1, ReasoningParser::Qwen3);
+        // Two reasoning tokens, the tag's two, two of the answer.
+        let steps = [
+            ("Hm", 1),
+            ("m.", 1),
+            ("</", 1),
+            ("think>", 1),
+            ("Ye", 1),
+            ("s", 1),
+        ];
+        assert_eq!(reasoning_tokens(d, &steps), 2);
+        // A token held back by the detokenizer goes with the next text.
+        let steps = [("a", 1), ("", 1), ("bc", 1), ("</think>", 1), ("x", 1)];
+        assert_eq!(reasoning_tokens(d, &steps), 3);
+        // A token that ends the reasoning and starts the tag counts.
+        assert_eq!(reasoning_tokens(d, &[("ab</", 1), ("think>x", 1)]), 1);
+        // Cut short: all of it, but the opening tag.
+        assert_eq!(
+            reasoning_tokens(q, &[("<think>", 1), ("a", 1), ("b", 1)]),
+            2
+        );
+        // No reasoning: none.
+        assert_eq!(reasoning_tokens(q, &[("Hi", 1), (" there", 1)]), 0);
+        assert_eq!(reasoning_tokens(d, &[("</think>", 1), ("Hi", 1)]), 0);
+        // Several tokens from one step straddling the end: their share.
+        assert_eq!(reasoning_tokens(d, &[("ab</think>cd", 4)]), 1);
     }
 
     #[test]

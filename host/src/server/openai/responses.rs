@@ -404,7 +404,7 @@ fn usage_of(run: &Run) -> Value {
         "input_tokens": run.prompt_tokens,
         "input_tokens_details": {"cached_tokens": run.cached_tokens},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": run.reasoning_tokens()},
         "total_tokens": run.prompt_tokens + output,
     })
 }

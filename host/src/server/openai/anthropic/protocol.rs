@@ -260,7 +260,8 @@ fn tool_result_text(v: Option<&Value>, param: &str) -> Result<String, ApiError> 
 }
 
 /// An assistant turn: text, its `tool_use` blocks as tool calls, and its
-/// thinking as `reasoning_content` (what reasoning models' templates read).
+/// thinking as `reasoning_content` (what reasoning models' templates read)
+/// and `reasoning` (vLLM 0.32's name for it).
 fn assistant_turn(content: Option<&Value>, param: &str) -> Result<Value, ApiError> {
     let blocks = match content {
         Some(Value::String(s)) => return Ok(json!({"role": "assistant", "content": s})),
@@ -306,6 +307,7 @@ fn assistant_turn(content: Option<&Value>, param: &str) -> Result<Value, ApiErro
     }
     if !reasoning.is_empty() {
         m["reasoning_content"] = json!(reasoning);
+        m["reasoning"] = json!(reasoning);
     }
     Ok(m)
 }
@@ -561,6 +563,7 @@ mod tests {
             "{\"city\":\"Paris\"}"
         );
         assert_eq!(m[1]["reasoning_content"], "hmm");
+        assert_eq!(m[1]["reasoning"], "hmm");
         assert_eq!(
             m[2],
             json!({"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"})
