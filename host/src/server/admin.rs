@@ -170,7 +170,9 @@ pub async fn route(
         }
         (Method::GET, ["admin", "v1", "state-store"]) => {
             let t = &state.tenants;
-            let store = t.state_store().ok_or_else(|| ApiError::not_found("the state store (this server runs without --state-store)"))?;
+            let store = t.state_store().ok_or_else(|| {
+                ApiError::not_found("the state store (this server runs without --state-store)")
+            })?;
             Ok(json_response(&json!({
                 "url": store.url(),
                 "reachable": store.is_up(),

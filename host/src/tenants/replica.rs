@@ -14,7 +14,9 @@
 //!   and only then changes this replica. A lost race is a 409 with nothing
 //!   changed; an unreachable store is a 503 with nothing changed.
 
-use super::shared::{is_unavailable, Manifest, ManifestPlugin, ReadManifest, SaltCheck, StateStore};
+use super::shared::{
+    is_unavailable, Manifest, ManifestPlugin, ReadManifest, SaltCheck, StateStore,
+};
 use super::{store, PluginSlot, Tenant, TenantConfig, Tenants, VersionRecord};
 use crate::plugins::{Limits, LoadedPlugin};
 use anyhow::{anyhow, Context, Result};
@@ -146,7 +148,10 @@ impl Tenants {
         }
         self.sync.drop_confirmed.store(true, Ordering::Release);
         self.sync_from_store().await?;
-        Ok(held.into_iter().filter(|id| self.get(id).is_none()).collect())
+        Ok(held
+            .into_iter()
+            .filter(|id| self.get(id).is_none())
+            .collect())
     }
 
     /// Why tenant `id`'s shared state is not applied here, if it is not.
@@ -376,12 +381,8 @@ impl Tenants {
         let mut read = shared.read_manifest(id).await?;
         let e_tag = read.basis.as_ref().and_then(|b| b.e_tag.clone());
         let seen = self.seen_of(id).unwrap_or_default();
-        let revision = read
-            .manifest
-            .as_ref()
-            .map_or(seen.revision, |m| m.revision);
-        let live =
-            read.corrupt.is_some() || read.manifest.as_ref().is_some_and(|m| !m.deleted);
+        let revision = read.manifest.as_ref().map_or(seen.revision, |m| m.revision);
+        let live = read.corrupt.is_some() || read.manifest.as_ref().is_some_and(|m| !m.deleted);
         let version = read.basis.clone();
         if let Some(bad) = read.corrupt.take() {
             tracing::warn!(tenant = %id, "{bad}: this admin change replaces it");

@@ -683,7 +683,15 @@ mod tests {
         let bad = r.corrupt.expect("corrupt");
         assert!(bad.to_string().contains("tenants/t/manifest.json"), "{bad}");
         s.write_manifest("t", &manifest(5), r.basis).await.unwrap();
-        assert_eq!(s.read_manifest("t").await.unwrap().manifest.unwrap().revision, 5);
+        assert_eq!(
+            s.read_manifest("t")
+                .await
+                .unwrap()
+                .manifest
+                .unwrap()
+                .revision,
+            5
+        );
         // One that names another tenant is corrupt too.
         let mut other = manifest(1);
         other.config.id = "u".into();
@@ -721,7 +729,10 @@ mod tests {
             SaltCheck::Differs(Some([4; 32]))
         );
         std::fs::write(dir.path().join("key-salt"), [4; 5]).unwrap();
-        assert_eq!(s.check_salt([3; 32]).await.unwrap(), SaltCheck::Differs(None));
+        assert_eq!(
+            s.check_salt([3; 32]).await.unwrap(),
+            SaltCheck::Differs(None)
+        );
     }
 
     #[tokio::test]
