@@ -285,43 +285,64 @@ impl StateStore {
         self.up.load(Ordering::Acquire)
     }
 
+    /// The bytes of `key-salt`, or `None` if the store has none.
+    async fn read_salt(&self) -> Result<Option<Bytes>, StoreError> {
+        match self.store.get(&self.path("key-salt")).await {
+            Ok(r) => {
+                let b = r
+                    .bytes()
+                    .await
+                    .map_err(|e| self.unavailable("key-salt", &e))?;
+                self.reached();
+                Ok(Some(b))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(self.unavailable("key-salt", &e)),
+        }
+    }
+
+    /// Writes `salt` as `key-salt` unless one is there (then `false`: another
+    /// replica wrote first).
+    async fn create_salt(&self, salt: [u8; 32]) -> Result<bool, StoreError> {
+        let opts = PutOptions::from(PutMode::Create);
+        match self
+            .store
+            .put_opts(
+                &self.path("key-salt"),
+                PutPayload::from(salt.to_vec()),
+                opts,
+            )
+            .await
+        {
+            Ok(_) => {
+                self.reached();
+                Ok(true)
+            }
+            Err(object_store::Error::AlreadyExists { .. }) => {
+                self.reached();
+                Ok(false)
+            }
+            Err(e) => Err(self.unavailable("key-salt", &e)),
+        }
+    }
+
     /// The shared key salt: the store's if it has one, else `proposed`
     /// (the local cache's), written so every later replica uses it too.
     pub async fn salt(&self, proposed: [u8; 32]) -> Result<[u8; 32], StoreError> {
-        let path = self.path("key-salt");
         for _ in 0..2 {
-            match self.store.get(&path).await {
-                Ok(r) => {
-                    let b = r
-                        .bytes()
-                        .await
-                        .map_err(|e| self.unavailable("key-salt", &e))?;
-                    self.reached();
+            match self.read_salt().await? {
+                Some(b) => {
                     return <[u8; 32]>::try_from(b.as_ref()).map_err(|_| {
                         self.corrupt(
-                            &path,
+                            &self.path("key-salt"),
                             format!("{} bytes, not 32", b.len()),
                             "restore it from a backup, or from a running replica's --state-dir/key-salt",
                         )
                     });
                 }
-                Err(object_store::Error::NotFound { .. }) => {
-                    let opts = PutOptions::from(PutMode::Create);
-                    match self
-                        .store
-                        .put_opts(&path, PutPayload::from(proposed.to_vec()), opts)
-                        .await
-                    {
-                        Ok(_) => {
-                            self.reached();
-                            return Ok(proposed);
-                        }
-                        // Another replica wrote it first: read theirs.
-                        Err(object_store::Error::AlreadyExists { .. }) => continue,
-                        Err(e) => return Err(self.unavailable("key-salt", &e)),
-                    }
-                }
-                Err(e) => return Err(self.unavailable("key-salt", &e)),
+                None if self.create_salt(proposed).await? => return Ok(proposed),
+                // Another replica wrote it first: read theirs.
+                None => continue,
             }
         }
         Err(StoreError::Unavailable {
@@ -335,42 +356,25 @@ impl StateStore {
     /// object is gone (an emptied bucket, a wrong lifecycle rule), so that
     /// a replica started later adopts it instead of making its own.
     pub async fn check_salt(&self, held: [u8; 32]) -> Result<SaltCheck, StoreError> {
-        let path = self.path("key-salt");
-        match self.store.get(&path).await {
-            Ok(r) => {
-                let b = r
-                    .bytes()
-                    .await
-                    .map_err(|e| self.unavailable("key-salt", &e))?;
-                self.reached();
-                Ok(match <[u8; 32]>::try_from(b.as_ref()) {
-                    Ok(s) if s == held => SaltCheck::Same,
-                    Ok(s) => SaltCheck::Differs(Some(s)),
-                    Err(_) => SaltCheck::Differs(None),
-                })
-            }
-            Err(object_store::Error::NotFound { .. }) => {
-                let opts = PutOptions::from(PutMode::Create);
-                match self
-                    .store
-                    .put_opts(&path, PutPayload::from(held.to_vec()), opts)
-                    .await
-                {
-                    Ok(_) => {
-                        self.reached();
-                        Ok(SaltCheck::Restored)
-                    }
-                    // Another replica restored it (or wrote its own) first:
-                    // the next check compares.
-                    Err(object_store::Error::AlreadyExists { .. }) => {
-                        self.reached();
-                        Box::pin(self.check_salt(held)).await
-                    }
-                    Err(e) => Err(self.unavailable("key-salt", &e)),
+        for _ in 0..2 {
+            match self.read_salt().await? {
+                Some(b) => {
+                    return Ok(match <[u8; 32]>::try_from(b.as_ref()) {
+                        Ok(s) if s == held => SaltCheck::Same,
+                        Ok(s) => SaltCheck::Differs(Some(s)),
+                        Err(_) => SaltCheck::Differs(None),
+                    })
                 }
+                None if self.create_salt(held).await? => return Ok(SaltCheck::Restored),
+                // Another replica restored it (or wrote its own) first:
+                // compare with that.
+                None => continue,
             }
-            Err(e) => Err(self.unavailable("key-salt", &e)),
         }
+        Err(StoreError::Unavailable {
+            url: self.url.clone(),
+            detail: "key-salt vanished while being read".into(),
+        })
     }
 
     /// Reads tenant `id`'s manifest. An unreachable store is an error; a
