@@ -217,7 +217,7 @@ fn time_rounds(
     // every round; this thread only keeps the time.
     let barrier = Barrier::new(n + 1);
     let mut secs = Vec::with_capacity(rounds);
-    let sums: Vec<u64> = std::thread::scope(|s| {
+    let sums: Vec<u64> = std::thread::scope(|s| -> anyhow::Result<Vec<u64>> {
         let workers: Vec<_> = parts
             .iter()
             .map(|part| {
@@ -239,8 +239,14 @@ fn time_rounds(
             barrier.wait();
             secs.push(t0.elapsed().as_secs_f64());
         }
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    });
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .map_err(|_| anyhow::anyhow!("bandwidth probe: a reading thread panicked"))
+            })
+            .collect()
+    })?;
     let got = sums.iter().fold(0u64, |a, s| a.wrapping_add(*s));
     anyhow::ensure!(
         got == expected,
