@@ -1,7 +1,8 @@
 //! Real clients from PyPI against the real server: the official `openai`
 //! package (chat, completions, streaming, model listing) and
 //! `prometheus_client`'s parser on `/metrics`; `jsonschema` and LangChain
-//! for structured output and tools. scripts/test.sh installs them.
+//! for structured output and tools; the official `anthropic` package on the
+//! Messages API. scripts/test.sh installs them.
 
 use pagoda_e2e::Server;
 
@@ -46,4 +47,12 @@ fn structured_output_and_tools_work_with_real_clients() {
         "structured_outputs.py",
         &["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     );
+}
+
+/// The official `anthropic` package, unmodified, on the Messages API:
+/// `messages.create` (plain, and with tools: a `tool_use` block parsed, a
+/// `tool_result` continued), `messages.stream` and `messages.count_tokens`.
+#[test]
+fn the_official_anthropic_client_works_unmodified() {
+    run_client_script("anthropic_sdk.py", &[]);
 }
