@@ -341,31 +341,16 @@ pub async fn chat(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_for(&common.model)?;
-    let messages = parse_messages(&f)?;
-    let tools = tools::parse(&f, state.auto_tool_parser())?;
-    if let Some(t) = &tools {
-        if let Some((spec, param)) = t.constraint() {
-            if common.structured.is_some() {
-                return Err(ApiError::invalid(
-                    Some("tool_choice".into()),
-                    "a named or 'required' tool_choice already constrains the output; drop the structured-output field",
-                ));
-            }
-            common.structured = Some(structured::RequestedStructure {
-                spec,
-                param: param.into(),
-            });
-        }
-    }
-    let content_bytes: usize = messages.iter().map(|m| m.content.len()).sum();
-    check_prompt_size(
-        engine.tokenizer(),
-        content_bytes,
-        engine.max_model_len(),
+    let (ids, mode) = chat_prompt(
+        &state,
+        engine,
+        &body,
+        &mut common,
+        &mut ctx,
+        "the structured-output field",
         "messages",
-    )?;
-    let ids = render_chat(engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
-    let mode = tools.and_then(|t| t.mode);
+    )
+    .await?;
     generate(
         state,
         common,
@@ -376,6 +361,47 @@ pub async fn chat(
         mode,
     )
     .await
+}
+
+/// The prompt of a chat-shaped body (a chat completion, or the chat body a
+/// Responses or Anthropic request becomes): its messages and tools parsed,
+/// a named or required tool choice made the output's constraint (which
+/// `format_field`, the request's own output format, may then not also
+/// set), the prompt size checked (naming `size_param`) and the prompt
+/// rendered. Returns the prompt's ids and how the output is read for
+/// tool calls.
+pub(crate) async fn chat_prompt(
+    state: &AppState,
+    engine: &crate::engine::async_engine::AsyncEngine,
+    chat: &Value,
+    common: &mut protocol::CommonParams,
+    ctx: &mut Option<TenantCtx>,
+    format_field: &str,
+    size_param: &str,
+) -> Result<(Vec<u32>, Option<tools::ToolMode>), ApiError> {
+    let f = Fields::of(chat)?;
+    let messages = parse_messages(&f)?;
+    let tools = tools::parse(&f, state.auto_tool_parser())?;
+    if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
+        if common.structured.is_some() {
+            return Err(ApiError::invalid(
+                Some("tool_choice".into()),
+                format!("a named or 'required' tool_choice already constrains the output; drop {format_field}"),
+            ));
+        }
+        common.structured = Some(structured::RequestedStructure {
+            spec,
+            param: param.into(),
+        });
+    }
+    check_prompt_size(
+        engine.tokenizer(),
+        messages.iter().map(|m| m.content.len()).sum(),
+        engine.max_model_len(),
+        size_param,
+    )?;
+    let ids = render_chat(engine, chat, &messages, tools.as_ref(), ctx).await?;
+    Ok((ids, tools.and_then(|t| t.mode)))
 }
 
 /// A chat body's prompt tokens: the tenant's `render-prompt` plugins if one

@@ -7,10 +7,7 @@
 //! kept in a bounded in-memory store per tenant. Built-in tools, files,
 //! images, background mode and reasoning are refused with a 400.
 
-use super::{
-    check_prompt_size, collect, now_secs, parse_common, parse_messages, render_chat, start_run,
-    Api, Run, RunPrompt,
-};
+use super::{collect, now_secs, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::protocol::Fields;
 use crate::server::{AppState, Body};
@@ -504,28 +501,16 @@ pub async fn responses(
     let engine = state.engine_for(&common.model)?.clone();
     // Function tools go through the chat path's parsing, schema
     // enforcement (named and required choices) and templates.
-    let tools = super::tools::parse(&cf, state.auto_tool_parser())?;
-    if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
-        if common.structured.is_some() {
-            return Err(invalid(
-                "tool_choice",
-                "a named or 'required' tool_choice already constrains the output; drop text.format",
-            ));
-        }
-        common.structured = Some(super::structured::RequestedStructure {
-            spec,
-            param: param.into(),
-        });
-    }
-    let parsed = parse_messages(&cf)?;
-    check_prompt_size(
-        engine.tokenizer(),
-        parsed.iter().map(|m| m.content.len()).sum(),
-        engine.max_model_len(),
+    let (ids, mode) = super::chat_prompt(
+        &state,
+        &engine,
+        &chat,
+        &mut common,
+        &mut ctx,
+        "text.format",
         "input",
-    )?;
-    let ids = render_chat(&engine, &chat, &parsed, tools.as_ref(), &mut ctx).await?;
-    let mode = tools.and_then(|t| t.mode);
+    )
+    .await?;
     let echo = Echo {
         id: id.clone(),
         model: model.clone(),

@@ -14,10 +14,7 @@ pub mod protocol;
 mod stream;
 
 use super::tools::{self, ToolMode};
-use super::{
-    check_prompt_size, collect, parse_common, parse_messages, render_chat, start_run, Api, Run,
-    RunPrompt,
-};
+use super::{collect, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::protocol::Fields;
 use crate::server::openai::tenant::TenantCtx;
@@ -165,31 +162,20 @@ async fn prepare(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_for(&common.model)?.clone();
-    let tools = tools::parse(&cf, state.auto_tool_parser())?;
-    if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
-        if common.structured.is_some() {
-            return Err(ApiError::invalid(
-                Some("tool_choice".into()),
-                "a tool_choice of 'any' or 'tool' already constrains the output; drop output_config.format",
-            ));
-        }
-        common.structured = Some(super::structured::RequestedStructure {
-            spec,
-            param: param.into(),
-        });
-    }
-    let parsed = parse_messages(&cf)?;
-    check_prompt_size(
-        engine.tokenizer(),
-        parsed.iter().map(|m| m.content.len()).sum(),
-        engine.max_model_len(),
+    let (ids, mode) = super::chat_prompt(
+        state,
+        &engine,
+        &chat,
+        &mut common,
+        &mut ctx,
+        "output_config.format",
         "messages",
-    )?;
-    let ids = render_chat(&engine, &chat, &parsed, tools.as_ref(), &mut ctx).await?;
+    )
+    .await?;
     Ok(Prepared {
         common,
         ids,
-        mode: tools.and_then(|t| t.mode),
+        mode,
         ctx,
     })
 }
