@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod digest;
 pub mod engine;
 pub mod plugins;
 pub mod server;

@@ -391,7 +391,7 @@ impl PluginRuntime {
     pub fn load_precompiled(&self, path: &Path, sha256: &str) -> Result<Component> {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let actual = crate::tenants::sha256_hex(&bytes);
+        let actual = crate::digest::sha256_hex(&bytes);
         if actual != sha256 {
             bail!("its sha256 is {actual}, not the recorded {sha256}");
         }

@@ -24,6 +24,7 @@ mod replica;
 pub mod shared;
 pub mod store;
 
+use crate::digest::sha256_hex;
 use crate::plugins::{
     validate_config, ChainEntry, HookKind, Limits, LoadedPlugin, PluginMeta, PluginRuntime,
 };
@@ -50,10 +51,6 @@ pub fn hash_key(salt: &[u8], key: &str) -> String {
     h.update(salt);
     h.update(key.as_bytes());
     format!("{SALTED}{}", hex::encode(h.finalize()))
-}
-
-pub fn sha256_hex(b: &[u8]) -> String {
-    hex::encode(Sha256::digest(b))
 }
 
 /// A tenant's or plugin's name: 1–64 of `[A-Za-z0-9_.-]`, not starting with '.'.

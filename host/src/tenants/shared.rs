@@ -574,7 +574,7 @@ impl StateStore {
         }
         .map_err(|e| self.unavailable(&format!("reading {path}"), &e))?;
         self.reached();
-        let actual = super::sha256_hex(&b);
+        let actual = crate::digest::sha256_hex(&b);
         if actual != sha256 {
             return Err(self
                 .corrupt(
@@ -657,7 +657,7 @@ mod tests {
         assert_eq!(listed.keys().collect::<Vec<_>>(), ["t"]);
         // Blobs are content-addressed and checked on the way back.
         let wasm = Bytes::from_static(b"\0asm component");
-        let sha = super::super::sha256_hex(&wasm);
+        let sha = crate::digest::sha256_hex(&wasm);
         s.put_blob(&sha, wasm.clone()).await.unwrap();
         s.put_blob(&sha, wasm.clone()).await.unwrap();
         assert_eq!(s.get_blob(&sha).await.unwrap(), wasm);
@@ -705,7 +705,7 @@ mod tests {
         // A blob whose content is not its name: an error naming it, and a
         // put of the right content replaces it.
         let wasm = Bytes::from_static(b"\0asm the real component");
-        let sha = super::super::sha256_hex(&wasm);
+        let sha = crate::digest::sha256_hex(&wasm);
         std::fs::create_dir_all(dir.path().join("blobs")).unwrap();
         std::fs::write(dir.path().join("blobs").join(&sha), b"garbage").unwrap();
         let e = s.get_blob(&sha).await.unwrap_err();

@@ -176,7 +176,7 @@ pub fn load_version(
             let wpath = dir.join(format!("{}.wasm", r.version));
             let wasm = std::fs::read(&wpath)
                 .with_context(|| format!("cannot read {id}/{name} v{}", r.version))?;
-            let actual = super::sha256_hex(&wasm);
+            let actual = crate::digest::sha256_hex(&wasm);
             if actual != r.sha256 {
                 anyhow::bail!(
                     "{} has sha256 {actual}, not the uploaded {}; upload the plugin again",
@@ -187,7 +187,7 @@ pub fn load_version(
             let c = rt.compile(&wasm)?;
             if let Ok(bytes) = rt.serialize(&c) {
                 let record = VersionRecord {
-                    cwasm_sha256: Some(super::sha256_hex(&bytes)),
+                    cwasm_sha256: Some(crate::digest::sha256_hex(&bytes)),
                     ..r.clone()
                 };
                 // The artifact first, then the record that vouches for it.
@@ -337,7 +337,7 @@ pub fn save_record_if_absent(root: &Path, id: &str, name: &str, r: &VersionRecor
 /// Whether the cache holds version `r`'s component, byte for byte.
 pub fn cached_component(root: &Path, id: &str, name: &str, r: &VersionRecord) -> bool {
     std::fs::read(plugin_dir(root, id, name).join(format!("{}.wasm", r.version)))
-        .is_ok_and(|b| super::sha256_hex(&b) == r.sha256)
+        .is_ok_and(|b| crate::digest::sha256_hex(&b) == r.sha256)
 }
 
 /// Puts version `r`'s component into the cache, then its record.
