@@ -6,7 +6,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pagoda::server::openai::protocol::{parse_common, parse_messages, parse_prompts, Fields};
+use pagoda::server::openai::fields::Fields;
+use pagoda::server::openai::protocol::{parse_common, parse_messages, parse_prompts};
 use pagoda::server::openai::tool_parsers::ToolCallParser;
 use pagoda::server::openai::{structured, tools};
 

@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod anthropic;
+pub mod fields;
 pub mod protocol;
 pub mod reasoning;
 pub mod responses;
@@ -16,10 +17,11 @@ use crate::engine::request::{SamplingDefaults, TokenLogprob};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
 use bytes::Bytes;
+use fields::Fields;
 use http_body_util::BodyExt;
 use hyper::body::Frame;
 use hyper::Response;
-use protocol::{parse_common, parse_messages, parse_prompts, CommonParams, Fields, PromptInput};
+use protocol::{parse_common, parse_messages, parse_prompts, CommonParams, PromptInput};
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;

@@ -9,7 +9,7 @@
 
 use super::{collect, now_secs, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
-use crate::server::openai::protocol::Fields;
+use crate::server::openai::fields::Fields;
 use crate::server::{AppState, Body};
 use bytes::Bytes;
 use hyper::body::Frame;

@@ -4,7 +4,7 @@
 
 use crate::engine::structured_output::{OutputConstraint, StructuredOutputs};
 use crate::server::errors::ApiError;
-use crate::server::openai::protocol::Fields;
+use crate::server::openai::fields::Fields;
 use serde_json::Value;
 
 /// A constraint and the request field it came from (the `param` of the

@@ -10,7 +10,7 @@
 
 use crate::engine::structured_output::{OutputConstraint, StructuredOutputs};
 use crate::server::errors::ApiError;
-use crate::server::openai::protocol::Fields;
+use crate::server::openai::fields::Fields;
 use crate::server::openai::tool_parsers::{ParsedOutput, ParsedToolCall, ToolCallParser};
 use serde_json::{json, Map, Value};
 

@@ -16,7 +16,7 @@ mod stream;
 use super::tools::{self, ToolMode};
 use super::{collect, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
-use crate::server::openai::protocol::Fields;
+use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
 use crate::server::{AppState, Body};
 use bytes::Bytes;

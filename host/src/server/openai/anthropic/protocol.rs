@@ -8,7 +8,7 @@
 //! both APIs render the same prompt from the same conversation.
 
 use crate::server::errors::ApiError;
-use crate::server::openai::protocol::Fields;
+use crate::server::openai::fields::Fields;
 use crate::server::openai::tool_parsers::ParsedToolCall;
 use serde_json::{json, Map, Value};
 
