@@ -28,7 +28,6 @@ use crate::digest::sha256_hex;
 use crate::plugins::{
     validate_config, ChainEntry, HookKind, Limits, LoadedPlugin, PluginMeta, PluginRuntime,
 };
-use crate::server::errors::ApiError;
 use anyhow::{anyhow, bail, Result};
 use arc_swap::ArcSwap;
 use serde::{Deserialize, Serialize};
@@ -252,6 +251,31 @@ pub struct Tenant {
     pub(crate) admin: tokio::sync::Mutex<()>,
 }
 
+/// Why a tenant's request was not admitted. The server answers each with
+/// the status the variant names (`From<TenantError> for ApiError` in
+/// `server::errors`), its `Display` being the message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TenantError {
+    /// 429: the tenant has `max` requests in flight, its `max_concurrent`.
+    #[error("Tenant '{tenant}' has {max} requests in flight, its limit. Retry later.")]
+    TooManyInFlight { tenant: String, max: usize },
+    /// 429: the tenant used its `tokens_per_minute`; its bucket refills
+    /// enough for one token in `retry_after` seconds.
+    #[error("Tenant '{tenant}' used its {tpm} tokens per minute. Retry after {retry_after} s.")]
+    TokensPerMinute {
+        tenant: String,
+        tpm: u64,
+        retry_after: u64,
+    },
+    /// 503: the tenant's requests in flight hold its `share` of the plugin
+    /// instance pool.
+    #[error("Tenant '{tenant}' has its share of {share} plugin instances in use by requests in flight. Retry later.")]
+    PluginShareInUse { tenant: String, share: usize },
+    /// 503: requests in flight hold all `total` plugin instances.
+    #[error("All {total} plugin instances are in use by requests in flight. Retry later.")]
+    PluginPoolInUse { total: usize },
+}
+
 /// A request admitted for a tenant: holds its concurrency slot, its
 /// plugin instances (one per chain entry) and its snapshot.
 pub struct Admission {
@@ -313,8 +337,8 @@ impl Tenant {
         self.snapshot.load_full()
     }
 
-    /// Admits a request or answers 429.
-    pub fn admit(self: &Arc<Self>) -> Result<Admission, ApiError> {
+    /// Admits a request, or refuses it for its tenant's limits (a 429).
+    pub fn admit(self: &Arc<Self>) -> Result<Admission, TenantError> {
         let snapshot = self.snapshot.load_full();
         let n = self.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
         let adm = Admission {
@@ -326,10 +350,10 @@ impl Tenant {
         let limits = &adm.snapshot.config.limits;
         if let Some(max) = limits.max_concurrent {
             if n > max {
-                return Err(ApiError::overloaded(format!(
-                    "Tenant '{}' has {max} requests in flight, its limit. Retry later.",
-                    self.id
-                )));
+                return Err(TenantError::TooManyInFlight {
+                    tenant: self.id.clone(),
+                    max,
+                });
             }
         }
         if let Some(tpm) = limits.tokens_per_minute {
@@ -343,12 +367,11 @@ impl Tenant {
             b.at = now;
             if b.level <= 0.0 {
                 let wait = ((1.0 - b.level) / rate.max(1e-9)).ceil().max(1.0) as u64;
-                let mut e = ApiError::overloaded(format!(
-                    "Tenant '{}' used its {tpm} tokens per minute. Retry after {wait} s.",
-                    self.id
-                ));
-                e.retry_after = Some(wait);
-                return Err(e);
+                return Err(TenantError::TokensPerMinute {
+                    tenant: self.id.clone(),
+                    tpm,
+                    retry_after: wait,
+                });
             }
         }
         Ok(adm)
@@ -530,7 +553,7 @@ impl Tenants {
     /// the instances other tenants' requests need; a request beyond its
     /// tenant's share, or beyond the pool, gets a 503 at once, before any
     /// token is generated for it.
-    pub fn admit(&self, tenant: &Arc<Tenant>) -> Result<Admission, ApiError> {
+    pub fn admit(&self, tenant: &Arc<Tenant>) -> Result<Admission, TenantError> {
         let mut adm = tenant.admit()?;
         let need = adm.snapshot.chain.len();
         if need == 0 {
@@ -544,26 +567,19 @@ impl Tenants {
             .len()
             .max(1);
         let share = (total / tenants).max(need);
-        let busy = |what: String| {
-            let mut e = ApiError::unavailable(what);
-            e.retry_after = Some(1);
-            e
-        };
         let held = tenant.instances_held.fetch_add(need, Ordering::AcqRel) + need;
         if held > share {
             tenant.instances_held.fetch_sub(need, Ordering::AcqRel);
-            return Err(busy(format!(
-                "Tenant '{}' has its share of {share} plugin instances in use by requests in flight. Retry later.",
-                tenant.id
-            )));
+            return Err(TenantError::PluginShareInUse {
+                tenant: tenant.id.clone(),
+                share,
+            });
         }
         let all = self.instances_held.fetch_add(need, Ordering::AcqRel) + need;
         if all > total {
             tenant.instances_held.fetch_sub(need, Ordering::AcqRel);
             self.instances_held.fetch_sub(need, Ordering::AcqRel);
-            return Err(busy(format!(
-                "All {total} plugin instances are in use by requests in flight. Retry later."
-            )));
+            return Err(TenantError::PluginPoolInUse { total });
         }
         adm.instances = need;
         adm.pool = Some(Arc::clone(&self.instances_held));

@@ -6,7 +6,7 @@
 use crate::plugins::{ErrorKind, HookError, HookKind, RouteDecision, Session};
 use crate::server::errors::ApiError;
 use crate::server::AppState;
-use crate::tenants::{Admission, Tenant};
+use crate::tenants::{Admission, Tenant, TenantError};
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -28,6 +28,28 @@ pub fn hook_error(e: &HookError) -> ApiError {
         _ => 500,
     };
     ApiError::plugin(status, "plugin_error", format!("{e}"))
+}
+
+/// A tenant's refusal of a request: a 429 for the tenant's own limits,
+/// a 503 when plugin instances run short; both with the `Retry-After` the
+/// refusal knows (1 s where it knows none).
+impl From<TenantError> for ApiError {
+    fn from(e: TenantError) -> ApiError {
+        let message = e.to_string();
+        match e {
+            TenantError::TooManyInFlight { .. } => ApiError::overloaded(message),
+            TenantError::TokensPerMinute { retry_after, .. } => ApiError {
+                retry_after: Some(retry_after),
+                ..ApiError::overloaded(message)
+            },
+            TenantError::PluginShareInUse { .. } | TenantError::PluginPoolInUse { .. } => {
+                ApiError {
+                    retry_after: Some(1),
+                    ..ApiError::unavailable(message)
+                }
+            }
+        }
+    }
 }
 
 impl TenantCtx {
@@ -305,5 +327,70 @@ impl TenantCtx {
             }
         }
         Ok(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::StatusCode;
+
+    /// Each refusal keeps the status, type, code, message and Retry-After
+    /// the server answered before tenants had an error type of their own.
+    #[test]
+    fn tenant_refusals_answer_as_before() {
+        let t = || "acme".to_string();
+        let cases = [
+            (
+                TenantError::TooManyInFlight { tenant: t(), max: 2 },
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                "Tenant 'acme' has 2 requests in flight, its limit. Retry later.",
+                1,
+            ),
+            (
+                TenantError::TokensPerMinute {
+                    tenant: t(),
+                    tpm: 600,
+                    retry_after: 7,
+                },
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                "rate_limit_exceeded",
+                "Tenant 'acme' used its 600 tokens per minute. Retry after 7 s.",
+                7,
+            ),
+            (
+                TenantError::PluginShareInUse { tenant: t(), share: 4 },
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "service_unavailable",
+                "Tenant 'acme' has its share of 4 plugin instances in use by requests in flight. Retry later.",
+                1,
+            ),
+            (
+                TenantError::PluginPoolInUse { total: 16 },
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "service_unavailable",
+                "All 16 plugin instances are in use by requests in flight. Retry later.",
+                1,
+            ),
+        ];
+        for (e, status, kind, code, message, retry_after) in cases {
+            let a = ApiError::from(e);
+            assert_eq!(
+                (
+                    a.status,
+                    a.kind,
+                    a.code,
+                    a.message.as_str(),
+                    a.param,
+                    a.retry_after
+                ),
+                (status, kind, code, message, None, Some(retry_after))
+            );
+        }
     }
 }
