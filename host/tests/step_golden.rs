@@ -273,7 +273,11 @@ fn fixture_args(model: &Path) -> EngineArgs {
     a
 }
 
-const IDS: [&[u32]; 3] = [&[1, 5, 9, 2, 7], &[3, 3, 3, 4], &[11, 12, 13, 14, 15, 16, 17]];
+const IDS: [&[u32]; 3] = [
+    &[1, 5, 9, 2, 7],
+    &[3, 3, 3, 4],
+    &[11, 12, 13, 14, 15, 16, 17],
+];
 
 fn id_prompts() -> Vec<Prompt> {
     IDS.iter().map(|p| Prompt::Tokens(p.to_vec())).collect()

@@ -13,8 +13,9 @@ use crate::engine::loader::hf_quant::QuantizationArg;
 use crate::engine::loader::safetensors::SafetensorsSource;
 use crate::engine::loader::DType;
 use crate::engine::models::{self, CausalLm, Model, Workspace};
-use crate::engine::runner::{DraftRunner, ModelExecutor, ModelRunner};
+use crate::engine::runner::{ModelExecutor, ModelRunner};
 use crate::engine::scheduler::{Scheduler, SchedulerConfig, SchedulingPolicy};
+use crate::engine::spec_decode::draft_model::DraftModel;
 use crate::engine::spec_decode::{SpecMethod, SpeculativeConfig, Speculator};
 use crate::tokenizer::Tokenizer;
 use anyhow::{bail, Context, Result};
@@ -608,20 +609,22 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let mut runner = ModelRunner::with_workspace(backend, model, kv, ws);
+    let mut runner = ModelRunner::with_workspace(backend, model, kv, args.block_size, ws);
     if let Some(d) = draft {
         let spec = kv_spec(&*d, kv_dtype, num_blocks, args.block_size);
         let dkv = runner
             .backend()
             .alloc_kv(&spec)
             .context("allocating the draft model's KV cache")?;
-        runner = runner.with_draft(DraftRunner::new(d, dkv));
+        runner = runner.with_draft(DraftModel::new(d, dkv));
     }
     let runner: Box<dyn ModelExecutor> = Box::new(runner);
     let scheduler = Scheduler::new(SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         policy: args.scheduling_policy,
+        draft_lookahead: 0,
+        draft_max_batch: 0,
     });
     let mut core = EngineCore::new(
         scheduler,

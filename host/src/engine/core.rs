@@ -16,8 +16,8 @@ use crate::engine::request::{
     FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
 };
 use crate::engine::runner::ModelExecutor;
-use crate::engine::sampler::Sampler;
 use crate::engine::scheduler::Scheduler;
+use crate::engine::scheduler_output::SchedulerOutput;
 use crate::engine::spec_decode::{Proposer, SpecStats, Speculator};
 use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
@@ -83,16 +83,10 @@ pub struct EngineCore {
     /// The ids that end a sequence unless `ignore_eos`: the tokenizer's
     /// EOS ids and the generation config's `eos_token_id`.
     eos_ids: Vec<u32>,
-    /// The step's constrained rows, kept to reuse the allocation.
+    /// The step's plan and constrained rows, kept to reuse their
+    /// allocations.
+    plan: SchedulerOutput,
     guided: Vec<GuidedRow>,
-    /// Drafts tokens for speculative decoding, when it is on.
-    speculator: Option<Speculator>,
-    /// The draft model's steps, and which sequences draft how many tokens
-    /// (kept to reuse their allocations).
-    draft_batch: pagoda_accel::StepBatch,
-    drafting: Vec<(u64, usize)>,
-    /// Picks the draft model's tokens.
-    draft_sampler: Sampler,
     /// Where the prefix cache's events go, when they are published.
     kv_events: Option<KvEventPublisher>,
 }
@@ -118,104 +112,10 @@ impl EngineCore {
             default_seed: None,
             sampling_defaults: SamplingDefaults::default(),
             eos_ids,
+            plan: SchedulerOutput::default(),
             guided: Vec::new(),
-            speculator: None,
-            draft_batch: Default::default(),
-            drafting: Vec::new(),
-            draft_sampler: Sampler::default(),
             kv_events: None,
         }
-    }
-
-    /// Runs the draft model after a step: it first catches up on every
-    /// planned sequence's tokens whose draft K/V it lacks (prompt chunks,
-    /// verified drafts, the newly sampled token), then drafts up to
-    /// `num_speculative_tokens` tokens, one batched single-token step at a
-    /// time, for each sequence that may speculate. The draft K/V goes into
-    /// the draft pool under the target's block tables, so the slots of the
-    /// drafts are reserved here; the next step verifies the drafts and
-    /// gives back the slots of the rejected ones.
-    fn propose_with_draft_model(
-        &mut self,
-        plan: &crate::engine::scheduler::SchedulerOutput,
-    ) -> anyhow::Result<()> {
-        let Some(speculator) = &self.speculator else {
-            return Ok(());
-        };
-        let running = self.scheduler.num_running();
-        let sample_drafts = speculator.samples_drafts();
-        let bs = self.kv.block_size();
-        let mut batch = std::mem::take(&mut self.draft_batch);
-        let mut drafting = std::mem::take(&mut self.drafting);
-        batch.clear();
-        drafting.clear();
-        for s in &plan.seqs {
-            let Some(req) = self.scheduler.get_mut(s.id) else {
-                continue;
-            };
-            let n = req.num_computed;
-            let mut k = if s.sample {
-                speculator.draft_len(req, running)
-            } else {
-                0
-            };
-            // The draft K/V of the new token and of drafts 1..k-1 need
-            // slots past the computed tokens.
-            if k > 0
-                && !self
-                    .kv
-                    .allocate(s.id, &req.token_ids, req.cache_key(), None, n, k)
-            {
-                k = 0;
-            }
-            let end = if k > 0 { n + 1 } else { n };
-            let from = req.spec.draft_computed.min(end);
-            if from == end {
-                continue;
-            }
-            batch.push_seq(
-                &req.token_ids[from..end],
-                from,
-                self.kv.block_table(s.id),
-                bs,
-                0,
-                usize::from(k > 0),
-            );
-            req.spec.draft_computed = end;
-            if k > 0 {
-                drafting.push((s.id, k));
-            }
-        }
-        let vocab = self.runner.config().vocab_size;
-        for j in 0.. {
-            let logits = self.runner.draft_step(&batch)?;
-            batch.clear();
-            let mut more = false;
-            // Each drafting sequence's row gives its next draft, chosen as
-            // the request samples (see `Sampler::draft`), which is fed back
-            // for the one after.
-            for (&(id, k), row) in drafting.iter().zip(logits.chunks_exact_mut(vocab)) {
-                let Some(req) = self.scheduler.get_mut(id) else {
-                    continue;
-                };
-                let token = self.draft_sampler.draft(row, req, sample_drafts);
-                req.spec.drafts.push(token);
-                if j + 1 < k {
-                    let pos = req.num_computed + 1 + j;
-                    batch.push_seq(&[token], pos, self.kv.block_table(id), bs, 0, 1);
-                    req.spec.draft_computed = pos + 1;
-                    more = true;
-                }
-            }
-            if !more {
-                break;
-            }
-            // Sequences done drafting leave the next steps' rows.
-            drafting.retain(|&(_, k)| j + 1 < k);
-        }
-        self.draft_batch = batch;
-        self.drafting = drafting;
-        Ok(())
     }
 
     /// Publishes the prefix cache's events after every step (the KV-cache
@@ -255,10 +155,16 @@ impl EngineCore {
     }
 
     /// Turns speculative decoding on: after each step, `speculator` drafts
-    /// the next tokens of every sequence it can, and the next step
-    /// verifies them.
+    /// the next tokens of every sequence it can (in the model runner), and
+    /// the next step verifies them. A draft model's drafts have their K/V
+    /// slots reserved by the scheduler.
     pub fn set_speculator(&mut self, speculator: Option<Speculator>) {
-        self.speculator = speculator;
+        let lookahead = match speculator.as_ref().map(|s| (s.proposer(), s)) {
+            Some((Proposer::DraftModel, s)) => Some(s),
+            _ => None,
+        };
+        self.scheduler.set_draft_lookahead(lookahead);
+        self.runner.set_speculator(speculator);
     }
 
     /// Seeds requests that give no seed of their own (`--seed`).
@@ -403,12 +309,9 @@ impl EngineCore {
             status: RequestStatus::Waiting,
             num_preemptions: 0,
             eos_ids,
-            rng: Request::new_rng(
-                params.seed.or(self
-                    .default_seed
-                    .map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15))),
-            ),
-            output_counts: Default::default(),
+            seed: params.seed.or(self
+                .default_seed
+                .map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15))),
             detok,
             pending_text: String::new(),
             token_ids: prompt_ids,
@@ -417,7 +320,10 @@ impl EngineCore {
             params,
             grammar: opts.grammar,
             reasoning_end: opts.reasoning_end.filter(|e| !e.is_empty()),
-            spec: Default::default(),
+            num_drafts: 0,
+            announced: false,
+            blocks_sent: 0,
+            blocks_shrunk: false,
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);
@@ -447,12 +353,11 @@ impl EngineCore {
             let held = self.kv.block_table(id).len();
             let need = req.num_computed.div_ceil(bs);
             // A draft model's drafts have their slots already.
-            let reserved = (req.num_computed + req.spec.drafts.len()).div_ceil(bs);
+            let reserved = (req.num_computed + req.num_drafts).div_ceil(bs);
             if held < need || held > reserved {
                 return Err(format!(
                     "request {id} holds {held} blocks for {} computed tokens and {} drafts (needs {need} to {reserved})",
-                    req.num_computed,
-                    req.spec.drafts.len()
+                    req.num_computed, req.num_drafts
                 ));
             }
         }
@@ -489,91 +394,28 @@ impl EngineCore {
     /// If the device failed. The engine's state is then unknown (the step's
     /// K/V may be half written), so the caller must stop using it.
     pub fn step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
-        let plan = self.scheduler.schedule(&mut self.kv);
-        if plan.seqs.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.stats.steps += 1;
-        self.stats.last_step_tokens = plan.batch.tokens.len();
-        // Constrained rows: their matchers leave the requests for the step.
+        let mut plan = std::mem::take(&mut self.plan);
         let mut guided = std::mem::take(&mut self.guided);
-        let mut rows = 0;
-        for s in &plan.seqs {
-            rows += s.logit_rows;
-            if !s.sample {
-                continue;
-            }
-            if let Some(req) = self.scheduler.get_mut(s.id) {
-                if req.reasoning_end.is_some() {
-                    // Still reasoning: sampled freely, the grammar waits.
-                    continue;
-                }
-                if let Some(matcher) = req.grammar.take() {
-                    guided.push(GuidedRow {
-                        // A sequence's sampling row is its last.
-                        row: rows - 1,
-                        id: s.id,
-                        matcher,
-                        mask: None,
-                    });
-                }
-            }
-        }
-        if guided.is_empty() {
-            self.runner.execute_model(&plan.batch)
-        } else {
-            // The masks are computed on their own thread while the forward
-            // runs, so constrained decoding costs the step little more than
-            // the longer of the two.
-            let runner = &mut self.runner;
-            let batch = &plan.batch;
-            std::thread::scope(|scope| {
-                let masks = scope.spawn(|| {
-                    for g in guided.iter_mut() {
-                        g.mask = Some(g.matcher.compute_mask());
-                    }
-                });
-                let ran = runner.execute_model(batch);
-                if masks.join().is_err() {
-                    return Err(anyhow::anyhow!("computing a grammar's token mask panicked"));
-                }
-                ran
-            })
-        }?;
-        let sampled = self
-            .runner
-            .sample_tokens(&plan.seqs, &mut self.scheduler, &mut guided)?;
+        self.scheduler
+            .schedule(&mut self.kv, &mut plan, &mut guided);
         let mut outputs = Vec::new();
-        self.stats.generation_tokens += self.scheduler.update_from_output(
-            &plan,
-            sampled,
-            &mut guided,
-            &mut self.kv,
-            &mut outputs,
-            &mut self.stats.spec,
-        );
-        // Matchers go back to the requests that are still running.
-        for g in guided.drain(..) {
-            if let Some(req) = self.scheduler.get_mut(g.id) {
-                req.grammar = Some(g.matcher);
+        if !plan.is_empty() {
+            if !plan.seqs.is_empty() {
+                self.stats.steps += 1;
+                self.stats.last_step_tokens = plan.num_tokens;
             }
+            let sampled = self.runner.execute(&plan, &mut guided)?;
+            self.stats.generation_tokens += self.scheduler.update_from_output(
+                &plan,
+                sampled,
+                &mut guided,
+                &mut self.kv,
+                &mut outputs,
+                &mut self.stats.spec,
+            );
         }
-        match self.speculator.as_ref().map(Speculator::proposer) {
-            None => {}
-            Some(Proposer::Ngram(_)) => {
-                let running = self.scheduler.num_running();
-                if let Some(speculator) = &self.speculator {
-                    for s in plan.seqs.iter().filter(|s| s.sample) {
-                        if let Some(req) = self.scheduler.get_mut(s.id) {
-                            speculator.propose(req, running);
-                        }
-                    }
-                }
-            }
-            Some(Proposer::DraftModel) => self.propose_with_draft_model(&plan)?,
-        }
+        self.plan = plan;
         self.guided = guided;
-        self.scheduler.recycle(plan);
         self.publish_kv_events();
         Ok(outputs)
     }

@@ -1,19 +1,25 @@
 //! The inference engine, split by responsibility as in vLLM v1:
 //! - [`scheduler`]: which sequences run each step, and how many tokens;
+//!   its decisions go to the runner as plain data ([`scheduler_output`]);
 //! - [`fair_share`]: weighted fair share and priority classes between
 //!   tenants, which the scheduler's default policy orders by;
 //! - [`kv_cache`]: the block pool, block tables and prefix hashes;
 //! - [`kv_events`]: the prefix cache's events published over ZeroMQ for
 //!   prefix-aware routers (`--kv-events-config`);
-//! - [`runner`]: one flattened batch per step through the model, on any
-//!   device ([`pagoda_accel::Backend`]);
+//! - [`runner`]: owns the batch (a row per running request: sampling
+//!   parameters, random stream, drafts), lays each step out, runs it
+//!   through the model on any device ([`pagoda_accel::Backend`]), samples
+//!   and proposes drafts; what it sampled goes back as plain data
+//!   ([`runner_output`]);
 //! - [`sampler`]: logits → next token, and the verification of drafts;
-//! - [`spec_decode`]: speculative decoding's configuration and proposers;
+//! - [`spec_decode`]: speculative decoding's configuration and proposers
+//!   (prompt lookup, the draft model);
 //! - [`structured_output`]: grammars (JSON schema, regex, choice, Lark)
 //!   that mask the logits before sampling;
 //! - [`output_processor`]: token → detokenized text, stop conditions and
 //!   the outputs clients see;
-//! - [`core`]: the step loop tying them together;
+//! - [`core`]: the step loop tying them together: schedule → execute
+//!   (run and sample) → update, each part visited once;
 //! - [`models`] and [`loader`]: model definitions and weight formats;
 //! - [`generation_config`]: sampling defaults from `generation_config.json`;
 //! - [`llm`]: the offline `LLM` API.
@@ -32,8 +38,10 @@ pub mod models;
 pub mod output_processor;
 pub mod request;
 pub mod runner;
+pub mod runner_output;
 pub mod sampler;
 pub mod scheduler;
+pub mod scheduler_output;
 pub mod spec_decode;
 pub mod structured_output;
 

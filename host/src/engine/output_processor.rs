@@ -65,7 +65,6 @@ pub fn process_token(
     grammar_complete: bool,
 ) -> StepOutput {
     req.token_ids.push(token);
-    *req.output_counts.entry(token).or_insert(0) += 1;
     let delta = req.detok.push(token).unwrap_or_default();
     req.pending_text.push_str(&delta);
     let p = &req.params;

@@ -2,9 +2,6 @@
 //! it while it runs ([`Request`]).
 
 use crate::tokenizer::detokenizer::IncrementalDetokenizer;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
-use std::collections::HashMap;
 use std::time::Instant;
 
 /// How to pick tokens and when to stop, with vLLM's names and defaults.
@@ -431,9 +428,10 @@ pub struct Request {
     pub num_preemptions: u32,
     /// Eos ids of the model, unless `ignore_eos`.
     pub eos_ids: Vec<u32>,
-    pub(crate) rng: StdRng,
-    /// How often each token occurs in the output, for the penalties.
-    pub(crate) output_counts: HashMap<u32, u32>,
+    /// The seed of its random stream (the model runner keeps the stream):
+    /// the request's own, else one derived from `--seed`; `None` draws one
+    /// from the OS.
+    pub(crate) seed: Option<u64>,
     pub(crate) detok: IncrementalDetokenizer,
     /// Text generated and not yet released to the caller (held back while it
     /// could be the start of a stop string).
@@ -451,60 +449,16 @@ pub struct Request {
     /// Whether the prompt logprobs are complete (they may have been handed
     /// out already): a preempted request does not compute them again.
     pub(crate) prompt_logprobs_done: bool,
-    /// Speculative decoding: the drafted continuation the next step
-    /// verifies, and how the drafts have fared.
-    pub(crate) spec: SpecState,
-}
-
-/// One sequence's speculative-decoding state.
-#[derive(Clone, Debug, Default)]
-pub struct SpecState {
-    /// Tokens drafted after the last one, for the next step to verify.
-    pub drafts: Vec<u32>,
-    /// With drafts sampled from a draft model (`draft_sample_method`
-    /// `probabilistic`): the distribution each was drawn from, one
-    /// vocabulary-wide row per draft. Empty when the drafts were chosen
-    /// outright (n-gram, argmax), which verification treats as certain.
-    pub draft_probs: Vec<f32>,
-    /// Verifications in a row that accepted nothing.
-    pub misses: u32,
-    /// Steps to go before drafting again: a sequence whose drafts keep
-    /// being rejected stops paying for their verification, and tries
-    /// again after a back-off that doubles with each miss.
-    pub pause: u32,
-    /// Drafts accepted per verification, a moving average (`None` before
-    /// the first): the next draft is about one longer than what recent
-    /// drafts got accepted, so a sequence that is only partly predictable
-    /// verifies short drafts.
-    pub accepted_avg: Option<f32>,
-    /// With a draft model: how many leading tokens have the draft model's
-    /// K/V in the sequence's blocks (the draft pool shares the target's
-    /// block tables).
-    pub draft_computed: usize,
-}
-
-impl SpecState {
-    /// How many of `k` drafts to propose next.
-    pub fn draft_len(&self, k: usize) -> usize {
-        match self.accepted_avg {
-            None => k,
-            Some(a) => ((a + 1.0).ceil() as usize).clamp(1, k),
-        }
-    }
-
-    /// Records a verification of the drafts, `accepted` of which held.
-    pub fn verified(&mut self, accepted: usize) {
-        let a = accepted as f32;
-        self.accepted_avg = Some(self.accepted_avg.map_or(a, |avg| 0.6 * avg + 0.4 * a));
-        if accepted == 0 {
-            self.misses += 1;
-            if self.misses >= 2 {
-                self.pause = 1 << (self.misses - 2).min(6);
-            }
-        } else {
-            self.misses = 0;
-        }
-    }
+    /// Speculative decoding: how many drafts the runner proposed for the
+    /// next step to verify (the runner holds the drafts themselves).
+    pub(crate) num_drafts: usize,
+    /// Whether the model runner knows the request (it was sent as new).
+    pub(crate) announced: bool,
+    /// How many entries of its block table the runner holds as they are
+    /// now, and whether the table shrank below what was sent (rejected
+    /// drafts gave blocks back), so the next step sends the change.
+    pub(crate) blocks_sent: usize,
+    pub(crate) blocks_shrunk: bool,
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model
@@ -557,17 +511,18 @@ impl Request {
         }
     }
 
-    /// Whether the engine may draft tokens for this request: its sampling
-    /// depends on nothing a draft would change mid-step (no grammar, no
-    /// penalties over the output so far, no EOS ban still to lift).
-    pub(crate) fn may_speculate(&self) -> bool {
+    /// Whether drafts may be proposed for it after a step that samples
+    /// its next token: its sampling depends on nothing a draft would change
+    /// mid-step (no grammar, no penalties over the output, no EOS ban
+    /// still to lift then). The runner decides how many (see
+    /// [`crate::engine::spec_decode::Speculator::draft_len`]).
+    pub(crate) fn may_draft_after_step(&self) -> bool {
         let p = &self.params;
         self.grammar.is_none()
             && p.repetition_penalty() == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
-            && self.num_output() >= p.min_tokens
-            && self.num_computed + 1 == self.token_ids.len()
+            && self.num_output() + 1 >= p.min_tokens
     }
 
     /// Tokens generated so far.
@@ -583,12 +538,5 @@ impl Request {
     /// Whether the request has finished.
     pub fn is_finished(&self) -> bool {
         matches!(self.status, RequestStatus::Finished(_))
-    }
-
-    pub(crate) fn new_rng(seed: Option<u64>) -> StdRng {
-        match seed {
-            Some(s) => StdRng::seed_from_u64(s),
-            None => StdRng::from_os_rng(),
-        }
     }
 }

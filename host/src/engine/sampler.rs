@@ -3,11 +3,27 @@
 //! then greedy or temperature / top-k / top-p / min-p sampling with the
 //! request's own RNG.
 
-use crate::engine::request::{Request, SamplingParams, TokenLogprob};
+use crate::engine::request::{SamplingParams, TokenLogprob};
 use crate::engine::structured_output::TokenMask;
 use pagoda_accel::ops;
 use rand::rngs::StdRng;
 use rand::Rng;
+use std::collections::HashMap;
+
+/// What the sampler reads of one request, and its random stream, which
+/// sampling advances.
+pub struct SampleRow<'a> {
+    pub params: &'a SamplingParams,
+    /// Prompt and output so far: what the repetition penalty discourages.
+    pub token_ids: &'a [u32],
+    /// Tokens generated so far (`min_tokens` bans EOS until enough).
+    pub num_output: usize,
+    /// How often each token occurs in the output, for the penalties.
+    pub output_counts: &'a HashMap<u32, u32>,
+    /// Ids banned until `min_tokens` are out.
+    pub eos_ids: &'a [u32],
+    pub rng: &'a mut StdRng,
+}
 
 /// Reusable buffers, so sampling a warm batch allocates nothing on the
 /// greedy path.
@@ -54,10 +70,10 @@ impl Sampler {
     pub fn sample(
         &mut self,
         logits: &mut [f32],
-        req: &mut Request,
+        req: &mut SampleRow,
         mask: Option<&TokenMask>,
     ) -> Sampled {
-        let p = &req.params;
+        let p = req.params;
         let logprob_k = p.logprobs;
         // Logprobs describe the model's own distribution, before any
         // processing, as vLLM v1 reports them by default.
@@ -68,11 +84,10 @@ impl Sampler {
         if let Some(mask) = mask {
             mask.apply(logits);
         }
-        let p = &req.params;
         let token = if p.is_greedy() {
             argmax(logits) as u32
         } else {
-            self.sample_random(logits, &req.params, &mut req.rng)
+            self.sample_random(logits, p, req.rng)
         };
         let logprob = logprob_k.map(|k| self.describe(token, k));
         Sampled { token, logprob }
@@ -111,8 +126,8 @@ impl Sampler {
     }
 
     /// Applies logit bias, the penalties and min_tokens to `logits`.
-    fn process(&mut self, logits: &mut [f32], req: &Request) {
-        let p = &req.params;
+    fn process(&mut self, logits: &mut [f32], req: &SampleRow) {
+        let p = req.params;
         for &(t, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
@@ -124,7 +139,7 @@ impl Sampler {
             if self.seen.len() < words {
                 self.seen.resize(words, 0);
             }
-            for &t in &req.token_ids {
+            for &t in req.token_ids {
                 let (w, bit) = (t as usize / 64, 1u64 << (t % 64));
                 if w < words && self.seen[w] & bit == 0 {
                     self.seen[w] |= bit;
@@ -136,20 +151,20 @@ impl Sampler {
                     };
                 }
             }
-            for &t in &req.token_ids {
+            for &t in req.token_ids {
                 if let Some(w) = self.seen.get_mut(t as usize / 64) {
                     *w = 0;
                 }
             }
         }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            for (&t, &c) in &req.output_counts {
+            for (&t, &c) in req.output_counts {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l -= p.presence_penalty + p.frequency_penalty * c as f32;
                 }
             }
         }
-        if req.num_output() < p.min_tokens {
+        if req.num_output < p.min_tokens {
             for &t in req.eos_ids.iter().chain(&p.stop_token_ids) {
                 if let Some(l) = logits.get_mut(t as usize) {
                     *l = f32::NEG_INFINITY;
@@ -235,10 +250,10 @@ impl Sampler {
     /// Turns `logits` in place into the distribution the request samples
     /// from: processors, temperature, softmax, and top-k / top-p / min-p
     /// (tokens they drop get 0, the rest are renormalized).
-    fn target_probs(&mut self, logits: &mut [f32], req: &Request) {
+    fn target_probs(&mut self, logits: &mut [f32], req: &SampleRow) {
         self.process(logits, req);
-        to_probs(logits, &req.params);
-        if self.select_candidates(logits, &req.params) {
+        to_probs(logits, req.params);
+        if self.select_candidates(logits, req.params) {
             let sum: f64 = self.candidates.iter().map(|c| c.0 as f64).sum();
             logits.fill(0.0);
             for &(w, t) in &self.candidates {
@@ -247,7 +262,9 @@ impl Sampler {
         }
     }
 
-    /// Verifies `drafts` of `req` against the target's rows: `rows` holds
+    /// Verifies `drafts` of `req` against the target's rows (`draft_probs`:
+    /// the distributions a draft model drew them from, one row each, or
+    /// empty for drafts chosen outright): `rows` holds
     /// `drafts.len() + 1` rows of `vocab` logits, row `i` predicting the
     /// token after draft `i - 1` (row 0: after the last real token). Pushes
     /// the ids the sequence gains to `tokens` (with their logprobs, if
@@ -269,7 +286,8 @@ impl Sampler {
         rows: &mut [f32],
         vocab: usize,
         drafts: &[u32],
-        req: &mut Request,
+        draft_probs: &[f32],
+        req: &mut SampleRow,
         tokens: &mut Vec<u32>,
         logprobs: &mut Vec<Option<TokenLogprob>>,
     ) {
@@ -277,7 +295,7 @@ impl Sampler {
         let logprob_k = req.params.logprobs;
         // Drafts sampled from a draft model carry the distribution each was
         // drawn from.
-        let sampled_drafts = req.spec.draft_probs.len() >= drafts.len() * vocab;
+        let sampled_drafts = draft_probs.len() >= drafts.len() * vocab;
         for (i, &draft) in drafts.iter().enumerate() {
             let row = &mut rows[i * vocab..(i + 1) * vocab];
             if greedy {
@@ -294,15 +312,10 @@ impl Sampler {
             }
             self.target_probs(row, req);
             // The draft's own distribution; none for a draft chosen outright.
-            let q = req
-                .spec
-                .draft_probs
+            let q = draft_probs
                 .get(i * vocab..(i + 1) * vocab)
                 .filter(|_| sampled_drafts);
-            let (token, accept) = match q {
-                Some(q) => accept_or_resample(row, Some(q), draft, &mut req.rng),
-                None => accept_or_resample(row, None, draft, &mut req.rng),
-            };
+            let (token, accept) = accept_or_resample(row, q, draft, req.rng);
             tokens.push(token);
             logprobs.push(logprob_k.map(|k| self.describe(token, k)));
             if !accept {
@@ -318,19 +331,27 @@ impl Sampler {
 }
 
 impl Sampler {
-    /// Chooses a draft model's next draft for `req` from its logits `row`:
-    /// the argmax, unless `sample` and the request samples, in which case
-    /// it is drawn from the draft model's distribution at the request's
-    /// temperature (`row` becomes that distribution), which is appended to
-    /// `req.spec.draft_probs` for verification to divide by.
-    pub fn draft(&mut self, row: &mut [f32], req: &mut Request, sample: bool) -> u32 {
-        if !sample || req.params.is_greedy() {
+    /// Chooses a draft model's next draft for a request sampled by
+    /// `params` from its logits `row`: the argmax, unless `sample` and the
+    /// request samples, in which case it is drawn (from `rng`) from the
+    /// draft model's distribution at the request's temperature (`row`
+    /// becomes that distribution), which is appended to `draft_probs` for
+    /// verification to divide by.
+    pub fn draft(
+        &mut self,
+        row: &mut [f32],
+        params: &SamplingParams,
+        rng: &mut StdRng,
+        draft_probs: &mut Vec<f32>,
+        sample: bool,
+    ) -> u32 {
+        if !sample || params.is_greedy() {
             return argmax(row) as u32;
         }
-        to_probs(row, &req.params);
+        to_probs(row, params);
         let total: f64 = row.iter().map(|&w| w as f64).sum();
-        let token = draw(row, total, &mut req.rng);
-        req.spec.draft_probs.extend_from_slice(row);
+        let token = draw(row, total, rng);
+        draft_probs.extend_from_slice(row);
         token
     }
 }

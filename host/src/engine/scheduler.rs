@@ -13,10 +13,10 @@ use crate::engine::fair_share::{FairShare, TenantLoad};
 use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
 use crate::engine::output_processor::{self, StepOutput};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
-use crate::engine::runner::{ModelRunnerOutput, SamplingStates};
+use crate::engine::runner_output::ModelRunnerOutput;
+use crate::engine::scheduler_output::{BlockUpdate, NewRequest, ScheduledSeq, SchedulerOutput};
 use crate::engine::spec_decode::SpecStats;
 use crate::engine::structured_output::GuidedRow;
-use pagoda_accel::StepBatch;
 use std::collections::{HashMap, VecDeque};
 
 /// In which order waiting requests are admitted.
@@ -53,33 +53,13 @@ pub struct SchedulerConfig {
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub policy: SchedulingPolicy,
-}
-
-/// One sequence's share of a step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ScheduledSeq {
-    pub id: u64,
-    /// Tokens already in the cache before this step; the step runs tokens
-    /// `start..start + num_tokens`.
-    pub start: usize,
-    pub num_tokens: usize,
-    /// The step reaches the end of the sequence, so a token is sampled.
-    pub sample: bool,
-    /// How many of the step's last tokens have logits: the sampling row,
-    /// and the prompt rows whose log-probabilities the request asked for
-    /// ([`ScheduledSeq::logits_from`] is the first one's position).
-    pub logit_rows: usize,
-    /// Of the `num_tokens`, how many at the end are drafts to verify
-    /// (speculative decoding); each has a logit row, as the last real token
-    /// does.
-    pub num_drafts: usize,
-}
-
-impl ScheduledSeq {
-    /// The position of the first row with logits.
-    pub fn logits_from(&self) -> usize {
-        self.start + self.num_tokens - self.logit_rows
-    }
+    /// With a draft model: the drafts per sequence and step
+    /// (`num_speculative_tokens`), whose K/V slots are reserved ahead for
+    /// every sequence that may draft after its step; 0 otherwise.
+    pub draft_lookahead: usize,
+    /// No slots are reserved for drafts while more sequences than this
+    /// run (`disable_by_batch_size`).
+    pub draft_max_batch: usize,
 }
 
 /// The most prompt tokens a request that asked for prompt logprobs runs
@@ -114,22 +94,10 @@ fn schedule_seq(req: &Request, start: usize, num_tokens: usize, num_drafts: usiz
         sample,
         logit_rows: end - from + num_drafts,
         num_drafts,
+        lookahead: 0,
+        admitted: false,
+        blocks: None,
     }
-}
-
-/// A step's plan.
-#[derive(Debug, Default)]
-pub struct SchedulerOutput {
-    pub seqs: Vec<ScheduledSeq>,
-    pub num_tokens: usize,
-    /// Sequences preempted while planning this step.
-    pub preempted: Vec<u64>,
-    /// The step as the model runner takes it: the scheduled tokens of
-    /// `seqs`, in order, with their positions, KV slots, block tables and
-    /// the rows that sample. The runner reads nothing else.
-    pub batch: StepBatch,
-    /// A sequence's last token and its drafts, laid out for the batch.
-    scratch: Vec<u32>,
 }
 
 /// Owns the requests and the waiting and running queues.
@@ -142,10 +110,8 @@ pub struct Scheduler {
     /// Every active tenant's running and waiting requests and virtual time,
     /// kept under every policy (metrics read it); only `fair` orders by it.
     fair: FairShare,
-    /// The last step's batch, handed back by [`Scheduler::recycle`], so
-    /// that laying a step out reuses its vectors instead of allocating.
-    spare_batch: StepBatch,
-    spare_scratch: Vec<u32>,
+    /// Requests the runner knows that left since the last plan.
+    finished: Vec<u64>,
 }
 
 impl Scheduler {
@@ -158,9 +124,18 @@ impl Scheduler {
             running: Vec::new(),
             num_preemptions: 0,
             fair: FairShare::default(),
-            spare_batch: StepBatch::default(),
-            spare_scratch: Vec::new(),
+            finished: Vec::new(),
         }
+    }
+
+    /// Reserves K/V slots ahead for the drafts of `speculator`'s draft
+    /// model (see [`SchedulerConfig::draft_lookahead`]); none without one.
+    pub fn set_draft_lookahead(
+        &mut self,
+        speculator: Option<&crate::engine::spec_decode::Speculator>,
+    ) {
+        self.config.draft_lookahead = speculator.map_or(0, |s| s.max_drafts());
+        self.config.draft_max_batch = speculator.map_or(0, |s| s.max_batch());
     }
 
     /// Queues a new request.
@@ -218,18 +193,26 @@ impl Scheduler {
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         kv.free(id);
+        if req.announced {
+            self.finished.push(id);
+        }
         req.status = RequestStatus::Finished(reason);
         Some(req)
     }
 
-    /// Plans the next step, allocating the KV slots it needs.
-    pub fn schedule(&mut self, kv: &mut KvCacheManager) -> SchedulerOutput {
-        let mut out = SchedulerOutput {
-            batch: std::mem::take(&mut self.spare_batch),
-            scratch: std::mem::take(&mut self.spare_scratch),
-            ..SchedulerOutput::default()
-        };
-        out.batch.clear();
+    /// Plans the next step into `out` (emptied first), allocating the KV
+    /// slots it needs, and lends the matchers of its constrained sampling
+    /// rows to `guided` (in row order) until
+    /// [`Scheduler::update_from_output`] takes them back.
+    pub fn schedule(
+        &mut self,
+        kv: &mut KvCacheManager,
+        out: &mut SchedulerOutput,
+        guided: &mut Vec<GuidedRow>,
+    ) {
+        out.clear();
+        guided.clear();
+        out.finished.append(&mut self.finished);
         let mut budget = self.config.max_num_batched_tokens;
         // With one tenant the order is already fcfs order; skipping the
         // (allocating) stable sort keeps a decode step allocation-free.
@@ -264,9 +247,7 @@ impl Scheduler {
             // A decode with drafts verifies them in the same step, within
             // the budget and the request's length limit.
             let mut num_drafts = if req.num_computed + 1 == req.token_ids.len() {
-                req.spec
-                    .drafts
-                    .len()
+                req.num_drafts
                     .min(budget - 1)
                     .min(req.max_len.saturating_sub(req.token_ids.len() + 1))
             } else {
@@ -301,10 +282,12 @@ impl Scheduler {
                 // `id` preempted itself and left the running list at `i`.
                 continue;
             }
+            let lookahead = self.reserve_lookahead(id, num_new + num_drafts, kv);
             let req = &self.requests[&id];
             num_new += num_drafts;
-            out.seqs
-                .push(schedule_seq(req, req.num_computed, num_new, num_drafts));
+            let mut seq = schedule_seq(req, req.num_computed, num_new, num_drafts);
+            seq.lookahead = lookahead;
+            out.seqs.push(seq);
             budget -= num_new;
             out.num_tokens += num_new;
             i += 1;
@@ -349,7 +332,7 @@ impl Scheduler {
                     // Under fair share, a tenant below its share may take a
                     // slot (and its blocks) from one above it, then retry.
                     if self.config.policy == SchedulingPolicy::Fair
-                        && self.take_slot_for(id, kv, &mut out, &mut budget)
+                        && self.take_slot_for(id, kv, out, &mut budget)
                     {
                         continue;
                     }
@@ -362,55 +345,99 @@ impl Scheduler {
                     req.num_cached_prompt = cached;
                 }
                 req.num_computed = cached;
-                // Cached blocks were computed by both models (the draft
-                // model catches up in the step that commits them).
-                req.spec.draft_computed = cached;
                 req.status = RequestStatus::Running;
                 req.first_scheduled_at
                     .get_or_insert_with(std::time::Instant::now);
                 self.waiting.remove(pos);
                 self.running.push(id);
                 self.fair.admitted(&req.tenant.name);
-                out.seqs.push(schedule_seq(req, cached, num_new, 0));
+                let lookahead = self.reserve_lookahead(id, num_new, kv);
+                let Some(req) = self.requests.get(&id) else {
+                    break;
+                };
+                let mut seq = schedule_seq(req, cached, num_new, 0);
+                seq.lookahead = lookahead;
+                seq.admitted = true;
+                out.seqs.push(seq);
                 budget -= num_new;
                 out.num_tokens += num_new;
             }
         }
-        // Laid out once every block is allocated: preemption above takes
+        // Described once every block is allocated: preemption above takes
         // sequences out of the plan with their blocks, so these tables are
         // final. Each tenant's virtual time advances by what it got.
-        let bs = kv.block_size();
-        for s in &out.seqs {
-            let req = &self.requests[&s.id];
-            self.fair.charge(&req.tenant.name, s.num_tokens);
-            let prompt_kernel_until = if req.prompt_kernel { req.prompt_len } else { 0 };
-            let real = s.num_tokens - s.num_drafts;
-            let tokens = if s.num_drafts == 0 {
-                &req.token_ids[s.start..s.start + real]
-            } else {
-                out.scratch.clear();
-                out.scratch
-                    .extend_from_slice(&req.token_ids[s.start..s.start + real]);
-                out.scratch
-                    .extend_from_slice(&req.spec.drafts[..s.num_drafts]);
-                &out.scratch
+        let mut rows = 0;
+        for s in &mut out.seqs {
+            let Some(req) = self.requests.get_mut(&s.id) else {
+                continue;
             };
-            out.batch.push_seq(
-                tokens,
-                s.start,
-                kv.block_table(s.id),
-                bs,
-                prompt_kernel_until,
-                s.logit_rows,
-            );
+            self.fair.charge(&req.tenant.name, s.num_tokens);
+            if !req.announced {
+                req.announced = true;
+                out.new_requests.push(NewRequest {
+                    id: req.id,
+                    prompt_ids: req.token_ids[..req.prompt_len].to_vec(),
+                    params: req.params.clone(),
+                    seed: req.seed,
+                    eos_ids: req.eos_ids.clone(),
+                    max_len: req.max_len,
+                    prompt_kernel: req.prompt_kernel,
+                    structured: req.grammar.is_some(),
+                });
+            }
+            let table = kv.block_table(s.id);
+            if req.blocks_shrunk || table.len() != req.blocks_sent {
+                s.blocks = Some(BlockUpdate {
+                    keep: req.blocks_sent,
+                    from: out.new_blocks.len(),
+                    len: table.len() - req.blocks_sent,
+                });
+                out.new_blocks.extend_from_slice(&table[req.blocks_sent..]);
+                req.blocks_sent = table.len();
+                req.blocks_shrunk = false;
+            }
+            rows += s.logit_rows;
+            // Constrained rows: their matchers leave the requests for the
+            // step. A request still reasoning samples freely; its grammar
+            // waits.
+            if s.sample && req.reasoning_end.is_none() {
+                if let Some(matcher) = req.grammar.take() {
+                    guided.push(GuidedRow {
+                        // A sequence's sampling row is its last.
+                        row: rows - 1,
+                        id: s.id,
+                        matcher,
+                        mask: None,
+                    });
+                }
+            }
         }
-        out
+        out.num_running = self.running.len();
     }
 
-    /// Takes back a finished step's batch, to lay the next step out in.
-    pub fn recycle(&mut self, plan: SchedulerOutput) {
-        self.spare_batch = plan.batch;
-        self.spare_scratch = plan.scratch;
+    /// Reserves K/V slots past `num_scheduled` new tokens of request `id`
+    /// for the drafts a draft model may propose after the step (when it
+    /// samples, may be drafted for, and few enough sequences run), if the
+    /// pool has them; preempts nobody for them. Returns how many.
+    fn reserve_lookahead(&self, id: u64, num_scheduled: usize, kv: &mut KvCacheManager) -> usize {
+        let k = self.config.draft_lookahead;
+        let Some(req) = self.requests.get(&id) else {
+            return 0;
+        };
+        let samples = req.num_computed + num_scheduled >= req.token_ids.len();
+        if k == 0
+            || !samples
+            || self.running.len() > self.config.draft_max_batch
+            || !req.may_draft_after_step()
+        {
+            return 0;
+        }
+        let from = req.num_computed + num_scheduled;
+        if kv.allocate(id, &req.token_ids, req.cache_key(), None, from, k) {
+            k
+        } else {
+            0
+        }
     }
 
     /// Records that a step ran: the first `num_computed` tokens of the
@@ -419,8 +446,6 @@ impl Scheduler {
     fn mark_computed(&mut self, id: u64, num_computed: usize, kv: &mut KvCacheManager) {
         if let Some(r) = self.requests.get_mut(&id) {
             r.num_computed = num_computed;
-            // Draft K/V past the verified tokens belongs to rejected drafts.
-            r.spec.draft_computed = r.spec.draft_computed.min(num_computed);
             kv.commit(id, &r.token_ids, r.num_computed);
         }
     }
@@ -428,15 +453,16 @@ impl Scheduler {
     /// Updates the requests from what the step sampled (`out`, from the
     /// model runner): their tokens are computed, prompt scores recorded,
     /// each sampled id goes through the output processor (and a grammar's
-    /// matcher, from `guided`), drafts are settled (the verified ones stay
-    /// computed, the rest give their slots back), and finished requests
-    /// leave, freeing their blocks. Pushes the step's outputs to `outputs`;
+    /// matcher, from `guided`, which go back to their requests), drafts
+    /// are settled (the verified ones stay computed, the rest give their
+    /// slots back, the new ones keep theirs), and finished requests leave,
+    /// freeing their blocks. Pushes the step's outputs to `outputs`;
     /// returns how many tokens were generated.
     pub fn update_from_output(
         &mut self,
         plan: &SchedulerOutput,
         out: &mut ModelRunnerOutput,
-        guided: &mut [GuidedRow],
+        guided: &mut Vec<GuidedRow>,
         kv: &mut KvCacheManager,
         outputs: &mut Vec<StepOutput>,
         spec: &mut SpecStats,
@@ -471,17 +497,24 @@ impl Scheduler {
             // Their K/V was written by this step with the right tokens, so
             // they count as computed; the rejected drafts' slots go back.
             self.mark_computed(s.id, computed + accepted, kv);
-            // Blocks beyond the computed tokens held rejected drafts (or
-            // slots reserved for drafts that were then dropped).
-            kv.truncate(s.id, computed + accepted);
+            // The runner's new drafts: a draft model wrote the K/V of all
+            // but the last into the slots reserved for them.
+            let num_drafts = out.seqs.get(i).map_or(0, |o| o.num_drafts);
+            let reserved = if s.lookahead > 0 { num_drafts } else { 0 };
+            // Blocks beyond held rejected drafts (or slots reserved for
+            // drafts that were then not made).
+            kv.truncate(s.id, computed + accepted + reserved);
             if s.num_drafts > 0 {
                 spec.record(s.num_drafts, accepted);
             }
+            let held = kv.block_table(s.id).len();
             let Some(req) = self.requests.get_mut(&s.id) else {
                 continue;
             };
-            if s.num_drafts > 0 {
-                req.spec.verified(accepted);
+            req.num_drafts = num_drafts;
+            if held < req.blocks_sent {
+                req.blocks_sent = held;
+                req.blocks_shrunk = true;
             }
             if sampled == 0 {
                 // Nothing was left to generate (max_tokens 0): the prompt
@@ -534,6 +567,12 @@ impl Scheduler {
                 self.remove(s.id, reason, kv);
             }
             outputs.push(done);
+        }
+        // Matchers go back to the requests that are still running.
+        for g in guided.drain(..) {
+            if let Some(req) = self.requests.get_mut(&g.id) {
+                req.grammar = Some(g.matcher);
+            }
         }
         generated
     }
@@ -678,9 +717,9 @@ impl Scheduler {
         if let Some(r) = self.requests.get_mut(&id) {
             self.fair.preempted(&r.tenant.name);
             r.num_computed = 0;
-            r.spec.drafts.clear();
-            r.spec.draft_probs.clear();
-            r.spec.draft_computed = 0;
+            r.num_drafts = 0;
+            r.blocks_sent = 0;
+            r.blocks_shrunk = false;
             r.status = RequestStatus::Waiting;
             r.num_preemptions += 1;
         }
@@ -691,11 +730,5 @@ impl Scheduler {
     /// Ids of the requests in the running queue, in order.
     pub fn running_ids(&self) -> &[u64] {
         &self.running
-    }
-}
-
-impl SamplingStates for Scheduler {
-    fn request_mut(&mut self, id: u64) -> Option<&mut Request> {
-        self.requests.get_mut(&id)
     }
 }

@@ -21,20 +21,22 @@ pub mod ngram;
 pub use config::{DraftSampleMethod, SpecMethod, SpeculativeConfig};
 pub use ngram::NgramProposer;
 
-use crate::engine::request::Request;
+pub mod draft_model;
+mod state;
+
+pub use state::SpecState;
 
 /// Where a [`Speculator`]'s drafts come from.
 #[derive(Clone, Copy, Debug)]
 pub enum Proposer {
     /// Prompt lookup, on the host.
     Ngram(NgramProposer),
-    /// The draft model the model runner holds beside the target
-    /// ([`crate::engine::runner::ModelExecutor::draft_step`]); the engine
-    /// core runs it.
+    /// A draft model beside the target, on the same device
+    /// ([`draft_model::DraftModel`]), which the model runner holds.
     DraftModel,
 }
 
-/// Drafting policy for the engine core: after each step, every sequence
+/// Drafting policy for the model runner: after each step, every sequence
 /// that may speculate gets the drafts its next step verifies.
 pub struct Speculator {
     proposer: Proposer,
@@ -73,34 +75,44 @@ impl Speculator {
         self.proposer
     }
 
-    /// Clears the drafts of `req` and says how many to draft for its next
-    /// step: none while `num_running` sequences fill the batch, while its
-    /// drafts are being rejected (the back-off), or when its sampling
-    /// cannot be verified draft by draft; otherwise about one more than
-    /// recent drafts got accepted, within `num_speculative_tokens` and the
-    /// request's length limit.
-    pub fn draft_len(&self, req: &mut Request, num_running: usize) -> usize {
-        req.spec.drafts.clear();
-        req.spec.draft_probs.clear();
-        if req.spec.pause > 0 {
-            req.spec.pause -= 1;
-            return 0;
-        }
-        if num_running > self.max_batch || !req.may_speculate() {
-            return 0;
-        }
-        // The last token is sampled, not computed: one more fits after it.
-        let room = req.max_len.saturating_sub(req.token_ids.len() + 1);
-        req.spec.draft_len(self.k).min(room)
+    /// Drafts per sequence and step at most (`num_speculative_tokens`).
+    pub fn max_drafts(&self) -> usize {
+        self.k
     }
 
-    /// Drafts the continuation of `req` by prompt lookup (for the draft
-    /// model, the engine core runs it).
-    pub fn propose(&self, req: &mut Request, num_running: usize) {
-        let k = self.draft_len(req, num_running);
-        if let Proposer::Ngram(p) = &self.proposer {
-            p.propose(&req.token_ids, k, &mut req.spec.drafts);
+    /// The most sequences running with which drafts are still made.
+    pub fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    /// Whether `num_running` sequences are few enough to draft for.
+    pub fn drafts_at(&self, num_running: usize) -> bool {
+        num_running <= self.max_batch
+    }
+
+    /// Clears a sequence's drafts (`spec`) and says how many to draft for
+    /// its next step: none while `num_running` sequences fill the batch,
+    /// while its drafts are being rejected (the back-off), or when its
+    /// sampling cannot be verified draft by draft (`may_speculate`);
+    /// otherwise about one more than recent drafts got accepted, within
+    /// `num_speculative_tokens` and `room`, what its length limit leaves.
+    pub fn draft_len(
+        &self,
+        spec: &mut SpecState,
+        may_speculate: bool,
+        room: usize,
+        num_running: usize,
+    ) -> usize {
+        spec.drafts.clear();
+        spec.draft_probs.clear();
+        if spec.pause > 0 {
+            spec.pause -= 1;
+            return 0;
         }
+        if !self.drafts_at(num_running) || !may_speculate {
+            return 0;
+        }
+        spec.draft_len(self.k).min(room)
     }
 }
 

@@ -1,0 +1,233 @@
+//! The runner's persistent batch (vLLM v1's `InputBatch`): one row per
+//! running request, holding what sampling needs for the request's whole
+//! life (its parameters, its seeded random stream, the token counts the
+//! penalties read, its drafts) and what laying a step out needs (its tokens
+//! and block table). It changes only by what a [`SchedulerOutput`] says:
+//! rows are added for new requests, parked for preempted ones (which keep
+//! their random stream and tokens, so preemption changes no sample),
+//! removed (and the rows condensed) for finished ones, and tables patched
+//! where blocks changed. A long-running request costs the host nothing per
+//! step beyond its row.
+//!
+//! A row's index is also its slot for per-row device state: the grammar
+//! bitmask row today; a LoRA adapter index or a recurrent-state slot would
+//! sit beside it.
+
+use crate::engine::request::SamplingParams;
+use crate::engine::sampler::SampleRow;
+use crate::engine::scheduler_output::{ScheduledSeq, SchedulerOutput};
+use crate::engine::spec_decode::SpecState;
+use pagoda_accel::StepBatch;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use std::collections::HashMap;
+
+/// One request as the runner keeps it.
+pub struct RequestState {
+    pub id: u64,
+    /// Prompt followed by every token sampled for it.
+    pub token_ids: Vec<u32>,
+    pub prompt_len: usize,
+    /// Generation ends at this total length (prompt + output).
+    pub max_len: usize,
+    pub params: SamplingParams,
+    /// Ids banned until `min_tokens` are out: EOS (unless ignored).
+    pub eos_ids: Vec<u32>,
+    /// Its own random stream: seeded requests sample the same whatever
+    /// else is in the batch.
+    pub rng: StdRng,
+    /// How often each token occurs in the output, for the penalties.
+    pub output_counts: HashMap<u32, u32>,
+    /// Whether its prompt positions run on the prompt kernel.
+    pub prompt_kernel: bool,
+    /// Whether it follows a grammar (never drafted for).
+    pub structured: bool,
+    /// Its block table, as the scheduler last sent it.
+    pub block_table: Vec<u32>,
+    /// Speculative decoding: its drafts and how they have fared.
+    pub spec: SpecState,
+}
+
+impl RequestState {
+    /// Tokens generated so far.
+    pub fn num_output(&self) -> usize {
+        self.token_ids.len() - self.prompt_len
+    }
+
+    /// What the sampler reads of it (and its random stream), beside its
+    /// drafts.
+    pub fn split(&mut self) -> (SampleRow<'_>, &SpecState) {
+        let num_output = self.num_output();
+        (
+            SampleRow {
+                params: &self.params,
+                token_ids: &self.token_ids,
+                num_output,
+                output_counts: &self.output_counts,
+                eos_ids: &self.eos_ids,
+                rng: &mut self.rng,
+            },
+            &self.spec,
+        )
+    }
+
+    /// Appends a token sampled for it.
+    pub fn append(&mut self, token: u32) {
+        self.token_ids.push(token);
+        *self.output_counts.entry(token).or_insert(0) += 1;
+    }
+
+    /// Whether drafts may be proposed for it now: its sampling depends on
+    /// nothing a draft would change mid-step (no grammar, no penalties over
+    /// the output so far, no EOS ban still to lift).
+    pub fn may_speculate(&self) -> bool {
+        let p = &self.params;
+        !self.structured
+            && p.repetition_penalty() == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && self.num_output() >= p.min_tokens
+    }
+}
+
+/// The runner's requests: the rows of running ones, and the parked.
+#[derive(Default)]
+pub struct InputBatch {
+    rows: Vec<RequestState>,
+    /// Request id → row.
+    index: HashMap<u64, usize>,
+    /// Preempted requests, until they run again or finish.
+    parked: HashMap<u64, RequestState>,
+    /// A sequence's last tokens and its drafts, laid out for the batch.
+    scratch: Vec<u32>,
+}
+
+impl InputBatch {
+    /// Applies what the scheduler decided: new requests get rows,
+    /// preempted ones are parked without their blocks or drafts, finished
+    /// ones leave (the last row fills the hole), parked ones that run again
+    /// come back, and block tables take their changes.
+    pub fn update(&mut self, plan: &SchedulerOutput) {
+        for &id in &plan.finished {
+            self.remove(id);
+            self.parked.remove(&id);
+        }
+        for &id in &plan.preempted {
+            if let Some(mut r) = self.remove(id) {
+                r.block_table.clear();
+                r.spec.preempted();
+                self.parked.insert(id, r);
+            }
+        }
+        for n in &plan.new_requests {
+            let state = RequestState {
+                id: n.id,
+                token_ids: n.prompt_ids.clone(),
+                prompt_len: n.prompt_ids.len(),
+                max_len: n.max_len,
+                params: n.params.clone(),
+                eos_ids: n.eos_ids.clone(),
+                rng: match n.seed {
+                    Some(s) => StdRng::seed_from_u64(s),
+                    None => StdRng::from_os_rng(),
+                },
+                output_counts: HashMap::new(),
+                prompt_kernel: n.prompt_kernel,
+                structured: n.structured,
+                block_table: Vec::new(),
+                spec: SpecState::default(),
+            };
+            self.insert(state);
+        }
+        for s in &plan.seqs {
+            if let Some(r) = self.parked.remove(&s.id) {
+                self.insert(r);
+            }
+            if s.admitted {
+                if let Some(r) = self.get_mut(s.id) {
+                    // What it found cached counts as the draft model's too
+                    // (cached blocks were computed by both models).
+                    r.spec.draft_computed = s.start;
+                }
+            }
+            if let (Some(u), Some(&row)) = (s.blocks, self.index.get(&s.id)) {
+                let table = &mut self.rows[row].block_table;
+                table.truncate(u.keep);
+                table.extend_from_slice(&plan.new_blocks[u.from..u.from + u.len]);
+            }
+        }
+    }
+
+    fn insert(&mut self, r: RequestState) {
+        self.index.insert(r.id, self.rows.len());
+        self.rows.push(r);
+    }
+
+    /// Takes request `id`'s row out, moving the last row into its place.
+    fn remove(&mut self, id: u64) -> Option<RequestState> {
+        let row = self.index.remove(&id)?;
+        let r = self.rows.swap_remove(row);
+        if let Some(moved) = self.rows.get(row) {
+            self.index.insert(moved.id, row);
+        }
+        Some(r)
+    }
+
+    /// The row of request `id`.
+    pub fn row(&self, id: u64) -> Option<usize> {
+        self.index.get(&id).copied()
+    }
+
+    /// Request `id`, if it has a row.
+    pub fn get(&self, id: u64) -> Option<&RequestState> {
+        self.rows.get(*self.index.get(&id)?)
+    }
+
+    /// Request `id`, mutably, if it has a row.
+    pub fn get_mut(&mut self, id: u64) -> Option<&mut RequestState> {
+        self.rows.get_mut(*self.index.get(&id)?)
+    }
+
+    /// The request in row `row`, mutably.
+    pub fn row_mut(&mut self, row: usize) -> &mut RequestState {
+        &mut self.rows[row]
+    }
+
+    /// Rows in use.
+    pub fn num_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Lays the step's sequences out for the device, in plan order: each
+    /// sequence's scheduled tokens (its drafts last), positions, KV slots,
+    /// block table and logit rows.
+    pub fn lay_out(&mut self, seqs: &[ScheduledSeq], block_size: usize, batch: &mut StepBatch) {
+        batch.clear();
+        for s in seqs {
+            let Some(&row) = self.index.get(&s.id) else {
+                continue;
+            };
+            let r = &self.rows[row];
+            let prompt_kernel_until = if r.prompt_kernel { r.prompt_len } else { 0 };
+            let real = s.num_tokens - s.num_drafts;
+            let tokens = if s.num_drafts == 0 {
+                &r.token_ids[s.start..s.start + real]
+            } else {
+                self.scratch.clear();
+                self.scratch
+                    .extend_from_slice(&r.token_ids[s.start..s.start + real]);
+                self.scratch
+                    .extend_from_slice(&r.spec.drafts[..s.num_drafts]);
+                &self.scratch[..]
+            };
+            batch.push_seq(
+                tokens,
+                s.start,
+                &r.block_table,
+                block_size,
+                prompt_kernel_until,
+                s.logit_rows,
+            );
+        }
+    }
+}
