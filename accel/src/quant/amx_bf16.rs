@@ -25,6 +25,7 @@
 //!   block and stored once.
 
 use super::amx::{chunk_of, grow_abuf, slot, transpose16, unpack};
+use super::bf16::{pack_bf16, zero_c, ActOut};
 use super::layout::{group_lanes, ABuf, QMat, K_Q4_0, K_Q4_1, K_Q8_0};
 use super::OutPtr;
 use crate::cpu::amx::{release_tiles, TileConfig};
@@ -44,15 +45,6 @@ const GROUP: usize = 4;
 /// Every register 16 rows × 64 bytes: 0–3 C, 4–5 A, 6 B.
 static CONFIG: TileConfig = TileConfig::new([(16, 64); 8]);
 
-/// 32 f32 (`lo` then `hi`) rounded to bf16 (to nearest, ties to even;
-/// subnormals flush to zero) in order: 16 pairs, one per 32-bit lane.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-#[inline]
-pub(super) unsafe fn pack_bf16(lo: __m512, hi: __m512) -> __m512i {
-    // SAFETY: `__m512bh` and `__m512i` are both 64 plain bytes.
-    unsafe { std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo)) }
-}
-
 /// The wide rows' activations as A tiles: row `t` (of the wide rows, padded
 /// to whole groups of token tiles with zeros) at `t · lanes · 64` bytes,
 /// lane slot `i` at `+ 64 i`.
@@ -62,12 +54,6 @@ pub(crate) struct WideAct {
     /// Wide rows, before padding.
     rows: usize,
 }
-
-/// Raw view of an activation buffer that token-range tasks fill disjointly
-/// (here and in [`super::bf16_tiles`]).
-pub(super) struct ActOut<T>(pub(super) *mut T);
-// SAFETY: each task writes only its own tokens' elements.
-unsafe impl<T> Sync for ActOut<T> {}
 
 impl WideAct {
     /// Rounds rows `wide` of `x` (`cols` values each) for weights of kind
@@ -294,7 +280,7 @@ unsafe fn products(a: *const u8, apitch: usize, b: *const u8, lanes: usize, ng: 
     let tile_rows = ROWS * apitch;
     // SAFETY (each block): the caller's contract; tile rows are 64 bytes.
     unsafe {
-        super::bf16_tiles::zero_c();
+        zero_c();
         for i in 0..lanes {
             let (ai, bi) = (a.add(64 * i), b.add(TILE * i));
             if ng == 1 {

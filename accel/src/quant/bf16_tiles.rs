@@ -63,7 +63,7 @@
 //! uses is therefore chosen from its batch size
 //! ([`crate::cpu::weight_level`]).
 
-use super::amx_bf16::{pack_bf16, ActOut};
+use super::bf16::{pack_bf16, zero_c, ActOut};
 use super::layout::{ABuf, K_Q4_0, K_Q4_1, K_Q8_0};
 use super::OutPtr;
 use crate::cpu::amx::{release_tiles, TileConfig};
@@ -755,24 +755,6 @@ unsafe fn dequant<const K: u8>(rec: *const u8, a: *mut u8) {
         row!(1, _mm512_srli_epi16::<3>(w));
         row!(2, _mm512_srli_epi16::<7>(w));
         row!(3, _mm512_srli_epi16::<11>(w));
-    }
-}
-
-/// Zeroes tile registers 0–3 (the C tiles here and in [`super::amx_bf16`]).
-///
-/// # Safety
-/// A tile configuration is loaded on this thread.
-#[inline]
-pub(super) unsafe fn zero_c() {
-    // SAFETY: the caller's contract.
-    unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
     }
 }
 

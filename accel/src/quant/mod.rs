@@ -37,6 +37,8 @@ mod amx;
 #[cfg(target_arch = "x86_64")]
 mod amx_bf16;
 #[cfg(target_arch = "x86_64")]
+mod bf16;
+#[cfg(target_arch = "x86_64")]
 mod bf16_tiles;
 mod dense;
 pub(crate) mod formats;
