@@ -1,10 +1,9 @@
 //! Wires a [`Plugin`] to the world's exports: JSON in and out, error
-//! mapping, and the per-instance plugin value.
+//! mapping, and the per-instance plugin value (kept in [`crate::instance`]).
 
 use crate::host::{self, LogLevel};
+use crate::instance::with_instance;
 use crate::{Plugin, RouteDecision, RouteRequest};
-use std::any::Any;
-use std::cell::RefCell;
 use std::marker::PhantomData;
 
 /// The type [`export_plugin!`](crate::export_plugin) exports for a plugin
@@ -12,35 +11,6 @@ use std::marker::PhantomData;
 /// in and out); they are public so that tests can drive a plugin exactly as
 /// the host does.
 pub struct Adapter<P>(PhantomData<P>);
-
-thread_local! {
-    // The plugin value of this instance. The host makes one instance per
-    // request and wasm32 components are single-threaded, so this is
-    // per-request state. `Any` because a `static` inside a generic function
-    // would not be per type; a component exports exactly one plugin type.
-    static INSTANCE: RefCell<Option<Box<dyn Any>>> = const { RefCell::new(None) };
-}
-
-/// Runs `f` on this instance's plugin value, creating it on first use.
-fn with_instance<P: Plugin, R>(f: impl FnOnce(&mut P) -> R) -> R {
-    INSTANCE.with(|cell| {
-        let mut slot = cell.borrow_mut();
-        if !slot.as_ref().is_some_and(|b| b.is::<P>()) {
-            *slot = Some(Box::new(P::default()));
-        }
-        let plugin = slot
-            .as_mut()
-            .and_then(|b| b.downcast_mut::<P>())
-            .expect("plugin instance was just created");
-        f(plugin)
-    })
-}
-
-/// Drops this thread's plugin value, so the next hook starts a new request.
-#[cfg(not(target_arch = "wasm32"))]
-pub(crate) fn reset_instance() {
-    INSTANCE.with(|cell| *cell.borrow_mut() = None);
-}
 
 impl<P: Plugin> Adapter<P> {
     /// `route` as the host calls it. Errors (a request the SDK cannot parse,

@@ -2,9 +2,10 @@
 //! about the request. There is no filesystem, network, clock or environment
 //! beyond this.
 //!
-//! On targets other than `wasm32` these functions talk to the stand-in
-//! host of `pagoda_sdk::testing` (native targets only), so plugin code
-//! that calls them runs in native unit tests.
+//! On targets other than `wasm32` these functions talk to a stand-in host
+//! kept here, per thread, which `pagoda_sdk::testing` (native targets only)
+//! sets up and inspects, so plugin code that calls them runs in native unit
+//! tests.
 
 use crate::{parse_json, Result};
 use serde::de::DeserializeOwned;
@@ -96,10 +97,34 @@ mod imp {
     }
 }
 
+/// The stand-in host of native targets: one per thread, so tests running
+/// in parallel do not see each other's config or logs. [`crate::testing`]
+/// sets it up and reads it back.
 #[cfg(not(target_arch = "wasm32"))]
-mod imp {
+pub(crate) mod imp {
     use super::{Facts, LogLevel};
-    use crate::testing::HOST;
+    use std::cell::RefCell;
+
+    pub(crate) struct Host {
+        pub(crate) config: String,
+        pub(crate) facts: Facts,
+        pub(crate) logs: Vec<(LogLevel, String)>,
+    }
+
+    impl Default for Host {
+        /// Config `{}`, default facts, no logs.
+        fn default() -> Host {
+            Host {
+                config: "{}".to_owned(),
+                facts: Facts::default(),
+                logs: Vec::new(),
+            }
+        }
+    }
+
+    thread_local! {
+        pub(crate) static HOST: RefCell<Host> = RefCell::new(Host::default());
+    }
 
     pub fn log(level: LogLevel, message: &str) {
         HOST.with(|h| h.borrow_mut().logs.push((level, message.to_owned())));

@@ -102,6 +102,7 @@ pub mod bindings {
 mod error;
 mod glue;
 pub mod host;
+mod instance;
 mod request;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod testing;

@@ -14,28 +14,8 @@
 //! assert_eq!(testing::take_logs(), vec![(LogLevel::Info, "hello".to_owned())]);
 //! ```
 
+use crate::host::imp::{Host, HOST};
 use crate::host::{Facts, LogLevel};
-use std::cell::RefCell;
-
-pub(crate) struct Host {
-    pub(crate) config: String,
-    pub(crate) facts: Facts,
-    pub(crate) logs: Vec<(LogLevel, String)>,
-}
-
-impl Default for Host {
-    fn default() -> Host {
-        Host {
-            config: "{}".to_owned(),
-            facts: Facts::default(),
-            logs: Vec::new(),
-        }
-    }
-}
-
-thread_local! {
-    pub(crate) static HOST: RefCell<Host> = RefCell::new(Host::default());
-}
 
 /// Sets the config that [`host::config`](crate::host::config) returns.
 pub fn set_config(config: serde_json::Value) {
@@ -63,5 +43,5 @@ pub fn reset() {
 /// [`Adapter`](crate::Adapter)'s hooks created on this thread, so the next
 /// hook call starts from `Default` as on a fresh instance.
 pub fn new_request() {
-    crate::glue::reset_instance();
+    crate::instance::reset_instance();
 }
