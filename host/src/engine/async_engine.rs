@@ -1,7 +1,10 @@
 //! The engine on its own thread, driven through channels: the async front
 //! end submits requests and receives each request's outputs on a channel;
 //! dropping a request's stream (a client that went away) aborts it, which
-//! frees its KV blocks at once.
+//! frees its KV blocks at once. The engine thread returns token ids; an
+//! output thread beside it detokenizes them, applies stop strings (a
+//! request a stop string ends is aborted in the engine) and sends each
+//! request its outputs, so text never costs the engine's steps time.
 //!
 //! If a step fails (a device error) or panics, the thread records why and
 //! ends: every request's output channel closes, so front ends answer 503,
@@ -9,9 +12,11 @@
 //! healthy and exit for its supervisor to restart it. An engine whose step
 //! failed halfway holds K/V in an unknown state; it is never reused.
 
-use crate::engine::core::{EngineCore, EngineStats, RequestOptions, StepOutput};
+use crate::engine::core::{EngineCore, EngineCoreOutput, EngineStats, RequestOptions};
+use crate::engine::output_processor::{OutputProcessor, StepOutput, StopStrings};
 use crate::engine::request::{FinishReason, ParamError, SamplingDefaults, SamplingParams};
 use crate::engine::structured_output::GrammarCompiler;
+use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::sync::mpsc as std_mpsc;
@@ -144,8 +149,21 @@ impl Drop for AbortGuard {
     }
 }
 
+/// What the engine thread tells the output thread, in step order.
+enum ToOutput {
+    /// Follow request `id`: sent before any of its outputs.
+    Add {
+        id: u64,
+        detok: IncrementalDetokenizer,
+        stop: StopStrings,
+        outputs: mpsc::UnboundedSender<StepOutput>,
+    },
+    /// A step's outputs (or an abort's).
+    Outputs(Vec<EngineCoreOutput>),
+}
+
+/// A request's timings, for the latency metrics, on the engine thread.
 struct Track {
-    outputs: mpsc::UnboundedSender<StepOutput>,
     arrived: Instant,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -189,16 +207,26 @@ impl AsyncEngine {
             }
             Err(_) => None,
         };
+        // The output thread: detokenizes, applies stop strings, and sends
+        // each request its outputs. It asks the engine to abort what a stop
+        // string ended over a channel of its own, so that it never keeps
+        // the command channel (whose closing ends an idle engine) open.
+        let (to_output, from_engine) = std_mpsc::channel::<ToOutput>();
+        let (stop_tx, stop_rx) = std_mpsc::channel::<u64>();
+        std::thread::Builder::new()
+            .name("pagoda-output".into())
+            .spawn(move || output_loop(from_engine, stop_tx))?;
         std::thread::Builder::new()
             .name("pagoda-engine".into())
             .spawn(move || {
-                // The requests' output channels and the command queue live
-                // out here, so that they close only after `dead` is set: a
-                // front end that sees its channel close can rely on the
-                // probes already reporting the death.
+                // The request metrics, the output thread's channel (and
+                // through it the requests' output channels) and the command
+                // queue live out here, so that they close only after `dead`
+                // is set: a front end that sees its channel close can rely
+                // on the probes already reporting the death.
                 let mut tracks: HashMap<u64, Track> = HashMap::new();
                 let ended = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    engine_loop(core, &rx, s, panic_at, &mut tracks)
+                    engine_loop(core, &rx, &stop_rx, &to_output, s, panic_at, &mut tracks)
                 }));
                 let why = match ended {
                     Ok(Ok(())) => return,
@@ -214,6 +242,7 @@ impl AsyncEngine {
                 tracing::error!("engine died: {why}");
                 let _ = dead_tx.send(Some(why));
                 drop(tracks);
+                drop(to_output);
                 drop(rx);
             })?;
         Ok(AsyncEngine {
@@ -394,9 +423,52 @@ pub enum SubmitError {
     EngineDead,
 }
 
+/// Detokenizes the engine's outputs and sends each request its own, until
+/// the engine thread ends. `stop` tells the engine which requests a stop
+/// string ended.
+fn output_loop(from_engine: std_mpsc::Receiver<ToOutput>, stop: std_mpsc::Sender<u64>) {
+    let mut processor = OutputProcessor::default();
+    let mut channels: HashMap<u64, mpsc::UnboundedSender<StepOutput>> = HashMap::new();
+    while let Ok(msg) = from_engine.recv() {
+        match msg {
+            ToOutput::Add {
+                id,
+                detok,
+                stop,
+                outputs,
+            } => {
+                processor.add(id, detok, stop);
+                channels.insert(id, outputs);
+            }
+            ToOutput::Outputs(list) => {
+                for out in list {
+                    let id = out.id;
+                    let Some(p) = processor.process(out) else {
+                        continue;
+                    };
+                    if p.abort_in_core {
+                        let _ = stop.send(id);
+                    }
+                    let finished = p.output.finish_reason.is_some();
+                    // A closed channel's client went away: its guard aborts
+                    // the request in the engine.
+                    if let Some(ch) = channels.get(&id) {
+                        let _ = ch.send(p.output);
+                    }
+                    if finished {
+                        channels.remove(&id);
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn engine_loop(
     mut core: EngineCore,
     rx: &std_mpsc::Receiver<Command>,
+    stops: &std_mpsc::Receiver<u64>,
+    to_output: &std_mpsc::Sender<ToOutput>,
     stats: Arc<Mutex<EngineStats>>,
     panic_at: Option<u64>,
     tracks: &mut HashMap<u64, Track>,
@@ -437,8 +509,22 @@ fn engine_loop(
                         0
                     };
                     let tenant = crate::tenants::metric_label::of(&opts.tenant.name);
+                    let detok = OutputProcessor::detokenizer(
+                        core.tokenizer().clone(),
+                        &prompt_ids,
+                        &params,
+                    );
+                    let stop = StopStrings::of(&params);
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
+                        // Before any output of the request: the output
+                        // thread takes messages in order.
+                        let _ = to_output.send(ToOutput::Add {
+                            id,
+                            detok,
+                            stop,
+                            outputs,
+                        });
                         let max_tokens = core.max_output_tokens(id).unwrap_or(0);
                         metrics::counter!(m::PROMPT_TOKENS).increment(n as u64);
                         metrics::counter!(m::TENANT_PROMPT_TOKENS, "tenant" => tenant.clone())
@@ -446,7 +532,6 @@ fn engine_loop(
                         tracks.insert(
                             id,
                             Track {
-                                outputs,
                                 arrived: Instant::now(),
                                 first_token: None,
                                 last_token: None,
@@ -462,13 +547,15 @@ fn engine_loop(
                         // than run to max_tokens for no one, outside every
                         // limit that counted it.
                         if let Some(out) = core.abort(id) {
-                            finish(tracks, out);
+                            finish(tracks, &out, None);
+                            let _ = to_output.send(ToOutput::Outputs(vec![out]));
                         }
                     }
                 }
                 Command::Abort(id) => {
                     if let Some(out) = core.abort(id) {
-                        finish(tracks, out);
+                        finish(tracks, &out, None);
+                        let _ = to_output.send(ToOutput::Outputs(vec![out]));
                     }
                 }
                 Command::ResetPrefixCache(reply) => {
@@ -478,12 +565,18 @@ fn engine_loop(
             }
             next = rx.try_recv().ok();
         }
+        // Requests a stop string ended: the client has its last output.
+        while let Ok(id) = stops.try_recv() {
+            if let Some(out) = core.abort(id) {
+                finish(tracks, &out, Some(FinishReason::Stop));
+            }
+        }
         if panic_at.is_some_and(|n| core.stats().steps + 1 >= n) && core.has_unfinished() {
             panic!("injected fault ({INJECT_PANIC_AT_STEP})");
         }
         let outputs = core.step()?;
         let now = Instant::now();
-        for out in outputs {
+        for out in &outputs {
             if let Some(t) = tracks.get_mut(&out.id) {
                 let n = out.new_token_ids.len() as u64;
                 metrics::counter!(m::GENERATION_TOKENS).increment(n);
@@ -514,10 +607,11 @@ fn engine_loop(
                 t.last_token = Some(now);
             }
             if out.finish_reason.is_some() {
-                finish(tracks, out);
-            } else if let Some(t) = tracks.get(&out.id) {
-                let _ = t.outputs.send(out);
+                finish(tracks, &out, None);
             }
+        }
+        if !outputs.is_empty() {
+            let _ = to_output.send(ToOutput::Outputs(outputs));
         }
         let s = core.stats();
         metrics::gauge!(m::NUM_REQUESTS_RUNNING).set(s.num_running as f64);
@@ -578,9 +672,14 @@ fn secs_between(a: Instant, b: Instant) -> f64 {
     b.saturating_duration_since(a).as_secs_f64()
 }
 
-fn finish(tracks: &mut HashMap<u64, Track>, out: StepOutput) {
+/// Records the metrics of a request that left the engine, finished for
+/// `reason` (its output's own reason unless given).
+fn finish(tracks: &mut HashMap<u64, Track>, out: &EngineCoreOutput, reason: Option<FinishReason>) {
     if let Some(t) = tracks.remove(&out.id) {
-        let reason = out.finish_reason.unwrap_or(FinishReason::Abort).as_str();
+        let reason = reason
+            .or(out.finish_reason)
+            .unwrap_or(FinishReason::Abort)
+            .as_str();
         metrics::counter!(m::REQUEST_SUCCESS, "finished_reason" => reason).increment(1);
         let now = Instant::now();
         metrics::histogram!(m::E2E).record((now - t.arrived).as_secs_f64());
@@ -597,6 +696,5 @@ fn finish(tracks: &mut HashMap<u64, Track>, out: StepOutput) {
                     .record(secs_between(first, last) / (out.num_output_tokens - 1) as f64);
             }
         }
-        let _ = t.outputs.send(out);
     }
 }

@@ -1,17 +1,17 @@
-//! The engine core: one step is schedule → run the model and sample (the
-//! model runner, which returns the sampled ids) → update the scheduler
-//! from them (through the output processor). Plain data passes between
-//! the stages: a [`SchedulerOutput`](crate::engine::scheduler::SchedulerOutput)
-//! forward, a [`ModelRunnerOutput`](crate::engine::runner::ModelRunnerOutput)
-//! back. It is
-//! synchronous and owned by one thread; the async front end talks to it
-//! through channels.
+//! The engine core: one step is schedule (the scheduler's plan, a
+//! [`SchedulerOutput`]) → execute (the model runner runs the model, samples
+//! and drafts, returning a [`ModelRunnerOutput`](crate::engine::runner_output::ModelRunnerOutput))
+//! → update (the scheduler takes the sampled ids, applies the token-level
+//! stops and frees what finished). Plain data passes between the stages,
+//! and each is visited once a step. The core returns token ids
+//! ([`EngineCoreOutput`]); text and stop strings are the front end's
+//! ([`crate::engine::output_processor`]). It is synchronous and owned by
+//! one thread; the async front end talks to it through channels.
 
+pub use crate::engine::core_output::{EngineCoreOutput, StopReason};
 use crate::engine::fair_share::{TenantLoad, TenantShare};
 use crate::engine::kv_cache::{KvCacheManager, PrefixStats};
 use crate::engine::kv_events::KvEventPublisher;
-use crate::engine::output_processor;
-pub use crate::engine::output_processor::{StepOutput, StopReason};
 use crate::engine::request::{
     FinishReason, ParamError, Request, RequestStatus, SamplingDefaults, SamplingParams,
 };
@@ -20,7 +20,6 @@ use crate::engine::scheduler::Scheduler;
 use crate::engine::scheduler_output::SchedulerOutput;
 use crate::engine::spec_decode::{Proposer, SpecStats, Speculator};
 use crate::engine::structured_output::{GrammarMatcher, GuidedRow};
-use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use crate::tokenizer::Tokenizer;
 use std::sync::Arc;
 use std::time::Instant;
@@ -283,11 +282,6 @@ impl EngineCore {
         } else {
             self.eos_ids.clone()
         };
-        let detok = IncrementalDetokenizer::new(
-            self.tokenizer.clone(),
-            &prompt_ids,
-            params.skip_special_tokens,
-        );
         let req = Request {
             id,
             external_id,
@@ -312,8 +306,6 @@ impl EngineCore {
             seed: params.seed.or(self
                 .default_seed
                 .map(|s| s ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15))),
-            detok,
-            pending_text: String::new(),
             token_ids: prompt_ids,
             prompt_logprobs: params.prompt_logprobs.map(|_| Vec::new()),
             prompt_logprobs_done: prompt_len <= 1,
@@ -332,11 +324,11 @@ impl EngineCore {
 
     /// Aborts a request and frees its blocks at once. Returns its final
     /// output, or `None` if it had already finished.
-    pub fn abort(&mut self, id: u64) -> Option<StepOutput> {
+    pub fn abort(&mut self, id: u64) -> Option<EngineCoreOutput> {
         let req = self
             .scheduler
             .remove(id, FinishReason::Abort, &mut self.kv)?;
-        Some(output_processor::aborted(req))
+        Some(EngineCoreOutput::aborted(req))
     }
 
     /// Checks the KV accounting: the pool's own invariants, and that every
@@ -393,7 +385,7 @@ impl EngineCore {
     /// # Errors
     /// If the device failed. The engine's state is then unknown (the step's
     /// K/V may be half written), so the caller must stop using it.
-    pub fn step(&mut self) -> anyhow::Result<Vec<StepOutput>> {
+    pub fn step(&mut self) -> anyhow::Result<Vec<EngineCoreOutput>> {
         let mut plan = std::mem::take(&mut self.plan);
         let mut guided = std::mem::take(&mut self.guided);
         self.scheduler

@@ -4,6 +4,7 @@
 
 use crate::engine::args::{build_engine, EngineArgs};
 use crate::engine::core::{EngineCore, RequestOptions, StopReason};
+use crate::engine::output_processor::{OutputProcessor, StopStrings};
 use crate::engine::request::{FinishReason, SamplingDefaults, SamplingParams, TokenLogprob};
 use crate::tokenizer::Tokenizer;
 use anyhow::{Context, Result};
@@ -60,6 +61,8 @@ pub struct RequestOutput {
 /// An engine for offline batched generation.
 pub struct LLM {
     core: EngineCore,
+    /// Detokenizes the core's outputs and applies stop strings.
+    outputs: OutputProcessor,
     next_request: u64,
 }
 
@@ -68,6 +71,7 @@ impl LLM {
     pub fn new(args: EngineArgs) -> Result<LLM> {
         Ok(LLM {
             core: build_engine(&args)?,
+            outputs: OutputProcessor::default(),
             next_request: 0,
         })
     }
@@ -126,6 +130,8 @@ impl LLM {
                     // The samples share one prompt: the first scores it.
                     p.prompt_logprobs = None;
                 }
+                let detok = OutputProcessor::detokenizer(self.core.tokenizer().clone(), &ids, &p);
+                let stop = StopStrings::of(&p);
                 let id = self
                     .core
                     .add_request(
@@ -138,6 +144,7 @@ impl LLM {
                         },
                     )
                     .with_context(|| format!("prompt {pi}"))?;
+                self.outputs.add(id, detok, stop);
                 owner.insert(id, (pi, si));
             }
             results.push(RequestOutput {
@@ -164,6 +171,14 @@ impl LLM {
                 let Some(&(pi, si)) = owner.get(&o.id) else {
                     continue;
                 };
+                let Some(processed) = self.outputs.process(o) else {
+                    continue;
+                };
+                if processed.abort_in_core {
+                    // A stop string ended it; the output says so already.
+                    self.core.abort(processed.output.id);
+                }
+                let o = processed.output;
                 let r = &mut results[pi];
                 r.num_cached_tokens = r.num_cached_tokens.max(o.num_cached_tokens);
                 if o.prompt_logprobs.is_some() {

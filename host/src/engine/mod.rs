@@ -16,8 +16,10 @@
 //!   (prompt lookup, the draft model);
 //! - [`structured_output`]: grammars (JSON schema, regex, choice, Lark)
 //!   that mask the logits before sampling;
-//! - [`output_processor`]: token → detokenized text, stop conditions and
-//!   the outputs clients see;
+//! - [`core_output`]: what the core returns each step: token ids, logprobs
+//!   and the token-level stops (EOS, stop ids, grammar, length);
+//! - [`output_processor`]: in the front end, off the engine thread: token
+//!   ids → detokenized text, stop strings, and the outputs clients see;
 //! - [`core`]: the step loop tying them together: schedule → execute
 //!   (run and sample) → update, each part visited once;
 //! - [`models`] and [`loader`]: model definitions and weight formats;
@@ -28,6 +30,7 @@ pub mod args;
 pub mod async_engine;
 pub mod config;
 pub mod core;
+pub mod core_output;
 pub mod fair_share;
 pub mod generation_config;
 pub mod kv_cache;

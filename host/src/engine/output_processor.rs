@@ -1,21 +1,22 @@
-//! The output processor: turns each sampled token into what the request's
-//! client sees. It appends the token, detokenizes incrementally (UTF-8
-//! safe), applies the stop conditions (EOS, stop token ids, stop strings,
-//! the length limit) and releases only the text that can no longer turn into
-//! a stop string. The engine core calls it once per sampled token; nothing
-//! else shapes outputs.
+//! The output processor (vLLM v1's `engine/output_processor.py`): turns the
+//! engine core's token ids into what each request's client sees, in the
+//! front end rather than on the engine thread. It detokenizes incrementally
+//! (UTF-8 safe), applies the stop strings, and releases only the text that
+//! can no longer turn into one. A stop string ends the output there: the
+//! processor reports it, and its caller aborts the request in the engine
+//! core (which may have run a step past it; those tokens are dropped).
 
-use crate::engine::request::{FinishReason, Request, TokenLogprob};
+use crate::engine::core_output::EngineCoreOutput;
+pub use crate::engine::core_output::StopReason;
+use crate::engine::request::{FinishReason, SamplingParams, TokenLogprob};
+use crate::tokenizer::detokenizer::IncrementalDetokenizer;
+use crate::tokenizer::Tokenizer;
+use std::collections::HashMap;
+use std::sync::Arc;
 
-/// Why a sequence stopped on `Stop`, when it was not EOS.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum StopReason {
-    Token(u32),
-    Text(String),
-}
-
-/// What one step produced for one request: the new tokens and text since
-/// the last output, and the finish reason once it is done.
+/// What one step produced for one request, as its client sees it: the new
+/// tokens and text since the last output, and the finish reason once it is
+/// done.
 #[derive(Clone, Debug)]
 pub struct StepOutput {
     pub id: u64,
@@ -36,156 +37,193 @@ pub struct StepOutput {
     pub scheduled_at: Option<std::time::Instant>,
 }
 
-impl StepOutput {
-    /// Extends this output with the next token's (several tokens come out
-    /// of one step when drafts were verified).
-    pub fn append(&mut self, next: StepOutput) {
-        self.new_token_ids.extend_from_slice(&next.new_token_ids);
-        self.new_text.push_str(&next.new_text);
-        self.logprobs.extend(next.logprobs);
-        if next.prompt_logprobs.is_some() {
-            self.prompt_logprobs = next.prompt_logprobs;
+/// The strings that end a request's output, from its parameters.
+#[derive(Clone, Debug, Default)]
+pub struct StopStrings {
+    pub stop: Vec<String>,
+    pub include_stop_str_in_output: bool,
+}
+
+impl StopStrings {
+    /// Those of `params`.
+    pub fn of(params: &SamplingParams) -> StopStrings {
+        StopStrings {
+            stop: params.stop.clone(),
+            include_stop_str_in_output: params.include_stop_str_in_output,
         }
-        self.finish_reason = next.finish_reason;
-        self.stop_reason = next.stop_reason;
-        self.num_output_tokens = next.num_output_tokens;
     }
 }
 
-/// Appends a sampled token to `req`, applies the stop conditions and
-/// returns the output to emit: the new token and the text that can no
-/// longer turn into a stop string, with the finish reason once `req` is
-/// done (the caller then removes it from the scheduler). `grammar_complete`
-/// says the request's structured-output grammar allows nothing more, which
-/// ends the output as EOS would.
-pub fn process_token(
-    req: &mut Request,
-    token: u32,
-    logprob: Option<TokenLogprob>,
-    grammar_complete: bool,
-) -> StepOutput {
-    req.token_ids.push(token);
-    let delta = req.detok.push(token).unwrap_or_default();
-    req.pending_text.push_str(&delta);
-    let p = &req.params;
-    let n_out = req.num_output();
-    let mut finish = None;
-    let mut stop_reason = None;
-    if n_out >= p.min_tokens {
-        if req.eos_ids.contains(&token) {
-            finish = Some(FinishReason::Stop);
-        } else if p.stop_token_ids.contains(&token) {
-            finish = Some(FinishReason::Stop);
-            stop_reason = Some(StopReason::Token(token));
-        }
-    }
-    if finish.is_none() && grammar_complete {
-        finish = Some(FinishReason::Stop);
-    }
-    if finish.is_none() && !p.stop.is_empty() {
-        // Only the tail can hold a stop string that the new text completed.
-        let longest = p.stop.iter().map(String::len).max().unwrap_or(0);
-        let from = floor_char_boundary(
-            &req.pending_text,
-            req.pending_text.len().saturating_sub(delta.len() + longest),
+/// One request's text so far.
+struct TextState {
+    detok: IncrementalDetokenizer,
+    /// Text generated and not yet released (held back while it could be
+    /// the start of a stop string).
+    pending: String,
+    stop: Vec<String>,
+    include_stop_str_in_output: bool,
+}
+
+/// The front end's per-request detokenizers and stop strings.
+#[derive(Default)]
+pub struct OutputProcessor {
+    requests: HashMap<u64, TextState>,
+}
+
+/// What [`OutputProcessor::process`] made of an engine output.
+pub struct Processed {
+    pub output: StepOutput,
+    /// A stop string ended the request while the engine core still runs
+    /// it: abort it there.
+    pub abort_in_core: bool,
+}
+
+impl OutputProcessor {
+    /// Starts following engine request `id`, whose text `detok` decodes
+    /// ([`OutputProcessor::detokenizer`]) and `stop` ends (its `stop`
+    /// strings and `include_stop_str_in_output`, from its parameters).
+    pub fn add(&mut self, id: u64, detok: IncrementalDetokenizer, stop: StopStrings) {
+        self.requests.insert(
+            id,
+            TextState {
+                detok,
+                pending: String::new(),
+                stop: stop.stop,
+                include_stop_str_in_output: stop.include_stop_str_in_output,
+            },
         );
-        let found = p
-            .stop
-            .iter()
-            .filter_map(|s| {
-                req.pending_text[from..]
-                    .find(s.as_str())
-                    .map(|i| (from + i, s))
-            })
-            .min_by_key(|(i, _)| *i);
-        if let Some((at, s)) = found {
-            let keep = if p.include_stop_str_in_output {
-                at + s.len()
-            } else {
-                at
-            };
-            req.pending_text.truncate(keep);
-            finish = Some(FinishReason::Stop);
-            stop_reason = Some(StopReason::Text(s.clone()));
-        }
     }
-    if finish.is_none() && (req.token_ids.len() >= req.max_len) {
-        finish = Some(FinishReason::Length);
+
+    /// The detokenizer for a request with prompt `prompt_ids`, sampled by
+    /// `params` (it keeps only the prompt's last few tokens, as context).
+    pub fn detokenizer(
+        tokenizer: Arc<Tokenizer>,
+        prompt_ids: &[u32],
+        params: &SamplingParams,
+    ) -> IncrementalDetokenizer {
+        IncrementalDetokenizer::new(tokenizer, prompt_ids, params.skip_special_tokens)
     }
-    let new_text = if finish.is_some() {
-        if stop_reason
-            .as_ref()
-            .is_none_or(|r| !matches!(r, StopReason::Text(_)))
-        {
-            req.pending_text.push_str(&req.detok.finish());
+
+    /// Whether it follows request `id`.
+    pub fn contains(&self, id: u64) -> bool {
+        self.requests.contains_key(&id)
+    }
+
+    /// Stops following request `id` (its client went away).
+    pub fn remove(&mut self, id: u64) {
+        self.requests.remove(&id);
+    }
+
+    /// Turns an engine output into the client's: its tokens' text, cut at
+    /// the first stop string they complete (the tokens after it are
+    /// dropped). `None` for a request it does not follow (one already
+    /// finished by a stop string, which the engine ran a little longer).
+    pub fn process(&mut self, out: EngineCoreOutput) -> Option<Processed> {
+        let state = self.requests.get_mut(&out.id)?;
+        let mut out = out;
+        let engine_finish = out.finish_reason;
+        let mut finish = engine_finish;
+        let mut stop_reason = out.stop_reason.take();
+        let mut text_stop = false;
+        let mut new_text = String::new();
+        // Output tokens before this output's, for the count at a cut.
+        let before = out.num_output_tokens - out.new_token_ids.len();
+        let mut kept = out.new_token_ids.len();
+        for (j, &token) in out.new_token_ids.iter().enumerate() {
+            let delta = state.detok.push(token).unwrap_or_default();
+            state.pending.push_str(&delta);
+            let last = j + 1 == out.new_token_ids.len();
+            // The engine's own stop (EOS, a stop token, a grammar) comes
+            // first; a stop string beats the length limit, as it does in
+            // vLLM.
+            let engine_stopped = last && engine_finish == Some(FinishReason::Stop);
+            if !engine_stopped && !state.stop.is_empty() {
+                if let Some(s) = find_stop(state, delta.len()) {
+                    finish = Some(FinishReason::Stop);
+                    stop_reason = Some(StopReason::Text(s));
+                    text_stop = true;
+                    kept = j + 1;
+                    break;
+                }
+            }
         }
-        std::mem::take(&mut req.pending_text)
+        out.new_token_ids.truncate(kept);
+        out.logprobs.truncate(kept);
+        let num_output_tokens = before + kept;
+        match finish {
+            Some(FinishReason::Abort) => {
+                // An aborted request's held-back text is not released.
+            }
+            Some(_) => {
+                if !text_stop {
+                    state.pending.push_str(&state.detok.finish());
+                }
+                new_text = std::mem::take(&mut state.pending);
+            }
+            None => {
+                // Hold back what could still be the start of a stop string.
+                let hold = state
+                    .stop
+                    .iter()
+                    .map(|s| s.len().saturating_sub(1))
+                    .max()
+                    .unwrap_or(0);
+                let cut =
+                    floor_char_boundary(&state.pending, state.pending.len().saturating_sub(hold));
+                let rest = state.pending.split_off(cut);
+                new_text = std::mem::replace(&mut state.pending, rest);
+            }
+        }
+        if finish.is_some() {
+            self.requests.remove(&out.id);
+        }
+        Some(Processed {
+            abort_in_core: text_stop && engine_finish.is_none(),
+            output: StepOutput {
+                id: out.id,
+                external_id: out.external_id,
+                new_token_ids: out.new_token_ids,
+                new_text,
+                logprobs: out.logprobs,
+                prompt_logprobs: out.prompt_logprobs,
+                finish_reason: finish,
+                stop_reason,
+                num_prompt_tokens: out.num_prompt_tokens,
+                num_cached_tokens: out.num_cached_tokens,
+                num_output_tokens,
+                scheduled_at: out.scheduled_at,
+            },
+        })
+    }
+}
+
+/// The earliest stop string that the text just added (the last
+/// `delta_len` bytes of the pending text) completed, if any: the pending
+/// text is cut at it (after it, with `include_stop_str_in_output`).
+fn find_stop(state: &mut TextState, delta_len: usize) -> Option<String> {
+    // Only the tail can hold a stop string that the new text completed.
+    let longest = state.stop.iter().map(String::len).max().unwrap_or(0);
+    let from = floor_char_boundary(
+        &state.pending,
+        state.pending.len().saturating_sub(delta_len + longest),
+    );
+    let (at, s) = state
+        .stop
+        .iter()
+        .filter_map(|s| {
+            state.pending[from..]
+                .find(s.as_str())
+                .map(|i| (from + i, s))
+        })
+        .min_by_key(|(i, _)| *i)?;
+    let keep = if state.include_stop_str_in_output {
+        at + s.len()
     } else {
-        // Hold back what could still be the start of a stop string.
-        let hold = p
-            .stop
-            .iter()
-            .map(|s| s.len().saturating_sub(1))
-            .max()
-            .unwrap_or(0);
-        let cut = floor_char_boundary(
-            &req.pending_text,
-            req.pending_text.len().saturating_sub(hold),
-        );
-        let rest = req.pending_text.split_off(cut);
-        std::mem::replace(&mut req.pending_text, rest)
+        at
     };
-    StepOutput {
-        id: req.id,
-        external_id: req.external_id.clone(),
-        new_token_ids: vec![token],
-        new_text,
-        logprobs: logprob.into_iter().collect(),
-        prompt_logprobs: req.take_prompt_logprobs(),
-        finish_reason: finish,
-        stop_reason,
-        num_prompt_tokens: req.prompt_len,
-        num_cached_tokens: req.num_cached_prompt,
-        num_output_tokens: n_out,
-        scheduled_at: req.first_scheduled_at,
-    }
-}
-
-/// The final output of a request that generates nothing (`max_tokens` 0):
-/// its prompt ran, and the prompt logprobs it asked for are complete.
-pub fn prompt_only(req: &mut Request) -> StepOutput {
-    StepOutput {
-        id: req.id,
-        external_id: req.external_id.clone(),
-        new_token_ids: Vec::new(),
-        new_text: String::new(),
-        logprobs: Vec::new(),
-        prompt_logprobs: req.take_prompt_logprobs(),
-        finish_reason: Some(FinishReason::Length),
-        stop_reason: None,
-        num_prompt_tokens: req.prompt_len,
-        num_cached_tokens: req.num_cached_prompt,
-        num_output_tokens: 0,
-        scheduled_at: req.first_scheduled_at,
-    }
-}
-
-/// The final output of a request aborted before it finished.
-pub fn aborted(req: Request) -> StepOutput {
-    StepOutput {
-        id: req.id,
-        new_token_ids: Vec::new(),
-        new_text: String::new(),
-        logprobs: Vec::new(),
-        prompt_logprobs: None,
-        finish_reason: Some(FinishReason::Abort),
-        stop_reason: None,
-        num_prompt_tokens: req.prompt_len,
-        num_cached_tokens: req.num_cached_prompt,
-        num_output_tokens: req.token_ids.len() - req.prompt_len,
-        scheduled_at: req.first_scheduled_at,
-        external_id: req.external_id,
-    }
+    let s = s.clone();
+    state.pending.truncate(keep);
+    Some(s)
 }
 
 fn floor_char_boundary(s: &str, mut i: usize) -> usize {

@@ -1,7 +1,6 @@
 //! What a request asks for ([`SamplingParams`]) and the engine's record of
 //! it while it runs ([`Request`]).
 
-use crate::tokenizer::detokenizer::IncrementalDetokenizer;
 use std::time::Instant;
 
 /// How to pick tokens and when to stop, with vLLM's names and defaults.
@@ -432,10 +431,6 @@ pub struct Request {
     /// the request's own, else one derived from `--seed`; `None` draws one
     /// from the OS.
     pub(crate) seed: Option<u64>,
-    pub(crate) detok: IncrementalDetokenizer,
-    /// Text generated and not yet released to the caller (held back while it
-    /// could be the start of a stop string).
-    pub(crate) pending_text: String,
     /// Where the output stands in its structured-output grammar, if it has
     /// one. The engine takes it out for the steps that sample.
     pub(crate) grammar: Option<crate::engine::structured_output::GrammarMatcher>,

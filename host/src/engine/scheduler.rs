@@ -9,9 +9,9 @@
 //! and priority class ([`crate::engine::fair_share`]); with one tenant it
 //! schedules exactly as `fcfs` does.
 
+use crate::engine::core_output::EngineCoreOutput;
 use crate::engine::fair_share::{FairShare, TenantLoad};
 use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
-use crate::engine::output_processor::{self, StepOutput};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
 use crate::engine::runner_output::ModelRunnerOutput;
 use crate::engine::scheduler_output::{BlockUpdate, NewRequest, ScheduledSeq, SchedulerOutput};
@@ -464,7 +464,7 @@ impl Scheduler {
         out: &mut ModelRunnerOutput,
         guided: &mut Vec<GuidedRow>,
         kv: &mut KvCacheManager,
-        outputs: &mut Vec<StepOutput>,
+        outputs: &mut Vec<EngineCoreOutput>,
         spec: &mut SpecStats,
     ) -> u64 {
         for p in out.prompt_logprobs.drain(..) {
@@ -519,12 +519,12 @@ impl Scheduler {
             if sampled == 0 {
                 // Nothing was left to generate (max_tokens 0): the prompt
                 // ran and was scored.
-                let done = output_processor::prompt_only(req);
+                let done = EngineCoreOutput::prompt_only(req);
                 self.remove(s.id, FinishReason::Length, kv);
                 outputs.push(done);
                 continue;
             }
-            let mut emitted: Option<StepOutput> = None;
+            let mut emitted: Option<EngineCoreOutput> = None;
             let mut failed = None;
             for j in 0..sampled {
                 let token = out.sampled(i)[j];
@@ -538,7 +538,7 @@ impl Scheduler {
                 }
                 generated += 1;
                 let logprob = out.take_logprob(i, j);
-                let step = output_processor::process_token(req, token, logprob, complete);
+                let step = EngineCoreOutput::token(req, token, logprob, complete);
                 // The reasoning ends with its end tokens; the grammar, if
                 // any, takes over at the next token.
                 if let Some(end) = &req.reasoning_end {
@@ -584,7 +584,7 @@ impl Scheduler {
         id: u64,
         error: &str,
         kv: &mut KvCacheManager,
-        outputs: &mut Vec<StepOutput>,
+        outputs: &mut Vec<EngineCoreOutput>,
     ) {
         if let Some(req) = self.remove(id, FinishReason::Abort, kv) {
             // One line: llguidance's errors carry its whole state.
@@ -593,7 +593,7 @@ impl Scheduler {
                 "structured output failed, aborting the request: {}",
                 error.lines().next().unwrap_or("")
             );
-            outputs.push(output_processor::aborted(req));
+            outputs.push(EngineCoreOutput::aborted(req));
         }
     }
 

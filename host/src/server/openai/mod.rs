@@ -12,7 +12,7 @@ pub mod tool_parsers;
 pub mod tools;
 
 use crate::engine::async_engine::{AbortGuard, SubmitError};
-use crate::engine::core::{StepOutput, StopReason};
+use crate::engine::output_processor::{StepOutput, StopReason};
 use crate::engine::request::{SamplingDefaults, TokenLogprob};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
