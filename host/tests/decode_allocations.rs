@@ -42,12 +42,12 @@ fn a_warm_batched_decode_step_allocates_nothing() {
     warm_decode_allocates_nothing(EngineArgs::new(common::demo_gguf()));
 }
 
-/// transformers' tiny checkpoint of `family` (../shared/fixtures/hf-families).
+/// transformers' tiny checkpoint of `family` (tests/fixtures/hf-families).
 fn hf_family(family: &str) -> EngineArgs {
     let root = match std::env::var_os("PAGODA_HF_FAMILIES") {
         Some(p) => std::path::PathBuf::from(p),
         None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/fixtures/hf-families"),
+            .join("../tests/fixtures/hf-families"),
     };
     EngineArgs::new(root.join(family))
 }

@@ -1,5 +1,5 @@
 //! transformers' own tiny checkpoints of each family
-//! (../shared/fixtures/hf-families, written by transformers 5.19 with its
+//! (tests/fixtures/hf-families, copied from ../shared/fixtures, written by transformers 5.19 with its
 //! float32 outputs in `reference.json`), served in float32 with otherwise
 //! default flags (so a float32 KV cache), under both config forms transformers writes: 5's
 //! `rope_parameters` (`config.json`) and 4's top-level `rope_theta` and
@@ -27,7 +27,7 @@ const NEAR_TIE: f64 = 1e-3;
 fn fixtures() -> PathBuf {
     match std::env::var_os("PAGODA_HF_FAMILIES") {
         Some(p) => PathBuf::from(p),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/hf-families"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families"),
     }
 }
 

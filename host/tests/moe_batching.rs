@@ -16,7 +16,7 @@ use support::batching::batch_changes_nothing;
 fn fixtures() -> PathBuf {
     match std::env::var_os("PAGODA_HF_FAMILIES") {
         Some(p) => PathBuf::from(p),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/hf-families"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families"),
     }
 }
 

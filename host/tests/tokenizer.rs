@@ -2,7 +2,7 @@
 //!
 //! The SmolLM2 tests use the demo model (fetched by
 //! `scripts/fetch-demo-model.sh`) and the reference token ids in
-//! `shared/reference/` (override with `PAGODA_REFERENCE_DIR`).
+//! `tests/fixtures/reference/` (a copy of `../shared/reference`) (override with `PAGODA_REFERENCE_DIR`).
 
 use pagoda::engine::loader::gguf::{GgufFile, GgufValue};
 use pagoda::engine::loader::gguf_writer::write_gguf;
@@ -34,7 +34,7 @@ fn demo_model_path() -> PathBuf {
 fn reference_dir() -> PathBuf {
     match std::env::var_os("PAGODA_REFERENCE_DIR") {
         Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/reference"),
     }
 }
 

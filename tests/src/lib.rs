@@ -392,7 +392,8 @@ pub fn read_sse(reader: impl std::io::Read) -> Vec<String> {
     events
 }
 
-/// A JSON file of the reference outputs (../shared/reference, or
+/// A JSON file of the reference outputs (tests/fixtures/reference, a copy
+/// of ../shared/reference, or
 /// `$PAGODA_REFERENCE_DIR`): llama.cpp's and float32 transformers' runs of
 /// the demo model.
 pub fn reference_json(name: &str) -> Value {
@@ -400,7 +401,7 @@ pub fn reference_json(name: &str) -> Value {
         Ok(p) => PathBuf::from(p),
         Err(_) => PathBuf::from(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/reference"
+            "/fixtures/reference"
         )),
     };
     let path = dir.join(name);

@@ -26,14 +26,15 @@ pub fn demo_gguf() -> PathBuf {
     PathBuf::from(String::from_utf8(out.stdout).expect("a UTF-8 path").trim())
 }
 
-/// `../shared/reference` beside the checkout, or `$PAGODA_REFERENCE_DIR`.
+/// `tests/fixtures/reference` (a copy of `../shared/reference`), or
+/// `$PAGODA_REFERENCE_DIR`.
 pub fn reference_dir() -> PathBuf {
     if let Ok(p) = std::env::var("PAGODA_REFERENCE_DIR") {
         return PathBuf::from(p);
     }
     PathBuf::from(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/reference"
+        "/../tests/fixtures/reference"
     ))
 }
 
