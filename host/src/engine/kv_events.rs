@@ -14,7 +14,7 @@
 //! socket drops messages for a subscriber past its high-water mark, as
 //! ZeroMQ does, so a slow or absent subscriber costs the engine nothing.
 
-use crate::engine::kv_cache::events::{encode_batch, KvEvent};
+use crate::engine::kv_cache::events::{encode_batch, KvEvent, WireFormat};
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 use std::collections::VecDeque;
@@ -39,6 +39,10 @@ pub struct KvEventsConfig {
     pub hwm: i32,
     /// `topic`: the first frame of every message. Default empty.
     pub topic: String,
+    /// `wire_format` (Pagoda's own key): `"map"` (default), as vLLM 0.32
+    /// writes events, or `"array"`, the positional form of earlier vLLM,
+    /// for consumers built for it.
+    pub wire_format: WireFormat,
 }
 
 const KEYS: &[&str] = &[
@@ -50,6 +54,7 @@ const KEYS: &[&str] = &[
     "hwm",
     "max_queue_size",
     "topic",
+    "wire_format",
 ];
 
 impl KvEventsConfig {
@@ -128,6 +133,13 @@ impl KvEventsConfig {
             buffer_steps,
             hwm,
             topic: str_key("topic")?.unwrap_or_default(),
+            wire_format: match str_key("wire_format")?.as_deref() {
+                None | Some("map") => WireFormat::Map,
+                Some("array") => WireFormat::Array,
+                Some(other) => bail!(
+                    "--kv-events-config: \"wire_format\" must be \"map\" (vLLM 0.32's tagged maps) or \"array\" (earlier vLLM's positional arrays), got \"{other}\""
+                ),
+            },
         }))
     }
 }
@@ -161,9 +173,10 @@ impl KvEventPublisher {
         };
         let buffer_steps = config.buffer_steps;
         let topic = config.topic.clone().into_bytes();
+        let format = config.wire_format;
         let thread = std::thread::Builder::new()
             .name("kv-events".into())
-            .spawn(move || publish_loop(rx, sockets, topic, buffer_steps))
+            .spawn(move || publish_loop(rx, sockets, topic, buffer_steps, format))
             .context("starting the KV-event publisher thread")?;
         Ok(KvEventPublisher {
             tx: Some(tx),
@@ -273,6 +286,7 @@ fn publish_loop(
     sockets: Option<Sockets>,
     topic: Vec<u8>,
     buffer_steps: usize,
+    format: WireFormat,
 ) {
     let Some(sockets) = sockets else {
         // `publisher: null`: drain and discard.
@@ -293,7 +307,7 @@ fn publish_loop(
         let ts = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        let payload = match encode_batch(ts, &events, 0) {
+        let payload = match encode_batch(ts, &events, 0, format) {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("KV-cache events: cannot encode a batch: {e}");
@@ -367,6 +381,17 @@ mod tests {
         assert_eq!(c.replay_endpoint, None);
         assert_eq!((c.buffer_steps, c.hwm), (10_000, 100_000));
         assert_eq!(c.topic, "");
+        assert_eq!(
+            c.wire_format,
+            WireFormat::Map,
+            "vLLM 0.32's form by default"
+        );
+        let c = KvEventsConfig::from_json(
+            r#"{"enable_kv_cache_events": true, "wire_format": "array"}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(c.wire_format, WireFormat::Array);
         let c = KvEventsConfig::from_json(
             r#"{"enable_kv_cache_events": true, "publisher": "null", "topic": "kv@pod@m", "replay_endpoint": "tcp://*:5558", "buffer_steps": 5}"#,
         )
@@ -397,6 +422,10 @@ mod tests {
             (
                 r#"{"enable_kv_cache_events": true, "colour": 1}"#,
                 "key \"colour\" is not supported",
+            ),
+            (
+                r#"{"enable_kv_cache_events": true, "wire_format": "json"}"#,
+                "\"map\" (vLLM 0.32's tagged maps) or \"array\"",
             ),
             (r#"[1]"#, "must be a JSON object"),
             (r#"{"#, "not valid JSON"),

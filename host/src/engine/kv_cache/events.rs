@@ -8,10 +8,17 @@
 //! hands it out again, evicting it. Only the canonical copy of a hash is
 //! reported, so every removal matches an earlier store.
 //!
-//! The wire form is msgpack arrays, as msgspec writes vLLM's array-like
-//! tagged structs: a batch is `[ts, [event, ...], dp_rank]`, and an event
-//! is `["BlockStored", block_hashes, parent_block_hash, token_ids,
-//! block_size, lora_id, medium, lora_name, extra_keys]`,
+//! The wire form ([`WireFormat`]) is msgpack as msgspec writes vLLM's
+//! structs. vLLM 0.32 (PR #42892) writes maps: a batch is `{"ts",
+//! "events", "data_parallel_rank"}` and an event a map tagged by `"type"`:
+//! `{"type": "BlockStored", "block_hashes", "parent_block_hash",
+//! "token_ids", "block_size", "lora_id", "medium", "lora_name",
+//! "extra_keys"}`, `{"type": "BlockRemoved", "block_hashes", "medium"}` or
+//! `{"type": "AllBlocksCleared"}` (fields at their default, which msgspec
+//! omits, are left out). Older vLLM wrote positional arrays, which
+//! consumers built for it still expect: a batch `[ts, [event, ...],
+//! dp_rank]`, an event `["BlockStored", block_hashes, parent_block_hash,
+//! token_ids, block_size, lora_id, medium, lora_name, extra_keys]`,
 //! `["BlockRemoved", block_hashes, medium]` or `["AllBlocksCleared"]`.
 
 use serde::Serialize;
@@ -54,6 +61,88 @@ pub fn salt_key(salt: u64) -> String {
     format!("{salt:016x}")
 }
 
+/// How batches are written on the wire (`--kv-events-config`'s
+/// `wire_format`, Pagoda's own key).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WireFormat {
+    /// Tagged maps, as vLLM 0.32 writes and decodes them.
+    #[default]
+    Map,
+    /// Positional arrays, as vLLM before 0.32 wrote them.
+    Array,
+}
+
+/// An event in the map form.
+struct AsMap<'a>(&'a KvEvent);
+
+impl Serialize for AsMap<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        match self.0 {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+            } => {
+                let mut m = s.serialize_map(Some(9))?;
+                m.serialize_entry("type", "BlockStored")?;
+                m.serialize_entry("block_hashes", block_hashes)?;
+                m.serialize_entry("parent_block_hash", parent_block_hash)?;
+                m.serialize_entry("token_ids", token_ids)?;
+                m.serialize_entry("block_size", block_size)?;
+                m.serialize_entry("lora_id", &Option::<i64>::None)?;
+                m.serialize_entry("medium", MEDIUM)?;
+                m.serialize_entry("lora_name", &Option::<String>::None)?;
+                m.serialize_entry("extra_keys", extra_keys)?;
+                m.end()
+            }
+            KvEvent::BlockRemoved { block_hashes } => {
+                let mut m = s.serialize_map(Some(3))?;
+                m.serialize_entry("type", "BlockRemoved")?;
+                m.serialize_entry("block_hashes", block_hashes)?;
+                m.serialize_entry("medium", MEDIUM)?;
+                m.end()
+            }
+            KvEvent::AllBlocksCleared => {
+                let mut m = s.serialize_map(Some(1))?;
+                m.serialize_entry("type", "AllBlocksCleared")?;
+                m.end()
+            }
+        }
+    }
+}
+
+/// A batch in the map form.
+struct MapBatch<'a> {
+    ts: f64,
+    events: &'a [KvEvent],
+    dp_rank: i64,
+}
+
+impl Serialize for MapBatch<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeMap, SerializeSeq};
+        struct Events<'a>(&'a [KvEvent]);
+        impl Serialize for Events<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut q = s.serialize_seq(Some(self.0.len()))?;
+                for e in self.0 {
+                    q.serialize_element(&AsMap(e))?;
+                }
+                q.end()
+            }
+        }
+        let mut m = s.serialize_map(Some(3))?;
+        m.serialize_entry("ts", &self.ts)?;
+        m.serialize_entry("events", &Events(self.events))?;
+        m.serialize_entry("data_parallel_rank", &self.dp_rank)?;
+        m.end()
+    }
+}
+
+/// The array form of an event.
 impl Serialize for KvEvent {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         let none = Option::<String>::None;
@@ -84,11 +173,19 @@ impl Serialize for KvEvent {
     }
 }
 
-/// Encodes one batch of events: `[ts, events, dp_rank]`.
+/// Encodes one batch of events in `format`.
 pub fn encode_batch(
     ts: f64,
     events: &[KvEvent],
     dp_rank: i64,
+    format: WireFormat,
 ) -> Result<Vec<u8>, rmp_serde::encode::Error> {
-    rmp_serde::to_vec(&(ts, events, dp_rank))
+    match format {
+        WireFormat::Map => rmp_serde::to_vec(&MapBatch {
+            ts,
+            events,
+            dp_rank,
+        }),
+        WireFormat::Array => rmp_serde::to_vec(&(ts, events, dp_rank)),
+    }
 }

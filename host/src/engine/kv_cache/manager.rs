@@ -508,7 +508,7 @@ mod tests {
 
     #[test]
     fn stores_and_evictions_are_told_as_vllm_kv_events() {
-        use crate::engine::kv_cache::events::{encode_batch, external_hash};
+        use crate::engine::kv_cache::events::{encode_batch, external_hash, WireFormat};
         let key = CacheKey {
             salt: 7,
             prompt_len: usize::MAX,
@@ -573,8 +573,20 @@ mod tests {
         all.sort_unstable();
         assert_eq!(removed, all);
 
-        // The wire form: [ts, [["BlockRemoved", hashes, "GPU"]], 0].
-        let bytes = encode_batch(1.5, &ev, 0).expect("encode");
+        // vLLM 0.32's wire form: {"ts", "events": [{"type": "BlockRemoved",
+        // "block_hashes", "medium"}], "data_parallel_rank"}.
+        let bytes = encode_batch(1.5, &ev, 0, WireFormat::Map).expect("encode");
+        let v: serde_json::Value = rmp_serde::from_slice(&bytes).expect("msgpack");
+        assert_eq!(v["ts"], 1.5);
+        assert_eq!(v["events"][0]["type"], "BlockRemoved");
+        assert_eq!(v["events"][0]["medium"], "GPU");
+        assert_eq!(
+            v["events"][0]["block_hashes"].as_array().map(Vec::len),
+            Some(3)
+        );
+        assert_eq!(v["data_parallel_rank"], 0);
+        // The older positional form: [ts, [["BlockRemoved", hashes, "GPU"]], 0].
+        let bytes = encode_batch(1.5, &ev, 0, WireFormat::Array).expect("encode");
         let v: serde_json::Value = rmp_serde::from_slice(&bytes).expect("msgpack");
         assert_eq!(v[0], 1.5);
         assert_eq!(v[1][0][0], "BlockRemoved");
