@@ -107,7 +107,7 @@ impl Server {
     }
 
     /// Starts the server on `model` with extra environment variables, and
-    /// waits only until it is live (`/health` answers 200), not ready: for
+    /// waits only until it is live (`/health/live` answers 200), not ready: for
     /// a server that is meant not to become ready yet.
     pub fn start_live(model: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> Server {
         for _ in 0..4 {
@@ -232,7 +232,7 @@ impl Server {
             log,
             _dir: dir,
         };
-        let probe = if ready { "/health/ready" } else { "/health" };
+        let probe = if ready { "/health/ready" } else { "/health/live" };
         s.wait_for_probe(probe, Duration::from_secs(120))?;
         Ok(s)
     }

@@ -27,8 +27,15 @@ fn manifests_validate_against_the_kubernetes_schemas() {
             String::from_utf8_lossy(&out.stderr)
         );
         let text = std::fs::read_to_string(f).expect("read");
+        // Liveness must not be /health, which (as vLLM's) answers 503
+        // while the model loads: the kubelet would restart a loading pod.
+        assert!(
+            !text.contains("path: /health\n"),
+            "{}: /health is readiness, not liveness",
+            f.display()
+        );
         for probe in [
-            "path: /health\n",
+            "path: /health/live",
             "path: /health/ready",
             "path: /health/startup",
         ] {

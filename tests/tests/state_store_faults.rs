@@ -503,12 +503,17 @@ fn break_the_store(cluster: &Cluster, objects: &dyn Objects, mut outage: Option<
         let (st, body) = e.s.get("/health/ready");
         assert_eq!(st, 503, "not ready before reading the store: {body}");
         assert!(body.contains("state store"), "{body}");
+        // vLLM's /health answers as readiness does; liveness is elsewhere.
+        let (st, body) = e.s.get("/health");
+        assert_eq!(st, 503, "/health before the store was read: {body}");
+        assert_eq!(e.s.get("/health/live").0, 200, "live while not ready");
         assert_closed(&e);
         assert_eq!(status(&e, Some(K2C)), 401);
         proxy.bring_up();
         wait_for(WAIT, "ready once the store is read", || {
             e.s.get("/health/ready").0 == 200
         });
+        assert_eq!(e.s.get("/health").0, 200, "/health once serving");
         assert_eq!(status(&e, Some(K2C)), 200);
         assert_closed(&e);
     }

@@ -157,7 +157,7 @@ impl AppState {
             },
             _ => Err(ApiError::unavailable(match self.load_error.get() {
                 Some(e) => format!("The model failed to load: {e}"),
-                None => "The model is still loading; retry when /health/ready answers 200.".into(),
+                None => "The model is still loading; retry when /health answers 200.".into(),
             })),
         }
     }
@@ -500,7 +500,17 @@ async fn dispatch(
                 admin::route(Arc::clone(&state), req).await
             }
         }
-        (Method::GET, "/health") => Ok(match (state.engine.get(), state.load_error.get()) {
+        // As vLLM's: 200 only once requests can be served (the model is
+        // loaded and warm, and a state store has been read), so probes and
+        // scripts written for vLLM never send traffic into 503s.
+        (Method::GET, "/health") => Ok(match state.serving() {
+            Ok(_) => json_response(&json!({})),
+            Err(e) => e.response(),
+        }),
+        // Liveness, for Kubernetes: 200 while the process is sound, model
+        // loading included; 503 once the engine died or the model failed
+        // to load, so the kubelet restarts it.
+        (Method::GET, "/health/live") => Ok(match (state.engine.get(), state.load_error.get()) {
             (Some(e), _) => match e.death() {
                 None => json_response(&json!({})),
                 Some(why) => ApiError::unavailable(format!("the engine stopped: {why}")).response(),
@@ -943,7 +953,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         }
         let mut acceptor = connections::Acceptor::new(listener, max_connections, "main");
         tracing::info!(
-            "listening on http://{addr} (model loading; /health/ready turns 200 when ready)"
+            "listening on http://{addr} (model loading; /health turns 200 when ready, /health/live is liveness)"
         );
         // Probes answer while the model loads, so load it off the runtime.
         let loader = {
