@@ -1,8 +1,10 @@
 //! The CPU implementations of the model's non-matmul operations: RMSNorm,
-//! residual adds, SiLU·mul, softmax, RoPE and paged attention.
+//! residual adds, SiLU·mul, softmax, RoPE, paged attention, and the
+//! sampling of a whole batch's logit rows ([`sample`]).
 //!
 //! Activations are f32 and row-major throughout. Every function here is
-//! allocation-free (scratch lives on the stack), so a decode step can run
+//! allocation-free once warm (scratch lives on the stack, or, for the
+//! sampler, in buffers the caller keeps), so a decode step can run
 //! without touching the heap. The heavy kernels (paged attention, the
 //! exp-bound activations) pick AVX-512, AVX2 or scalar code from
 //! [`crate::cpu::simd_level`] once per call; the cheap ones are plain loops
@@ -14,6 +16,7 @@ pub mod mla;
 pub mod moe;
 mod norm;
 mod rope;
+pub mod sample;
 pub(crate) mod simd;
 
 pub use act::{log_softmax_inplace, silu_mul, softmax_inplace};
@@ -23,6 +26,7 @@ pub use attention::{
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};
 pub use norm::{add_inplace, rms_norm, rms_norm_inplace};
 pub use rope::{rope_inplace, RopeScaling, RopeStyle, RopeTable};
+pub use sample::{sample_rows, RowSampling, SampleScratch, SampledRows, SamplingMetadata};
 
 use crate::ThreadPool;
 
