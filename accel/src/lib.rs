@@ -17,8 +17,8 @@ pub mod quant;
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
 pub use backend::{
-    Backend, BackendError, CpuBackend, DeviceMatrix, HostMatrix, KvLayerSpec, KvSpec, Rows,
-    StepBatch, StepSeq,
+    Backend, BackendError, CpuBackend, DeviceLora, DeviceMatrix, HostMatrix, KvLayerSpec, KvSpec,
+    Rows, StepBatch, StepSeq,
 };
 pub use cpu::pool::ThreadPool;
 pub use device::{CpuContext, Device, DeviceError};

@@ -46,8 +46,9 @@ fn a_warm_batched_decode_step_allocates_nothing() {
 fn hf_family(family: &str) -> EngineArgs {
     let root = match std::env::var_os("PAGODA_HF_FAMILIES") {
         Some(p) => std::path::PathBuf::from(p),
-        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../tests/fixtures/hf-families"),
+        None => {
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families")
+        }
     };
     EngineArgs::new(root.join(family))
 }

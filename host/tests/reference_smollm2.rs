@@ -71,7 +71,9 @@ fn prompt_token_ids_match_the_reference() {
 fn check_greedy(reference: &serde_json::Value, ours: &[u32]) -> Result<String, String> {
     const NEAR_TIE: f64 = 0.4;
     let want = reference["output_ids"].as_array().ok_or("no output_ids")?;
-    let top5 = reference["top5_logprobs"].as_array().ok_or("no top5_logprobs")?;
+    let top5 = reference["top5_logprobs"]
+        .as_array()
+        .ok_or("no top5_logprobs")?;
     for (i, (r, &o)) in want.iter().zip(ours).enumerate() {
         let r = r.as_u64().ok_or("a reference id is not a number")?;
         if r == o as u64 {

@@ -232,7 +232,11 @@ impl Server {
             log,
             _dir: dir,
         };
-        let probe = if ready { "/health/ready" } else { "/health/live" };
+        let probe = if ready {
+            "/health/ready"
+        } else {
+            "/health/live"
+        };
         s.wait_for_probe(probe, Duration::from_secs(120))?;
         Ok(s)
     }
@@ -399,10 +403,7 @@ pub fn read_sse(reader: impl std::io::Read) -> Vec<String> {
 pub fn reference_json(name: &str) -> Value {
     let dir = match std::env::var("PAGODA_REFERENCE_DIR") {
         Ok(p) => PathBuf::from(p),
-        Err(_) => PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/fixtures/reference"
-        )),
+        Err(_) => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/reference")),
     };
     let path = dir.join(name);
     let text = std::fs::read_to_string(&path)

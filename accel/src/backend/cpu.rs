@@ -16,6 +16,8 @@ use half::{bf16, f16};
 /// The CPU as a [`Backend`].
 pub struct CpuBackend {
     ctx: CpuContext,
+    /// The LoRA kernel's visiting order (reused).
+    lora_order: Vec<u32>,
     /// What quantized weights are laid out for.
     level: SimdLevel,
     scratch: MatmulScratch,
@@ -38,6 +40,7 @@ impl CpuBackend {
             attn_seqs: Vec::new(),
             head_in: Vec::new(),
             head_out: Vec::new(),
+            lora_order: Vec::new(),
         }
     }
 
@@ -267,6 +270,49 @@ impl Backend for CpuBackend {
 
     fn supports_latent_attention(&self) -> bool {
         true
+    }
+
+    fn supports_lora(&self) -> bool {
+        true
+    }
+
+    fn lora_add(
+        &mut self,
+        x: &Vec<f32>,
+        in_dim: usize,
+        slots: &[Option<super::DeviceLora<Vec<f32>>>],
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+        out_stride: usize,
+        col: usize,
+        out_dim: usize,
+    ) -> Result<(), BackendError> {
+        let token_slots = &step.batch.lora_slots;
+        if token_slots.is_empty() {
+            return Ok(());
+        }
+        let n = step.batch.tokens.len();
+        crate::ops::lora::lora_add(
+            &x[..n * in_dim],
+            in_dim,
+            token_slots,
+            |s| {
+                slots.get(s as usize).and_then(Option::as_ref).map(|f| {
+                    crate::ops::lora::LoraFactors {
+                        a: &f.a,
+                        b: &f.b,
+                        rank: f.rank,
+                        scale: f.scale,
+                    }
+                })
+            },
+            &mut out[..n * out_stride],
+            out_stride,
+            col,
+            out_dim,
+            &mut self.lora_order,
+        );
+        Ok(())
     }
 
     fn reserve(&mut self, buf: &mut Vec<f32>, len: usize) -> Result<(), BackendError> {

@@ -334,6 +334,26 @@ pub struct StepBatch {
     pub block_tables: Vec<u32>,
     /// Indices into `tokens` whose next-token logits are wanted.
     pub logit_rows: Vec<u32>,
+    /// Per token: the LoRA slot of its request's adapter
+    /// ([`Backend::lora_add`]), [`NO_LORA`] for the base model. Empty when
+    /// no token of the step has an adapter.
+    pub lora_slots: Vec<u16>,
+}
+
+/// The [`StepBatch::lora_slots`] entry of a token without an adapter.
+pub const NO_LORA: u16 = u16::MAX;
+
+/// One LoRA adapter's factors for one projection, on the device:
+/// `out += scale · B (A x)`.
+#[derive(Clone, Debug)]
+pub struct DeviceLora<V> {
+    /// `[rank, in]`, row-major, f32.
+    pub a: V,
+    /// `[out, rank]`, row-major, f32.
+    pub b: V,
+    pub rank: usize,
+    /// `lora_alpha / r` (or `/ √r`).
+    pub scale: f32,
 }
 
 impl StepBatch {
@@ -346,6 +366,7 @@ impl StepBatch {
         self.seqs.clear();
         self.block_tables.clear();
         self.logit_rows.clear();
+        self.lora_slots.clear();
     }
 
     /// Makes `self` a copy of `other`, reusing its vectors' capacity (a
@@ -359,6 +380,7 @@ impl StepBatch {
         self.seqs.clone_from(&other.seqs);
         self.block_tables.clone_from(&other.block_tables);
         self.logit_rows.clone_from(&other.logit_rows);
+        self.lora_slots.clone_from(&other.lora_slots);
     }
 
     /// Tokens in the step.
@@ -572,6 +594,11 @@ pub trait Backend: Send + 'static {
     fn supports_latent_attention(&self) -> bool {
         false
     }
+    /// Whether [`Backend::lora_add`] is implemented. The engine refuses
+    /// `--enable-lora` on a backend without it, so it is never called there.
+    fn supports_lora(&self) -> bool {
+        false
+    }
     /// Free and total bytes of the device's own memory, for devices that
     /// have one (the engine then sizes the KV pool from
     /// `--gpu-memory-utilization` after a profile forward); `None` for the
@@ -758,6 +785,31 @@ pub trait Backend: Send + 'static {
         let _ = (x, y, gate, m, d);
         panic!(
             "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+
+    /// Adds LoRA deltas to a projection's output: for every token `t` of
+    /// the step whose [`StepBatch::lora_slots`] entry `s` has factors in
+    /// `slots[s]`, `out[t·out_stride + col + j] += scale · Σ_k b[j,k] ·
+    /// Σ_i a[k,i] · x[t·in_dim + i]` for `j < out_dim` (see
+    /// [`crate::ops::lora`]). Tokens of other slots, or none, are left
+    /// alone, and a token's result does not depend on the others.
+    #[allow(clippy::too_many_arguments)]
+    fn lora_add(
+        &mut self,
+        x: &Self::Buffer,
+        in_dim: usize,
+        slots: &[Option<DeviceLora<Self::Vector>>],
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+        out_stride: usize,
+        col: usize,
+        out_dim: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (x, in_dim, slots, step, out, out_stride, col, out_dim);
+        panic!(
+            "{}: no LoRA kernels (supports_lora is false)",
             self.describe()
         );
     }

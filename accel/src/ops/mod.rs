@@ -12,6 +12,7 @@
 
 mod act;
 mod attention;
+pub mod lora;
 pub mod mla;
 pub mod moe;
 mod norm;

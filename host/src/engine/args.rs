@@ -79,6 +79,8 @@ pub struct EngineArgs {
     /// KV-cache events for prefix-aware routers (`--kv-events-config`),
     /// if on.
     pub kv_events: Option<KvEventsConfig>,
+    /// LoRA adapters (`--enable-lora` and its flags), if on.
+    pub lora: Option<crate::engine::lora::LoraArgs>,
 }
 
 /// `--max-num-seqs` on the CPU when the flag is not given: where batched
@@ -123,6 +125,7 @@ impl EngineArgs {
             generation_config: GenerationConfigSource::Auto,
             speculative: None,
             kv_events: None,
+            lora: None,
         }
     }
 }
@@ -625,6 +628,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         policy: args.scheduling_policy,
         draft_lookahead: 0,
         draft_max_batch: 0,
+        max_loras: 0,
     });
     let mut core = EngineCore::new(
         scheduler,
@@ -644,6 +648,27 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             spec.disable_by_batch_size.unwrap_or(DEFAULT_SPEC_MAX_BATCH)
         );
         core.set_speculator(Some(speculator));
+    }
+    if let Some(l) = &args.lora {
+        let mut registry = crate::engine::lora::LoraRegistry::new(
+            core.runner().config().clone(),
+            crate::engine::lora::LoraLimits {
+                max_loras: l.max_loras,
+                max_rank: l.max_lora_rank,
+            },
+        );
+        for (name, path) in &l.modules {
+            registry
+                .load(name, path)
+                .with_context(|| format!("--lora-modules {name}={}", path.display()))?;
+        }
+        core.enable_lora(registry).context("--enable-lora")?;
+        tracing::info!(
+            "LoRA: {} adapters loaded, up to {} at once, rank up to {}",
+            l.modules.len(),
+            l.max_loras,
+            l.max_lora_rank
+        );
     }
     if let Some(g) = loaded.generation_config {
         core.set_sampling_defaults(g.defaults);

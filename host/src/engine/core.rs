@@ -46,6 +46,8 @@ pub struct RequestOptions {
     /// (`</think>`). The `grammar` then applies only after the output has
     /// produced them, as in vLLM: the reasoning itself is free text.
     pub reasoning_end: Option<Vec<u32>>,
+    /// The LoRA adapter to run with ([`EngineCore::lora`]), if any.
+    pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
 }
 
 /// Counters the engine keeps for metrics and logs.
@@ -88,6 +90,8 @@ pub struct EngineCore {
     guided: Vec<GuidedRow>,
     /// Where the prefix cache's events go, when they are published.
     kv_events: Option<KvEventPublisher>,
+    /// The LoRA adapters requests may name (`--enable-lora`).
+    loras: Option<crate::engine::lora::LoraRegistry>,
 }
 
 impl EngineCore {
@@ -114,7 +118,57 @@ impl EngineCore {
             plan: SchedulerOutput::default(),
             guided: Vec::new(),
             kv_events: None,
+            loras: None,
         }
+    }
+
+    /// Serves LoRA adapters from `registry` (`--enable-lora`): the model
+    /// runner makes room for the registry's `max_loras` at once.
+    pub fn enable_lora(
+        &mut self,
+        registry: crate::engine::lora::LoraRegistry,
+    ) -> anyhow::Result<()> {
+        let max = registry.limits().max_loras;
+        self.runner.enable_lora(max)?;
+        self.scheduler.set_max_loras(max);
+        self.loras = Some(registry);
+        Ok(())
+    }
+
+    /// Loads the PEFT adapter in folder `path` under `name`.
+    ///
+    /// # Errors
+    /// Without `--enable-lora`, for a name already taken, or an adapter
+    /// that does not fit the base model (nothing then changes).
+    pub fn load_lora(
+        &mut self,
+        name: &str,
+        path: &std::path::Path,
+    ) -> anyhow::Result<std::sync::Arc<crate::engine::lora::LoadedLora>> {
+        match &mut self.loras {
+            Some(r) => r.load(name, path),
+            None => {
+                anyhow::bail!("LoRA adapters are not enabled; start the server with --enable-lora")
+            }
+        }
+    }
+
+    /// Forgets adapter `name`: requests running with it finish.
+    pub fn unload_lora(
+        &mut self,
+        name: &str,
+    ) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
+        self.loras.as_mut()?.unload(name)
+    }
+
+    /// The adapter named `name`, if loaded.
+    pub fn lora(&self, name: &str) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
+        self.loras.as_ref()?.get(name).cloned()
+    }
+
+    /// The LoRA adapters requests may name, if enabled.
+    pub fn loras(&self) -> Option<&crate::engine::lora::LoraRegistry> {
+        self.loras.as_ref()
     }
 
     /// Publishes the prefix cache's events after every step (the KV-cache
@@ -235,6 +289,13 @@ impl EngineCore {
         mut params: SamplingParams,
         opts: RequestOptions,
     ) -> Result<u64, ParamError> {
+        if opts.lora.is_some() && self.loras.is_none() {
+            return Err(ParamError {
+                param: "model",
+                message: "LoRA adapters are not enabled; start the server with --enable-lora"
+                    .into(),
+            });
+        }
         let max_tokens_set = params.max_tokens.is_some();
         params.apply_defaults(&self.sampling_defaults);
         let vocab = self.runner.config().vocab_size;
@@ -316,6 +377,7 @@ impl EngineCore {
             announced: false,
             blocks_sent: 0,
             blocks_shrunk: false,
+            lora: opts.lora,
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);

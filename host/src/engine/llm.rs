@@ -115,6 +115,26 @@ impl LLM {
         prompts: &[Prompt],
         params: &SamplingParams,
     ) -> Result<Vec<RequestOutput>> {
+        self.generate_with_lora(prompts, params, None)
+    }
+
+    /// [`LLM::generate`] with the LoRA adapter named `lora` (loaded with
+    /// the engine's `lora` arguments, or [`EngineCore::load_lora`]), as
+    /// vLLM's `generate(..., lora_request=...)`.
+    pub fn generate_with_lora(
+        &mut self,
+        prompts: &[Prompt],
+        params: &SamplingParams,
+        lora: Option<&str>,
+    ) -> Result<Vec<RequestOutput>> {
+        let lora = match lora {
+            None => None,
+            Some(name) => Some(
+                self.core
+                    .lora(name)
+                    .with_context(|| format!("no LoRA adapter named {name:?} is loaded"))?,
+            ),
+        };
         let mut results = Vec::with_capacity(prompts.len());
         // engine id → (prompt index, sample index)
         let mut owner: HashMap<u64, (usize, usize)> = HashMap::new();
@@ -140,6 +160,7 @@ impl LLM {
                         p,
                         RequestOptions {
                             sample_index: si,
+                            lora: lora.clone(),
                             ..Default::default()
                         },
                     )

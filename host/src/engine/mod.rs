@@ -37,6 +37,7 @@ pub mod kv_cache;
 pub mod kv_events;
 pub mod llm;
 pub mod loader;
+pub mod lora;
 pub mod models;
 pub mod output_processor;
 pub mod request;

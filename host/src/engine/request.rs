@@ -454,6 +454,8 @@ pub struct Request {
     /// drafts gave blocks back), so the next step sends the change.
     pub(crate) blocks_sent: usize,
     pub(crate) blocks_shrunk: bool,
+    /// The LoRA adapter it runs with, if any.
+    pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model
@@ -472,6 +474,7 @@ impl Request {
             salt: self.salt,
             prompt_len: self.prompt_len,
             prompt_kernel: self.prompt_kernel,
+            lora: self.lora.as_ref().map_or(0, |l| l.id),
         }
     }
 

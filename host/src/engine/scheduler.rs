@@ -60,6 +60,9 @@ pub struct SchedulerConfig {
     /// No slots are reserved for drafts while more sequences than this
     /// run (`disable_by_batch_size`).
     pub draft_max_batch: usize,
+    /// Distinct LoRA adapters that may run at once (`--max-loras`, the
+    /// model's adapter slots); 0 without `--enable-lora`.
+    pub max_loras: usize,
 }
 
 /// The most prompt tokens a request that asked for prompt logprobs runs
@@ -136,6 +139,11 @@ impl Scheduler {
     ) {
         self.config.draft_lookahead = speculator.map_or(0, |s| s.max_drafts());
         self.config.draft_max_batch = speculator.map_or(0, |s| s.max_batch());
+    }
+
+    /// Runs at most `max` distinct LoRA adapters at once (`--max-loras`).
+    pub fn set_max_loras(&mut self, max: usize) {
+        self.config.max_loras = max;
     }
 
     /// Queues a new request.
@@ -294,6 +302,10 @@ impl Scheduler {
         }
         // A step that had to preempt is short of blocks: admitting new work
         // now would only preempt again.
+        // Requests whose adapter has no slot while others hold them all:
+        // they wait, and those behind them may run (back in the queue, in
+        // order, once planning is done).
+        let mut no_slot: Vec<u64> = Vec::new();
         if out.preempted.is_empty() {
             while budget > 0 {
                 let Some(pos) = self.next_waiting() else {
@@ -304,6 +316,11 @@ impl Scheduler {
                     self.waiting.remove(pos);
                     continue;
                 };
+                if !self.lora_fits(req) {
+                    self.waiting.remove(pos);
+                    no_slot.push(id);
+                    continue;
+                }
                 // Cached positions have no logits, so a request that wants
                 // its prompt's logprobs computes the whole prompt.
                 let hit = if req.prompt_logprobs_from().is_some() {
@@ -363,6 +380,9 @@ impl Scheduler {
                 out.num_tokens += num_new;
             }
         }
+        for &id in no_slot.iter().rev() {
+            self.waiting.push_front(id);
+        }
         // Described once every block is allocated: preemption above takes
         // sequences out of the plan with their blocks, so these tables are
         // final. Each tenant's virtual time advances by what it got.
@@ -383,6 +403,7 @@ impl Scheduler {
                     max_len: req.max_len,
                     prompt_kernel: req.prompt_kernel,
                     structured: req.grammar.is_some(),
+                    lora: req.lora.clone(),
                 });
             }
             let table = kv.block_table(s.id);
@@ -413,6 +434,26 @@ impl Scheduler {
             }
         }
         out.num_running = self.running.len();
+    }
+
+    /// Whether `req` may run beside the running requests: it has no
+    /// adapter, or its adapter already runs, or a slot is free.
+    fn lora_fits(&self, req: &Request) -> bool {
+        let Some(lora) = &req.lora else {
+            return true;
+        };
+        let mut running: Vec<u32> = Vec::new();
+        for r in self.running.iter().filter_map(|id| self.requests.get(id)) {
+            if let Some(l) = &r.lora {
+                if l.id == lora.id {
+                    return true;
+                }
+                if !running.contains(&l.id) {
+                    running.push(l.id);
+                }
+            }
+        }
+        running.len() < self.config.max_loras
     }
 
     /// Reserves K/V slots past `num_scheduled` new tokens of request `id`

@@ -75,6 +75,8 @@ pub struct NewRequest {
     pub prompt_kernel: bool,
     /// Whether it follows a grammar (drafts are then never proposed).
     pub structured: bool,
+    /// The LoRA adapter it runs with, if any.
+    pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
 }
 
 /// A step's plan.

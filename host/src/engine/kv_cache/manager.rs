@@ -62,6 +62,10 @@ pub struct CacheKey {
     /// different K/V, and a request must find in the cache exactly what it
     /// would have computed itself.
     pub prompt_kernel: bool,
+    /// The LoRA adapter its K/V was computed under (its id; 0 for the base
+    /// model): a prompt cached under one adapter is never a hit for
+    /// another, or for the base.
+    pub lora: u32,
 }
 
 #[derive(Default)]
@@ -485,10 +489,19 @@ fn block_hash(
     } else {
         0
     };
+    // The adapter joins the salt, so the base model's hashes (and the
+    // events routers already know) stay what they were.
+    let salt = if key.lora == 0 {
+        key.salt
+    } else {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        std::hash::Hash::hash(&(key.salt, key.lora), &mut h);
+        std::hash::Hasher::finish(&h)
+    };
     BlockHash::new(
         parent,
         &tokens[j * bs..(j + 1) * bs],
-        key.salt,
+        salt,
         on_prompt_kernel,
     )
 }
@@ -503,6 +516,7 @@ mod tests {
             salt,
             prompt_len: usize::MAX,
             prompt_kernel: false,
+            lora: 0,
         }
     }
 
@@ -513,6 +527,7 @@ mod tests {
             salt: 7,
             prompt_len: usize::MAX,
             prompt_kernel: false,
+            lora: 0,
         };
         let mut m = KvCacheManager::new(4, 4, true).with_events();
         let t: Vec<u32> = (10..20).collect();
@@ -595,6 +610,23 @@ mod tests {
     }
 
     #[test]
+    fn a_prefix_cached_under_an_adapter_serves_only_that_adapter() {
+        let mut m = KvCacheManager::new(8, 4, true);
+        let t: Vec<u32> = (0..9).collect();
+        let under = |lora| CacheKey { lora, ..k(3) };
+        assert!(m.allocate(1, &t, under(1), None, 0, 9));
+        m.commit(1, &t, 9);
+        m.free(1);
+        assert_eq!(m.lookup_prefix(&t, under(1)).num_tokens(4), 8);
+        assert_eq!(m.lookup_prefix(&t, under(0)).num_tokens(4), 0, "the base");
+        assert_eq!(
+            m.lookup_prefix(&t, under(2)).num_tokens(4),
+            0,
+            "another adapter"
+        );
+    }
+
+    #[test]
     fn a_reset_empties_the_cache_only_when_idle_and_is_told() {
         let mut m = KvCacheManager::new(4, 4, true).with_events();
         let t: Vec<u32> = (0..8).collect();
@@ -631,6 +663,7 @@ mod tests {
             salt: 0,
             prompt_len,
             prompt_kernel,
+            lora: 0,
         };
         // (request 1 on the prompt kernel, request 2 on it, tokens reused)
         for (first, next, reused) in [

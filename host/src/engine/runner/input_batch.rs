@@ -13,10 +13,12 @@
 //! bitmask row today; a LoRA adapter index or a recurrent-state slot would
 //! sit beside it.
 
+use super::lora_slots::LoraSlots;
 use crate::engine::request::SamplingParams;
 use crate::engine::sampler::SampleRow;
 use crate::engine::scheduler_output::{ScheduledSeq, SchedulerOutput};
 use crate::engine::spec_decode::SpecState;
+use pagoda_accel::backend::NO_LORA;
 use pagoda_accel::StepBatch;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -46,6 +48,8 @@ pub struct RequestState {
     pub block_table: Vec<u32>,
     /// Speculative decoding: its drafts and how they have fared.
     pub spec: SpecState,
+    /// The LoRA adapter its tokens run with, if any.
+    pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
 }
 
 impl RequestState {
@@ -136,6 +140,7 @@ impl InputBatch {
                 structured: n.structured,
                 block_table: Vec::new(),
                 spec: SpecState::default(),
+                lora: n.lora.clone(),
             };
             self.insert(state);
         }
@@ -201,8 +206,20 @@ impl InputBatch {
     /// Lays the step's sequences out for the device, in plan order: each
     /// sequence's scheduled tokens (its drafts last), positions, KV slots,
     /// block table and logit rows.
-    pub fn lay_out(&mut self, seqs: &[ScheduledSeq], block_size: usize, batch: &mut StepBatch) {
+    pub fn lay_out(
+        &mut self,
+        seqs: &[ScheduledSeq],
+        block_size: usize,
+        loras: &LoraSlots,
+        batch: &mut StepBatch,
+    ) {
         batch.clear();
+        // Adapter slots per token, only for a step that has adapters.
+        let any_lora = seqs.iter().any(|s| {
+            self.index
+                .get(&s.id)
+                .is_some_and(|&row| self.rows[row].lora.is_some())
+        });
         for s in seqs {
             let Some(&row) = self.index.get(&s.id) else {
                 continue;
@@ -228,6 +245,15 @@ impl InputBatch {
                 prompt_kernel_until,
                 s.logit_rows,
             );
+            if any_lora {
+                let slot = r
+                    .lora
+                    .as_ref()
+                    .and_then(|l| loras.slot_of(l.id))
+                    .unwrap_or(NO_LORA);
+                let n = batch.tokens.len();
+                batch.lora_slots.resize(n, slot);
+            }
         }
     }
 }

@@ -11,6 +11,7 @@
 //! device it runs on.
 
 pub mod input_batch;
+pub mod lora_slots;
 
 use crate::engine::config::ModelConfig;
 use crate::engine::models::{Model, Workspace};
@@ -22,6 +23,7 @@ use crate::engine::spec_decode::{Proposer, Speculator};
 use crate::engine::structured_output::GuidedRow;
 use anyhow::{Context, Result};
 use input_batch::InputBatch;
+use lora_slots::LoraSlots;
 use pagoda_accel::{Backend, StepBatch};
 
 /// What the engine core needs of a model on a device.
@@ -50,6 +52,9 @@ pub trait ModelExecutor: Send {
     /// Turns speculative decoding on (or off): after each step the runner
     /// drafts for every sequence that may speculate.
     fn set_speculator(&mut self, speculator: Option<Speculator>);
+    /// Makes room for `slots` LoRA adapters at once (`--max-loras`), or
+    /// says why the model or the device cannot take adapters.
+    fn enable_lora(&mut self, slots: usize) -> Result<()>;
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
     /// The projections' storage type, for logs ("Q4_1").
@@ -79,6 +84,11 @@ pub struct ModelRunner<B: Backend> {
     draft: Option<DraftModel<B>>,
     /// The sequences the draft model runs after a step (reused).
     draft_plan: Vec<DraftPlan>,
+    /// Which adapter sits in which of the model's LoRA slots.
+    lora_slots: LoraSlots,
+    /// The step's distinct adapters, and the slots to load (reused).
+    lora_needed: Vec<std::sync::Arc<crate::engine::lora::LoadedLora>>,
+    lora_loads: Vec<(usize, std::sync::Arc<crate::engine::lora::LoadedLora>)>,
 }
 
 impl<B: Backend> ModelRunner<B> {
@@ -100,6 +110,9 @@ impl<B: Backend> ModelRunner<B> {
             speculator: None,
             draft: None,
             draft_plan: Vec::new(),
+            lora_slots: LoraSlots::default(),
+            lora_needed: Vec::new(),
+            lora_loads: Vec::new(),
         }
     }
 
@@ -137,6 +150,33 @@ impl<B: Backend> ModelRunner<B> {
 }
 
 impl<B: Backend> ModelRunner<B> {
+    /// Makes the adapters of the step's sequences resident in the model's
+    /// LoRA slots, loading those that are not.
+    fn activate_loras(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        self.lora_needed.clear();
+        for s in seqs {
+            if let Some(l) = self.batch.get(s.id).and_then(|r| r.lora.as_ref()) {
+                if !self.lora_needed.iter().any(|n| n.id == l.id) {
+                    self.lora_needed.push(std::sync::Arc::clone(l));
+                }
+            }
+        }
+        if self.lora_needed.is_empty() {
+            return Ok(());
+        }
+        self.lora_loads.clear();
+        self.lora_slots
+            .assign(&self.lora_needed, &mut self.lora_loads)?;
+        for (slot, lora) in self.lora_loads.drain(..) {
+            self.model
+                .set_lora(&self.backend, slot, Some(&lora.adapter))
+                .with_context(|| {
+                    format!("loading LoRA adapter {:?} into slot {slot}", lora.name)
+                })?;
+        }
+        Ok(())
+    }
+
     /// Runs the model over the laid-out step: K/V for every token, and the
     /// logits of its logit rows.
     fn forward(&mut self) -> Result<()> {
@@ -262,8 +302,13 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
         if plan.seqs.is_empty() {
             return Ok(&mut self.output);
         }
-        self.batch
-            .lay_out(&plan.seqs, self.block_size, &mut self.step_batch);
+        self.activate_loras(&plan.seqs)?;
+        self.batch.lay_out(
+            &plan.seqs,
+            self.block_size,
+            &self.lora_slots,
+            &mut self.step_batch,
+        );
         if guided.is_empty() {
             self.forward()?;
         } else {
@@ -307,6 +352,12 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
 
     fn set_speculator(&mut self, speculator: Option<Speculator>) {
         self.speculator = speculator;
+    }
+
+    fn enable_lora(&mut self, slots: usize) -> Result<()> {
+        self.model.enable_lora(&self.backend, slots)?;
+        self.lora_slots = LoraSlots::new(slots);
+        Ok(())
     }
 
     fn weight_bytes(&self) -> usize {

@@ -195,6 +195,7 @@ pub fn parse_common(
             tenant: Default::default(),
             sample_index: 0,
             reasoning_end: None,
+            lora: None,
         },
         stream,
         include_usage,

@@ -2,10 +2,12 @@
 //! block of Llama, Mistral, Qwen2 and Qwen3 (and of the mixture-of-experts
 //! models built on them).
 
+use super::lora::LayerLora;
 use super::projection::Projection;
 use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
+use crate::engine::lora::LoraModule;
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
 
@@ -123,6 +125,7 @@ impl<B: Backend> SelfAttention<B> {
         n: usize,
         kv: &mut B::Kv,
         ws: &mut Workspace<B>,
+        lora: Option<&LayerLora<B>>,
     ) -> Result<(), BackendError> {
         let (hd, qd) = (self.head_dim, self.n_heads * self.head_dim);
         let kvd = self.n_kv_heads * hd;
@@ -149,6 +152,43 @@ impl<B: Backend> SelfAttention<B> {
             .matmul(b, &ws.h, n, &mut ws.qkv, &mut ws.split_tmp, step)?;
         if let Some(bias) = &self.qkv_bias {
             b.add_bias(&mut ws.qkv, bias, n, qkv_w);
+        }
+        if let Some(l) = lora {
+            // Each adapted part adds to its columns of the fused output.
+            let d_in = self.o.rows();
+            l.add(
+                b,
+                LoraModule::Q,
+                &ws.h,
+                d_in,
+                step,
+                &mut ws.qkv,
+                qkv_w,
+                0,
+                qd,
+            )?;
+            l.add(
+                b,
+                LoraModule::K,
+                &ws.h,
+                d_in,
+                step,
+                &mut ws.qkv,
+                qkv_w,
+                qd,
+                kvd,
+            )?;
+            l.add(
+                b,
+                LoraModule::V,
+                &ws.h,
+                d_in,
+                step,
+                &mut ws.qkv,
+                qkv_w,
+                qd + kvd,
+                kvd,
+            )?;
         }
         b.copy_columns(&ws.qkv, qkv_w, 0, &mut ws.q, qd, 0, qd, n);
         b.copy_columns(&ws.qkv, qkv_w, qd, &mut ws.k, kvd, 0, kvd, n);
@@ -178,6 +218,9 @@ impl<B: Backend> SelfAttention<B> {
         b.matmul(&self.o, &ws.attn, n, &mut ws.proj, step, Rows::Tokens);
         if let Some(bias) = &self.o_bias {
             b.add_bias(&mut ws.proj, bias, n, d);
+        }
+        if let Some(l) = lora {
+            l.add(b, LoraModule::O, &ws.attn, qd, step, &mut ws.proj, d, 0, d)?;
         }
         Ok(())
     }

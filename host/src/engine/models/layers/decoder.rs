@@ -5,12 +5,14 @@
 
 use super::attention::AttentionParts;
 use super::attention::SelfAttention;
+use super::lora::LayerLora;
 use super::mla::LatentAttention;
 use super::mlp::GatedMlp;
 use super::moe::SparseMoe;
 use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::{ModelConfig, MAX_CONTEXT};
 use crate::engine::loader::WeightSource;
+use crate::engine::lora::LoraAdapter;
 use crate::engine::models::CausalLm;
 use anyhow::{bail, Result};
 use pagoda_accel::ops::RopeTable;
@@ -36,9 +38,11 @@ impl<B: Backend> FeedForward<B> {
         step: &B::Step,
         n: usize,
         ws: &mut Workspace<B>,
+        lora: Option<&LayerLora<B>>,
     ) -> Result<(), BackendError> {
         match self {
-            FeedForward::Dense(m) => m.forward(b, step, n, ws),
+            FeedForward::Dense(m) => m.forward(b, step, n, ws, lora),
+            // Adapters on experts are refused when they load.
             FeedForward::Moe(m) => m.forward(b, step, n, ws),
         }
     }
@@ -80,9 +84,11 @@ impl<B: Backend> Attention<B> {
         n: usize,
         kv: &mut B::Kv,
         ws: &mut Workspace<B>,
+        lora: Option<&LayerLora<B>>,
     ) -> Result<(), BackendError> {
         match self {
-            Attention::Gqa(a) => a.forward(b, rope, step, n, kv, ws),
+            Attention::Gqa(a) => a.forward(b, rope, step, n, kv, ws, lora),
+            // Adapters on latent attention are refused when they load.
             Attention::Latent(a) => a.forward(b, rope, step, n, kv, ws),
         }
     }
@@ -143,6 +149,9 @@ pub struct DecoderStack<B: Backend> {
     /// depends only on the weights and the device.
     prompt_kernel: bool,
     weight_type: &'static str,
+    /// Per layer, the LoRA adapters' device slots (empty without
+    /// `--enable-lora`).
+    lora: Vec<LayerLora<B>>,
 }
 
 /// Checks the context length a model is loaded for, and that the device
@@ -221,6 +230,7 @@ impl<B: Backend> DecoderStack<B> {
             rope,
             prompt_kernel,
             weight_type,
+            lora: Vec::new(),
         })
     }
 }
@@ -252,6 +262,32 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
         self.weight_type
     }
 
+    fn enable_lora(&mut self, backend: &B, slots: usize) -> Result<()> {
+        if self.config.mla.is_some() {
+            bail!("LoRA adapters on latent attention (DeepSeek) are not computed yet; serve this model without --enable-lora");
+        }
+        if !backend.supports_lora() {
+            bail!(
+                "this device has no LoRA kernels yet ({}); serve adapters with --device cpu",
+                backend.describe()
+            );
+        }
+        self.lora = (0..self.layers.len())
+            .map(|i| LayerLora::new(i, slots))
+            .collect();
+        Ok(())
+    }
+
+    fn set_lora(&mut self, backend: &B, slot: usize, adapter: Option<&LoraAdapter>) -> Result<()> {
+        if self.lora.is_empty() {
+            bail!("LoRA adapters are not enabled (--enable-lora)");
+        }
+        for l in &mut self.lora {
+            l.set(backend, slot, adapter)?;
+        }
+        Ok(())
+    }
+
     fn forward(
         &self,
         b: &mut B,
@@ -266,12 +302,13 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
         b.reserve(&mut ws.x, n * d)?;
         b.reserve(&mut ws.h, n * d)?;
         b.embed(&self.embed, step, &mut ws.x);
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let lora = self.lora.get(i);
             b.rms_norm(&ws.x, &layer.attn_norm, eps, n, d, &mut ws.h);
-            layer.attn.forward(b, &self.rope, step, n, kv, ws)?;
+            layer.attn.forward(b, &self.rope, step, n, kv, ws, lora)?;
             b.add(&mut ws.x, &ws.proj, n * d);
             b.rms_norm(&ws.x, &layer.ffn_norm, eps, n, d, &mut ws.h);
-            layer.ffn.forward(b, step, n, ws)?;
+            layer.ffn.forward(b, step, n, ws, lora)?;
             b.add(&mut ws.x, &ws.proj, n * d);
         }
         let r = n_logits;

@@ -1,8 +1,10 @@
 //! The gated feed-forward block of the Llama family: `down(silu(gate(x)) ·
 //! up(x))`, optionally with biases.
 
+use super::lora::LayerLora;
 use super::projection::Projection;
 use super::{load_matrix, load_vector, Workspace};
+use crate::engine::lora::LoraModule;
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, Rows};
 
@@ -100,23 +102,64 @@ impl<B: Backend> GatedMlp<B> {
     }
 
     /// Runs the block on the step's `n` normed hidden states in `ws.h`,
-    /// leaving the result in `ws.proj`.
+    /// leaving the result in `ws.proj`, with the LoRA deltas of `lora` on
+    /// gate, up and down for the tokens whose adapter has them.
     pub fn forward(
         &self,
         b: &mut B,
         step: &B::Step,
         n: usize,
         ws: &mut Workspace<B>,
+        lora: Option<&LayerLora<B>>,
     ) -> Result<(), BackendError> {
-        self.forward_rows(
+        let Some(l) = lora else {
+            return self.forward_rows(
+                b,
+                &ws.h,
+                n,
+                step,
+                &mut ws.proj,
+                &mut ws.gate_up,
+                &mut ws.act,
+                &mut ws.split_tmp,
+            );
+        };
+        let (f, d) = (self.ffn, self.hidden);
+        b.reserve(&mut ws.gate_up, n * 2 * f)?;
+        b.reserve(&mut ws.act, n * f)?;
+        b.reserve(&mut ws.proj, n * d)?;
+        self.gate_up
+            .matmul(b, &ws.h, n, &mut ws.gate_up, &mut ws.split_tmp, step)?;
+        if let Some(bias) = &self.gate_up_bias {
+            b.add_bias(&mut ws.gate_up, bias, n, 2 * f);
+        }
+        l.add(
             b,
+            LoraModule::Gate,
             &ws.h,
-            n,
+            d,
             step,
-            &mut ws.proj,
             &mut ws.gate_up,
-            &mut ws.act,
-            &mut ws.split_tmp,
-        )
+            2 * f,
+            0,
+            f,
+        )?;
+        l.add(
+            b,
+            LoraModule::Up,
+            &ws.h,
+            d,
+            step,
+            &mut ws.gate_up,
+            2 * f,
+            f,
+            f,
+        )?;
+        b.silu_mul(&ws.gate_up, n, f, &mut ws.act);
+        b.matmul(&self.down, &ws.act, n, &mut ws.proj, step, Rows::Tokens);
+        if let Some(bias) = &self.down_bias {
+            b.add_bias(&mut ws.proj, bias, n, d);
+        }
+        l.add(b, LoraModule::Down, &ws.act, f, step, &mut ws.proj, d, 0, d)
     }
 }

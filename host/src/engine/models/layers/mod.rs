@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod lora;
 pub mod mla;
 pub mod mlp;
 pub mod moe;

@@ -1,0 +1,90 @@
+//! LoRA adapters on a layer's projections: for every adapter slot, the
+//! factors of each module it adapts, on the device. A step's tokens carry
+//! their adapter slot ([`pagoda_accel::StepBatch::lora_slots`]); after a
+//! projection's matmul, each module adds `scale · B (A x)` to its columns
+//! of the output for the tokens of each slot
+//! ([`pagoda_accel::Backend::lora_add`]). The base weights are never copied
+//! or merged.
+
+use crate::engine::lora::{LoraAdapter, LoraModule};
+use anyhow::Result;
+use pagoda_accel::{Backend, BackendError, DeviceLora};
+
+/// One layer's adapters, by module and slot.
+pub struct LayerLora<B: Backend> {
+    layer: usize,
+    /// Per module (in [`LoraModule::ALL`]'s order): one entry per slot.
+    modules: [Vec<Option<DeviceLora<B::Vector>>>; 7],
+}
+
+fn index(m: LoraModule) -> usize {
+    LoraModule::ALL.iter().position(|&x| x == m).unwrap_or(0)
+}
+
+impl<B: Backend> LayerLora<B> {
+    /// Layer `layer` with `slots` empty adapter slots.
+    pub fn new(layer: usize, slots: usize) -> LayerLora<B> {
+        LayerLora {
+            layer,
+            modules: std::array::from_fn(|_| (0..slots).map(|_| None).collect()),
+        }
+    }
+
+    /// Puts `adapter`'s factors for this layer in `slot` (or empties it).
+    pub fn set(&mut self, b: &B, slot: usize, adapter: Option<&LoraAdapter>) -> Result<()> {
+        for m in LoraModule::ALL {
+            let Some(entry) = self.modules[index(m)].get_mut(slot) else {
+                anyhow::bail!(
+                    "LoRA slot {slot} is beyond the {} slots",
+                    self.modules[0].len()
+                );
+            };
+            *entry = match adapter.and_then(|a| a.modules.get(&(self.layer, m)).map(|w| (a, w))) {
+                None => None,
+                Some((a, w)) => Some(DeviceLora {
+                    a: b.upload_vector(&w.a)?,
+                    b: b.upload_vector(&w.b)?,
+                    rank: w.rank,
+                    scale: a.scaling,
+                }),
+            };
+        }
+        Ok(())
+    }
+
+    /// Whether any slot adapts module `m`.
+    fn adapts(&self, m: LoraModule) -> bool {
+        self.modules[index(m)].iter().any(Option::is_some)
+    }
+
+    /// Adds module `m`'s deltas for the step's tokens: input `x`
+    /// (`[tokens, in_dim]`), output columns `col..col + out_dim` of `out`
+    /// (`out_stride` wide).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add(
+        &self,
+        b: &mut B,
+        m: LoraModule,
+        x: &B::Buffer,
+        in_dim: usize,
+        step: &B::Step,
+        out: &mut B::Buffer,
+        out_stride: usize,
+        col: usize,
+        out_dim: usize,
+    ) -> Result<(), BackendError> {
+        if !self.adapts(m) {
+            return Ok(());
+        }
+        b.lora_add(
+            x,
+            in_dim,
+            &self.modules[index(m)],
+            step,
+            out,
+            out_stride,
+            col,
+            out_dim,
+        )
+    }
+}
