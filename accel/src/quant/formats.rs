@@ -13,7 +13,7 @@
 //! - Q6_K (210 B / 256): `ql[128], qh[64], scales: i8[16], d: f16`; see
 //!   [`q6k_codes`]; value `d · scales[e / 16] · (q − 32)`.
 
-use super::GgmlType;
+use super::{GgmlType, WeightError};
 
 /// Reads the little-endian f16 at byte `i` as f32.
 pub(crate) fn f16_at(b: &[u8], i: usize) -> f32 {
@@ -75,6 +75,31 @@ pub(crate) fn q6k_codes(block: &[u8]) -> [u8; 256] {
         }
     }
     codes
+}
+
+/// Quantizes `rows` rows of `cols` row-major f32 values into the GGUF
+/// bytes of `ty` (Q8_0, Q4_0 or Q4_1), one [`quantize_row`] per row.
+/// `values` holds `rows * cols` elements (the callers check it).
+pub(crate) fn quantize_rows(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    values: &[f32],
+) -> Result<Vec<u8>, WeightError> {
+    let row_bytes = ty.row_bytes(cols)?;
+    let len = rows
+        .checked_mul(row_bytes)
+        .ok_or(WeightError::TooLarge { rows, cols })?;
+    let mut bytes = vec![0u8; len];
+    if cols > 0 {
+        for (src, dst) in values
+            .chunks_exact(cols)
+            .zip(bytes.chunks_exact_mut(row_bytes))
+        {
+            quantize_row(ty, src, dst);
+        }
+    }
+    Ok(bytes)
 }
 
 /// Quantizes one row of f32 (a whole number of 32-element blocks) into the

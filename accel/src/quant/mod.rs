@@ -429,8 +429,8 @@ impl Weight {
                 Weight::from_bf16_bits(rows, cols, &bits)
             }
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => {
-                let host = crate::HostMatrix::from_f32_as(ty, rows, cols, data)?;
-                Weight::from_raw(ty, rows, cols, host.bytes())
+                let bytes = formats::quantize_rows(ty, rows, cols, data)?;
+                Weight::from_raw(ty, rows, cols, &bytes)
             }
             GgmlType::Q4_K | GgmlType::Q6_K => Err(WeightError::QuantizeUnsupported(ty)),
         }
