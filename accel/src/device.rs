@@ -1,8 +1,11 @@
 //! Device selection and per-device contexts.
 
-use crate::cpu::pool::ThreadPool;
 use std::fmt;
 use std::str::FromStr;
+
+// Defined with the pool it wraps, below both this module and the backends
+// (the CPU backend holds one; `Device::detect` asks the CUDA backend).
+pub use crate::cpu::CpuContext;
 
 /// A kind of device the engine can run on, as named by `--device`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,31 +117,5 @@ impl Device {
                 runtime: "the Ascend CANN toolkit and an Ascend NPU",
             }),
         }
-    }
-}
-
-/// A CPU device context: the thread pool every kernel runs on.
-pub struct CpuContext {
-    pool: ThreadPool,
-}
-
-impl CpuContext {
-    /// A context with `threads` worker threads (0 means all cores).
-    pub fn new(threads: usize) -> CpuContext {
-        let threads = if threads == 0 {
-            std::thread::available_parallelism()
-                .map(|n| n.get())
-                .unwrap_or(1)
-        } else {
-            threads
-        };
-        CpuContext {
-            pool: ThreadPool::new(threads),
-        }
-    }
-
-    /// The pool kernels split their work over.
-    pub fn pool(&self) -> &ThreadPool {
-        &self.pool
     }
 }

@@ -1,8 +1,11 @@
-//! The CPU backend: a parking thread pool and instruction-set detection.
+//! The CPU backend: a parking thread pool, the context that holds it, and
+//! instruction-set detection.
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod amx;
 pub mod pool;
+
+use pool::ThreadPool;
 
 /// The best SIMD level this CPU supports, detected once at run time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -111,4 +114,30 @@ fn detect() -> SimdLevel {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> SimdLevel {
     SimdLevel::Scalar
+}
+
+/// A CPU device context: the thread pool every kernel runs on.
+pub struct CpuContext {
+    pool: ThreadPool,
+}
+
+impl CpuContext {
+    /// A context with `threads` worker threads (0 means all cores).
+    pub fn new(threads: usize) -> CpuContext {
+        let threads = if threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            threads
+        };
+        CpuContext {
+            pool: ThreadPool::new(threads),
+        }
+    }
+
+    /// The pool kernels split their work over.
+    pub fn pool(&self) -> &ThreadPool {
+        &self.pool
+    }
 }
