@@ -161,6 +161,45 @@ pub struct EngineFlags {
     /// "tcp://*:5558", "topic": "kv@pod@model"} (also buffer_steps, hwm).
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// Serve LoRA adapters on the base model (vLLM's multi-LoRA): requests
+    /// name an adapter as their "model".
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// Adapters to load at start-up, as vLLM takes them: name=path, or a
+    /// JSON object {"name": ..., "path": ..., "base_model_name": ...};
+    /// several after one flag, or the flag repeated.
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
+    /// Distinct adapters in one step (their device slots).
+    #[arg(long, default_value_t = 1)]
+    pub max_loras: usize,
+    /// The largest adapter rank accepted; larger adapters are refused.
+    #[arg(long, default_value_t = 16)]
+    pub max_lora_rank: usize,
+    /// Adapters kept in host memory, as vLLM takes it: Pagoda keeps every
+    /// loaded adapter in host memory (they are small), so it must be at
+    /// least --max-loras.
+    #[arg(long)]
+    pub max_cpu_loras: Option<usize>,
+}
+
+/// One `--lora-modules` entry: `name=path`, or vLLM's JSON form.
+fn parse_lora_module(s: &str) -> Result<(String, std::path::PathBuf)> {
+    if s.trim_start().starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(s)
+            .map_err(|e| anyhow::anyhow!("--lora-modules {s}: not valid JSON: {e}"))?;
+        let field = |k: &str| v.get(k).and_then(serde_json::Value::as_str);
+        let (Some(name), Some(path)) = (field("name"), field("path")) else {
+            bail!("--lora-modules {s}: the JSON form needs \"name\" and \"path\"");
+        };
+        return Ok((name.to_string(), path.into()));
+    }
+    match s.split_once('=') {
+        Some((name, path)) if !name.is_empty() && !path.is_empty() => {
+            Ok((name.to_string(), path.into()))
+        }
+        _ => bail!("--lora-modules {s}: expected name=path or a JSON object"),
+    }
 }
 
 impl EngineFlags {
@@ -218,6 +257,31 @@ impl EngineFlags {
             self.speculative_model.as_deref(),
             self.num_speculative_tokens,
         )?;
+        if !self.enable_lora && !self.lora_modules.is_empty() {
+            bail!("--lora-modules needs --enable-lora");
+        }
+        if self.enable_lora {
+            if self.max_loras == 0 {
+                bail!("--max-loras must be at least 1");
+            }
+            if let Some(c) = self.max_cpu_loras {
+                if c < self.max_loras {
+                    bail!(
+                        "--max-cpu-loras ({c}) must be at least --max-loras ({})",
+                        self.max_loras
+                    );
+                }
+            }
+            a.lora = Some(crate::engine::lora::LoraArgs {
+                max_loras: self.max_loras,
+                max_lora_rank: self.max_lora_rank,
+                modules: self
+                    .lora_modules
+                    .iter()
+                    .map(|m| parse_lora_module(m))
+                    .collect::<Result<_>>()?,
+            });
+        }
         Ok(a)
     }
 }

@@ -64,6 +64,9 @@ pub mod metric_names {
     pub const SPEC_NUM_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
     pub const SPEC_NUM_ACCEPTED_TOKENS: &str = "vllm:spec_decode_num_accepted_tokens_total";
     pub const SPEC_ACCEPTED_PER_POS: &str = "vllm:spec_decode_num_accepted_tokens_per_pos_total";
+    /// With `--enable-lora`: the running and waiting adapters, as labels
+    /// (vLLM's gauge; its value is when the labels were set).
+    pub const LORA_REQUESTS_INFO: &str = "vllm:lora_requests_info";
     /// Pagoda's own: KV-event batches dropped because the publisher thread
     /// fell behind (`--kv-events-config`).
     pub const KV_EVENTS_DROPPED: &str = "pagoda_kv_events_dropped_batches_total";
@@ -115,6 +118,8 @@ pub struct AsyncEngine {
     /// The structured-output compiler, once first asked for.
     grammar: Arc<OnceLock<Result<Arc<GrammarCompiler>, String>>>,
     sampling_defaults: Arc<SamplingDefaults>,
+    /// The LoRA adapters requests may name (`--enable-lora`).
+    loras: Option<crate::engine::lora::SharedLoras>,
     /// `Some(why)` once the engine thread has died.
     dead: watch::Receiver<Option<String>>,
 }
@@ -193,6 +198,7 @@ impl AsyncEngine {
         .set(1.0);
         let eos_ids: Arc<[u32]> = core.eos_ids().into();
         let sampling_defaults = Arc::new(core.sampling_defaults().clone());
+        let loras = core.lora_registry().cloned();
         let s = Arc::clone(&stats);
         let (dead_tx, dead) = watch::channel(None);
         let panic_at = match std::env::var(INJECT_PANIC_AT_STEP) {
@@ -254,6 +260,7 @@ impl AsyncEngine {
             eos_ids,
             grammar: Arc::new(OnceLock::new()),
             sampling_defaults,
+            loras,
             dead,
         })
     }
@@ -283,6 +290,50 @@ impl AsyncEngine {
     /// fallbacks under them).
     pub fn sampling_defaults(&self) -> &SamplingDefaults {
         &self.sampling_defaults
+    }
+
+    /// Whether LoRA adapters are served (`--enable-lora`).
+    pub fn lora_enabled(&self) -> bool {
+        self.loras.is_some()
+    }
+
+    /// The adapter named `name`, if loaded.
+    pub fn lora(&self, name: &str) -> Option<Arc<crate::engine::lora::LoadedLora>> {
+        crate::engine::lora::lock(self.loras.as_ref()?)
+            .get(name)
+            .cloned()
+    }
+
+    /// Every loaded adapter, by name.
+    pub fn loras(&self) -> Vec<Arc<crate::engine::lora::LoadedLora>> {
+        match &self.loras {
+            Some(r) => crate::engine::lora::lock(r).iter().cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Loads the PEFT adapter in `path` under `name` (reading and checking
+    /// it takes a moment: call it off the async threads). Requests may
+    /// name it as their model once this returns.
+    pub fn load_lora(
+        &self,
+        name: &str,
+        path: &std::path::Path,
+    ) -> anyhow::Result<Arc<crate::engine::lora::LoadedLora>> {
+        match &self.loras {
+            Some(r) => crate::engine::lora::lock(r).load(name, path),
+            None => {
+                anyhow::bail!("LoRA adapters are not enabled; start the server with --enable-lora")
+            }
+        }
+    }
+
+    /// Forgets adapter `name`: new requests for it are refused, running
+    /// ones finish. Whether it was loaded.
+    pub fn unload_lora(&self, name: &str) -> bool {
+        self.loras
+            .as_ref()
+            .is_some_and(|r| crate::engine::lora::lock(r).unload(name).is_some())
     }
 
     /// The tokenizer.
@@ -481,6 +532,11 @@ fn engine_loop(
     // Tenants whose gauges are set: a tenant that leaves the engine gets
     // zeros once, then no more updates.
     let mut tenant_gauges: Vec<String> = Vec::new();
+    // The adapters last reported, so the gauge changes only when they do.
+    let max_loras = core
+        .lora_registry()
+        .map(|r| crate::engine::lora::lock(r).limits().max_loras);
+    let mut lora_shown: Option<(Vec<String>, Vec<String>)> = None;
     loop {
         // Block only when there is nothing to run.
         let first = if core.has_unfinished() {
@@ -620,6 +676,9 @@ fn engine_loop(
         metrics::gauge!(m::GPU_CACHE_USAGE).set(s.kv_usage);
         metrics::gauge!(m::NUM_REQUESTS_SWAPPED).set(0.0);
         set_tenant_gauges(&core, &mut tenant_gauges);
+        if let Some(max) = max_loras {
+            set_lora_info(&core, max, &mut lora_shown);
+        }
         if s.steps > last.steps {
             metrics::histogram!(m::ITERATION_TOKENS).record(s.last_step_tokens as f64);
         }
@@ -665,6 +724,32 @@ fn set_tenant_gauges(core: &EngineCore, shown: &mut Vec<String>) {
         metrics::gauge!(m::TENANT_WAITING, "tenant" => gone.clone()).set(0.0);
     }
     *shown = now;
+}
+
+/// Sets `vllm:lora_requests_info` as vLLM does: one series whose labels
+/// name the running and the waiting adapters (comma-separated) and
+/// `max_lora`, whose value is when they were set; the previous series is
+/// zeroed when they change.
+fn set_lora_info(core: &EngineCore, max: usize, shown: &mut Option<(Vec<String>, Vec<String>)>) {
+    let now = core.lora_load();
+    if shown.as_ref() == Some(&now) {
+        return;
+    }
+    let labels = |(running, waiting): &(Vec<String>, Vec<String>)| {
+        [
+            ("running_lora_adapters", running.join(",")),
+            ("waiting_lora_adapters", waiting.join(",")),
+            ("max_lora", max.to_string()),
+        ]
+    };
+    if let Some(old) = shown.as_ref() {
+        metrics::gauge!(m::LORA_REQUESTS_INFO, &labels(old)).set(0.0);
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    metrics::gauge!(m::LORA_REQUESTS_INFO, &labels(&now)).set(t);
+    *shown = Some(now);
 }
 
 /// Seconds from `a` to `b`, 0 if `b` is earlier.

@@ -91,7 +91,9 @@ pub struct EngineCore {
     /// Where the prefix cache's events go, when they are published.
     kv_events: Option<KvEventPublisher>,
     /// The LoRA adapters requests may name (`--enable-lora`).
-    loras: Option<crate::engine::lora::LoraRegistry>,
+    /// Shared with the front end, which loads and unloads adapters off
+    /// the engine thread ([`EngineCore::lora_registry`]).
+    loras: Option<crate::engine::lora::SharedLoras>,
 }
 
 impl EngineCore {
@@ -131,7 +133,7 @@ impl EngineCore {
         let max = registry.limits().max_loras;
         self.runner.enable_lora(max)?;
         self.scheduler.set_max_loras(max);
-        self.loras = Some(registry);
+        self.loras = Some(std::sync::Arc::new(std::sync::Mutex::new(registry)));
         Ok(())
     }
 
@@ -145,8 +147,8 @@ impl EngineCore {
         name: &str,
         path: &std::path::Path,
     ) -> anyhow::Result<std::sync::Arc<crate::engine::lora::LoadedLora>> {
-        match &mut self.loras {
-            Some(r) => r.load(name, path),
+        match &self.loras {
+            Some(r) => crate::engine::lora::lock(r).load(name, path),
             None => {
                 anyhow::bail!("LoRA adapters are not enabled; start the server with --enable-lora")
             }
@@ -158,17 +160,25 @@ impl EngineCore {
         &mut self,
         name: &str,
     ) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
-        self.loras.as_mut()?.unload(name)
+        crate::engine::lora::lock(self.loras.as_ref()?).unload(name)
     }
 
     /// The adapter named `name`, if loaded.
     pub fn lora(&self, name: &str) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
-        self.loras.as_ref()?.get(name).cloned()
+        crate::engine::lora::lock(self.loras.as_ref()?)
+            .get(name)
+            .cloned()
     }
 
     /// The LoRA adapters requests may name, if enabled.
-    pub fn loras(&self) -> Option<&crate::engine::lora::LoraRegistry> {
+    pub fn lora_registry(&self) -> Option<&crate::engine::lora::SharedLoras> {
         self.loras.as_ref()
+    }
+
+    /// The adapters of the running and the waiting requests (by name,
+    /// each once), for vLLM's `vllm:lora_requests_info`.
+    pub fn lora_load(&self) -> (Vec<String>, Vec<String>) {
+        self.scheduler.lora_load()
     }
 
     /// Publishes the prefix cache's events after every step (the KV-cache

@@ -436,6 +436,25 @@ impl Scheduler {
         out.num_running = self.running.len();
     }
 
+    /// The adapters of the running and the waiting requests, by name.
+    pub fn lora_load(&self) -> (Vec<String>, Vec<String>) {
+        let names = |ids: &mut dyn Iterator<Item = &u64>| {
+            let mut out: Vec<String> = Vec::new();
+            for r in ids.filter_map(|id| self.requests.get(id)) {
+                if let Some(l) = &r.lora {
+                    if !out.contains(&l.name) {
+                        out.push(l.name.clone());
+                    }
+                }
+            }
+            out
+        };
+        (
+            names(&mut self.running.iter()),
+            names(&mut self.waiting.iter()),
+        )
+    }
+
     /// Whether `req` may run beside the running requests: it has no
     /// adapter, or its adapter already runs, or a slot is free.
     fn lora_fits(&self, req: &Request) -> bool {

@@ -123,10 +123,13 @@ impl AppState {
         self.config.reasoning_parser
     }
 
-    /// The engine, if `model` is one this server serves and the engine is up.
+    /// The engine, if `model` is one this server serves (a served name, or
+    /// a loaded LoRA adapter's) and the engine is up.
     pub fn engine_for(&self, model: &str) -> Result<&AsyncEngine, ApiError> {
         let engine = self.engine()?;
-        if !self.config.served_model_names.iter().any(|n| n == model) {
+        if !self.config.served_model_names.iter().any(|n| n == model)
+            && engine.lora(model).is_none()
+        {
             return Err(ApiError::model_not_found(model));
         }
         Ok(engine)
@@ -572,14 +575,23 @@ async fn api_route(
     let allowed = |m: &str| snapshot.as_ref().is_none_or(|s| s.allows_model(m));
     match (method, path) {
         (Method::GET, "/v1/models") => {
-            state.engine()?;
-            let data: Vec<Value> = state
+            let engine = state.engine()?;
+            let mut data: Vec<Value> = state
                 .config
                 .served_model_names
                 .iter()
                 .filter(|n| allowed(n))
                 .map(|n| model_card(&state, n))
                 .collect();
+            // Adapters, as vLLM lists them: their folder as root, the base
+            // model as parent.
+            data.extend(
+                engine
+                    .loras()
+                    .iter()
+                    .filter(|l| allowed(&l.name))
+                    .map(|l| lora_card(&state, l)),
+            );
             Ok(json_response(&json!({"object": "list", "data": data})))
         }
         // `client.models.retrieve(id)`: the id is the rest of the path (a
@@ -587,8 +599,13 @@ async fn api_route(
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             state.engine()?;
             let id = percent_decode(&p["/v1/models/".len()..]);
+            let lora = state.engine()?.lora(&id);
             match state.config.served_model_names.iter().find(|n| **n == id) {
                 Some(n) if allowed(n) => Ok(json_response(&model_card(&state, n))),
+                None if lora.is_some() && allowed(&id) => {
+                    let l = lora.as_ref().map(|l| lora_card(&state, l));
+                    Ok(json_response(&l.unwrap_or_default()))
+                }
                 // Another tenant's model is as unknown as a missing one.
                 _ => Err(ApiError::model_not_found(&id)),
             }
@@ -596,6 +613,18 @@ async fn api_route(
         (Method::POST, "/v1/completions") => {
             let body = read_json(&state, req).await?;
             openai::completions(state, body, tenant).await
+        }
+        // vLLM serves these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set;
+        // they read a folder on the server, so a tenant's key never may
+        // (tenants upload adapters through the admin API instead).
+        (Method::POST, p @ ("/v1/load_lora_adapter" | "/v1/unload_lora_adapter"))
+            if runtime_lora_updating() =>
+        {
+            if tenant.is_some() {
+                return Err(ApiError::not_found(p));
+            }
+            let body = read_json(&state, req).await?;
+            update_lora(&state, p == "/v1/load_lora_adapter", &body).await
         }
         (Method::POST, "/v1/completions/render") => {
             let body = read_json(&state, req).await?;
@@ -640,6 +669,105 @@ async fn api_route(
             None => ApiError::not_found(p),
         }),
     }
+}
+
+/// Whether `VLLM_ALLOW_RUNTIME_LORA_UPDATING` allows loading and
+/// unloading adapters through the API, as vLLM reads it.
+fn runtime_lora_updating() -> bool {
+    std::env::var("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        .is_ok_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "true"))
+}
+
+/// `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`) and
+/// `/v1/unload_lora_adapter` (`{"lora_name"}`), with vLLM's answers: a
+/// plain-text success line, or a 400 (a bad body, a name already loaded,
+/// an adapter that does not fit) or 404 (unloading an unknown adapter).
+/// A failed load changes nothing; an unloaded adapter's running requests
+/// finish, and new ones get 404 `model_not_found`.
+async fn update_lora(
+    state: &AppState,
+    load: bool,
+    body: &Value,
+) -> Result<Response<Body>, ApiError> {
+    let engine = state.engine()?.clone();
+    if !engine.lora_enabled() {
+        return Err(ApiError::invalid(
+            None,
+            "LoRA adapters are not enabled; start the server with --enable-lora",
+        ));
+    }
+    let field = |k: &str| {
+        body.get(k)
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+    };
+    let Some(name) = field("lora_name").map(str::to_string) else {
+        return Err(ApiError::invalid(
+            Some("lora_name".into()),
+            if load {
+                "Both 'lora_name' and 'lora_path' must be provided."
+            } else {
+                "'lora_name' needs to be provided to unload a LoRA adapter."
+            },
+        ));
+    };
+    let text = if load {
+        let Some(path) = field("lora_path").map(std::path::PathBuf::from) else {
+            return Err(ApiError::invalid(
+                Some("lora_path".into()),
+                "Both 'lora_name' and 'lora_path' must be provided.",
+            ));
+        };
+        if state.served_model_names().iter().any(|n| *n == name) {
+            return Err(ApiError::invalid(
+                Some("lora_name".into()),
+                format!("The lora adapter '{name}' would shadow a served model's name."),
+            ));
+        }
+        if engine.lora(&name).is_some() {
+            return Err(ApiError::invalid(
+                Some("lora_name".into()),
+                format!("The lora adapter '{name}' has already been loaded."),
+            ));
+        }
+        let e = engine.clone();
+        let n = name.clone();
+        tokio::task::spawn_blocking(move || e.load_lora(&n, &path))
+            .await
+            .map_err(|e| ApiError::internal(format!("loading the adapter failed: {e}")))?
+            .map_err(|e| ApiError::invalid(Some("lora_path".into()), format!("{e:#}")))?;
+        tracing::info!("LoRA adapter {name:?} loaded");
+        format!("Success: LoRA adapter '{name}' added successfully.")
+    } else {
+        if !engine.unload_lora(&name) {
+            return Err(ApiError {
+                status: hyper::StatusCode::NOT_FOUND,
+                code: "not_found",
+                ..ApiError::invalid(
+                    Some("lora_name".into()),
+                    format!("The lora adapter '{name}' cannot be found."),
+                )
+            });
+        }
+        tracing::info!("LoRA adapter {name:?} unloaded");
+        format!("Success: LoRA adapter '{name}' removed successfully.")
+    };
+    let mut r = Response::new(full(Bytes::from(text)));
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    Ok(r)
+}
+
+/// A LoRA adapter's `/v1/models` entry.
+fn lora_card(state: &AppState, l: &crate::engine::lora::LoadedLora) -> Value {
+    json!({
+        "id": l.name, "object": "model", "created": 0, "owned_by": "pagoda",
+        "root": l.path.display().to_string(), "parent": state.default_model(),
+        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "permission": [],
+    })
 }
 
 /// One model's card, as `/v1/models` lists it.

@@ -73,6 +73,15 @@ impl Default for LoraLimits {
     }
 }
 
+/// A registry the engine and its front end share.
+pub type SharedLoras = Arc<std::sync::Mutex<LoraRegistry>>;
+
+/// Locks `r`; a lock poisoned by a panic elsewhere still holds a
+/// consistent registry (every change is one map operation).
+pub fn lock(r: &SharedLoras) -> std::sync::MutexGuard<'_, LoraRegistry> {
+    r.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The adapters a server knows, by name.
 #[derive(Debug)]
 pub struct LoraRegistry {

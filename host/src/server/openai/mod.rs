@@ -691,6 +691,8 @@ async fn start_run(
         common.opts.tenant = t.share();
     }
     let engine = state.engine_for(&common.model)?.clone();
+    // A request that names an adapter runs with it on the base model.
+    common.opts.lora = engine.lora(&common.model);
     let max_len = engine.max_model_len();
     if api == Api::Completions {
         // OpenAI's default of 16 for completions, where neither the request
