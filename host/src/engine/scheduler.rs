@@ -321,6 +321,9 @@ impl Scheduler {
                     no_slot.push(id);
                     continue;
                 }
+                if let Some(l) = &req.lora {
+                    kv.name_lora(l.id, &l.name);
+                }
                 // Cached positions have no logits, so a request that wants
                 // its prompt's logprobs computes the whole prompt.
                 let hit = if req.prompt_logprobs_from().is_some() {

@@ -39,10 +39,14 @@ pub enum KvEvent {
         /// The blocks' tokens, back to back.
         token_ids: Vec<u32>,
         block_size: usize,
-        /// Per block: what besides the tokens went into its hash. Block 0
-        /// of a sequence carries its cache salt (the tenant and any
-        /// `cache_salt`), so a router keeps tenants apart too.
+        /// Per block: what besides the tokens went into its hash, as vLLM
+        /// lists it: the LoRA adapter's name on every block of an adapted
+        /// sequence, then, on block 0, its cache salt (the tenant and any
+        /// `cache_salt`), so a router keeps adapters and tenants apart too.
         extra_keys: Vec<Option<Vec<String>>>,
+        /// The LoRA adapter the blocks were computed under: its id and
+        /// name (vLLM's `lora_id` and `lora_name`).
+        lora: Option<(u32, String)>,
     },
     /// Blocks were evicted.
     BlockRemoved { block_hashes: Vec<u64> },
@@ -85,6 +89,7 @@ impl Serialize for AsMap<'_> {
                 token_ids,
                 block_size,
                 extra_keys,
+                lora,
             } => {
                 let mut m = s.serialize_map(Some(9))?;
                 m.serialize_entry("type", "BlockStored")?;
@@ -92,9 +97,9 @@ impl Serialize for AsMap<'_> {
                 m.serialize_entry("parent_block_hash", parent_block_hash)?;
                 m.serialize_entry("token_ids", token_ids)?;
                 m.serialize_entry("block_size", block_size)?;
-                m.serialize_entry("lora_id", &Option::<i64>::None)?;
+                m.serialize_entry("lora_id", &lora.as_ref().map(|l| l.0))?;
                 m.serialize_entry("medium", MEDIUM)?;
-                m.serialize_entry("lora_name", &Option::<String>::None)?;
+                m.serialize_entry("lora_name", &lora.as_ref().map(|l| &l.1))?;
                 m.serialize_entry("extra_keys", extra_keys)?;
                 m.end()
             }
@@ -145,7 +150,6 @@ impl Serialize for MapBatch<'_> {
 /// The array form of an event.
 impl Serialize for KvEvent {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let none = Option::<String>::None;
         match self {
             KvEvent::BlockStored {
                 block_hashes,
@@ -153,15 +157,16 @@ impl Serialize for KvEvent {
                 token_ids,
                 block_size,
                 extra_keys,
+                lora,
             } => (
                 "BlockStored",
                 block_hashes,
                 parent_block_hash,
                 token_ids,
                 block_size,
-                Option::<i64>::None, // lora_id
+                lora.as_ref().map(|l| l.0),
                 MEDIUM,
-                none, // lora_name
+                lora.as_ref().map(|l| &l.1),
                 extra_keys,
             )
                 .serialize(s),

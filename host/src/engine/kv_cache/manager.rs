@@ -100,6 +100,8 @@ pub struct KvCacheManager {
     /// KV-cache events since the last [`KvCacheManager::take_events`],
     /// when they are published ([`KvCacheManager::with_events`]).
     events: Option<Vec<KvEvent>>,
+    /// LoRA adapters' names by id, for the events ([`KvCacheManager::name_lora`]).
+    lora_names: HashMap<u32, String>,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -132,6 +134,7 @@ impl KvCacheManager {
             stats: PrefixStats::default(),
             window: None,
             events: None,
+            lora_names: HashMap::new(),
         }
     }
 
@@ -188,6 +191,13 @@ impl KvCacheManager {
         self.seqs
             .get(&seq)
             .map_or(0, |s| s.blocks.len() - s.released)
+    }
+
+    /// Names adapter `id` in the events of blocks computed under it.
+    pub fn name_lora(&mut self, id: u32, name: &str) {
+        if self.events.is_some() && !self.lora_names.contains_key(&id) {
+            self.lora_names.insert(id, name.to_string());
+        }
     }
 
     /// Tokens per block.
@@ -367,7 +377,11 @@ impl KvCacheManager {
                 };
                 let stored = self.pool.cache(entry.blocks[j], h);
                 if let (true, Some(events)) = (stored, &mut self.events) {
-                    record_stored(events, &entry.hashes, j, h, tokens, bs, key.salt);
+                    let lora = (key.lora != 0).then(|| {
+                        let name = self.lora_names.get(&key.lora).cloned().unwrap_or_default();
+                        (key.lora, name)
+                    });
+                    record_stored(events, &entry.hashes, j, h, tokens, bs, key.salt, lora);
                 }
                 entry.hashes.push(h);
             }
@@ -427,6 +441,7 @@ impl KvCacheManager {
 /// entered the cache: it extends the last event when that one stored the
 /// block before it, so a sequence's run of blocks is one event, as vLLM
 /// sends them.
+#[allow(clippy::too_many_arguments)]
 fn record_stored(
     events: &mut Vec<KvEvent>,
     hashes: &[BlockHash],
@@ -435,21 +450,28 @@ fn record_stored(
     tokens: &[u32],
     bs: usize,
     salt: u64,
+    lora: Option<(u32, String)>,
 ) {
     let parent = j
         .checked_sub(1)
         .and_then(|p| hashes.get(p))
         .map(|&p| external_hash(p));
     let block_tokens = &tokens[j * bs..(j + 1) * bs];
-    let extra = (j == 0 && salt != 0).then(|| vec![salt_key(salt)]);
+    // vLLM's order: the adapter's name on every block, the salt on block 0.
+    let mut keys: Vec<String> = lora.iter().map(|l| l.1.clone()).collect();
+    if j == 0 && salt != 0 {
+        keys.push(salt_key(salt));
+    }
+    let extra = (!keys.is_empty()).then_some(keys);
     if let Some(KvEvent::BlockStored {
         block_hashes,
         token_ids,
         extra_keys,
+        lora: last_lora,
         ..
     }) = events.last_mut()
     {
-        if parent.is_some() && block_hashes.last().copied() == parent {
+        if parent.is_some() && block_hashes.last().copied() == parent && *last_lora == lora {
             block_hashes.push(external_hash(h));
             token_ids.extend_from_slice(block_tokens);
             extra_keys.push(extra);
@@ -462,6 +484,7 @@ fn record_stored(
         token_ids: block_tokens.to_vec(),
         block_size: bs,
         extra_keys: vec![extra],
+        lora,
     });
 }
 
@@ -542,6 +565,7 @@ mod tests {
             token_ids,
             block_size,
             extra_keys,
+            lora: None,
         }] = ev.as_slice()
         else {
             panic!("{ev:?}");
@@ -624,6 +648,43 @@ mod tests {
             0,
             "another adapter"
         );
+    }
+
+    #[test]
+    fn blocks_stored_under_an_adapter_carry_its_id_and_name() {
+        let mut m = KvCacheManager::new(8, 4, true).with_events();
+        m.name_lora(5, "sql");
+        let t: Vec<u32> = (0..9).collect();
+        let key = CacheKey { lora: 5, ..k(3) };
+        assert!(m.allocate(1, &t, key, None, 0, 9));
+        m.commit(1, &t, 9);
+        let mut ev = Vec::new();
+        m.take_events(&mut ev);
+        let [KvEvent::BlockStored {
+            extra_keys, lora, ..
+        }] = ev.as_slice()
+        else {
+            panic!("{ev:?}");
+        };
+        assert_eq!(lora, &Some((5, "sql".to_string())));
+        // vLLM's extra keys: the adapter on every block, the salt on the first.
+        assert_eq!(
+            extra_keys,
+            &vec![
+                Some(vec!["sql".to_string(), "0000000000000003".to_string()]),
+                Some(vec!["sql".to_string()])
+            ]
+        );
+        let bytes = crate::engine::kv_cache::events::encode_batch(
+            1.0,
+            &ev,
+            0,
+            crate::engine::kv_cache::events::WireFormat::Map,
+        )
+        .expect("encode");
+        let v: serde_json::Value = rmp_serde::from_slice(&bytes).expect("msgpack");
+        assert_eq!(v["events"][0]["lora_id"], 5);
+        assert_eq!(v["events"][0]["lora_name"], "sql");
     }
 
     #[test]
