@@ -8,6 +8,7 @@
 
 use super::{Backend, BackendError, DeviceMatrix, HostMatrix, KvSpec, Rows, StepBatch};
 use crate::cpu::{simd_level, SimdLevel};
+use crate::ops::sample::{SampleScratch, SampledRows, SamplingMetadata};
 use crate::ops::{self, AttnSeq, KvDtype, KvElem, KvLayout, RopeTable};
 use crate::quant::{GgmlType, MatmulScratch, Weight};
 use crate::CpuContext;
@@ -27,6 +28,8 @@ pub struct CpuBackend {
     /// One head's rows in and out of [`Backend::matmul_heads`].
     head_in: Vec<f32>,
     head_out: Vec<f32>,
+    /// Each thread's sampling buffers ([`Backend::sample`]).
+    sample_scratch: SampleScratch,
 }
 
 impl CpuBackend {
@@ -40,6 +43,7 @@ impl CpuBackend {
             attn_seqs: Vec::new(),
             head_in: Vec::new(),
             head_out: Vec::new(),
+            sample_scratch: SampleScratch::default(),
             lora_order: Vec::new(),
         }
     }
@@ -655,6 +659,25 @@ impl Backend for CpuBackend {
             let t = t as usize;
             dst.copy_from_slice(&x[t * d..(t + 1) * d]);
         }
+    }
+
+    fn sample(
+        &mut self,
+        logits: &mut Vec<f32>,
+        vocab: usize,
+        meta: &SamplingMetadata,
+        out: &mut SampledRows,
+    ) -> Result<(), BackendError> {
+        // The logits are already in host memory: sample them in place.
+        ops::sample_rows(
+            self.ctx.pool(),
+            logits,
+            vocab,
+            meta,
+            &mut self.sample_scratch,
+            out,
+        );
+        Ok(())
     }
 }
 

@@ -16,7 +16,10 @@
 //!   ([`Backend::upload_step`] of a [`StepBatch`]: tokens, positions, slot
 //!   mapping, block tables, sequence starts and lengths);
 //! - the forward pass is a sequence of operations on device buffers;
-//! - only the logits of the sampling rows come back ([`Backend::to_host`]).
+//! - sampling runs where the logits are ([`Backend::sample`]): only the
+//!   sampled ids and the logprobs asked for come back; rows sampled on the
+//!   host (drafts to verify, prompt logprobs) are read back with
+//!   [`Backend::to_host`].
 //!
 //! Operations are recorded in order on the backend's one queue (the CPU runs
 //! them at once; a GPU backend enqueues them on its stream). Shapes are
@@ -30,6 +33,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
+use crate::ops::sample::{SampledRows, SamplingMetadata};
 use crate::ops::{KvDtype, KvLayout, RopeTable};
 use crate::quant::{Affine, GgmlType, WeightError};
 use std::borrow::Cow;
@@ -706,6 +710,25 @@ pub trait Backend: Send + 'static {
         step: &Self::Step,
         out: &mut Self::Buffer,
     );
+
+    /// Samples the rows `meta` describes from `logits` (`[rows, vocab]`):
+    /// each row's logit processors, then greedy or top-k / top-p / min-p
+    /// sampling with the row's pre-drawn uniform, as
+    /// [`crate::ops::sample`] defines them. Waits for the queued
+    /// operations and returns in `out`, in host memory, only the sampled
+    /// ids and the logprobs the rows asked for. The sampled rows of
+    /// `logits` are overwritten; the others are left as they were.
+    ///
+    /// # Panics
+    /// If `meta` is for another vocabulary, or its logit rows are not
+    /// strictly increasing or lie past the buffer (bugs in the caller).
+    fn sample(
+        &mut self,
+        logits: &mut Self::Buffer,
+        vocab: usize,
+        meta: &SamplingMetadata,
+        out: &mut SampledRows,
+    ) -> Result<(), BackendError>;
 
     /// Routes the `m` tokens whose router logits are the rows of `logits`
     /// (`[m, spec.n_experts]`) by `spec`, with `bias` added to the scores

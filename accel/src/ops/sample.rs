@@ -443,6 +443,29 @@ struct RowScratch {
     hist: Box<[u32; HIST_BUCKETS]>,
 }
 
+impl RowScratch {
+    /// Sizes every buffer for rows of `vocab` at once: which thread gets
+    /// which row varies from step to step, and how many candidates a
+    /// selection gathers varies with the values, so buffers grown on
+    /// demand would keep allocating long after the first step.
+    fn prepare(&mut self, vocab: usize) {
+        let words = vocab.div_ceil(64);
+        if self.seen.len() < words {
+            self.seen.resize(words, 0);
+        }
+        room(&mut self.bits, words);
+        room(&mut self.logprobs, vocab);
+        room(&mut self.cands, vocab);
+    }
+}
+
+/// Makes `v`'s capacity at least `n` (whatever it holds now).
+fn room<T>(v: &mut Vec<T>, n: usize) {
+    if v.capacity() < n {
+        v.reserve(n - v.len());
+    }
+}
+
 impl Default for RowScratch {
     fn default() -> Self {
         RowScratch {
@@ -538,6 +561,7 @@ pub fn sample_rows(
         let mut s = scratch.threads[t]
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        s.prepare(vocab);
         loop {
             let r = next.fetch_add(1, Ordering::Relaxed);
             if r >= n {

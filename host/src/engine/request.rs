@@ -41,6 +41,14 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Added to the logits of the given tokens.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Only these tokens may be sampled (vLLM's `allowed_token_ids`);
+    /// `None` allows every token. Never empty.
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// Token sequences the output must not contain (vLLM's `bad_words`,
+    /// tokenized): the last token of each is banned whenever the output
+    /// ends with the tokens before it, so a one-token word is always
+    /// banned. Each is non-empty.
+    pub bad_words_token_ids: Vec<Vec<u32>>,
     /// Makes sampling reproducible.
     pub seed: Option<u64>,
     /// Strings that end the output (not included unless asked).
@@ -75,6 +83,8 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             logit_bias: Vec::new(),
+            allowed_token_ids: None,
+            bad_words_token_ids: Vec::new(),
             seed: None,
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
@@ -302,6 +312,31 @@ impl SamplingParams {
                 ));
             }
         }
+        if let Some(allowed) = &self.allowed_token_ids {
+            if allowed.is_empty() {
+                return Err(bad(
+                    "allowed_token_ids",
+                    "allowed_token_ids must not be empty".into(),
+                ));
+            }
+            if let Some(&t) = allowed.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(bad(
+                    "allowed_token_ids",
+                    format!("allowed token {t} is beyond the vocabulary of {vocab_size}"),
+                ));
+            }
+        }
+        for word in &self.bad_words_token_ids {
+            if word.is_empty() {
+                return Err(bad("bad_words", "bad words must not be empty".into()));
+            }
+            if let Some(&t) = word.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(bad(
+                    "bad_words",
+                    format!("bad word token {t} is beyond the vocabulary of {vocab_size}"),
+                ));
+            }
+        }
         for &t in &self.stop_token_ids {
             if t as usize >= vocab_size {
                 return Err(bad(
@@ -511,12 +546,13 @@ impl Request {
 
     /// Whether drafts may be proposed for it after a step that samples
     /// its next token: its sampling depends on nothing a draft would change
-    /// mid-step (no grammar, no penalties over the output, no EOS ban
-    /// still to lift then). The runner decides how many (see
+    /// mid-step (no grammar, no penalties or bad words over the output, no
+    /// EOS ban still to lift then). The runner decides how many (see
     /// [`crate::engine::spec_decode::Speculator::draft_len`]).
     pub(crate) fn may_draft_after_step(&self) -> bool {
         let p = &self.params;
         self.grammar.is_none()
+            && p.bad_words_token_ids.is_empty()
             && p.repetition_penalty() == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0

@@ -1,7 +1,12 @@
-//! Turns one row of logits into the next token: logit processors
-//! (bias, penalties, min_tokens), optional logprobs of the raw model output,
-//! then greedy or temperature / top-k / top-p / min-p sampling with the
-//! request's own RNG.
+//! Turns one row of logits into the next token on the host: logit
+//! processors (allowed ids, bad words, bias, penalties, min_tokens),
+//! optional logprobs of the raw model output, then greedy or temperature /
+//! top-k / top-p / min-p sampling with the request's own RNG.
+//!
+//! The model runner samples plain rows for the whole batch at once on the
+//! device ([`pagoda_accel::Backend::sample`], whose numbers are bitwise
+//! these); this sampler serves what stays on the host: verifying drafts
+//! and scoring prompt tokens.
 
 use crate::engine::request::{SamplingParams, TokenLogprob};
 use crate::engine::structured_output::TokenMask;
@@ -32,6 +37,8 @@ pub struct Sampler {
     candidates: Vec<(f32, u32)>,
     logprobs: Vec<f32>,
     seen: Vec<u64>,
+    /// Bit per id of the request's allowed ids.
+    allowed: Vec<u64>,
 }
 
 /// What the sampler chose for one row.
@@ -125,9 +132,32 @@ impl Sampler {
         }
     }
 
-    /// Applies logit bias, the penalties and min_tokens to `logits`.
+    /// Applies allowed ids, bad words, logit bias, the penalties and
+    /// min_tokens to `logits`.
     fn process(&mut self, logits: &mut [f32], req: &SampleRow) {
         let p = req.params;
+        // Allowed ids and bad words first, as vLLM orders them (they only
+        // assign −∞, which the processors below keep).
+        if let Some(allowed) = &p.allowed_token_ids {
+            self.allowed.clear();
+            self.allowed.resize(logits.len().div_ceil(64), 0);
+            for &t in allowed {
+                if let Some(w) = self.allowed.get_mut(t as usize / 64) {
+                    *w |= 1 << (t % 64);
+                }
+            }
+            for (t, l) in logits.iter_mut().enumerate() {
+                if self.allowed[t / 64] & (1 << (t % 64)) == 0 {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let output = &req.token_ids[req.token_ids.len() - req.num_output..];
+        for t in bad_word_bans(&p.bad_words_token_ids, output) {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
         for &(t, b) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += b;
@@ -389,6 +419,19 @@ fn accept_or_resample(
     }
     let rest: f64 = p.iter().map(|&w| w as f64).sum();
     (draw(p, rest, rng), false)
+}
+
+/// The tokens `bad_words` ban after `output` (vLLM's rule): each word's
+/// last token, where the output ends with the word's other tokens (a
+/// one-token word always).
+pub fn bad_word_bans<'a>(
+    bad_words: &'a [Vec<u32>],
+    output: &'a [u32],
+) -> impl Iterator<Item = u32> + 'a {
+    bad_words.iter().filter_map(move |w| {
+        let (&last, prefix) = w.split_last()?;
+        output.ends_with(prefix).then_some(last)
+    })
 }
 
 /// Temperature, then softmax, in place. A scalar `exp` per vocabulary

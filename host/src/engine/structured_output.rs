@@ -585,6 +585,23 @@ impl TokenMask {
         }
     }
 
+    /// The mask as 32-bit words: bit `t % 32` of word `t / 32` set means
+    /// token `t` is allowed (ids past the last word are not).
+    pub fn words(&self) -> &[u32] {
+        self.0.as_slice()
+    }
+
+    /// A mask over `vocab` ids allowing `allowed` (for tests of what
+    /// consumes masks).
+    #[cfg(test)]
+    pub(crate) fn from_allowed(vocab: usize, allowed: impl IntoIterator<Item = u32>) -> TokenMask {
+        let mut v = SimpleVob::alloc(vocab);
+        for t in allowed {
+            v.allow_token(t);
+        }
+        TokenMask(v)
+    }
+
     /// Whether `token` is allowed.
     pub fn allows(&self, token: u32) -> bool {
         (token as usize) < self.0.len() && self.0.is_allowed(token)

@@ -219,6 +219,10 @@ pub struct CudaBackend {
     scratch: Scratch,
     /// The first error of an operation that could not return it.
     pending: Option<BackendError>,
+    /// [`Backend::sample`] runs the CPU op on the rows read back, on the
+    /// calling thread.
+    sample_pool: crate::ThreadPool,
+    sample_scratch: crate::ops::SampleScratch,
 }
 
 /// Launches kernel `$name` of `$b` with `$cfg` and the arguments, each
@@ -349,6 +353,8 @@ impl CudaBackend {
             host: Vec::new(),
             scratch: Scratch::default(),
             pending: None,
+            sample_pool: crate::ThreadPool::new(1),
+            sample_scratch: crate::ops::SampleScratch::default(),
         })
     }
 
@@ -1105,6 +1111,33 @@ impl Backend for CudaBackend {
         );
         let r = self.attention_launch(kv, layer, qp, n_heads, scale, step, op, &plan);
         self.record(r);
+    }
+
+    fn sample(
+        &mut self,
+        logits: &mut CudaBuffer,
+        vocab: usize,
+        meta: &crate::ops::SamplingMetadata,
+        out: &mut crate::ops::SampledRows,
+    ) -> Result<(), BackendError> {
+        // No sampling kernels yet: the rows up to the last sampled one are
+        // read back and sampled by the CPU op, which gives the same ids.
+        let len = meta
+            .rows()
+            .last()
+            .map_or(0, |p| (p.logit_row as usize + 1) * vocab);
+        self.to_host(logits, len)?;
+        let mut host = std::mem::take(&mut self.host);
+        crate::ops::sample_rows(
+            &self.sample_pool,
+            &mut host[..len],
+            vocab,
+            meta,
+            &mut self.sample_scratch,
+            out,
+        );
+        self.host = host;
+        Ok(())
     }
 
     fn gather_logit_rows(

@@ -15,13 +15,14 @@
 
 use super::lora_slots::LoraSlots;
 use crate::engine::request::SamplingParams;
-use crate::engine::sampler::SampleRow;
+use crate::engine::sampler::{bad_word_bans, SampleRow};
 use crate::engine::scheduler_output::{ScheduledSeq, SchedulerOutput};
 use crate::engine::spec_decode::SpecState;
 use pagoda_accel::backend::NO_LORA;
+use pagoda_accel::ops::sample::{RowSampling, SamplingMetadata};
 use pagoda_accel::StepBatch;
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
 /// One request as the runner keeps it.
@@ -75,6 +76,66 @@ impl RequestState {
         )
     }
 
+    /// Adds its next token's sampling to `meta` as a row reading logit row
+    /// `logit_row`, through the grammar mask `mask` if it has one: its
+    /// parameters, the processors' token lists as they stand now (bad
+    /// words matched against the output's tail, EOS and stop ids banned
+    /// until `min_tokens`), and, unless greedy, the uniform its draw
+    /// takes, drawn now from its random stream (sampling draws nothing
+    /// else from it, so this is the number the host sampler would draw).
+    pub fn push_sampling(
+        &mut self,
+        meta: &mut SamplingMetadata,
+        logit_row: usize,
+        mask: Option<&[u32]>,
+    ) {
+        let p = &self.params;
+        let greedy = p.is_greedy();
+        meta.push_row(RowSampling {
+            logit_row: logit_row as u32,
+            greedy,
+            temperature: p.temperature(),
+            top_k: p.top_k().max(0) as u32,
+            top_p: p.top_p(),
+            min_p: p.min_p(),
+            uniform: if greedy {
+                0.0
+            } else {
+                self.rng.random::<f64>()
+            },
+            logprobs: p.logprobs.map(|k| k as u32),
+            repetition_penalty: p.repetition_penalty(),
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+        });
+        if p.repetition_penalty() != 1.0 {
+            meta.penalize(&self.token_ids);
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.output_counts {
+                meta.count_output(t, c);
+            }
+        }
+        for &(t, b) in &p.logit_bias {
+            meta.bias(t, b);
+        }
+        if let Some(allowed) = &p.allowed_token_ids {
+            meta.allow(allowed);
+        }
+        let output = &self.token_ids[self.prompt_len..];
+        for t in bad_word_bans(&p.bad_words_token_ids, output) {
+            meta.ban(t);
+        }
+        if self.num_output() < p.min_tokens {
+            for &t in self.eos_ids.iter().chain(&p.stop_token_ids) {
+                meta.ban(t);
+            }
+        }
+        if let Some(words) = mask {
+            meta.mask(words);
+        }
+    }
+
     /// Appends a token sampled for it.
     pub fn append(&mut self, token: u32) {
         self.token_ids.push(token);
@@ -82,11 +143,12 @@ impl RequestState {
     }
 
     /// Whether drafts may be proposed for it now: its sampling depends on
-    /// nothing a draft would change mid-step (no grammar, no penalties over
-    /// the output so far, no EOS ban still to lift).
+    /// nothing a draft would change mid-step (no grammar, no penalties or
+    /// bad words over the output so far, no EOS ban still to lift).
     pub fn may_speculate(&self) -> bool {
         let p = &self.params;
         !self.structured
+            && p.bad_words_token_ids.is_empty()
             && p.repetition_penalty() == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0

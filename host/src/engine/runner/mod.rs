@@ -6,6 +6,12 @@
 //! sampled as plain data ([`ModelRunnerOutput`]), from which the scheduler
 //! updates. One call per step, as in vLLM v1's `GPUModelRunner`.
 //!
+//! Rows that plainly sample are sampled together on the device
+//! ([`Backend::sample`], from metadata gathered off the batch's rows), so
+//! only their ids and logprobs come back. Rows that verify drafts and the
+//! prompt rows scored for prompt logprobs are read back and done on the
+//! host ([`Sampler`]).
+//!
 //! [`ModelRunner`] is generic over the device's [`Backend`]; the engine core
 //! holds it as a [`ModelExecutor`], so nothing above the runner knows which
 //! device it runs on.
@@ -15,6 +21,7 @@ pub mod lora_slots;
 
 use crate::engine::config::ModelConfig;
 use crate::engine::models::{Model, Workspace};
+use crate::engine::request::TokenLogprob;
 use crate::engine::runner_output::{ModelRunnerOutput, PromptScore};
 use crate::engine::sampler::Sampler;
 use crate::engine::scheduler_output::{ScheduledSeq, SchedulerOutput};
@@ -24,6 +31,7 @@ use crate::engine::structured_output::GuidedRow;
 use anyhow::{Context, Result};
 use input_batch::InputBatch;
 use lora_slots::LoraSlots;
+use pagoda_accel::ops::sample::{SampledRows, SamplingMetadata, NO_TOKEN};
 use pagoda_accel::{Backend, StepBatch};
 
 /// What the engine core needs of a model on a device.
@@ -77,9 +85,15 @@ pub struct ModelRunner<B: Backend> {
     /// The step laid out for the device (reused).
     step_batch: StepBatch,
     sampler: Sampler,
+    /// How each scheduled sequence samples this step (reused).
+    paths: Vec<SamplePath>,
+    /// What the rows sampled on the device ask for (reused).
+    meta: SamplingMetadata,
+    /// What they sampled (reused).
+    sampled: SampledRows,
     output: ModelRunnerOutput,
     /// A verification's ids and logprobs (reused).
-    verified: (Vec<u32>, Vec<Option<crate::engine::request::TokenLogprob>>),
+    verified: (Vec<u32>, Vec<Option<TokenLogprob>>),
     speculator: Option<Speculator>,
     draft: Option<DraftModel<B>>,
     /// The sequences the draft model runs after a step (reused).
@@ -105,6 +119,9 @@ impl<B: Backend> ModelRunner<B> {
             batch: InputBatch::default(),
             step_batch: StepBatch::default(),
             sampler: Sampler::default(),
+            paths: Vec::new(),
+            meta: SamplingMetadata::default(),
+            sampled: SampledRows::default(),
             output: ModelRunnerOutput::default(),
             verified: Default::default(),
             speculator: None,
@@ -332,18 +349,35 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
         let len = self.step_batch.logit_rows.len() * vocab;
         let b = &mut self.backend;
         b.reserve(&mut self.ws.logits, len)?;
-        let logits = b
-            .to_host(&mut self.ws.logits, len)
-            .context("reading the logits back")?;
-        sample_step(
-            &mut self.sampler,
-            &mut self.output,
-            &mut self.verified,
-            logits,
+        let host_rows = plan_sampling(
+            &mut self.meta,
+            &mut self.paths,
             vocab,
             &plan.seqs,
             &mut self.batch,
             guided,
+        );
+        if self.meta.num_rows() > 0 {
+            b.sample(&mut self.ws.logits, vocab, &self.meta, &mut self.sampled)
+                .context("sampling")?;
+        }
+        let logits: &mut [f32] = if host_rows > 0 {
+            b.to_host(&mut self.ws.logits, host_rows * vocab)
+                .context("reading the logits back")?
+        } else {
+            &mut []
+        };
+        finish_sampling(
+            &mut self.sampler,
+            &mut self.output,
+            &mut self.verified,
+            &mut self.paths,
+            &self.meta,
+            &self.sampled,
+            logits,
+            vocab,
+            &plan.seqs,
+            &mut self.batch,
         );
         self.take_sampled(&plan.seqs);
         self.propose(plan)?;
@@ -373,27 +407,113 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
     }
 }
 
-/// Samples one step's rows into `out`: for every sequence of `seqs`, the
-/// prompt rows whose logprobs were asked for are scored, and the sampling
-/// row (a sequence's last) gives its next id, through its grammar's mask
-/// where it has one; a sequence with drafts has them verified against its
-/// last `num_drafts + 1` rows.
-#[allow(clippy::too_many_arguments)]
-fn sample_step(
-    sampler: &mut Sampler,
-    out: &mut ModelRunnerOutput,
-    verified: &mut (Vec<u32>, Vec<Option<crate::engine::request::TokenLogprob>>),
-    logits: &mut [f32],
+/// How a scheduled sequence's sampling row is served in a step.
+enum SamplePath {
+    /// Nothing is sampled: a prompt chunk, or no room left to generate.
+    Nothing,
+    /// Its drafts are verified on the host against its last rows, up to
+    /// logit row `last`.
+    Verify { last: usize },
+    /// Sampled on the device: row `i` of the step's metadata.
+    Device(usize),
+    /// Its grammar's mask could not be computed.
+    Failed(String),
+}
+
+/// Decides how each sequence of `seqs` samples, in `paths`, and gathers
+/// into `meta` the rows that plainly sample (through their grammar's mask
+/// where they have one), drawing each sampled (not greedy) row's uniform
+/// from its request's stream now: the draw is the only use of the stream
+/// a plain row makes in a step, so drawing it before the op is drawing it
+/// where the host sampler did. Returns how many leading logit rows the
+/// host needs back: those of prompt logprobs and of drafts to verify.
+fn plan_sampling(
+    meta: &mut SamplingMetadata,
+    paths: &mut Vec<SamplePath>,
     vocab: usize,
     seqs: &[ScheduledSeq],
     batch: &mut InputBatch,
     guided: &mut [GuidedRow],
-) {
+) -> usize {
+    meta.clear(vocab);
+    paths.clear();
+    let mut host_rows = 0;
     let mut next_row = 0;
     let mut next_guided = 0;
     for s in seqs {
         // The sequence's logit rows, in plan order: prompt rows whose
         // logprobs were asked for, then the sampling row.
+        let first_row = next_row;
+        next_row += s.logit_rows;
+        let Some(r) = batch.get_mut(s.id) else {
+            paths.push(SamplePath::Nothing);
+            continue;
+        };
+        if r.params.prompt_logprobs.is_some() {
+            let scored = (0..s.logit_rows)
+                .take_while(|i| s.logits_from() + i + 1 < r.prompt_len)
+                .count();
+            if scored > 0 {
+                host_rows = host_rows.max(first_row + scored);
+            }
+        }
+        let row = next_row - 1;
+        let guide = match guided.get_mut(next_guided) {
+            Some(g) if s.sample && g.row == row => {
+                next_guided += 1;
+                Some(g)
+            }
+            _ => None,
+        };
+        // max_tokens 0: the prompt ran (and was scored); nothing is
+        // generated.
+        if !s.sample || r.token_ids.len() >= r.max_len {
+            paths.push(SamplePath::Nothing);
+            continue;
+        }
+        if s.num_drafts > 0 {
+            host_rows = host_rows.max(row + 1);
+            paths.push(SamplePath::Verify { last: row });
+            continue;
+        }
+        let mask = match guide.map(|g| g.mask.take()) {
+            None => None,
+            Some(Some(Ok(mask))) => Some(mask),
+            Some(Some(Err(e))) => {
+                paths.push(SamplePath::Failed(e));
+                continue;
+            }
+            Some(None) => {
+                paths.push(SamplePath::Failed("no mask was computed".into()));
+                continue;
+            }
+        };
+        r.push_sampling(meta, row, mask.as_ref().map(|m| m.words()));
+        paths.push(SamplePath::Device(meta.num_rows() - 1));
+    }
+    host_rows
+}
+
+/// Writes one step's samples into `out`, sequence by sequence in plan
+/// order: the scores of the prompt rows whose logprobs were asked for
+/// (from `logits`, the leading rows read back), then what `paths` says of
+/// its sampling row: the device's sample, a verification of its drafts
+/// against its last `num_drafts + 1` rows, or a failure.
+#[allow(clippy::too_many_arguments)]
+fn finish_sampling(
+    sampler: &mut Sampler,
+    out: &mut ModelRunnerOutput,
+    verified: &mut (Vec<u32>, Vec<Option<TokenLogprob>>),
+    paths: &mut [SamplePath],
+    meta: &SamplingMetadata,
+    sampled: &SampledRows,
+    logits: &mut [f32],
+    vocab: usize,
+    seqs: &[ScheduledSeq],
+    batch: &mut InputBatch,
+) {
+    let mut next_row = 0;
+    for (s, path) in seqs.iter().zip(paths.iter_mut()) {
         let first_row = next_row;
         next_row += s.logit_rows;
         out.begin(s.id);
@@ -416,55 +536,228 @@ fn sample_step(
                 });
             }
         }
-        let row = next_row - 1;
-        let guide = match guided.get_mut(next_guided) {
-            Some(g) if s.sample && g.row == row => {
-                next_guided += 1;
-                Some(g)
+        match std::mem::replace(path, SamplePath::Nothing) {
+            SamplePath::Nothing => {}
+            SamplePath::Failed(e) => out.fail(e),
+            SamplePath::Device(i) => {
+                let token = sampled.tokens[i];
+                if token == NO_TOKEN {
+                    out.fail(
+                        "no token may be sampled: allowed_token_ids, bad_words, min_tokens and the grammar together exclude every token"
+                            .into(),
+                    );
+                    continue;
+                }
+                let logprob = sampled.logprobs_of(meta, i).map(|l| TokenLogprob {
+                    token_id: token,
+                    logprob: l.logprob,
+                    rank: l.rank,
+                    top: l
+                        .top_ids
+                        .iter()
+                        .copied()
+                        .zip(l.top_logprobs.iter().copied())
+                        .collect(),
+                });
+                out.push(token, logprob);
             }
-            _ => None,
-        };
-        // max_tokens 0: the prompt ran (and was scored); nothing is
-        // generated.
-        if !s.sample || r.token_ids.len() >= r.max_len {
-            continue;
+            SamplePath::Verify { last } => {
+                let (mut req, spec) = r.split();
+                // Drafts never carry a grammar (see
+                // `RequestState::may_speculate`): their rows are the
+                // sequence's last `num_drafts + 1`.
+                let first = last - s.num_drafts;
+                let (tokens, logprobs) = verified;
+                tokens.clear();
+                logprobs.clear();
+                sampler.verify(
+                    &mut logits[first * vocab..(last + 1) * vocab],
+                    vocab,
+                    &spec.drafts[..s.num_drafts],
+                    &spec.draft_probs,
+                    &mut req,
+                    tokens,
+                    logprobs,
+                );
+                for (&t, l) in tokens.iter().zip(logprobs.drain(..)) {
+                    out.push(t, l);
+                }
+            }
         }
-        let (mut req, spec) = r.split();
-        if s.num_drafts > 0 {
-            // Drafts never carry a grammar (see `RequestState::may_speculate`):
-            // their rows are the sequence's last `num_drafts + 1`.
-            let first = row - s.num_drafts;
-            let (tokens, logprobs) = verified;
-            tokens.clear();
-            logprobs.clear();
-            sampler.verify(
-                &mut logits[first * vocab..(row + 1) * vocab],
-                vocab,
-                &spec.drafts[..s.num_drafts],
-                &spec.draft_probs,
-                &mut req,
-                tokens,
-                logprobs,
-            );
-            for (&t, l) in tokens.iter().zip(logprobs.drain(..)) {
-                out.push(t, l);
-            }
-            continue;
-        }
-        let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
-        let mask = match guide.map(|g| g.mask.take()) {
-            None => None,
-            Some(Some(Ok(mask))) => Some(mask),
-            Some(Some(Err(e))) => {
-                out.fail(e);
-                continue;
-            }
-            Some(None) => {
-                out.fail("no mask was computed".into());
-                continue;
-            }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::input_batch::RequestState;
+    use crate::engine::request::SamplingParams;
+    use crate::engine::sampler::Sampler;
+    use crate::engine::spec_decode::SpecState;
+    use crate::engine::structured_output::TokenMask;
+    use pagoda_accel::ops::sample::{sample_rows, SampleScratch, SampledRows, SamplingMetadata};
+    use pagoda_accel::ThreadPool;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::collections::HashMap;
+
+    /// A running request of `prompt` then `output`, seeded with `seed`.
+    fn request(params: &SamplingParams, prompt: &[u32], output: &[u32], seed: u64) -> RequestState {
+        let mut r = RequestState {
+            id: seed,
+            token_ids: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            max_len: usize::MAX,
+            params: params.clone(),
+            eos_ids: vec![2],
+            rng: StdRng::seed_from_u64(seed),
+            output_counts: HashMap::new(),
+            prompt_kernel: false,
+            structured: false,
+            block_table: Vec::new(),
+            spec: SpecState::default(),
+            lora: None,
         };
-        let sampled = sampler.sample(row_logits, &mut req, mask.as_ref());
-        out.push(sampled.token, sampled.logprob);
+        for &t in output {
+            r.append(t);
+        }
+        r
+    }
+
+    fn pick<T: Clone>(rng: &mut StdRng, xs: &[T]) -> T {
+        xs[rng.random_range(0..xs.len())].clone()
+    }
+
+    /// Parameters with any mix of the processors and truncations on.
+    fn random_params(rng: &mut StdRng, vocab: u32, output: &[u32]) -> SamplingParams {
+        let ids = |rng: &mut StdRng, n: usize| -> Vec<u32> {
+            (0..n).map(|_| rng.random_range(0..vocab)).collect()
+        };
+        let mut bad_words = Vec::new();
+        if rng.random_bool(0.4) {
+            bad_words.push(ids(rng, 1));
+            // A two-token word whose first token ends the output: its
+            // second is banned now.
+            if let Some(&last) = output.last() {
+                bad_words.push(vec![last, rng.random_range(0..vocab)]);
+            }
+            bad_words.push(ids(rng, 3));
+        }
+        let n_bias = rng.random_range(0..4);
+        SamplingParams {
+            temperature: pick(rng, &[Some(0.0), Some(0.6), None, Some(1.4)]),
+            top_k: pick(rng, &[None, Some(-1), Some(1), Some(5), Some(40)]),
+            top_p: pick(rng, &[None, Some(0.9), Some(0.5)]),
+            min_p: pick(rng, &[None, Some(0.05)]),
+            repetition_penalty: pick(rng, &[None, Some(1.2), Some(0.8)]),
+            presence_penalty: pick(rng, &[0.0, 0.5]),
+            frequency_penalty: pick(rng, &[0.0, -0.4, 0.3]),
+            logit_bias: ids(rng, n_bias)
+                .into_iter()
+                .map(|t| (t, rng.random_range(-8.0f32..8.0)))
+                .collect(),
+            min_tokens: pick(rng, &[0, 0, 100]),
+            stop_token_ids: vec![3],
+            logprobs: pick(rng, &[None, Some(0), Some(3)]),
+            allowed_token_ids: rng.random_bool(0.3).then(|| {
+                let n = rng.random_range(1..vocab as usize / 2);
+                ids(rng, n)
+            }),
+            bad_words_token_ids: bad_words,
+            ..SamplingParams::default()
+        }
+    }
+
+    /// What the runner's device path gives (each request's metadata row
+    /// through the batched op) is what the host sampler gives one row at
+    /// a time: the same ids, the same logprobs to the bit, and the random
+    /// streams left in the same state.
+    #[test]
+    fn device_sampling_is_bitwise_the_host_sampler() {
+        let pool = ThreadPool::new(2);
+        let (mut scratch, mut sampled) = (SampleScratch::default(), SampledRows::default());
+        let mut meta = SamplingMetadata::default();
+        let mut host = Sampler::default();
+        let (mut compared, mut excluded) = (0, 0);
+        for seed in 0..60u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let vocab = pick(&mut rng, &[50usize, 1000, 32_000]);
+            let n = rng.random_range(1..7);
+            let logits: Vec<f32> = (0..n * vocab)
+                .map(|_| {
+                    if seed % 3 == 0 {
+                        // Few levels: many exact ties.
+                        rng.random_range(0..4) as f32
+                    } else {
+                        rng.random_range(-5.0f32..5.0)
+                    }
+                })
+                .collect();
+            let mut hosts = Vec::new();
+            let mut devices = Vec::new();
+            let mut masks = Vec::new();
+            meta.clear(vocab);
+            for i in 0..n {
+                let prompt: Vec<u32> = (0..rng.random_range(1..30))
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect();
+                let output: Vec<u32> = (0..rng.random_range(0..20))
+                    .map(|_| rng.random_range(0..vocab as u32))
+                    .collect();
+                let params = random_params(&mut rng, vocab as u32, &output);
+                let stream = seed * 100 + i as u64;
+                hosts.push(request(&params, &prompt, &output, stream));
+                let mut device = request(&params, &prompt, &output, stream);
+                let mask = rng.random_bool(0.3).then(|| {
+                    TokenMask::from_allowed(vocab, (0..vocab as u32).filter(|t| t % 3 != 1))
+                });
+                device.push_sampling(&mut meta, i, mask.as_ref().map(|m| m.words()));
+                devices.push(device);
+                masks.push(mask);
+            }
+            let mut batch = logits.clone();
+            sample_rows(&pool, &mut batch, vocab, &meta, &mut scratch, &mut sampled);
+            for i in 0..n {
+                let mut row = logits[i * vocab..(i + 1) * vocab].to_vec();
+                let (mut req, _) = hosts[i].split();
+                let want = host.sample(&mut row, &mut req, masks[i].as_ref());
+                if sampled.tokens[i] == pagoda_accel::ops::sample::NO_TOKEN {
+                    // Nothing allowed: the host sampler has no answer to
+                    // compare with.
+                    excluded += 1;
+                    continue;
+                }
+                compared += 1;
+                assert_eq!(sampled.tokens[i], want.token, "seed {seed}, row {i}");
+                let got = sampled.logprobs_of(&meta, i).map(|l| {
+                    (
+                        l.logprob.to_bits(),
+                        l.rank,
+                        l.top_ids.to_vec(),
+                        l.top_logprobs
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
+                    )
+                });
+                let want = want.logprob.map(|l| {
+                    (
+                        l.logprob.to_bits(),
+                        l.rank,
+                        l.top.iter().map(|t| t.0).collect::<Vec<_>>(),
+                        l.top.iter().map(|t| t.1.to_bits()).collect::<Vec<_>>(),
+                    )
+                });
+                assert_eq!(got, want, "seed {seed}, row {i}: logprobs");
+                assert_eq!(
+                    hosts[i].rng.random::<u64>(),
+                    devices[i].rng.random::<u64>(),
+                    "seed {seed}, row {i}: the streams drew differently"
+                );
+            }
+        }
+        assert!(
+            compared > 10 * excluded,
+            "{compared} rows compared, {excluded} allowed nothing"
+        );
     }
 }
