@@ -1,7 +1,8 @@
 //! `allowed_token_ids` and bad words through the engine, on the demo
 //! model: allowed ids restrict every sampled token, greedy or sampled; a
-//! bad word never appears, however likely the model finds it; ids outside
-//! the vocabulary are refused as parameter errors.
+//! bad word never appears, however likely the model finds it; bad words
+//! written as text are tokenized as vLLM does; ids outside the vocabulary
+//! are refused as parameter errors.
 
 mod common;
 
@@ -191,4 +192,28 @@ fn ids_outside_the_vocabulary_are_parameter_errors() {
             RequestOptions::default(),
         )
         .expect("accepted");
+}
+
+#[test]
+fn bad_words_as_text_are_tokenized_with_and_without_a_leading_space() {
+    let llm = llm();
+    let tok = llm.tokenizer();
+    let enc = |t: &str| tok.encode(t, false).expect("encode");
+    // "Paris" and " Paris" start with different tokens in as many tokens:
+    // both are banned (at the start of a text, and after a space).
+    let ids = tok
+        .bad_words_ids(&["  Paris".to_string(), "hello world".to_string()])
+        .expect("tokenized");
+    let mut want = Vec::new();
+    for w in ["Paris", "hello world"] {
+        let (alone, spaced) = (enc(w), enc(&format!(" {w}")));
+        let keep = spaced[0] != alone[0] && spaced.len() == alone.len();
+        want.push(alone);
+        if keep {
+            want.push(spaced);
+        }
+    }
+    assert_eq!(ids, want);
+    assert!(ids.contains(&enc(" Paris")), "{ids:?}");
+    assert!(tok.bad_words_ids(&[" \t".to_string()]).is_err());
 }

@@ -640,6 +640,35 @@ impl Tokenizer {
         }
     }
 
+    /// The token sequences `bad_words` ban, as vLLM tokenizes them
+    /// (`SamplingParams.update_from_tokenizer`): each word, stripped of
+    /// leading whitespace, as it encodes at the start of a text; and, with
+    /// a leading space, as it encodes in the middle of one, when that is a
+    /// different first token in as many tokens.
+    ///
+    /// # Errors
+    /// If a word encodes to no token (it is empty or whitespace), or
+    /// cannot be tokenized.
+    pub fn bad_words_ids(&self, bad_words: &[String]) -> Result<Vec<Vec<u32>>> {
+        let mut out: Vec<Vec<u32>> = Vec::with_capacity(2 * bad_words.len());
+        for word in bad_words {
+            let word = word.trim_start();
+            let alone = self.encode(word, false)?;
+            let Some(&first) = alone.first() else {
+                return Err(anyhow!("bad word {word:?} encodes to no token"));
+            };
+            let spaced = self.encode(&format!(" {word}"), false)?;
+            // A leading space that only adds a space token, or splits the
+            // word differently, would ban something else than the word.
+            let keep = spaced.first().is_some_and(|&t| t != first) && spaced.len() == alone.len();
+            out.push(alone);
+            if keep {
+                out.push(spaced);
+            }
+        }
+        Ok(out)
+    }
+
     /// Whether a text of `text_bytes` bytes must encode to more than
     /// `tokens` tokens, judged from its length alone, so that an over-long
     /// prompt is refused before it is tokenized whole. Conservative: no
