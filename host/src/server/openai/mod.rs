@@ -731,6 +731,12 @@ async fn start_run(
             ));
         }
     }
+    if !common.bad_words.is_empty() {
+        common.params.bad_words_token_ids = engine
+            .tokenizer()
+            .bad_words_ids(&common.bad_words)
+            .map_err(|e| ApiError::invalid(Some("bad_words".into()), format!("{e:#}")))?;
+    }
     common
         .params
         .validate(engine.vocab_size())

@@ -32,6 +32,10 @@ pub struct CommonParams {
     /// `token_id:{id}` instead of its text, so that clients can match
     /// tokens that do not decode on their own.
     pub tokens_as_ids: bool,
+    /// vLLM's `bad_words`, as written: tokenized with the served model's
+    /// tokenizer into [`SamplingParams::bad_words_token_ids`] before
+    /// submission.
+    pub bad_words: Vec<String>,
 }
 
 /// Parses the sampling fields common to completions and chat. Fields the
@@ -97,6 +101,10 @@ pub fn parse_common(
             })?;
             p.logit_bias.push((t, b as f32));
         }
+    }
+    // An empty list is kept (and refused by validation), as vLLM refuses it.
+    if f.get("allowed_token_ids").is_some() {
+        p.allowed_token_ids = Some(f.u32s("allowed_token_ids")?);
     }
     p.seed = f.u64("seed")?;
     p.stop = f.strings("stop")?;
@@ -202,6 +210,7 @@ pub fn parse_common(
         echo,
         prompt_logprobs,
         tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+        bad_words: f.strings("bad_words")?,
     })
 }
 
