@@ -18,6 +18,8 @@ pub struct BenchRequest {
     pub prompt_text: String,
     pub prompt_len: usize,
     pub output_len: usize,
+    /// Its place in the workload.
+    pub index: usize,
 }
 
 /// Which workload to generate.
@@ -107,6 +109,7 @@ pub fn generate(
             for _ in 0..num {
                 let (text, ids) = random_text(tok, &mut rng, input_len)?;
                 out.push(BenchRequest {
+                    index: out.len(),
                     prompt_len: ids.len(),
                     prompt: Prompt::Tokens(ids),
                     prompt_text: text,
@@ -128,6 +131,7 @@ pub fn generate(
             let ids = tok.encode(&text, true)?;
             for _ in 0..num {
                 out.push(BenchRequest {
+                    index: out.len(),
                     prompt: Prompt::Tokens(ids.clone()),
                     prompt_text: text.clone(),
                     prompt_len: ids.len(),
@@ -154,6 +158,7 @@ pub fn generate(
                 let ids = tok.encode(&text, true)?;
                 let passage_len = tok.encode(passage, false)?.len();
                 out.push(BenchRequest {
+                    index: out.len(),
                     prompt_len: ids.len(),
                     prompt: Prompt::Tokens(ids),
                     prompt_text: text,
@@ -168,6 +173,7 @@ pub fn generate(
                 let text = format!("{prefix}{suffix}");
                 let ids = tok.encode(&text, false)?;
                 out.push(BenchRequest {
+                    index: out.len(),
                     prompt_len: ids.len(),
                     prompt: Prompt::Tokens(ids),
                     prompt_text: text,
@@ -190,6 +196,7 @@ pub fn generate(
                 let ids = tok.encode(prompt, true)?;
                 let n = v["output_len"].as_u64().map_or(output_len, |n| n as usize);
                 out.push(BenchRequest {
+                    index: out.len(),
                     prompt_len: ids.len(),
                     prompt: Prompt::Tokens(ids),
                     prompt_text: prompt.into(),

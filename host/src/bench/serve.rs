@@ -42,6 +42,26 @@ pub struct ServeConfig {
     pub progress: bool,
     /// Sent as a bearer token.
     pub api_key: Option<String>,
+    /// LoRA adapters served beside the model (`--lora-modules`): each
+    /// request names one of them, chosen by its index and the seed.
+    pub lora_modules: Vec<String>,
+}
+
+impl ServeConfig {
+    /// The model request `i` names: the served model, or with
+    /// `lora_modules` one of them, picked as vLLM's benchmark does (at
+    /// random per request; here reproducibly from the seed).
+    pub fn model_for(&self, i: usize) -> &str {
+        if self.lora_modules.is_empty() {
+            return &self.model;
+        }
+        // SplitMix64 of (seed, i): spread evenly, the same every run.
+        let mut z = self.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        &self.lora_modules[(z % self.lora_modules.len() as u64) as usize]
+    }
 }
 
 /// One request's measurements.
@@ -114,7 +134,7 @@ async fn one_request(cfg: &ServeConfig, req: &BenchRequest) -> RequestResult {
 async fn run_request(cfg: &ServeConfig, req: &BenchRequest, r: &mut RequestResult) -> Result<()> {
     let chat = cfg.endpoint.contains("chat");
     let mut body = json!({
-        "model": cfg.model,
+        "model": cfg.model_for(req.index),
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "stream": true,
@@ -380,6 +400,34 @@ mod tests {
     }
 
     #[test]
+    fn each_request_names_one_adapter_reproducibly_and_all_are_used() {
+        let cfg = ServeConfig {
+            base_url: "http://x".into(),
+            model: "m".into(),
+            endpoint: "/v1/completions".into(),
+            max_concurrency: None,
+            ignore_eos: false,
+            extra_body: Default::default(),
+            request_rate: f64::INFINITY,
+            burstiness: 1.0,
+            seed: 3,
+            progress: false,
+            api_key: None,
+            lora_modules: (0..8).map(|i| format!("lora{i}")).collect(),
+        };
+        let picks: Vec<&str> = (0..64).map(|i| cfg.model_for(i)).collect();
+        assert_eq!(picks, (0..64).map(|i| cfg.model_for(i)).collect::<Vec<_>>());
+        for name in &cfg.lora_modules {
+            assert!(picks.contains(&name.as_str()), "{name} never picked");
+        }
+        let base = ServeConfig {
+            lora_modules: Vec::new(),
+            ..cfg.clone()
+        };
+        assert_eq!(base.model_for(5), "m");
+    }
+
+    #[test]
     fn tpot_comes_from_the_stream_timestamps() {
         let cfg = ServeConfig {
             base_url: "http://x".into(),
@@ -393,6 +441,7 @@ mod tests {
             seed: 0,
             progress: false,
             api_key: None,
+            lora_modules: Vec::new(),
         };
         let r = RequestResult {
             success: true,

@@ -110,6 +110,10 @@ pub struct ServeBenchArgs {
     /// gives it too.
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// LoRA adapter names the server was started with (`--lora-modules`):
+    /// each request names one, as `vllm bench serve --lora-modules` does.
+    #[arg(long, num_args = 1..)]
+    pub lora_modules: Vec<String>,
 }
 
 /// Flags of `pagoda bench throughput`.
@@ -357,6 +361,7 @@ fn run_serve(a: ServeBenchArgs) -> Result<()> {
         seed,
         progress: !a.no_progress,
         api_key: a.api_key.clone(),
+        lora_modules: a.lora_modules.clone(),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
