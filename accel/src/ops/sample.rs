@@ -435,6 +435,8 @@ struct RowScratch {
     logprobs: Vec<f32>,
     /// `(value, id)` pairs of a selection.
     cands: Vec<(f32, u32)>,
+    /// The other half of [`sort_all`]'s passes.
+    radix: Vec<(f32, u32)>,
     /// Bit per id: the allowed set.
     bits: Vec<u64>,
     /// Bit per id: the repetition penalty's tokens seen so far (all zero
@@ -456,6 +458,7 @@ impl RowScratch {
         room(&mut self.bits, words);
         room(&mut self.logprobs, vocab);
         room(&mut self.cands, vocab);
+        room(&mut self.radix, vocab);
     }
 }
 
@@ -471,6 +474,7 @@ impl Default for RowScratch {
         RowScratch {
             logprobs: Vec::new(),
             cands: Vec::new(),
+            radix: Vec::new(),
             bits: Vec::new(),
             seen: Vec::new(),
             hist: Box::new([0; HIST_BUCKETS]),
@@ -681,17 +685,28 @@ fn sample_row(
 
 /// The index of the largest value; ties go to the lowest.
 pub fn argmax(x: &[f32]) -> usize {
-    let mut best = 0;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in x.iter().enumerate() {
-        // Strictly greater: ties go to the lowest id, as llama.cpp and
-        // torch do.
-        if v > best_v {
-            best_v = v;
-            best = i;
+    // What a scan keeping the first strictly greater value finds (ties go
+    // to the lowest id, as llama.cpp and torch do; NaN is never greater),
+    // in two passes the compiler vectorizes: the largest value above −∞,
+    // then its first index.
+    const LANES: usize = 16;
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
         }
     }
-    best
+    let mut best = f32::NEG_INFINITY;
+    for &v in lanes.iter().chain(chunks.remainder()) {
+        if v > best {
+            best = v;
+        }
+    }
+    if best == f32::NEG_INFINITY {
+        return 0;
+    }
+    x.iter().position(|&v| v == best).unwrap_or(0)
 }
 
 /// log_softmax of `x` into `out`, with the normalizer summed in f64.
@@ -810,17 +825,34 @@ fn select_candidates(probs: &[f32], p: &RowSampling, s: &mut RowScratch) -> bool
         return false;
     }
     let total = 1f64;
-    build_histogram(probs, &mut s.hist);
     let mut k = if top_k < vocab { top_k } else { 64.min(vocab) };
+    // Whether `s.cands` holds the whole vocabulary, sorted: the top `k`
+    // for any `k` are then its prefix.
+    let mut all_sorted = false;
+    let mut hist_built = false;
     loop {
-        top_sorted(probs, k, &s.hist, &mut s.cands);
-        let mass: f64 = s.cands.iter().map(|c| c.0 as f64).sum();
+        if !all_sorted {
+            if k > vocab / 8 {
+                // A large share of the vocabulary: one radix sort of all
+                // of it costs less than selecting and sorting that share.
+                sort_all(probs, &mut s.cands, &mut s.radix);
+                all_sorted = true;
+            } else {
+                if !hist_built {
+                    build_histogram(probs, &mut s.hist);
+                    hist_built = true;
+                }
+                top_sorted(probs, k, &s.hist, &mut s.cands);
+            }
+        }
+        let mass: f64 = s.cands[..k].iter().map(|c| c.0 as f64).sum();
         if k == top_k || k == vocab || mass >= top_p as f64 * total {
             break;
         }
         k = (k * 8).min(top_k).min(vocab);
     }
     let cands = &mut s.cands;
+    cands.truncate(k);
     // Top-k renormalizes before top-p is applied, as in vLLM.
     let kept_mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
     if top_p < 1.0 {
@@ -879,6 +911,46 @@ fn build_histogram(values: &[f32], hist: &mut [u32; HIST_BUCKETS]) {
     hist.fill(0);
     for &v in values {
         hist[(order_key(v) >> HIST_SHIFT) as usize] += 1;
+    }
+}
+
+/// Sorts all of `values` into `out` as `(value, id)` pairs by
+/// [`by_value_then_id`]: a least-significant-digit radix sort on the
+/// inverted [`order_key`] (largest value first), which is stable, so
+/// equal values keep the id order they start in. `tmp` is scratch.
+fn sort_all(values: &[f32], out: &mut Vec<(f32, u32)>, tmp: &mut Vec<(f32, u32)>) {
+    const BITS: u32 = 11;
+    const BUCKETS: usize = 1 << BITS;
+    let key = |v: f32| !order_key(v);
+    out.clear();
+    out.extend(values.iter().enumerate().map(|(i, &v)| (v, i as u32)));
+    tmp.clear();
+    tmp.resize(values.len(), (0.0, 0));
+    let mut counts = [[0u32; BUCKETS]; 3];
+    for &v in values {
+        let k = key(v);
+        for (d, c) in counts.iter_mut().enumerate() {
+            c[(k >> (BITS * d as u32)) as usize & (BUCKETS - 1)] += 1;
+        }
+    }
+    for (d, c) in counts.iter_mut().enumerate() {
+        // A digit every key shares moves nothing.
+        if c.iter().any(|&n| n as usize == values.len()) {
+            continue;
+        }
+        let mut at = 0u32;
+        for n in c.iter_mut() {
+            let here = *n;
+            *n = at;
+            at += here;
+        }
+        let shift = BITS * d as u32;
+        for &e in out.iter() {
+            let b = (key(e.0) >> shift) as usize & (BUCKETS - 1);
+            tmp[c[b] as usize] = e;
+            c[b] += 1;
+        }
+        std::mem::swap(out, tmp);
     }
 }
 
@@ -1350,6 +1422,46 @@ mod tests {
                 (10..20).contains(&t) && t % 2 == 1 && t != best,
                 "sampled {t}"
             );
+        }
+    }
+
+    #[test]
+    fn the_radix_sort_and_the_argmax_agree_with_their_definitions() {
+        let mut rng = StdRng::seed_from_u64(21);
+        let specials = [
+            f32::NAN,
+            -f32::NAN,
+            f32::NEG_INFINITY,
+            f32::INFINITY,
+            -0.0,
+            0.0,
+            1e-42,
+        ];
+        let (mut out, mut tmp) = (Vec::new(), Vec::new());
+        for case in 0..60 {
+            let n = [1usize, 2, 17, 300, 5000][case % 5];
+            let v: Vec<f32> = (0..n)
+                .map(|_| match rng.random_range(0..10) {
+                    0 => specials[rng.random_range(0..specials.len())],
+                    1..=4 => rng.random_range(0..4) as f32 * 0.5,
+                    _ => rng.random_range(-3.0f32..3.0),
+                })
+                .collect();
+            let mut want: Vec<(f32, u32)> =
+                v.iter().enumerate().map(|(i, &x)| (x, i as u32)).collect();
+            want.sort_by(by_value_then_id);
+            sort_all(&v, &mut out, &mut tmp);
+            let bits =
+                |p: &[(f32, u32)]| p.iter().map(|&(x, i)| (x.to_bits(), i)).collect::<Vec<_>>();
+            assert_eq!(bits(&out), bits(&want), "case {case}");
+            // The scan argmax is defined by.
+            let mut best = (0, f32::NEG_INFINITY);
+            for (i, &x) in v.iter().enumerate() {
+                if x > best.1 {
+                    best = (i, x);
+                }
+            }
+            assert_eq!(argmax(&v), best.0, "case {case}: {v:?}");
         }
     }
 
