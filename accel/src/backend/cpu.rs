@@ -315,6 +315,7 @@ impl Backend for CpuBackend {
             col,
             out_dim,
             &mut self.lora_order,
+            Some(self.ctx.pool()),
         );
         Ok(())
     }

@@ -353,7 +353,7 @@ pub const NO_LORA: u16 = u16::MAX;
 pub struct DeviceLora<V> {
     /// `[rank, in]`, row-major, f32.
     pub a: V,
-    /// `[out, rank]`, row-major, f32.
+    /// `Bᵀ`: `[rank, out]`, row-major, f32.
     pub b: V,
     pub rank: usize,
     /// `lora_alpha / r` (or `/ √r`).
@@ -814,7 +814,7 @@ pub trait Backend: Send + 'static {
 
     /// Adds LoRA deltas to a projection's output: for every token `t` of
     /// the step whose [`StepBatch::lora_slots`] entry `s` has factors in
-    /// `slots[s]`, `out[t·out_stride + col + j] += scale · Σ_k b[j,k] ·
+    /// `slots[s]`, `out[t·out_stride + col + j] += Σ_k bᵀ[k,j] · scale ·
     /// Σ_i a[k,i] · x[t·in_dim + i]` for `j < out_dim` (see
     /// [`crate::ops::lora`]). Tokens of other slots, or none, are left
     /// alone, and a token's result does not depend on the others.

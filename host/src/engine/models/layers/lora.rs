@@ -17,6 +17,17 @@ pub struct LayerLora<B: Backend> {
     modules: [Vec<Option<DeviceLora<B::Vector>>>; 7],
 }
 
+/// `m` (`[rows, cols]`, row-major) transposed.
+fn transpose(m: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; m.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = m[r * cols + c];
+        }
+    }
+    t
+}
+
 fn index(m: LoraModule) -> usize {
     LoraModule::ALL.iter().position(|&x| x == m).unwrap_or(0)
 }
@@ -43,7 +54,9 @@ impl<B: Backend> LayerLora<B> {
                 None => None,
                 Some((a, w)) => Some(DeviceLora {
                     a: b.upload_vector(&w.a)?,
-                    b: b.upload_vector(&w.b)?,
+                    // The kernels take Bᵀ (`[rank, out]`): the expansion
+                    // then runs along contiguous rows.
+                    b: b.upload_vector(&transpose(&w.b, w.out_dim, w.rank))?,
                     rank: w.rank,
                     scale: a.scaling,
                 }),
