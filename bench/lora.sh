@@ -12,7 +12,7 @@ MODEL="$(scripts/fetch-demo-model.sh)"
 P="${PAGODA:-$CARGO_TARGET_DIR/release/pagoda}"
 DIR="$(mktemp -d)"
 trap 'rm -rf "$DIR"' EXIT
-python3 bench/make-lora.py "$DIR" 8 --rank 16 >/dev/null
+python3 scripts/make-lora.py "$DIR" 8 --rank 16 >/dev/null
 MODULES=()
 NAMES=()
 for n in $(seq 0 7); do

@@ -3,7 +3,7 @@
 as PEFT 0.21 writes it, adapter_model.safetensors with PEFT's tensor names)
 for a base model's shapes, for benchmarks: nothing here is trained.
 
-    python3 bench/make-lora.py OUT_DIR COUNT --rank 16 [--layers 30 --hidden 576
+    python3 scripts/make-lora.py OUT_DIR COUNT --rank 16 [--layers 30 --hidden 576
         --heads 9 --kv-heads 3 --head-dim 64 --ffn 1536]
 
 The defaults are SmolLM2-135M's (the demo model). Each adapter adapts all
