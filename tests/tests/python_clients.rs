@@ -2,7 +2,8 @@
 //! package (chat, completions, streaming, model listing) and
 //! `prometheus_client`'s parser on `/metrics`; `jsonschema` and LangChain
 //! for structured output and tools; the official `anthropic` package on the
-//! Messages API. scripts/test.sh installs them.
+//! Messages API; the `openai` package naming a LoRA adapter as its model.
+//! scripts/test.sh installs them.
 
 use pagoda_e2e::Server;
 
@@ -55,4 +56,41 @@ fn structured_output_and_tools_work_with_real_clients() {
 #[test]
 fn the_official_anthropic_client_works_unmodified() {
     run_client_script("anthropic_sdk.py", &[]);
+}
+
+/// The `openai` package naming a LoRA adapter as its model, on
+/// transformers' tiny Llama with a PEFT adapter (tests/fixtures).
+#[test]
+fn the_official_openai_client_selects_lora_adapters_by_name() {
+    let fixtures = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures");
+    let model = std::path::Path::new(fixtures).join("hf-families/llama");
+    let qv = format!("qv={fixtures}/lora/llama/qv-r8");
+    let s = Server::start_with_model(
+        &model,
+        &[
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--enable-lora",
+            "--lora-modules",
+            &qv,
+        ],
+    );
+    let path = format!("{}/python/openai_lora.py", env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("python3")
+        .args([&path, &s.base, "smol", "qv"])
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && stdout
+                .lines()
+                .last()
+                .is_some_and(|l| l.contains(" passed, 0 failed")),
+        "openai_lora.py failed:\n{stdout}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log_text()
+    );
 }
