@@ -40,6 +40,7 @@ fn a_vllm_command_line_starts_and_serves() {
         "gguf",
         "--tokenizer",
         &model,
+        "--enable-force-include-usage",
     ]);
     let (st, body) = s.post(
         "/v1/completions",
@@ -81,6 +82,21 @@ fn a_vllm_command_line_starts_and_serves() {
             "one log line naming {flag}:\n{log}"
         );
     }
+    // --enable-force-include-usage: a stream that did not ask for usage
+    // still ends with it.
+    let (st, text) = s.post_text(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hello", "max_tokens": 3, "stream": true}),
+    );
+    assert_eq!(st, 200, "{text}");
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .last()
+        .and_then(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .unwrap_or_default();
+    assert_eq!(last["usage"]["completion_tokens"], 3, "{text}");
     // The underscore spelling took effect.
     assert!(log.contains("(max-num-seqs 3)"), "{log}");
     assert!(!log.contains("panicked"), "{log}");

@@ -51,6 +51,11 @@ pub struct ServeArgs {
     /// Accepted as older vLLM takes it; --reasoning-parser turns reasoning on.
     #[arg(long)]
     pub enable_reasoning: bool,
+    /// Send usage with every response, as vLLM's flag does: a streamed
+    /// completion or chat ends with its usage chunk even when the request
+    /// did not ask for `stream_options.include_usage`.
+    #[arg(long)]
+    pub enable_force_include_usage: bool,
     /// A chat template (a file, or the template itself) used instead of
     /// the model's own.
     #[arg(long)]
@@ -248,6 +253,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             },
             auto_tool_parser,
             metrics_port: a.metrics_port,
+            force_include_usage: a.enable_force_include_usage,
             reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,

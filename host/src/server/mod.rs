@@ -75,6 +75,9 @@ pub struct ServerConfig {
     /// Serve `/metrics` and the probes on their own port
     /// (`--metrics-port`); the API port then has no `/metrics`.
     pub metrics_port: Option<u16>,
+    /// `--enable-force-include-usage`: streams end with their usage chunk
+    /// whether or not the request asked for it.
+    pub force_include_usage: bool,
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
@@ -116,6 +119,11 @@ impl AppState {
     /// The parser for `tool_choice: "auto"`, if the server enables it.
     pub fn auto_tool_parser(&self) -> Option<crate::server::openai::tool_parsers::ToolCallParser> {
         self.config.auto_tool_parser
+    }
+
+    /// `--enable-force-include-usage`.
+    pub fn config_force_include_usage(&self) -> bool {
+        self.config.force_include_usage
     }
 
     /// `--reasoning-parser`, if given.

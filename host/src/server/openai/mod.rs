@@ -661,7 +661,10 @@ async fn generate(
     tenant: Option<TenantCtx>,
     tools: Option<ToolMode>,
 ) -> Result<Response<Body>, ApiError> {
-    let (stream, include_usage) = (common.stream, common.include_usage);
+    let (stream, include_usage) = (
+        common.stream,
+        common.include_usage || state.config_force_include_usage(),
+    );
     let run = start_run(state, common, prompts, api, id, tenant, tools).await?;
     if stream {
         Ok(stream_response(run, include_usage))
