@@ -361,6 +361,43 @@ fn chat_prompt_logprobs_and_bad_scoring_requests() {
 }
 
 #[test]
+fn the_server_flag_names_tokens_by_id_without_the_request_asking() {
+    let s = Server::start(&["--return-tokens-as-token-ids"]);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "logprobs": 1}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "smol", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3,
+                   "temperature": 0, "logprobs": true, "top_logprobs": 1}),
+        ),
+    ] {
+        let (status, v) = s.post(path, &body);
+        assert_eq!(status, 200, "{v}");
+        let lp = &v["choices"][0]["logprobs"];
+        let tokens: Vec<String> = match lp["tokens"].as_array() {
+            Some(t) => t
+                .iter()
+                .filter_map(|t| t.as_str().map(String::from))
+                .collect(),
+            None => lp["content"]
+                .as_array()
+                .expect("content logprobs")
+                .iter()
+                .filter_map(|c| c["token"].as_str().map(String::from))
+                .collect(),
+        };
+        assert_eq!(tokens.len(), 3, "{path}: {v}");
+        assert!(
+            tokens.iter().all(|t| t.starts_with("token_id:")),
+            "{path}: {tokens:?}"
+        );
+    }
+}
+
+#[test]
 fn return_tokens_as_token_ids_names_every_token_by_its_id() {
     let s = Server::start(&[]);
     let reference = reference_json("smollm2_llamacpp.json");

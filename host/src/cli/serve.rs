@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// did not ask for `stream_options.include_usage`.
     #[arg(long)]
     pub enable_force_include_usage: bool,
+    /// Name every token of a response's logprobs `token_id:{id}`, as
+    /// vLLM's flag does (a request's `return_tokens_as_token_ids` also
+    /// asks for it).
+    #[arg(long)]
+    pub return_tokens_as_token_ids: bool,
     /// A chat template (a file, or the template itself) used instead of
     /// the model's own.
     #[arg(long)]
@@ -254,6 +259,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             auto_tool_parser,
             metrics_port: a.metrics_port,
             force_include_usage: a.enable_force_include_usage,
+            return_tokens_as_token_ids: a.return_tokens_as_token_ids,
             reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,

@@ -78,6 +78,8 @@ pub struct ServerConfig {
     /// `--enable-force-include-usage`: streams end with their usage chunk
     /// whether or not the request asked for it.
     pub force_include_usage: bool,
+    /// `--return-tokens-as-token-ids`: logprobs name tokens by id.
+    pub return_tokens_as_token_ids: bool,
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
@@ -124,6 +126,11 @@ impl AppState {
     /// `--enable-force-include-usage`.
     pub fn config_force_include_usage(&self) -> bool {
         self.config.force_include_usage
+    }
+
+    /// `--return-tokens-as-token-ids`.
+    pub fn config_tokens_as_ids(&self) -> bool {
+        self.config.return_tokens_as_token_ids
     }
 
     /// `--reasoning-parser`, if given.

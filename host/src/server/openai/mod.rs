@@ -696,6 +696,7 @@ async fn start_run(
     let engine = state.engine_for(&common.model)?.clone();
     // A request that names an adapter runs with it on the base model.
     common.opts.lora = engine.lora(&common.model);
+    common.tokens_as_ids |= state.config_tokens_as_ids();
     let max_len = engine.max_model_len();
     if api == Api::Completions {
         // OpenAI's default of 16 for completions, where neither the request
