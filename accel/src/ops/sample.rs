@@ -44,6 +44,11 @@
 //! over the pool's threads (a 150k-entry row is 600 KB: pass after pass
 //! over every row would stream the whole batch through the caches once
 //! per processor).
+//!
+//! The CUDA backend runs the same steps as kernels (backend/cuda/
+//! kernels.cu). Its processors give these bits; its softmax's `exp` and
+//! the order of its sums differ, and it keeps masses in fixed point, so
+//! its draws agree with these except within rounding of a boundary.
 
 use super::softmax_inplace;
 use crate::ThreadPool;
@@ -400,6 +405,12 @@ impl SampledRows {
         })
     }
 
+    /// The top lists' ids and log-probabilities, to be written in place (a
+    /// device backend copies them back into them).
+    pub(crate) fn top_lists_mut(&mut self) -> (&mut [u32], &mut [f32]) {
+        (&mut self.top_ids.values, &mut self.top_logprobs)
+    }
+
     /// Sizes every array for `meta`'s rows (the top lists' offsets from
     /// what each row asked for), keeping allocations.
     pub fn shape_for(&mut self, meta: &SamplingMetadata) {
@@ -509,26 +520,8 @@ pub fn sample_rows(
     scratch: &mut SampleScratch,
     out: &mut SampledRows,
 ) {
-    assert!(vocab > 0, "sample_rows: empty vocabulary");
-    assert_eq!(
-        meta.vocab, vocab,
-        "sample_rows: metadata for another vocabulary"
-    );
+    check_rows(meta, vocab, logits.len());
     let n = meta.rows.len();
-    let mut prev: Option<u32> = None;
-    for p in &meta.rows {
-        assert!(
-            prev.is_none_or(|q| p.logit_row > q),
-            "sample_rows: logit rows must be strictly increasing"
-        );
-        prev = Some(p.logit_row);
-    }
-    if let Some(last) = prev {
-        assert!(
-            (last as usize + 1) * vocab <= logits.len(),
-            "sample_rows: logit row {last} is past the buffer"
-        );
-    }
     out.shape_for(meta);
     if n == 0 {
         return;
@@ -602,6 +595,40 @@ pub fn sample_rows(
     }
 }
 
+/// Checks what [`sample_rows`] (and a device backend's sample) requires of
+/// `meta` over a buffer of `len` values: its vocabulary is `vocab`, and its
+/// logit rows are strictly increasing and within the buffer.
+///
+/// # Panics
+/// If not: a bug in the caller.
+pub(crate) fn check_rows(meta: &SamplingMetadata, vocab: usize, len: usize) {
+    assert!(vocab > 0, "sample_rows: empty vocabulary");
+    assert_eq!(
+        meta.vocab, vocab,
+        "sample_rows: metadata for another vocabulary"
+    );
+    let mut prev: Option<u32> = None;
+    for p in &meta.rows {
+        assert!(
+            prev.is_none_or(|q| p.logit_row > q),
+            "sample_rows: logit rows must be strictly increasing"
+        );
+        prev = Some(p.logit_row);
+    }
+    if let Some(last) = prev {
+        assert!(
+            (last as usize + 1) * vocab <= len,
+            "sample_rows: logit row {last} is past the buffer"
+        );
+    }
+}
+
+/// Whether row `r` of `meta` restricts its tokens (allowed ids, bans or a
+/// grammar mask): only such a row can be left with nothing to sample.
+pub(crate) fn restricted(meta: &SamplingMetadata, r: usize) -> bool {
+    !meta.allowed.row(r).is_empty() || !meta.banned.row(r).is_empty() || meta.mask_at[r] != NO_MASK
+}
+
 /// All the steps of one row; returns its token, and (0 unless asked) the
 /// token's raw logprob and rank, with the top alternatives written to
 /// `top_ids` and `top_lps`.
@@ -649,15 +676,12 @@ fn sample_row(
             *l = f32::NEG_INFINITY;
         }
     }
-    let mask = meta.row_mask(r);
-    if let Some(words) = mask {
+    if let Some(words) = meta.row_mask(r) {
         apply_mask(row, words);
     }
     // Only the restrictions can leave every logit at −∞ (biases and
     // penalties are finite); sampling from nothing has no answer.
-    let restricted =
-        !meta.allowed.row(r).is_empty() || !meta.banned.row(r).is_empty() || mask.is_some();
-    if restricted && !row.iter().any(|&v| v > f32::NEG_INFINITY) {
+    if restricted(meta, r) && !row.iter().any(|&v| v > f32::NEG_INFINITY) {
         return (NO_TOKEN, 0.0, 0);
     }
     let token = if p.greedy {

@@ -685,3 +685,656 @@ fn attention_pipeline_matches_the_cpu() {
         assert!((g - w).abs() < 1e-4, "element {i}: {g} vs {w}");
     }
 }
+
+// ---------------------------------------------------------------------------
+// Sampling: pg_sample_process, pg_sample_pick and pg_sample_logprobs, one
+// block per row of `plan::SAMPLE_THREADS` threads, against `ops::sample`.
+// ---------------------------------------------------------------------------
+
+use crate::ops::sample::{
+    sample_rows, RowSampling, SampleScratch, SampledRows, SamplingMetadata, NO_MASK, NO_TOKEN,
+};
+
+const ST: usize = plan::SAMPLE_THREADS as usize;
+const FX_ONE: f64 = 4611686018427387904.0;
+
+/// `pg_order_key`.
+fn order_key(v: f32) -> u32 {
+    let b = v.to_bits();
+    if b >> 31 == 1 {
+        !b
+    } else {
+        b | 0x8000_0000
+    }
+}
+
+/// `pg_key_float`.
+fn key_float(k: u32) -> f32 {
+    f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k })
+}
+
+/// `pg_fx`.
+fn fx(p: f32) -> u64 {
+    if p > 0.0 {
+        (p as f64 * FX_ONE) as u64
+    } else {
+        0
+    }
+}
+
+/// Thread `tid`'s contiguous segment of `n` (the ordered scans).
+fn segment(n: usize, tid: usize) -> (usize, usize) {
+    let len = n.div_ceil(ST);
+    let lo = n.min(tid * len);
+    (lo, n.min(lo + len))
+}
+
+/// The metadata as the kernels read it (what `sample_launch` uploads).
+struct SamplePacked {
+    rows_u: Vec<u32>,
+    rows_f: Vec<f32>,
+    uniform: Vec<f64>,
+    raw_rows: usize,
+}
+
+fn pack(meta: &SamplingMetadata, out: &SampledRows) -> SamplePacked {
+    let mut p = SamplePacked {
+        rows_u: Vec::new(),
+        rows_f: Vec::new(),
+        uniform: Vec::new(),
+        raw_rows: 0,
+    };
+    for (r, s) in meta.rows().iter().enumerate() {
+        let mut flags = 0;
+        if s.greedy {
+            flags |= plan::SAMPLE_GREEDY;
+        }
+        let slot = p.raw_rows as u32;
+        if s.logprobs.is_some() {
+            flags |= plan::SAMPLE_LOGPROBS;
+            p.raw_rows += 1;
+        }
+        if crate::ops::sample::restricted(meta, r) {
+            flags |= plan::SAMPLE_RESTRICTED;
+        }
+        p.rows_u.extend_from_slice(&[
+            s.logit_row,
+            flags,
+            s.top_k,
+            s.logprobs.unwrap_or(0),
+            meta.mask_at()[r],
+            out.top_ids.offsets()[r],
+            slot,
+            0,
+        ]);
+        p.rows_f.extend_from_slice(&[
+            s.temperature,
+            s.top_p,
+            s.min_p,
+            s.repetition_penalty,
+            s.presence_penalty,
+            s.frequency_penalty,
+            0.0,
+            0.0,
+        ]);
+        p.uniform.push(s.uniform);
+    }
+    p
+}
+
+/// `pg_sample_process` over the grid.
+fn sample_process(
+    logits: &mut [f32],
+    raw: &mut [f32],
+    vocab: usize,
+    meta: &SamplingMetadata,
+    pk: &SamplePacked,
+) {
+    let words = vocab.div_ceil(32);
+    let neg = f32::NEG_INFINITY;
+    for r in 0..meta.num_rows() {
+        let pu = &pk.rows_u[r * plan::SAMPLE_U..(r + 1) * plan::SAMPLE_U];
+        let pf = &pk.rows_f[r * plan::SAMPLE_F..(r + 1) * plan::SAMPLE_F];
+        let row = &mut logits[pu[0] as usize * vocab..(pu[0] as usize + 1) * vocab];
+        let (mut allowed, mut seen) = (vec![0u32; words], vec![0u32; words]);
+        if pu[1] & plan::SAMPLE_LOGPROBS != 0 {
+            let s = pu[6] as usize;
+            raw[s * vocab..(s + 1) * vocab].copy_from_slice(row);
+        }
+        let allow = meta.allowed().row(r);
+        if !allow.is_empty() {
+            for tid in 0..ST {
+                for &t in allow.iter().skip(tid).step_by(ST) {
+                    if (t as usize) < vocab {
+                        allowed[t as usize / 32] |= 1 << (t % 32);
+                    }
+                }
+            }
+            for (j, l) in row.iter_mut().enumerate() {
+                if (allowed[j / 32] >> (j % 32)) & 1 == 0 {
+                    *l = neg;
+                }
+            }
+        }
+        let (bias_tok, bias_val) = meta.biases();
+        let from = bias_tok.offsets()[r] as usize;
+        for (i, &t) in bias_tok.row(r).iter().enumerate() {
+            if (t as usize) < vocab {
+                row[t as usize] += bias_val[from + i];
+            }
+        }
+        let rp = pf[3];
+        if rp != 1.0 {
+            for tid in 0..ST {
+                for &t in meta.penalized().row(r).iter().skip(tid).step_by(ST) {
+                    if t as usize >= vocab {
+                        continue;
+                    }
+                    let bit = 1u32 << (t % 32);
+                    let old = seen[t as usize / 32];
+                    seen[t as usize / 32] |= bit;
+                    if old & bit == 0 {
+                        let l = row[t as usize];
+                        row[t as usize] = if l > 0.0 { l / rp } else { l * rp };
+                    }
+                }
+            }
+        }
+        let (pp, fp) = (pf[4], pf[5]);
+        if pp != 0.0 || fp != 0.0 {
+            let (tok, cnt) = meta.output_counts();
+            let from = tok.offsets()[r] as usize;
+            for (i, &t) in tok.row(r).iter().enumerate() {
+                if (t as usize) < vocab {
+                    row[t as usize] -= pp + fp * cnt[from + i] as f32;
+                }
+            }
+        }
+        for &t in meta.banned().row(r) {
+            if (t as usize) < vocab {
+                row[t as usize] = neg;
+            }
+        }
+        if pu[4] != NO_MASK {
+            let m = &meta.masks()[pu[4] as usize..];
+            for (j, l) in row.iter_mut().enumerate() {
+                if (m[j / 32] >> (j % 32)) & 1 == 0 {
+                    *l = neg;
+                }
+            }
+        }
+    }
+}
+
+/// `pg_block_argmax`: per-thread strided scans, then the tree.
+fn block_argmax(x: &[f32]) -> u32 {
+    let mut v = [f32::NEG_INFINITY; ST];
+    let mut id = [NO_TOKEN; ST];
+    for tid in 0..ST {
+        for j in (tid..x.len()).step_by(ST) {
+            if x[j] > v[tid] {
+                v[tid] = x[j];
+                id[tid] = j as u32;
+            }
+        }
+    }
+    let mut s = ST / 2;
+    while s > 0 {
+        for tid in 0..s {
+            let (ov, oi) = (v[tid + s], id[tid + s]);
+            if ov > v[tid] || (ov == v[tid] && oi < id[tid]) {
+                v[tid] = ov;
+                id[tid] = oi;
+            }
+        }
+        s /= 2;
+    }
+    id[0]
+}
+
+/// `pg_block_sum_d`: per-thread partials, then the tree.
+fn tree_sum_d(mut part: [f64; ST]) -> f64 {
+    let mut s = ST / 2;
+    while s > 0 {
+        for tid in 0..s {
+            part[tid] += part[tid + s];
+        }
+        s /= 2;
+    }
+    part[0]
+}
+
+/// `pg_select_kth`.
+// Index loops mirror the kernel's threads and segments.
+#[allow(clippy::needless_range_loop)]
+fn select_kth(p: &[f32], k: u32) -> (u32, u32) {
+    let (mut prefix, mut mask, mut rem) = (0u32, 0u32, k);
+    for pass in 0..4 {
+        let shift = 24 - 8 * pass;
+        let mut hist = [0u32; 256];
+        for &v in p {
+            let key = order_key(v);
+            if key & mask == prefix {
+                hist[((key >> shift) & 255) as usize] += 1;
+            }
+        }
+        let mut b = 255usize;
+        while b > 0 && rem > hist[b] {
+            rem -= hist[b];
+            b -= 1;
+        }
+        prefix |= (b as u32) << shift;
+        mask |= 255 << shift;
+    }
+    let mut counts = [0u64; ST];
+    for (tid, c) in counts.iter_mut().enumerate() {
+        let (lo, hi) = segment(p.len(), tid);
+        *c = (lo..hi).filter(|&j| order_key(p[j]) == prefix).count() as u64;
+    }
+    let mut id = NO_TOKEN;
+    let mut before = 0u64;
+    for (tid, &c) in counts.iter().enumerate() {
+        if before < rem as u64 && rem as u64 <= before + c {
+            let (lo, hi) = segment(p.len(), tid);
+            let mut seen = before;
+            for j in lo..hi {
+                if order_key(p[j]) == prefix {
+                    seen += 1;
+                    if seen == rem as u64 {
+                        id = j as u32;
+                        break;
+                    }
+                }
+            }
+        }
+        before += c;
+    }
+    (prefix, id)
+}
+
+/// `pg_upto`.
+fn upto(key: u32, j: usize, lim: (u32, u32)) -> bool {
+    key > lim.0 || (key == lim.0 && j as u32 <= lim.1)
+}
+
+/// `pg_mass_upto` (integer sums: any order gives the same).
+fn mass_upto(p: &[f32], lim: (u32, u32), floor_p: f32) -> u64 {
+    p.iter()
+        .enumerate()
+        .filter(|&(j, &v)| upto(order_key(v), j, lim) && v >= floor_p)
+        .map(|(_, &v)| fx(v))
+        .sum()
+}
+
+/// `pg_cross`.
+// Index loops mirror the kernel's threads and segments.
+#[allow(clippy::needless_range_loop)]
+fn cross(p: &[f32], lim: (u32, u32), floor_p: f32, target: u64) -> Option<(u32, u32)> {
+    let in_set = |j: usize, v: f32| upto(order_key(v), j, lim) && v >= floor_p;
+    let (mut prefix, mut mask, mut acc) = (0u32, 0u32, 0u64);
+    for pass in 0..4 {
+        let shift = 24 - 8 * pass;
+        let (mut hist, mut hmass) = ([0u32; 256], [0u64; 256]);
+        for (j, &v) in p.iter().enumerate() {
+            let key = order_key(v);
+            if key & mask == prefix && in_set(j, v) {
+                let d = ((key >> shift) & 255) as usize;
+                hist[d] += 1;
+                hmass[d] += fx(v);
+            }
+        }
+        let mut word = None;
+        for b in (0..256).rev() {
+            if hist[b] > 0 && acc + hmass[b] >= target {
+                word = Some(b as u32);
+                break;
+            }
+            acc += hmass[b];
+        }
+        prefix |= word? << shift;
+        mask |= 255 << shift;
+    }
+    let mut id = NO_TOKEN;
+    let mut run_start = acc;
+    for tid in 0..ST {
+        let (lo, hi) = segment(p.len(), tid);
+        let ties = |j: usize| order_key(p[j]) == prefix && in_set(j, p[j]);
+        let (m, c): (u64, u32) = (lo..hi)
+            .filter(|&j| ties(j))
+            .fold((0, 0), |(m, c), j| (m + fx(p[j]), c + 1));
+        if c > 0 && run_start + m >= target {
+            let mut run = run_start;
+            for j in lo..hi {
+                if ties(j) {
+                    run += fx(p[j]);
+                    if run >= target {
+                        id = id.min(j as u32);
+                        break;
+                    }
+                }
+            }
+        }
+        run_start += m;
+    }
+    Some((prefix, id))
+}
+
+/// `pg_draw_in_order`.
+// Index loops mirror the kernel's threads and segments.
+#[allow(clippy::needless_range_loop)]
+fn draw_in_order(p: &[f32], target: u64) -> u32 {
+    let mut cross = NO_TOKEN;
+    let mut run_start = 0u64;
+    for tid in 0..ST {
+        let (lo, hi) = segment(p.len(), tid);
+        let m: u64 = p[lo..hi].iter().map(|&v| fx(v)).sum();
+        if hi > lo && run_start + m >= target {
+            let mut run = run_start;
+            for j in lo..hi {
+                run += fx(p[j]);
+                if run >= target {
+                    cross = cross.min(j as u32);
+                    break;
+                }
+            }
+        }
+        run_start += m;
+    }
+    if cross != NO_TOKEN {
+        let mut first = NO_TOKEN;
+        for tid in 0..ST {
+            for j in (cross as usize + tid..p.len()).step_by(ST) {
+                if p[j] > 0.0 {
+                    first = first.min(j as u32);
+                    break;
+                }
+            }
+        }
+        if first != NO_TOKEN {
+            return first;
+        }
+    }
+    match block_argmax(p) {
+        NO_TOKEN => 0,
+        a => a,
+    }
+}
+
+/// `pg_sample_pick` over the grid.
+// Index loops mirror the kernel's threads and segments.
+#[allow(clippy::needless_range_loop)]
+fn sample_pick(logits: &mut [f32], vocab: usize, pk: &SamplePacked, tokens: &mut [u32]) {
+    for (r, token) in tokens.iter_mut().enumerate() {
+        let pu = &pk.rows_u[r * plan::SAMPLE_U..(r + 1) * plan::SAMPLE_U];
+        let pf = &pk.rows_f[r * plan::SAMPLE_F..(r + 1) * plan::SAMPLE_F];
+        let p = &mut logits[pu[0] as usize * vocab..(pu[0] as usize + 1) * vocab];
+        let flags = pu[1];
+        if flags & plan::SAMPLE_GREEDY != 0 {
+            *token = match block_argmax(p) {
+                NO_TOKEN if flags & plan::SAMPLE_RESTRICTED == 0 => 0,
+                t => t,
+            };
+            continue;
+        }
+        if flags & plan::SAMPLE_RESTRICTED != 0 && !p.iter().any(|&v| v > f32::NEG_INFINITY) {
+            *token = NO_TOKEN;
+            continue;
+        }
+        let inv_t = 1.0f32 / pf[0];
+        let mut mx = [f32::NEG_INFINITY; ST];
+        for tid in 0..ST {
+            for j in (tid..vocab).step_by(ST) {
+                if inv_t != 1.0 {
+                    p[j] *= inv_t;
+                }
+                mx[tid] = mx[tid].max(p[j]);
+            }
+        }
+        let mx = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut part = [0f64; ST];
+        for (tid, s) in part.iter_mut().enumerate() {
+            for j in (tid..vocab).step_by(ST) {
+                let e = (p[j] - mx).exp();
+                p[j] = e;
+                *s += e as f64;
+            }
+        }
+        let inv = (1.0 / tree_sum_d(part)) as f32;
+        for v in p.iter_mut() {
+            *v *= inv;
+        }
+        let u = pk.uniform[r];
+        let top_k = if pu[2] > 0 {
+            pu[2].min(vocab as u32)
+        } else {
+            vocab as u32
+        };
+        let (top_p, min_p) = (pf[1], pf[2]);
+        if top_k == vocab as u32 && top_p >= 1.0 && min_p <= 0.0 {
+            *token = draw_in_order(p, (u * FX_ONE) as u64);
+            continue;
+        }
+        let mut k = if top_k < vocab as u32 {
+            top_k
+        } else {
+            64.min(vocab as u32)
+        };
+        let (mut lim, mut kept);
+        loop {
+            lim = select_kth(p, k);
+            kept = mass_upto(p, lim, f32::NEG_INFINITY);
+            if k == top_k || k == vocab as u32 || kept >= (top_p as f64 * FX_ONE) as u64 {
+                break;
+            }
+            k = (k * 8).min(top_k).min(vocab as u32);
+        }
+        let first = select_kth(p, 1);
+        if top_p < 1.0 {
+            if let Some(c) = cross(
+                p,
+                lim,
+                f32::NEG_INFINITY,
+                (top_p as f64 * kept as f64) as u64,
+            ) {
+                lim = c;
+            }
+        }
+        let floor_p = if min_p > 0.0 {
+            key_float(first.0) * min_p
+        } else {
+            f32::NEG_INFINITY
+        };
+        let sum = mass_upto(p, lim, floor_p);
+        *token = match cross(p, lim, floor_p, (u * sum as f64) as u64) {
+            Some((_, id)) => id,
+            None => first.1,
+        };
+    }
+}
+
+/// `pg_sample_logprobs` over the grid.
+#[allow(clippy::too_many_arguments)]
+fn sample_logprobs(
+    raw: &[f32],
+    vocab: usize,
+    pk: &SamplePacked,
+    tokens: &[u32],
+    lp_out: &mut [f32],
+    rank_out: &mut [u32],
+    top_ids: &mut [u32],
+    top_lps: &mut [f32],
+) {
+    for r in 0..tokens.len() {
+        let pu = &pk.rows_u[r * plan::SAMPLE_U..(r + 1) * plan::SAMPLE_U];
+        if pu[1] & plan::SAMPLE_LOGPROBS == 0 {
+            continue;
+        }
+        let x = &raw[pu[6] as usize * vocab..(pu[6] as usize + 1) * vocab];
+        let mx = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut part = [0f64; ST];
+        for (tid, s) in part.iter_mut().enumerate() {
+            for j in (tid..vocab).step_by(ST) {
+                *s += ((x[j] - mx) as f64).exp();
+            }
+        }
+        let lse = mx as f64 + tree_sum_d(part).ln();
+        let token = tokens[r];
+        if token == NO_TOKEN || token as usize >= vocab {
+            lp_out[r] = 0.0;
+            rank_out[r] = 0;
+            continue;
+        }
+        let lp = |j: usize| (x[j] as f64 - lse) as f32;
+        let chosen = lp(token as usize);
+        lp_out[r] = chosen;
+        rank_out[r] = (0..vocab).filter(|&j| lp(j) > chosen).count() as u32 + 1;
+        let (k, off) = ((pu[3] as usize).min(vocab), pu[5] as usize);
+        let mut prev: Option<(u32, u32)> = None;
+        for i in 0..k {
+            let mut best: Option<(u32, u32)> = None;
+            for j in 0..vocab {
+                let key = order_key(lp(j));
+                let after = prev.is_none_or(|(pk, pi)| key < pk || (key == pk && j as u32 > pi));
+                if after && best.is_none_or(|(bk, bi)| key > bk || (key == bk && (j as u32) < bi)) {
+                    best = Some((key, j as u32));
+                }
+            }
+            let Some((bk, bi)) = best else { break };
+            top_ids[off + i] = bi;
+            top_lps[off + i] = key_float(bk);
+            prev = best;
+        }
+    }
+}
+
+/// The three sampling kernels, as `CudaBackend::sample` launches them,
+/// against `ops::sample_rows` on rows with every processor, greedy and
+/// sampled rows mixed, ties, masks and skipped logit rows. The processors
+/// are exact in both; the softmax's `exp` and the order of its sum differ,
+/// and the kernels keep masses in fixed point where the CPU sums f64, so
+/// only a draw landing within rounding of a boundary could differ (none
+/// does here); logprobs agree to rounding.
+#[test]
+fn sampling_kernels_match_the_cpu_op() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(46);
+    let pool = crate::ThreadPool::new(1);
+    let (mut scratch, mut want, mut got) = (
+        SampleScratch::default(),
+        SampledRows::default(),
+        SampledRows::default(),
+    );
+    let mut meta = SamplingMetadata::default();
+    let mut compared = 0;
+    for case in 0..40 {
+        let vocab = [50usize, 700, 5000, 40_000][case % 4];
+        let n = 1 + case % 6;
+        let total_rows = 2 * n;
+        let ties = case % 3 == 0;
+        let logits: Vec<f32> = (0..total_rows * vocab)
+            .map(|i| {
+                if ties {
+                    rng.random_range(0..5) as f32 * 0.5
+                } else if i % 89 == 5 {
+                    rng.random_range(4.0f32..9.0)
+                } else {
+                    rng.random_range(-4.0f32..2.0)
+                }
+            })
+            .collect();
+        meta.clear(vocab);
+        for i in 0..n {
+            let any = |rng: &mut rand::rngs::StdRng| rng.random_range(0..vocab as u32 + 2);
+            meta.push_row(RowSampling {
+                logit_row: (2 * i + 1) as u32,
+                greedy: rng.random_bool(0.3),
+                temperature: [0.5f32, 1.0, 1.3][rng.random_range(0..3)],
+                top_k: [0u32, 0, 3, 40, 100_000][rng.random_range(0..5)],
+                top_p: [1.0f32, 0.9, 0.6][rng.random_range(0..3)],
+                min_p: [0.0f32, 0.0, 0.05][rng.random_range(0..3)],
+                uniform: rng.random(),
+                logprobs: [None, Some(0), Some(4)][rng.random_range(0..3)],
+                repetition_penalty: [1.0f32, 1.3][rng.random_range(0..2)],
+                presence_penalty: [0.0f32, 0.4][rng.random_range(0..2)],
+                frequency_penalty: [0.0f32, 0.25][rng.random_range(0..2)],
+            });
+            let pen: Vec<u32> = (0..rng.random_range(0..40))
+                .map(|_| any(&mut rng))
+                .collect();
+            meta.penalize(&pen);
+            let mut outs: Vec<u32> = (0..rng.random_range(0..10))
+                .map(|_| any(&mut rng))
+                .collect();
+            outs.sort_unstable();
+            outs.dedup();
+            for t in outs {
+                meta.count_output(t, rng.random_range(1..4));
+            }
+            for _ in 0..rng.random_range(0..4) {
+                let t = any(&mut rng);
+                meta.bias(t, rng.random_range(-3.0f32..3.0));
+            }
+            if rng.random_bool(0.3) {
+                for _ in 0..3 {
+                    let t = any(&mut rng);
+                    meta.ban(t);
+                }
+            }
+            if rng.random_bool(0.25) {
+                let allowed: Vec<u32> = (0..vocab as u32 / 3).map(|_| any(&mut rng)).collect();
+                meta.allow(&allowed);
+            }
+            if rng.random_bool(0.25) {
+                let words: Vec<u32> = (0..meta.mask_words()).map(|_| rng.random()).collect();
+                meta.mask(&words);
+            }
+        }
+        let mut cpu = logits.clone();
+        sample_rows(&pool, &mut cpu, vocab, &meta, &mut scratch, &mut want);
+
+        got.shape_for(&meta);
+        let pk = pack(&meta, &got);
+        let mut dev = logits.clone();
+        let mut raw = vec![0f32; pk.raw_rows * vocab];
+        sample_process(&mut dev, &mut raw, vocab, &meta, &pk);
+        sample_pick(&mut dev, vocab, &pk, &mut got.tokens);
+        let (ids, lps) = got.top_lists_mut();
+        let (mut ids, mut lps) = (ids.to_vec(), lps.to_vec());
+        sample_logprobs(
+            &raw,
+            vocab,
+            &pk,
+            &got.tokens.clone(),
+            &mut got.logprobs,
+            &mut got.ranks,
+            &mut ids,
+            &mut lps,
+        );
+        got.top_lists_mut().0.copy_from_slice(&ids);
+        got.top_lists_mut().1.copy_from_slice(&lps);
+
+        for r in 0..n {
+            let p = meta.rows()[r];
+            assert_eq!(got.tokens[r], want.tokens[r], "case {case}, row {r}: {p:?}");
+            compared += 1;
+            if want.tokens[r] == NO_TOKEN {
+                continue;
+            }
+            match (got.logprobs_of(&meta, r), want.logprobs_of(&meta, r)) {
+                (Some(g), Some(w)) => {
+                    assert!(
+                        (g.logprob - w.logprob).abs() <= 1e-5,
+                        "case {case}, row {r}: {g:?} {w:?}"
+                    );
+                    assert_eq!(g.rank, w.rank, "case {case}, row {r}");
+                    assert_eq!(g.top_ids, w.top_ids, "case {case}, row {r}");
+                    for (a, b) in g.top_logprobs.iter().zip(w.top_logprobs) {
+                        assert!((a - b).abs() <= 1e-5, "case {case}, row {r}");
+                    }
+                }
+                (None, None) => {}
+                other => panic!("case {case}, row {r}: {other:?}"),
+            }
+        }
+    }
+    assert!(compared > 100);
+}

@@ -738,3 +738,597 @@ extern "C" __global__ void pg_attn_merge(const float* part_o, const float* part_
     }
     out[(u64)q_start * n_heads * head_dim + (u64)hq * head_dim + i] = l > 0.0f ? o / l : 0.0f;
 }
+
+// ---------------------------------------------------------------------------
+// Sampling (Backend::sample; ops::sample defines every step, cuda/emulate.rs
+// transliterates these kernels). One block of PG_SAMPLE_THREADS per row:
+// pg_sample_process applies the logit processors, pg_sample_pick chooses
+// the token, pg_sample_logprobs describes it under the raw logits (copied
+// aside by pg_sample_process for the rows that ask).
+//
+// Per row, `rows_u` holds PG_SU words: logit row, flags, top-k (0: off),
+// logprobs k, grammar mask offset (PG_NO_MASK: none), offset into the top
+// lists, raw-copy slot, 0; `rows_f` holds PG_SF floats: temperature,
+// top-p, min-p, repetition, presence and frequency penalties, 0, 0. The
+// per-row lists are CSR: row r's entries are [off[r], off[r + 1]).
+//
+// Every choice the CPU makes with f64 sums in sorted order is made here
+// with masses in 2^-62 fixed point (integer sums, so atomics leave them
+// deterministic), over the same order: probability descending, then id
+// ascending, as 32-bit keys that order like f32::total_cmp. Selections
+// walk those keys 8 bits at a time from the top (radix select) instead of
+// sorting: the k-th element, the mass up to an element, and the element
+// where the mass crosses a target.
+// ---------------------------------------------------------------------------
+#define PG_SAMPLE_THREADS 256
+#define PG_SU 8
+#define PG_SF 8
+#define PG_S_GREEDY 1u
+#define PG_S_LOGPROBS 2u
+#define PG_S_RESTRICTED 4u
+#define PG_NO_MASK 0xffffffffu
+#define PG_NO_TOKEN 0xffffffffu
+#define PG_FX_ONE 4611686018427387904.0  // 2^62
+
+__device__ __forceinline__ u32 pg_order_key(float v) {
+    u32 b = __float_as_uint(v);
+    return (b >> 31) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float pg_key_float(u32 k) {
+    return __uint_as_float((k >> 31) ? (k & 0x7fffffffu) : ~k);
+}
+// A probability as a fixed-point mass (0 for NaN and anything not above 0).
+__device__ __forceinline__ u64 pg_fx(float p) {
+    return p > 0.0f ? (u64)((double)p * PG_FX_ONE) : 0ull;
+}
+
+extern "C" __global__ void pg_sample_process(
+    float* logits, float* raw, u32 vocab, const u32* rows_u, const float* rows_f,
+    const u32* pen_off, const u32* pen, const u32* out_off, const u32* out_tok,
+    const u32* out_cnt, const u32* bias_off, const u32* bias_tok, const float* bias_val,
+    const u32* ban_off, const u32* ban, const u32* allow_off, const u32* allow,
+    const u32* masks, u32* bits) {
+    const u32 r = blockIdx.x, tid = threadIdx.x, T = blockDim.x;
+    const u32* pu = rows_u + (u64)r * PG_SU;
+    const float* pf = rows_f + (u64)r * PG_SF;
+    float* row = logits + (u64)pu[0] * vocab;
+    const u32 words = (vocab + 31) / 32;
+    u32* allowed = bits + (u64)r * 2 * words;
+    u32* seen = allowed + words;
+    // The raw row for its logprobs, and clean bit sets.
+    if (pu[1] & PG_S_LOGPROBS) {
+        float* dst = raw + (u64)pu[6] * vocab;
+        for (u32 j = tid; j < vocab; j += T) dst[j] = row[j];
+    }
+    for (u32 w = tid; w < words; w += T) {
+        allowed[w] = 0u;
+        seen[w] = 0u;
+    }
+    __syncthreads();
+    const u32 a0 = allow_off[r], a1 = allow_off[r + 1];
+    if (a1 > a0) {
+        for (u32 i = a0 + tid; i < a1; i += T) {
+            u32 t = allow[i];
+            if (t < vocab) atomicOr(&allowed[t / 32], 1u << (t % 32));
+        }
+        __syncthreads();
+        for (u32 j = tid; j < vocab; j += T) {
+            if (!((allowed[j / 32] >> (j % 32)) & 1u)) row[j] = PG_NEG_INF;
+        }
+    }
+    __syncthreads();
+    // Biases of one token add up in list order: one thread.
+    if (tid == 0) {
+        for (u32 i = bias_off[r]; i < bias_off[r + 1]; i++) {
+            u32 t = bias_tok[i];
+            if (t < vocab) row[t] = row[t] + bias_val[i];
+        }
+    }
+    __syncthreads();
+    const float rp = pf[3];
+    if (rp != 1.0f) {
+        // Each distinct token once: whoever sets its bit applies it.
+        for (u32 i = pen_off[r] + tid; i < pen_off[r + 1]; i += T) {
+            u32 t = pen[i];
+            if (t >= vocab) continue;
+            u32 bit = 1u << (t % 32);
+            if (!(atomicOr(&seen[t / 32], bit) & bit)) {
+                float l = row[t];
+                row[t] = l > 0.0f ? l / rp : l * rp;
+            }
+        }
+    }
+    __syncthreads();
+    const float pp = pf[4], fp = pf[5];
+    if (pp != 0.0f || fp != 0.0f) {
+        // Output tokens are distinct. No contraction into an FMA: the CPU
+        // rounds the product, then the sum.
+        for (u32 i = out_off[r] + tid; i < out_off[r + 1]; i += T) {
+            u32 t = out_tok[i];
+            if (t < vocab) row[t] = row[t] - __fadd_rn(pp, __fmul_rn(fp, (float)out_cnt[i]));
+        }
+    }
+    __syncthreads();
+    for (u32 i = ban_off[r] + tid; i < ban_off[r + 1]; i += T) {
+        u32 t = ban[i];
+        if (t < vocab) row[t] = PG_NEG_INF;
+    }
+    __syncthreads();
+    if (pu[4] != PG_NO_MASK) {
+        const u32* m = masks + pu[4];
+        for (u32 j = tid; j < vocab; j += T) {
+            if (!((m[j / 32] >> (j % 32)) & 1u)) row[j] = PG_NEG_INF;
+        }
+    }
+}
+
+struct PgSampleShared {
+    u32 hist[256];
+    u64 hmass[256];
+    u64 seg[PG_SAMPLE_THREADS];
+    double dred[PG_SAMPLE_THREADS];
+    float fred[PG_SAMPLE_THREADS];
+    u32 ured[PG_SAMPLE_THREADS];
+    u32 word, rem, id;
+    u64 acc;
+    int found;
+};
+
+__device__ float pg_block_max(float v, PgSampleShared* sh) {
+    const u32 tid = threadIdx.x;
+    sh->fred[tid] = v;
+    __syncthreads();
+    for (u32 s = PG_SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) sh->fred[tid] = fmaxf(sh->fred[tid], sh->fred[tid + s]);
+        __syncthreads();
+    }
+    float r = sh->fred[0];
+    __syncthreads();
+    return r;
+}
+__device__ double pg_block_sum_d(double v, PgSampleShared* sh) {
+    const u32 tid = threadIdx.x;
+    sh->dred[tid] = v;
+    __syncthreads();
+    for (u32 s = PG_SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) sh->dred[tid] += sh->dred[tid + s];
+        __syncthreads();
+    }
+    double r = sh->dred[0];
+    __syncthreads();
+    return r;
+}
+__device__ u64 pg_block_sum_u64(u64 v, PgSampleShared* sh) {
+    const u32 tid = threadIdx.x;
+    sh->seg[tid] = v;
+    __syncthreads();
+    for (u32 s = PG_SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) sh->seg[tid] += sh->seg[tid + s];
+        __syncthreads();
+    }
+    u64 r = sh->seg[0];
+    __syncthreads();
+    return r;
+}
+// Whether any thread's `v` is set.
+__device__ bool pg_block_any(bool v, PgSampleShared* sh) {
+    return pg_block_sum_u64(v ? 1ull : 0ull, sh) > 0;
+}
+
+// The first index of the largest value above −∞ (NaN never), or
+// PG_NO_TOKEN: the scan `if (v > best)` over the row, as ops::sample's
+// argmax defines it.
+__device__ u32 pg_block_argmax(const float* x, u32 n, PgSampleShared* sh) {
+    const u32 tid = threadIdx.x;
+    float bv = PG_NEG_INF;
+    u32 bi = PG_NO_TOKEN;
+    for (u32 j = tid; j < n; j += PG_SAMPLE_THREADS) {
+        float v = x[j];
+        if (v > bv) {
+            bv = v;
+            bi = j;
+        }
+    }
+    sh->fred[tid] = bv;
+    sh->ured[tid] = bi;
+    __syncthreads();
+    for (u32 s = PG_SAMPLE_THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) {
+            float ov = sh->fred[tid + s];
+            u32 oi = sh->ured[tid + s];
+            float mv = sh->fred[tid];
+            u32 mi = sh->ured[tid];
+            if (ov > mv || (ov == mv && oi < mi)) {
+                sh->fred[tid] = ov;
+                sh->ured[tid] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    u32 r = sh->ured[0];
+    __syncthreads();
+    return r;
+}
+
+// Whether element (key, j) is among the first elements up to the boundary
+// (lim_key, lim_id) in the order (key descending, id ascending).
+__device__ __forceinline__ bool pg_upto(u32 key, u32 j, u32 lim_key, u32 lim_id) {
+    return key > lim_key || (key == lim_key && j <= lim_id);
+}
+
+// The `k`-th (1-based, k <= n) element of `p` in the order: its key and id.
+__device__ void pg_select_kth(const float* p, u32 n, u32 k, PgSampleShared* sh, u32* key_out,
+                              u32* id_out) {
+    const u32 tid = threadIdx.x, T = PG_SAMPLE_THREADS;
+    u32 prefix = 0, mask = 0, rem = k;
+    for (int pass = 0; pass < 4; pass++) {
+        const u32 shift = 24 - 8 * pass;
+        for (u32 b = tid; b < 256; b += T) sh->hist[b] = 0;
+        __syncthreads();
+        for (u32 j = tid; j < n; j += T) {
+            u32 key = pg_order_key(p[j]);
+            if ((key & mask) == prefix) atomicAdd(&sh->hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            u32 b = 255;
+            while (b > 0 && rem > sh->hist[b]) {
+                rem -= sh->hist[b];
+                b--;
+            }
+            sh->word = b;
+            sh->rem = rem;
+        }
+        __syncthreads();
+        prefix |= sh->word << shift;
+        mask |= 255u << shift;
+        rem = sh->rem;
+        __syncthreads();
+    }
+    // The rem-th element of key `prefix` in id order: each thread counts
+    // its contiguous segment, then the one holding it walks.
+    const u32 len = (n + T - 1) / T, lo = min(n, tid * len), hi = min(n, lo + len);
+    u32 c = 0;
+    for (u32 j = lo; j < hi; j++) c += pg_order_key(p[j]) == prefix;
+    sh->seg[tid] = c;
+    __syncthreads();
+    if (tid == 0) {
+        u64 at = 0;
+        for (u32 t = 0; t < T; t++) {
+            u64 here = sh->seg[t];
+            sh->seg[t] = at;
+            at += here;
+        }
+        sh->id = PG_NO_TOKEN;
+    }
+    __syncthreads();
+    u64 before = sh->seg[tid];
+    if (before < rem && rem <= before + c) {
+        u64 seen = before;
+        for (u32 j = lo; j < hi; j++) {
+            if (pg_order_key(p[j]) == prefix && ++seen == rem) {
+                sh->id = j;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    *key_out = prefix;
+    *id_out = sh->id;
+    __syncthreads();
+}
+
+// The mass of the elements up to (lim_key, lim_id) whose probability is at
+// least `floor_p`.
+__device__ u64 pg_mass_upto(const float* p, u32 n, u32 lim_key, u32 lim_id, float floor_p,
+                            PgSampleShared* sh) {
+    u64 m = 0;
+    for (u32 j = threadIdx.x; j < n; j += PG_SAMPLE_THREADS) {
+        float v = p[j];
+        if (pg_upto(pg_order_key(v), j, lim_key, lim_id) && v >= floor_p) m += pg_fx(v);
+    }
+    return pg_block_sum_u64(m, sh);
+}
+
+// Among the elements up to (lim_key, lim_id) with probability at least
+// `floor_p`, taken in order, the first at which the running mass reaches
+// `target`. Returns whether there is one, and sets its key and id.
+__device__ bool pg_cross(const float* p, u32 n, u32 lim_key, u32 lim_id, float floor_p,
+                         u64 target, PgSampleShared* sh, u32* key_out, u32* id_out) {
+    const u32 tid = threadIdx.x, T = PG_SAMPLE_THREADS;
+    u32 prefix = 0, mask = 0;
+    u64 acc = 0;
+    for (int pass = 0; pass < 4; pass++) {
+        const u32 shift = 24 - 8 * pass;
+        for (u32 b = tid; b < 256; b += T) {
+            sh->hist[b] = 0;
+            sh->hmass[b] = 0;
+        }
+        __syncthreads();
+        for (u32 j = tid; j < n; j += T) {
+            float v = p[j];
+            u32 key = pg_order_key(v);
+            if ((key & mask) == prefix && pg_upto(key, j, lim_key, lim_id) && v >= floor_p) {
+                u32 d = (key >> shift) & 255u;
+                atomicAdd(&sh->hist[d], 1u);
+                atomicAdd(&sh->hmass[d], pg_fx(v));
+            }
+        }
+        __syncthreads();
+        if (tid == 0) {
+            int found = 0;
+            for (int b = 255; b >= 0; b--) {
+                if (sh->hist[b] > 0 && acc + sh->hmass[b] >= target) {
+                    sh->word = (u32)b;
+                    found = 1;
+                    break;
+                }
+                acc += sh->hmass[b];
+            }
+            sh->found = found;
+            sh->acc = acc;
+        }
+        __syncthreads();
+        if (!sh->found) {
+            __syncthreads();
+            return false;
+        }
+        prefix |= sh->word << shift;
+        mask |= 255u << shift;
+        acc = sh->acc;
+        __syncthreads();
+    }
+    // Among the elements of key `prefix` (in the set), in id order.
+    const u32 len = (n + T - 1) / T, lo = min(n, tid * len), hi = min(n, lo + len);
+    u64 m = 0;
+    u32 c = 0;
+    for (u32 j = lo; j < hi; j++) {
+        float v = p[j];
+        if (pg_order_key(v) == prefix && pg_upto(prefix, j, lim_key, lim_id) && v >= floor_p) {
+            m += pg_fx(v);
+            c++;
+        }
+    }
+    sh->seg[tid] = m;
+    __syncthreads();
+    if (tid == 0) {
+        u64 at = acc;
+        for (u32 t = 0; t < T; t++) {
+            u64 here = sh->seg[t];
+            sh->seg[t] = at;
+            at += here;
+        }
+        sh->id = PG_NO_TOKEN;
+    }
+    __syncthreads();
+    u64 run = sh->seg[tid];
+    if (c > 0 && run + m >= target) {
+        for (u32 j = lo; j < hi; j++) {
+            float v = p[j];
+            if (pg_order_key(v) == prefix && pg_upto(prefix, j, lim_key, lim_id) &&
+                v >= floor_p) {
+                run += pg_fx(v);
+                if (run >= target) {
+                    // Later segments may cross too; the first one wins.
+                    atomicMin(&sh->id, j);
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    *key_out = prefix;
+    *id_out = sh->id;
+    __syncthreads();
+    return true;
+}
+
+// The draw over the whole row in id order: the first positive entry at or
+// after the point where the running mass reaches `target`, else the argmax.
+__device__ u32 pg_draw_in_order(const float* p, u32 n, u64 target, PgSampleShared* sh) {
+    const u32 tid = threadIdx.x, T = PG_SAMPLE_THREADS;
+    const u32 len = (n + T - 1) / T, lo = min(n, tid * len), hi = min(n, lo + len);
+    u64 m = 0;
+    for (u32 j = lo; j < hi; j++) m += pg_fx(p[j]);
+    sh->seg[tid] = m;
+    __syncthreads();
+    if (tid == 0) {
+        u64 at = 0;
+        for (u32 t = 0; t < T; t++) {
+            u64 here = sh->seg[t];
+            sh->seg[t] = at;
+            at += here;
+        }
+        sh->id = PG_NO_TOKEN;
+    }
+    __syncthreads();
+    u64 run = sh->seg[tid];
+    if (hi > lo && run + m >= target) {
+        for (u32 j = lo; j < hi; j++) {
+            run += pg_fx(p[j]);
+            if (run >= target) {
+                atomicMin(&sh->id, j);
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    const u32 cross = sh->id;
+    __syncthreads();
+    if (cross != PG_NO_TOKEN) {
+        if (tid == 0) sh->id = PG_NO_TOKEN;
+        __syncthreads();
+        for (u32 j = cross + tid; j < n; j += T) {
+            if (p[j] > 0.0f) {
+                atomicMin(&sh->id, j);
+                break;
+            }
+        }
+        __syncthreads();
+        const u32 first = sh->id;
+        __syncthreads();
+        if (first != PG_NO_TOKEN) return first;
+    }
+    u32 a = pg_block_argmax(p, n, sh);
+    return a == PG_NO_TOKEN ? 0 : a;
+}
+
+extern "C" __global__ void pg_sample_pick(float* logits, u32 vocab, const u32* rows_u,
+                                          const float* rows_f, const double* uniform,
+                                          u32* tokens) {
+    __shared__ PgSampleShared sh;
+    const u32 r = blockIdx.x, tid = threadIdx.x;
+    const u32* pu = rows_u + (u64)r * PG_SU;
+    const float* pf = rows_f + (u64)r * PG_SF;
+    float* p = logits + (u64)pu[0] * vocab;
+    const u32 flags = pu[1];
+    u32 token;
+    if (flags & PG_S_GREEDY) {
+        token = pg_block_argmax(p, vocab, &sh);
+        if (token == PG_NO_TOKEN) token = (flags & PG_S_RESTRICTED) ? PG_NO_TOKEN : 0;
+        if (tid == 0) tokens[r] = token;
+        return;
+    }
+    if (flags & PG_S_RESTRICTED) {
+        bool any = false;
+        for (u32 j = tid; j < vocab; j += PG_SAMPLE_THREADS) any |= p[j] > PG_NEG_INF;
+        if (!pg_block_any(any, &sh)) {
+            if (tid == 0) tokens[r] = PG_NO_TOKEN;
+            return;
+        }
+    }
+    // Temperature, then the softmax as ops::softmax_inplace computes it:
+    // the maximum, e^(x - max) summed in f64, times 1 / sum.
+    const float inv_t = 1.0f / pf[0];
+    float mx = PG_NEG_INF;
+    for (u32 j = tid; j < vocab; j += PG_SAMPLE_THREADS) {
+        float v = p[j];
+        if (inv_t != 1.0f) {
+            v *= inv_t;
+            p[j] = v;
+        }
+        mx = fmaxf(mx, v);
+    }
+    mx = pg_block_max(mx, &sh);
+    double part = 0.0;
+    for (u32 j = tid; j < vocab; j += PG_SAMPLE_THREADS) {
+        float e = expf(p[j] - mx);
+        p[j] = e;
+        part += (double)e;
+    }
+    const float inv = (float)(1.0 / pg_block_sum_d(part, &sh));
+    for (u32 j = tid; j < vocab; j += PG_SAMPLE_THREADS) p[j] *= inv;
+    __syncthreads();
+
+    const double u = uniform[r];
+    const u32 top_k = pu[2] > 0 ? min(pu[2], vocab) : vocab;
+    const float top_p = pf[1], min_p = pf[2];
+    if (top_k == vocab && top_p >= 1.0f && min_p <= 0.0f) {
+        token = pg_draw_in_order(p, vocab, (u64)(u * PG_FX_ONE), &sh);
+        if (tid == 0) tokens[r] = token;
+        return;
+    }
+    // The candidates: the top k for k = top-k, or 64, 512, ... until their
+    // mass reaches top-p (the CPU's k-growing search, same checkpoints).
+    u32 k = top_k < vocab ? top_k : min(64u, vocab);
+    u32 lim_key, lim_id;
+    u64 kept;
+    for (;;) {
+        pg_select_kth(p, vocab, k, &sh, &lim_key, &lim_id);
+        kept = pg_mass_upto(p, vocab, lim_key, lim_id, PG_NEG_INF, &sh);
+        if (k == top_k || k == vocab || kept >= (u64)((double)top_p * PG_FX_ONE)) break;
+        k = min(min(k * 8, top_k), vocab);
+    }
+    u32 first_key, first_id;
+    pg_select_kth(p, vocab, 1, &sh, &first_key, &first_id);
+    if (top_p < 1.0f) {
+        // The shortest prefix holding top-p of the kept mass.
+        u32 ck, ci;
+        if (pg_cross(p, vocab, lim_key, lim_id, PG_NEG_INF, (u64)((double)top_p * (double)kept),
+                     &sh, &ck, &ci)) {
+            lim_key = ck;
+            lim_id = ci;
+        }
+    }
+    // Min-p keeps a prefix too: probabilities of at least min-p times the
+    // likeliest.
+    const float floor_p = min_p > 0.0f ? pg_key_float(first_key) * min_p : PG_NEG_INF;
+    const u64 sum = pg_mass_upto(p, vocab, lim_key, lim_id, floor_p, &sh);
+    u32 ck, ci;
+    bool hit = pg_cross(p, vocab, lim_key, lim_id, floor_p, (u64)(u * (double)sum), &sh, &ck, &ci);
+    token = hit ? ci : first_id;
+    if (tid == 0) tokens[r] = token;
+}
+
+// For the rows that ask: the chosen token's log-probability under the raw
+// logits, its rank, and the top alternatives (log-probability descending,
+// then id), as ops::sample computes them.
+extern "C" __global__ void pg_sample_logprobs(const float* raw, u32 vocab, const u32* rows_u,
+                                              const u32* tokens, float* lp_out, u32* rank_out,
+                                              u32* top_ids, float* top_lps) {
+    __shared__ PgSampleShared sh;
+    const u32 r = blockIdx.x, tid = threadIdx.x, T = PG_SAMPLE_THREADS;
+    const u32* pu = rows_u + (u64)r * PG_SU;
+    if (!(pu[1] & PG_S_LOGPROBS)) return;
+    const float* x = raw + (u64)pu[6] * vocab;
+    float mx = PG_NEG_INF;
+    for (u32 j = tid; j < vocab; j += T) mx = fmaxf(mx, x[j]);
+    mx = pg_block_max(mx, &sh);
+    double part = 0.0;
+    for (u32 j = tid; j < vocab; j += T) part += exp((double)(x[j] - mx));
+    const double lse = (double)mx + log(pg_block_sum_d(part, &sh));
+    const u32 token = tokens[r];
+    if (token == PG_NO_TOKEN || token >= vocab) {
+        if (tid == 0) {
+            lp_out[r] = 0.0f;
+            rank_out[r] = 0;
+        }
+        return;
+    }
+    const float chosen = (float)((double)x[token] - lse);
+    u64 better = 0;
+    for (u32 j = tid; j < vocab; j += T) better += (float)((double)x[j] - lse) > chosen;
+    better = pg_block_sum_u64(better, &sh);
+    if (tid == 0) {
+        lp_out[r] = chosen;
+        rank_out[r] = (u32)better + 1;
+    }
+    // The top k, one per pass: the best element after the previous one.
+    const u32 k = min(pu[3], vocab), off = pu[5];
+    u32 prev_key = 0xffffffffu, prev_id = 0;
+    bool first = true;
+    for (u32 i = 0; i < k; i++) {
+        u32 bk = 0, bi = PG_NO_TOKEN;
+        for (u32 j = tid; j < vocab; j += T) {
+            u32 key = pg_order_key((float)((double)x[j] - lse));
+            bool after = first || key < prev_key || (key == prev_key && j > prev_id);
+            if (after && (bi == PG_NO_TOKEN || key > bk)) {
+                bk = key;
+                bi = j;
+            }
+        }
+        sh.ured[tid] = bk;
+        sh.seg[tid] = bi;
+        __syncthreads();
+        for (u32 s = T / 2; s > 0; s >>= 1) {
+            if (tid < s) {
+                u32 ok = sh.ured[tid + s], mk = sh.ured[tid];
+                u64 oi = sh.seg[tid + s], mi = sh.seg[tid];
+                bool other = oi != PG_NO_TOKEN && (mi == PG_NO_TOKEN || ok > mk || (ok == mk && oi < mi));
+                if (other) {
+                    sh.ured[tid] = ok;
+                    sh.seg[tid] = oi;
+                }
+            }
+            __syncthreads();
+        }
+        prev_key = sh.ured[0];
+        prev_id = (u32)sh.seg[0];
+        first = false;
+        __syncthreads();
+        if (tid == 0) {
+            top_ids[off + i] = prev_id;
+            top_lps[off + i] = pg_key_float(prev_key);
+        }
+    }
+}

@@ -23,11 +23,16 @@
 //!   the weight's type;
 //! - attention is split-KV flash decoding for decode rows and a tiled
 //!   online-softmax kernel for prefill rows, both through the step's block
-//!   tables.
+//!   tables;
+//! - sampling ([`Backend::sample`]) is three kernels of one block per row
+//!   (the logit processors; the choice by radix selection over the
+//!   probabilities, with masses in fixed point; the logprobs of rows that
+//!   ask), so only ids and logprobs come back.
 //!
 //! Nothing here has been run on a GPU yet: the kernels are checked by
 //! compiling them with NVRTC (`module::tests`), the host-side arithmetic by
-//! unit tests.
+//! unit tests, and the trickiest kernels by host transliterations tested
+//! against the CPU (`emulate`).
 
 #[cfg(test)]
 mod emulate;
@@ -36,6 +41,7 @@ pub mod plan;
 pub mod weights;
 
 use super::{Backend, BackendError, DeviceMatrix, HostMatrix, KvSpec, Rows, StepBatch};
+use crate::ops::sample::{SampledRows, SamplingMetadata};
 use crate::ops::{KvDtype, KvLayout, RopeStyle, RopeTable};
 use crate::quant::GgmlType;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -205,6 +211,35 @@ struct Scratch {
     part_ml: Option<CudaSlice<f32>>,
 }
 
+/// [`Backend::sample`]'s arrays: the metadata as the kernels read it, their
+/// scratch and their results. Grown as needed and reused.
+#[derive(Default)]
+struct SampleBufs {
+    /// Per row, [`plan::SAMPLE_U`] words (see kernels.cu).
+    rows_u: DevU32,
+    /// Per row, [`plan::SAMPLE_F`] floats.
+    rows_f: Option<CudaSlice<f32>>,
+    uniform: Option<CudaSlice<f64>>,
+    /// The CSR lists: penalized, output tokens and counts, biases, bans and
+    /// allowed ids, each list's offsets before its values.
+    lists: [DevU32; 11],
+    bias_val: Option<CudaSlice<f32>>,
+    masks: DevU32,
+    /// Per row, the allowed ids' and the repetition penalty's bit sets.
+    bits: DevU32,
+    /// The raw logits of the rows that want logprobs.
+    raw: Option<CudaSlice<f32>>,
+    tokens: DevU32,
+    ranks: DevU32,
+    logprobs: Option<CudaSlice<f32>>,
+    top_ids: DevU32,
+    top_lps: Option<CudaSlice<f32>>,
+    /// Host staging for `rows_u`, `rows_f` and `uniform`.
+    host_u: Vec<u32>,
+    host_f: Vec<f32>,
+    host_d: Vec<f64>,
+}
+
 /// One NVIDIA GPU as a [`Backend`].
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -219,10 +254,8 @@ pub struct CudaBackend {
     scratch: Scratch,
     /// The first error of an operation that could not return it.
     pending: Option<BackendError>,
-    /// [`Backend::sample`] runs the CPU op on the rows read back, on the
-    /// calling thread.
-    sample_pool: crate::ThreadPool,
-    sample_scratch: crate::ops::SampleScratch,
+    /// [`Backend::sample`]'s device arrays.
+    sampling: SampleBufs,
 }
 
 /// Launches kernel `$name` of `$b` with `$cfg` and the arguments, each
@@ -353,8 +386,7 @@ impl CudaBackend {
             host: Vec::new(),
             scratch: Scratch::default(),
             pending: None,
-            sample_pool: crate::ThreadPool::new(1),
-            sample_scratch: crate::ops::SampleScratch::default(),
+            sampling: SampleBufs::default(),
         })
     }
 
@@ -437,6 +469,170 @@ impl CudaBackend {
                 .map_err(|e| self.err(format!("copying {what} to the device"), e))?;
         }
         Ok(())
+    }
+
+    /// Copies `data` into the front of `slot`, growing it first (to one
+    /// element at least, so that its address is valid), and returns its
+    /// address.
+    fn fill_slice<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        slot: &mut Option<CudaSlice<T>>,
+        data: &[T],
+        what: &'static str,
+    ) -> Result<u64, BackendError> {
+        self.grow(slot, data.len().max(1), what)?;
+        let Some(d) = slot.as_mut() else {
+            unreachable!("grown above")
+        };
+        if !data.is_empty() {
+            self.stream
+                .memcpy_htod(data, &mut d.slice_mut(0..data.len()))
+                .map_err(|e| self.err(format!("copying {what} to the device"), e))?;
+        }
+        Ok(addr(d, &self.stream))
+    }
+
+    /// Grows `slot` to `len` elements (one at least) and returns its
+    /// address.
+    fn scratch<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        slot: &mut Option<CudaSlice<T>>,
+        len: usize,
+        what: &'static str,
+    ) -> Result<u64, BackendError> {
+        self.grow(slot, len.max(1), what)?;
+        let Some(d) = slot.as_ref() else {
+            unreachable!("grown above")
+        };
+        Ok(addr(d, &self.stream))
+    }
+
+    /// Copies the first `dst.len()` elements of `src` to `dst`.
+    fn read_back<T: DeviceRepr>(
+        &self,
+        src: &Option<CudaSlice<T>>,
+        dst: &mut [T],
+        what: &'static str,
+    ) -> Result<(), BackendError> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let src = match src {
+            Some(s) if s.len() >= dst.len() => s,
+            _ => panic!("{}: {what} was never written", self.device),
+        };
+        self.stream
+            .memcpy_dtoh(&src.slice(0..dst.len()), dst)
+            .map_err(|e| self.err(format!("copying {what} to the host"), e))
+    }
+
+    /// Uploads `meta`, runs the three sampling kernels over the logits at
+    /// address `logits`, and reads the results into `out` (already shaped
+    /// for `meta`).
+    fn sample_launch(
+        &mut self,
+        sb: &mut SampleBufs,
+        logits: u64,
+        vocab: usize,
+        meta: &SamplingMetadata,
+        out: &mut SampledRows,
+    ) -> Result<(), BackendError> {
+        let n = meta.num_rows();
+        sb.host_u.clear();
+        sb.host_f.clear();
+        sb.host_d.clear();
+        let mut raw_rows = 0u32;
+        for (r, p) in meta.rows().iter().enumerate() {
+            let mut flags = 0;
+            if p.greedy {
+                flags |= plan::SAMPLE_GREEDY;
+            }
+            let raw_slot = raw_rows;
+            if p.logprobs.is_some() {
+                flags |= plan::SAMPLE_LOGPROBS;
+                raw_rows += 1;
+            }
+            if crate::ops::sample::restricted(meta, r) {
+                flags |= plan::SAMPLE_RESTRICTED;
+            }
+            sb.host_u.extend_from_slice(&[
+                p.logit_row,
+                flags,
+                p.top_k,
+                p.logprobs.unwrap_or(0),
+                meta.mask_at()[r],
+                out.top_ids.offsets()[r],
+                raw_slot,
+                0,
+            ]);
+            sb.host_f.extend_from_slice(&[
+                p.temperature,
+                p.top_p,
+                p.min_p,
+                p.repetition_penalty,
+                p.presence_penalty,
+                p.frequency_penalty,
+                0.0,
+                0.0,
+            ]);
+            sb.host_d.push(p.uniform);
+        }
+        debug_assert_eq!(sb.host_u.len(), n * plan::SAMPLE_U);
+        debug_assert_eq!(sb.host_f.len(), n * plan::SAMPLE_F);
+        let (out_tok, out_cnt) = meta.output_counts();
+        let (bias_tok, bias_val) = meta.biases();
+        let lists: [&[u32]; 11] = [
+            meta.penalized().offsets(),
+            meta.penalized().values(),
+            out_tok.offsets(),
+            out_tok.values(),
+            out_cnt,
+            bias_tok.offsets(),
+            bias_tok.values(),
+            meta.banned().offsets(),
+            meta.banned().values(),
+            meta.allowed().offsets(),
+            meta.allowed().values(),
+        ];
+        let mut la = [0u64; 11];
+        for (i, l) in lists.iter().enumerate() {
+            la[i] = self.fill_slice(&mut sb.lists[i].data, l, "the sampling lists")?;
+        }
+        let rows_u = self.fill_slice(&mut sb.rows_u.data, &sb.host_u, "the sampling rows")?;
+        let rows_f = self.fill_slice(&mut sb.rows_f, &sb.host_f, "the sampling rows")?;
+        let uniform = self.fill_slice(&mut sb.uniform, &sb.host_d, "the sampling draws")?;
+        let bias_v = self.fill_slice(&mut sb.bias_val, bias_val, "the logit biases")?;
+        let masks = self.fill_slice(&mut sb.masks.data, meta.masks(), "the grammar masks")?;
+        let words = vocab.div_ceil(32);
+        let bits = self.scratch(&mut sb.bits.data, n * 2 * words, "the sampling bit sets")?;
+        let raw = self.scratch(&mut sb.raw, raw_rows as usize * vocab, "the raw logits")?;
+        let tokens = self.scratch(&mut sb.tokens.data, n, "the sampled ids")?;
+        let ranks = self.scratch(&mut sb.ranks.data, n, "the sampled ranks")?;
+        let lps = self.scratch(&mut sb.logprobs, n, "the sampled logprobs")?;
+        let top = out.top_ids.values().len();
+        let top_ids = self.scratch(&mut sb.top_ids.data, top, "the top logprob ids")?;
+        let top_lps = self.scratch(&mut sb.top_lps, top, "the top logprobs")?;
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (plan::SAMPLE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let v = vocab as u32;
+        launch!(self, "pg_sample_process", cfg;
+            logits, raw, v, rows_u, rows_f, la[0], la[1], la[2], la[3], la[4], la[5], la[6],
+            bias_v, la[7], la[8], la[9], la[10], masks, bits)?;
+        launch!(self, "pg_sample_pick", cfg; logits, v, rows_u, rows_f, uniform, tokens)?;
+        launch!(self, "pg_sample_logprobs", cfg;
+            raw, v, rows_u, tokens, lps, ranks, top_ids, top_lps)?;
+        self.read_back(&sb.tokens.data, &mut out.tokens, "the sampled ids")?;
+        self.read_back(&sb.logprobs, &mut out.logprobs, "the sampled logprobs")?;
+        self.read_back(&sb.ranks.data, &mut out.ranks, "the sampled ranks")?;
+        let (ids, top_lps_host) = out.top_lists_mut();
+        self.read_back(&sb.top_ids.data, ids, "the top logprob ids")?;
+        self.read_back(&sb.top_lps, top_lps_host, "the top logprobs")?;
+        self.stream
+            .synchronize()
+            .map_err(|e| dev_err(&self.device, "waiting for the stream", e))
     }
 
     /// Keeps the first error of a call that cannot return one.
@@ -1117,27 +1313,22 @@ impl Backend for CudaBackend {
         &mut self,
         logits: &mut CudaBuffer,
         vocab: usize,
-        meta: &crate::ops::SamplingMetadata,
-        out: &mut crate::ops::SampledRows,
+        meta: &SamplingMetadata,
+        out: &mut SampledRows,
     ) -> Result<(), BackendError> {
-        // No sampling kernels yet: the rows up to the last sampled one are
-        // read back and sampled by the CPU op, which gives the same ids.
-        let len = meta
-            .rows()
-            .last()
-            .map_or(0, |p| (p.logit_row as usize + 1) * vocab);
-        self.to_host(logits, len)?;
-        let mut host = std::mem::take(&mut self.host);
-        crate::ops::sample_rows(
-            &self.sample_pool,
-            &mut host[..len],
-            vocab,
-            meta,
-            &mut self.sample_scratch,
-            out,
-        );
-        self.host = host;
-        Ok(())
+        self.take_pending()?;
+        crate::ops::sample::check_rows(meta, vocab, logits.len());
+        out.shape_for(meta);
+        let n = meta.num_rows();
+        if n == 0 {
+            return Ok(());
+        }
+        let last = meta.rows()[n - 1].logit_row as usize;
+        let lp = self.buf(logits, (last + 1) * vocab, "the logits");
+        let mut sb = std::mem::take(&mut self.sampling);
+        let r = self.sample_launch(&mut sb, lp, vocab, meta, out);
+        self.sampling = sb;
+        r
     }
 
     fn gather_logit_rows(

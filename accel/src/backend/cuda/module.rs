@@ -44,6 +44,9 @@ pub const KERNELS: &[&str] = &[
     "pg_attention_f16",
     "pg_attention_bf16",
     "pg_attn_merge",
+    "pg_sample_process",
+    "pg_sample_pick",
+    "pg_sample_logprobs",
 ];
 
 /// The virtual architecture NVRTC targets for compute capability

@@ -21,6 +21,20 @@ pub const MMVQ_COLS: u32 = 8;
 pub const MMQ_TILE: u32 = 64;
 /// Threads per tiled-matmul block (`PG_MMQ_THREADS`).
 pub const MMQ_THREADS: u32 = 256;
+/// Threads per block of the sampling kernels (`PG_SAMPLE_THREADS`): one
+/// block per row.
+pub const SAMPLE_THREADS: u32 = 256;
+/// Words per row of the sampling kernels' `rows_u` (`PG_SU`): logit row,
+/// flags, top-k, logprobs k, mask offset, top-list offset, raw slot, 0.
+pub const SAMPLE_U: usize = 8;
+/// Floats per row of `rows_f` (`PG_SF`): temperature, top-p, min-p,
+/// repetition, presence and frequency penalties, 0, 0.
+pub const SAMPLE_F: usize = 8;
+/// `rows_u` flags (`PG_S_*`): greedy, wants logprobs, restricted (allowed
+/// ids, bans or a grammar mask: may leave nothing to sample).
+pub const SAMPLE_GREEDY: u32 = 1;
+pub const SAMPLE_LOGPROBS: u32 = 2;
+pub const SAMPLE_RESTRICTED: u32 = 4;
 /// From this many activation rows on, quantized matmuls use the tiled
 /// kernel: below it, a 64-row tile would be mostly empty and the
 /// matrix-vector kernel reads the weight at most four times.
