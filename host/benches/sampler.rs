@@ -180,7 +180,10 @@ fn main() {
     lines.extend(run("peaked, top-p", &peaked, &top_p, &[1, 2]));
     lines.extend(run("flat, top-p", &flat, &top_p, &[1, 2]));
     lines.extend(run("peaked, greedy", &peaked, &greedy, &[1, 2]));
-    println!("{ROWS} rows x {VOCAB} vocab, {STEPS} steps each; ms per step");
+    println!(
+        "{ROWS} rows x {VOCAB} vocab, {STEPS} steps each, {:?} kernels; ms per step",
+        pagoda_accel::cpu::simd_level()
+    );
     println!("{:<58} {:>9} {:>9}", "path", "median", "min");
     for (name, (med, min)) in lines {
         println!("{name:<58} {med:>9.2} {min:>9.2}");
