@@ -200,6 +200,7 @@ fn check_stream(tok: &Arc<Tokenizer>, prompt: &[u32], ids: &[u32], skip_special:
         out.push_str(&piece);
     }
     let tail = d.finish();
+    // Complete text: nothing is left dangling.
     assert!(!tail.contains('\u{FFFD}'), "tail {tail:?}");
     out.push_str(&tail);
     // The stream is the text the ids add after the prompt.
@@ -250,11 +251,11 @@ fn smollm2_incremental_detokenizer() {
         assert_eq!(d.push(id).expect("push"), "");
     }
     assert_eq!(d.push(ids[ids.len() - 1]).expect("push"), "深");
-    // A dangling incomplete character (max_tokens cut it) is dropped, not
-    // flushed as U+FFFD; complete text before it still comes out.
+    // A dangling incomplete character (max_tokens cut it) is flushed as
+    // U+FFFD, as vLLM's output ends; complete text before it comes out.
     let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
     assert_eq!(d.push(ids[0]).expect("push"), "");
-    assert_eq!(d.finish(), "");
+    assert_eq!(d.finish(), "\u{FFFD}");
     let ab = tok.encode("ab", false).expect("encode");
     let mut d = IncrementalDetokenizer::new(tok.clone(), &[], false);
     let mut got = String::new();
@@ -262,7 +263,7 @@ fn smollm2_incremental_detokenizer() {
         got.push_str(&d.push(id).expect("push"));
     }
     got.push_str(&d.finish());
-    assert_eq!(got, "ab");
+    assert_eq!(got, "ab\u{FFFD}");
     // Special tokens are skipped or kept.
     let chat = tok
         .encode("hi<|im_end|>\n<|im_start|>", false)

@@ -129,9 +129,9 @@ impl IncrementalDetokenizer {
     }
 
     /// Flushes whatever is still held back. A dangling incomplete
-    /// character (the output was cut inside it, by `max_tokens` or a stop)
-    /// is dropped rather than sent as U+FFFD, as no client could use half
-    /// a character; its token ids are still in the output.
+    /// character (the output was cut inside it, by `max_tokens` or a stop
+    /// token) comes out as U+FFFD, as vLLM's output ends: clients see that
+    /// the text was cut inside a character rather than silently losing it.
     pub fn finish(&mut self) -> String {
         if self.read == self.ids.len() {
             return String::new();
@@ -140,7 +140,7 @@ impl IncrementalDetokenizer {
             Ok((old, new)) => {
                 let out = Self::diff(&old, &new);
                 self.advance();
-                out.trim_end_matches('\u{FFFD}').to_string()
+                out
             }
             // Every id was checked in `push`, so decoding cannot fail here;
             // if it somehow does, there is nothing sensible to flush.
