@@ -48,6 +48,13 @@ fn render_returns_the_ids_generation_sees_and_generates_nothing() {
         "{r}"
     );
     assert_eq!(list[0]["model"], "smol");
+    // Only the sampling fields the request set: no `"temperature": null`,
+    // which vLLM's GenerateRequest refuses.
+    let sp = list[0]["sampling_params"]
+        .as_object()
+        .expect("sampling_params");
+    assert_eq!(sp.get("max_tokens"), Some(&json!(3)), "{r}");
+    assert!(sp.values().all(|v| !v.is_null()), "{r}");
     let (st, t) = p.post_as(
         PLAIN_KEY,
         "/tokenize",

@@ -178,11 +178,17 @@ pub async fn render(
     let engine = state.engine_for(&common.model)?.clone();
     let tok = engine.tokenizer().clone();
     let max_len = engine.max_model_len();
-    let sampling = json!({
-        "max_tokens": common.params.max_tokens,
-        "temperature": common.params.temperature,
-        "n": common.params.n,
-    });
+    // Only what the request set: vLLM's GenerateRequest refuses a null
+    // where a number belongs, and an absent field takes its default there.
+    let mut sampling = serde_json::Map::new();
+    if let Some(m) = common.params.max_tokens {
+        sampling.insert("max_tokens".into(), json!(m));
+    }
+    if let Some(t) = common.params.temperature {
+        sampling.insert("temperature".into(), json!(t));
+    }
+    sampling.insert("n".into(), json!(common.params.n));
+    let sampling = Value::Object(sampling);
     let entry = |request_id: String, ids: Vec<u32>| {
         json!({"request_id": request_id, "model": common.model, "token_ids": ids,
             "sampling_params": sampling, "features": null})
