@@ -562,3 +562,47 @@ fn sigterm_finishes_requests_in_flight_and_exits_zero() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// `stream_options.continuous_usage_stats`, as vLLM sends it: with
+/// `include_usage`, every chunk carries the usage so far.
+#[test]
+fn continuous_usage_stats_put_usage_on_every_chunk() {
+    let s = Server::start(&[]);
+    let (st, text) = s.post_text(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Count: one, two,", "max_tokens": 5, "temperature": 0,
+                "ignore_eos": true, "stream": true,
+                "stream_options": {"include_usage": true, "continuous_usage_stats": true}}),
+    );
+    assert_eq!(st, 200, "{text}");
+    let chunks: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str(d).ok())
+        .collect();
+    assert!(chunks.len() >= 5, "{text}");
+    let mut last = 0;
+    for c in &chunks {
+        let done = c["usage"]["completion_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("a chunk without usage: {c}"));
+        assert!(done >= last, "usage went back: {text}");
+        last = done;
+    }
+    assert_eq!(last, 5, "{text}");
+    // Without it, only the final chunk has usage.
+    let (_, text) = s.post_text(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Count:", "max_tokens": 3, "stream": true,
+                "stream_options": {"include_usage": true}}),
+    );
+    let with_usage = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter(|c| !c["usage"].is_null())
+        .count();
+    assert_eq!(with_usage, 1, "{text}");
+}

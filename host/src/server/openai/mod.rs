@@ -623,6 +623,8 @@ struct Run {
     logprobs_k: usize,
     /// vLLM's `prompt_logprobs`, as asked.
     prompt_logprobs_k: Option<usize>,
+    /// Every chunk carries the usage so far (`continuous_usage_stats`).
+    continuous_usage: bool,
     /// Name tokens `token_id:{id}` in logprobs (`return_tokens_as_token_ids`).
     tokens_as_ids: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
@@ -849,6 +851,7 @@ async fn start_run(
         want_logprobs: common.params.logprobs.is_some(),
         logprobs_k: common.params.logprobs.unwrap_or(0),
         prompt_logprobs_k: common.prompt_logprobs,
+        continuous_usage: common.continuous_usage,
         tokens_as_ids: common.tokens_as_ids,
         tokenizer: engine.tokenizer().clone(),
         tools,
@@ -1287,6 +1290,7 @@ impl Run {
     }
 
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Bytes {
+        let usage = usage.or_else(|| self.continuous_usage.then(|| self.usage()));
         let body = json!({
             "id": self.id,
             "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },

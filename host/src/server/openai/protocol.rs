@@ -17,6 +17,9 @@ pub struct CommonParams {
     pub opts: RequestOptions,
     pub stream: bool,
     pub include_usage: bool,
+    /// `stream_options.continuous_usage_stats` (with `include_usage`):
+    /// every chunk carries the usage so far, as vLLM sends it.
+    pub continuous_usage: bool,
     /// `max_tokens` was given (else the model's `max_new_tokens`, else the
     /// endpoint's default).
     pub max_tokens_given: bool,
@@ -185,6 +188,11 @@ pub fn parse_common(
         Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
         None => false,
     };
+    let continuous_usage = include_usage
+        && match f.object("stream_options")? {
+            Some(o) => Fields(o).bool("continuous_usage_stats")?.unwrap_or(false),
+            None => false,
+        };
     let priority = f.i64("priority")?.unwrap_or(0);
     let cache_salt = match f.str("cache_salt")? {
         Some(s) => salt_of(s),
@@ -207,6 +215,7 @@ pub fn parse_common(
         },
         stream,
         include_usage,
+        continuous_usage,
         echo,
         prompt_logprobs,
         tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
