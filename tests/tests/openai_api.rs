@@ -606,3 +606,43 @@ fn continuous_usage_stats_put_usage_on_every_chunk() {
         .count();
     assert_eq!(with_usage, 1, "{text}");
 }
+
+/// vLLM's `return_token_ids`: a choice carries its prompt's and its
+/// output's ids (completions and chat, not streamed).
+#[test]
+fn return_token_ids_gives_each_choice_its_ids() {
+    let s = Server::start(&[]);
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (_, t) = s.post(
+        "/tokenize",
+        &json!({"model": "smol", "prompt": "The capital of France is"}),
+    );
+    let c = &v["choices"][0];
+    assert_eq!(c["prompt_token_ids"], t["tokens"], "{v}");
+    assert_eq!(c["token_ids"].as_array().map(Vec::len), Some(4), "{v}");
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let c = &v["choices"][0];
+    assert!(
+        c["prompt_token_ids"]
+            .as_array()
+            .is_some_and(|a| a.len() > 3),
+        "{v}"
+    );
+    assert_eq!(c["token_ids"].as_array().map(Vec::len), Some(3), "{v}");
+    // Not asked: not sent.
+    let (_, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hi", "max_tokens": 1}),
+    );
+    assert!(v["choices"][0].get("token_ids").is_none(), "{v}");
+}

@@ -582,6 +582,8 @@ pub(crate) async fn off_runtime<T: Send + 'static>(
 struct Choice {
     text: String,
     tokens: usize,
+    /// Its output's ids, with `return_token_ids`.
+    token_ids: Vec<u32>,
     logprobs: Vec<TokenLogprob>,
     finish_reason: Option<&'static str>,
     stop_reason: Option<Value>,
@@ -625,6 +627,8 @@ struct Run {
     prompt_logprobs_k: Option<usize>,
     /// Every chunk carries the usage so far (`continuous_usage_stats`).
     continuous_usage: bool,
+    /// Choices carry their prompt's and output's ids (`return_token_ids`).
+    return_token_ids: bool,
     /// Name tokens `token_id:{id}` in logprobs (`return_tokens_as_token_ids`).
     tokens_as_ids: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
@@ -852,6 +856,7 @@ async fn start_run(
         logprobs_k: common.params.logprobs.unwrap_or(0),
         prompt_logprobs_k: common.prompt_logprobs,
         continuous_usage: common.continuous_usage,
+        return_token_ids: common.return_token_ids,
         tokens_as_ids: common.tokens_as_ids,
         tokenizer: engine.tokenizer().clone(),
         tools,
@@ -945,6 +950,9 @@ impl Run {
         let c = &mut self.choices[i];
         c.text.push_str(&o.new_text);
         c.tokens += o.new_token_ids.len();
+        if self.return_token_ids {
+            c.token_ids.extend_from_slice(&o.new_token_ids);
+        }
         if self.want_logprobs {
             c.logprobs.extend(o.logprobs.iter().cloned());
         }
@@ -1111,7 +1119,7 @@ impl Run {
                     &c.logprobs,
                     echo.map_or(0, |e| e.chars().count()),
                 );
-                match self.api {
+                let mut v = match self.api {
                     Api::Completions => {
                         let mut v = json!({
                             "index": i, "text": format!("{}{}", echo.unwrap_or(""), c.text),
@@ -1129,7 +1137,12 @@ impl Run {
                             "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason,
                         })
                     }
+                };
+                if self.return_token_ids {
+                    v["prompt_token_ids"] = json!(self.prompts[i / self.per_prompt].ids);
+                    v["token_ids"] = json!(c.token_ids);
                 }
+                v
             })
             .collect();
         let mut body = json!({

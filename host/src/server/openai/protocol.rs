@@ -20,6 +20,9 @@ pub struct CommonParams {
     /// `stream_options.continuous_usage_stats` (with `include_usage`):
     /// every chunk carries the usage so far, as vLLM sends it.
     pub continuous_usage: bool,
+    /// vLLM's `return_token_ids`: each choice carries its prompt's and its
+    /// output's token ids.
+    pub return_token_ids: bool,
     /// `max_tokens` was given (else the model's `max_new_tokens`, else the
     /// endpoint's default).
     pub max_tokens_given: bool,
@@ -216,6 +219,7 @@ pub fn parse_common(
         stream,
         include_usage,
         continuous_usage,
+        return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
         echo,
         prompt_logprobs,
         tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
