@@ -640,8 +640,10 @@ impl Scheduler {
         generated
     }
 
-    /// Ends a request whose grammar cannot go on (it is too complex, or
-    /// allows nothing here) rather than emit output that breaks it.
+    /// Ends a request that cannot be sampled on: its grammar cannot go on
+    /// (it is too complex, or allows nothing here), or its grammar,
+    /// allowed token ids and bans together leave no token, rather than
+    /// emit output that breaks them.
     fn abort_guided(
         &mut self,
         id: u64,
@@ -653,7 +655,7 @@ impl Scheduler {
             // One line: llguidance's errors carry its whole state.
             tracing::warn!(
                 request = %req.external_id,
-                "structured output failed, aborting the request: {}",
+                "no token can be sampled (grammar, allowed_token_ids or bans), aborting the request: {}",
                 error.lines().next().unwrap_or("")
             );
             outputs.push(EngineCoreOutput::aborted(req));
