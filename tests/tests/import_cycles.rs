@@ -1198,7 +1198,7 @@ fn checker_finds_a_cycle_through_a_chain_and_names_its_ties() {
             ("c.rs", "pub fn see() -> super::a::Ay { super::a::Ay }\n"),
             // d uses a (by the crate's own name, as a macro or a doc
             // test would) but nothing uses d: outside the cycle.
-            ("d.rs", "fn f() -> demo::a::Ay { todo!() }\n"),
+            ("d.rs", "fn f() -> demo::a::Ay { demo::a::Ay }\n"),
         ],
     );
     assert!(
@@ -1238,7 +1238,7 @@ fn checker_follows_reexports_to_the_defining_file() {
             (
                 "engine.rs",
                 "use crate::kv;\nuse crate::kv::*;\n\
-                 fn f() -> kv::Manager { let _ = Pool; private_helper(); todo!() }\n",
+                 fn f() -> kv::Manager { let _ = Pool; private_helper(); kv::Manager }\n",
             ),
         ],
     );
