@@ -3,39 +3,13 @@
 //! steps. A counting global allocator enforces it.
 
 mod common;
+mod counting_alloc;
 
 use pagoda::engine::args::{cpu_backend, load_model};
 use pagoda::engine::models::Workspace;
 use pagoda::engine::EngineArgs;
 use pagoda_accel::ops::KvDtype;
 use pagoda_accel::{Backend, CpuBackend, KvSpec, StepBatch};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-struct Counting;
-static ARMED: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 #[test]
 fn a_warm_batched_decode_step_allocates_nothing() {
@@ -127,20 +101,15 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
         }
         // The first decode step may size buffers for the new shape; later
         // ones must not allocate (uploading the step's metadata included).
-        ALLOCATIONS.store(0, Ordering::Relaxed);
-        ARMED.store(step_no > 0, Ordering::Relaxed);
+        counting_alloc::arm(step_no > 0);
         b.upload_step(&batch, &mut step).expect("upload");
         model
             .forward(&mut b, &step, 4, 4, &mut kv, &mut ws)
             .expect("decode");
         let logits = b.to_host(&mut ws.logits, 4 * c.vocab_size).expect("logits");
-        ARMED.store(false, Ordering::Relaxed);
+        let allocated = counting_alloc::disarm();
         if step_no > 0 {
-            assert_eq!(
-                ALLOCATIONS.load(Ordering::Relaxed),
-                0,
-                "decode step {step_no} allocated"
-            );
+            assert_eq!(allocated, 0, "decode step {step_no} allocated");
         }
         for s in 0..4 {
             lens[s] += 1;

@@ -4,6 +4,8 @@
 //! and for rows with every processor and truncation on. A counting global
 //! allocator enforces it.
 
+mod counting_alloc;
+
 use pagoda::engine::runner::input_batch::RequestState;
 use pagoda::engine::spec_decode::SpecState;
 use pagoda::engine::SamplingParams;
@@ -12,34 +14,7 @@ use pagoda_accel::ops::sample::{SampledRows, SamplingMetadata};
 use pagoda_accel::{Backend, CpuBackend, Device};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-struct Counting;
-static ARMED: AtomicBool = AtomicBool::new(false);
-static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if ARMED.load(Ordering::Relaxed) {
-            ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-        }
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 fn request(id: u64, params: SamplingParams, prompt: Vec<u32>) -> RequestState {
     RequestState {
@@ -78,21 +53,16 @@ fn warm_steps_allocate_nothing(rows: &mut [RequestState], grow: bool) {
         logits.clear();
         logits.extend((0..rows.len() * vocab).map(|_| rng.random_range(-6.0f32..6.0)));
         // The first steps size the buffers; later ones must not allocate.
-        ALLOCATIONS.store(0, Ordering::Relaxed);
-        ARMED.store(step >= 2, Ordering::Relaxed);
+        counting_alloc::arm(step >= 2);
         meta.clear(vocab);
         for (i, r) in rows.iter_mut().enumerate() {
             r.push_sampling(&mut meta, i, None);
         }
         b.sample(&mut logits, vocab, &meta, &mut out)
             .expect("sampling");
-        ARMED.store(false, Ordering::Relaxed);
+        let allocated = counting_alloc::disarm();
         if step >= 2 {
-            assert_eq!(
-                ALLOCATIONS.load(Ordering::Relaxed),
-                0,
-                "sampling step {step} allocated"
-            );
+            assert_eq!(allocated, 0, "sampling step {step} allocated");
         }
         for (r, &t) in rows.iter_mut().zip(&out.tokens) {
             assert!(t != pagoda_accel::ops::sample::NO_TOKEN);
