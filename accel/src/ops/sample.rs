@@ -877,7 +877,19 @@ fn select_candidates(probs: &[f32], p: &RowSampling, s: &mut RowScratch) -> bool
     }
     let cands = &mut s.cands;
     cands.truncate(k);
-    // Top-k renormalizes before top-p is applied, as in vLLM.
+    cut_nucleus(cands, top_p, min_p);
+    true
+}
+
+/// Cuts the candidates `cands` (probabilities with their ids, likeliest
+/// first) to the nucleus: the fewest whose mass reaches `top_p` of theirs
+/// (top-k renormalizes before top-p is applied, as in vLLM), then those at
+/// least `min_p` times the likeliest. At least one always stays. The host
+/// sampler (speculative verification) cuts with this too, so both agree.
+pub fn cut_nucleus(cands: &mut Vec<(f32, u32)>, top_p: f32, min_p: f32) {
+    if cands.is_empty() {
+        return;
+    }
     let kept_mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
     if top_p < 1.0 {
         let mut cum = 0f64;
@@ -896,12 +908,11 @@ fn select_candidates(probs: &[f32], p: &RowSampling, s: &mut RowScratch) -> bool
         let best = cands[0];
         cands.retain(|c| c.0 >= threshold);
         // The likeliest always passes (min_p <= 1), unless the row held a
-        // NaN; the draw below needs a candidate either way.
+        // NaN; a draw needs a candidate either way.
         if cands.is_empty() {
             cands.push(best);
         }
     }
-    true
 }
 
 /// Draws a token from the weights `w`, which sum to `total`, with the

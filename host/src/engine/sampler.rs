@@ -256,24 +256,7 @@ impl Sampler {
             }
             k = (k * 8).min(top_k).min(vocab);
         }
-        // Top-k renormalizes before top-p is applied, as in vLLM.
-        let kept_mass: f64 = cands.iter().map(|c| c.0 as f64).sum();
-        if top_p < 1.0 {
-            let mut cum = 0f64;
-            let mut keep = cands.len();
-            for (i, c) in cands.iter().enumerate() {
-                cum += c.0 as f64;
-                if cum >= top_p as f64 * kept_mass {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            cands.truncate(keep.max(1));
-        }
-        if min_p > 0.0 {
-            let threshold = cands[0].0 * min_p;
-            cands.retain(|c| c.0 >= threshold);
-        }
+        pagoda_accel::ops::sample::cut_nucleus(cands, top_p, min_p);
         true
     }
 
