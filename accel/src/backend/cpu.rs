@@ -25,6 +25,9 @@ pub struct CpuBackend {
     /// Kept empty between calls; only its capacity is reused (see
     /// [`CpuBackend::attention`]).
     attn_seqs: Vec<AttnSeq<'static>>,
+    /// The step's sequences with their state slots, for the recurrent
+    /// layers' ops (reused).
+    recurrent_seqs: Vec<ops::RecurrentSeq>,
     /// One head's rows in and out of [`Backend::matmul_heads`].
     head_in: Vec<f32>,
     head_out: Vec<f32>,
@@ -41,6 +44,7 @@ impl CpuBackend {
             level,
             scratch: MatmulScratch::default(),
             attn_seqs: Vec::new(),
+            recurrent_seqs: Vec::new(),
             head_in: Vec::new(),
             head_out: Vec::new(),
             sample_scratch: SampleScratch::default(),
@@ -680,6 +684,115 @@ impl Backend for CpuBackend {
         );
         Ok(())
     }
+
+    fn supports_linear_attention(&self) -> bool {
+        true
+    }
+
+    fn causal_conv1d(
+        &mut self,
+        spec: ops::ConvSpec,
+        x: &Vec<f32>,
+        x_stride: usize,
+        weight: &Vec<f32>,
+        state: &mut Vec<f32>,
+        slots: &[u32],
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let seqs = recurrent_seqs(&mut self.recurrent_seqs, step, slots);
+        ops::causal_conv1d_silu(self.ctx.pool(), spec, x, x_stride, weight, seqs, state, out);
+        Ok(())
+    }
+
+    fn gated_delta_rule(
+        &mut self,
+        spec: ops::GatedDeltaSpec,
+        qkv: &Vec<f32>,
+        ba: &Vec<f32>,
+        ba_stride: usize,
+        ba_col: usize,
+        a_log: &Vec<f32>,
+        dt_bias: &Vec<f32>,
+        state: &mut Vec<f32>,
+        slots: &[u32],
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let seqs = recurrent_seqs(&mut self.recurrent_seqs, step, slots);
+        ops::gated_delta_rule(
+            self.ctx.pool(),
+            spec,
+            qkv,
+            ba,
+            ba_stride,
+            ba_col,
+            a_log,
+            dt_bias,
+            seqs,
+            state,
+            out,
+        );
+        Ok(())
+    }
+
+    fn rms_norm_gated(
+        &mut self,
+        x: &Vec<f32>,
+        z: &Vec<f32>,
+        z_stride: usize,
+        z_col: usize,
+        weight: &Vec<f32>,
+        eps: f32,
+        m: usize,
+        width: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        ops::rms_norm_gated(
+            self.ctx.pool(),
+            x,
+            z,
+            z_stride,
+            z_col,
+            weight,
+            eps,
+            m,
+            width,
+            out,
+        );
+        Ok(())
+    }
+}
+
+/// Fills `seqs` with the step's sequences, sequence `i` in state slot
+/// `slots[i]`, its first token's position from its context length.
+///
+/// # Panics
+/// If `slots` does not name one slot per sequence of the step.
+fn recurrent_seqs<'a>(
+    seqs: &'a mut Vec<ops::RecurrentSeq>,
+    step: &CpuStep,
+    slots: &[u32],
+) -> &'a [ops::RecurrentSeq] {
+    assert_eq!(
+        slots.len(),
+        step.batch.seqs.len(),
+        "recurrent ops: one state slot per sequence of the step"
+    );
+    seqs.clear();
+    seqs.extend(
+        step.batch
+            .seqs
+            .iter()
+            .zip(slots)
+            .map(|(s, &slot)| ops::RecurrentSeq {
+                q_start: s.q_start as usize,
+                q_len: s.q_len as usize,
+                start_pos: (s.ctx_len - s.q_len) as usize,
+                slot: slot as usize,
+            }),
+    );
+    seqs
 }
 
 fn write_layer<T: KvElem>(cache: &mut LayerKv<T>, k: &[f32], v: &[f32], slots: &[u32]) {

@@ -34,7 +34,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::ops::sample::{SampledRows, SamplingMetadata};
-use crate::ops::{KvDtype, KvLayout, RopeTable};
+use crate::ops::{ConvSpec, GatedDeltaSpec, KvDtype, KvLayout, RopeTable};
 use crate::quant::{Affine, GgmlType, WeightError};
 use std::borrow::Cow;
 
@@ -72,6 +72,9 @@ pub enum BackendError {
         what: String,
         detail: String,
     },
+    /// The backend has no kernel for this operation.
+    #[error("{device}: the {op} operation is not implemented on this device")]
+    UnsupportedOp { device: String, op: &'static str },
 }
 
 /// A weight matrix in host memory, `[rows = out_features, cols =
@@ -603,6 +606,14 @@ pub trait Backend: Send + 'static {
     fn supports_lora(&self) -> bool {
         false
     }
+    /// Whether the recurrent-layer operations ([`Backend::causal_conv1d`],
+    /// [`Backend::gated_delta_rule`], [`Backend::rms_norm_gated`]) run
+    /// here. A hybrid linear-attention model (Qwen3-Next, Qwen3.5) is
+    /// refused at load on a backend without them; should one be called
+    /// anyway, it returns [`BackendError::UnsupportedOp`].
+    fn supports_linear_attention(&self) -> bool {
+        false
+    }
     /// Free and total bytes of the device's own memory, for devices that
     /// have one (the engine then sizes the KV pool from
     /// `--gpu-memory-utilization` after a profile forward); `None` for the
@@ -895,5 +906,84 @@ pub trait Backend: Send + 'static {
             "{}: no latent attention (supports_latent_attention is false)",
             self.describe()
         );
+    }
+
+    /// The short causal convolution of the step's sequences, then SiLU
+    /// (see [`crate::ops::conv1d`]). `x`: rows of `x_stride` whose first
+    /// `spec.channels` columns are the input; `weight`: `[spec.kernel,
+    /// spec.channels]`, tap-major; `state`: `[slots, spec.state_len()]`,
+    /// sequence `i` of the step reading and updating slot `slots[i]` (from
+    /// zeros when its first token is at position 0); `out`: `[tokens,
+    /// spec.channels]`.
+    #[allow(clippy::too_many_arguments)]
+    fn causal_conv1d(
+        &mut self,
+        spec: ConvSpec,
+        x: &Self::Buffer,
+        x_stride: usize,
+        weight: &Self::Vector,
+        state: &mut Self::Buffer,
+        slots: &[u32],
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (spec, x, x_stride, weight, state, slots, step, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "causal_conv1d",
+        })
+    }
+    /// The gated delta rule over the step's sequences (see
+    /// [`crate::ops::gated_delta`]): `qkv: [tokens, spec.qkv_width()]` (the
+    /// convolution's output), at `row · ba_stride + ba_col` of `ba` each
+    /// token's `n_v_heads` beta logits then `n_v_heads` decay inputs,
+    /// `a_log` and `dt_bias` the layer's `[n_v_heads]`; `state: [slots,
+    /// spec.state_len()]`, used as in [`Backend::causal_conv1d`]; `out:
+    /// [tokens, spec.out_width()]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_rule(
+        &mut self,
+        spec: GatedDeltaSpec,
+        qkv: &Self::Buffer,
+        ba: &Self::Buffer,
+        ba_stride: usize,
+        ba_col: usize,
+        a_log: &Self::Vector,
+        dt_bias: &Self::Vector,
+        state: &mut Self::Buffer,
+        slots: &[u32],
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (
+            spec, qkv, ba, ba_stride, ba_col, a_log, dt_bias, state, slots, step, out,
+        );
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "gated_delta_rule",
+        })
+    }
+    /// The gated RMSNorm (see [`crate::ops::gated_norm`]): each group of
+    /// `weight`'s length of `x: [m, width]` RMS-normalized, times `weight`,
+    /// times `silu` of the same columns of `z` (rows of `z_stride`, from
+    /// column `z_col`), into `out: [m, width]`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_gated(
+        &mut self,
+        x: &Self::Buffer,
+        z: &Self::Buffer,
+        z_stride: usize,
+        z_col: usize,
+        weight: &Self::Vector,
+        eps: f32,
+        m: usize,
+        width: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (x, z, z_stride, z_col, weight, eps, m, width, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "rms_norm_gated",
+        })
     }
 }

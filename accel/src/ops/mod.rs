@@ -12,6 +12,9 @@
 
 mod act;
 mod attention;
+pub mod conv1d;
+pub mod gated_delta;
+pub mod gated_norm;
 pub mod lora;
 pub mod mla;
 pub mod moe;
@@ -24,6 +27,9 @@ pub use act::{log_softmax_inplace, silu_mul, softmax_inplace};
 pub use attention::{
     paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
 };
+pub use conv1d::{causal_conv1d_silu, ConvSpec};
+pub use gated_delta::{gated_delta_rule, GatedDeltaSpec, RecurrentSeq};
+pub use gated_norm::rms_norm_gated;
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};
 pub use norm::{add_inplace, rms_norm, rms_norm_inplace};
 pub use rope::{rope_inplace, RopeScaling, RopeStyle, RopeTable};
