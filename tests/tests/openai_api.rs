@@ -631,18 +631,285 @@ fn return_token_ids_gives_each_choice_its_ids() {
                 "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
     );
     assert_eq!(st, 200, "{v}");
+    // A chat's prompt ids come once, beside the choices, as vLLM sends them.
+    let chat_prompt = v["prompt_token_ids"].clone();
+    assert!(chat_prompt.as_array().is_some_and(|a| a.len() > 3), "{v}");
     let c = &v["choices"][0];
-    assert!(
-        c["prompt_token_ids"]
-            .as_array()
-            .is_some_and(|a| a.len() > 3),
-        "{v}"
-    );
     assert_eq!(c["token_ids"].as_array().map(Vec::len), Some(3), "{v}");
+    let chat_ids = c["token_ids"].clone();
     // Not asked: not sent.
     let (_, v) = s.post(
         "/v1/completions",
         &json!({"model": "smol", "prompt": "Hi", "max_tokens": 1}),
     );
     assert!(v["choices"][0].get("token_ids").is_none(), "{v}");
+
+    // Streamed, as vLLM streams them: a completion's first chunk carries
+    // its prompt's ids, every chunk the ids it adds; the same ids as the
+    // unstreamed answer (greedy).
+    let chunks = |body: serde_json::Value, path: &str| -> Vec<serde_json::Value> {
+        let (st, text) = s.post_text(path, &body);
+        assert_eq!(st, 200, "{text}");
+        text.lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+            .collect()
+    };
+    let got = chunks(
+        json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 4,
+               "temperature": 0, "ignore_eos": true, "return_token_ids": true, "stream": true}),
+        "/v1/completions",
+    );
+    let with_prompt: Vec<_> = got
+        .iter()
+        .filter(|c| c["choices"][0].get("prompt_token_ids").is_some())
+        .collect();
+    assert_eq!(with_prompt.len(), 1, "{got:?}");
+    assert_eq!(
+        with_prompt[0]["choices"][0]["prompt_token_ids"], t["tokens"],
+        "{got:?}"
+    );
+    let ids: Vec<u64> = got
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|x| x.as_u64())
+        .collect();
+    let want: Vec<u64> = v0_ids(&s);
+    assert_eq!(ids, want, "{got:?}");
+    let got = chunks(
+        json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+               "temperature": 0, "ignore_eos": true, "return_token_ids": true, "stream": true}),
+        "/v1/chat/completions",
+    );
+    assert_eq!(got[0]["prompt_token_ids"], chat_prompt, "{got:?}");
+    assert!(
+        got[1..].iter().all(|c| c.get("prompt_token_ids").is_none()),
+        "{got:?}"
+    );
+    let ids: Vec<serde_json::Value> = got
+        .iter()
+        .flat_map(|c| {
+            c["choices"][0]["token_ids"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(json!(ids), chat_ids, "{got:?}");
+}
+
+/// The unstreamed ids of the completion the streamed check compares with.
+fn v0_ids(s: &Server) -> Vec<u64> {
+    let (_, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "The capital of France is", "max_tokens": 4,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    v["choices"][0]["token_ids"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+        .unwrap_or_default()
+}
+
+/// Logprob counts as vLLM reads them: `-1` is the whole vocabulary,
+/// allowed only where `--max-logprobs` allows it, and
+/// `logprob_token_ids` is refused rather than ignored.
+#[test]
+fn whole_vocabulary_logprobs_follow_max_logprobs() {
+    let s = Server::start(&[]);
+    for body in [
+        json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": -1}),
+        json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "prompt_logprobs": -1}),
+        json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": -2}),
+        json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": 1,
+               "logprob_token_ids": [1, 2]}),
+    ] {
+        let (st, v) = s.post("/v1/completions", &body);
+        assert_eq!(st, 400, "{body} -> {v}");
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    }
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 1, "logprobs": true, "top_logprobs": -1}),
+    );
+    assert_eq!(st, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("max allowed: 20")),
+        "{v}"
+    );
+    drop(s);
+
+    let s = Server::start(&["--max-logprobs", "-1"]);
+    let (_, info) = s.get("/tokenizer_info");
+    let info: serde_json::Value = serde_json::from_str(&info).expect("json");
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 1, "logprobs": true, "top_logprobs": -1}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let top = v["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        .as_array()
+        .map(Vec::len)
+        .unwrap_or(0);
+    assert_eq!(Some(top as u64), info["vocab_size"].as_u64(), "{info}");
+    // The probabilities of the whole vocabulary sum to one.
+    let mass: f64 = v["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e["logprob"].as_f64())
+                .map(f64::exp)
+                .sum()
+        })
+        .unwrap_or(0.0);
+    assert!((mass - 1.0).abs() < 1e-2, "mass {mass}");
+    let (st, v) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "Hi there", "max_tokens": 1, "prompt_logprobs": -1}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let row = v["choices"][0]["prompt_logprobs"][1]
+        .as_object()
+        .map(|m| m.len())
+        .unwrap_or(0);
+    assert_eq!(row, top, "{v}");
+    drop(s);
+
+    // Another limit is the one requests meet.
+    let s = Server::start(&["--max-logprobs", "3"]);
+    let ask = |k: i64| {
+        s.post(
+            "/v1/completions",
+            &json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": k}),
+        )
+    };
+    let (st, v) = ask(3);
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(
+        v["choices"][0]["logprobs"]["top_logprobs"][0]
+            .as_object()
+            .map(|m| m.len()),
+        Some(3),
+        "{v}"
+    );
+    let (st, v) = ask(4);
+    assert_eq!(st, 400, "{v}");
+    assert_eq!(v["error"]["param"], "logprobs", "{v}");
+}
+
+/// vLLM's `continue_final_message` and `echo` on chat: the prompt ends
+/// inside the assistant's final message (no end of turn, no new turn), and
+/// with `echo` the answer starts with that message, streamed or not.
+#[test]
+fn continue_final_message_and_echo_prefill_the_answer() {
+    let s = Server::start(&[]);
+    let prefill = "The three primary colors are red,";
+    let messages = json!([
+        {"role": "user", "content": "Name the three primary colors."},
+        {"role": "assistant", "content": prefill},
+    ]);
+    let prompt_text = |body: serde_json::Value| -> (serde_json::Value, String) {
+        let (st, v) = s.post("/tokenize", &body);
+        assert_eq!(st, 200, "{v}");
+        let (st, d) = s.post(
+            "/detokenize",
+            &json!({"model": "smol", "tokens": v["tokens"]}),
+        );
+        assert_eq!(st, 200, "{d}");
+        (
+            v["tokens"].clone(),
+            d["prompt"].as_str().unwrap_or_default().to_string(),
+        )
+    };
+    let (open_ids, open) = prompt_text(json!({"model": "smol", "messages": messages,
+        "continue_final_message": true, "add_generation_prompt": false}));
+    assert!(open.ends_with(prefill), "{open:?}");
+    // Without it, the template closes the turn (and opens a new one).
+    let (_, closed) = prompt_text(json!({"model": "smol", "messages": messages}));
+    assert!(!closed.ends_with(prefill), "{closed:?}");
+    assert!(closed.starts_with(&open), "{closed:?} vs {open:?}");
+    // The generation continues the prefill: same ids as a completion of
+    // the open prompt.
+    let body = json!({"model": "smol", "messages": messages, "continue_final_message": true,
+        "add_generation_prompt": false, "max_tokens": 5, "temperature": 0, "ignore_eos": true,
+        "echo": true});
+    let (st, v) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{v}");
+    let content = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let (_, c) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": open_ids, "max_tokens": 5, "temperature": 0,
+                "ignore_eos": true}),
+    );
+    let continued = c["choices"][0]["text"].as_str().unwrap_or_default();
+    assert_eq!(content, format!("{prefill}{continued}"), "{v} {c}");
+    // Streamed: the echo comes first, then the same tokens.
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    let (st, text) = s.post_text("/v1/chat/completions", &b);
+    assert_eq!(st, 200, "{text}");
+    let deltas: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|c| {
+            c["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(str::to_string)
+        })
+        .filter(|t| !t.is_empty())
+        .collect();
+    assert_eq!(deltas.first().map(String::as_str), Some(prefill), "{text}");
+    assert_eq!(deltas.concat(), content, "{text}");
+    // `echo` after a user's message echoes nothing (roles differ).
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 2, "temperature": 0, "echo": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(
+        !v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("Hi"),
+        "{v}"
+    );
+    // What vLLM refuses.
+    for (bad, why) in [
+        (
+            json!({"model": "smol", "messages": messages, "continue_final_message": true,
+                "add_generation_prompt": true}),
+            "Cannot set both",
+        ),
+        (
+            json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+                "continue_final_message": true}),
+            "assistant",
+        ),
+    ] {
+        let (st, v) = s.post("/v1/chat/completions", &bad);
+        assert_eq!(st, 400, "{v}");
+        assert_eq!(v["error"]["param"], "continue_final_message", "{v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(why)),
+            "{v}"
+        );
+    }
 }

@@ -339,7 +339,7 @@ fn chat_prompt_logprobs_and_bad_scoring_requests() {
             "echo",
         ),
         (
-            json!({"model": "smol", "messages": messages, "echo": true}),
+            json!({"model": "smol", "messages": messages, "echo": "yes"}),
             "echo",
         ),
     ] {

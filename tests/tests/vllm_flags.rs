@@ -110,8 +110,8 @@ fn values_that_would_change_results_are_refused() {
             "lm-format-enforcer",
         ),
         (
-            &["--max_logprobs", "5"][..],
-            "--max-logprobs 5 is not supported",
+            &["--max_logprobs", "-2"][..],
+            "--max-logprobs -2: give a non-negative count, or -1 for no limit",
         ),
         (
             &["--load-format", "dummy"][..],

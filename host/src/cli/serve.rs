@@ -260,6 +260,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             metrics_port: a.metrics_port,
             force_include_usage: a.enable_force_include_usage,
             return_tokens_as_token_ids: a.return_tokens_as_token_ids,
+            max_logprobs: a.vllm.max_logprobs_limit(),
             reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,

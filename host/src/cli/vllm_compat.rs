@@ -69,10 +69,11 @@ pub struct VllmNoopFlags {
     /// serves them.
     #[arg(long, value_name = "PATH")]
     pub root_path: Option<String>,
-    /// Most `logprobs` / `top_logprobs` a request may ask for; requests
-    /// over it get a 400. Pagoda's limit is vLLM's default, 20, and is
-    /// fixed so far: other values are refused.
-    #[arg(long, value_name = "N")]
+    /// Most `logprobs` / `top_logprobs` / `prompt_logprobs` a request may
+    /// ask for, as vLLM takes it: 20 by default, -1 for no limit (a
+    /// request's -1, the whole vocabulary, then passes). Requests over it
+    /// get a 400.
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub max_logprobs: Option<i64>,
 }
 
@@ -91,11 +92,8 @@ impl VllmNoopFlags {
             }
         }
         if let Some(n) = self.max_logprobs {
-            let fixed = crate::engine::request::MAX_LOGPROBS;
-            if n != fixed as i64 {
-                bail!(
-                    "--max-logprobs {n} is not supported yet: Pagoda's limit is fixed at {fixed} (vLLM's default); drop the flag or pass {fixed}"
-                );
+            if n < -1 {
+                bail!("--max-logprobs {n}: give a non-negative count, or -1 for no limit");
             }
         }
         for line in self.log_lines() {
@@ -143,10 +141,21 @@ impl VllmNoopFlags {
         if let Some(p) = &self.root_path {
             out.push(format!("--root-path {p}: accepted; routes are served without the prefix (as vLLM serves them), for a proxy that strips it"));
         }
-        if let Some(n) = self.max_logprobs {
-            out.push(format!("--max-logprobs {n}: Pagoda's limit already (requests asking for more logprobs get a 400)"));
+        match self.max_logprobs {
+            Some(-1) => out.push("--max-logprobs -1: requests may ask for logprobs over the whole vocabulary (each token's answer can then be megabytes)".to_string()),
+            Some(n) => out.push(format!("--max-logprobs {n}: requests asking for more logprobs per token get a 400")),
+            None => {}
         }
         out
+    }
+
+    /// The logprobs limit requests meet: `--max-logprobs` (vLLM's default
+    /// of 20 when not given), None for -1 (no limit).
+    pub fn max_logprobs_limit(&self) -> Option<usize> {
+        match self.max_logprobs {
+            None => Some(crate::engine::request::MAX_LOGPROBS),
+            Some(n) => usize::try_from(n).ok(),
+        }
     }
 }
 
@@ -322,11 +331,18 @@ mod tests {
         let e = f.check_and_log().unwrap_err().to_string();
         assert!(e.contains("lm-format-enforcer"), "{e}");
         let f = VllmNoopFlags {
-            max_logprobs: Some(5),
+            max_logprobs: Some(-2),
             ..Default::default()
         };
         let e = f.check_and_log().unwrap_err().to_string();
-        assert!(e.contains("fixed at 20"), "{e}");
+        assert!(e.contains("-1 for no limit"), "{e}");
+        for (given, limit) in [(None, Some(20)), (Some(5), Some(5)), (Some(-1), None)] {
+            let f = VllmNoopFlags {
+                max_logprobs: given,
+                ..Default::default()
+            };
+            assert_eq!(f.max_logprobs_limit(), limit, "{given:?}");
+        }
         let args = strs(&["pagoda", "serve", "m.gguf", "--uvicorn-log-level", "loud"]);
         assert!(crate::cli::Cli::try_parse_overridable(args).is_err());
     }

@@ -348,19 +348,23 @@ impl SamplingParams {
         if self.stop.iter().any(String::is_empty) {
             return Err(bad("stop", "stop strings must not be empty".into()));
         }
+        // The server holds requests to `--max-logprobs` (which may be
+        // unlimited, vLLM's -1); here only what the vocabulary can give.
         if let Some(k) = self.logprobs {
-            if k > MAX_LOGPROBS {
+            if k > vocab_size {
                 return Err(bad(
                     "logprobs",
-                    format!("at most {MAX_LOGPROBS} logprobs per token, got {k}"),
+                    format!("at most {vocab_size} logprobs per token (the vocabulary), got {k}"),
                 ));
             }
         }
         if let Some(k) = self.prompt_logprobs {
-            if k > MAX_LOGPROBS {
+            if k > vocab_size {
                 return Err(bad(
                     "prompt_logprobs",
-                    format!("at most {MAX_LOGPROBS} prompt logprobs per token, got {k}"),
+                    format!(
+                        "at most {vocab_size} prompt logprobs per token (the vocabulary), got {k}"
+                    ),
                 ));
             }
         }
@@ -383,8 +387,8 @@ impl SamplingParams {
     }
 }
 
-/// The most top alternatives a request may ask for per token (vLLM's
-/// default `--max-logprobs`).
+/// The most top alternatives a request may ask for per token when the
+/// server is not given `--max-logprobs` (vLLM's default).
 pub const MAX_LOGPROBS: usize = 20;
 
 /// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`).

@@ -80,6 +80,9 @@ pub struct ServerConfig {
     pub force_include_usage: bool,
     /// `--return-tokens-as-token-ids`: logprobs name tokens by id.
     pub return_tokens_as_token_ids: bool,
+    /// `--max-logprobs`: the most logprobs per token a request may ask
+    /// for (None: no limit, vLLM's `-1`).
+    pub max_logprobs: Option<usize>,
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
@@ -131,6 +134,11 @@ impl AppState {
     /// `--return-tokens-as-token-ids`.
     pub fn config_tokens_as_ids(&self) -> bool {
         self.config.return_tokens_as_token_ids
+    }
+
+    /// `--max-logprobs` (None: no limit).
+    pub fn config_max_logprobs(&self) -> Option<usize> {
+        self.config.max_logprobs
     }
 
     /// `--reasoning-parser`, if given.

@@ -5,6 +5,9 @@
 use crate::server::errors::ApiError;
 use serde_json::{Map, Value};
 
+/// A logprob count of `-1`: the whole vocabulary, as vLLM reads it.
+pub const ALL_LOGPROBS: usize = usize::MAX;
+
 /// Typed access to a request object's fields, with OpenAI-style errors.
 pub struct Fields<'a>(pub &'a Map<String, Value>);
 
@@ -72,6 +75,24 @@ impl<'a> Fields<'a> {
             Some(x) => Err(ApiError::invalid(
                 Some(name.to_string()),
                 format!("'{name}' must be non-negative, got {x}"),
+            )),
+        }
+    }
+
+    /// A count of logprobs per token (`logprobs`, `top_logprobs`,
+    /// `prompt_logprobs`): a non-negative integer, or vLLM's `-1` for the
+    /// whole vocabulary, returned as [`ALL_LOGPROBS`] until the vocabulary
+    /// size is known.
+    pub fn logprob_count(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        match self.i64(name)? {
+            None => Ok(None),
+            Some(-1) => Ok(Some(ALL_LOGPROBS)),
+            Some(x) if x >= 0 => Ok(Some(x as usize)),
+            Some(x) => Err(ApiError::invalid(
+                Some(name.to_string()),
+                format!(
+                    "'{name}' must be a non-negative value or -1 (the whole vocabulary), got {x}"
+                ),
             )),
         }
     }

@@ -359,10 +359,21 @@ pub async fn chat(
         "messages",
     )
     .await?;
+    // vLLM's `echo` on chat: the answer starts with the final message when
+    // that is the assistant's own (a prefill, most often continued with
+    // `continue_final_message`).
+    let echo = if common.echo {
+        parse_messages(&f)?
+            .pop()
+            .filter(|m| m.role == "assistant" && !m.content.is_empty())
+            .map(|m| m.content)
+    } else {
+        None
+    };
     generate(
         state,
         common,
-        vec![RunPrompt::new(ids)],
+        vec![RunPrompt { ids, echo }],
         Api::Chat,
         id,
         ctx,
@@ -423,7 +434,10 @@ async fn render_chat(
     ctx: &mut Option<TenantCtx>,
 ) -> Result<Vec<u32>, ApiError> {
     let f = Fields::of(body)?;
-    let add_generation_prompt = f.bool("add_generation_prompt")?.unwrap_or(true);
+    let continue_final = continue_final_message(&f, messages)?;
+    // Continuing the final message opens no new turn: vLLM refuses both
+    // at once, and an absent `add_generation_prompt` is read as false.
+    let add_generation_prompt = !continue_final && f.bool("add_generation_prompt")?.unwrap_or(true);
     let tok = engine.tokenizer().clone();
     let rendered = match ctx {
         Some(c) if c.has_render_prompt() => {
@@ -523,7 +537,7 @@ async fn render_chat(
                 let Value::Object(extra) = extra else {
                     return Err(ApiError::internal("template variables are not an object"));
                 };
-                let text = template
+                let mut text = template
                     .render_json(&msgs, add_generation_prompt, &extra)
                     .map_err(|e| {
                         ApiError::invalid(
@@ -531,6 +545,24 @@ async fn render_chat(
                             format!("the chat template failed: {e:#}"),
                         )
                     })?;
+                if continue_final {
+                    // The final message (as protected) left open: the
+                    // prompt ends where its text does, before whatever
+                    // the template closes the turn with, as Hugging Face's
+                    // `continue_final_message` (which vLLM uses) cuts it.
+                    let last = msgs
+                        .as_array()
+                        .and_then(|m| m.last())
+                        .and_then(|m| m.get("content"))
+                        .and_then(Value::as_str)
+                        .unwrap_or("");
+                    text = cut_after_final_message(&text, last).ok_or_else(|| {
+                        ApiError::invalid(
+                            Some("continue_final_message".into()),
+                            "'continue_final_message' is set but the final message does not appear in the prompt the chat template wrote",
+                        )
+                    })?;
+                }
                 // The rendered template already holds BOS where the model
                 // wants it.
                 plain.encode(&tok, &text).map_err(bad)
@@ -538,6 +570,45 @@ async fn render_chat(
         }
     })
     .await
+}
+
+/// vLLM's `continue_final_message`: whether the prompt ends inside the
+/// final message (an assistant's prefill the model continues) instead of
+/// opening a new turn. It takes an assistant's final message and no
+/// `add_generation_prompt: true`, as vLLM (and the template library it
+/// uses) refuse otherwise.
+fn continue_final_message(
+    f: &Fields<'_>,
+    messages: &[crate::tokenizer::chat_template::ChatMessage],
+) -> Result<bool, ApiError> {
+    if !f.bool("continue_final_message")?.unwrap_or(false) {
+        return Ok(false);
+    }
+    let bad = |m: &str| ApiError::invalid(Some("continue_final_message".into()), m);
+    if f.bool("add_generation_prompt")? == Some(true) {
+        return Err(bad(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        ));
+    }
+    match messages.last() {
+        Some(m) if m.role == "assistant" && !m.content.trim().is_empty() => Ok(true),
+        _ => Err(bad(
+            "'continue_final_message' needs the final message to be an assistant's, with text to continue",
+        )),
+    }
+}
+
+/// `text` up to the end of the last place `last` (the final message's
+/// text) appears in it, or of its trimmed form (templates often strip
+/// messages); None if it does not appear.
+fn cut_after_final_message(text: &str, last: &str) -> Option<String> {
+    let at = |needle: &str| {
+        (!needle.is_empty())
+            .then(|| text.rfind(needle).map(|i| i + needle.len()))
+            .flatten()
+    };
+    let end = at(last).or_else(|| at(last.trim()))?;
+    Some(text[..end].to_string())
 }
 
 /// An assistant message's reasoning under both its names: vLLM 0.32's
@@ -595,6 +666,9 @@ struct Choice {
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     /// Streaming with `echo`: the prompt has gone out.
     echoed: bool,
+    /// Streaming completions with `return_token_ids`: the choice's prompt
+    /// ids have gone out (with its first chunk, as vLLM sends them).
+    prompt_ids_sent: bool,
     /// With a reasoning parser: the reasoning (`text` is then the answer),
     /// what of it the next chunk carries, and how far the split has got.
     reasoning: String,
@@ -747,6 +821,11 @@ async fn start_run(
             ));
         }
     }
+    resolve_logprob_counts(
+        &mut common,
+        engine.vocab_size(),
+        state.config_max_logprobs(),
+    )?;
     if !common.bad_words.is_empty() {
         common.params.bad_words_token_ids = engine
             .tokenizer()
@@ -866,6 +945,40 @@ async fn start_run(
         _slot: slot,
     };
     Ok(run)
+}
+
+/// Turns vLLM's `-1` (the whole vocabulary) into the vocabulary's size and
+/// holds every logprob count to `--max-logprobs` (`max`, None: no limit),
+/// as vLLM does: `-1` passes only where the limit is the vocabulary or
+/// none.
+fn resolve_logprob_counts(
+    common: &mut CommonParams,
+    vocab: usize,
+    max: Option<usize>,
+) -> Result<(), ApiError> {
+    let all = |k: &mut Option<usize>| {
+        if *k == Some(fields::ALL_LOGPROBS) {
+            *k = Some(vocab);
+        }
+    };
+    all(&mut common.params.logprobs);
+    all(&mut common.params.prompt_logprobs);
+    all(&mut common.prompt_logprobs);
+    let Some(max) = max else {
+        return Ok(());
+    };
+    for (k, what, param) in [
+        (common.params.logprobs, "sample", "logprobs"),
+        (common.prompt_logprobs, "prompt", "prompt_logprobs"),
+    ] {
+        if let Some(k) = k.filter(|&k| k > max) {
+            return Err(ApiError::invalid(
+                Some(param.into()),
+                format!("Requested {what} logprobs of {k}, which is greater than max allowed: {max} (--max-logprobs)"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Compiles a request's constraint off the async threads (a large schema
@@ -1131,7 +1244,7 @@ impl Run {
                         v
                     }
                     Api::Chat => {
-                        let (message, finish) = self.chat_message(c);
+                        let (message, finish) = self.chat_message(i, c);
                         json!({
                             "index": i, "message": message,
                             "logprobs": lp, "finish_reason": finish, "stop_reason": c.stop_reason,
@@ -1139,7 +1252,11 @@ impl Run {
                     }
                 };
                 if self.return_token_ids {
-                    v["prompt_token_ids"] = json!(self.prompts[i / self.per_prompt].ids);
+                    // A chat has one prompt: vLLM gives its ids once, beside
+                    // the choices (below); a completion's choice its own.
+                    if self.api == Api::Completions {
+                        v["prompt_token_ids"] = json!(self.prompts[i / self.per_prompt].ids);
+                    }
                     v["token_ids"] = json!(c.token_ids);
                 }
                 v
@@ -1157,14 +1274,21 @@ impl Run {
             // Chat has one prompt, so vLLM gives its scores once (null
             // unless asked, but always present).
             body["prompt_logprobs"] = self.prompt_logprobs_json(0);
+            if self.return_token_ids {
+                body["prompt_token_ids"] = json!(self.prompts.first().map(|p| &p.ids));
+            }
         }
         body
     }
 
     /// A finished chat choice's message, with the tool calls its output
     /// holds, and its finish reason ("tool_calls" when it called tools).
-    fn chat_message(&self, c: &Choice) -> (Value, Option<&'static str>) {
+    fn chat_message(&self, i: usize, c: &Choice) -> (Value, Option<&'static str>) {
         let (mut message, finish) = self.answer_message(c);
+        if let Some(e) = self.echo_text(i) {
+            let answer = message["content"].as_str().unwrap_or("");
+            message["content"] = json!(format!("{e}{answer}"));
+        }
         if self.reasoning.is_some() {
             // vLLM 0.32's `reasoning`, and `reasoning_content` (its older
             // name) for older clients; the answer is null when the output
@@ -1175,7 +1299,10 @@ impl Run {
             };
             message["reasoning"] = r.clone();
             message["reasoning_content"] = r;
-            if message["content"] == json!("") && !c.reasoning.is_empty() {
+            if message["content"] == json!("")
+                && !c.reasoning.is_empty()
+                && self.echo_text(i).is_none()
+            {
                 message["content"] = Value::Null;
             }
         }
@@ -1292,19 +1419,31 @@ impl Run {
             Some("stop") if called => Some("tool_calls"),
             other => other,
         };
-        if delta.is_empty() && finish.is_none() {
+        let has_ids = self.return_token_ids && !o.new_token_ids.is_empty();
+        if delta.is_empty() && finish.is_none() && !has_ids {
             return None;
         }
-        let choice = json!({
+        let mut choice = json!({
             "index": i, "delta": delta, "logprobs": null,
             "finish_reason": finish, "stop_reason": stop_reason_json(&o.stop_reason),
         });
+        self.stream_token_ids(i, &mut choice, o);
         Some(self.chunk(vec![choice], None))
     }
 
     fn chunk(&self, choices: Vec<Value>, usage: Option<Value>) -> Bytes {
+        self.chunk_with(choices, usage, None)
+    }
+
+    /// A chunk, with the chat's `prompt_token_ids` when given.
+    fn chunk_with(
+        &self,
+        choices: Vec<Value>,
+        usage: Option<Value>,
+        prompt_token_ids: Option<Value>,
+    ) -> Bytes {
         let usage = usage.or_else(|| self.continuous_usage.then(|| self.usage()));
-        let body = json!({
+        let mut body = json!({
             "id": self.id,
             "object": if self.api == Api::Chat { "chat.completion.chunk" } else { "text_completion" },
             "created": self.created,
@@ -1312,6 +1451,9 @@ impl Run {
             "choices": choices,
             "usage": usage,
         });
+        if let Some(ids) = prompt_token_ids {
+            body["prompt_token_ids"] = ids;
+        }
         Bytes::from(format!("data: {body}\n\n"))
     }
 
@@ -1320,16 +1462,23 @@ impl Run {
     fn delta_chunk(&mut self, i: usize, o: &StepOutput) -> Option<Bytes> {
         let finish = o.finish_reason.map(|f| f.as_str());
         let has_logprobs = self.want_logprobs && !o.logprobs.is_empty();
+        // A chat's echo went out with its opening chunks.
         let echo = match self.echo_text(i) {
-            Some(t) if !self.choices[i].echoed => Some(t.to_string()),
+            Some(t) if !self.choices[i].echoed && self.api == Api::Completions => {
+                Some(t.to_string())
+            }
             _ => None,
         };
         let reasoning = std::mem::take(&mut self.choices[i].new_reasoning);
+        // With `return_token_ids`, every token goes out with some chunk,
+        // even one whose text is still held back.
+        let has_ids = self.return_token_ids && !o.new_token_ids.is_empty();
         if o.new_text.is_empty()
             && reasoning.is_empty()
             && finish.is_none()
             && !has_logprobs
             && echo.is_none()
+            && !has_ids
         {
             return None;
         }
@@ -1346,7 +1495,7 @@ impl Run {
             Value::Null
         };
         self.choices[i].echoed = true;
-        let choice = match self.api {
+        let mut choice = match self.api {
             Api::Completions => json!({
                 "index": i, "text": format!("{}{}", echo.unwrap_or_default(), o.new_text),
                 "logprobs": lp,
@@ -1366,7 +1515,22 @@ impl Run {
                 })
             }
         };
+        self.stream_token_ids(i, &mut choice, o);
         Some(self.chunk(vec![choice], None))
+    }
+
+    /// With `return_token_ids`, a streamed choice carries the ids its chunk
+    /// adds, and a completion's first chunk its prompt's ids too (a chat
+    /// stream sends those once, in its opening chunk), as vLLM streams them.
+    fn stream_token_ids(&mut self, i: usize, choice: &mut Value, o: &StepOutput) {
+        if !self.return_token_ids {
+            return;
+        }
+        choice["token_ids"] = json!(o.new_token_ids);
+        if self.api == Api::Completions && !self.choices[i].prompt_ids_sent {
+            self.choices[i].prompt_ids_sent = true;
+            choice["prompt_token_ids"] = json!(self.prompts[i / self.per_prompt].ids);
+        }
     }
 }
 
@@ -1434,7 +1598,20 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                         let choices = (0..run.choices.len())
                         .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
                         .collect();
-                        run.chunk(choices, None)
+                        // vLLM sends a chat's prompt ids once, here.
+                        let prompt_ids = run
+                            .return_token_ids
+                            .then(|| json!(run.prompts.first().map(|p| &p.ids)));
+                        let mut frame = run.chunk_with(choices, None, prompt_ids).to_vec();
+                        // With `echo`, the final message comes next, as its
+                        // own chunk (vLLM's order).
+                        if let Some(e) = run.echo_text(0) {
+                            let choices = (0..run.choices.len())
+                                .map(|i| json!({"index": i, "delta": {"content": e}, "logprobs": null, "finish_reason": null}))
+                                .collect();
+                            frame.extend_from_slice(&run.chunk(choices, None));
+                        }
+                        Bytes::from(frame)
                     } else {
                         Bytes::new()
                     };

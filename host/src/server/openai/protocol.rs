@@ -28,8 +28,9 @@ pub struct CommonParams {
     pub max_tokens_given: bool,
     /// The structured output asked for, if any (compiled before submission).
     pub structured: Option<crate::server::openai::structured::RequestedStructure>,
-    /// Completions' `echo`: each choice's text (and, with `logprobs`, its
-    /// logprobs) starts with the prompt.
+    /// `echo`. Completions: each choice's text (and, with `logprobs`, its
+    /// logprobs) starts with the prompt. Chat (vLLM's): each message starts
+    /// with the final message's text when that is an assistant's.
     pub echo: bool,
     /// vLLM's `prompt_logprobs` as asked: how many alternatives to list
     /// beside each prompt token in the response's `prompt_logprobs`.
@@ -129,21 +130,31 @@ pub fn parse_common(
     }
     if chat {
         if f.bool("logprobs")?.unwrap_or(false) {
-            p.logprobs = Some(f.usize("top_logprobs")?.unwrap_or(0));
-        } else if f.usize("top_logprobs")?.is_some_and(|k| k > 0) {
+            p.logprobs = Some(f.logprob_count("top_logprobs")?.unwrap_or(0));
+        } else if f.logprob_count("top_logprobs")?.is_some_and(|k| k > 0) {
             return Err(ApiError::invalid(
                 Some("top_logprobs".into()),
                 "'top_logprobs' requires 'logprobs' to be true",
             ));
         }
     } else {
-        p.logprobs = f.usize("logprobs")?;
+        p.logprobs = f.logprob_count("logprobs")?;
         if f.str("suffix")?.is_some() {
             return Err(ApiError::invalid(
                 Some("suffix".into()),
                 "'suffix' is not supported",
             ));
         }
+    }
+    // vLLM 0.32's `logprob_token_ids` (the scores of chosen ids at every
+    // position) needs the samplers to score ids they did not rank; refused
+    // rather than ignored, so a scoring client does not read top-k
+    // alternatives as the ids it asked about.
+    if f.get("logprob_token_ids").is_some() {
+        return Err(ApiError::invalid(
+            Some("logprob_token_ids".into()),
+            "'logprob_token_ids' is not supported; ask for 'top_logprobs' (or -1 for the whole vocabulary, within --max-logprobs)",
+        ));
     }
     if let Some(best_of) = f.usize("best_of")? {
         if best_of != p.n {
@@ -154,18 +165,8 @@ pub fn parse_common(
         }
     }
     let stream = f.bool("stream")?.unwrap_or(false);
-    let echo = if chat {
-        if f.bool("echo")?.unwrap_or(false) {
-            return Err(ApiError::invalid(
-                Some("echo".into()),
-                "'echo' is only supported on /v1/completions",
-            ));
-        }
-        false
-    } else {
-        f.bool("echo")?.unwrap_or(false)
-    };
-    let prompt_logprobs = f.usize("prompt_logprobs")?;
+    let echo = f.bool("echo")?.unwrap_or(false);
+    let prompt_logprobs = f.logprob_count("prompt_logprobs")?;
     if stream && prompt_logprobs.is_some() {
         // As vLLM: prompt logprobs come whole, in the final body.
         return Err(ApiError::invalid(
@@ -175,7 +176,7 @@ pub fn parse_common(
     }
     // The engine scores the prompt for either view, with enough
     // alternatives for both.
-    p.prompt_logprobs = match (echo, p.logprobs) {
+    p.prompt_logprobs = match (echo && !chat, p.logprobs) {
         (true, Some(k)) => Some(k.max(prompt_logprobs.unwrap_or(0))),
         _ => prompt_logprobs,
     };
