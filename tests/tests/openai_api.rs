@@ -913,3 +913,89 @@ fn continue_final_message_and_echo_prefill_the_answer() {
         );
     }
 }
+
+/// vLLM's `/v1/chat/completions/batch`: choice `i` answers conversation
+/// `i` exactly as a chat request of its own would, the usage is the sum,
+/// and what the endpoint does not do (streams, tools, n > 1) is a 400.
+#[test]
+fn chat_batch_answers_each_conversation_as_its_own_chat() {
+    let s = Server::start(&[]);
+    let conversations = json!([
+        [{"role": "user", "content": "What is the capital of France?"}],
+        [{"role": "system", "content": "Answer briefly."},
+         {"role": "user", "content": "Name a color."}],
+        [{"role": "user", "content": "Count to three."},
+         {"role": "assistant", "content": "One,"}],
+    ]);
+    let (st, v) = s.post(
+        "/v1/chat/completions/batch",
+        &json!({"model": "smol", "messages": conversations, "max_tokens": 6,
+                "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion", "{v}");
+    let choices = v["choices"].as_array().cloned().unwrap_or_default();
+    assert_eq!(choices.len(), 3, "{v}");
+    let (mut prompt, mut completion) = (0, 0);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{v}");
+        let (st, one) = s.post(
+            "/v1/chat/completions",
+            &json!({"model": "smol", "messages": conversations[i], "max_tokens": 6,
+                    "temperature": 0, "ignore_eos": true, "return_token_ids": true}),
+        );
+        assert_eq!(st, 200, "{one}");
+        assert_eq!(
+            c["message"], one["choices"][0]["message"],
+            "conversation {i}: {v}"
+        );
+        assert_eq!(c["token_ids"], one["choices"][0]["token_ids"], "{v}");
+        prompt += one["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+        completion += one["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], completion, "{v}");
+    // `echo` echoes the assistant's final message, per conversation.
+    let (st, v) = s.post(
+        "/v1/chat/completions/batch",
+        &json!({"model": "smol", "messages": conversations, "max_tokens": 2,
+                "temperature": 0, "echo": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let content = |i: usize| {
+        v["choices"][i]["message"]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string()
+    };
+    assert!(content(2).starts_with("One,"), "{v}");
+    assert!(!content(0).starts_with("What"), "{v}");
+    for (bad, param) in [
+        (
+            json!({"model": "smol", "messages": conversations, "stream": true}),
+            "stream",
+        ),
+        (
+            json!({"model": "smol", "messages": conversations, "n": 2}),
+            "n",
+        ),
+        (
+            json!({"model": "smol", "messages": conversations,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
+            "tools",
+        ),
+        (
+            json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}]}),
+            "messages",
+        ),
+        (json!({"model": "smol", "messages": []}), "messages"),
+        (
+            json!({"model": "smol", "messages": [[{"role": "wizard", "content": "Hi"}]]}),
+            "messages[0].role",
+        ),
+    ] {
+        let (st, v) = s.post("/v1/chat/completions/batch", &bad);
+        assert_eq!(st, 400, "{bad} -> {v}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}

@@ -661,6 +661,10 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             openai::chat(state, body, tenant).await
         }
+        (Method::POST, "/v1/chat/completions/batch") => {
+            let body = read_json(&state, req).await?;
+            openai::chat_batch(state, body, tenant).await
+        }
         (Method::POST, "/v1/responses") => {
             let body = read_json(&state, req).await?;
             openai::responses::responses(state, body, tenant).await

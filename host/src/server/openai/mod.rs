@@ -382,6 +382,81 @@ pub async fn chat(
     .await
 }
 
+/// `POST /v1/chat/completions/batch`, vLLM's: `messages` is a list of
+/// conversations, each answered as its own chat would be (same fields,
+/// same sampling), in one response whose choice `i` answers conversation
+/// `i`, with the usage summed. As in vLLM, it neither streams nor offers
+/// tools, and each conversation gets one choice.
+pub async fn chat_batch(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let id = random_id("chatcmpl");
+    let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions/batch", body).await?;
+    let f = Fields::of(&body)?;
+    let refuse = |param: &str, m: &str| Err(ApiError::invalid(Some(param.into()), m));
+    if f.bool("stream")?.unwrap_or(false) {
+        return refuse("stream", "the batch endpoint does not stream; send each conversation to /v1/chat/completions to stream it");
+    }
+    if f.get("tools").is_some() || f.get("tool_choice").is_some() {
+        return refuse("tools", "the batch endpoint offers no tools; send each conversation to /v1/chat/completions to use them");
+    }
+    if f.usize("n")?.is_some_and(|n| n != 1) {
+        return refuse(
+            "n",
+            "the batch endpoint answers each conversation once: 'n' must be 1",
+        );
+    }
+    let conversations = match f.get("messages") {
+        Some(Value::Array(c)) if !c.is_empty() && c.iter().all(Value::is_array) => c.clone(),
+        _ => {
+            return refuse(
+                "messages",
+                "'messages' must be a non-empty list of conversations, each a list of messages",
+            )
+        }
+    };
+    if conversations.len() > 256 {
+        return refuse("messages", "at most 256 conversations per request");
+    }
+    let mut common = parse_common(&f, true, state.default_model())?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
+    let engine = state.engine_for(&common.model)?;
+    let mut prompts = Vec::with_capacity(conversations.len());
+    for (i, conversation) in conversations.into_iter().enumerate() {
+        // Each conversation is rendered as the chat body it stands for.
+        let mut one = body.clone();
+        one["messages"] = conversation;
+        let (ids, _) = chat_prompt(
+            &state,
+            engine,
+            &one,
+            &mut common,
+            &mut ctx,
+            "the structured-output field",
+            "messages",
+        )
+        .await
+        .map_err(|mut e| {
+            e.message = format!("conversation {i}: {}", e.message);
+            e
+        })?;
+        let echo = if common.echo {
+            parse_messages(&Fields::of(&one)?)?
+                .pop()
+                .filter(|m| m.role == "assistant" && !m.content.is_empty())
+                .map(|m| m.content)
+        } else {
+            None
+        };
+        prompts.push(RunPrompt { ids, echo });
+    }
+    generate(state, common, prompts, Api::Chat, id, ctx, None).await
+}
+
 /// The prompt of a chat-shaped body (a chat completion, or the chat body a
 /// Responses or Anthropic request becomes): its messages and tools parsed,
 /// a named or required tool choice made the output's constraint (which
@@ -660,8 +735,6 @@ struct Choice {
     stop_reason: Option<Value>,
     /// Streaming with tools: bytes of `text` sent as content so far.
     sent: usize,
-    /// Streaming a named tool call: the call's id, once announced.
-    call_id: Option<String>,
     /// The scores of its prompt's tokens 1.., when asked for.
     prompt_logprobs: Option<Vec<TokenLogprob>>,
     /// Streaming with `echo`: the prompt has gone out.
@@ -1270,9 +1343,10 @@ impl Run {
             "choices": choices,
             "usage": self.usage(),
         });
-        if self.api == Api::Chat {
+        if self.api == Api::Chat && self.prompts.len() == 1 {
             // Chat has one prompt, so vLLM gives its scores once (null
-            // unless asked, but always present).
+            // unless asked, but always present). A batch of conversations
+            // has none of these, as vLLM's batch endpoint sends none.
             body["prompt_logprobs"] = self.prompt_logprobs_json(0);
             if self.return_token_ids {
                 body["prompt_token_ids"] = json!(self.prompts.first().map(|p| &p.ids));
@@ -1361,19 +1435,18 @@ impl Run {
         }
         let mut called = false;
         match &mode {
-            ToolMode::Named(name) => {
-                called = true;
-                let c = &mut self.choices[i];
-                let mut call = json!({"index": 0, "function": {"arguments": o.new_text}});
-                if c.call_id.is_none() {
-                    let id = tools::new_call_id();
-                    call["id"] = json!(id);
-                    call["type"] = json!("function");
-                    call["function"]["name"] = json!(name);
-                    c.call_id = Some(id);
-                    delta.insert("tool_calls".into(), json!([call]));
-                } else if !o.new_text.is_empty() {
-                    delta.insert("tool_calls".into(), json!([call]));
+            ToolMode::Named(_) => {
+                // The call goes out whole once the output is complete, as
+                // `required` calls do: one cut by max_tokens (arguments
+                // `{"a`) is then no call at all, streamed as unstreamed.
+                if engine_finish.is_some() {
+                    let c = &self.choices[i];
+                    if let Some(call) = tools::extract(&mode, &c.text).calls.first() {
+                        called = true;
+                        let mut v = tools::call_json(&tools::new_call_id(), call);
+                        v["index"] = json!(0);
+                        delta.insert("tool_calls".into(), json!([v]));
+                    }
                 }
             }
             ToolMode::Required | ToolMode::Auto(_) => {
@@ -1393,8 +1466,10 @@ impl Run {
                 } else {
                     let parsed = tools::extract(&mode, &c.text);
                     if parsed.calls.is_empty() {
+                        // A `required` output that holds no call was cut
+                        // inside the call list: a fragment, not an answer.
                         let rest = c.text.get(c.sent..).unwrap_or("");
-                        if !rest.is_empty() {
+                        if !rest.is_empty() && matches!(mode, ToolMode::Auto(_)) {
                             delta.insert("content".into(), json!(rest));
                         }
                         c.sent = c.text.len();
