@@ -43,6 +43,7 @@ fn args(base: &str, adapters: &[&str], max_loras: usize) -> EngineArgs {
             .iter()
             .map(|n| (n.to_string(), fixtures().join("lora").join(base).join(n)))
             .collect(),
+        ..Default::default()
     });
     a
 }

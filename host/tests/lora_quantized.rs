@@ -1,12 +1,12 @@
 //! An adapter on a quantized base, as QLoRA fine-tunes are served: the
-//! demo model's Q4_1 GGUF stays quantized and the adapter runs in f32
-//! beside it. Its prompt logprobs must stay as close to the same adapter on
+//! demo model's Q4_1 GGUF stays quantized and the adapter runs beside it,
+//! its factors stored in bf16 (`--lora-dtype auto`). Its prompt logprobs must stay as close to the same adapter on
 //! the base dequantized to f32 as the base model's own logprobs do: the
 //! adapter adds no error of its own to the quantization's.
 
 mod common;
 
-use pagoda::engine::lora::LoraArgs;
+use pagoda::engine::lora::{LoraArgs, LoraDtype};
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -32,7 +32,7 @@ fn dequantized(gguf: &Path) -> PathBuf {
     out
 }
 
-fn engine(model: &Path, adapter: Option<&Path>) -> LLM {
+fn engine(model: &Path, adapter: Option<&Path>, dtype: LoraDtype) -> LLM {
     let mut a = EngineArgs::new(model);
     a.threads = 2;
     a.max_model_len = Some(256);
@@ -43,6 +43,7 @@ fn engine(model: &Path, adapter: Option<&Path>) -> LLM {
             max_loras: 1,
             max_lora_rank: 8,
             modules: vec![("a".into(), p.to_path_buf())],
+            dtype,
         });
     }
     LLM::new(a).expect("engine")
@@ -85,10 +86,17 @@ fn an_adapter_on_the_quantized_base_adds_no_error_of_its_own() {
     assert!(ok.success());
     let adapter = dir.path().join("lora0");
 
-    let base_q = prompt_logprobs(&mut engine(&q4, None), None);
-    let base_f = prompt_logprobs(&mut engine(&f32, None), None);
-    let lora_q = prompt_logprobs(&mut engine(&q4, Some(&adapter)), Some("a"));
-    let lora_f = prompt_logprobs(&mut engine(&f32, Some(&adapter)), Some("a"));
+    let auto = LoraDtype::Auto;
+    let base_q = prompt_logprobs(&mut engine(&q4, None, auto), None);
+    let base_f = prompt_logprobs(&mut engine(&f32, None, auto), None);
+    // bf16 factors beside Q4_1, f32 factors beside the f32 base.
+    let lora_q = prompt_logprobs(&mut engine(&q4, Some(&adapter), auto), Some("a"));
+    let lora_f = prompt_logprobs(&mut engine(&f32, Some(&adapter), auto), Some("a"));
+    // bf16 factors beside the f32 base: the rounding of the factors alone.
+    let lora_f_bf16 = prompt_logprobs(
+        &mut engine(&f32, Some(&adapter), LoraDtype::Bf16),
+        Some("a"),
+    );
 
     let moved = mean_gap(&lora_f, &base_f);
     let base_err = mean_gap(&base_q, &base_f);
@@ -99,6 +107,12 @@ fn an_adapter_on_the_quantized_base_adds_no_error_of_its_own() {
     assert!(
         moved > 0.05,
         "the adapter should change the outputs ({moved})"
+    );
+    let rounding = mean_gap(&lora_f_bf16, &lora_f);
+    eprintln!("bf16 factors vs f32 factors on the f32 base: {rounding:.5}");
+    assert!(
+        rounding > 0.0 && rounding < 0.02 * moved,
+        "bf16 factors should round the adapter's effect only slightly: {rounding} of {moved}"
     );
     assert!(
         lora_err <= 1.25 * base_err + 1e-3,

@@ -18,7 +18,7 @@ use half::{bf16, f16};
 pub struct CpuBackend {
     ctx: CpuContext,
     /// The LoRA kernel's visiting order (reused).
-    lora_order: Vec<u32>,
+    lora_scratch: crate::ops::lora::LoraScratch,
     /// What quantized weights are laid out for.
     level: SimdLevel,
     scratch: MatmulScratch,
@@ -48,7 +48,7 @@ impl CpuBackend {
             head_in: Vec::new(),
             head_out: Vec::new(),
             sample_scratch: SampleScratch::default(),
-            lora_order: Vec::new(),
+            lora_scratch: Default::default(),
         }
     }
 
@@ -288,7 +288,7 @@ impl Backend for CpuBackend {
         &mut self,
         x: &Vec<f32>,
         in_dim: usize,
-        slots: &[Option<super::DeviceLora<Vec<f32>>>],
+        slots: &[Option<super::DeviceLora<Weight>>],
         step: &CpuStep,
         out: &mut Vec<f32>,
         out_stride: usize,
@@ -299,26 +299,32 @@ impl Backend for CpuBackend {
         if token_slots.is_empty() {
             return Ok(());
         }
+        // The kernel reads dense factors in place; anything else is the
+        // loader's mistake, said here rather than skipped per token.
+        for f in slots.iter().flatten() {
+            lora_data(&f.a)?;
+            lora_data(&f.b)?;
+        }
+        let factors = |s: u16| {
+            let f = slots.get(s as usize)?.as_ref()?;
+            Some(crate::ops::lora::LoraFactors {
+                a: lora_data(&f.a).ok()?,
+                b: lora_data(&f.b).ok()?,
+                rank: f.rank,
+                scale: f.scale,
+            })
+        };
         let n = step.batch.tokens.len();
         crate::ops::lora::lora_add(
             &x[..n * in_dim],
             in_dim,
             token_slots,
-            |s| {
-                slots.get(s as usize).and_then(Option::as_ref).map(|f| {
-                    crate::ops::lora::LoraFactors {
-                        a: &f.a,
-                        b: &f.b,
-                        rank: f.rank,
-                        scale: f.scale,
-                    }
-                })
-            },
+            factors,
             &mut out[..n * out_stride],
             out_stride,
             col,
             out_dim,
-            &mut self.lora_order,
+            &mut self.lora_scratch,
             Some(self.ctx.pool()),
         );
         Ok(())
@@ -799,4 +805,26 @@ fn write_layer<T: KvElem>(cache: &mut LayerKv<T>, k: &[f32], v: &[f32], slots: &
     let layout = cache.layout;
     let n = slots.len() * layout.n_kv_heads * layout.head_dim;
     ops::write_kv(&layout, &mut cache.k, &mut cache.v, &k[..n], &v[..n], slots);
+}
+
+/// A LoRA factor's dense elements, as the kernel reads them.
+fn lora_data(w: &Weight) -> Result<crate::ops::lora::LoraData<'_>, BackendError> {
+    use crate::ops::lora::LoraData;
+    let bytes = w.dense_bytes();
+    let data = match (w.ty(), bytes) {
+        (GgmlType::F32, Some(b)) => bytemuck::try_cast_slice(b).ok().map(LoraData::F32),
+        (GgmlType::BF16, Some(b)) => bytemuck::try_cast_slice(b).ok().map(LoraData::Bf16),
+        (GgmlType::F16, Some(b)) => bytemuck::try_cast_slice(b).ok().map(LoraData::F16),
+        _ => None,
+    };
+    data.ok_or_else(|| BackendError::Device {
+        device: "cpu".into(),
+        what: "lora_add".into(),
+        detail: format!(
+            "LoRA factors must be dense F32, BF16 or F16 matrices, not {} [{} x {}]",
+            w.ty(),
+            w.rows(),
+            w.cols()
+        ),
+    })
 }

@@ -351,13 +351,15 @@ pub struct StepBatch {
 pub const NO_LORA: u16 = u16::MAX;
 
 /// One LoRA adapter's factors for one projection, on the device:
-/// `out += scale · B (A x)`.
+/// `out += scale · B (A x)`. Both are dense matrices (F32, BF16 or F16:
+/// vLLM's `--lora-dtype`) uploaded with [`Backend::upload_matrix`].
 #[derive(Clone, Debug)]
-pub struct DeviceLora<V> {
-    /// `[rank, in]`, row-major, f32.
-    pub a: V,
-    /// `Bᵀ`: `[rank, out]`, row-major, f32.
-    pub b: V,
+pub struct DeviceLora<M> {
+    /// `A`: `rank` rows of `in` columns.
+    pub a: M,
+    /// `Bᵀ`: `rank` rows of `out` columns, so that the expansion runs
+    /// along contiguous rows.
+    pub b: M,
     pub rank: usize,
     /// `lora_alpha / r` (or `/ √r`).
     pub scale: f32,
@@ -834,7 +836,7 @@ pub trait Backend: Send + 'static {
         &mut self,
         x: &Self::Buffer,
         in_dim: usize,
-        slots: &[Option<DeviceLora<Self::Vector>>],
+        slots: &[Option<DeviceLora<Self::Matrix>>],
         step: &Self::Step,
         out: &mut Self::Buffer,
         out_stride: usize,

@@ -2,19 +2,51 @@
 //! and S-LoRA's kernels): every token of a step carries the slot of its
 //! request's adapter (or none), and each adapted projection adds
 //! `scale · B (A x)` to the token's output columns, with its own adapter's
-//! factors. Tokens are visited slot by slot, so one adapter's factors stay
-//! in cache while its tokens run; the base weights are never copied or
-//! merged. A token's result does not depend on which other tokens share
-//! the step.
+//! factors. The base weights are never copied or merged.
+//!
+//! The factors are f32, bf16 or f16 (vLLM's `--lora-dtype`): at decode a
+//! token's delta streams every factor once, so halving their bytes halves
+//! its cost beside a quantized base. Arithmetic is f32 either way.
+//!
+//! A token's result does not depend on which other tokens share the step,
+//! nor on how the work is split across threads: every `h[k]` is one dot
+//! product computed by one thread, and every output element adds its
+//! `h[k] · Bᵀ[k, j]` terms in `k` order with fused multiply-adds, whichever
+//! thread owns the column.
+
+/// One factor matrix, row-major, in its storage type.
+#[derive(Clone, Copy, Debug)]
+pub enum LoraData<'a> {
+    F32(&'a [f32]),
+    /// bfloat16 bits (the top half of an f32).
+    Bf16(&'a [u16]),
+    /// IEEE half-precision bits.
+    F16(&'a [u16]),
+}
+
+impl LoraData<'_> {
+    /// Elements held.
+    pub fn len(&self) -> usize {
+        match self {
+            LoraData::F32(v) => v.len(),
+            LoraData::Bf16(v) | LoraData::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 /// One adapter's factors for one projection.
 #[derive(Clone, Copy, Debug)]
 pub struct LoraFactors<'a> {
     /// `[rank, in]`, row-major.
-    pub a: &'a [f32],
+    pub a: LoraData<'a>,
     /// `Bᵀ`: `[rank, out]`, row-major, so that the expansion runs along
     /// contiguous rows (one `axpy` per rank) rather than `out` short dots.
-    pub b: &'a [f32],
+    pub b: LoraData<'a>,
     pub rank: usize,
     /// `lora_alpha / r` (or `/ √r`).
     pub scale: f32,
@@ -23,13 +55,26 @@ pub struct LoraFactors<'a> {
 /// The most LoRA rank the kernel's stack scratch holds.
 pub const MAX_LORA_RANK: usize = 512;
 
+/// Reusable buffers of [`lora_add`], so that a decode step allocates
+/// nothing once warm.
+#[derive(Debug, Default)]
+pub struct LoraScratch {
+    /// The visiting order: tokens with factors, grouped by slot.
+    order: Vec<u32>,
+    /// `scale · A x` per visited token, `max rank` apart (the two-phase
+    /// path for small batches).
+    h: Vec<f32>,
+}
+
 /// Adds the LoRA deltas of a projection to `out`: for every token `t` whose
 /// slot `token_slots[t]` has factors (`slot_of` gives them), and every output `j` of
 /// `0..out_dim`, `out[t·out_stride + col + j] += Σ_k bᵀ[k,j] · scale ·
 /// Σ_i a[k,i] · x[t·in_dim + i]`. Tokens without a slot (`u16::MAX`, or a
-/// slot without factors) are left alone. `order` is scratch for the visiting
-/// order. With `pool`, tokens are split across its threads (each token's
-/// bits are the same either way).
+/// slot without factors) are left alone. With `pool`, the work is split
+/// across its threads: by token for batches, and by rank then by output
+/// column for a few tokens (a single decode stream would otherwise leave
+/// every other core idle while its delta streams the factors). Each
+/// token's bits are the same either way.
 ///
 /// # Panics
 /// If a slot's factors are not `rank × in_dim` and `rank × out_dim`, or
@@ -44,31 +89,14 @@ pub fn lora_add<'a>(
     out_stride: usize,
     col: usize,
     out_dim: usize,
-    order: &mut Vec<u32>,
+    scratch: &mut LoraScratch,
     pool: Option<&crate::ThreadPool>,
 ) {
+    let order = &mut scratch.order;
     order.clear();
-    order.extend(
-        (0..token_slots.len() as u32).filter(|&t| slot_of(token_slots[t as usize]).is_some()),
-    );
-    // Stable: each slot's tokens keep their order.
-    order.sort_by_key(|&t| token_slots[t as usize]);
-    // The same path for every token of the process, so a token's bits do
-    // not depend on its batch.
-    let avx2 = crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2;
-    struct Out(*mut f32, usize);
-    // SAFETY: every token writes only its own row of `out`, and each token
-    // appears once in `order`, so ranges of `order` write disjoint rows.
-    unsafe impl Sync for Out {}
-    let o = Out(out.as_mut_ptr(), out.len());
-    let run = |r0: usize, r1: usize| {
-        let o = &o;
-        let mut h = [0f32; MAX_LORA_RANK];
-        for &t in &order[r0..r1] {
-            let t = t as usize;
-            let Some(f) = slot_of(token_slots[t]) else {
-                continue;
-            };
+    let mut max_rank = 0;
+    for t in 0..token_slots.len() {
+        if let Some(f) = slot_of(token_slots[t]) {
             assert!(
                 f.rank <= MAX_LORA_RANK,
                 "LoRA rank {} above the kernel's",
@@ -76,113 +104,366 @@ pub fn lora_add<'a>(
             );
             assert_eq!(f.a.len(), f.rank * in_dim, "lora A is not rank × in");
             assert_eq!(f.b.len(), out_dim * f.rank, "lora Bᵀ is not rank × out");
-            let xt = &x[t * in_dim..(t + 1) * in_dim];
-            let start = t * out_stride + col;
-            assert!(start + out_dim <= o.1, "lora_add: out is too short");
-            // SAFETY: in bounds (checked above) and this token's alone.
-            let row = unsafe { std::slice::from_raw_parts_mut(o.0.add(start), out_dim) };
-            apply(&f, xt, row, &mut h[..f.rank], avx2);
+            assert!(
+                t * out_stride + col + out_dim <= out.len(),
+                "lora_add: out is too short"
+            );
+            max_rank = max_rank.max(f.rank);
+            order.push(t as u32);
         }
-    };
-    match pool {
-        // A token's delta is tens of thousands of multiply-adds: worth
-        // splitting from two tokens on.
-        Some(pool) if order.len() >= 2 && pool.threads() > 1 => {
-            pool.run_ranges(order.len(), 1, &run)
-        }
-        _ => run(0, order.len()),
     }
-}
-
-/// One token's delta: `h = scale · A x`, then `row += Σ_k h[k] · Bᵀ[k]`.
-fn apply(f: &LoraFactors<'_>, x: &[f32], row: &mut [f32], h: &mut [f32], avx2: bool) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: `avx2` is true only where the CPU has AVX2 and FMA
-        // (`simd_level`).
-        unsafe { apply_avx2(f, x, row, h) };
+    if order.is_empty() {
         return;
     }
-    let _ = avx2;
-    let in_dim = x.len();
-    for (k, hk) in h.iter_mut().enumerate() {
-        *hk = f.scale * dot(&f.a[k * in_dim..(k + 1) * in_dim], x);
-    }
-    let out_dim = row.len();
-    for (k, &c) in h.iter().enumerate() {
-        for (o, &b) in row.iter_mut().zip(&f.b[k * out_dim..(k + 1) * out_dim]) {
-            *o += c * b;
+    // Stable: each slot's tokens keep their order, and one adapter's
+    // factors stay in cache while its tokens run.
+    order.sort_by_key(|&t| token_slots[t as usize]);
+    let order = &scratch.order[..];
+    // The same path for every token of the process, so a token's bits do
+    // not depend on its batch.
+    let simd = Simd::detect();
+    let o = OutRows(out.as_mut_ptr());
+    let threads = pool.map_or(1, |p| p.threads());
+    match pool {
+        // Fewer tokens than threads have work to share: first every
+        // `h[k]` (split by rank), then every output column (split by
+        // column); two regions, since the columns need all of `h`.
+        Some(pool) if threads > 1 && order.len() < 2 * threads => {
+            let h_len = order.len() * max_rank;
+            scratch.h.resize(h_len, 0.0);
+            let h = OutRows(scratch.h.as_mut_ptr());
+            let (h, o) = (&h, &o);
+            let rank_chunks = threads.min(max_rank).max(1);
+            pool.run(order.len() * rank_chunks, &|task| {
+                let (i, c) = (task / rank_chunks, task % rank_chunks);
+                let t = order[i] as usize;
+                let Some(f) = slot_of(token_slots[t]) else {
+                    return;
+                };
+                let (k0, k1) = (f.rank * c / rank_chunks, f.rank * (c + 1) / rank_chunks);
+                let xt = &x[t * in_dim..(t + 1) * in_dim];
+                // SAFETY: task `(i, c)` alone writes `h[i·max_rank + k0..k1]`,
+                // within `h_len` since `k1 ≤ rank ≤ max_rank`.
+                let hk =
+                    unsafe { std::slice::from_raw_parts_mut(h.0.add(i * max_rank + k0), k1 - k0) };
+                shrink(&f, k0, xt, hk, simd);
+            });
+            // Column chunks of whole cache lines.
+            let col_chunks = threads.min(out_dim.div_ceil(16)).max(1);
+            let per = out_dim.div_ceil(col_chunks).div_ceil(16) * 16;
+            pool.run(order.len() * col_chunks, &|task| {
+                let (i, c) = (task / col_chunks, task % col_chunks);
+                let (j0, j1) = ((c * per).min(out_dim), ((c + 1) * per).min(out_dim));
+                let t = order[i] as usize;
+                let Some(f) = slot_of(token_slots[t]) else {
+                    return;
+                };
+                if j0 == j1 {
+                    return;
+                }
+                // SAFETY: `h` was filled by the first region, which has
+                // ended; task `(i, c)` alone writes columns `j0..j1` of
+                // token `t`'s row, in bounds (checked above).
+                let (hk, row) = unsafe {
+                    (
+                        std::slice::from_raw_parts(h.0.add(i * max_rank), f.rank),
+                        std::slice::from_raw_parts_mut(o.0.add(t * out_stride + col), out_dim),
+                    )
+                };
+                expand(&f, hk, row, j0, j1, simd);
+            });
+        }
+        _ => {
+            let run = |r0: usize, r1: usize| {
+                let o = &o;
+                let mut h = [0f32; MAX_LORA_RANK];
+                for &t in &order[r0..r1] {
+                    let t = t as usize;
+                    let Some(f) = slot_of(token_slots[t]) else {
+                        continue;
+                    };
+                    let xt = &x[t * in_dim..(t + 1) * in_dim];
+                    // SAFETY: in bounds (checked above) and this token's
+                    // alone: each token appears once in `order`.
+                    let row = unsafe {
+                        std::slice::from_raw_parts_mut(o.0.add(t * out_stride + col), out_dim)
+                    };
+                    shrink(&f, 0, xt, &mut h[..f.rank], simd);
+                    expand(&f, &h[..f.rank], row, 0, out_dim, simd);
+                }
+            };
+            match pool {
+                // A token's delta is tens of thousands of multiply-adds:
+                // worth splitting from two tokens on.
+                Some(pool) if threads > 1 => pool.run_ranges(order.len(), 1, &run),
+                _ => run(0, order.len()),
+            }
         }
     }
 }
 
-/// [`apply`] with AVX2 FMA: eight-lane dot products for the shrink, and
-/// eight-lane `axpy`s for the expansion.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn apply_avx2(f: &LoraFactors<'_>, x: &[f32], row: &mut [f32], h: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let in_dim = x.len();
-    let out_dim = row.len();
-    let lanes = in_dim / 8 * 8;
-    for (k, hk) in h.iter_mut().enumerate() {
-        let a = &f.a[k * in_dim..(k + 1) * in_dim];
-        // SAFETY: every load reads 8 floats below `lanes` ≤ the slices' length.
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i < lanes {
-            acc = _mm256_fmadd_ps(
-                _mm256_loadu_ps(a.as_ptr().add(i)),
-                _mm256_loadu_ps(x.as_ptr().add(i)),
-                acc,
-            );
-            i += 8;
+/// A pointer into rows that tasks write disjointly.
+struct OutRows(*mut f32);
+// SAFETY: every task writes only its own elements (see the callers).
+unsafe impl Sync for OutRows {}
+
+/// Which kernels this process runs: fixed once, so every token takes the
+/// same path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Simd {
+    Scalar,
+    /// AVX2 with FMA; `f16c` for f16 factors.
+    Avx2 {
+        f16c: bool,
+    },
+}
+
+impl Simd {
+    fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
+            return Simd::Avx2 {
+                f16c: std::arch::is_x86_feature_detected!("f16c"),
+            };
         }
-        let mut lanes8 = [0f32; 8];
-        _mm256_storeu_ps(lanes8.as_mut_ptr(), acc);
-        let mut s = ((lanes8[0] + lanes8[4]) + (lanes8[1] + lanes8[5]))
-            + ((lanes8[2] + lanes8[6]) + (lanes8[3] + lanes8[7]));
-        for j in lanes..in_dim {
-            s += a[j] * x[j];
-        }
-        *hk = f.scale * s;
+        Simd::Scalar
     }
-    let lanes = out_dim / 8 * 8;
+}
+
+/// `h[k - k0] = scale · A[k] · x` for `k` in `k0..k0 + h.len()`.
+fn shrink(f: &LoraFactors<'_>, k0: usize, x: &[f32], h: &mut [f32], simd: Simd) {
+    let in_dim = x.len();
+    for (i, hk) in h.iter_mut().enumerate() {
+        let k = k0 + i;
+        let (s, e) = (k * in_dim, (k + 1) * in_dim);
+        let d = match (f.a, simd) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA.
+            (LoraData::F32(a), Simd::Avx2 { .. }) => unsafe { x86::dot_f32(&a[s..e], x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (LoraData::Bf16(a), Simd::Avx2 { .. }) => unsafe { x86::dot_bf16(&a[s..e], x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, and `f16c` was detected.
+            (LoraData::F16(a), Simd::Avx2 { f16c: true }) => unsafe { x86::dot_f16(&a[s..e], x) },
+            (a, _) => dot_scalar(a, s, x),
+        };
+        *hk = f.scale * d;
+    }
+}
+
+/// `row[j] += Σ_k h[k] · Bᵀ[k, j]` for `j` in `j0..j1`, `k` in order.
+fn expand(f: &LoraFactors<'_>, h: &[f32], row: &mut [f32], j0: usize, j1: usize, simd: Simd) {
+    let out_dim = row.len();
+    let row = &mut row[j0..j1];
     for (k, &c) in h.iter().enumerate() {
-        let bt = &f.b[k * out_dim..(k + 1) * out_dim];
+        let (s, e) = (k * out_dim + j0, k * out_dim + j1);
+        match (f.b, simd) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA.
+            (LoraData::F32(b), Simd::Avx2 { .. }) => unsafe { x86::axpy_f32(c, &b[s..e], row) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (LoraData::Bf16(b), Simd::Avx2 { .. }) => unsafe { x86::axpy_bf16(c, &b[s..e], row) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, and `f16c` was detected.
+            (LoraData::F16(b), Simd::Avx2 { f16c: true }) => unsafe {
+                x86::axpy_f16(c, &b[s..e], row)
+            },
+            (b, _) => {
+                for (j, o) in row.iter_mut().enumerate() {
+                    *o += c * value(b, s + j);
+                }
+            }
+        }
+    }
+}
+
+/// Element `i` as f32.
+fn value(d: LoraData<'_>, i: usize) -> f32 {
+    match d {
+        LoraData::F32(v) => v[i],
+        LoraData::Bf16(v) => f32::from_bits((v[i] as u32) << 16),
+        LoraData::F16(v) => half::f16::from_bits(v[i]).to_f32(),
+    }
+}
+
+/// `Σ a[s + i]·x[i]` in eight lanes (which the compiler vectorizes), then
+/// their sum.
+fn dot_scalar(a: LoraData<'_>, s: usize, x: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let lanes = x.len() / 8 * 8;
+    for i in (0..lanes).step_by(8) {
+        for l in 0..8 {
+            acc[l] += value(a, s + i + l) * x[i + l];
+        }
+    }
+    let mut sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for i in lanes..x.len() {
+        sum += value(a, s + i) * x[i];
+    }
+    sum
+}
+
+/// AVX2 kernels: sixteen-lane dots (two accumulators, so the FMA latency
+/// does not bound the stream) and eight-lane `axpy`s, one per storage type.
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// Loads eight factors as f32.
+    trait Load8 {
+        unsafe fn load8(p: *const Self) -> __m256;
+        fn get(&self) -> f32;
+    }
+
+    impl Load8 for f32 {
+        #[inline(always)]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        fn get(&self) -> f32 {
+            *self
+        }
+    }
+
+    /// bf16 bits.
+    #[repr(transparent)]
+    struct Bf16(u16);
+    impl Load8 for Bf16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const Bf16) -> __m256 {
+            let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+        }
+        fn get(&self) -> f32 {
+            f32::from_bits((self.0 as u32) << 16)
+        }
+    }
+
+    /// f16 bits.
+    #[repr(transparent)]
+    struct F16(u16);
+    impl Load8 for F16 {
+        #[inline(always)]
+        unsafe fn load8(p: *const F16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+        }
+        fn get(&self) -> f32 {
+            half::f16::from_bits(self.0).to_f32()
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn dot<T: Load8>(a: &[T], x: &[f32]) -> f32 {
+        let n = x.len();
+        let wide = n / 16 * 16;
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        // SAFETY (caller): `a.len() == x.len()`; every load reads below `wide`.
+        while i < wide {
+            s0 = _mm256_fmadd_ps(
+                T::load8(a.as_ptr().add(i)),
+                _mm256_loadu_ps(x.as_ptr().add(i)),
+                s0,
+            );
+            s1 = _mm256_fmadd_ps(
+                T::load8(a.as_ptr().add(i + 8)),
+                _mm256_loadu_ps(x.as_ptr().add(i + 8)),
+                s1,
+            );
+            i += 16;
+        }
+        let mut l = [0f32; 8];
+        _mm256_storeu_ps(l.as_mut_ptr(), _mm256_add_ps(s0, s1));
+        let mut s = ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]));
+        for j in wide..n {
+            s = a[j].get().mul_add(x[j], s);
+        }
+        s
+    }
+
+    #[inline(always)]
+    unsafe fn axpy<T: Load8>(c: f32, b: &[T], row: &mut [f32]) {
+        let n = row.len();
+        let lanes = n / 8 * 8;
         let cv = _mm256_set1_ps(c);
         let mut j = 0;
-        // SAFETY: as above, below `lanes` ≤ both lengths.
+        // SAFETY (caller): `b.len() == row.len()`; loads below `lanes`.
         while j < lanes {
             let o = row.as_mut_ptr().add(j);
             _mm256_storeu_ps(
                 o,
-                _mm256_fmadd_ps(cv, _mm256_loadu_ps(bt.as_ptr().add(j)), _mm256_loadu_ps(o)),
+                _mm256_fmadd_ps(cv, T::load8(b.as_ptr().add(j)), _mm256_loadu_ps(o)),
             );
             j += 8;
         }
-        for j in lanes..out_dim {
-            row[j] += c * bt[j];
+        // Fused like the lanes, so an element's bits do not depend on
+        // whether a column split put it in a lane or in the tail.
+        for j in lanes..n {
+            row[j] = c.mul_add(b[j].get(), row[j]);
         }
     }
-}
 
-/// `Σ a[i]·b[i]` in eight lanes (which the compiler vectorizes), then
-/// their sum.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (ar, br) = (ac.remainder(), bc.remainder());
-    for (x, y) in ac.zip(bc) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
-        }
+    /// # Safety
+    /// AVX2 and FMA; `a.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_f32(a: &[f32], x: &[f32]) -> f32 {
+        dot(a, x)
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+
+    /// # Safety
+    /// AVX2 and FMA; `a.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn dot_bf16(a: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: `Bf16` is a transparent `u16`.
+        dot(
+            std::slice::from_raw_parts(a.as_ptr() as *const Bf16, a.len()),
+            x,
+        )
     }
-    s
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `a.len() == x.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn dot_f16(a: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: `F16` is a transparent `u16`.
+        dot(
+            std::slice::from_raw_parts(a.as_ptr() as *const F16, a.len()),
+            x,
+        )
+    }
+
+    /// # Safety
+    /// AVX2 and FMA; `b.len() == row.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy_f32(c: f32, b: &[f32], row: &mut [f32]) {
+        axpy(c, b, row)
+    }
+
+    /// # Safety
+    /// AVX2 and FMA; `b.len() == row.len()`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn axpy_bf16(c: f32, b: &[u16], row: &mut [f32]) {
+        // SAFETY: `Bf16` is a transparent `u16`.
+        axpy(
+            c,
+            std::slice::from_raw_parts(b.as_ptr() as *const Bf16, b.len()),
+            row,
+        )
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `b.len() == row.len()`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn axpy_f16(c: f32, b: &[u16], row: &mut [f32]) {
+        // SAFETY: `F16` is a transparent `u16`.
+        axpy(
+            c,
+            std::slice::from_raw_parts(b.as_ptr() as *const F16, b.len()),
+            row,
+        )
+    }
 }
 
 #[cfg(test)]
@@ -197,208 +478,273 @@ mod tests {
             .collect()
     }
 
-    /// The definition, in f64.
+    /// One adapter's factors in one storage type, and their values as the
+    /// kernel reads them (rounded), for the reference.
+    struct Stored {
+        a: Stor,
+        bt: Stor,
+        /// `A` as stored, widened: `[rank, in]`.
+        a_val: Vec<f32>,
+        /// `B` as stored, widened: `[out, rank]`.
+        b_val: Vec<f32>,
+        rank: usize,
+        scale: f32,
+    }
+
+    enum Stor {
+        F32(Vec<f32>),
+        Bf16(Vec<u16>),
+        F16(Vec<u16>),
+    }
+
+    impl Stor {
+        fn of(kind: usize, v: &[f32]) -> (Stor, Vec<f32>) {
+            match kind {
+                0 => (Stor::F32(v.to_vec()), v.to_vec()),
+                1 => {
+                    let bits: Vec<u16> = v
+                        .iter()
+                        .map(|&x| half::bf16::from_f32(x).to_bits())
+                        .collect();
+                    let val = bits
+                        .iter()
+                        .map(|&b| half::bf16::from_bits(b).to_f32())
+                        .collect();
+                    (Stor::Bf16(bits), val)
+                }
+                _ => {
+                    let bits: Vec<u16> = v
+                        .iter()
+                        .map(|&x| half::f16::from_f32(x).to_bits())
+                        .collect();
+                    let val = bits
+                        .iter()
+                        .map(|&b| half::f16::from_bits(b).to_f32())
+                        .collect();
+                    (Stor::F16(bits), val)
+                }
+            }
+        }
+
+        fn data(&self) -> LoraData<'_> {
+            match self {
+                Stor::F32(v) => LoraData::F32(v),
+                Stor::Bf16(v) => LoraData::Bf16(v),
+                Stor::F16(v) => LoraData::F16(v),
+            }
+        }
+    }
+
+    fn random(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+    }
+
+    /// Random factors of `rank` for `in_dim → out_dim`, stored as `kind`
+    /// (0 f32, 1 bf16, 2 f16).
+    fn stored(
+        rng: &mut rand::rngs::StdRng,
+        kind: usize,
+        rank: usize,
+        in_dim: usize,
+        out_dim: usize,
+        scale: f32,
+    ) -> Stored {
+        let (a, b) = (random(rng, rank * in_dim), random(rng, out_dim * rank));
+        let (a, a_val) = Stor::of(kind, &a);
+        let (bt, bt_val) = Stor::of(kind, &transpose(&b, out_dim, rank));
+        Stored {
+            a,
+            bt,
+            a_val,
+            b_val: transpose(&bt_val, rank, out_dim),
+            rank,
+            scale,
+        }
+    }
+
+    impl Stored {
+        fn factors(&self) -> LoraFactors<'_> {
+            LoraFactors {
+                a: self.a.data(),
+                b: self.bt.data(),
+                rank: self.rank,
+                scale: self.scale,
+            }
+        }
+    }
+
+    /// The definition, in f64, on the stored values.
     #[allow(clippy::too_many_arguments)]
     fn naive(
         x: &[f32],
         in_dim: usize,
         token_slots: &[u16],
-        factors: &[Option<(Vec<f32>, Vec<f32>, usize, f32)>],
+        slots: &[Option<Stored>],
         out: &mut [f64],
         out_stride: usize,
         col: usize,
         out_dim: usize,
     ) {
         for (t, &s) in token_slots.iter().enumerate() {
-            let Some(Some((a, b, r, scale))) = factors.get(s as usize) else {
+            let Some(Some(f)) = slots.get(s as usize) else {
                 continue;
             };
-            let h: Vec<f64> = (0..*r)
+            let r = f.rank;
+            let h: Vec<f64> = (0..r)
                 .map(|k| {
                     (0..in_dim)
-                        .map(|i| a[k * in_dim + i] as f64 * x[t * in_dim + i] as f64)
+                        .map(|i| f.a_val[k * in_dim + i] as f64 * x[t * in_dim + i] as f64)
                         .sum()
                 })
                 .collect();
             for j in 0..out_dim {
-                let d: f64 = (0..*r).map(|k| b[j * r + k] as f64 * h[k]).sum();
-                out[t * out_stride + col + j] += *scale as f64 * d;
+                let d: f64 = (0..r).map(|k| f.b_val[j * r + k] as f64 * h[k]).sum();
+                out[t * out_stride + col + j] += f.scale as f64 * d;
             }
         }
     }
 
     #[test]
     fn mixed_adapters_match_the_definition_and_leave_base_tokens_alone() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
-        let (in_dim, out_dim, stride, col) = (67, 29, 40, 7);
-        let ranks = [4usize, 16, 1];
-        let factors: Vec<Option<(Vec<f32>, Vec<f32>, usize, f32)>> = ranks
-            .iter()
-            .enumerate()
-            .map(|(i, &r)| {
-                let mut v = |n: usize| {
-                    (0..n)
-                        .map(|_| rng.random_range(-1.0f32..1.0))
-                        .collect::<Vec<f32>>()
-                };
-                if i == 2 {
-                    // A slot that holds no adapter for this projection.
-                    return None;
+        for kind in 0..3 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5 + kind as u64);
+            let (in_dim, out_dim, stride, col) = (67, 29, 40, 7);
+            let slots: Vec<Option<Stored>> = vec![
+                Some(stored(&mut rng, kind, 4, in_dim, out_dim, 0.5)),
+                Some(stored(&mut rng, kind, 16, in_dim, out_dim, 1.5)),
+                // A slot that holds no adapter for this projection.
+                None,
+            ];
+            let m = 23;
+            let token_slots: Vec<u16> = (0..m).map(|t| [0u16, 1, u16::MAX, 2, 1][t % 5]).collect();
+            let x = random(&mut rng, m * in_dim);
+            let base = random(&mut rng, m * stride);
+            let slot_of = |s: u16| {
+                slots
+                    .get(s as usize)
+                    .and_then(Option::as_ref)
+                    .map(Stored::factors)
+            };
+            let mut want: Vec<f64> = base.iter().map(|&v| v as f64).collect();
+            naive(
+                &x,
+                in_dim,
+                &token_slots,
+                &slots,
+                &mut want,
+                stride,
+                col,
+                out_dim,
+            );
+            let pool = crate::ThreadPool::new(2);
+            for pool in [None, Some(&pool)] {
+                let mut got = base.clone();
+                lora_add(
+                    &x,
+                    in_dim,
+                    &token_slots,
+                    slot_of,
+                    &mut got,
+                    stride,
+                    col,
+                    out_dim,
+                    &mut LoraScratch::default(),
+                    pool,
+                );
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (*g as f64 - w).abs() < 1e-4,
+                        "kind {kind}, element {i}: {g} vs {w}"
+                    );
+                    let (t, c) = (i / stride, i % stride);
+                    let untouched =
+                        matches!(token_slots[t], u16::MAX | 2) || c < col || c >= col + out_dim;
+                    if untouched {
+                        assert_eq!(*g, base[i], "element {i} must not change");
+                    }
                 }
-                Some((v(r * in_dim), v(out_dim * r), r, 0.5 + i as f32))
-            })
-            .collect();
-        // The kernel takes Bᵀ.
-        let transposed: Vec<Option<Vec<f32>>> = factors
-            .iter()
-            .map(|f| f.as_ref().map(|(_, b, r, _)| transpose(b, out_dim, *r)))
-            .collect();
-        let slots: Vec<Option<LoraFactors>> = factors
-            .iter()
-            .zip(&transposed)
-            .map(|(f, bt)| {
-                f.as_ref()
-                    .zip(bt.as_ref())
-                    .map(|((a, _, r, s), bt)| LoraFactors {
-                        a,
-                        b: bt,
-                        rank: *r,
-                        scale: *s,
-                    })
-            })
-            .collect();
-        let m = 23;
-        let token_slots: Vec<u16> = (0..m).map(|t| [0u16, 1, u16::MAX, 2, 1][t % 5]).collect();
-        let x: Vec<f32> = (0..m * in_dim)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let base: Vec<f32> = (0..m * stride)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let mut got = base.clone();
-        let slot_of = |s: u16| slots.get(s as usize).copied().flatten();
-        lora_add(
-            &x,
-            in_dim,
-            &token_slots,
-            slot_of,
-            &mut got,
-            stride,
-            col,
-            out_dim,
-            &mut Vec::new(),
-            None,
-        );
-        let mut want: Vec<f64> = base.iter().map(|&v| v as f64).collect();
-        naive(
-            &x,
-            in_dim,
-            &token_slots,
-            &factors,
-            &mut want,
-            stride,
-            col,
-            out_dim,
-        );
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            assert!((*g as f64 - w).abs() < 1e-4, "element {i}: {g} vs {w}");
-            let (t, c) = (i / stride, i % stride);
-            let untouched = matches!(token_slots[t], u16::MAX | 2) || c < col || c >= col + out_dim;
-            if untouched {
-                assert_eq!(*g, base[i], "element {i} must not change");
             }
         }
     }
 
     #[test]
     fn the_simd_and_scalar_paths_agree() {
-        if crate::cpu::simd_level() < crate::cpu::SimdLevel::Avx2 {
+        let simd = Simd::detect();
+        if simd == Simd::Scalar {
             eprintln!("note: no AVX2 here; only the scalar path runs");
             return;
         }
-        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
-        // Lengths off the 8-lane grid, so the tails run too.
-        let (in_dim, out_dim, r) = (77, 45, 5);
-        let mut v =
-            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect() };
-        let (a, b, x, base) = (v(r * in_dim), v(r * out_dim), v(in_dim), v(out_dim));
-        let f = LoraFactors {
-            a: &a,
-            b: &b,
-            rank: r,
-            scale: 1.5,
-        };
-        let (mut scalar, mut simd) = (base.clone(), base.clone());
-        apply(&f, &x, &mut scalar, &mut [0f32; 5], false);
-        apply(&f, &x, &mut simd, &mut [0f32; 5], true);
-        for (i, (s, v)) in scalar.iter().zip(&simd).enumerate() {
-            assert!((s - v).abs() < 1e-4, "output {i}: scalar {s}, simd {v}");
+        for kind in 0..3 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+            // Lengths off the 16-lane grid, so the tails run too.
+            let (in_dim, out_dim, r) = (77, 45, 5);
+            let f = stored(&mut rng, kind, r, in_dim, out_dim, 1.5);
+            let (x, base) = (random(&mut rng, in_dim), random(&mut rng, out_dim));
+            let (mut scalar, mut vector) = (base.clone(), base.clone());
+            let (mut hs, mut hv) = ([0f32; 5], [0f32; 5]);
+            shrink(&f.factors(), 0, &x, &mut hs, Simd::Scalar);
+            shrink(&f.factors(), 0, &x, &mut hv, simd);
+            expand(&f.factors(), &hs, &mut scalar, 0, out_dim, Simd::Scalar);
+            expand(&f.factors(), &hv, &mut vector, 0, out_dim, simd);
+            for (i, (s, v)) in scalar.iter().zip(&vector).enumerate() {
+                assert!(
+                    (s - v).abs() < 1e-4,
+                    "kind {kind}, output {i}: scalar {s}, simd {v}"
+                );
+            }
+            assert_ne!(scalar, base);
         }
-        assert_ne!(scalar, base);
     }
 
     #[test]
-    fn a_token_gets_the_same_bits_whatever_shares_its_step() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        let (in_dim, out_dim, r) = (48, 33, 8);
-        let a: Vec<f32> = (0..r * in_dim)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let b: Vec<f32> = (0..out_dim * r)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let slots = [Some(LoraFactors {
-            a: &a,
-            b: &b,
-            rank: r,
-            scale: 2.0,
-        })];
-        let x: Vec<f32> = (0..5 * in_dim)
-            .map(|_| rng.random_range(-1.0f32..1.0))
-            .collect();
-        let mut alone = vec![0f32; out_dim];
-        let slot_of = |s: u16| slots.get(s as usize).copied().flatten();
-        lora_add(
-            &x[2 * in_dim..3 * in_dim],
-            in_dim,
-            &[0],
-            slot_of,
-            &mut alone,
-            out_dim,
-            0,
-            out_dim,
-            &mut Vec::new(),
-            None,
-        );
-        let mut batch = vec![0f32; 5 * out_dim];
-        lora_add(
-            &x,
-            in_dim,
-            &[0, u16::MAX, 0, 0, u16::MAX],
-            slot_of,
-            &mut batch,
-            out_dim,
-            0,
-            out_dim,
-            &mut Vec::new(),
-            None,
-        );
-        assert_eq!(&batch[2 * out_dim..3 * out_dim], &alone[..]);
-        // Split across threads, the same bits.
-        let pool = crate::ThreadPool::new(2);
-        let mut split = vec![0f32; 5 * out_dim];
-        lora_add(
-            &x,
-            in_dim,
-            &[0, u16::MAX, 0, 0, u16::MAX],
-            slot_of,
-            &mut split,
-            out_dim,
-            0,
-            out_dim,
-            &mut Vec::new(),
-            Some(&pool),
-        );
-        assert_eq!(split, batch);
+    fn a_token_gets_the_same_bits_whatever_shares_its_step_and_however_threads_split_it() {
+        for kind in 0..3 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+            // An output width off the 16-column grid, so the column split
+            // puts a lane's elements in another chunk's tail.
+            let (in_dim, out_dim, r) = (48, 83, 8);
+            let slots = [Some(stored(&mut rng, kind, r, in_dim, out_dim, 2.0))];
+            let slot_of = |s: u16| {
+                slots
+                    .get(s as usize)
+                    .and_then(Option::as_ref)
+                    .map(Stored::factors)
+            };
+            let x = random(&mut rng, 9 * in_dim);
+            let pool = crate::ThreadPool::new(2);
+            let run = |x: &[f32], token_slots: &[u16], pool: Option<&crate::ThreadPool>| {
+                let mut out = vec![0f32; token_slots.len() * out_dim];
+                lora_add(
+                    x,
+                    in_dim,
+                    token_slots,
+                    slot_of,
+                    &mut out,
+                    out_dim,
+                    0,
+                    out_dim,
+                    &mut LoraScratch::default(),
+                    pool,
+                );
+                out
+            };
+            // Token 2 alone, on one thread and split by rank and column.
+            let alone = run(&x[2 * in_dim..3 * in_dim], &[0], None);
+            assert_eq!(run(&x[2 * in_dim..3 * in_dim], &[0], Some(&pool)), alone);
+            // Beside two others (the two-phase split) and beside eight
+            // (split by token), on one thread or two.
+            let few = [0, u16::MAX, 0, 0, u16::MAX];
+            let many = [0u16; 9];
+            for (slots_of_step, n) in [(&few[..], 5), (&many[..], 9)] {
+                for p in [None, Some(&pool)] {
+                    let batch = run(&x[..n * in_dim], slots_of_step, p);
+                    assert_eq!(
+                        &batch[2 * out_dim..3 * out_dim],
+                        &alone[..],
+                        "kind {kind}, {n} tokens"
+                    );
+                }
+            }
+        }
     }
 }

@@ -451,6 +451,15 @@ impl Weight {
         self.cols
     }
 
+    /// The row-major bytes of a dense (F32, F16 or BF16) matrix without
+    /// transforms; `None` for quantized layouts.
+    pub fn dense_bytes(&self) -> Option<&[u8]> {
+        match (&self.repr, &self.affine) {
+            (Repr::Dense(b), None) => Some(b.bytes()),
+            _ => None,
+        }
+    }
+
     /// Bytes the matrix occupies in memory (what a matmul streams).
     pub fn size_bytes(&self) -> usize {
         let affine = self.affine.as_ref().map_or(0, |a| a.size_bytes());

@@ -181,6 +181,16 @@ pub struct EngineFlags {
     /// least --max-loras.
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
+    /// The adapters' factors in memory: auto (the base's own float type, or
+    /// bfloat16 beside a quantized base), bfloat16, float16 or float32.
+    /// Arithmetic is f32 either way; half types halve what a decode step
+    /// streams per adapter.
+    #[arg(long, default_value = "auto", value_parser = parse_lora_dtype)]
+    pub lora_dtype: crate::engine::lora::LoraDtype,
+}
+
+fn parse_lora_dtype(s: &str) -> Result<crate::engine::lora::LoraDtype> {
+    crate::engine::lora::LoraDtype::parse(s)
 }
 
 /// One `--lora-modules` entry: `name=path`, or vLLM's JSON form.
@@ -275,6 +285,7 @@ impl EngineFlags {
             a.lora = Some(crate::engine::lora::LoraArgs {
                 max_loras: self.max_loras,
                 max_lora_rank: self.max_lora_rank,
+                dtype: self.lora_dtype,
                 modules: self
                     .lora_modules
                     .iter()

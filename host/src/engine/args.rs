@@ -662,7 +662,8 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
                 .load(name, path)
                 .with_context(|| format!("--lora-modules {name}={}", path.display()))?;
         }
-        core.enable_lora(registry).context("--enable-lora")?;
+        core.enable_lora(registry, l.dtype)
+            .context("--enable-lora")?;
         tracing::info!(
             "LoRA: {} adapters loaded, up to {} at once, rank up to {}",
             l.modules.len(),

@@ -125,13 +125,15 @@ impl EngineCore {
     }
 
     /// Serves LoRA adapters from `registry` (`--enable-lora`): the model
-    /// runner makes room for the registry's `max_loras` at once.
+    /// runner makes room for the registry's `max_loras` at once, their
+    /// factors stored as `dtype` says.
     pub fn enable_lora(
         &mut self,
         registry: crate::engine::lora::LoraRegistry,
+        dtype: crate::engine::lora::LoraDtype,
     ) -> anyhow::Result<()> {
         let max = registry.limits().max_loras;
-        self.runner.enable_lora(max)?;
+        self.runner.enable_lora(max, dtype)?;
         self.scheduler.set_max_loras(max);
         self.loras = Some(std::sync::Arc::new(std::sync::Mutex::new(registry)));
         Ok(())

@@ -10,8 +10,10 @@
 //!   ([`crate::engine::models::layers::lora`]).
 
 pub mod adapter;
+mod dtype;
 
 pub use adapter::{LoraAdapter, LoraModule, LoraWeights};
+pub use dtype::LoraDtype;
 
 use crate::engine::config::ModelConfig;
 use anyhow::{bail, Result};
@@ -38,6 +40,8 @@ pub struct LoraArgs {
     pub max_loras: usize,
     /// `--max-lora-rank`: the largest rank accepted.
     pub max_lora_rank: usize,
+    /// `--lora-dtype`: how the factors are stored on the device.
+    pub dtype: LoraDtype,
     /// `--lora-modules name=path`: adapters loaded at start-up.
     pub modules: Vec<(String, PathBuf)>,
 }
@@ -48,6 +52,7 @@ impl Default for LoraArgs {
         LoraArgs {
             max_loras: 1,
             max_lora_rank: 16,
+            dtype: LoraDtype::Auto,
             modules: Vec::new(),
         }
     }

@@ -67,9 +67,15 @@ pub trait CausalLm<B: Backend>: Send {
     /// Whether prompt rows can run on other kernels than generated rows on
     /// this device (see [`Backend::has_prompt_kernel`]).
     fn has_prompt_kernel(&self) -> bool;
-    /// Makes room for `slots` LoRA adapters at once (`--max-loras`), or
-    /// says why this model or device cannot take them.
-    fn enable_lora(&mut self, backend: &B, slots: usize) -> Result<()>;
+    /// Makes room for `slots` LoRA adapters at once (`--max-loras`),
+    /// their factors stored as `dtype` resolves beside this model's
+    /// weights, or says why this model or device cannot take them.
+    fn enable_lora(
+        &mut self,
+        backend: &B,
+        slots: usize,
+        dtype: crate::engine::lora::LoraDtype,
+    ) -> Result<()>;
     /// Puts `adapter`'s factors in LoRA slot `slot` (or empties it): the
     /// tokens of the step whose slot it is get its deltas.
     fn set_lora(

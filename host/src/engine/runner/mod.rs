@@ -60,9 +60,10 @@ pub trait ModelExecutor: Send {
     /// Turns speculative decoding on (or off): after each step the runner
     /// drafts for every sequence that may speculate.
     fn set_speculator(&mut self, speculator: Option<Speculator>);
-    /// Makes room for `slots` LoRA adapters at once (`--max-loras`), or
-    /// says why the model or the device cannot take adapters.
-    fn enable_lora(&mut self, slots: usize) -> Result<()>;
+    /// Makes room for `slots` LoRA adapters at once (`--max-loras`),
+    /// stored as `dtype` says, or says why the model or the device cannot
+    /// take adapters.
+    fn enable_lora(&mut self, slots: usize, dtype: crate::engine::lora::LoraDtype) -> Result<()>;
     /// Bytes of weights on the device.
     fn weight_bytes(&self) -> usize;
     /// The projections' storage type, for logs ("Q4_1").
@@ -388,8 +389,8 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
         self.speculator = speculator;
     }
 
-    fn enable_lora(&mut self, slots: usize) -> Result<()> {
-        self.model.enable_lora(&self.backend, slots)?;
+    fn enable_lora(&mut self, slots: usize, dtype: crate::engine::lora::LoraDtype) -> Result<()> {
+        self.model.enable_lora(&self.backend, slots, dtype)?;
         self.lora_slots = LoraSlots::new(slots);
         Ok(())
     }

@@ -262,7 +262,12 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
         self.weight_type
     }
 
-    fn enable_lora(&mut self, backend: &B, slots: usize) -> Result<()> {
+    fn enable_lora(
+        &mut self,
+        backend: &B,
+        slots: usize,
+        dtype: crate::engine::lora::LoraDtype,
+    ) -> Result<()> {
         if self.config.mla.is_some() {
             bail!("LoRA adapters on latent attention (DeepSeek) are not computed yet; serve this model without --enable-lora");
         }
@@ -272,8 +277,21 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
                 backend.describe()
             );
         }
+        // "auto" follows the projections' storage (what vLLM calls the
+        // model's dtype).
+        let base = self
+            .layers
+            .first()
+            .and_then(|l| l.attn.output())
+            .map_or(pagoda_accel::GgmlType::F32, |o| o.ty());
+        let ty = dtype.resolve(base);
+        tracing::info!(
+            "LoRA factors stored as {} (--lora-dtype {dtype:?}, base {})",
+            ty.name(),
+            base.name()
+        );
         self.lora = (0..self.layers.len())
-            .map(|i| LayerLora::new(i, slots))
+            .map(|i| LayerLora::new(i, slots, ty))
             .collect();
         Ok(())
     }

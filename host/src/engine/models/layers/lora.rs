@@ -8,13 +8,15 @@
 
 use crate::engine::lora::{LoraAdapter, LoraModule};
 use anyhow::Result;
-use pagoda_accel::{Backend, BackendError, DeviceLora};
+use pagoda_accel::{Backend, BackendError, DeviceLora, GgmlType, HostMatrix};
 
 /// One layer's adapters, by module and slot.
 pub struct LayerLora<B: Backend> {
     layer: usize,
     /// Per module (in [`LoraModule::ALL`]'s order): one entry per slot.
-    modules: [Vec<Option<DeviceLora<B::Vector>>>; 7],
+    modules: [Vec<Option<DeviceLora<B::Matrix>>>; 7],
+    /// How the factors are stored (`--lora-dtype`, resolved).
+    ty: GgmlType,
 }
 
 /// `m` (`[rows, cols]`, row-major) transposed.
@@ -33,10 +35,12 @@ fn index(m: LoraModule) -> usize {
 }
 
 impl<B: Backend> LayerLora<B> {
-    /// Layer `layer` with `slots` empty adapter slots.
-    pub fn new(layer: usize, slots: usize) -> LayerLora<B> {
+    /// Layer `layer` with `slots` empty adapter slots, whose factors will
+    /// be stored as `ty` (F32, BF16 or F16).
+    pub fn new(layer: usize, slots: usize, ty: GgmlType) -> LayerLora<B> {
         LayerLora {
             layer,
+            ty,
             modules: std::array::from_fn(|_| (0..slots).map(|_| None).collect()),
         }
     }
@@ -53,10 +57,15 @@ impl<B: Backend> LayerLora<B> {
             *entry = match adapter.and_then(|a| a.modules.get(&(self.layer, m)).map(|w| (a, w))) {
                 None => None,
                 Some((a, w)) => Some(DeviceLora {
-                    a: b.upload_vector(&w.a)?,
+                    a: b.upload_matrix(&HostMatrix::from_f32_as(self.ty, w.rank, w.in_dim, &w.a)?)?,
                     // The kernels take Bᵀ (`[rank, out]`): the expansion
                     // then runs along contiguous rows.
-                    b: b.upload_vector(&transpose(&w.b, w.out_dim, w.rank))?,
+                    b: b.upload_matrix(&HostMatrix::from_f32_as(
+                        self.ty,
+                        w.rank,
+                        w.out_dim,
+                        &transpose(&w.b, w.out_dim, w.rank),
+                    )?)?,
                     rank: w.rank,
                     scale: a.scaling,
                 }),
