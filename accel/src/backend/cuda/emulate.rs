@@ -1338,3 +1338,246 @@ fn sampling_kernels_match_the_cpu_op() {
     }
     assert!(compared > 100);
 }
+
+/// A warp's butterfly sum (`pg_warp_sum`): every lane ends with the same
+/// total, added in the kernel's xor order.
+fn warp_sum_lanes(v: &mut [f32; 32]) {
+    let mut m = 16;
+    while m > 0 {
+        let prev = *v;
+        for (l, x) in v.iter_mut().enumerate() {
+            *x = prev[l] + prev[l ^ m];
+        }
+        m >>= 1;
+    }
+}
+
+/// `pg_lora_at`.
+fn lora_at(ty: GgmlType, m: &[u8], i: usize) -> f32 {
+    match ty {
+        GgmlType::F16 => h2f(m, 2 * i),
+        GgmlType::BF16 => {
+            f32::from_bits((u16::from_le_bytes([m[2 * i], m[2 * i + 1]]) as u32) << 16)
+        }
+        _ => f32::from_le_bytes([m[4 * i], m[4 * i + 1], m[4 * i + 2], m[4 * i + 3]]),
+    }
+}
+
+/// `pg_lora_shrink` over its grid (a block per token).
+#[allow(clippy::too_many_arguments)]
+fn lora_shrink(
+    ty: GgmlType,
+    a: &[u8],
+    x: &[f32],
+    in_dim: usize,
+    rank: usize,
+    scale: f32,
+    token_slots: &[u32],
+    slot: u32,
+    h: &mut [f32],
+    h_stride: usize,
+) {
+    let warps = plan::LORA_SHRINK_THREADS as usize / 32;
+    for (t, &ts) in token_slots.iter().enumerate() {
+        if ts != slot {
+            continue;
+        }
+        for w in 0..warps {
+            let mut k = w;
+            while k < rank {
+                let mut lanes = [0f32; 32];
+                for (lane, s) in lanes.iter_mut().enumerate() {
+                    let mut i = lane;
+                    while i < in_dim {
+                        *s = lora_at(ty, a, k * in_dim + i).mul_add(x[t * in_dim + i], *s);
+                        i += 32;
+                    }
+                }
+                warp_sum_lanes(&mut lanes);
+                h[t * h_stride + k] = scale * lanes[0];
+                k += warps;
+            }
+        }
+    }
+}
+
+/// `pg_lora_expand` over its grid (a thread per token and column).
+#[allow(clippy::too_many_arguments)]
+fn lora_expand(
+    ty: GgmlType,
+    bt: &[u8],
+    h: &[f32],
+    h_stride: usize,
+    rank: usize,
+    token_slots: &[u32],
+    slot: u32,
+    out: &mut [f32],
+    out_stride: usize,
+    col: usize,
+    out_dim: usize,
+) {
+    for i in 0..token_slots.len() * out_dim {
+        let (t, j) = (i / out_dim, i % out_dim);
+        if token_slots[t] != slot {
+            continue;
+        }
+        let o = &mut out[t * out_stride + col + j];
+        let mut acc = *o;
+        for k in 0..rank {
+            acc = h[t * h_stride + k].mul_add(lora_at(ty, bt, k * out_dim + j), acc);
+        }
+        *o = acc;
+    }
+}
+
+#[test]
+fn lora_kernels_match_the_cpu_op() {
+    use crate::ops::lora::{lora_add, LoraData, LoraFactors, LoraScratch};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(47);
+    let (in_dim, out_dim, stride, col) = (75, 41, 50, 6);
+    let ranks = [8usize, 3];
+    for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+        // Per slot: A (`rank × in`) and Bᵀ (`rank × out`) as the backend
+        // uploads them (a dense matrix's bytes are what the kernels read).
+        let factors: Vec<(HostMatrix<'static>, HostMatrix<'static>, usize, f32)> = ranks
+            .iter()
+            .enumerate()
+            .map(|(s, &r)| {
+                let a: Vec<f32> = (0..r * in_dim)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                let b: Vec<f32> = (0..r * out_dim)
+                    .map(|_| rng.random_range(-1.0..1.0))
+                    .collect();
+                (
+                    HostMatrix::from_f32_as(ty, r, in_dim, &a).expect("A"),
+                    HostMatrix::from_f32_as(ty, r, out_dim, &b).expect("Bt"),
+                    r,
+                    0.5 + s as f32,
+                )
+            })
+            .collect();
+        let m = 7;
+        let token_slots: Vec<u16> = vec![
+            0,
+            crate::backend::NO_LORA,
+            1,
+            0,
+            1,
+            crate::backend::NO_LORA,
+            0,
+        ];
+        let x: Vec<f32> = (0..m * in_dim)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let base: Vec<f32> = (0..m * stride)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+
+        // The kernels, launched per slot as `CudaBackend::lora_add` does.
+        let widened: Vec<u32> = token_slots.iter().map(|&s| s as u32).collect();
+        let max_rank = *ranks.iter().max().expect("ranks");
+        let mut h = vec![f32::NAN; m * max_rank];
+        let mut got = base.clone();
+        for (s, (a, bt, r, scale)) in factors.iter().enumerate() {
+            lora_shrink(
+                ty,
+                a.bytes(),
+                &x,
+                in_dim,
+                *r,
+                *scale,
+                &widened,
+                s as u32,
+                &mut h,
+                max_rank,
+            );
+            lora_expand(
+                ty,
+                bt.bytes(),
+                &h,
+                max_rank,
+                *r,
+                &widened,
+                s as u32,
+                &mut got,
+                stride,
+                col,
+                out_dim,
+            );
+        }
+
+        // The CPU op on the same stored values, read into aligned
+        // vectors.
+        let aligned: Vec<(Vec<u16>, Vec<u16>, Vec<f32>, Vec<f32>)> = factors
+            .iter()
+            .map(|(a, b, _, _)| match ty {
+                GgmlType::F32 => (
+                    Vec::new(),
+                    Vec::new(),
+                    a.bytes()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                    b.bytes()
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                        .collect(),
+                ),
+                _ => (
+                    a.bytes()
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                    b.bytes()
+                        .chunks_exact(2)
+                        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                        .collect(),
+                    Vec::new(),
+                    Vec::new(),
+                ),
+            })
+            .collect();
+        let cpu_factors: Vec<LoraFactors<'_>> = aligned
+            .iter()
+            .zip(&factors)
+            .map(|((a16, b16, a32, b32), (_, _, r, scale))| {
+                let (a, b) = match ty {
+                    GgmlType::F32 => (LoraData::F32(a32), LoraData::F32(b32)),
+                    GgmlType::F16 => (LoraData::F16(a16), LoraData::F16(b16)),
+                    _ => (LoraData::Bf16(a16), LoraData::Bf16(b16)),
+                };
+                LoraFactors {
+                    a,
+                    b,
+                    rank: *r,
+                    scale: *scale,
+                }
+            })
+            .collect();
+        let mut want = base.clone();
+        lora_add(
+            &x,
+            in_dim,
+            &token_slots,
+            |s| cpu_factors.get(s as usize).copied(),
+            &mut want,
+            stride,
+            col,
+            out_dim,
+            &mut LoraScratch::default(),
+            None,
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() < 1e-4,
+                "{ty}: element {i}: kernels {g}, cpu {w}"
+            );
+            let (t, c) = (i / stride, i % stride);
+            if token_slots[t] == crate::backend::NO_LORA || c < col || c >= col + out_dim {
+                assert_eq!(*g, base[i], "{ty}: element {i} must not change");
+            }
+        }
+        assert_ne!(got, base, "{ty}: the adapters must change something");
+    }
+}

@@ -1332,3 +1332,61 @@ extern "C" __global__ void pg_sample_logprobs(const float* raw, u32 vocab, const
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// LoRA deltas (ops/lora.rs): for the tokens of one adapter slot, h = scale ·
+// A x, then out[:, col..col + out_dim] += h · Bᵀ. Launched once per slot that
+// holds factors; tokens of other slots return at once. The factors are F32,
+// F16 or BF16 (`--lora-dtype`), arithmetic f32.
+// ---------------------------------------------------------------------------
+
+// Element `i` of a dense factor, as f32.
+__device__ __forceinline__ float pg_lora_at(int ty, const u8* m, u64 i) {
+    switch (ty) {
+    case PG_W_F16:
+        return pg_h2f(((const u16*)m)[i]);
+    case PG_W_BF16:
+        return pg_bf2f(((const u16*)m)[i]);
+    default:
+        return ((const float*)m)[i];
+    }
+}
+
+// h[t][k] = scale · Σ_i A[k][i] · x[t][i]. One thread block per token; warp
+// w computes k = w, w + warps, …: its lanes stride over the input, then a
+// warp sum.
+extern "C" __global__ void pg_lora_shrink(int ty, const u8* a, const float* x, u32 in_dim,
+                                          u32 rank, float scale, const u32* token_slots,
+                                          u32 slot, float* h, u32 h_stride) {
+    u32 t = blockIdx.x;
+    if (token_slots[t] != slot) return;
+    u32 warps = blockDim.x / 32, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const float* xt = x + (u64)t * in_dim;
+    for (u32 k = w; k < rank; k += warps) {
+        float s = 0.0f;
+        for (u32 i = lane; i < in_dim; i += 32) {
+            s = fmaf(pg_lora_at(ty, a, (u64)k * in_dim + i), xt[i], s);
+        }
+        s = pg_warp_sum(s);
+        if (lane == 0) h[(u64)t * h_stride + k] = scale * s;
+    }
+}
+
+// out[t][col + j] += Σ_k h[t][k] · Bᵀ[k][j]: one thread per (token, output
+// column), adding its rank terms in k order, fused, as the CPU kernel does.
+extern "C" __global__ void pg_lora_expand(int ty, const u8* bt, const float* h, u32 h_stride,
+                                          u32 rank, const u32* token_slots, u32 slot,
+                                          u32 n_tokens, float* out, u32 out_stride, u32 col,
+                                          u32 out_dim) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u64)n_tokens * out_dim) return;
+    u32 t = (u32)(i / out_dim), j = (u32)(i % out_dim);
+    if (token_slots[t] != slot) return;
+    const float* ht = h + (u64)t * h_stride;
+    float* o = out + (u64)t * out_stride + col + j;
+    float acc = *o;
+    for (u32 k = 0; k < rank; k++) {
+        acc = fmaf(ht[k], pg_lora_at(ty, bt, (u64)k * out_dim + j), acc);
+    }
+    *o = acc;
+}

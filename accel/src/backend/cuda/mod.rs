@@ -184,8 +184,14 @@ pub struct CudaStep {
     /// `[n_seqs][4]`: q_start, q_len, ctx_len, table_start.
     seq_meta: DevU32,
     tables: DevU32,
+    /// Per token its LoRA slot ([`StepBatch::lora_slots`], widened).
+    lora_slots: DevU32,
     /// Host staging for `seq_meta`, kept for its capacity.
     meta_host: Vec<u32>,
+    /// Host staging for `lora_slots`.
+    lora_host: Vec<u32>,
+    /// Tokens with a LoRA slot entry: 0 when no token has an adapter.
+    n_lora: usize,
     n_tokens: usize,
     n_seqs: usize,
     n_logit_rows: usize,
@@ -207,6 +213,8 @@ struct Scratch {
     /// `(d, sum)` pairs per 32-block.
     xd: Option<CudaSlice<f32>>,
     half: Option<CudaSlice<u16>>,
+    /// LoRA's `h = scale · A x`, `[tokens, max rank]`.
+    lora_h: Option<CudaSlice<f32>>,
     part_o: Option<CudaSlice<f32>>,
     part_ml: Option<CudaSlice<f32>>,
 }
@@ -1034,10 +1042,19 @@ impl Backend for CudaBackend {
                 &mut step.tables,
                 &batch.block_tables,
                 "the step's block tables",
+            )?;
+            step.lora_host.clear();
+            step.lora_host
+                .extend(batch.lora_slots.iter().map(|&s| s as u32));
+            self.fill(
+                &mut step.lora_slots,
+                &step.lora_host,
+                "the step's LoRA slots",
             )
         })();
         step.meta_host = meta;
         r?;
+        step.n_lora = batch.lora_slots.len();
         step.n_tokens = batch.tokens.len();
         step.n_seqs = batch.seqs.len();
         step.n_logit_rows = batch.logit_rows.len();
@@ -1329,6 +1346,79 @@ impl Backend for CudaBackend {
         let r = self.sample_launch(&mut sb, lp, vocab, meta, out);
         self.sampling = sb;
         r
+    }
+
+    fn supports_lora(&self) -> bool {
+        true
+    }
+
+    fn lora_add(
+        &mut self,
+        x: &CudaBuffer,
+        in_dim: usize,
+        slots: &[Option<super::DeviceLora<CudaMatrix>>],
+        step: &CudaStep,
+        out: &mut CudaBuffer,
+        out_stride: usize,
+        col: usize,
+        out_dim: usize,
+    ) -> Result<(), BackendError> {
+        if step.n_lora == 0 {
+            return Ok(());
+        }
+        let n = step.n_tokens;
+        assert_eq!(step.n_lora, n, "lora_add: a LoRA slot per token");
+        assert!(
+            col + out_dim <= out_stride,
+            "lora_add: columns outside the rows"
+        );
+        let mut max_rank = 0;
+        for f in slots.iter().flatten() {
+            let ty = f.a.ty;
+            let dense = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+            if !dense
+                || f.b.ty != ty
+                || (f.a.rows, f.a.cols) != (f.rank, in_dim)
+                || (f.b.rows, f.b.cols) != (f.rank, out_dim)
+            {
+                return Err(self.err(
+                    "lora_add",
+                    format!(
+                        "factors must be dense F32, F16 or BF16, A rank x {in_dim} and Bt rank x {out_dim}; got {} [{} x {}] and {} [{} x {}] for rank {}",
+                        f.a.ty, f.a.rows, f.a.cols, f.b.ty, f.b.rows, f.b.cols, f.rank
+                    ),
+                ));
+            }
+            max_rank = max_rank.max(f.rank);
+        }
+        if max_rank == 0 {
+            return Ok(());
+        }
+        let xp = self.buf(x, n * in_dim, "lora_add's x");
+        let op = self.buf(out, n * out_stride, "lora_add's out");
+        let tp = self.step_arr(&step.lora_slots, n);
+        let mut h_slot = self.scratch.lora_h.take();
+        let hp = self.scratch(&mut h_slot, n * max_rank, "LoRA's h");
+        self.scratch.lora_h = h_slot;
+        let hp = hp?;
+        for (s, f) in slots.iter().enumerate() {
+            let Some(f) = f else { continue };
+            let code = weights::kind_code(f.a.ty).unwrap_or(0);
+            let ap = addr(&f.a.data, &self.stream);
+            let bp = addr(&f.b.data, &self.stream);
+            let shrink = LaunchConfig {
+                grid_dim: (n as u32, 1, 1),
+                block_dim: (plan::LORA_SHRINK_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(self, "pg_lora_shrink", shrink;
+                code, ap, xp, in_dim as u32, f.rank as u32, f.scale, tp, s as u32, hp,
+                max_rank as u32)?;
+            launch!(self, "pg_lora_expand", cfg1(n * out_dim, "lora_expand");
+                code, bp, hp, max_rank as u32, f.rank as u32, tp, s as u32, n as u32, op,
+                out_stride as u32, col as u32, out_dim as u32)?;
+        }
+        Ok(())
     }
 
     fn gather_logit_rows(

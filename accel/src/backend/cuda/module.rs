@@ -47,6 +47,8 @@ pub const KERNELS: &[&str] = &[
     "pg_sample_process",
     "pg_sample_pick",
     "pg_sample_logprobs",
+    "pg_lora_shrink",
+    "pg_lora_expand",
 ];
 
 /// The virtual architecture NVRTC targets for compute capability

@@ -5,6 +5,8 @@
 pub const ELEMWISE_THREADS: u32 = 256;
 /// Threads per block of `pg_attention` (`PG_ATT_THREADS` in kernels.cu).
 pub const ATT_THREADS: u32 = 128;
+/// Threads of a `pg_lora_shrink` block (one token; a warp per rank row).
+pub const LORA_SHRINK_THREADS: u32 = 128;
 /// Cache positions per attention tile (`PG_ATT_TILE`).
 pub const ATT_TILE: usize = 16;
 /// Accumulator registers per attention thread (`PG_ATT_ACC`): a block holds
