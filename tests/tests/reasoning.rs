@@ -205,3 +205,97 @@ fn reasoning_is_split_streamed_and_not_and_thinking_can_be_turned_off() {
     let output = usage["output_tokens"].as_u64().expect("output_tokens");
     assert!(thought > 0 && thought <= output, "{usage}");
 }
+
+/// `qwen3` with a template that opens `<think>` in the generation prompt
+/// (Qwen3-Thinking style, where the model writes only `</think>`): the
+/// output starts inside the reasoning instead of leaking into `content`.
+/// The demo tokenizer has no think tokens, which start-up warns about once.
+#[test]
+fn qwen3_reads_a_template_that_opens_the_reasoning() {
+    let dir = TempDir::new("reasoning-qwen3");
+    let path = dir.0.join("think.jinja");
+    std::fs::write(&path, TEMPLATE).expect("template");
+    let t = path.to_string_lossy().to_string();
+    let s = Server::start(&["--reasoning-parser", "qwen3", "--chat-template", &t]);
+    for stream in [false, true] {
+        let (st, text) = s.post_text("/v1/chat/completions", &chat(json!({"stream": stream})));
+        assert_eq!(st, 200, "{text}");
+        let (reasoning, content) = if stream {
+            let mut r = String::new();
+            let mut c = String::new();
+            for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                let Ok(v) = serde_json::from_str::<Value>(line) else {
+                    continue;
+                };
+                let d = &v["choices"][0]["delta"];
+                r += d["reasoning"].as_str().unwrap_or("");
+                c += d["content"].as_str().unwrap_or("");
+            }
+            (r, c)
+        } else {
+            let v: Value = serde_json::from_str(&text).expect("json");
+            let m = &v["choices"][0]["message"];
+            assert!(m["content"].is_null(), "{v}");
+            (
+                m["reasoning"].as_str().unwrap_or("").to_string(),
+                String::new(),
+            )
+        };
+        assert!(!reasoning.is_empty(), "stream={stream}: {text}");
+        assert_eq!(content, "", "stream={stream}: the reasoning leaked: {text}");
+    }
+    // Thinking off: the template closes it, the output is all answer.
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &chat(json!({"chat_template_kwargs": {"enable_thinking": false}})),
+    );
+    assert_eq!(st, 200, "{v}");
+    assert!(v["choices"][0]["message"]["reasoning"].is_null(), "{v}");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    let log = s.log_text();
+    assert_eq!(
+        log.lines()
+            .filter(|l| l.contains(
+                "--reasoning-parser qwen3: the tokenizer has no <think> or </think> token"
+            ))
+            .count(),
+        1,
+        "{log}"
+    );
+}
+
+/// Whether the template closed the reasoning is read from what its
+/// generation prompt wrote, not from earlier turns or the client's text:
+/// a `</think>` in a user's message or an earlier assistant turn leaves the
+/// new output's reasoning to the parser.
+#[test]
+fn think_tags_in_earlier_turns_or_user_text_do_not_close_the_reasoning() {
+    // The demo model's own template, which writes no tags: deepseek_r1
+    // reads the output as starting inside the reasoning.
+    let s = Server::start(&["--reasoning-parser", "deepseek_r1"]);
+    for messages in [
+        json!([{"role": "user", "content": "What does </think> mean in a prompt?"}]),
+        json!([
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "<think>greet</think>Hello!"},
+            {"role": "user", "content": "Is the sky blue?"},
+        ]),
+    ] {
+        let (st, v) = s.post(
+            "/v1/chat/completions",
+            &json!({"model": "smol", "max_tokens": 8, "temperature": 0, "messages": messages}),
+        );
+        assert_eq!(st, 200, "{v}");
+        let m = &v["choices"][0]["message"];
+        assert!(
+            m["reasoning"].as_str().is_some_and(|r| !r.is_empty()),
+            "{messages}: the output was not read as reasoning: {v}"
+        );
+        assert!(
+            v["usage"]["completion_tokens_details"]["reasoning_tokens"]
+                .as_u64()
+                .is_some_and(|n| n > 0),
+            "{v}"
+        );
+    }
+}

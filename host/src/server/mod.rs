@@ -934,9 +934,31 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
                 )
             })?
     })?;
+    warn_reasoning_without_think_tokens(&state.config, engine.tokenizer());
     let _ = state.engine.set(engine);
     state.ready.store(true, Ordering::Release);
     Ok(())
+}
+
+/// One start-up warning when `--reasoning-parser` is given for a tokenizer
+/// that has no `<think>` / `</think>` tokens: such a model most likely
+/// writes no reasoning tags, so the parser would find none (or take text
+/// that merely spells them).
+fn warn_reasoning_without_think_tokens(config: &ServerConfig, tok: &crate::tokenizer::Tokenizer) {
+    let Some(parser) = config.reasoning_parser else {
+        return;
+    };
+    let missing: Vec<&str> = ["<think>", "</think>"]
+        .into_iter()
+        .filter(|t| tok.token_to_id(t).is_none())
+        .collect();
+    if !missing.is_empty() {
+        tracing::warn!(
+            "--reasoning-parser {}: the tokenizer has no {} token; this model likely writes no reasoning tags, so its output may never be split",
+            parser.name(),
+            missing.join(" or ")
+        );
+    }
 }
 
 /// Runs `pagoda serve` until SIGTERM or Ctrl-C.

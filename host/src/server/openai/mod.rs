@@ -198,7 +198,8 @@ pub async fn render(
         let tools = tools::parse(&f, state.auto_tool_parser())?;
         let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
         check_prompt_size(&tok, bytes, max_len, "messages")?;
-        let ids = render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
+        let (ids, _) =
+            render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx, false).await?;
         entry(id, ids)
     } else {
         let prompts = parse_prompts(&f)?;
@@ -248,7 +249,8 @@ pub async fn tokenize(
         let tools = tools::parse(&f, state.auto_tool_parser())?;
         let bytes = serde_json::to_string(&body).map_or(usize::MAX, |s| s.len());
         check_prompt_size(&tok, bytes, engine.max_model_len(), "messages")?;
-        let mut ids = render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx).await?;
+        let (mut ids, _) =
+            render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx, false).await?;
         if let Some(bos) = tok.bos_id() {
             if add_special && tok.add_bos() && ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -494,20 +496,29 @@ pub(crate) async fn chat_prompt(
         engine.max_model_len(),
         size_param,
     )?;
-    let ids = render_chat(engine, chat, &messages, tools.as_ref(), ctx).await?;
+    // A reasoning parser needs to know how the template's generation
+    // prompt left the reasoning (opened, closed, neither).
+    let want = state.reasoning_parser().is_some();
+    let (ids, generation_prompt) =
+        render_chat(engine, chat, &messages, tools.as_ref(), ctx, want).await?;
+    common.generation_prompt = generation_prompt;
     Ok((ids, tools.and_then(|t| t.mode)))
 }
 
 /// A chat body's prompt tokens: the tenant's `render-prompt` plugins if one
 /// renders it, else the model's chat template over the validated
-/// `messages` (with tools, if the request offers them).
+/// `messages` (with tools, if the request offers them). With
+/// `want_generation_prompt`, also the text the model's template wrote
+/// after the conversation to open the reply (its generation prompt), when
+/// the host's template rendered it.
 async fn render_chat(
     engine: &crate::engine::async_engine::AsyncEngine,
     body: &Value,
     messages: &[crate::tokenizer::chat_template::ChatMessage],
     tools: Option<&tools::ToolRequest>,
     ctx: &mut Option<TenantCtx>,
-) -> Result<Vec<u32>, ApiError> {
+    want_generation_prompt: bool,
+) -> Result<(Vec<u32>, Option<String>), ApiError> {
     let f = Fields::of(body)?;
     let continue_final = continue_final_message(&f, messages)?;
     // Continuing the final message opens no new turn: vLLM refuses both
@@ -597,7 +608,7 @@ async fn render_chat(
         match input {
             // A tenant's plugin rendered it from the protected body: what
             // the client wrote comes back as plain text.
-            ChatInput::Rendered(text, plain) => plain.encode(&tok, &text).map_err(bad),
+            ChatInput::Rendered(text, plain) => Ok((plain.encode(&tok, &text).map_err(bad)?, None)),
             ChatInput::Template(mut msgs, extra) => {
                 let template = tok
                     .chat_template()
@@ -638,9 +649,24 @@ async fn render_chat(
                         )
                     })?;
                 }
+                // What the template wrote to open the reply: the rendering
+                // past the same conversation rendered without it. Only
+                // this tells whether the template opened or closed the
+                // reasoning; earlier turns and the client's own text may
+                // hold the tags too.
+                let generation_prompt = if want_generation_prompt && add_generation_prompt {
+                    template
+                        .render_json(&msgs, false, &extra)
+                        .ok()
+                        .and_then(|without| text.strip_prefix(without.as_str()).map(str::to_string))
+                } else if want_generation_prompt {
+                    Some(String::new())
+                } else {
+                    None
+                };
                 // The rendered template already holds BOS where the model
                 // wants it.
-                plain.encode(&tok, &text).map_err(bad)
+                Ok((plain.encode(&tok, &text).map_err(bad)?, generation_prompt))
             }
         }
     })
@@ -917,7 +943,21 @@ async fn start_run(
             let tok = engine.tokenizer();
             let end = tok.encode("</think>", false).unwrap_or_default();
             let start = tok.encode("<think>", false).unwrap_or_default();
-            (!reasoning::prompt_closed_reasoning(&p.ids, &start, &end)).then_some((parser, end))
+            // What the template's generation prompt did, when the host's
+            // template rendered it; else (a tenant's plugin rendered the
+            // prompt) what the prompt's ids show.
+            let prompt = match &common.generation_prompt {
+                Some(g) => reasoning::PromptReasoning::of_text(g),
+                None => reasoning::PromptReasoning::of_ids(&p.ids, &start, &end),
+            };
+            match prompt {
+                reasoning::PromptReasoning::Closed => None,
+                // The output starts inside the reasoning, whatever the
+                // parser (Qwen3-Thinking templates open `<think>`, and the
+                // model writes only `</think>`).
+                reasoning::PromptReasoning::Opened => Some((parser.inside(), end)),
+                reasoning::PromptReasoning::Untouched => Some((parser, end)),
+            }
         }
         _ => None,
     };

@@ -39,6 +39,12 @@ pub struct CommonParams {
     /// `token_id:{id}` instead of its text, so that clients can match
     /// tokens that do not decode on their own.
     pub tokens_as_ids: bool,
+    /// A chat's generation prompt: what the model's template wrote after
+    /// the conversation to open the reply (None where it is not known: a
+    /// completion, or a prompt a tenant's plugin rendered). A reasoning
+    /// parser reads it to tell whether the template opened or closed the
+    /// reasoning.
+    pub generation_prompt: Option<String>,
     /// vLLM's `bad_words`, as written: tokenized with the served model's
     /// tokenizer into [`SamplingParams::bad_words_token_ids`] before
     /// submission.
@@ -225,6 +231,7 @@ pub fn parse_common(
         prompt_logprobs,
         tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         bad_words: f.strings("bad_words")?,
+        generation_prompt: None,
     })
 }
 

@@ -12,6 +12,12 @@
 //!   that does not start with it (thinking off, `enable_thinking: false`)
 //!   is all answer.
 //!
+//! Whatever the parser, a template whose generation prompt opens
+//! `<think>` (Qwen3-Thinking, DeepSeek-R1) starts the output inside the
+//! reasoning, and one that closes it (`enable_thinking: false`) makes the
+//! output all answer. Only the generation prompt is read for that, never
+//! earlier turns or the client's text.
+//!
 //! Streaming keeps back a tail that may still become a tag (`</thi`), so
 //! no part of a tag is ever sent as text.
 
@@ -153,19 +159,60 @@ impl ReasoningStream {
     }
 }
 
-/// Whether the prompt `ids` already ended the reasoning: its last `end`
-/// comes after its last `start` (a template that closed an empty
-/// `<think></think>` because thinking is off). A prompt that opens the
-/// reasoning, or mentions neither, leaves it to the output.
-pub fn prompt_closed_reasoning(ids: &[u32], start: &[u32], end: &[u32]) -> bool {
-    let last = |needle: &[u32]| {
-        (!needle.is_empty() && ids.len() >= needle.len())
-            .then(|| ids.windows(needle.len()).rposition(|w| w == needle))
-            .flatten()
-    };
-    match (last(start), last(end)) {
-        (s, Some(e)) => s.is_none_or(|s| e > s),
-        (_, None) => false,
+impl ReasoningParser {
+    /// Its `--reasoning-parser` name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReasoningParser::DeepSeekR1 => "deepseek_r1",
+            ReasoningParser::Qwen3 => "qwen3",
+        }
+    }
+
+    /// The parser for an output that starts inside the reasoning (the
+    /// prompt opened `<think>`): everything before `</think>` is reasoning,
+    /// whichever format the model otherwise writes.
+    pub fn inside(self) -> ReasoningParser {
+        ReasoningParser::DeepSeekR1
+    }
+}
+
+/// How the prompt left the reasoning for the output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PromptReasoning {
+    /// It closed it (a template that wrote an empty `<think></think>`
+    /// because thinking is off): the output is all answer.
+    Closed,
+    /// It opened it (`<think>` last): the output starts inside it.
+    Opened,
+    /// Neither: the output opens it or not.
+    Untouched,
+}
+
+impl PromptReasoning {
+    /// From the template's generation prompt, the text it wrote to open
+    /// the reply: only what the template wrote counts, not earlier turns
+    /// or the client's text.
+    pub fn of_text(generation_prompt: &str) -> PromptReasoning {
+        Self::from_last(generation_prompt.rfind(START), generation_prompt.rfind(END))
+    }
+
+    /// From a whole prompt's ids, where the generation prompt is not known
+    /// (a tenant's plugin rendered it): the last tag decides.
+    pub fn of_ids(ids: &[u32], start: &[u32], end: &[u32]) -> PromptReasoning {
+        let last = |needle: &[u32]| {
+            (!needle.is_empty() && ids.len() >= needle.len())
+                .then(|| ids.windows(needle.len()).rposition(|w| w == needle))
+                .flatten()
+        };
+        Self::from_last(last(start), last(end))
+    }
+
+    fn from_last(start: Option<usize>, end: Option<usize>) -> PromptReasoning {
+        match (start, end) {
+            (s, Some(e)) if s.is_none_or(|s| e > s) => PromptReasoning::Closed,
+            (Some(_), _) => PromptReasoning::Opened,
+            _ => PromptReasoning::Untouched,
+        }
     }
 }
 
@@ -209,15 +256,43 @@ mod tests {
     }
 
     #[test]
-    fn a_prompt_that_closed_its_reasoning_lets_the_constraint_apply_at_once() {
+    fn how_a_prompt_left_the_reasoning() {
+        use PromptReasoning::*;
         let (s, e) = ([1, 2], [3, 4]);
-        assert!(prompt_closed_reasoning(&[9, 1, 2, 3, 4, 9], &s, &e));
-        assert!(
-            !prompt_closed_reasoning(&[9, 3, 4, 1, 2], &s, &e),
+        assert_eq!(PromptReasoning::of_ids(&[9, 1, 2, 3, 4, 9], &s, &e), Closed);
+        assert_eq!(
+            PromptReasoning::of_ids(&[9, 3, 4, 1, 2], &s, &e),
+            Opened,
             "reopened"
         );
-        assert!(!prompt_closed_reasoning(&[9, 9], &s, &e));
-        assert!(prompt_closed_reasoning(&[3, 4], &s, &e));
+        assert_eq!(PromptReasoning::of_ids(&[9, 9], &s, &e), Untouched);
+        assert_eq!(PromptReasoning::of_ids(&[3, 4], &s, &e), Closed);
+        // Generation prompts as templates write them.
+        assert_eq!(
+            PromptReasoning::of_text("<|im_start|>assistant\n<think>\n"),
+            Opened
+        );
+        assert_eq!(
+            PromptReasoning::of_text("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            Closed
+        );
+        assert_eq!(
+            PromptReasoning::of_text("<|im_start|>assistant\n"),
+            Untouched
+        );
+        assert_eq!(PromptReasoning::of_text(""), Untouched);
+    }
+
+    #[test]
+    fn an_output_that_starts_inside_the_reasoning_splits_at_its_end() {
+        // Qwen3-Thinking: the template opened `<think>`, the model writes
+        // only `</think>`.
+        let p = ReasoningParser::Qwen3.inside();
+        assert_eq!(
+            p.classify("Let me see.</think>\n\n42", true),
+            ("Let me see.", "\n\n42")
+        );
+        assert_eq!(p.classify("Still thinking", true), ("Still thinking", ""));
     }
 
     /// The reasoning tokens of an output streamed as `steps` of
