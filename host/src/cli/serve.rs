@@ -61,6 +61,13 @@ pub struct ServeArgs {
     /// asks for it).
     #[arg(long)]
     pub return_tokens_as_token_ids: bool,
+    /// Token ids in, token ids out, as vLLM's flag does: prompts must be
+    /// token ids (completions only; chat, Responses and the tokenizer
+    /// endpoints need the tokenizer and are refused), and outputs carry
+    /// `token_ids` with empty text. Stop strings, bad words, echo and
+    /// structured output, which need text, are refused.
+    #[arg(long)]
+    pub skip_tokenizer_init: bool,
     /// A chat template (a file, or the template itself) used instead of
     /// the model's own.
     #[arg(long)]
@@ -261,6 +268,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             force_include_usage: a.enable_force_include_usage,
             return_tokens_as_token_ids: a.return_tokens_as_token_ids,
             max_logprobs: a.vllm.max_logprobs_limit(),
+            skip_tokenizer_init: a.skip_tokenizer_init,
             reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,

@@ -83,6 +83,8 @@ pub struct ServerConfig {
     /// `--max-logprobs`: the most logprobs per token a request may ask
     /// for (None: no limit, vLLM's `-1`).
     pub max_logprobs: Option<usize>,
+    /// `--skip-tokenizer-init`: token ids in, token ids out.
+    pub skip_tokenizer_init: bool,
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
@@ -139,6 +141,22 @@ impl AppState {
     /// `--max-logprobs` (None: no limit).
     pub fn config_max_logprobs(&self) -> Option<usize> {
         self.config.max_logprobs
+    }
+
+    /// `--skip-tokenizer-init`: a 400 for what needs the tokenizer (`what`).
+    pub fn needs_tokenizer(&self, what: &str) -> Result<(), ApiError> {
+        if self.config.skip_tokenizer_init {
+            return Err(ApiError::invalid(
+                None,
+                format!("{what} needs the tokenizer, and this server was started with --skip-tokenizer-init: send completions with prompts of token ids"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `--skip-tokenizer-init`.
+    pub fn config_skip_tokenizer_init(&self) -> bool {
+        self.config.skip_tokenizer_init
     }
 
     /// `--reasoning-parser`, if given.

@@ -66,6 +66,12 @@ pub async fn completions(
     let max_len = engine.max_model_len();
     for p in &prompts {
         if let PromptInput::Text(t) = p {
+            if state.config_skip_tokenizer_init() {
+                return Err(ApiError::invalid(
+                    Some("prompt".into()),
+                    "this server was started with --skip-tokenizer-init: 'prompt' must be token ids",
+                ));
+            }
             check_prompt_size(&tok, t.len(), max_len, "prompt")?;
         }
     }
@@ -194,6 +200,7 @@ pub async fn render(
             "sampling_params": sampling, "features": null})
     };
     let out = if chat {
+        state.needs_tokenizer("a chat")?;
         let messages = parse_messages(&f)?;
         let tools = tools::parse(&f, state.auto_tool_parser())?;
         let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
@@ -205,6 +212,7 @@ pub async fn render(
         let prompts = parse_prompts(&f)?;
         for p in &prompts {
             if let PromptInput::Text(t) = p {
+                state.needs_tokenizer("a text prompt")?;
                 check_prompt_size(&tok, t.len(), max_len, "prompt")?;
             }
         }
@@ -288,6 +296,7 @@ fn tokenizer_call(
     tenant: Option<&Arc<crate::tenants::Tenant>>,
     what: &str,
 ) -> Result<(Option<TenantCtx>, crate::engine::async_engine::AsyncEngine), ApiError> {
+    state.needs_tokenizer(&format!("/{what}"))?;
     let ctx = match tenant {
         Some(t) => Some(TenantCtx::admit(state, t, &random_id(what))?),
         None => None,
@@ -475,6 +484,7 @@ pub(crate) async fn chat_prompt(
     format_field: &str,
     size_param: &str,
 ) -> Result<(Vec<u32>, Option<tools::ToolMode>), ApiError> {
+    state.needs_tokenizer("a chat (its template and tokens)")?;
     let f = Fields::of(chat)?;
     let messages = parse_messages(&f)?;
     let tools = tools::parse(&f, state.auto_tool_parser())?;
@@ -804,6 +814,8 @@ struct Run {
     return_token_ids: bool,
     /// Name tokens `token_id:{id}` in logprobs (`return_tokens_as_token_ids`).
     tokens_as_ids: bool,
+    /// `--skip-tokenizer-init`: outputs carry ids and no text.
+    no_text: bool,
     tokenizer: Arc<crate::tokenizer::Tokenizer>,
     /// How chat output becomes tool calls, when the request offers tools.
     tools: Option<ToolMode>,
@@ -925,6 +937,31 @@ async fn start_run(
         engine.vocab_size(),
         state.config_max_logprobs(),
     )?;
+    let no_text = state.config_skip_tokenizer_init();
+    if no_text {
+        // Token ids in, token ids out: what needs text is refused, and
+        // outputs carry their ids (logprobs name tokens by id).
+        let refuse = |param: &str| {
+            Err(ApiError::invalid(
+                Some(param.into()),
+                format!("'{param}' needs the tokenizer, and this server was started with --skip-tokenizer-init"),
+            ))
+        };
+        if !common.params.stop.is_empty() {
+            return refuse("stop");
+        }
+        if !common.bad_words.is_empty() {
+            return refuse("bad_words");
+        }
+        if common.echo {
+            return refuse("echo");
+        }
+        if let Some(r) = &common.structured {
+            return refuse(&r.param.clone());
+        }
+        common.return_token_ids = true;
+        common.tokens_as_ids = true;
+    }
     if !common.bad_words.is_empty() {
         common.params.bad_words_token_ids = engine
             .tokenizer()
@@ -1050,6 +1087,7 @@ async fn start_run(
         continuous_usage: common.continuous_usage,
         return_token_ids: common.return_token_ids,
         tokens_as_ids: common.tokens_as_ids,
+        no_text,
         tokenizer: engine.tokenizer().clone(),
         tools,
         tenant,
@@ -1157,6 +1195,11 @@ impl Run {
     /// Folds one engine output into its choice; returns the choice index.
     fn absorb(&mut self, o: &mut StepOutput) -> Option<usize> {
         let &i = self.choice_of.get(&o.id)?;
+        if self.no_text {
+            // `--skip-tokenizer-init`: the ids are the output, as vLLM
+            // sends them, with no text.
+            o.new_text.clear();
+        }
         if let Some(p) = self.reasoning {
             // From here on `o.new_text` is only the answer's part.
             let c = &mut self.choices[i];
