@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod gated_delta_net;
 pub mod lora;
 pub mod mla;
 pub mod mlp;
