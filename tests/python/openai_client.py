@@ -7,6 +7,7 @@ prompt logprobs, the Responses API, and parses /metrics with prometheus_client's
 the last line is a summary ('N passed, 0 failed').
 """
 import json
+import time
 import sys
 import urllib.request
 
@@ -190,6 +191,51 @@ fmt = client.responses.create(model=model, input="A person as JSON", max_output_
                                   "properties": {"name": {"type": "string", "maxLength": 20},
                                                  "age": {"type": "integer", "minimum": 0, "maximum": 99}}}}})
 check("responses text.format json_schema", set(json.loads(fmt.output_text)) == {"name", "age"}, fmt.output_text)
+# A stream cut by max_output_tokens ends so that the SDK's final response
+# comes back (it needs `response.completed`), with the status incomplete.
+with client.responses.stream(model=model, input="Tell me a long story.", max_output_tokens=3) as stream:
+    cut = stream.get_final_response()
+check("responses.stream cut by max_output_tokens returns its final response",
+      cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens", cut)
+# instructor's RESPONSES_TOOLS mode: a named tool choice beside a text.format
+# of the same schema.
+person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99}}}
+forced = client.responses.create(
+    model=model, input="Extract: Ann is 31.", max_output_tokens=60, temperature=0,
+    tools=[{"type": "function", "name": "Person", "parameters": person, "strict": True}],
+    tool_choice={"type": "function", "name": "Person"},
+    text={"format": {"type": "json_schema", "name": "Person", "schema": person, "strict": True}})
+calls = [o for o in forced.output if o.type == "function_call"]
+check("responses named tool with text.format (instructor RESPONSES_TOOLS)",
+      len(calls) == 1 and calls[0].name == "Person" and set(json.loads(calls[0].arguments)) == {"name", "age"},
+      forced)
+# Logprobs when include asks for them, streamed and not.
+lp = client.responses.create(model=model, input="Say hi.", max_output_tokens=4, temperature=0,
+                             include=["message.output_text.logprobs"], top_logprobs=2)
+parts = [c for o in lp.output if o.type == "message" for c in o.content]
+check("responses include logprobs", len(parts) == 1 and len(parts[0].logprobs) == lp.usage.output_tokens
+      and all(len(t.top_logprobs) == 2 for t in parts[0].logprobs), lp)
+streamed_lp = []
+for ev in client.responses.create(model=model, input="Say hi.", max_output_tokens=4, temperature=0,
+                                  include=["message.output_text.logprobs"], top_logprobs=2, stream=True):
+    if ev.type == "response.output_text.delta":
+        streamed_lp.extend(ev.logprobs or [])
+check("responses stream logprobs", [t.token for t in streamed_lp] == [t.token for t in parts[0].logprobs],
+      streamed_lp)
+# Background, polled, and listed input items.
+bg = client.responses.create(model=model, input=[{"role": "user", "content": "What is 2+2?"}],
+                             max_output_tokens=5, background=True)
+check("responses background starts queued", bg.status in ("queued", "in_progress") and bg.background, bg)
+for _ in range(200):
+    bg = client.responses.retrieve(bg.id)
+    if bg.status not in ("queued", "in_progress"):
+        break
+    time.sleep(0.05)
+check("responses background completes", bg.status in ("completed", "incomplete") and bg.output_text, bg)
+items = client.responses.input_items.list(bg.id)
+check("responses input_items", len(items.data) == 1 and items.data[0].role == "user", items)
 for kw, param in [({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                   ({"previous_response_id": "resp_nope"}, "previous_response_id")]:
     try:

@@ -687,6 +687,18 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             openai::responses::responses(state, body, tenant).await
         }
+        (Method::POST, "/v1/responses/render") => {
+            let body = read_json(&state, req).await?;
+            openai::responses::render(state, body, tenant).await
+        }
+        (Method::POST, p) if p.starts_with("/v1/responses/") && p.ends_with("/cancel") => {
+            let id = percent_decode(&p["/v1/responses/".len()..p.len() - "/cancel".len()]);
+            openai::responses::cancel(&state, &id, tenant.as_deref())
+        }
+        (Method::GET, p) if p.starts_with("/v1/responses/") && p.ends_with("/input_items") => {
+            let id = percent_decode(&p["/v1/responses/".len()..p.len() - "/input_items".len()]);
+            openai::responses::input_items(&state, &id, req.uri().query(), tenant.as_deref())
+        }
         (Method::GET, p) if p.starts_with("/v1/responses/") => {
             let id = percent_decode(&p["/v1/responses/".len()..]);
             openai::responses::retrieve(&state, &id, tenant.as_deref())

@@ -4,8 +4,16 @@
 //! chat request; the answer is a `response` object, or, streamed, its
 //! events (`response.created` … `response.output_text.delta` …
 //! `response.completed`). `previous_response_id` continues a conversation
-//! kept in a bounded in-memory store per tenant. Built-in tools, files,
-//! images, background mode and reasoning are refused with a 400.
+//! kept in a bounded in-memory store per tenant, whose input items
+//! `GET /v1/responses/{id}/input_items` lists. `background: true` (with
+//! `store`) answers at once with a queued response that generation
+//! completes in the store, and `POST /v1/responses/{id}/cancel` stops.
+//! Function tools may come grouped in `namespace` tools (as Codex sends
+//! them); `reasoning` input items continue a reasoning model's turn;
+//! `include: ["message.output_text.logprobs"]` returns (and streams) the
+//! answer's logprobs. `POST /v1/responses/render` gives the prompt's token
+//! ids without generating. Built-in tools, files and images are refused
+//! with a 400.
 
 use super::{collect, now_secs, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
@@ -28,6 +36,8 @@ struct Stored {
     id: String,
     response: Value,
     conversation: Vec<Value>,
+    /// The request's own `input`, as items (`input_items` lists them).
+    input_items: Vec<Value>,
 }
 
 /// Responses created with `store` (the default): what
@@ -36,6 +46,10 @@ struct Stored {
 #[derive(Default)]
 pub struct ResponseStore {
     by_tenant: Mutex<HashMap<String, VecDeque<Stored>>>,
+    /// Background responses still generating, by (tenant, id): what
+    /// cancelling one wakes. Whoever takes an entry out (the generation
+    /// finishing, or a cancel) writes the response's final state.
+    running: Mutex<HashMap<(String, String), Arc<tokio::sync::Notify>>>,
 }
 
 impl ResponseStore {
@@ -64,9 +78,18 @@ impl ResponseStore {
         list.len() != before
     }
 
-    fn put(&self, tenant: &str, id: String, response: Value, conversation: Vec<Value>) {
+    /// Stores (or replaces) `id`'s response for `tenant`.
+    fn put(
+        &self,
+        tenant: &str,
+        id: String,
+        response: Value,
+        conversation: Vec<Value>,
+        input_items: Vec<Value>,
+    ) {
         let mut map = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
         let list = map.entry(tenant.to_string()).or_default();
+        list.retain(|s| s.id != id);
         if list.len() >= STORED_PER_TENANT {
             list.pop_front();
         }
@@ -74,7 +97,38 @@ impl ResponseStore {
             id,
             response,
             conversation,
+            input_items,
         });
+    }
+
+    /// Replaces a stored response object, keeping its conversation and
+    /// input items (a background response's progress).
+    fn set_response(&self, tenant: &str, id: &str, response: Value) {
+        let mut map = self.by_tenant.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = map
+            .get_mut(tenant)
+            .and_then(|l| l.iter_mut().find(|s| s.id == id))
+        {
+            s.response = response;
+        }
+    }
+
+    fn input_items(&self, tenant: &str, id: &str) -> Option<Vec<Value>> {
+        self.find(tenant, id, |s| s.input_items.clone())
+    }
+
+    fn start_background(&self, tenant: &str, id: &str) -> Arc<tokio::sync::Notify> {
+        let n = Arc::new(tokio::sync::Notify::new());
+        let mut map = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        map.insert((tenant.to_string(), id.to_string()), Arc::clone(&n));
+        n
+    }
+
+    /// Takes `id` out of the running background responses; whether it was
+    /// there (the caller then owns its final state).
+    fn finish_background(&self, tenant: &str, id: &str) -> Option<Arc<tokio::sync::Notify>> {
+        let mut map = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&(tenant.to_string(), id.to_string()))
     }
 }
 
@@ -99,6 +153,90 @@ pub fn retrieve(
         Some(r) => Ok(json_response(&r)),
         None => Err(response_not_found(id)),
     }
+}
+
+/// `GET /v1/responses/{id}/input_items`: the items of the request's
+/// `input`, as OpenAI lists them: `order` (`desc`, the default, or `asc`),
+/// `limit` (1 to 100, default 20) and `after` (an item id) from `query`.
+pub fn input_items(
+    state: &AppState,
+    id: &str,
+    query: Option<&str>,
+    tenant: Option<&crate::tenants::Tenant>,
+) -> Result<Response<Body>, ApiError> {
+    let key = tenant.map_or("", |t| t.id.as_str());
+    let mut items = state
+        .responses
+        .input_items(key, id)
+        .ok_or_else(|| response_not_found(id))?;
+    let (mut order, mut limit, mut after) = ("desc".to_string(), 20usize, None);
+    for (k, v) in query
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .filter_map(|p| p.split_once('='))
+    {
+        match k {
+            "order" if v == "asc" || v == "desc" => order = v.to_string(),
+            "order" => return Err(invalid("order", "'order' must be 'asc' or 'desc'")),
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=100).contains(l))
+                    .ok_or_else(|| invalid("limit", "'limit' must be an integer from 1 to 100"))?
+            }
+            "after" => after = Some(crate::server::percent_decode(v)),
+            _ => {}
+        }
+    }
+    if order == "desc" {
+        items.reverse();
+    }
+    if let Some(a) = after {
+        let at = items
+            .iter()
+            .position(|i| i["id"] == a.as_str())
+            .ok_or_else(|| invalid("after", format!("no input item '{a}' in this response")))?;
+        items.drain(..=at);
+    }
+    let has_more = items.len() > limit;
+    items.truncate(limit);
+    Ok(json_response(&json!({
+        "object": "list",
+        "first_id": items.first().map(|i| i["id"].clone()),
+        "last_id": items.last().map(|i| i["id"].clone()),
+        "has_more": has_more,
+        "data": items,
+    })))
+}
+
+/// `POST /v1/responses/{id}/cancel`: stops a background response that is
+/// still generating (its status becomes `cancelled`); one that finished is
+/// returned as it is. Only background responses can be cancelled.
+pub fn cancel(
+    state: &AppState,
+    id: &str,
+    tenant: Option<&crate::tenants::Tenant>,
+) -> Result<Response<Body>, ApiError> {
+    let key = tenant.map_or("", |t| t.id.as_str());
+    let mut response = state
+        .responses
+        .response(key, id)
+        .ok_or_else(|| response_not_found(id))?;
+    if response["background"] != json!(true) {
+        return Err(invalid(
+            "response_id",
+            "Only responses created with background: true can be cancelled.",
+        ));
+    }
+    if let Some(wake) = state.responses.finish_background(key, id) {
+        response["status"] = json!("cancelled");
+        state.responses.set_response(key, id, response.clone());
+        // The generation stops (and its engine requests are aborted).
+        wake.notify_one();
+    }
+    Ok(json_response(&response))
 }
 
 /// `DELETE /v1/responses/{id}`.
@@ -170,6 +308,8 @@ fn item_str<'a>(item: &'a Value, key: &str, param: &str) -> Result<&'a str, ApiE
 /// `function_call_output`s (tool turns).
 fn input_messages(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
     let mut out: Vec<Value> = Vec::new();
+    // A `reasoning` item's text, for the assistant turn that follows it.
+    let mut reasoning: Option<String> = None;
     match v {
         None | Some(Value::Null) => return Err(invalid("input", "'input' is required")),
         Some(Value::String(s)) => return Ok(vec![json!({"role": "user", "content": s})]),
@@ -181,12 +321,25 @@ fn input_messages(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
                     .and_then(Value::as_str)
                     .unwrap_or("message");
                 match kind {
+                    // A reasoning model's thinking (from an earlier
+                    // response's `output`): it goes with the assistant
+                    // turn after it, as chat's `reasoning_content`, for
+                    // the template to keep or drop. Encrypted reasoning
+                    // (OpenAI's own) cannot be read and is refused.
+                    "reasoning" => {
+                        let text = reasoning_text(item, &param)?;
+                        reasoning.get_or_insert_with(String::new).push_str(&text);
+                        continue;
+                    }
                     "function_call" => {
                         let call = json!({
                             "id": item_str(item, "call_id", &param)?,
                             "type": "function",
                             "function": {
-                                "name": item_str(item, "name", &param)?,
+                                "name": flat_name(
+                                    item.get("namespace").and_then(Value::as_str),
+                                    item_str(item, "name", &param)?,
+                                ),
                                 "arguments": item_str(item, "arguments", &param)?,
                             },
                         });
@@ -219,8 +372,21 @@ fn input_messages(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
                     other => {
                         return Err(invalid(
                             &param,
-                            format!("input items of type '{other}' are not supported; send messages, function_call or function_call_output"),
+                            format!("input items of type '{other}' are not supported; send messages, reasoning, function_call or function_call_output"),
                         ))
+                    }
+                }
+                // The reasoning belongs to the assistant turn it precedes.
+                if let Some(r) = reasoning.take() {
+                    match out.last_mut() {
+                        Some(m) if m["role"] == "assistant" => {
+                            m["reasoning_content"] = json!(r);
+                            m["reasoning"] = json!(r);
+                        }
+                        // Before another role's turn it has no turn of its
+                        // own to go with, and is dropped (as templates drop
+                        // earlier turns' reasoning).
+                        _ => {}
                     }
                 }
             }
@@ -230,6 +396,42 @@ fn input_messages(v: Option<&Value>) -> Result<Vec<Value>, ApiError> {
             "input",
             "'input' must be a string or a list of messages",
         )),
+    }
+}
+
+/// The text of a `reasoning` input item: its `content` (reasoning_text
+/// parts), else its `summary` (summary_text parts).
+fn reasoning_text(item: &Value, param: &str) -> Result<String, ApiError> {
+    let parts = |key: &str| -> String {
+        item.get(key)
+            .and_then(Value::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .unwrap_or_default()
+    };
+    let content = parts("content");
+    if !content.is_empty() {
+        return Ok(content);
+    }
+    let summary = parts("summary");
+    if summary.is_empty() && item.get("encrypted_content").is_some_and(|v| !v.is_null()) {
+        return Err(invalid(
+            &format!("{param}.encrypted_content"),
+            "encrypted reasoning cannot be read by this server; send the reasoning's content or summary",
+        ));
+    }
+    Ok(summary)
+}
+
+/// The chat name of a function inside a `namespace` tool: `ns.name`.
+fn flat_name(namespace: Option<&str>, name: &str) -> String {
+    match namespace {
+        Some(ns) if !ns.is_empty() => format!("{ns}.{name}"),
+        _ => name.to_string(),
     }
 }
 
@@ -251,10 +453,62 @@ fn input_message(item: &Value, param: &str) -> Result<Value, ApiError> {
     Ok(json!({"role": role, "content": content}))
 }
 
+/// The request's `input` as the items `input_items` lists: a string is one
+/// user message; every item gets an id if it has none.
+fn input_item_list(v: Option<&Value>) -> Vec<Value> {
+    let items = match v {
+        Some(Value::String(s)) => vec![json!({"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": s}]})],
+        Some(Value::Array(a)) => a.clone(),
+        _ => Vec::new(),
+    };
+    items
+        .into_iter()
+        .map(|mut item| {
+            if item.get("id").is_none_or(Value::is_null) {
+                item["id"] = json!(format!("msg_{:032x}", rand::random::<u128>()));
+            }
+            if item.get("type").is_none() {
+                item["type"] = json!("message");
+            }
+            // A message's text as a part list, as OpenAI lists it.
+            if item["type"] == "message" {
+                if let Some(t) = item
+                    .get("content")
+                    .and_then(Value::as_str)
+                    .map(str::to_string)
+                {
+                    let kind = if item["role"] == "assistant" {
+                        "output_text"
+                    } else {
+                        "input_text"
+                    };
+                    item["content"] = json!([{"type": kind, "text": t}]);
+                }
+                if item.get("status").is_none() {
+                    item["status"] = json!("completed");
+                }
+            }
+            item
+        })
+        .collect()
+}
+
 /// Responses' function tools (`{"type": "function", "name", ...}`) and
 /// `tool_choice` in the chat form, for the chat path's parsing, schema
 /// enforcement and templates. Built-in tools are refused.
-fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>), ApiError> {
+fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>, Namespaces), ApiError> {
+    let mut namespaces = Namespaces::new();
+    let function = |t: &Value, name: String| {
+        let mut function = Map::new();
+        function.insert("name".into(), json!(name));
+        for key in ["description", "parameters", "strict"] {
+            if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
+                function.insert(key.into(), v.clone());
+            }
+        }
+        json!({"type": "function", "function": function})
+    };
     let tools = match f.0.get("tools").filter(|v| !v.is_null()) {
         None => None,
         Some(Value::Array(list)) if list.is_empty() => None,
@@ -262,19 +516,45 @@ fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>), ApiError
             let mut out = Vec::new();
             for (i, t) in list.iter().enumerate() {
                 let kind = t.get("type").and_then(Value::as_str).unwrap_or("(none)");
-                if kind != "function" {
-                    return Err(invalid(
-                        &format!("tools[{i}].type"),
-                        format!("built-in tools ('{kind}') are not supported on /v1/responses; only function tools"),
-                    ));
-                }
-                let mut function = Map::new();
-                for key in ["name", "description", "parameters", "strict"] {
-                    if let Some(v) = t.get(key).filter(|v| !v.is_null()) {
-                        function.insert(key.into(), v.clone());
+                let name = |t: &Value, param: &str| -> Result<String, ApiError> {
+                    t.get("name")
+                        .and_then(Value::as_str)
+                        .filter(|n| !n.is_empty())
+                        .map(str::to_string)
+                        .ok_or_else(|| invalid(param, "a tool needs a non-empty 'name'"))
+                };
+                match kind {
+                    "function" => out.push(function(t, name(t, &format!("tools[{i}].name"))?)),
+                    // A group of function tools under one name (OpenAI's
+                    // `namespace` tool, as Codex sends MCP servers' tools):
+                    // the model sees each as `ns.name`; its calls come back
+                    // with `name` and `namespace` apart.
+                    "namespace" => {
+                        let ns = name(t, &format!("tools[{i}].name"))?;
+                        let inner = t.get("tools").and_then(Value::as_array).ok_or_else(|| {
+                            invalid(&format!("tools[{i}].tools"), "a namespace tool needs a list of 'tools'")
+                        })?;
+                        for (j, sub) in inner.iter().enumerate() {
+                            let param = format!("tools[{i}].tools[{j}]");
+                            if sub.get("type").and_then(Value::as_str).unwrap_or("function") != "function" {
+                                return Err(invalid(
+                                    &format!("{param}.type"),
+                                    "a namespace holds function tools only here",
+                                ));
+                            }
+                            let sub_name = name(sub, &format!("{param}.name"))?;
+                            let flat = flat_name(Some(&ns), &sub_name);
+                            namespaces.insert(flat.clone(), (ns.clone(), sub_name));
+                            out.push(function(sub, flat));
+                        }
+                    }
+                    _ => {
+                        return Err(invalid(
+                            &format!("tools[{i}].type"),
+                            format!("built-in tools ('{kind}') are not supported on /v1/responses; only function (and namespace) tools"),
+                        ))
                     }
                 }
-                out.push(json!({"type": "function", "function": function}));
             }
             Some(Value::Array(out))
         }
@@ -283,8 +563,9 @@ fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>), ApiError
     let choice = match f.0.get("tool_choice").filter(|v| !v.is_null()) {
         None => None,
         Some(Value::String(s)) => Some(json!(s)),
-        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("name")) {
+        Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("name").and_then(Value::as_str)) {
             (Some("function"), Some(name)) => {
+                let name = flat_name(o.get("namespace").and_then(Value::as_str), name);
                 Some(json!({"type": "function", "function": {"name": name}}))
             }
             _ => {
@@ -296,17 +577,29 @@ fn chat_tools(f: &Fields<'_>) -> Result<(Option<Value>, Option<Value>), ApiError
         },
         Some(_) => return Err(invalid("tool_choice", "'tool_choice' must be a string or an object")),
     };
-    Ok((tools, choice))
+    Ok((tools, choice, namespaces))
 }
+
+/// The functions of `namespace` tools: their chat name (`ns.name`) →
+/// (namespace, name).
+type Namespaces = HashMap<String, (String, String)>;
 
 /// A `function_call` output item, and the chat tool call it stands for in
 /// the stored conversation.
-fn function_call_item(call: &super::tool_parsers::ParsedToolCall, status: &str) -> (Value, Value) {
+fn function_call_item(
+    call: &super::tool_parsers::ParsedToolCall,
+    status: &str,
+    namespaces: &Namespaces,
+) -> (Value, Value) {
     let call_id = format!("call_{:024x}", rand::random::<u128>() >> 32);
-    let item = json!({
+    let mut item = json!({
         "type": "function_call", "id": format!("fc_{:032x}", rand::random::<u128>()),
         "call_id": call_id, "name": call.name, "arguments": call.arguments, "status": status,
     });
+    if let Some((ns, name)) = namespaces.get(&call.name) {
+        item["name"] = json!(name);
+        item["namespace"] = json!(ns);
+    }
     let chat = json!({"id": call_id, "type": "function",
         "function": {"name": call.name, "arguments": call.arguments}});
     (item, chat)
@@ -341,10 +634,20 @@ fn response_format(f: &Fields<'_>) -> Result<Option<Value>, ApiError> {
 /// Refuses what this server does not do, rather than ignoring it.
 fn refuse_unsupported(f: &Fields<'_>, reasoning: bool) -> Result<(), ApiError> {
     if f.bool("background")?.unwrap_or(false) {
-        return Err(invalid(
-            "background",
-            "background responses are not supported",
-        ));
+        // As OpenAI and vLLM: a background response is fetched from the
+        // store, so it must be stored; and it is polled, not streamed.
+        if !f.bool("store")?.unwrap_or(true) {
+            return Err(invalid(
+                "background",
+                "background responses need 'store' to be true",
+            ));
+        }
+        if f.bool("stream")?.unwrap_or(false) {
+            return Err(invalid(
+                "background",
+                "background responses are not streamed here; poll GET /v1/responses/{id}",
+            ));
+        }
     }
     if !reasoning && f.0.get("reasoning").is_some_and(|r| !r.is_null()) {
         return Err(invalid(
@@ -375,6 +678,11 @@ struct Echo {
     tools: Value,
     tool_choice: Value,
     parallel_tool_calls: bool,
+    background: bool,
+    /// `namespace` tools' functions, to name their calls apart.
+    namespaces: Namespaces,
+    /// `include` asked for the answer's logprobs.
+    logprobs: bool,
 }
 
 impl Echo {
@@ -388,7 +696,7 @@ impl Echo {
             "temperature": self.temperature, "top_p": self.top_p,
             "previous_response_id": self.previous, "text": self.text,
             "tools": self.tools, "tool_choice": self.tool_choice,
-            "parallel_tool_calls": self.parallel_tool_calls,
+            "parallel_tool_calls": self.parallel_tool_calls, "background": self.background,
             "incomplete_details": incomplete, "error": null, "metadata": {},
             "usage": usage,
         })
@@ -406,9 +714,9 @@ fn usage_of(run: &Run) -> Value {
     })
 }
 
-fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
+fn message_item(id: &str, status: &str, text: Option<&str>, logprobs: Value) -> Value {
     let content: Vec<Value> = text
-        .map(|t| json!({"type": "output_text", "text": t, "annotations": []}))
+        .map(|t| json!({"type": "output_text", "text": t, "annotations": [], "logprobs": logprobs}))
         .into_iter()
         .collect();
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
@@ -428,6 +736,28 @@ pub async fn responses(
     state: Arc<AppState>,
     body: Value,
     tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    respond(state, body, tenant, false).await
+}
+
+/// `POST /v1/responses/render`: the token ids a Responses request's prompt
+/// would have (its conversation, instructions and tools as the chat
+/// template renders them), generating nothing; the shape of
+/// `/v1/chat/completions/render`'s answer.
+pub async fn render(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    respond(state, body, tenant, true).await
+}
+
+/// A Responses request served (or, with `render_only`, only rendered).
+async fn respond(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    render_only: bool,
 ) -> Result<Response<Body>, ApiError> {
     let id = format!("resp_{:032x}", rand::random::<u128>());
     let store_key = tenant.as_ref().map_or_else(String::new, |t| t.id.clone());
@@ -460,8 +790,25 @@ pub async fn responses(
         messages.insert(0, json!({"role": "system", "content": i}));
     }
     messages.extend(input_messages(f.0.get("input"))?);
+    let input_items = input_item_list(f.0.get("input"));
     let stream = f.bool("stream")?.unwrap_or(false);
     let store = f.bool("store")?.unwrap_or(true);
+    let background = f.bool("background")?.unwrap_or(false);
+    // `include: ["message.output_text.logprobs"]` (with `top_logprobs`
+    // alternatives per token): the answer's logprobs, as chat's.
+    let include: Vec<String> = match f.get("include") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| invalid("include", "'include' must be a list of strings"))
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => return Err(invalid("include", "'include' must be a list of strings")),
+    };
+    let logprobs = include.iter().any(|i| i == "message.output_text.logprobs");
     // The chat request this response is served as.
     let mut chat = Map::new();
     chat.insert("model".into(), json!(model));
@@ -477,10 +824,23 @@ pub async fn responses(
             chat.insert(to.into(), v.clone());
         }
     }
-    if let Some(rf) = response_format(&f)? {
+    if logprobs {
+        chat.insert("logprobs".into(), json!(true));
+        if let Some(k) = f.0.get("top_logprobs").filter(|v| !v.is_null()) {
+            chat.insert("top_logprobs".into(), k.clone());
+        }
+    }
+    let (chat_tools, chat_choice, namespaces) = chat_tools(&f)?;
+    // A forced call (named or required) is the whole output, so a
+    // `text.format` beside it has no text to shape; instructor's
+    // RESPONSES_TOOLS mode sends both, the format being the tool's own
+    // schema. The tool's constraint applies.
+    let forced = chat_choice
+        .as_ref()
+        .is_some_and(|c| c.is_object() || c == "required");
+    if let Some(rf) = response_format(&f)?.filter(|_| !forced) {
         chat.insert("response_format".into(), rf);
     }
-    let (chat_tools, chat_choice) = chat_tools(&f)?;
     if let Some(t) = chat_tools {
         chat.insert("tools".into(), t);
     }
@@ -511,6 +871,19 @@ pub async fn responses(
         "input",
     )
     .await?;
+    if render_only {
+        let mut sampling = Map::new();
+        if let Some(m) = common.params.max_tokens {
+            sampling.insert("max_tokens".into(), json!(m));
+        }
+        if let Some(t) = common.params.temperature {
+            sampling.insert("temperature".into(), json!(t));
+        }
+        return Ok(json_response(
+            &json!({"request_id": id, "model": common.model,
+            "token_ids": ids, "sampling_params": sampling, "features": null}),
+        ));
+    }
     let echo = Echo {
         id: id.clone(),
         model: model.clone(),
@@ -538,6 +911,9 @@ pub async fn responses(
             .filter(|v| !v.is_null())
             .unwrap_or(json!("auto")),
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        background,
+        namespaces,
+        logprobs,
     };
     let run = start_run(
         state.clone(),
@@ -549,20 +925,30 @@ pub async fn responses(
         mode,
     )
     .await?;
+    if background {
+        return Ok(json_response(&run_in_background(
+            state,
+            run,
+            echo,
+            store_key,
+            messages,
+            input_items,
+        )));
+    }
     let remember = move |assistant: Value, response: &Value| {
         if store {
             let mut conversation = messages;
             conversation.push(assistant);
             state
                 .responses
-                .put(&store_key, id, response.clone(), conversation);
+                .put(&store_key, id, response.clone(), conversation, input_items);
         }
     };
     if !stream {
         let run = collect(run).await?;
         let (status, incomplete) = status_of(run.choices[0].finish_reason);
         let msg_id = format!("msg_{:032x}", rand::random::<u128>());
-        let (items, assistant) = final_output(&run, &msg_id);
+        let (items, assistant) = final_output(&run, &msg_id, &echo);
         let out = echo.object(status, items, usage_of(&run), incomplete);
         remember(assistant, &out);
         return Ok(json_response(&out));
@@ -570,12 +956,72 @@ pub async fn responses(
     Ok(stream_events(run, echo, remember))
 }
 
+/// `background: true`: stores the response as `queued` and answers with
+/// it at once; the generation goes on in a task that stores the finished
+/// response, unless `cancel` (which wakes the task) got there first. The
+/// task drops the run when cancelled, which aborts its engine requests.
+fn run_in_background(
+    state: Arc<AppState>,
+    run: Run,
+    echo: Echo,
+    store_key: String,
+    messages: Vec<Value>,
+    input_items: Vec<Value>,
+) -> Value {
+    let queued = echo.object("queued", vec![], Value::Null, Value::Null);
+    let id = echo.id.clone();
+    state.responses.put(
+        &store_key,
+        id.clone(),
+        queued.clone(),
+        messages.clone(),
+        input_items.clone(),
+    );
+    let wake = state.responses.start_background(&store_key, &id);
+    let answer = queued.clone();
+    tokio::spawn(async move {
+        let mut in_progress = queued;
+        in_progress["status"] = json!("in_progress");
+        state
+            .responses
+            .set_response(&store_key, &id, in_progress.clone());
+        let result = tokio::select! {
+            r = collect(run) => r,
+            // Cancelled: `cancel` wrote the final state.
+            _ = wake.notified() => return,
+        };
+        if state.responses.finish_background(&store_key, &id).is_none() {
+            return;
+        }
+        match result {
+            Ok(run) => {
+                let (status, incomplete) = status_of(run.choices[0].finish_reason);
+                let msg_id = format!("msg_{:032x}", rand::random::<u128>());
+                let (items, assistant) = final_output(&run, &msg_id, &echo);
+                let out = echo.object(status, items, usage_of(&run), incomplete);
+                let mut conversation = messages;
+                conversation.push(assistant);
+                state
+                    .responses
+                    .put(&store_key, id, out, conversation, input_items);
+            }
+            Err(e) => {
+                let mut failed = in_progress;
+                failed["status"] = json!("failed");
+                failed["error"] = json!({"code": e.code, "message": e.message});
+                state.responses.set_response(&store_key, &id, failed);
+            }
+        }
+    });
+    answer
+}
+
 /// The output items of a finished run (its text as a message, or the
 /// function calls its output holds, after any text), and the assistant
 /// turn that `previous_response_id` continues from.
-fn final_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
+fn final_output(run: &Run, msg_id: &str, echo: &Echo) -> (Vec<Value>, Value) {
     let c = &run.choices[0];
-    let (mut items, assistant) = answer_output(run, msg_id);
+    let (mut items, assistant) = answer_output(run, msg_id, echo);
     // A reasoning model's thinking comes first, as its own item.
     if !c.reasoning.is_empty() {
         items.insert(
@@ -588,9 +1034,22 @@ fn final_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
     (items, assistant)
 }
 
+/// The answer's logprobs in an `output_text` part: with `include`, its
+/// tokens' (as chat's `logprobs.content`), else an empty list.
+fn text_logprobs(run: &Run, lps: &[crate::engine::request::TokenLogprob], echo: &Echo) -> Value {
+    if !echo.logprobs {
+        return json!([]);
+    }
+    match run.logprobs_json(None, lps, 0) {
+        Value::Object(mut o) => o.remove("content").unwrap_or(json!([])),
+        _ => json!([]),
+    }
+}
+
 /// [`final_output`]'s answer: its text as a message, or its function calls.
-fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
+fn answer_output(run: &Run, msg_id: &str, echo: &Echo) -> (Vec<Value>, Value) {
     let c = &run.choices[0];
+    let lp = || text_logprobs(run, &c.logprobs, echo);
     let parsed = run
         .tools
         .as_ref()
@@ -599,11 +1058,11 @@ fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
         Some(p) if !p.calls.is_empty() => {
             let mut items = Vec::new();
             if let Some(text) = p.content.as_deref().filter(|t| !t.is_empty()) {
-                items.push(message_item(msg_id, "completed", Some(text)));
+                items.push(message_item(msg_id, "completed", Some(text), json!([])));
             }
             let mut calls = Vec::new();
             for call in &p.calls {
-                let (item, chat) = function_call_item(call, "completed");
+                let (item, chat) = function_call_item(call, "completed", &echo.namespaces);
                 items.push(item);
                 calls.push(chat);
             }
@@ -615,11 +1074,11 @@ fn answer_output(run: &Run, msg_id: &str) -> (Vec<Value>, Value) {
         // A forced call (named or required) that max_tokens cut is no
         // call, and its fragment of JSON is no answer either.
         Some(_) if !matches!(run.tools, Some(super::tools::ToolMode::Auto(_))) => (
-            vec![message_item(msg_id, "completed", Some(""))],
+            vec![message_item(msg_id, "completed", Some(""), json!([]))],
             json!({"role": "assistant", "content": ""}),
         ),
         _ => (
-            vec![message_item(msg_id, "completed", Some(&c.text))],
+            vec![message_item(msg_id, "completed", Some(&c.text), lp())],
             json!({"role": "assistant", "content": c.text}),
         ),
     }
@@ -675,10 +1134,11 @@ fn item_events(item: &Value, index: usize) -> Vec<(&'static str, Value)> {
             json!({"item_id": id, "output_index": index, "content_index": 0,
                 "part": {"type": "output_text", "text": "", "annotations": []}}),
         ));
+        let logprobs = part.get("logprobs").cloned().unwrap_or_else(|| json!([]));
         ev.push((
             "response.output_text.delta",
             json!({"item_id": id, "output_index": index, "content_index": 0,
-                "delta": text, "logprobs": []}),
+                "delta": text, "logprobs": logprobs}),
         ));
         ev.extend(text_closing(&id, index, &text, &part));
     }
@@ -700,7 +1160,7 @@ fn text_closing(
         (
             "response.output_text.done",
             json!({"item_id": id, "output_index": index, "content_index": 0,
-                "text": text, "logprobs": []}),
+                "text": text, "logprobs": part.get("logprobs").cloned().unwrap_or_else(|| json!([]))}),
         ),
         (
             "response.content_part.done",
@@ -740,7 +1200,7 @@ fn stream_events(
         if live_text {
             opening.push((
                 "response.output_item.added",
-                json!({"output_index": 0, "item": message_item(&msg_id, "in_progress", None)}),
+                json!({"output_index": 0, "item": message_item(&msg_id, "in_progress", None, json!([]))}),
             ));
             opening.push((
                 "response.content_part.added",
@@ -774,8 +1234,9 @@ fn stream_events(
                 continue;
             }
             if live_text && !o.new_text.is_empty() {
+                // With `include`, each delta carries its tokens' logprobs.
                 let delta = json!({"item_id": msg_id, "output_index": 0, "content_index": 0,
-                    "delta": o.new_text, "logprobs": []});
+                    "delta": o.new_text, "logprobs": text_logprobs(&run, &o.logprobs, &echo)});
                 if tx
                     .send(event("response.output_text.delta", &mut seq, delta))
                     .await
@@ -787,7 +1248,7 @@ fn stream_events(
         }
         run.guard.disarm();
         let (status, incomplete) = status_of(run.choices[0].finish_reason);
-        let (items, assistant) = final_output(&run, &msg_id);
+        let (items, assistant) = final_output(&run, &msg_id, &echo);
         let mut closing: Vec<(&'static str, Value)> = Vec::new();
         if live_text {
             let item = &items[0];
@@ -802,14 +1263,13 @@ fn stream_events(
                 closing.extend(item_events(item, i));
             }
         }
-        let done_kind = if status == "completed" {
-            "response.completed"
-        } else {
-            "response.incomplete"
-        };
+        // `response.completed` whatever the status (an `incomplete` one
+        // cut by max_output_tokens included), as vLLM ends its streams:
+        // the openai SDK's `responses.stream().get_final_response()`
+        // returns only after that event, and raises without it.
         let response = echo.object(status, items, usage_of(&run), incomplete);
         remember(assistant, &response);
-        closing.push((done_kind, json!({"response": response})));
+        closing.push(("response.completed", json!({"response": response})));
         for (kind, data) in closing {
             if tx.send(event(kind, &mut seq, data)).await.is_err() {
                 return;
