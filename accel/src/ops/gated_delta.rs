@@ -273,9 +273,10 @@ struct Scratch;
 
 impl Scratch {
     /// `qn`, `kn`: `[CHUNK, k_dim]`; `u`, `qs`: `[CHUNK, v_dim]`; `g`,
-    /// `beta`, `w`: `[CHUNK]`.
+    /// `beta`, `w`: `[CHUNK]`; `kwt`: `[k_dim, CHUNK]`; `cm`: `[CHUNK,
+    /// CHUNK]`.
     fn len(spec: &GatedDeltaSpec) -> usize {
-        2 * CHUNK * spec.k_dim + 2 * CHUNK * spec.v_dim + 3 * CHUNK
+        3 * CHUNK * spec.k_dim + 2 * CHUNK * spec.v_dim + 3 * CHUNK + CHUNK * CHUNK
     }
 }
 
@@ -310,6 +311,107 @@ unsafe fn axpy<S: Simd>(a: f32, x: *const f32, y: *mut f32, n: usize) {
         while i < n {
             *y.add(i) = S::fma1(a, *x.add(i), *y.add(i));
             i += 1;
+        }
+    }
+}
+
+/// `c[r·ldc + x] += Σ_p a[r·lda + p] · b[p·ldb + x]` for `r < m`, `x < n`,
+/// `p < k`: the chunked form's small matrix products. Register-blocked (up
+/// to 4 rows × 2 vectors of accumulators), so each loaded vector of `b`
+/// feeds up to 8 FMAs and `c` is loaded and stored once per block rather
+/// than once per `p` as a sequence of axpys would. Each element still sums
+/// its products in increasing `p`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_acc<S: Simd>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let mut r = 0;
+    unsafe {
+        while r + 4 <= m {
+            gemm_rows::<S, 4>(n, k, a.add(r * lda), lda, b, ldb, c.add(r * ldc), ldc);
+            r += 4;
+        }
+        let (a, c) = (a.add(r * lda), c.add(r * ldc));
+        match m - r {
+            3 => gemm_rows::<S, 3>(n, k, a, lda, b, ldb, c, ldc),
+            2 => gemm_rows::<S, 2>(n, k, a, lda, b, ldb, c, ldc),
+            1 => gemm_rows::<S, 1>(n, k, a, lda, b, ldb, c, ldc),
+            _ => {}
+        }
+    }
+}
+
+/// [`gemm_acc`] for exactly `R` rows.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_rows<S: Simd, const R: usize>(
+    n: usize,
+    k: usize,
+    a: *const f32,
+    lda: usize,
+    b: *const f32,
+    ldb: usize,
+    c: *mut f32,
+    ldc: usize,
+) {
+    let l = S::LANES;
+    let mut x = 0;
+    unsafe {
+        while x + 2 * l <= n {
+            let mut acc = [[S::zero(); 2]; R];
+            for (rr, acc) in acc.iter_mut().enumerate() {
+                acc[0] = S::load(c.add(rr * ldc + x));
+                acc[1] = S::load(c.add(rr * ldc + x + l));
+            }
+            for p in 0..k {
+                let b0 = S::load(b.add(p * ldb + x));
+                let b1 = S::load(b.add(p * ldb + x + l));
+                for (rr, acc) in acc.iter_mut().enumerate() {
+                    let av = S::splat(*a.add(rr * lda + p));
+                    acc[0] = S::fma(av, b0, acc[0]);
+                    acc[1] = S::fma(av, b1, acc[1]);
+                }
+            }
+            for (rr, acc) in acc.iter().enumerate() {
+                S::store(c.add(rr * ldc + x), acc[0]);
+                S::store(c.add(rr * ldc + x + l), acc[1]);
+            }
+            x += 2 * l;
+        }
+        while x + l <= n {
+            let mut acc = [S::zero(); R];
+            for (rr, acc) in acc.iter_mut().enumerate() {
+                *acc = S::load(c.add(rr * ldc + x));
+            }
+            for p in 0..k {
+                let b0 = S::load(b.add(p * ldb + x));
+                for (rr, acc) in acc.iter_mut().enumerate() {
+                    *acc = S::fma(S::splat(*a.add(rr * lda + p)), b0, *acc);
+                }
+            }
+            for (rr, acc) in acc.iter().enumerate() {
+                S::store(c.add(rr * ldc + x), *acc);
+            }
+            x += l;
+        }
+        while x < n {
+            for rr in 0..R {
+                let mut s = *c.add(rr * ldc + x);
+                for p in 0..k {
+                    s = S::fma1(*a.add(rr * lda + p), *b.add(p * ldb + x), s);
+                }
+                *c.add(rr * ldc + x) = s;
+            }
+            x += 1;
         }
     }
 }
@@ -511,20 +613,17 @@ impl HeadTask<'_> {
             let g = qs.add(CHUNK * dv);
             let beta = g.add(CHUNK);
             let w = beta.add(CHUNK);
+            let kwt = w.add(CHUNK);
+            let cm = kwt.add(dk * CHUNK);
             // G: the cumulative log decay within the chunk, in place.
             for j in 1..len {
                 *g.add(j) += *g.add(j - 1);
             }
-            // S₀ᵀkⱼ into u, S₀ᵀqⱼ into qs: each state row read once.
+            // S₀ᵀkⱼ into u, S₀ᵀqⱼ into qs: [len, dk] · [dk, dv] products.
             std::ptr::write_bytes(u, 0, len * dv);
             std::ptr::write_bytes(qs, 0, len * dv);
-            for i in 0..dk {
-                let row = self.state.add(i * dv);
-                for j in 0..len {
-                    axpy::<S>(*kn.add(j * dk + i), row, u.add(j * dv), dv);
-                    axpy::<S>(*qn.add(j * dk + i), row, qs.add(j * dv), dv);
-                }
-            }
+            gemm_acc::<S>(len, dv, dk, kn, dk, self.state, dv, u, dv);
+            gemm_acc::<S>(len, dv, dk, qn, dk, self.state, dv, qs, dv);
             // Right-hand sides βₜ(vₜ - e^{Gₜ} S₀ᵀkₜ), then forward
             // substitution: uⱼ for j < t are final when row t is solved.
             for t in 0..len {
@@ -536,30 +635,52 @@ impl HeadTask<'_> {
                     axpy::<S>(-c, u.add(j * dv), ut, dv);
                 }
             }
-            // outₜ = e^{Gₜ} S₀ᵀqₜ + Σ_{j≤t} e^{Gₜ-Gⱼ} (qₜ·kⱼ) uⱼ.
+            // outₜ = e^{Gₜ} S₀ᵀqₜ + Σ_{j≤t} e^{Gₜ-Gⱼ} (qₜ·kⱼ) uⱼ: the
+            // coefficients as a lower-triangular [len, len] matrix (zero
+            // above the diagonal), times U, added to the scaled S₀ᵀqₜ.
             for t in 0..len {
-                let o = self.out_ptr(r0 + t);
                 let (gt, qt) = (*g.add(t), qn.add(t * dk));
+                for j in 0..len {
+                    *cm.add(t * CHUNK + j) = if j <= t {
+                        (gt - *g.add(j)).exp() * dot::<S>(qt, kn.add(j * dk), dk)
+                    } else {
+                        0.0
+                    };
+                }
+                let o = self.out_ptr(r0 + t);
                 std::ptr::copy_nonoverlapping(qs.add(t * dv), o, dv);
                 scale::<S>(gt.exp(), o, dv);
-                for j in 0..=t {
-                    let c = (gt - *g.add(j)).exp() * dot::<S>(qt, kn.add(j * dk), dk);
-                    axpy::<S>(c, u.add(j * dv), o, dv);
-                }
             }
-            // S ← e^{G_L} S₀ + Σⱼ e^{G_L-Gⱼ} kⱼ uⱼᵀ, row by row.
+            let ow = self.spec.out_width();
+            let o0 = self.out_ptr(r0);
+            for t in (0..len).step_by(4) {
+                // Rows t..t+4 have no coefficients past column t+3.
+                let rows = (len - t).min(4);
+                let k = (t + 4).min(len);
+                gemm_acc::<S>(
+                    rows,
+                    dv,
+                    k,
+                    cm.add(t * CHUNK),
+                    CHUNK,
+                    u,
+                    dv,
+                    o0.add(t * ow),
+                    ow,
+                );
+            }
+            // S ← e^{G_L} S₀ + Kwᵀ U with Kw[j] = e^{G_L-Gⱼ} kⱼ.
             let gl = *g.add(len - 1);
             for j in 0..len {
                 *w.add(j) = (gl - *g.add(j)).exp();
             }
-            let dl = gl.exp();
             for i in 0..dk {
-                let row = self.state.add(i * dv);
-                scale::<S>(dl, row, dv);
                 for j in 0..len {
-                    axpy::<S>(*w.add(j) * *kn.add(j * dk + i), u.add(j * dv), row, dv);
+                    *kwt.add(i * CHUNK + j) = *w.add(j) * *kn.add(j * dk + i);
                 }
             }
+            scale::<S>(gl.exp(), self.state, dk * dv);
+            gemm_acc::<S>(dk, dv, len, kwt, CHUNK, u, dv, self.state, dv);
         }
     }
 }
