@@ -554,7 +554,9 @@ impl HeadTask<'_> {
     /// One token (row `r`) through the recurrence; its `qn`, `kn`, `g`,
     /// `beta` are the scratch's first.
     #[inline(always)]
-    unsafe fn recurrent<S: Simd>(&mut self, r: usize) {
+    /// `zero`: the state is all zeros (a sequence's first piece), so its
+    /// products are skipped; they would add exact zeros.
+    unsafe fn recurrent<S: Simd>(&mut self, r: usize, zero: bool) {
         let (dk, dv) = (self.spec.k_dim, self.spec.v_dim);
         let v = self.v_ptr(r);
         let o = self.out_ptr(r);
@@ -569,8 +571,10 @@ impl HeadTask<'_> {
             let d = g.exp();
             // Sᵀk on the undecayed state, decayed once: e^g·(Sᵀk) = (e^g S)ᵀk.
             std::ptr::write_bytes(kv, 0, dv);
-            for i in 0..dk {
-                axpy::<S>(*kn.add(i), self.state.add(i * dv), kv, dv);
+            if !zero {
+                for i in 0..dk {
+                    axpy::<S>(*kn.add(i), self.state.add(i * dv), kv, dv);
+                }
             }
             delta::<S>(beta, d, v, kv, dv);
             // S ← e^g S + k uᵀ, and out = Sᵀq over the new rows, in one pass.
@@ -601,7 +605,8 @@ impl HeadTask<'_> {
     /// The `len` tokens from row `r0` through the chunked form (module
     /// documentation); their `qn`, `kn`, `g`, `beta` fill the scratch.
     #[inline(always)]
-    unsafe fn chunk<S: Simd>(&mut self, r0: usize, len: usize) {
+    /// `zero` as in [`HeadTask::recurrent`].
+    unsafe fn chunk<S: Simd>(&mut self, r0: usize, len: usize, zero: bool) {
         let (dk, dv) = (self.spec.k_dim, self.spec.v_dim);
         let sc = self.scratch.as_mut_ptr();
         // SAFETY: as in `recurrent`; every index below stays under `len <=
@@ -622,8 +627,10 @@ impl HeadTask<'_> {
             // S₀ᵀkⱼ into u, S₀ᵀqⱼ into qs: [len, dk] · [dk, dv] products.
             std::ptr::write_bytes(u, 0, len * dv);
             std::ptr::write_bytes(qs, 0, len * dv);
-            gemm_acc::<S>(len, dv, dk, kn, dk, self.state, dv, u, dv);
-            gemm_acc::<S>(len, dv, dk, qn, dk, self.state, dv, qs, dv);
+            if !zero {
+                gemm_acc::<S>(len, dv, dk, kn, dk, self.state, dv, u, dv);
+                gemm_acc::<S>(len, dv, dk, qn, dk, self.state, dv, qs, dv);
+            }
             // Right-hand sides βₜ(vₜ - e^{Gₜ} S₀ᵀkₜ), then forward
             // substitution: uⱼ for j < t are final when row t is solved.
             for t in 0..len {
@@ -701,10 +708,12 @@ impl Kernel for HeadTask<'_> {
             // SAFETY: the scratch and pointers are as the callees require.
             unsafe {
                 self.prepare::<S>(r, len);
+                // Only a sequence's first piece can start from zeros.
+                let zero = p0 == 0 && r == 0;
                 if len == 1 {
-                    self.recurrent::<S>(r);
+                    self.recurrent::<S>(r, zero);
                 } else {
-                    self.chunk::<S>(r, len);
+                    self.chunk::<S>(r, len, zero);
                 }
             }
             r += len;
