@@ -297,6 +297,12 @@ impl AsyncEngine {
         self.loras.is_some()
     }
 
+    /// The registry of adapters, shared with the engine thread
+    /// (`--enable-lora`): tenants' adapters take their ids from it.
+    pub fn lora_registry(&self) -> Option<&crate::engine::lora::SharedLoras> {
+        self.loras.as_ref()
+    }
+
     /// The adapter named `name`, if loaded.
     pub fn lora(&self, name: &str) -> Option<Arc<crate::engine::lora::LoadedLora>> {
         crate::engine::lora::lock(self.loras.as_ref()?)

@@ -3,7 +3,7 @@
 //! away), through `tracing` under the target `pagoda::access`.
 //!
 //! A line holds the method, path, status, tenant id (never the key), the
-//! request id, prompt and completion tokens, time to first token and total
+//! LoRA adapter it ran with (`-` for the base model), the request id, prompt and completion tokens, time to first token and total
 //! latency, and for a 4xx or 5xx the OpenAI error type. Prompt text is
 //! logged only with `--enable-log-requests`. `--disable-uvicorn-access-log`
 //! turns the lines off, as it turns off vLLM's; `--log-format json` makes
@@ -49,6 +49,8 @@ const UNSET: usize = usize::MAX;
 #[derive(Debug)]
 pub struct Record {
     tenant: Mutex<Option<String>>,
+    /// The LoRA adapter the request ran with (a tenant's own, or shared).
+    adapter: Mutex<Option<String>>,
     request_id: Mutex<Option<String>>,
     prompt_tokens: AtomicUsize,
     completion_tokens: AtomicUsize,
@@ -61,6 +63,7 @@ impl Record {
     fn new(log_prompts: bool) -> Record {
         Record {
             tenant: Mutex::new(None),
+            adapter: Mutex::new(None),
             request_id: Mutex::new(None),
             prompt_tokens: AtomicUsize::new(UNSET),
             completion_tokens: AtomicUsize::new(UNSET),
@@ -68,6 +71,11 @@ impl Record {
             prompt: Mutex::new(None),
             log_prompts,
         }
+    }
+
+    /// The LoRA adapter the request runs with.
+    pub fn set_adapter(&self, name: &str) {
+        *self.adapter.lock().unwrap_or_else(|e| e.into_inner()) = Some(name.to_string());
     }
 
     /// The tenant the request was authenticated as.
@@ -182,6 +190,7 @@ impl Drop for Pending {
         }
         let r = &self.record;
         let tenant = r.tenant.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let adapter = r.adapter.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let request_id = r
             .request_id
             .lock()
@@ -203,6 +212,7 @@ impl Drop for Pending {
             path = %self.path,
             status = self.status,
             tenant = %tenant.as_deref().unwrap_or("-"),
+            adapter = %adapter.as_deref().unwrap_or("-"),
             request_id = %request_id.as_deref().unwrap_or("-"),
             prompt_tokens = count(&r.prompt_tokens),
             completion_tokens = count(&r.completion_tokens),

@@ -8,6 +8,11 @@
 //! - `PUT /admin/v1/tenants/{id}/plugins/{name}` (body: component bytes;
 //!   config: `?config=<urlencoded JSON>` or header `x-pagoda-plugin-config`)
 //! - `POST /admin/v1/tenants/{id}/plugins/{name}/rollback`
+//! - `GET /admin/v1/tenants/{id}/adapters`
+//! - `PUT /admin/v1/tenants/{id}/adapters/{name}` (body: multipart/form-data
+//!   with the parts `adapter_config.json` and `adapter_model.safetensors`)
+//! - `DELETE /admin/v1/tenants/{id}/adapters/{name}`
+//! - `POST /admin/v1/tenants/{id}/adapters/{name}/rollback`
 
 use super::auth::{bearer_token, same};
 use super::body::read_limited;
@@ -21,6 +26,26 @@ use std::sync::Arc;
 
 /// Largest component accepted.
 pub const MAX_PLUGIN_BYTES: usize = 64 << 20;
+
+/// Largest adapter upload accepted (both files): a rank-64 adapter on
+/// every projection of an 8B model is about 336 MB in f16.
+pub const MAX_ADAPTER_BYTES: usize = 1 << 30;
+
+/// The answer to a refused adapter: a quota is a 400 with the code
+/// `adapter_quota_exceeded` naming its limit, the state store's faults as
+/// [`bad`] reports them, anything else (an adapter that does not fit the
+/// base, a bad upload, a stored adapter that no longer loads) a 400 that
+/// says why.
+pub fn adapter_error(e: anyhow::Error) -> ApiError {
+    use crate::tenants::adapters::AdapterError;
+    match e.downcast_ref::<AdapterError>() {
+        Some(q) => ApiError {
+            code: "adapter_quota_exceeded",
+            ..ApiError::invalid(None, q.to_string())
+        },
+        None => bad(e),
+    }
+}
 
 fn percent_decode(s: &str) -> Result<String, ApiError> {
     let b = s.as_bytes();
@@ -114,6 +139,8 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "plugin_limits": c.plugin_limits,
         "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),
         "installed": state.tenants.list_plugins(t)["data"],
+        "adapter_limits": c.adapter_limits,
+        "adapters": s.adapters,
         // With --state-store: the revision of the shared manifest this
         // replica serves (each landed change adds one).
         "state_revision": state.tenants.revision_of(&c.id),
@@ -268,6 +295,78 @@ pub async fn route(
         (Method::POST, ["admin", "v1", "tenants", id, "plugins", name, "rollback"]) => {
             let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
             let r = state.tenants.rollback(&t, name).await.map_err(bad)?;
+            Ok(json_response(
+                &json!({"tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "active": true}),
+            ))
+        }
+        (Method::GET, ["admin", "v1", "tenants", id, "adapters"]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            Ok(json_response(&state.tenants.list_adapters(&t)))
+        }
+        (Method::PUT, ["admin", "v1", "tenants", id, "adapters", name]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            let name = name.to_string();
+            if state.served_model_names().iter().any(|n| *n == name) {
+                return Err(ApiError::invalid(
+                    Some("name".into()),
+                    format!("the adapter name '{name}' is a served model's name; choose another"),
+                ));
+            }
+            let engine = state.engine()?;
+            let loras = engine.lora_registry().cloned().ok_or_else(|| {
+                ApiError::invalid(
+                    None,
+                    "LoRA adapters are not enabled; start the server with --enable-lora",
+                )
+            })?;
+            let content_type = req
+                .headers()
+                .get(hyper::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string();
+            let body = read_limited(req, MAX_ADAPTER_BYTES).await?;
+            let upload = crate::tenants::adapters::parse_multipart(&content_type, &body)
+                .map_err(|e| ApiError::invalid(None, format!("{e:#}")))?;
+            let r = state
+                .tenants
+                .upload_adapter(&t, &name, upload, &loras)
+                .await
+                .map_err(|e| {
+                    tracing::warn!(tenant = %t.id, adapter = %name, "adapter upload refused: {e:#}");
+                    adapter_error(e)
+                })?;
+            tracing::info!(tenant = %t.id, adapter = %name, version = r.version, sha256 = %r.sha256, "adapter version active");
+            let mut v = serde_json::to_value(&r).unwrap_or_default();
+            v["tenant"] = json!(t.id);
+            v["name"] = json!(name);
+            v["active"] = json!(true);
+            let mut resp = json_response(&v);
+            *resp.status_mut() = StatusCode::CREATED;
+            Ok(resp)
+        }
+        (Method::DELETE, ["admin", "v1", "tenants", id, "adapters", name]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            if state.tenants.delete_adapter(&t, name).await.map_err(bad)? {
+                tracing::info!(tenant = %t.id, adapter = %name, "adapter deleted");
+                Ok(json_response(
+                    &json!({"tenant": t.id, "name": name, "deleted": true}),
+                ))
+            } else {
+                Err(ApiError {
+                    code: "adapter_not_found",
+                    ..ApiError::not_found(&format!("adapter '{name}' of tenant '{id}'"))
+                })
+            }
+        }
+        (Method::POST, ["admin", "v1", "tenants", id, "adapters", name, "rollback"]) => {
+            let t = state.tenants.get(id).ok_or_else(|| tenant_not_found(id))?;
+            let r = state
+                .tenants
+                .rollback_adapter(&t, name)
+                .await
+                .map_err(bad)?;
+            tracing::info!(tenant = %t.id, adapter = %name, version = r.version, "adapter rolled back");
             Ok(json_response(
                 &json!({"tenant": t.id, "name": name, "version": r.version, "sha256": r.sha256, "active": true}),
             ))

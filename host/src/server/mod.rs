@@ -176,6 +176,57 @@ impl AppState {
         Ok(engine)
     }
 
+    /// [`AppState::engine_for`] for a request of `tenant`: its own
+    /// adapters count as served models (another tenant's do not, and
+    /// answer as a missing model does).
+    pub fn engine_as(
+        &self,
+        model: &str,
+        tenant: Option<&crate::server::openai::tenant::TenantCtx>,
+    ) -> Result<&AsyncEngine, ApiError> {
+        if tenant.is_some_and(|t| t.admission.snapshot.owns_adapter(model)) {
+            return self.engine();
+        }
+        self.engine_for(model)
+    }
+
+    /// The LoRA adapter a request for `model` runs with: the tenant's own
+    /// adapter of that name (made resident on this request if it is not),
+    /// else a server-wide one, else none (the base model). Names the
+    /// adapter in the access log.
+    pub fn lora_as<'a>(
+        &'a self,
+        model: &'a str,
+        engine: &'a AsyncEngine,
+        tenant: Option<&crate::server::openai::tenant::TenantCtx>,
+    ) -> impl std::future::Future<
+        Output = Result<Option<std::sync::Arc<crate::engine::lora::LoadedLora>>, ApiError>,
+    > + Send
+           + 'a {
+        // Only the tenant itself crosses the await (its request's plugin
+        // session is not shared between threads).
+        let own = tenant
+            .filter(|t| t.admission.snapshot.owns_adapter(model))
+            .map(|t| Arc::clone(&t.admission.tenant));
+        async move {
+            let lora = match own {
+                Some(t) => self
+                    .tenants
+                    .resolve_adapter(&t, model, engine.lora_registry())
+                    .await
+                    .map_err(admin::adapter_error)?
+                    // Deleted since the request was admitted.
+                    .ok_or_else(|| ApiError::model_not_found(model))
+                    .map(Some)?,
+                None => engine.lora(model),
+            };
+            if let (Some(_), Some(r)) = (&lora, access_log::current()) {
+                r.set_adapter(model);
+            }
+            Ok(lora)
+        }
+    }
+
     /// The engine, if the server is ready to serve: the engine is up and,
     /// with a state store, the store has been read once and agrees on the
     /// key salt (what the readiness probes answer).
@@ -633,6 +684,13 @@ async fn api_route(
                     .filter(|l| allowed(&l.name))
                     .map(|l| lora_card(&state, l)),
             );
+            // The tenant's own adapters (and no other tenant's).
+            if let Some(t) = &tenant {
+                for (name, version) in state.tenants.active_adapters(t) {
+                    data.retain(|c| c["id"] != name.as_str());
+                    data.push(tenant_lora_card(&state, &name, version));
+                }
+            }
             Ok(json_response(&json!({"object": "list", "data": data})))
         }
         // `client.models.retrieve(id)`: the id is the rest of the path (a
@@ -641,6 +699,16 @@ async fn api_route(
             state.engine()?;
             let id = percent_decode(&p["/v1/models/".len()..]);
             let lora = state.engine()?.lora(&id);
+            let own = tenant.as_ref().and_then(|t| {
+                state
+                    .tenants
+                    .active_adapters(t)
+                    .into_iter()
+                    .find(|(n, _)| *n == id)
+            });
+            if let Some((name, version)) = own {
+                return Ok(json_response(&tenant_lora_card(&state, &name, version)));
+            }
             match state.config.served_model_names.iter().find(|n| **n == id) {
                 Some(n) if allowed(n) => Ok(json_response(&model_card(&state, n))),
                 None if lora.is_some() && allowed(&id) => {
@@ -822,6 +890,17 @@ fn lora_card(state: &AppState, l: &crate::engine::lora::LoadedLora) -> Value {
     json!({
         "id": l.name, "object": "model", "created": 0, "owned_by": "pagoda",
         "root": l.path.display().to_string(), "parent": state.default_model(),
+        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "permission": [],
+    })
+}
+
+/// A tenant's own adapter's `/v1/models` entry: its name and version
+/// as `root` (not where the server keeps it), the base as parent.
+fn tenant_lora_card(state: &AppState, name: &str, version: u64) -> Value {
+    json!({
+        "id": name, "object": "model", "created": 0, "owned_by": "pagoda",
+        "root": format!("{name}@v{version}"), "parent": state.default_model(),
         "max_model_len": state.engine.get().map(|e| e.max_model_len()),
         "permission": [],
     })

@@ -73,3 +73,45 @@ pub fn of(id: &str) -> String {
         }
     }
 }
+
+/// Distinct adapter label values a process gives out; adapters beyond
+/// them share the label `other`, so a tenant that uploads many adapters
+/// cannot grow `/metrics` without bound.
+pub const MAX_ADAPTER_LABELS: usize = 32;
+
+static ADAPTER_LABELS: std::sync::Mutex<Option<std::collections::HashSet<String>>> =
+    std::sync::Mutex::new(None);
+
+/// The `adapter` label of tenant `id`'s adapter `name`, under the rules of
+/// the tenant label: its name with `id`, a salted hash (`a-` and 16 hex
+/// digits of tenant and name, so one tenant's `support` is not another's)
+/// with `hash`, and `all` with `none`. The first [`MAX_ADAPTER_LABELS`]
+/// distinct values are kept; later ones are `other`.
+pub fn adapter(id: &str, name: &str) -> String {
+    let label = match MODE.get() {
+        None | Some(TenantLabel::Id) => name.to_string(),
+        Some(TenantLabel::None) => return "all".to_string(),
+        Some(TenantLabel::Hash) => {
+            let secret = *SECRET.read().unwrap_or_else(PoisonError::into_inner);
+            let mut h = Sha256::new();
+            h.update(secret);
+            h.update(b"\0adapter\0");
+            h.update(id.as_bytes());
+            h.update([0]);
+            h.update(name.as_bytes());
+            format!("a-{}", hex::encode(&h.finalize()[..8]))
+        }
+    };
+    let mut seen = ADAPTER_LABELS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let seen = seen.get_or_insert_with(Default::default);
+    if seen.contains(&label) {
+        label
+    } else if seen.len() < MAX_ADAPTER_LABELS {
+        seen.insert(label.clone());
+        label
+    } else {
+        "other".to_string()
+    }
+}

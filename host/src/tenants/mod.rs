@@ -15,10 +15,14 @@
 //! tenants/<id>/plugins/<name>/<v>.cwasm   its precompiled artifact (a cache)
 //! tenants/<id>/plugins/<name>/<v>.json    the version record (written last)
 //! tenants/<id>/plugins/<name>/active.json the active version and rollback history
+//! tenants/<id>/adapters/.blobs/<sha256>    an uploaded adapter file (see [`adapters`])
+//! tenants/<id>/adapters/<name>/<v>.json   an adapter version's record
+//! tenants/<id>/adapters/<name>/active.json
 //! ```
 //! Every file is created 0600 and every directory 0700: the key hashes and
 //! plugin artifacts are the server's alone.
 
+pub mod adapters;
 pub mod metric_label;
 mod replica;
 pub mod shared;
@@ -144,6 +148,8 @@ pub struct TenantConfig {
     pub plugins: Option<Vec<ChainSpec>>,
     /// Limits of each plugin hook call.
     pub plugin_limits: Limits,
+    /// Quotas of the tenant's own LoRA adapters.
+    pub adapter_limits: adapters::AdapterLimits,
 }
 
 /// The body of `PUT /admin/v1/tenants/{id}`.
@@ -157,6 +163,8 @@ pub struct TenantSpec {
     pub scheduling: TenantScheduling,
     pub plugins: Option<Vec<PluginChainItem>>,
     pub plugin_limits: Option<Limits>,
+    /// Absent: keep the current adapter quotas.
+    pub adapter_limits: Option<adapters::AdapterLimits>,
 }
 
 /// A chain entry in a PUT body: a name, or a name with policies.
@@ -171,11 +179,22 @@ pub enum PluginChainItem {
 pub struct Snapshot {
     pub config: TenantConfig,
     pub chain: Vec<ChainEntry>,
+    /// The names of the tenant's own adapters (with an active version).
+    pub adapters: std::collections::BTreeSet<String>,
 }
 
 impl Snapshot {
+    /// Whether the tenant may name `model`: one of its own adapters, or a
+    /// served name (or shared adapter) its allowlist admits.
     pub fn allows_model(&self, model: &str) -> bool {
-        self.config.models.is_empty() || self.config.models.iter().any(|m| m == model)
+        self.owns_adapter(model)
+            || self.config.models.is_empty()
+            || self.config.models.iter().any(|m| m == model)
+    }
+
+    /// Whether `name` is one of the tenant's own adapters.
+    pub fn owns_adapter(&self, name: &str) -> bool {
+        self.adapters.contains(name)
     }
 }
 
@@ -196,33 +215,74 @@ pub struct VersionRecord {
     pub uploaded_at: u64,
 }
 
-/// A plugin's versions and which one is active.
-#[derive(Default)]
-pub struct PluginSlot {
-    pub versions: BTreeMap<u64, VersionRecord>,
-    pub loaded: HashMap<u64, Arc<LoadedPlugin>>,
+/// The versions of one uploaded object (a plugin, an adapter), which one
+/// is active, and the rollback history: plugins and adapters are
+/// versioned, persisted, rolled back and shared the same way.
+pub struct VersionSlot<R, L> {
+    pub versions: BTreeMap<u64, R>,
+    /// Versions loaded in memory (compiled plugins, resident adapters).
+    pub loaded: HashMap<u64, L>,
     pub active: Option<u64>,
     /// Earlier active versions, most recent last (for rollback).
     pub history: Vec<u64>,
 }
 
-impl PluginSlot {
+impl<R, L> Default for VersionSlot<R, L> {
+    fn default() -> Self {
+        VersionSlot {
+            versions: BTreeMap::new(),
+            loaded: HashMap::new(),
+            active: None,
+            history: Vec::new(),
+        }
+    }
+}
+
+/// A plugin's versions.
+pub type PluginSlot = VersionSlot<VersionRecord, Arc<LoadedPlugin>>;
+
+impl<R: Clone, L> VersionSlot<R, L> {
     /// Rollback goes at most this many versions back.
     pub const MAX_HISTORY: usize = 16;
     /// Earlier versions kept compiled in memory for an instant rollback
     /// (with a state dir; the others are loaded from it when needed).
     pub const KEEP_LOADED: usize = 2;
 
+    /// The number the next upload gets, and the history once it is active.
+    pub fn next_upload(&self) -> (u64, Vec<u64>) {
+        let version = self.versions.keys().next_back().copied().unwrap_or(0) + 1;
+        let mut h = self.history.clone();
+        if let Some(p) = self.active {
+            h.push(p);
+        }
+        (version, h)
+    }
+
+    /// The version a rollback makes active, its record, and the history
+    /// after it; an error naming `what` when there is none.
+    pub fn rollback_target(&self, what: &str) -> Result<(u64, R, Vec<u64>)> {
+        let mut h = self.history.clone();
+        let target = h
+            .pop()
+            .ok_or_else(|| anyhow!("{what} has no earlier version to roll back to"))?;
+        let record = self
+            .versions
+            .get(&target)
+            .cloned()
+            .ok_or_else(|| anyhow!("version {target} of {what} is missing"))?;
+        Ok((target, record, h))
+    }
+
     /// Bounds what the slot holds as versions come and go: the rollback
-    /// history, and the compiled versions in memory (each holds native
-    /// code and a memory image, a file descriptor). Without a state dir
-    /// (`reloadable` false) every version rollback can reach stays loaded;
-    /// with one, only the active version and the last few.
-    fn prune(&mut self, reloadable: bool) {
+    /// history, and the versions loaded in memory (a compiled plugin holds
+    /// native code and a memory image, a file descriptor). Without a state
+    /// dir (`reloadable` false) every version rollback can reach stays
+    /// loaded; with one, only the active version and the last `keep_back`.
+    fn prune_keeping(&mut self, reloadable: bool, keep_back: usize) {
         let excess = self.history.len().saturating_sub(Self::MAX_HISTORY);
         self.history.drain(..excess);
         let keep_back = if reloadable {
-            Self::KEEP_LOADED
+            keep_back
         } else {
             Self::MAX_HISTORY
         };
@@ -230,6 +290,10 @@ impl PluginSlot {
         let active = self.active;
         self.loaded
             .retain(|v, _| Some(*v) == active || recent.contains(v));
+    }
+
+    fn prune(&mut self, reloadable: bool) {
+        self.prune_keeping(reloadable, Self::KEEP_LOADED)
     }
 }
 
@@ -247,6 +311,11 @@ pub struct Tenant {
     instances_held: AtomicUsize,
     bucket: Mutex<Bucket>,
     pub(crate) plugins: Mutex<BTreeMap<String, PluginSlot>>,
+    /// Its own LoRA adapters, by name.
+    pub(crate) adapters: Mutex<BTreeMap<String, adapters::AdapterSlot>>,
+    /// Serializes this tenant's cold adapter loads (each runs on the
+    /// request that needs it).
+    pub(crate) adapter_loads: tokio::sync::Mutex<()>,
     /// Serializes admin changes of this tenant (uploads, rollbacks, PUT).
     pub(crate) admin: tokio::sync::Mutex<()>,
 }
@@ -321,6 +390,7 @@ impl Tenant {
             snapshot: ArcSwap::from_pointee(Snapshot {
                 config,
                 chain: Vec::new(),
+                adapters: Default::default(),
             }),
             in_flight: AtomicUsize::new(0),
             instances_held: AtomicUsize::new(0),
@@ -329,6 +399,8 @@ impl Tenant {
                 at: Instant::now(),
             }),
             plugins: Mutex::new(BTreeMap::new()),
+            adapters: Mutex::new(BTreeMap::new()),
+            adapter_loads: tokio::sync::Mutex::new(()),
             admin: tokio::sync::Mutex::new(()),
         }
     }
@@ -411,6 +483,14 @@ impl Tenant {
             }
         }
         drop(slots);
+        let adapters = self
+            .adapters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(_, s)| s.active.is_some())
+            .map(|(n, _)| n.clone())
+            .collect();
         {
             let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
             let mut b = self
@@ -421,7 +501,11 @@ impl Tenant {
                 b.level = tpm;
             }
         }
-        self.snapshot.store(Arc::new(Snapshot { config, chain }));
+        self.snapshot.store(Arc::new(Snapshot {
+            config,
+            chain,
+            adapters,
+        }));
     }
 }
 
@@ -735,6 +819,11 @@ impl Tenants {
         {
             bail!("plugin_limits timeouts must be between 1 and 60000 ms");
         }
+        let adapter_limits = spec.adapter_limits.unwrap_or_else(|| {
+            old.as_ref()
+                .map(|c| c.adapter_limits.clone())
+                .unwrap_or_default()
+        });
         let config = TenantConfig {
             id: id.to_string(),
             api_key_hashes,
@@ -743,6 +832,7 @@ impl Tenants {
             scheduling: spec.scheduling,
             plugins,
             plugin_limits,
+            adapter_limits,
         };
         if let Some((_, basis)) = &write {
             let m = self.manifest_of(existing.as_deref(), config.clone());
@@ -832,16 +922,9 @@ impl Tenants {
                 .plugins
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let s = slots.get(name);
-            let version = s
-                .and_then(|s| s.versions.keys().next_back().copied())
-                .unwrap_or(0)
-                + 1;
-            let mut h = s.map(|s| s.history.clone()).unwrap_or_default();
-            if let Some(p) = s.and_then(|s| s.active) {
-                h.push(p);
-            }
-            (version, h)
+            slots
+                .get(name)
+                .map_or((1, Vec::new()), PluginSlot::next_upload)
         };
         let record = VersionRecord {
             version,
@@ -918,15 +1001,7 @@ impl Tenants {
             let s = slots
                 .get(name)
                 .ok_or_else(|| anyhow!("tenant '{}' has no plugin '{name}'", tenant.id))?;
-            let mut h = s.history.clone();
-            let target = h
-                .pop()
-                .ok_or_else(|| anyhow!("plugin '{name}' has no earlier version to roll back to"))?;
-            let record = s
-                .versions
-                .get(&target)
-                .cloned()
-                .ok_or_else(|| anyhow!("version {target} of '{name}' is missing"))?;
+            let (target, record, h) = s.rollback_target(&format!("plugin '{name}'"))?;
             (target, h, record, s.loaded.get(&target).cloned())
         };
         let loaded = match loaded {
@@ -1015,11 +1090,15 @@ impl Tenants {
         let Some(dir) = &self.dir else { return Ok(0) };
         let loaded = store::load_all(&self.runtime, dir)?;
         let n = loaded.len();
-        for (config, slots) in loaded {
+        for store::Loaded { config, plugins } in loaded {
+            let adapters = adapters::disk::read_adapter_slots(dir, &config.id);
             let t = Arc::new(Tenant::new(config.clone()));
             *t.plugins
                 .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = slots;
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = plugins;
+            *t.adapters
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = adapters;
             self.index_keys(&config.id, &[], &config.api_key_hashes);
             t.publish(config.clone());
             self.map

@@ -14,6 +14,7 @@
 //!   and only then changes this replica. A lost race is a 409 with nothing
 //!   changed; an unreachable store is a 503 with nothing changed.
 
+use super::adapters::AdapterSlot;
 use super::shared::{
     is_unavailable, Manifest, ManifestPlugin, ReadManifest, SaltCheck, StateStore,
 };
@@ -445,11 +446,31 @@ impl Tenants {
                     .collect()
             })
             .unwrap_or_default();
+        let adapters = tenant
+            .map(|t| {
+                t.adapters
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .iter()
+                    .map(|(name, s)| {
+                        (
+                            name.clone(),
+                            super::shared::ManifestSlot {
+                                versions: s.versions.clone(),
+                                active: s.active,
+                                history: s.history.clone(),
+                            },
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
         Manifest {
             revision: 0,
             deleted: false,
             config,
             plugins,
+            adapters,
         }
     }
 
@@ -505,6 +526,38 @@ impl Tenants {
             slot.prune(true);
             slots.insert(name.clone(), slot);
         }
+        let mut adapter_slots: BTreeMap<String, AdapterSlot> = BTreeMap::new();
+        for (name, a) in &m.adapters {
+            let mut slot = AdapterSlot {
+                versions: a.versions.clone(),
+                loaded: HashMap::new(),
+                active: a.active,
+                history: a.history.clone(),
+            };
+            // The resident version stays resident if it is still the
+            // active one, with the same content.
+            if let (Some(t), Some(v)) = (&existing, a.active) {
+                let held = t
+                    .adapters
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(r) = held.get(name).and_then(|old| {
+                    let same = old.versions.get(&v)? == a.versions.get(&v)?;
+                    same.then(|| old.loaded.get(&v).cloned()).flatten()
+                }) {
+                    slot.loaded.insert(v, r);
+                }
+            }
+            // The active version's files into the cache, so it loads
+            // while the store is unreachable.
+            if let Some(v) = a.active {
+                let r = a.versions.get(&v).ok_or_else(|| {
+                    anyhow!("adapter {name}: the active version {v} has no record")
+                })?;
+                self.cache_adapter_files(id, r).await?;
+            }
+            adapter_slots.insert(name.clone(), slot);
+        }
         self.cache(&m).await?;
         let tenant = existing.unwrap_or_else(|| self.get_or_insert(&m.config));
         let old_hashes = tenant.snapshot().config.api_key_hashes.clone();
@@ -512,6 +565,10 @@ impl Tenants {
             .plugins
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = slots;
+        *tenant
+            .adapters
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = adapter_slots;
         self.index_keys(id, &old_hashes, &m.config.api_key_hashes);
         tenant.publish(m.config.clone());
         self.record_seen(id, e_tag, m.revision);
@@ -533,6 +590,34 @@ impl Tenants {
                 }
                 if let Some(a) = p.active {
                     store::save_active(&dir, &m.config.id, name, a, &p.history)?;
+                }
+            }
+            for (name, a) in &m.adapters {
+                for r in a.versions.values() {
+                    super::adapters::disk::save_adapter_record(&dir, &m.config.id, name, r)?;
+                }
+                if let Some(v) = a.active {
+                    store::save_active_of(
+                        &dir,
+                        &m.config.id,
+                        store::Kind::Adapters,
+                        name,
+                        v,
+                        &a.history,
+                    )?;
+                }
+            }
+            // Adapters the store no longer has leave the cache, with the
+            // files no remaining version names.
+            let keep: std::collections::BTreeSet<String> = m
+                .adapters
+                .values()
+                .flat_map(|a| a.versions.values())
+                .flat_map(|r| [r.config_sha256.clone(), r.weights_sha256.clone()])
+                .collect();
+            for name in super::adapters::disk::adapter_names(&dir, &m.config.id) {
+                if !m.adapters.contains_key(&name) {
+                    super::adapters::disk::delete_adapter(&dir, &m.config.id, &name, &keep)?;
                 }
             }
             Ok(())

@@ -4,7 +4,8 @@
 //! Layout under the store's prefix:
 //! - `key-salt`: the 32-byte salt of the API-key hashes, written once (the
 //!   first replica's), so that every replica hashes a key alike.
-//! - `blobs/<sha256>`: plugin components, immutable, named by their content.
+//! - `blobs/<sha256>`: plugin components and adapter files, immutable,
+//!   named by their content.
 //!   Compiled artifacts are native code for one machine and stay in each
 //!   replica's `--state-dir`.
 //! - `tenants/<id>/manifest.json`: one [`Manifest`] per tenant: its config,
@@ -15,6 +16,7 @@
 //!   leaves a tombstone written the same way, so a delete cannot silently
 //!   undo a concurrent update either.
 
+use super::adapters::AdapterRecord;
 use super::{TenantConfig, VersionRecord};
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
@@ -63,17 +65,34 @@ pub struct Manifest {
     pub deleted: bool,
     pub config: TenantConfig,
     pub plugins: BTreeMap<String, ManifestPlugin>,
+    /// The tenant's own LoRA adapters (their files are blobs too).
+    pub adapters: BTreeMap<String, ManifestSlot<AdapterRecord>>,
 }
 
-/// A plugin's versions in a [`Manifest`].
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+/// A versioned object's versions in a [`Manifest`] (a plugin's, an
+/// adapter's).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default)]
-pub struct ManifestPlugin {
-    /// The records, without artifact hashes (those are per machine).
-    pub versions: BTreeMap<u64, VersionRecord>,
+pub struct ManifestSlot<R> {
+    /// The records (a plugin's without artifact hashes: those are per
+    /// machine).
+    pub versions: BTreeMap<u64, R>,
     pub active: Option<u64>,
     pub history: Vec<u64>,
 }
+
+impl<R> Default for ManifestSlot<R> {
+    fn default() -> Self {
+        ManifestSlot {
+            versions: BTreeMap::new(),
+            active: None,
+            history: Vec::new(),
+        }
+    }
+}
+
+/// A plugin's versions in a [`Manifest`].
+pub type ManifestPlugin = ManifestSlot<VersionRecord>;
 
 /// A manifest as read, with the version a conditional write is based on.
 pub struct ReadManifest {
@@ -522,7 +541,7 @@ impl StateStore {
         Ok(r)
     }
 
-    /// Stores a plugin component under its sha256. One already there is
+    /// Stores a plugin component (or an adapter file) under its sha256. One already there is
     /// kept if its content matches the name, and replaced if it does not
     /// (so uploading the plugin again repairs a corrupt blob).
     pub async fn put_blob(&self, sha256: &str, bytes: Bytes) -> Result<()> {
@@ -565,7 +584,8 @@ impl StateStore {
         }
     }
 
-    /// Fetches the plugin component with this sha256, checked.
+    /// Fetches the plugin component (or adapter file) with this sha256,
+    /// checked.
     pub async fn get_blob(&self, sha256: &str) -> Result<Bytes> {
         let path = self.path(&format!("blobs/{sha256}"));
         let b = match self.store.get(&path).await {
@@ -580,7 +600,7 @@ impl StateStore {
                 .corrupt(
                     &path,
                     format!("its content has sha256 {actual}"),
-                    "upload the plugin again (PUT /admin/v1/tenants/ID/plugins/NAME), roll back, or delete the tenant",
+                    "upload the plugin or adapter again (PUT /admin/v1/tenants/ID/plugins/NAME or .../adapters/NAME), roll back, or delete the tenant",
                 )
                 .into());
         }

@@ -1,10 +1,11 @@
-//! Tenants and plugin versions under `--state-dir`. Every file is written
-//! atomically: a temp file in the same directory, fsync, rename, fsync of
-//! the directory. A version's record (`<v>.json`) is written after its
-//! component and artifact, and the active pointer after the record, so a
-//! crash at any point leaves the previous active version intact.
+//! Tenants, plugin versions and adapter versions under `--state-dir`.
+//! Every file is written atomically: a temp file in the same directory,
+//! fsync, rename, fsync of the directory. A version's record (`<v>.json`)
+//! is written after its content (a plugin's component and artifact, an
+//! adapter's blobs), and the active pointer after the record, so a crash at
+//! any point leaves the previous active version intact.
 
-use super::{valid_name, PluginSlot, TenantConfig, VersionRecord};
+use super::{valid_name, PluginSlot, TenantConfig, VersionRecord, VersionSlot};
 use crate::plugins::{validate_config, Limits, LoadedPlugin, PluginRuntime};
 use anyhow::{anyhow, Context, Result};
 use std::collections::BTreeMap;
@@ -12,15 +13,36 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-fn tenant_dir(root: &Path, id: &str) -> PathBuf {
+pub(super) fn tenant_dir(root: &Path, id: &str) -> PathBuf {
     root.join("tenants").join(id)
 }
 
-fn plugin_dir(root: &Path, id: &str, name: &str) -> PathBuf {
-    tenant_dir(root, id).join("plugins").join(name)
+/// What a tenant stores in versions: each has a folder of its own under
+/// the tenant's, one subfolder per name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Plugins,
+    Adapters,
 }
 
-fn fsync_dir(dir: &Path) -> Result<()> {
+impl Kind {
+    fn dir(self) -> &'static str {
+        match self {
+            Kind::Plugins => "plugins",
+            Kind::Adapters => "adapters",
+        }
+    }
+}
+
+pub(super) fn slot_dir(root: &Path, id: &str, kind: Kind, name: &str) -> PathBuf {
+    tenant_dir(root, id).join(kind.dir()).join(name)
+}
+
+fn plugin_dir(root: &Path, id: &str, name: &str) -> PathBuf {
+    slot_dir(root, id, Kind::Plugins, name)
+}
+
+pub(super) fn fsync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .with_context(|| format!("cannot fsync {}", dir.display()))
@@ -118,14 +140,81 @@ struct Active {
 }
 
 pub fn save_active(root: &Path, id: &str, name: &str, active: u64, history: &[u64]) -> Result<()> {
+    save_active_of(root, id, Kind::Plugins, name, active, history)
+}
+
+/// Points `kind` `name` of tenant `id` at version `active`.
+pub fn save_active_of(
+    root: &Path,
+    id: &str,
+    kind: Kind,
+    name: &str,
+    active: u64,
+    history: &[u64],
+) -> Result<()> {
     let a = Active {
         active,
         history: history.to_vec(),
     };
     write_atomic(
-        &plugin_dir(root, id, name).join("active.json"),
+        &slot_dir(root, id, kind, name).join("active.json"),
         &serde_json::to_vec(&a)?,
     )
+}
+
+/// A stored version's record: it knows its own number.
+pub trait Versioned: serde::de::DeserializeOwned {
+    fn version(&self) -> u64;
+}
+
+impl Versioned for VersionRecord {
+    fn version(&self) -> u64 {
+        self.version
+    }
+}
+
+/// The records and the active pointer in one slot's folder (nothing
+/// loaded). Leftover temp files of an interrupted write are removed; a
+/// record that does not parse is skipped with a warning, and an active
+/// pointer naming a version without a record is dropped.
+pub(super) fn read_slot<R: Versioned + Clone, L>(dir: &Path) -> VersionSlot<R, L> {
+    let mut slot = VersionSlot::default();
+    for f in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let fname = f.file_name().to_string_lossy().to_string();
+        if let Some(v) = fname
+            .strip_suffix(".json")
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            match std::fs::read(f.path())
+                .map_err(anyhow::Error::from)
+                .and_then(|b| Ok(serde_json::from_slice::<R>(&b)?))
+            {
+                Ok(r) if r.version() == v => {
+                    slot.versions.insert(v, r);
+                }
+                _ => tracing::warn!("ignoring unreadable version record {}", f.path().display()),
+            }
+        } else if fname.starts_with(".tmp-") {
+            let _ = std::fs::remove_file(f.path());
+        }
+    }
+    if let Ok(b) = std::fs::read(dir.join("active.json")) {
+        if let Ok(a) = serde_json::from_slice::<Active>(&b) {
+            slot.active = Some(a.active);
+            slot.history = a
+                .history
+                .into_iter()
+                .filter(|v| slot.versions.contains_key(v))
+                .collect();
+        }
+    }
+    if let Some(v) = slot.active {
+        if !slot.versions.contains_key(&v) {
+            tracing::error!("{}: the active version {v} has no record", dir.display());
+            slot.active = None;
+        }
+    }
+    slot
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -219,11 +308,15 @@ pub fn load_version(
     )))
 }
 
+/// A tenant as the state dir holds it.
+pub struct Loaded {
+    pub config: TenantConfig,
+    /// Its plugins, active versions compiled.
+    pub plugins: BTreeMap<String, PluginSlot>,
+}
+
 /// Every tenant with its plugin slots (active versions loaded).
-pub fn load_all(
-    rt: &Arc<PluginRuntime>,
-    root: &Path,
-) -> Result<Vec<(TenantConfig, BTreeMap<String, PluginSlot>)>> {
+pub fn load_all(rt: &Arc<PluginRuntime>, root: &Path) -> Result<Vec<Loaded>> {
     let tdir = root.join("tenants");
     let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(&tdir) else {
@@ -255,63 +348,25 @@ pub fn load_all(
                 if !valid_name(&name) {
                     continue;
                 }
-                let mut slot = PluginSlot::default();
-                for f in std::fs::read_dir(p.path()).into_iter().flatten().flatten() {
-                    let fname = f.file_name().to_string_lossy().to_string();
-                    if let Some(v) = fname
-                        .strip_suffix(".json")
-                        .and_then(|v| v.parse::<u64>().ok())
-                    {
-                        match std::fs::read(f.path())
-                            .map_err(anyhow::Error::from)
-                            .and_then(|b| Ok(serde_json::from_slice::<VersionRecord>(&b)?))
-                        {
-                            Ok(r) if r.version == v => {
-                                slot.versions.insert(v, r);
-                            }
-                            _ => tracing::warn!(
-                                "ignoring unreadable version record {}",
-                                f.path().display()
-                            ),
+                let mut slot: PluginSlot = read_slot(&p.path());
+                if let Some(r) = slot.active.and_then(|v| slot.versions.get(&v)) {
+                    match load_version(rt, root, &id, &name, r, &config.plugin_limits) {
+                        Ok(l) => {
+                            slot.loaded.insert(r.version, l);
                         }
-                    } else if fname.starts_with(".tmp-") {
-                        let _ = std::fs::remove_file(f.path());
-                    }
-                }
-                if let Ok(b) = std::fs::read(p.path().join("active.json")) {
-                    if let Ok(a) = serde_json::from_slice::<Active>(&b) {
-                        slot.active = Some(a.active);
-                        slot.history = a
-                            .history
-                            .into_iter()
-                            .filter(|v| slot.versions.contains_key(v))
-                            .collect();
-                    }
-                }
-                if let Some(v) = slot.active {
-                    match slot.versions.get(&v) {
-                        Some(r) => {
-                            match load_version(rt, root, &id, &name, r, &config.plugin_limits) {
-                                Ok(l) => {
-                                    slot.loaded.insert(v, l);
-                                }
-                                Err(err) => tracing::error!(
-                                    "tenant {id}: plugin {name} v{v} failed to load: {err:#}"
-                                ),
-                            }
-                        }
-                        None => {
-                            tracing::error!(
-                                "tenant {id}: plugin {name}: active version {v} has no record"
-                            );
-                            slot.active = None;
-                        }
+                        Err(err) => tracing::error!(
+                            "tenant {id}: plugin {name} v{} failed to load: {err:#}",
+                            r.version
+                        ),
                     }
                 }
                 slots.insert(name, slot);
             }
         }
-        out.push((config, slots));
+        out.push(Loaded {
+            config,
+            plugins: slots,
+        });
     }
     Ok(out)
 }

@@ -101,16 +101,12 @@ impl LoraAdapter {
     /// `base`, refusing ranks above `max_rank` (`--max-lora-rank`).
     pub fn load(dir: &Path, base: &ModelConfig, max_rank: usize) -> Result<LoraAdapter> {
         let config_path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&config_path).with_context(|| {
+        let text = std::fs::read(&config_path).with_context(|| {
             format!(
                 "{}: cannot read the adapter's config (a PEFT adapter folder has adapter_config.json and adapter_model.safetensors)",
                 config_path.display()
             )
         })?;
-        let config: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not valid JSON", config_path.display()))?;
-        let (rank, scaling) =
-            read_config(&config, max_rank).with_context(|| format!("{}", config_path.display()))?;
         let weights_path = dir.join("adapter_model.safetensors");
         if !weights_path.exists() {
             if dir.join("adapter_model.bin").exists() {
@@ -123,13 +119,35 @@ impl LoraAdapter {
         }
         let bytes = std::fs::read(&weights_path)
             .with_context(|| format!("{}: cannot read", weights_path.display()))?;
-        let modules = read_tensors(&bytes, base, rank)
-            .with_context(|| format!("{}", weights_path.display()))?;
+        Self::from_bytes(
+            &text,
+            &bytes,
+            base,
+            max_rank,
+            &config_path.display().to_string(),
+            &weights_path.display().to_string(),
+        )
+    }
+
+    /// Parses an adapter from the bytes of its two PEFT files (an upload),
+    /// with the same refusals as [`LoraAdapter::load`]; errors name the
+    /// files as `config_name` and `weights_name`.
+    pub fn from_bytes(
+        config: &[u8],
+        weights: &[u8],
+        base: &ModelConfig,
+        max_rank: usize,
+        config_name: &str,
+        weights_name: &str,
+    ) -> Result<LoraAdapter> {
+        let config: Value = serde_json::from_slice(config)
+            .with_context(|| format!("{config_name}: not valid JSON"))?;
+        let (rank, scaling) =
+            read_config(&config, max_rank).with_context(|| config_name.to_string())?;
+        let modules =
+            read_tensors(weights, base, rank).with_context(|| weights_name.to_string())?;
         if modules.is_empty() {
-            bail!(
-                "{}: the adapter has no LoRA tensors",
-                weights_path.display()
-            );
+            bail!("{weights_name}: the adapter has no LoRA tensors");
         }
         Ok(LoraAdapter {
             rank,

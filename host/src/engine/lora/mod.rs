@@ -112,6 +112,27 @@ impl LoraRegistry {
         self.limits
     }
 
+    /// The shape of the base model adapters must fit.
+    pub fn base(&self) -> &ModelConfig {
+        &self.base
+    }
+
+    /// Gives `adapter` (parsed against [`LoraRegistry::base`] outside the
+    /// registry's lock) an id of its own without making it nameable here:
+    /// a tenant's adapter, which only its tenant resolves
+    /// ([`crate::tenants::adapters`]). Its id is never reused, so its
+    /// cached blocks never match another adapter's.
+    pub fn adopt(&mut self, name: &str, path: PathBuf, adapter: LoraAdapter) -> Arc<LoadedLora> {
+        let lora = Arc::new(LoadedLora {
+            id: self.next_id,
+            name: name.to_string(),
+            path,
+            adapter,
+        });
+        self.next_id += 1;
+        lora
+    }
+
     /// Loads the adapter in `path` under `name`. An adapter that does not
     /// fit the base, or a name already taken, is refused and changes
     /// nothing.

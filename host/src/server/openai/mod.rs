@@ -60,7 +60,7 @@ pub async fn completions(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?;
+    let engine = state.engine_as(&common.model, ctx.as_ref())?;
     let prompts = parse_prompts(&f)?;
     let tok = engine.tokenizer().clone();
     let max_len = engine.max_model_len();
@@ -181,7 +181,7 @@ pub async fn render(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?.clone();
+    let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
     let tok = engine.tokenizer().clone();
     let max_len = engine.max_model_len();
     // Only what the request set: vLLM's GenerateRequest refuses a null
@@ -302,7 +302,7 @@ fn tokenizer_call(
         None => None,
     };
     let engine = match Fields::of(body)?.str("model")? {
-        Some(m) => state.engine_for(m)?,
+        Some(m) => state.engine_as(m, ctx.as_ref())?,
         None => state.engine()?,
     };
     Ok((ctx, engine.clone()))
@@ -359,7 +359,7 @@ pub async fn chat(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?;
+    let engine = state.engine_as(&common.model, ctx.as_ref())?;
     let (ids, mode) = chat_prompt(
         &state,
         engine,
@@ -890,9 +890,11 @@ async fn start_run(
         ));
         common.opts.tenant = t.share();
     }
-    let engine = state.engine_for(&common.model)?.clone();
+    let engine = state.engine_as(&common.model, tenant.as_ref())?.clone();
     // A request that names an adapter runs with it on the base model.
-    common.opts.lora = engine.lora(&common.model);
+    common.opts.lora = state
+        .lora_as(&common.model, &engine, tenant.as_ref())
+        .await?;
     common.tokens_as_ids |= state.config_tokens_as_ids();
     let max_len = engine.max_model_len();
     if api == Api::Completions {

@@ -858,7 +858,7 @@ async fn respond(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?.clone();
+    let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
     // Function tools go through the chat path's parsing, schema
     // enforcement (named and required choices) and templates.
     let (ids, mode) = super::chat_prompt(

@@ -161,7 +161,7 @@ async fn prepare(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?.clone();
+    let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
     let (ids, mode) = super::chat_prompt(
         state,
         &engine,
