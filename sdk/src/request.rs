@@ -77,6 +77,32 @@ impl RouteRequest {
         self.set("model", model.into());
     }
 
+    /// Runs the request with the tenant's LoRA adapter `name`: one
+    /// uploaded for this tenant (`PUT /admin/v1/tenants/ID/adapters/NAME`)
+    /// or one the server shares with it (`--lora-modules`). A request
+    /// names its adapter in `model`, as vLLM's API does, so this sets
+    /// `model`; the host resolves the name among this tenant's adapters
+    /// only, so a plugin can never reach another tenant's (an adapter the
+    /// tenant does not have fails the request with 404 `model_not_found`).
+    /// A name the host could never store (1 to 64 of `A-Z a-z 0-9 _ - .`,
+    /// not starting with `.`) is refused here, and the request is left
+    /// unchanged.
+    pub fn set_adapter(&mut self, name: &str) -> crate::Result<()> {
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && !name.starts_with('.')
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+        if !valid {
+            return Err(crate::Error::msg(format!(
+                "'{name}' is not an adapter name (1-64 of A-Z a-z 0-9 _ - ., not starting with '.')"
+            )));
+        }
+        self.set_model(name);
+        Ok(())
+    }
+
     /// `max_tokens`, if given as a non-negative integer.
     pub fn max_tokens(&self) -> Option<u64> {
         self.get("max_tokens")?.as_u64()
@@ -129,8 +155,8 @@ impl RouteRequest {
     pub fn structured_output(&self) -> Option<(&'static str, &Value)> {
         STRUCTURED_OUTPUT_FIELDS.iter().find_map(|&k| {
             let v = self.get(k).filter(|v| !v.is_null())?;
-            let plain_text = k == "response_format"
-                && v.get("type").and_then(Value::as_str) == Some("text");
+            let plain_text =
+                k == "response_format" && v.get("type").and_then(Value::as_str) == Some("text");
             (!plain_text).then_some((k, v))
         })
     }
@@ -222,13 +248,40 @@ mod tests {
             CHAT_COMPLETIONS,
             json!({"response_format": {"type": "json_object"}, "guided_regex": "a+"}),
         );
-        assert_eq!(r.structured_output().map(|(k, _)| k), Some("response_format"));
+        assert_eq!(
+            r.structured_output().map(|(k, _)| k),
+            Some("response_format")
+        );
         r.force_structured_output(json!({"choice": ["yes", "no"]}));
-        assert_eq!(r.structured_output(), Some(("structured_outputs", &json!({"choice": ["yes", "no"]}))));
+        assert_eq!(
+            r.structured_output(),
+            Some(("structured_outputs", &json!({"choice": ["yes", "no"]})))
+        );
         assert_eq!(r.get("response_format"), None);
         assert_eq!(r.get("guided_regex"), None);
-        let text = RouteRequest::new(CHAT_COMPLETIONS, json!({"response_format": {"type": "text"}}));
+        let text = RouteRequest::new(
+            CHAT_COMPLETIONS,
+            json!({"response_format": {"type": "text"}}),
+        );
         assert_eq!(text.structured_output(), None);
+    }
+
+    #[test]
+    fn set_adapter_names_the_adapter_as_the_model_and_refuses_bad_names() {
+        let mut r = RouteRequest::new(CHAT_COMPLETIONS, json!({"model": "smol", "max_tokens": 4}));
+        r.set_adapter("support-v2.1").unwrap();
+        assert_eq!(r.model(), Some("support-v2.1"));
+        assert_eq!(r.body["max_tokens"], 4);
+        let long = "x".repeat(65);
+        for bad in ["", ".hidden", "a/b", "../etc", "sp ace", long.as_str()] {
+            let e = r.set_adapter(bad).expect_err(bad);
+            assert!(
+                e.message().contains("not an adapter name"),
+                "{bad}: {}",
+                e.message()
+            );
+            assert_eq!(r.model(), Some("support-v2.1"), "{bad} changed the request");
+        }
     }
 
     #[test]

@@ -531,6 +531,112 @@ fn quotas_name_their_limit_and_cold_loads_evict_idle_adapters() {
     assert_eq!(v["data"].as_array().map(Vec::len), Some(2), "{v}");
 }
 
+/// The server's JSON access lines for `path`, once there are `n`.
+fn access_entries(p: &PServer, path: &str, n: usize) -> Vec<Value> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let entries: Vec<Value> =
+            p.s.log_text()
+                .lines()
+                .filter(|l| l.contains("pagoda::access"))
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .filter(|v| v["path"] == path)
+                .collect();
+        if entries.len() >= n || std::time::Instant::now() > deadline {
+            return entries;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_route_plugin_chooses_the_adapter_and_accounting_names_it() {
+    let dir = TempDir::new("tenant-adapter-route");
+    let p = start_at(
+        &dir.0.join("state"),
+        &["--log-format", "json", "--metrics-tenant-label", "id"],
+        &[],
+    );
+    p.put_tenant("a", json!({"api_keys": [KEY_A], "plugins": ["router"]}));
+    p.put_tenant("b", json!({"api_keys": [KEY_B], "plugins": ["router"]}));
+    upload_ok(&p, "a", "support", "llama/qv-r8");
+    upload_ok(&p, "b", "other", "llama/all-r16");
+    // Both tenants' routers send every request to their `support`.
+    let route_to = json!({"adapter": "support"});
+    let (st, v) = p.upload("a", "router", &component("router"), Some(&route_to));
+    assert_eq!(st, 201, "{v}");
+    let (st, v) = p.upload("b", "router", &component("router"), Some(&route_to));
+    assert_eq!(st, 201, "{v}");
+
+    // A's clients name the base model and get A's adapter.
+    runs(&p, KEY_A, "smol", "llama/qv-r8");
+    // B has no `support`: the plugin cannot reach A's.
+    let (st, v) = score(&p, KEY_B, "smol", "llama/qv-r8");
+    assert_eq!(
+        (st, &v["error"]["code"]),
+        (404, &json!("model_not_found")),
+        "{v}"
+    );
+    // Once B has one, B's routes to it.
+    upload_ok(&p, "b", "support", "llama/rslora-r4");
+    runs(&p, KEY_B, "smol", "llama/rslora-r4");
+
+    // The access log names the adapter each request ran with.
+    let entries = access_entries(&p, "/v1/completions", 3);
+    let ran: Vec<(&str, &str, u64)> = entries
+        .iter()
+        .map(|e| {
+            (
+                e["tenant"].as_str().unwrap_or(""),
+                e["adapter"].as_str().unwrap_or(""),
+                e["status"].as_u64().unwrap_or(0),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ran,
+        [
+            ("a", "support", 200),
+            ("b", "-", 404),
+            ("b", "support", 200)
+        ],
+        "{entries:?}"
+    );
+    // Per-tenant metrics name it too (--metrics-tenant-label id: by name).
+    let (_, metrics) = p.s.get("/metrics");
+    for t in ["a", "b"] {
+        let n = metric_sum(
+            &metrics,
+            "pagoda_tenant_adapter_requests_total",
+            &[("tenant", t), ("adapter", "support")],
+        );
+        assert_eq!(n, 1.0, "tenant {t}:\n{metrics}");
+    }
+
+    // Adapter labels are capped: past 32 distinct values, `other`.
+    p.put_tenant("many", json!({"api_keys": ["key-many-123456"]}));
+    for i in 0..34 {
+        upload_ok(&p, "many", &format!("ad{i}"), "llama/qv-r8");
+        let (st, v) = score(&p, "key-many-123456", &format!("ad{i}"), "llama/qv-r8");
+        assert_eq!(st, 200, "{v}");
+    }
+    let (_, metrics) = p.s.get("/metrics");
+    let series: Vec<&str> = metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("pagoda_tenant_adapter_requests_total{") && l.contains("tenant=\"many\"")
+        })
+        .collect();
+    let other = metric_sum(
+        &metrics,
+        "pagoda_tenant_adapter_requests_total",
+        &[("tenant", "many"), ("adapter", "other")],
+    );
+    // 32 labels in all: `support` took one, so 31 of many's adapters have
+    // their own series and the other 3 share `other`.
+    assert_eq!((series.len(), other), (32, 3.0), "{series:#?}");
+}
+
 /// Writes half of an adapter upload to the server and kills it with
 /// SIGKILL before the rest arrives.
 fn kill_mid_upload(p: PServer, tenant: &str, name: &str, fixture: &str) -> PathBuf {

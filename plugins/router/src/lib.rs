@@ -6,7 +6,8 @@
 //! {"aliases": {"fast": "smol"}, "allowed_models": ["smol"],
 //!  "max_tokens_limit": 256, "temperature_max": 1.0,
 //!  "reject_message": "...", "blocked_words": ["..."],
-//!  "structured_outputs": {"json": {"type": "object", "...": "..."}}}
+//!  "structured_outputs": {"json": {"type": "object", "...": "..."}},
+//!  "adapter": "support"}
 //! ```
 //!
 //! In this order, for both endpoints:
@@ -29,6 +30,8 @@
 //!    `structured_outputs` object), replacing any `response_format`,
 //!    `structured_outputs` or `guided_*` field the client sent, so the
 //!    tenant's outputs always have that shape; the engine enforces it.
+//! 7. `adapter`: every request runs with this LoRA adapter of the tenant
+//!    (`RouteRequest::set_adapter`), e.g. its latest fine-tune.
 //!
 //! Any rewrite makes the decision `Modify`; otherwise `Continue`.
 

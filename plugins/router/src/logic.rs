@@ -28,6 +28,9 @@ pub struct Config {
     /// (vLLM's `structured_outputs` object: `json`, `regex`, `choice`,
     /// `grammar` or `json_object`), replacing the client's own.
     pub structured_outputs: Option<Value>,
+    /// The tenant's LoRA adapter every request runs with (e.g. its latest
+    /// fine-tune), whatever model the client named.
+    pub adapter: Option<String>,
 }
 
 /// The JSON Schema of [`Config`].
@@ -57,7 +60,8 @@ pub fn schema() -> Value {
                     "disable_additional_properties": {"type": "boolean"}
                 },
                 "additionalProperties": false
-            }
+            },
+            "adapter": {"type": "string", "minLength": 1, "maxLength": 64, "pattern": "^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"}
         },
         "additionalProperties": false
     })
@@ -149,6 +153,15 @@ pub fn decide(config: &Config, mut request: RouteRequest, served: &[String]) -> 
     if let Some(constraint) = &config.structured_outputs {
         // The tenant's shape wins over whatever the client asked for.
         request.force_structured_output(constraint.clone());
+        modified = true;
+    }
+
+    if let Some(adapter) = &config.adapter {
+        // The tenant's choice, after the client's model was checked: the
+        // host resolves it among this tenant's adapters only.
+        if let Err(e) = request.set_adapter(adapter) {
+            return RouteDecision::reject(500, e.into_message());
+        }
         modified = true;
     }
 
@@ -268,6 +281,20 @@ mod tests {
             RouteDecision::Reject(rej) => assert_eq!(rej.status, 404),
             d => panic!("{d:?}"),
         }
+    }
+
+    #[test]
+    fn adapter_is_set_after_the_client_model_is_checked() {
+        let c = config(json!({"adapter": "support", "allowed_models": ["smol"]}));
+        let body = body_of(decide(
+            &c,
+            chat(json!({"model": "smol", "messages": []})),
+            &served(),
+        ));
+        assert_eq!(body["model"], "support");
+        // The client's model is still checked against the allowlist.
+        let r = chat(json!({"model": "big", "messages": []}));
+        assert!(matches!(decide(&c, r, &served()), RouteDecision::Reject(r) if r.status == 403));
     }
 
     #[test]
