@@ -292,6 +292,34 @@ fn adapters_are_uploaded_checked_versioned_private_and_persisted() {
     runs(&p, KEY_B, "support", "llama/all-r16");
     runs(&p, KEY_A, "support", "llama/qv-r8");
 
+    // The prefix cache stays per tenant and per adapter: A's repeat hits
+    // A's cache; B's copy of the very same adapter hits neither A's cache
+    // nor B's own base model's.
+    // (Without prompt_logprobs, which compute every prompt token anew.)
+    let (ids, _) = case("llama/qv-r8");
+    let cached = |key: &str, model: &str| {
+        let (st, v) = p.post_as(
+            key,
+            "/v1/completions",
+            &json!({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0}),
+        );
+        assert_eq!(st, 200, "{v}");
+        v["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no cached_tokens: {v}"))
+    };
+    upload_ok(&p, "b", "twin", "llama/qv-r8");
+    cached(KEY_A, "support");
+    assert!(cached(KEY_A, "support") > 0, "A's repeat missed its cache");
+    assert_eq!(cached(KEY_B, "smol"), 0, "B hit A's cached base prompt");
+    assert_eq!(
+        cached(KEY_B, "twin"),
+        0,
+        "B's adapter hit A's cache or B's base model's"
+    );
+    assert!(cached(KEY_B, "twin") > 0, "B's repeat missed its cache");
+    runs(&p, KEY_B, "twin", "llama/qv-r8");
+
     // A corrupt upload changes nothing: an adapter for another base, a
     // truncated weights file, a missing part, a rank above the limit.
     let mut truncated = files_of("llama/all-r16");

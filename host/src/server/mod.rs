@@ -214,7 +214,21 @@ impl AppState {
                     .tenants
                     .resolve_adapter(&t, model, engine.lora_registry())
                     .await
-                    .map_err(admin::adapter_error)?
+                    .map_err(|e| {
+                        use crate::tenants::{adapters::AdapterError, shared::StoreError};
+                        if e.downcast_ref::<AdapterError>().is_some()
+                            || e.downcast_ref::<StoreError>().is_some()
+                        {
+                            admin::adapter_error(e)
+                        } else {
+                            // A stored adapter that no longer loads is
+                            // the server's fault, not the request's.
+                            tracing::error!("adapter '{model}': {e:#}");
+                            ApiError::internal(format!(
+                                "The adapter '{model}' could not be loaded ({e:#}); its owner can upload it again."
+                            ))
+                        }
+                    })?
                     // Deleted since the request was admitted.
                     .ok_or_else(|| ApiError::model_not_found(model))
                     .map(Some)?,
