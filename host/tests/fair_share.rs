@@ -39,6 +39,7 @@ fn tenant(name: &str, weight: u32) -> RequestOptions {
             name: name.into(),
             weight,
             priority_class: 0,
+            kv: None,
         },
         ..Default::default()
     }

@@ -583,7 +583,8 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         }
     );
     let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
-    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching);
+    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching)
+        .with_max_seq_len(max_model_len);
     // Every layer attends over a window shorter than the context: blocks
     // below it go back to the pool as sequences move on.
     let windows = &c.sliding_windows;

@@ -40,6 +40,29 @@ pub struct TenantShare {
     pub weight: u32,
     /// Lower classes are served first; 0 is the default.
     pub priority_class: i64,
+    /// Its part of the KV cache, if its config sets one.
+    pub kv: Option<KvShare>,
+}
+
+/// A tenant's part of the KV-cache block pool, in thousandths of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvShare {
+    /// Cached blocks other tenants cannot evict while the tenant holds no
+    /// more than this.
+    pub reserved_permille: u16,
+    /// The most the tenant may hold, running plus cached (1000: no cap).
+    pub max_permille: u16,
+}
+
+impl KvShare {
+    /// The limits in blocks of a pool of `num_blocks`.
+    pub fn limits(&self, num_blocks: usize) -> crate::engine::kv_cache::OwnerLimits {
+        let of = |permille: u16| num_blocks * permille.min(1000) as usize / 1000;
+        crate::engine::kv_cache::OwnerLimits {
+            reserved: of(self.reserved_permille),
+            cap: (self.max_permille < 1000).then(|| of(self.max_permille).max(1)),
+        }
+    }
 }
 
 impl Default for TenantShare {
@@ -48,6 +71,7 @@ impl Default for TenantShare {
             name: Arc::from(""),
             weight: 1,
             priority_class: 0,
+            kv: None,
         }
     }
 }
@@ -248,6 +272,7 @@ mod tests {
             name: Arc::from(name),
             weight,
             priority_class: class,
+            kv: None,
         }
     }
 

@@ -514,6 +514,7 @@ impl Request {
             prompt_len: self.prompt_len,
             prompt_kernel: self.prompt_kernel,
             lora: self.lora.as_ref().map_or(0, |l| l.id),
+            owner: crate::engine::kv_cache::SHARED_OWNER,
         }
     }
 

@@ -11,7 +11,7 @@
 
 use crate::engine::core_output::EngineCoreOutput;
 use crate::engine::fair_share::{FairShare, TenantLoad};
-use crate::engine::kv_cache::{KvCacheManager, PrefixHit};
+use crate::engine::kv_cache::{KvCacheManager, PrefixHit, SHARED_OWNER};
 use crate::engine::request::{FinishReason, Request, RequestStatus};
 use crate::engine::runner_output::ModelRunnerOutput;
 use crate::engine::scheduler_output::{BlockUpdate, NewRequest, ScheduledSeq, SchedulerOutput};
@@ -263,10 +263,11 @@ impl Scheduler {
             };
             let scheduled = loop {
                 let req = &self.requests[&id];
+                let key = owned_key(kv, req);
                 if kv.allocate(
                     id,
                     &req.token_ids,
-                    req.cache_key(),
+                    key,
                     None,
                     req.num_computed,
                     num_new + num_drafts,
@@ -279,7 +280,13 @@ impl Scheduler {
                     num_drafts = 0;
                     continue;
                 }
-                let victim = self.pick_victim(i);
+                // A tenant at its KV-cache cap gets nothing from others'
+                // blocks: it gives up one of its own requests.
+                let victim = if kv.pool().at_cap(key.owner) {
+                    self.pick_victim_of(i, &self.requests[&id].tenant.name)
+                } else {
+                    self.pick_victim(i)
+                };
                 self.preempt(victim, kv);
                 out.preempted.push(victim);
                 if victim == id {
@@ -326,15 +333,16 @@ impl Scheduler {
                 }
                 // Cached positions have no logits, so a request that wants
                 // its prompt's logprobs computes the whole prompt.
+                let key = owned_key(kv, req);
                 let hit = if req.prompt_logprobs_from().is_some() {
                     PrefixHit::default()
                 } else {
-                    kv.lookup_prefix(&req.token_ids, req.cache_key())
+                    kv.lookup_prefix(&req.token_ids, key)
                 };
                 // The next block is being computed for another sequence
                 // (a sibling sample, a shared system prompt): wait for it
                 // rather than compute the same K/V twice.
-                if kv.in_flight(&req.token_ids, req.cache_key(), &hit) {
+                if kv.in_flight(&req.token_ids, key, &hit) {
                     break;
                 }
                 let cached = hit.num_tokens(kv.block_size());
@@ -343,11 +351,19 @@ impl Scheduler {
                     && kv.allocate(
                         id,
                         &req.token_ids,
-                        req.cache_key(),
+                        key,
                         Some(hit),
                         cached,
                         num_new,
                     );
+                if !admitted && key.owner != SHARED_OWNER && kv.pool().at_cap(key.owner) {
+                    // Its tenant holds all its KV-cache cap allows: it
+                    // waits for its own requests to finish, and the
+                    // requests behind it, of other tenants, may run.
+                    self.waiting.remove(pos);
+                    no_slot.push(id);
+                    continue;
+                }
                 if !admitted {
                     // Under fair share, a tenant below its share may take a
                     // slot (and its blocks) from one above it, then retry.
@@ -496,7 +512,8 @@ impl Scheduler {
             return 0;
         }
         let from = req.num_computed + num_scheduled;
-        if kv.allocate(id, &req.token_ids, req.cache_key(), None, from, k) {
+        let key = owned_key(kv, req);
+        if kv.allocate(id, &req.token_ids, key, None, from, k) {
             k
         } else {
             0
@@ -776,6 +793,20 @@ impl Scheduler {
         }
     }
 
+    /// The newest of `tenant`'s requests from the running list's `first`
+    /// on (that at `first` is one of them).
+    fn pick_victim_of(&self, first: usize, tenant: &str) -> u64 {
+        let of_tenant = |id: &&u64| {
+            self.requests
+                .get(id)
+                .is_some_and(|r| &*r.tenant.name == tenant)
+        };
+        *self.running[first..]
+            .iter()
+            .rfind(of_tenant)
+            .unwrap_or(&self.running[first])
+    }
+
     fn preempt(&mut self, id: u64, kv: &mut KvCacheManager) {
         kv.free(id);
         self.running.retain(|&r| r != id);
@@ -796,4 +827,12 @@ impl Scheduler {
     pub fn running_ids(&self) -> &[u64] {
         &self.running
     }
+}
+
+/// `req`'s cache key, its blocks counted for the pool owner its tenant's
+/// KV-cache share makes it (see [`KvCacheManager::owner`]).
+fn owned_key(kv: &mut KvCacheManager, req: &Request) -> crate::engine::kv_cache::CacheKey {
+    let mut key = req.cache_key();
+    key.owner = kv.owner(&req.tenant);
+    key
 }

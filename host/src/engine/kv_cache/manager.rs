@@ -34,7 +34,7 @@
 //! it finds that block in the cache a step later instead of computing the
 //! same K/V again.
 
-use super::block_pool::{BlockHash, BlockPool};
+use super::block_pool::{BlockHash, BlockPool, OwnerUsage, SHARED_OWNER};
 use super::events::{external_hash, salt_key, KvEvent};
 use std::collections::HashMap;
 
@@ -66,6 +66,10 @@ pub struct CacheKey {
     /// model): a prompt cached under one adapter is never a hit for
     /// another, or for the base.
     pub lora: u32,
+    /// Whom its blocks count for ([`KvCacheManager::owner`]): a tenant with
+    /// a KV-cache reservation or cap, else [`SHARED_OWNER`]. Not hashed:
+    /// it decides capacity, not sharing.
+    pub owner: u16,
 }
 
 #[derive(Default)]
@@ -102,6 +106,11 @@ pub struct KvCacheManager {
     events: Option<Vec<KvEvent>>,
     /// LoRA adapters' names by id, for the events ([`KvCacheManager::name_lora`]).
     lora_names: HashMap<u32, String>,
+    /// Tenants with KV-cache limits, by name: their owner ids in the pool.
+    owners: HashMap<std::sync::Arc<str>, u16>,
+    /// Blocks of the longest sequence the engine admits: no tenant's cap
+    /// goes below it, or that tenant's longest request could never run.
+    max_seq_blocks: usize,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -135,7 +144,50 @@ impl KvCacheManager {
             window: None,
             events: None,
             lora_names: HashMap::new(),
+            owners: HashMap::new(),
+            max_seq_blocks: 1,
         }
+    }
+
+    /// Bounds tenants' caps from below by the blocks of a `len`-token
+    /// sequence (the engine's `--max-model-len`).
+    pub fn with_max_seq_len(mut self, len: usize) -> KvCacheManager {
+        self.max_seq_blocks = len.div_ceil(self.block_size).max(1);
+        self
+    }
+
+    /// The pool owner the blocks of `tenant`'s requests count for: the
+    /// tenant's own when it has a KV-cache share (registered on first
+    /// sight, its limits refreshed on every call so a config change takes
+    /// effect), else [`SHARED_OWNER`].
+    pub fn owner(&mut self, tenant: &crate::engine::fair_share::TenantShare) -> u16 {
+        let Some(share) = tenant.kv else {
+            return SHARED_OWNER;
+        };
+        let mut limits = share.limits(self.pool.num_blocks());
+        limits.cap = limits.cap.map(|c| c.max(self.max_seq_blocks));
+        match self.owners.get(&tenant.name) {
+            Some(&o) => {
+                self.pool.set_limits(o, limits);
+                o
+            }
+            None => {
+                let o = self.pool.add_owner(limits);
+                self.owners.insert(tenant.name.clone(), o);
+                o
+            }
+        }
+    }
+
+    /// Every tenant with a KV-cache share, and what it has of the pool.
+    pub fn owner_usage(&self) -> Vec<(std::sync::Arc<str>, OwnerUsage)> {
+        let mut v: Vec<_> = self
+            .owners
+            .iter()
+            .map(|(n, &o)| (n.clone(), self.pool.owner_usage(o)))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
     }
 
     /// Keeps KV-cache events (blocks stored in and evicted from the prefix
@@ -302,7 +354,7 @@ impl KvCacheManager {
             .iter()
             .filter(|&&b| self.pool.ref_count(b) == 0)
             .count();
-        if new_blocks + revived > self.pool.num_free() {
+        if new_blocks + revived > self.pool.available_for(key.owner) {
             return false;
         }
         let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks {
@@ -322,7 +374,7 @@ impl KvCacheManager {
             }
         }
         for _ in 0..new_blocks {
-            match self.pool.allocate() {
+            match self.pool.allocate_for(key.owner) {
                 Some(b) => entry.blocks.push(b),
                 None => unreachable!("free blocks were counted above"),
             }
@@ -540,6 +592,7 @@ mod tests {
             prompt_len: usize::MAX,
             prompt_kernel: false,
             lora: 0,
+            owner: SHARED_OWNER,
         }
     }
 
@@ -551,6 +604,7 @@ mod tests {
             prompt_len: usize::MAX,
             prompt_kernel: false,
             lora: 0,
+            owner: SHARED_OWNER,
         };
         let mut m = KvCacheManager::new(4, 4, true).with_events();
         let t: Vec<u32> = (10..20).collect();
@@ -725,6 +779,7 @@ mod tests {
             prompt_len,
             prompt_kernel,
             lora: 0,
+            owner: SHARED_OWNER,
         };
         // (request 1 on the prompt kernel, request 2 on it, tokens reused)
         for (first, next, reused) in [

@@ -15,7 +15,7 @@ pub mod dtype;
 pub mod events;
 pub mod manager;
 
-pub use block_pool::{BlockHash, BlockPool};
+pub use block_pool::{BlockHash, BlockPool, OwnerLimits, OwnerUsage, SHARED_OWNER};
 pub use dtype::KvCacheDtype;
 pub use events::KvEvent;
 pub use manager::{CacheKey, KvCacheManager, PrefixHit, PrefixStats};
