@@ -718,8 +718,7 @@ fn v0_ids(s: &Server) -> Vec<u64> {
 }
 
 /// Logprob counts as vLLM reads them: `-1` is the whole vocabulary,
-/// allowed only where `--max-logprobs` allows it, and
-/// `logprob_token_ids` is refused rather than ignored.
+/// allowed only where `--max-logprobs` allows it.
 #[test]
 fn whole_vocabulary_logprobs_follow_max_logprobs() {
     let s = Server::start(&[]);
@@ -727,8 +726,6 @@ fn whole_vocabulary_logprobs_follow_max_logprobs() {
         json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": -1}),
         json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "prompt_logprobs": -1}),
         json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": -2}),
-        json!({"model": "smol", "prompt": "Hi", "max_tokens": 1, "logprobs": 1,
-               "logprob_token_ids": [1, 2]}),
     ] {
         let (st, v) = s.post("/v1/completions", &body);
         assert_eq!(st, 400, "{body} -> {v}");
@@ -997,5 +994,143 @@ fn chat_batch_answers_each_conversation_as_its_own_chat() {
         let (st, v) = s.post("/v1/chat/completions/batch", &bad);
         assert_eq!(st, 400, "{bad} -> {v}");
         assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}
+
+/// vLLM 0.32's `logprob_token_ids`: each step lists the scores of the ids
+/// asked for, in their order, instead of the likeliest tokens (the same
+/// scores the top alternatives carry), streamed or not; what it needs is
+/// checked.
+#[test]
+fn logprob_token_ids_score_the_ids_asked_for() {
+    let s = Server::start(&[]);
+    let messages = json!([{"role": "user", "content": "Is the sky blue? Answer yes or no."}]);
+    let (st, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"model": "smol", "messages": messages, "max_tokens": 3, "temperature": 0,
+                "logprobs": true, "top_logprobs": 5, "return_tokens_as_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let top = &v["choices"][0]["logprobs"]["content"][0]["top_logprobs"];
+    let id_of = |t: &Value| -> u32 {
+        t["token"]
+            .as_str()
+            .and_then(|t| t.strip_prefix("token_id:"))
+            .and_then(|t| t.parse().ok())
+            .unwrap_or_else(|| panic!("{t}"))
+    };
+    // The five likeliest first tokens, asked for in reverse order.
+    let mut ids: Vec<u32> = top
+        .as_array()
+        .map(|a| a.iter().map(id_of).collect())
+        .unwrap_or_default();
+    assert_eq!(ids.len(), 5, "{v}");
+    ids.reverse();
+    let body = json!({"model": "smol", "messages": messages, "max_tokens": 3, "temperature": 0,
+        "logprobs": true, "logprob_token_ids": ids, "return_tokens_as_token_ids": true});
+    let (st, w) = s.post("/v1/chat/completions", &body);
+    assert_eq!(st, 200, "{w}");
+    assert_eq!(
+        w["choices"][0]["message"], v["choices"][0]["message"],
+        "{w}"
+    );
+    let content = w["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(content.len(), 3, "{w}");
+    for step in &content {
+        let listed: Vec<u32> = step["top_logprobs"]
+            .as_array()
+            .map(|a| a.iter().map(id_of).collect())
+            .unwrap_or_default();
+        assert_eq!(listed, ids, "{w}");
+    }
+    let first: Vec<&Value> = content[0]["top_logprobs"]
+        .as_array()
+        .map(|a| a.iter().collect())
+        .unwrap_or_default();
+    let want: Vec<&Value> = top
+        .as_array()
+        .map(|a| a.iter().rev().collect())
+        .unwrap_or_default();
+    for (got, want) in first.iter().zip(&want) {
+        let (a, b) = (
+            got["logprob"].as_f64().unwrap_or(0.0),
+            want["logprob"].as_f64().unwrap_or(1.0),
+        );
+        assert!((a - b).abs() < 1e-4, "{got} vs {want}");
+    }
+    assert_eq!(
+        content[0]["logprob"], v["choices"][0]["logprobs"]["content"][0]["logprob"],
+        "{w}"
+    );
+    // Streamed: the same lists.
+    let mut b = body.clone();
+    b["stream"] = json!(true);
+    let (st, text) = s.post_text("/v1/chat/completions", &b);
+    assert_eq!(st, 200, "{text}");
+    let streamed: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed, content, "{text}");
+    // Completions: the ids' texts map to their scores.
+    let (st, c) = s.post(
+        "/v1/completions",
+        &json!({"model": "smol", "prompt": "The sky is", "max_tokens": 2, "temperature": 0,
+                "logprobs": 0, "logprob_token_ids": [ids[0], ids[1]],
+                "return_tokens_as_token_ids": true}),
+    );
+    assert_eq!(st, 200, "{c}");
+    let row = c["choices"][0]["logprobs"]["top_logprobs"][0]
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    // A map: its order is not the request's.
+    let mut keys: Vec<String> = row.keys().cloned().collect();
+    keys.sort();
+    let mut want = vec![
+        format!("token_id:{}", ids[0]),
+        format!("token_id:{}", ids[1]),
+    ];
+    want.sort();
+    assert_eq!(keys, want, "{c}");
+    // What it needs.
+    for (path, bad) in [
+        (
+            "/v1/chat/completions",
+            json!({"model": "smol", "messages": messages, "logprob_token_ids": [1]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "Hi", "logprob_token_ids": [1]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "Hi", "logprobs": 0,
+            "logprob_token_ids": (0..129).collect::<Vec<u32>>()}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "Hi", "logprobs": 0,
+            "logprob_token_ids": [999_999]}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "smol", "messages": messages, "logprobs": true,
+            "logprob_token_ids": [1], "response_format": {"type": "json_object"}}),
+        ),
+    ] {
+        let (st, e) = s.post(path, &bad);
+        assert_eq!(st, 400, "{bad}: {e}");
+        assert_eq!(e["error"]["param"], "logprob_token_ids", "{bad}: {e}");
     }
 }

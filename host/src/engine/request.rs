@@ -65,6 +65,10 @@ pub struct SamplingParams {
     /// vLLM's `prompt_logprobs`. Such a request computes its whole prompt
     /// (no prefix-cache hits), since cached positions have no logits.
     pub prompt_logprobs: Option<usize>,
+    /// vLLM's `logprob_token_ids`: with `logprobs`, each step lists these
+    /// ids' log-probabilities (in this order) as its alternatives, instead
+    /// of the likeliest tokens: how a scorer compares label tokens.
+    pub logprob_token_ids: Vec<u32>,
     pub skip_special_tokens: bool,
     pub include_stop_str_in_output: bool,
 }
@@ -91,6 +95,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            logprob_token_ids: Vec::new(),
             skip_special_tokens: true,
             include_stop_str_in_output: false,
         }
@@ -358,6 +363,35 @@ impl SamplingParams {
                 ));
             }
         }
+        if !self.logprob_token_ids.is_empty() {
+            if self.logprobs.is_none() {
+                return Err(bad(
+                    "logprob_token_ids",
+                    "logprob_token_ids needs logprobs".into(),
+                ));
+            }
+            if self.logprob_token_ids.len() > MAX_LOGPROB_TOKEN_IDS {
+                return Err(bad(
+                    "logprob_token_ids",
+                    format!(
+                        "at most {MAX_LOGPROB_TOKEN_IDS} logprob_token_ids, got {}",
+                        self.logprob_token_ids.len()
+                    ),
+                ));
+            }
+            if let Some(&t) = self
+                .logprob_token_ids
+                .iter()
+                .find(|&&t| t as usize >= vocab_size)
+            {
+                return Err(bad(
+                    "logprob_token_ids",
+                    format!(
+                        "logprob_token_ids names token {t}, beyond the vocabulary of {vocab_size}"
+                    ),
+                ));
+            }
+        }
         if let Some(k) = self.prompt_logprobs {
             if k > vocab_size {
                 return Err(bad(
@@ -390,6 +424,10 @@ impl SamplingParams {
 /// The most top alternatives a request may ask for per token when the
 /// server is not given `--max-logprobs` (vLLM's default).
 pub const MAX_LOGPROBS: usize = 20;
+
+/// The most ids `logprob_token_ids` may name (vLLM's
+/// `MAX_LOGPROB_TOKEN_IDS`).
+pub const MAX_LOGPROB_TOKEN_IDS: usize = 128;
 
 /// Temperatures below this sample greedily (vLLM's `_SAMPLING_EPS`).
 pub const GREEDY_BELOW_TEMPERATURE: f32 = 1e-5;

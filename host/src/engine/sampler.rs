@@ -96,7 +96,7 @@ impl Sampler {
         } else {
             self.sample_random(logits, p, req.rng)
         };
-        let logprob = logprob_k.map(|k| self.describe(token, k));
+        let logprob = logprob_k.map(|k| self.describe(token, k, &p.logprob_token_ids));
         Sampled { token, logprob }
     }
 
@@ -104,16 +104,22 @@ impl Sampler {
     /// its rank and the `k` likeliest tokens: how a prompt token is scored.
     pub fn score(&mut self, logits: &[f32], token: u32, k: usize) -> TokenLogprob {
         log_softmax_into(logits, &mut self.logprobs);
-        self.describe(token, k)
+        self.describe(token, k, &[])
     }
 
     /// `token`'s entry in the log-probabilities last computed, with its
-    /// rank and the `k` best alternatives (ties go to the lower id).
-    fn describe(&mut self, token: u32, k: usize) -> TokenLogprob {
+    /// rank and the `k` best alternatives (ties go to the lower id), or,
+    /// when `ids` names some (`logprob_token_ids`), those ids instead.
+    fn describe(&mut self, token: u32, k: usize, ids: &[u32]) -> TokenLogprob {
         let lp = &self.logprobs;
         let logprob = lp[token as usize];
         let mut top = Vec::with_capacity(k);
-        if k > 0 {
+        if !ids.is_empty() {
+            top.extend(
+                ids.iter()
+                    .filter_map(|&i| lp.get(i as usize).map(|&v| (i, v))),
+            );
+        } else if k > 0 {
             self.candidates.clear();
             self.candidates
                 .extend(lp.iter().enumerate().map(|(i, &v)| (v, i as u32)));
@@ -330,7 +336,8 @@ impl Sampler {
                 .filter(|_| sampled_drafts);
             let (token, accept) = accept_or_resample(row, q, draft, req.rng);
             tokens.push(token);
-            logprobs.push(logprob_k.map(|k| self.describe(token, k)));
+            logprobs
+                .push(logprob_k.map(|k| self.describe(token, k, &req.params.logprob_token_ids)));
             if !accept {
                 return;
             }

@@ -417,6 +417,10 @@ enum SamplePath {
     Verify { last: usize },
     /// Sampled on the device: row `i` of the step's metadata.
     Device(usize),
+    /// Sampled on the host from logit row `row`, read back raw: the
+    /// device ranks only the likeliest alternatives, and a request with
+    /// `logprob_token_ids` asks for chosen ids' scores.
+    Host { row: usize },
     /// Its grammar's mask could not be computed.
     Failed(String),
 }
@@ -475,6 +479,13 @@ fn plan_sampling(
         if s.num_drafts > 0 {
             host_rows = host_rows.max(row + 1);
             paths.push(SamplePath::Verify { last: row });
+            continue;
+        }
+        // No grammar here (the server refuses one beside
+        // logprob_token_ids), so no mask to apply on the host.
+        if !r.params.logprob_token_ids.is_empty() && guide.is_none() {
+            host_rows = host_rows.max(row + 1);
+            paths.push(SamplePath::Host { row });
             continue;
         }
         let mask = match guide.map(|g| g.mask.take()) {
@@ -561,6 +572,12 @@ fn finish_sampling(
                         .collect(),
                 });
                 out.push(token, logprob);
+            }
+            SamplePath::Host { row } => {
+                let (mut req, _) = r.split();
+                let sampled =
+                    sampler.sample(&mut logits[row * vocab..(row + 1) * vocab], &mut req, None);
+                out.push(sampled.token, sampled.logprob);
             }
             SamplePath::Verify { last } => {
                 let (mut req, spec) = r.split();

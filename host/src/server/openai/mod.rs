@@ -1001,6 +1001,17 @@ async fn start_run(
         _ => None,
     };
     if let Some(r) = &common.structured {
+        // The scores of chosen ids are computed on the host sampler, which
+        // does not apply a grammar's mask.
+        if !common.params.logprob_token_ids.is_empty() {
+            return Err(ApiError::invalid(
+                Some("logprob_token_ids".into()),
+                format!(
+                    "'logprob_token_ids' cannot be combined with structured output ('{}')",
+                    r.param
+                ),
+            ));
+        }
         common.opts.grammar = Some(compile_structure(&engine, r).await?);
         // The reasoning is free text; the constraint applies to the
         // answer, after `</think>` (as in vLLM).
@@ -1084,7 +1095,12 @@ async fn start_run(
         cached_tokens: 0,
         remaining: total,
         want_logprobs: common.params.logprobs.is_some(),
-        logprobs_k: common.params.logprobs.unwrap_or(0),
+        // With `logprob_token_ids`, each of those ids is an alternative.
+        logprobs_k: common
+            .params
+            .logprobs
+            .unwrap_or(0)
+            .max(common.params.logprob_token_ids.len()),
         prompt_logprobs_k: common.prompt_logprobs,
         continuous_usage: common.continuous_usage,
         return_token_ids: common.return_token_ids,

@@ -152,15 +152,25 @@ pub fn parse_common(
             ));
         }
     }
-    // vLLM 0.32's `logprob_token_ids` (the scores of chosen ids at every
-    // position) needs the samplers to score ids they did not rank; refused
-    // rather than ignored, so a scoring client does not read top-k
-    // alternatives as the ids it asked about.
+    // vLLM 0.32's `logprob_token_ids`: the scores of these ids at every
+    // step stand in for the top alternatives (`top_logprobs` is then
+    // unused, as in vLLM). It needs logprobs asked for.
     if f.get("logprob_token_ids").is_some() {
-        return Err(ApiError::invalid(
-            Some("logprob_token_ids".into()),
-            "'logprob_token_ids' is not supported; ask for 'top_logprobs' (or -1 for the whole vocabulary, within --max-logprobs)",
-        ));
+        let ids = f.u32s("logprob_token_ids")?;
+        if p.logprobs.is_none() {
+            return Err(ApiError::invalid(
+                Some("logprob_token_ids".into()),
+                if chat {
+                    "'logprob_token_ids' requires 'logprobs' to be true"
+                } else {
+                    "'logprob_token_ids' requires 'logprobs'"
+                },
+            ));
+        }
+        if !ids.is_empty() {
+            p.logprobs = Some(0);
+            p.logprob_token_ids = ids;
+        }
     }
     if let Some(best_of) = f.usize("best_of")? {
         if best_of != p.n {
