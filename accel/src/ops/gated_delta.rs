@@ -631,15 +631,36 @@ impl HeadTask<'_> {
                 gemm_acc::<S>(len, dv, dk, kn, dk, self.state, dv, u, dv);
                 gemm_acc::<S>(len, dv, dk, qn, dk, self.state, dv, qs, dv);
             }
-            // Right-hand sides βₜ(vₜ - e^{Gₜ} S₀ᵀkₜ), then forward
-            // substitution: uⱼ for j < t are final when row t is solved.
+            // Right-hand sides βₜ(vₜ - e^{Gₜ} S₀ᵀkₜ), and the system's
+            // coefficients, negated: cm[t][j] = -βₜ e^{Gₜ-Gⱼ} (kₜ·kⱼ), j < t.
             for t in 0..len {
-                let ut = u.add(t * dv);
-                delta::<S>(*beta.add(t), (*g.add(t)).exp(), self.v_ptr(r0 + t), ut, dv);
                 let (gt, bt, kt) = (*g.add(t), *beta.add(t), kn.add(t * dk));
+                delta::<S>(bt, gt.exp(), self.v_ptr(r0 + t), u.add(t * dv), dv);
                 for j in 0..t {
-                    let c = bt * (gt - *g.add(j)).exp() * dot::<S>(kt, kn.add(j * dk), dk);
-                    axpy::<S>(-c, u.add(j * dv), ut, dv);
+                    *cm.add(t * CHUNK + j) =
+                        -(bt * (gt - *g.add(j)).exp() * dot::<S>(kt, kn.add(j * dk), dk));
+                }
+            }
+            // Forward substitution, 4 rows at a time: the terms of the rows
+            // solved before the block as one product, then the block's own
+            // triangle. Each uₜ still adds its terms in increasing j.
+            for t0 in (0..len).step_by(4) {
+                let rows = (len - t0).min(4);
+                gemm_acc::<S>(
+                    rows,
+                    dv,
+                    t0,
+                    cm.add(t0 * CHUNK),
+                    CHUNK,
+                    u,
+                    dv,
+                    u.add(t0 * dv),
+                    dv,
+                );
+                for t in t0 + 1..t0 + rows {
+                    for j in t0..t {
+                        axpy::<S>(*cm.add(t * CHUNK + j), u.add(j * dv), u.add(t * dv), dv);
+                    }
                 }
             }
             // outₜ = e^{Gₜ} S₀ᵀqₜ + Σ_{j≤t} e^{Gₜ-Gⱼ} (qₜ·kⱼ) uⱼ: the
