@@ -368,13 +368,34 @@ fn adapters_are_uploaded_checked_versioned_private_and_persisted() {
     );
     assert_eq!((st, &v["version"]), (200, &json!(1)), "{v}");
     runs(&p, KEY_A, "support", "llama/qv-r8");
+    // The version rolled back from can no longer be reached: it and its
+    // files are gone, so stored bytes are what the tenant can use.
     let (_, v) = p.admin("GET", "/admin/v1/tenants/a/adapters", None);
     assert_eq!(v["data"][0]["active_version"], 1, "{v}");
+    let versions: Vec<u64> = v["data"][0]["versions"]
+        .as_array()
+        .expect("versions")
+        .iter()
+        .filter_map(|r| r["version"].as_u64())
+        .collect();
+    assert_eq!(versions, [1], "{v}");
     assert_eq!(
-        v["data"][0]["versions"].as_array().map(Vec::len),
-        Some(2),
+        v["usage"]["stored_bytes"].as_u64(),
+        Some(
+            files_of("llama/qv-r8")
+                .iter()
+                .map(|(_, b)| b.len() as u64)
+                .sum()
+        ),
         "{v}"
     );
+    let dropped = sha256_hex(&files_of("llama/rslora-r4")[1].1);
+    assert!(!p
+        .state
+        .join("tenants/a/adapters/.blobs")
+        .join(dropped)
+        .exists());
+    assert!(!p.state.join("tenants/a/adapters/support/2.json").exists());
 
     // Everything survives a restart, loaded on first use.
     let p = restart(p, &[]);

@@ -184,17 +184,33 @@ fn blobs_of(slots: &BTreeMap<String, AdapterSlot>) -> BTreeSet<String> {
 
 /// Bytes of the distinct blobs the slots' records name.
 fn stored_bytes(slots: &BTreeMap<String, AdapterSlot>, extra: Option<&AdapterRecord>) -> u64 {
+    stored_bytes_of(
+        slots
+            .values()
+            .flat_map(|s| s.versions.values())
+            .chain(extra),
+    )
+}
+
+/// Bytes of the distinct versions among `records`.
+fn stored_bytes_of<'a>(records: impl Iterator<Item = &'a AdapterRecord>) -> u64 {
     let mut seen = BTreeMap::new();
-    for r in slots
-        .values()
-        .flat_map(|s| s.versions.values())
-        .chain(extra)
-    {
+    for r in records {
         // A record knows its two files' total; split evenly is wrong, so
         // count a version's files together, once per distinct pair.
         seen.insert((r.config_sha256.clone(), r.weights_sha256.clone()), r.size);
     }
     seen.values().sum()
+}
+
+/// The versions an adapter keeps once `active` is active after
+/// `history`: those rollback can still reach. The others (rolled back
+/// from, or beyond the history's 16) are dropped, so that a tenant's
+/// stored bytes are what it can still use.
+fn kept_versions(active: u64, history: &mut Vec<u64>) -> BTreeSet<u64> {
+    let excess = history.len().saturating_sub(AdapterSlot::MAX_HISTORY);
+    history.drain(..excess);
+    history.iter().copied().chain([active]).collect()
 }
 
 /// Resident count and bytes of `slots`, without adapter `except`.
@@ -302,11 +318,12 @@ impl Tenants {
             .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
         let _g = tenant.admin.lock().await;
         let limits = tenant.snapshot().config.adapter_limits.clone();
-        let (record, history) = {
+        let (record, history, keep) = {
             let slots = lock_slots(tenant);
-            let (version, history) = slots
+            let (version, mut history) = slots
                 .get(name)
                 .map_or((1, Vec::new()), AdapterSlot::next_upload);
+            let keep = kept_versions(version, &mut history);
             let record = AdapterRecord {
                 version,
                 sha256: sha256_hex(format!("{config_sha256}\n{weights_sha256}").as_bytes()),
@@ -332,7 +349,17 @@ impl Tenants {
                 }
             }
             if let Some(max) = limits.max_stored_bytes {
-                let would = stored_bytes(&slots, Some(&record));
+                let keep = &keep;
+                let would = stored_bytes_of(
+                    slots
+                        .iter()
+                        .flat_map(|(n, s)| {
+                            s.versions
+                                .values()
+                                .filter(move |r| n != name || keep.contains(&r.version))
+                        })
+                        .chain([&record]),
+                );
                 if would > max {
                     return Err(AdapterError::Stored {
                         tenant: tenant.id.clone(),
@@ -344,7 +371,7 @@ impl Tenants {
                     .into());
                 }
             }
-            (record, history)
+            (record, history, keep)
         };
         if let (Some((_, basis)), Some(shared)) = (&write, &self.shared) {
             // The files first: a manifest never names a missing blob.
@@ -352,6 +379,7 @@ impl Tenants {
             shared.put_blob(&weights_sha256, weights.clone()).await?;
             let mut m = self.manifest_of(Some(tenant), tenant.snapshot().config.clone());
             let a = m.adapters.entry(name.to_string()).or_default();
+            a.versions.retain(|v, _| keep.contains(v));
             a.versions.insert(record.version, record.clone());
             a.active = Some(record.version);
             a.history = history.clone();
@@ -379,6 +407,7 @@ impl Tenants {
             let mut slots = lock_slots(tenant);
             let fits = make_room(&tenant.id, &mut slots, &limits, name, resident_bytes);
             let s = slots.entry(name.to_string()).or_default();
+            s.versions.retain(|v, _| keep.contains(v));
             s.versions.insert(record.version, record.clone());
             s.active = Some(record.version);
             s.history = history;
@@ -395,9 +424,23 @@ impl Tenants {
             s.prune_keeping(true, 0);
             set_resident_gauge(&tenant.id, &slots);
         }
+        self.drop_unkept(tenant, name, &keep).await?;
         let cfg = tenant.snapshot().config.clone();
         tenant.publish(cfg);
         Ok(record)
+    }
+
+    /// Removes from `--state-dir` the versions of adapter `name` that
+    /// `keep` does not hold, then the files no kept version names.
+    async fn drop_unkept(&self, tenant: &Tenant, name: &str, keep: &BTreeSet<u64>) -> Result<()> {
+        let Some(dir) = self.dir.clone() else {
+            return Ok(());
+        };
+        let blobs = blobs_of(&lock_slots(tenant));
+        let (tid, n, keep) = (tenant.id.clone(), name.to_string(), keep.clone());
+        tokio::task::spawn_blocking(move || drop_versions(&dir, &tid, &n, &keep, &blobs))
+            .await
+            .map_err(|e| anyhow!("{e}"))?
     }
 
     /// Where version `v` of a tenant's adapter lives, as `/v1/models`
@@ -424,16 +467,19 @@ impl Tenants {
             .get(&tenant.id)
             .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
         let _g = tenant.admin.lock().await;
-        let (target, record, history) = {
+        let (target, record, mut history) = {
             let slots = lock_slots(tenant);
             let s = slots
                 .get(name)
                 .ok_or_else(|| anyhow!("tenant '{}' has no adapter '{name}'", tenant.id))?;
             s.rollback_target(&format!("adapter '{name}'"))?
         };
+        // The version rolled back from can no longer be reached: dropped.
+        let keep = kept_versions(target, &mut history);
         if let Some((_, basis)) = &write {
             let mut m = self.manifest_of(Some(tenant), tenant.snapshot().config.clone());
             let a = m.adapters.entry(name.to_string()).or_default();
+            a.versions.retain(|v, _| keep.contains(v));
             a.active = Some(target);
             a.history = history.clone();
             self.commit(&tenant.id, basis, m).await?;
@@ -449,12 +495,14 @@ impl Tenants {
         {
             let mut slots = lock_slots(tenant);
             let s = slots.entry(name.to_string()).or_default();
+            s.versions.retain(|v, _| keep.contains(v));
             s.active = Some(target);
             s.history = history;
             // The rolled-back version is loaded again on first use.
             s.loaded.clear();
             set_resident_gauge(&tenant.id, &slots);
         }
+        self.drop_unkept(tenant, name, &keep).await?;
         let cfg = tenant.snapshot().config.clone();
         tenant.publish(cfg);
         Ok(record)
@@ -790,6 +838,32 @@ pub mod disk {
             let _ = std::fs::remove_dir_all(&gone);
         }
         gc_adapter_blobs(root, id, keep);
+        Ok(())
+    }
+
+    /// Removes the records of adapter `name`'s versions that `keep` does
+    /// not hold (rollback can no longer reach them), then every blob of
+    /// the tenant that `blobs` does not name.
+    pub fn drop_versions(
+        root: &Path,
+        id: &str,
+        name: &str,
+        keep: &std::collections::BTreeSet<u64>,
+        blobs: &std::collections::BTreeSet<String>,
+    ) -> Result<()> {
+        let dir = store::slot_dir(root, id, store::Kind::Adapters, name);
+        for f in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let fname = f.file_name().to_string_lossy().to_string();
+            let v = fname
+                .strip_suffix(".json")
+                .and_then(|v| v.parse::<u64>().ok());
+            if v.is_some_and(|v| !keep.contains(&v)) {
+                std::fs::remove_file(f.path())
+                    .with_context(|| format!("cannot remove {}", f.path().display()))?;
+            }
+        }
+        store::fsync_dir(&dir)?;
+        gc_adapter_blobs(root, id, blobs);
         Ok(())
     }
 
