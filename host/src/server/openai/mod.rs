@@ -435,7 +435,8 @@ pub async fn chat_batch(
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
-    let engine = state.engine_for(&common.model)?;
+    // A tenant's own adapter serves its batches as it serves its chats.
+    let engine = state.engine_as(&common.model, ctx.as_ref())?;
     let mut prompts = Vec::with_capacity(conversations.len());
     for (i, conversation) in conversations.into_iter().enumerate() {
         // Each conversation is rendered as the chat body it stands for.
