@@ -140,6 +140,7 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "chain": s.chain.iter().map(|e| json!({"name": e.plugin.name, "version": e.plugin.version, "sha256": e.plugin.sha256})).collect::<Vec<_>>(),
         "installed": state.tenants.list_plugins(t)["data"],
         "adapter_limits": c.adapter_limits,
+        "kv_cache": c.kv_cache,
         "adapters": s.adapters,
         // With --state-store: the revision of the shared manifest this
         // replica serves (each landed change adds one).

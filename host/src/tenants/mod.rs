@@ -123,6 +123,72 @@ impl Default for TenantScheduling {
     }
 }
 
+/// A tenant's part of the engine's KV-cache block pool, as fractions of
+/// it: a reservation other tenants' traffic cannot evict, and a cap on what
+/// the tenant may hold (running plus cached). See
+/// [`crate::engine::kv_cache::OwnerLimits`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantKvCache {
+    /// While the tenant holds at most this fraction of the pool, its cached
+    /// blocks stay whatever other tenants run. 0 (the default): none.
+    pub reserved_fraction: f64,
+    /// The most of the pool the tenant may hold at once. 1 (the default):
+    /// no cap. Never below one longest request's blocks.
+    pub max_fraction: f64,
+}
+
+impl Default for TenantKvCache {
+    fn default() -> Self {
+        TenantKvCache {
+            reserved_fraction: 0.0,
+            max_fraction: 1.0,
+        }
+    }
+}
+
+impl TenantKvCache {
+    /// The most all tenants' reservations may add up to: the rest stays
+    /// for tenants without one.
+    pub const MAX_RESERVED_TOTAL: f64 = 0.9;
+
+    /// Refuses fractions outside 0 to 1, and a reservation above the cap.
+    pub fn check(&self) -> Result<()> {
+        for (key, v) in [
+            ("kv_cache.reserved_fraction", self.reserved_fraction),
+            ("kv_cache.max_fraction", self.max_fraction),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                bail!("{key} must be between 0 and 1, not {v}");
+            }
+        }
+        if self.reserved_fraction > Self::MAX_RESERVED_TOTAL {
+            bail!(
+                "kv_cache.reserved_fraction may be at most {} (the rest of the pool stays for tenants without a reservation)",
+                Self::MAX_RESERVED_TOTAL
+            );
+        }
+        if self.reserved_fraction > self.max_fraction {
+            bail!(
+                "kv_cache.reserved_fraction ({}) is above kv_cache.max_fraction ({})",
+                self.reserved_fraction,
+                self.max_fraction
+            );
+        }
+        Ok(())
+    }
+
+    /// The share as the engine takes it; `None` when it limits nothing.
+    pub fn share(&self) -> Option<crate::engine::fair_share::KvShare> {
+        let permille = |f: f64| (f * 1000.0).round().clamp(0.0, 1000.0) as u16;
+        let share = crate::engine::fair_share::KvShare {
+            reserved_permille: permille(self.reserved_fraction),
+            max_permille: permille(self.max_fraction),
+        };
+        (share.reserved_permille > 0 || share.max_permille < 1000).then_some(share)
+    }
+}
+
 /// A plugin of the chain and its per-hook policies.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -150,6 +216,8 @@ pub struct TenantConfig {
     pub plugin_limits: Limits,
     /// Quotas of the tenant's own LoRA adapters.
     pub adapter_limits: adapters::AdapterLimits,
+    /// Its part of the KV cache.
+    pub kv_cache: TenantKvCache,
 }
 
 /// The body of `PUT /admin/v1/tenants/{id}`.
@@ -165,6 +233,8 @@ pub struct TenantSpec {
     pub plugin_limits: Option<Limits>,
     /// Absent: keep the current adapter quotas.
     pub adapter_limits: Option<adapters::AdapterLimits>,
+    /// Absent: keep the current KV-cache share.
+    pub kv_cache: Option<TenantKvCache>,
 }
 
 /// A chain entry in a PUT body: a name, or a name with policies.
@@ -824,6 +894,27 @@ impl Tenants {
                 .map(|c| c.adapter_limits.clone())
                 .unwrap_or_default()
         });
+        let kv_cache = match spec.kv_cache {
+            Some(kv) => kv,
+            None => old.as_ref().map(|c| c.kv_cache).unwrap_or_default(),
+        };
+        kv_cache.check()?;
+        let others: f64 = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .filter(|(other, _)| other.as_str() != id)
+            .map(|(_, t)| t.snapshot().config.kv_cache.reserved_fraction)
+            .sum();
+        if others + kv_cache.reserved_fraction > TenantKvCache::MAX_RESERVED_TOTAL + 1e-9 {
+            bail!(
+                "kv_cache.reserved_fraction {}: the tenants' reservations would add up to {:.3}, above {}",
+                kv_cache.reserved_fraction,
+                others + kv_cache.reserved_fraction,
+                TenantKvCache::MAX_RESERVED_TOTAL
+            );
+        }
         let config = TenantConfig {
             id: id.to_string(),
             api_key_hashes,
@@ -833,6 +924,7 @@ impl Tenants {
             plugins,
             plugin_limits,
             adapter_limits,
+            kv_cache,
         };
         if let Some((_, basis)) = &write {
             let m = self.manifest_of(existing.as_deref(), config.clone());

@@ -120,7 +120,7 @@ impl TenantCtx {
             name: self.admission.tenant.id.as_str().into(),
             weight: s.weight,
             priority_class: s.priority_class,
-            kv: None,
+            kv: self.admission.snapshot.config.kv_cache.share(),
         }
     }
 
