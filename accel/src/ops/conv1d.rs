@@ -12,7 +12,7 @@
 //! same `kernel` products summed in the same order, whichever step holds
 //! its inputs.
 
-use super::gated_delta::{check_slots, RecurrentSeq};
+use super::recurrent::{check_slots, RecurrentSeq, SendPtr};
 use super::simd::{check_level, dispatch, Kernel, Simd};
 use crate::cpu::{simd_level, SimdLevel};
 use crate::ThreadPool;
@@ -145,12 +145,6 @@ pub(crate) fn causal_conv1d_silu_at(
         }
     });
 }
-
-/// A raw pointer the pool's tasks share; see the SAFETY notes at its uses.
-pub(super) struct SendPtr(pub(super) *mut f32);
-// SAFETY: the tasks that share one write disjoint elements (see uses).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
 
 struct ConvTask<'a> {
     x: &'a [f32],

@@ -38,7 +38,8 @@
 //! prefix-cache hit to what a cold run computes). A piece of one token (a
 //! decode, or a step ending one token past a boundary) runs the recurrence.
 
-use super::conv1d::SendPtr;
+pub use super::recurrent::RecurrentSeq;
+use super::recurrent::{check_slots, SendPtr};
 use super::simd::{check_level, dispatch, Kernel, Simd};
 use crate::cpu::{simd_level, SimdLevel};
 use crate::ThreadPool;
@@ -52,48 +53,6 @@ pub const CHUNK: usize = 64;
 /// transformers mirrors): inside the square root, added to the sum of
 /// squares.
 const L2_EPS: f32 = 1e-6;
-
-/// One sequence of a step, for the recurrent layers' ops.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RecurrentSeq {
-    /// Its first row among the step's tokens.
-    pub q_start: usize,
-    /// Its tokens in this step.
-    pub q_len: usize,
-    /// The position of its first token in this step. At 0 the sequence
-    /// starts from a zero state, whatever its slot holds.
-    pub start_pos: usize,
-    /// Its state slot.
-    pub slot: usize,
-}
-
-/// Panics unless every sequence's slot lies within `state_len` values of
-/// `slot_len`-value slots and no two sequences share a slot or a row: the
-/// ops' tasks write those without synchronization.
-pub(super) fn check_slots(op: &str, seqs: &[RecurrentSeq], state_len: usize, slot_len: usize) {
-    for (i, s) in seqs.iter().enumerate() {
-        assert!(
-            (s.slot + 1) * slot_len <= state_len,
-            "{op}: slot {} outside a state of {} slots",
-            s.slot,
-            state_len / slot_len.max(1)
-        );
-        for (j, o) in seqs[..i].iter().enumerate() {
-            assert!(
-                o.slot != s.slot,
-                "{op}: sequences {j} and {i} share slot {}",
-                s.slot
-            );
-            assert!(
-                o.q_len == 0
-                    || s.q_len == 0
-                    || o.q_start + o.q_len <= s.q_start
-                    || s.q_start + s.q_len <= o.q_start,
-                "{op}: sequences {j} and {i} overlap in rows"
-            );
-        }
-    }
-}
 
 /// The shape of a Gated DeltaNet layer's heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,7 +3,7 @@
 //! scaled by the weight (used as is, not `1 + w` like the model's other
 //! norms), then multiplied by `silu(z)`, the head's output gate.
 
-use super::conv1d::SendPtr;
+use super::recurrent::SendPtr;
 use super::simd::{check_level, dispatch, Kernel, Simd};
 use crate::cpu::{simd_level, SimdLevel};
 use crate::ThreadPool;

@@ -19,6 +19,7 @@ pub mod lora;
 pub mod mla;
 pub mod moe;
 mod norm;
+mod recurrent;
 mod rope;
 pub mod sample;
 pub(crate) mod simd;
@@ -28,7 +29,8 @@ pub use attention::{
     paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
 };
 pub use conv1d::{causal_conv1d_silu, ConvSpec};
-pub use gated_delta::{gated_delta_rule, GatedDeltaSpec, RecurrentSeq};
+pub use gated_delta::{gated_delta_rule, GatedDeltaSpec};
+pub use recurrent::RecurrentSeq;
 pub use gated_norm::rms_norm_gated;
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};
 pub use norm::{add_inplace, rms_norm, rms_norm_inplace};

@@ -407,6 +407,7 @@ impl SampledRows {
 
     /// The top lists' ids and log-probabilities, to be written in place (a
     /// device backend copies them back into them).
+    #[cfg(feature = "cuda")]
     pub(crate) fn top_lists_mut(&mut self) -> (&mut [u32], &mut [f32]) {
         (&mut self.top_ids.values, &mut self.top_logprobs)
     }
