@@ -38,6 +38,7 @@ fn cached(v: &Value) -> u64 {
 /// tenant (several times the pool), then the calm prompt again: the tokens
 /// it finds cached, and its prompt's length.
 fn calm_after_flood(calm_kv: Value) -> (u64, u64) {
+    let calm_kv_has_share = calm_kv.clone();
     let dir = TempDir::new("tenants-kv");
     // 48 blocks of 16 tokens (the demo model keeps 23 KiB per token in
     // f16): each flood prompt takes about a quarter of the pool.
@@ -54,7 +55,7 @@ fn calm_after_flood(calm_kv: Value) -> (u64, u64) {
     );
     p.put_tenant(
         "calm",
-        json!({"api_keys": ["key-calm-1234"], "kv_cache": calm_kv}),
+        json!({"api_keys": ["key-calm-1234"], "kv_cache": calm_kv_has_share}),
     );
     p.put_tenant("flood", json!({"api_keys": ["key-flood-1234"]}));
     let calm = prompt(1000, 120);
@@ -64,6 +65,26 @@ fn calm_after_flood(calm_kv: Value) -> (u64, u64) {
         complete(&p, "key-flood-1234", &prompt(seed, 160));
     }
     let again = complete(&p, "key-calm-1234", &calm);
+    // With a share, the pool's count of the calm tenant is published.
+    let (_, view) = p.admin("GET", "/admin/v1/tenants/calm", None);
+    let label = format!(
+        "tenant=\"{}\"",
+        view["metrics_label"].as_str().unwrap_or("?")
+    );
+    let (_, metrics) = p.s.get("/metrics");
+    let sample = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && l.contains(&label))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+    };
+    if calm_kv.get("reserved_fraction").is_some() {
+        let blocks = sample("pagoda_tenant_kv_cache_blocks{").expect("calm's blocks gauge");
+        assert!(blocks >= 7.0, "calm keeps its prompt's blocks: {blocks}");
+        let evicted = sample("pagoda_tenant_kv_cache_blocks_evicted_by_others_total")
+            .expect("calm's eviction counter");
+        assert_eq!(evicted, 0.0);
+    }
     (
         cached(&again),
         again["usage"]["prompt_tokens"].as_u64().unwrap_or(0),

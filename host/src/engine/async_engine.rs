@@ -80,6 +80,13 @@ pub mod metric_names {
     pub const TENANT_GENERATION_TOKENS: &str = "pagoda_tenant_generation_tokens_total";
     pub const TENANT_TTFT: &str = "pagoda_tenant_time_to_first_token_seconds";
     pub const TENANT_QUEUE_TIME: &str = "pagoda_tenant_request_queue_time_seconds";
+    /// Tenants with a KV-cache share (`kv_cache` in their config): blocks
+    /// they hold or keep cached, of those the cached ones nobody holds,
+    /// and their cached blocks other tenants' allocations evicted.
+    pub const TENANT_KV_BLOCKS: &str = "pagoda_tenant_kv_cache_blocks";
+    pub const TENANT_KV_CACHED_BLOCKS: &str = "pagoda_tenant_kv_cache_cached_blocks";
+    pub const TENANT_KV_EVICTED_BY_OTHERS: &str =
+        "pagoda_tenant_kv_cache_blocks_evicted_by_others_total";
 }
 
 use metric_names as m;
@@ -730,6 +737,13 @@ fn set_tenant_gauges(core: &EngineCore, shown: &mut Vec<String>) {
         metrics::gauge!(m::TENANT_WAITING, "tenant" => gone.clone()).set(0.0);
     }
     *shown = now;
+    // Owners stay registered once seen, so these series never vanish.
+    for (name, u) in core.kv_cache().owner_usage() {
+        let label = crate::tenants::metric_label::of(&name);
+        metrics::gauge!(m::TENANT_KV_BLOCKS, "tenant" => label.clone()).set(u.blocks as f64);
+        metrics::gauge!(m::TENANT_KV_CACHED_BLOCKS, "tenant" => label.clone()).set(u.cached as f64);
+        metrics::counter!(m::TENANT_KV_EVICTED_BY_OTHERS, "tenant" => label).absolute(u.evicted_by_others);
+    }
 }
 
 /// Sets `vllm:lora_requests_info` as vLLM does: one series whose labels

@@ -434,6 +434,18 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     }
     metrics::describe_gauge!(m::TENANT_RUNNING, "Requests running, per tenant.");
     metrics::describe_gauge!(m::TENANT_WAITING, "Requests waiting, per tenant.");
+    metrics::describe_gauge!(
+        m::TENANT_KV_BLOCKS,
+        "KV-cache blocks held or kept cached, per tenant with a kv_cache share."
+    );
+    metrics::describe_gauge!(
+        m::TENANT_KV_CACHED_BLOCKS,
+        "KV-cache blocks kept cached and held by no request, per tenant with a kv_cache share."
+    );
+    metrics::describe_counter!(
+        m::TENANT_KV_EVICTED_BY_OTHERS,
+        "Cached KV-cache blocks of the tenant evicted by other tenants' allocations."
+    );
     metrics::describe_counter!(
         m::TENANT_PROMPT_TOKENS,
         "Prompt tokens of admitted requests, per tenant."
