@@ -542,6 +542,10 @@ fn quotas_name_their_limit_and_cold_loads_evict_idle_adapters() {
         &[("tenant", &label)],
     );
     assert_eq!(loads, 3.0, "three cold loads:\n{metrics}");
+    assert!(
+        metrics.contains("# HELP pagoda_tenant_adapter_cold_loads_total"),
+        "undescribed:\n{metrics}"
+    );
     // Per-tenant metrics name the adapter; under the default hashed
     // tenant label, the adapter's name is hashed too.
     let used = metric_sum(

@@ -477,6 +477,7 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         "vLLM's older name for prefix_cache_hits_total."
     );
     connections::describe_metrics();
+    crate::tenants::adapters::describe_metrics();
     // Counters start at zero so that they are present before any request.
     for name in [
         m::PROMPT_TOKENS,

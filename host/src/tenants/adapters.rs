@@ -127,6 +127,26 @@ pub mod metrics {
     pub const RESIDENT: &str = "pagoda_tenant_adapters_resident";
 }
 
+/// Describes the adapter metrics on `/metrics`.
+pub fn describe_metrics() {
+    ::metrics::describe_counter!(
+        metrics::REQUESTS,
+        "Requests run with a tenant's LoRA adapter, per tenant and adapter (adapter labels follow --metrics-tenant-label, at most 32 values, then 'other')."
+    );
+    ::metrics::describe_counter!(
+        metrics::COLD_LOADS,
+        "Loads of a tenant's adapter into memory on the request that needed it, per tenant."
+    );
+    ::metrics::describe_histogram!(
+        metrics::COLD_LOAD_SECONDS,
+        "Time of each cold adapter load, spent on the tenant's own request, seconds."
+    );
+    ::metrics::describe_gauge!(
+        metrics::RESIDENT,
+        "Adapters a tenant keeps resident in memory."
+    );
+}
+
 /// The two PEFT files of an upload.
 pub struct AdapterUpload {
     pub config: Bytes,
