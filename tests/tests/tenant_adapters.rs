@@ -690,6 +690,63 @@ fn a_route_plugin_chooses_the_adapter_and_accounting_names_it() {
     assert_eq!((series.len(), other), (32, 3.0), "{series:#?}");
 }
 
+#[test]
+fn an_adapter_the_admin_shares_serves_every_tenant_its_allowlist_admits() {
+    let dir = TempDir::new("tenant-adapter-shared");
+    let p = start_at(&dir.0.join("state"), &[], &[]);
+    tenants(&p);
+    p.put_tenant(
+        "strict",
+        json!({"api_keys": ["key-strict-12345"], "models": ["smol"]}),
+    );
+    p.put_tenant("lib", json!({"api_keys": ["key-lib-1234567"]}));
+    let (ct, body) = multipart(&files_of("llama/qv-r8"));
+    let url = p.s.url("/admin/v1/tenants/lib/adapters/common?shared=true");
+    let r = agent()
+        .put(&url)
+        .header("Authorization", &format!("Bearer {ADMIN}"))
+        .header("Content-Type", &ct)
+        .send(&body[..])
+        .expect("upload");
+    assert_eq!(r.status().as_u16(), 201);
+    // Not shared: private as ever.
+    upload_ok(&p, "lib", "private", "llama/all-r16");
+
+    for key in [KEY_A, KEY_B] {
+        runs(&p, key, "common", "llama/qv-r8");
+        assert!(model_ids(&p, key).contains(&"common".to_string()));
+        assert!(!model_ids(&p, key).contains(&"private".to_string()));
+        assert_eq!(score(&p, key, "private", "llama/qv-r8").0, 404);
+        let (st, _) = call_url(&p.s.url("/v1/models/common"), "GET", key, None);
+        assert_eq!(st, 200);
+    }
+    // A tenant whose allowlist does not name it does not get it.
+    let (st, v) = score(&p, "key-strict-12345", "common", "llama/qv-r8");
+    assert_eq!(
+        (st, &v["error"]["code"]),
+        (404, &json!("model_not_found")),
+        "{v}"
+    );
+    assert!(!model_ids(&p, "key-strict-12345").contains(&"common".to_string()));
+    // A tenant's own adapter of that name wins over the shared one.
+    upload_ok(&p, "a", "common", "llama/rslora-r4");
+    runs(&p, KEY_A, "common", "llama/rslora-r4");
+    runs(&p, KEY_B, "common", "llama/qv-r8");
+    // Shared names are unique across tenants.
+    let (ct, body) = multipart(&files_of("llama/qv-r8"));
+    let url = p.s.url("/admin/v1/tenants/b/adapters/common?shared=true");
+    let mut r = agent()
+        .put(&url)
+        .header("Authorization", &format!("Bearer {ADMIN}"))
+        .header("Content-Type", &ct)
+        .send(&body[..])
+        .expect("upload");
+    assert_eq!(r.status().as_u16(), 400);
+    let text = r.body_mut().read_to_string().unwrap_or_default();
+    assert!(text.contains("already shares"), "{text}");
+    runs(&p, KEY_B, "common", "llama/qv-r8");
+}
+
 /// Writes half of an adapter upload to the server and kills it with
 /// SIGKILL before the rest arrives.
 fn kill_mid_upload(p: PServer, tenant: &str, name: &str, fixture: &str) -> PathBuf {

@@ -9,8 +9,9 @@
 //!   config: `?config=<urlencoded JSON>` or header `x-pagoda-plugin-config`)
 //! - `POST /admin/v1/tenants/{id}/plugins/{name}/rollback`
 //! - `GET /admin/v1/tenants/{id}/adapters`
-//! - `PUT /admin/v1/tenants/{id}/adapters/{name}` (body: multipart/form-data
-//!   with the parts `adapter_config.json` and `adapter_model.safetensors`)
+//! - `PUT /admin/v1/tenants/{id}/adapters/{name}[?shared=true]` (body:
+//!   multipart/form-data with the parts `adapter_config.json` and
+//!   `adapter_model.safetensors`)
 //! - `DELETE /admin/v1/tenants/{id}/adapters/{name}`
 //! - `POST /admin/v1/tenants/{id}/adapters/{name}/rollback`
 
@@ -141,6 +142,7 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "installed": state.tenants.list_plugins(t)["data"],
         "adapter_limits": c.adapter_limits,
         "kv_cache": c.kv_cache,
+        "cache_group": c.cache_group,
         "adapters": s.adapters,
         // With --state-store: the revision of the shared manifest this
         // replica serves (each landed change adds one).
@@ -326,12 +328,22 @@ pub async fn route(
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or("")
                 .to_string();
+            let shared = match query_param(&req, "shared")?.as_deref() {
+                None | Some("false") | Some("0") => false,
+                Some("true") | Some("1") => true,
+                Some(other) => {
+                    return Err(ApiError::invalid(
+                        Some("shared".into()),
+                        format!("shared={other}: give true or false"),
+                    ))
+                }
+            };
             let body = read_limited(req, MAX_ADAPTER_BYTES).await?;
             let upload = crate::tenants::adapters::parse_multipart(&content_type, &body)
                 .map_err(|e| ApiError::invalid(None, format!("{e:#}")))?;
             let r = state
                 .tenants
-                .upload_adapter(&t, &name, upload, &loras)
+                .upload_adapter(&t, &name, upload, shared, &loras)
                 .await
                 .map_err(|e| {
                     tracing::warn!(tenant = %t.id, adapter = %name, "adapter upload refused: {e:#}");

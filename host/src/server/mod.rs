@@ -187,6 +187,12 @@ impl AppState {
         if tenant.is_some_and(|t| t.admission.snapshot.owns_adapter(model)) {
             return self.engine();
         }
+        let me = tenant.map_or("", |t| t.tenant_id());
+        if !self.config.served_model_names.iter().any(|n| n == model)
+            && self.tenants.shared_adapter_owner(model, me).is_some()
+        {
+            return self.engine();
+        }
         self.engine_for(model)
     }
 
@@ -205,9 +211,16 @@ impl AppState {
            + 'a {
         // Only the tenant itself crosses the await (its request's plugin
         // session is not shared between threads).
+        let me = tenant.map_or("", |t| t.tenant_id());
+        // The tenant's own adapter, else one another tenant shares.
         let own = tenant
             .filter(|t| t.admission.snapshot.owns_adapter(model))
-            .map(|t| Arc::clone(&t.admission.tenant));
+            .map(|t| Arc::clone(&t.admission.tenant))
+            .or_else(|| {
+                (!self.config.served_model_names.iter().any(|n| n == model))
+                    .then(|| self.tenants.shared_adapter_owner(model, me))
+                    .flatten()
+            });
         async move {
             let lora = match own {
                 Some(t) => self
@@ -711,7 +724,14 @@ async fn api_route(
                     .filter(|l| allowed(&l.name))
                     .map(|l| lora_card(&state, l)),
             );
-            // The tenant's own adapters (and no other tenant's).
+            // Adapters tenants share (as the allowlist admits them), then
+            // the tenant's own (and no other tenant's).
+            let me = tenant.as_ref().map_or("", |t| t.id.as_str());
+            for (name, version) in state.tenants.shared_adapters(me) {
+                if allowed(&name) && !data.iter().any(|c| c["id"] == name.as_str()) {
+                    data.push(tenant_lora_card(&state, &name, version));
+                }
+            }
             if let Some(t) = &tenant {
                 for (name, version) in state.tenants.active_adapters(t) {
                     data.retain(|c| c["id"] != name.as_str());
@@ -735,6 +755,14 @@ async fn api_route(
             });
             if let Some((name, version)) = own {
                 return Ok(json_response(&tenant_lora_card(&state, &name, version)));
+            }
+            let me = tenant.as_ref().map_or("", |t| t.id.as_str());
+            let is_served = state.config.served_model_names.iter().any(|n| *n == id);
+            if !is_served && allowed(&id) {
+                let shared = state.tenants.shared_adapters(me);
+                if let Some((name, version)) = shared.into_iter().find(|(n, _)| *n == id) {
+                    return Ok(json_response(&tenant_lora_card(&state, &name, version)));
+                }
             }
             match state.config.served_model_names.iter().find(|n| **n == id) {
                 Some(n) if allowed(n) => Ok(json_response(&model_card(&state, n))),

@@ -52,6 +52,10 @@ pub struct AdapterRecord {
     /// The adapted projections (`q_proj`, ...), each once.
     pub modules: Vec<String>,
     pub uploaded_at: u64,
+    /// Shared by the admin with every tenant (whose `models` allow it),
+    /// under its name; otherwise only its own tenant resolves it.
+    #[serde(default)]
+    pub shared: bool,
 }
 
 impl store::Versioned for AdapterRecord {
@@ -300,10 +304,19 @@ impl Tenants {
         tenant: &Arc<Tenant>,
         name: &str,
         upload: AdapterUpload,
+        shared: bool,
         loras: &SharedLoras,
     ) -> Result<AdapterRecord> {
         if !super::valid_name(name) {
             bail!("adapter name '{name}' is not valid (1-64 of A-Z a-z 0-9 _ - ., not starting with '.')");
+        }
+        if shared {
+            if let Some(owner) = self.shared_adapter_owner(name, &tenant.id) {
+                bail!(
+                    "tenant '{}' already shares an adapter named '{name}'; shared names are unique across tenants, so pick another name or stop sharing that one",
+                    owner.id
+                );
+            }
         }
         let dir = self.dir.clone().ok_or_else(|| {
             anyhow!("tenant adapters are stored in --state-dir; restart the server with one")
@@ -354,6 +367,7 @@ impl Tenants {
                 rank: checked.rank,
                 modules: checked.modules.clone(),
                 uploaded_at: now_secs(),
+                shared,
             };
             let names = slots.len() + usize::from(!slots.contains_key(name));
             if let Some(max) = limits.max_stored {
@@ -686,6 +700,54 @@ impl Tenants {
             "adapter" => super::metric_label::adapter(&tenant.id, name),
         )
         .increment(1);
+    }
+
+    /// The tenant (other than `except`) whose active version of adapter
+    /// `name` the admin shares with every tenant, if any.
+    pub fn shared_adapter_owner(&self, name: &str, except: &str) -> Option<Arc<Tenant>> {
+        let tenants: Vec<Arc<Tenant>> = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .filter(|t| t.id != except)
+            .cloned()
+            .collect();
+        tenants.into_iter().find(|t| {
+            let slots = lock_slots(t);
+            slots
+                .get(name)
+                .and_then(|s| s.versions.get(&s.active?))
+                .is_some_and(|r| r.shared)
+        })
+    }
+
+    /// Every adapter shared with all tenants, by name, with its active
+    /// version (owned by tenants other than `except`).
+    pub fn shared_adapters(&self, except: &str) -> Vec<(String, u64)> {
+        let tenants: Vec<Arc<Tenant>> = self
+            .map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .values()
+            .filter(|t| t.id != except)
+            .cloned()
+            .collect();
+        let mut out: Vec<(String, u64)> = tenants
+            .iter()
+            .flat_map(|t| {
+                lock_slots(t)
+                    .iter()
+                    .filter_map(|(n, s)| {
+                        let v = s.active?;
+                        s.versions.get(&v)?.shared.then(|| (n.clone(), v))
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        out.sort();
+        out.dedup_by(|a, b| a.0 == b.0);
+        out
     }
 
     /// A tenant's own adapters with their active versions, by name, as
