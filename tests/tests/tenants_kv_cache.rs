@@ -150,3 +150,47 @@ fn the_admin_api_shows_and_checks_kv_cache_shares() {
         json!({"api_keys": ["key-b-123456"], "kv_cache": {"reserved_fraction": 0.4}}),
     );
 }
+
+#[test]
+fn a_cache_group_shares_a_prefix_between_its_tenants_and_no_one_else() {
+    let dir = TempDir::new("tenants-kv-group");
+    let p = start(&dir, &[]);
+    p.put_tenant(
+        "a",
+        json!({"api_keys": ["key-a-123456"], "cache_group": "acme"}),
+    );
+    p.put_tenant(
+        "b",
+        json!({"api_keys": ["key-b-123456"], "cache_group": "acme"}),
+    );
+    p.put_tenant("c", json!({"api_keys": ["key-c-123456"]}));
+    let system = prompt(7, 100);
+    let first = complete(&p, "key-a-123456", &system);
+    assert_eq!(cached(&first), 0, "{first}");
+    // B, in A's group, finds A's blocks.
+    let b = complete(&p, "key-b-123456", &system);
+    assert!(cached(&b) >= 64, "b should reuse a's prefix: {b}");
+    // C, outside it, finds nothing; and a group named like a tenant is
+    // not that tenant.
+    let c = complete(&p, "key-c-123456", &system);
+    assert_eq!(cached(&c), 0, "{c}");
+    p.put_tenant(
+        "d",
+        json!({"api_keys": ["key-d-123456"], "cache_group": "c"}),
+    );
+    let d = complete(&p, "key-d-123456", &system);
+    assert_eq!(cached(&d), 0, "{d}");
+    // Leaving the group drops the old salt's blocks from B's view.
+    p.put_tenant("b", json!({"api_keys": ["key-b-123456"]}));
+    let b = complete(&p, "key-b-123456", &system);
+    assert_eq!(cached(&b), 0, "{b}");
+    let (_, v) = p.admin("GET", "/admin/v1/tenants/a", None);
+    assert_eq!(v["cache_group"], "acme", "{v}");
+    let (st, v) = p.admin(
+        "PUT",
+        "/admin/v1/tenants/e",
+        Some(&json!({"api_keys": ["key-e-123456"], "cache_group": "no spaces"})),
+    );
+    assert_eq!(st, 400, "{v}");
+    assert!(v.to_string().contains("cache_group"), "{v}");
+}

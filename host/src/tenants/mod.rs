@@ -218,6 +218,10 @@ pub struct TenantConfig {
     pub adapter_limits: adapters::AdapterLimits,
     /// Its part of the KV cache.
     pub kv_cache: TenantKvCache,
+    /// Tenants naming the same group share prefix-cache blocks (one salt,
+    /// so a common system prompt is computed once); `None`: the tenant's
+    /// blocks are its own.
+    pub cache_group: Option<String>,
 }
 
 /// The body of `PUT /admin/v1/tenants/{id}`.
@@ -235,6 +239,9 @@ pub struct TenantSpec {
     pub adapter_limits: Option<adapters::AdapterLimits>,
     /// Absent: keep the current KV-cache share.
     pub kv_cache: Option<TenantKvCache>,
+    /// The prefix-cache group; absent or null: none (replaced on every
+    /// PUT, like `models`).
+    pub cache_group: Option<String>,
 }
 
 /// A chain entry in a PUT body: a name, or a name with policies.
@@ -915,8 +922,14 @@ impl Tenants {
                 TenantKvCache::MAX_RESERVED_TOTAL
             );
         }
+        if let Some(g) = &spec.cache_group {
+            if !valid_name(g) {
+                bail!("cache_group '{g}' is not valid (1-64 of A-Z a-z 0-9 _ - .)");
+            }
+        }
         let config = TenantConfig {
             id: id.to_string(),
+            cache_group: spec.cache_group,
             api_key_hashes,
             models: spec.models,
             limits: spec.limits,

@@ -883,10 +883,10 @@ async fn start_run(
     tools: Option<ToolMode>,
 ) -> Result<Run, ApiError> {
     if let Some(t) = &tenant {
-        // Tenants never share prefix-cache blocks.
+        // Tenants share prefix-cache blocks only within a cache group.
         common.opts.cache_salt = protocol::salt_of(&format!(
-            "tenant:{}:{:x}",
-            t.tenant_id(),
+            "{}:{:x}",
+            t.cache_scope(),
             common.opts.cache_salt
         ));
         common.opts.tenant = t.share();

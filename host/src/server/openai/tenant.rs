@@ -113,6 +113,16 @@ impl TenantCtx {
         &self.admission.tenant.id
     }
 
+    /// Whose prefix-cache blocks the tenant's requests may share: its
+    /// cache group's, or its own. Group and tenant names live apart, so a
+    /// tenant never shares with a group named like it.
+    pub fn cache_scope(&self) -> String {
+        match &self.admission.snapshot.config.cache_group {
+            Some(g) => format!("group:{g}"),
+            None => format!("tenant:{}", self.tenant_id()),
+        }
+    }
+
     /// The tenant's share of the engine, as its requests carry it.
     pub fn share(&self) -> crate::engine::fair_share::TenantShare {
         let s = &self.admission.snapshot.config.scheduling;
