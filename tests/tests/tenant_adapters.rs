@@ -812,6 +812,7 @@ fn kill_during_an_upload_leaves_the_previous_version_serving() {
     assert!(!state
         .join("tenants/a/adapters/support/.tmp-2.json-0")
         .exists());
+    assert!(!blobs.join(".tmp-half-written").exists());
 }
 
 const POLL_SECONDS: u64 = 2;

@@ -824,6 +824,16 @@ pub mod disk {
     /// The adapter slots of tenant `id` (records and active pointers).
     pub(crate) fn read_adapter_slots(root: &Path, id: &str) -> BTreeMap<String, AdapterSlot> {
         let mut out = BTreeMap::new();
+        // Leftovers of a blob write a crash interrupted.
+        for f in std::fs::read_dir(adapter_blob_dir(root, id))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if f.file_name().to_string_lossy().starts_with(".tmp-") {
+                let _ = std::fs::remove_file(f.path());
+            }
+        }
         let Ok(entries) = std::fs::read_dir(store::tenant_dir(root, id).join("adapters")) else {
             return out;
         };
