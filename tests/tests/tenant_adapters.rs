@@ -728,6 +728,10 @@ fn an_adapter_the_admin_shares_serves_every_tenant_its_allowlist_admits() {
         "{v}"
     );
     assert!(!model_ids(&p, "key-strict-12345").contains(&"common".to_string()));
+    // Its own adapters need no place in its allowlist.
+    upload_ok(&p, "strict", "mine", "llama/all-r16");
+    runs(&p, "key-strict-12345", "mine", "llama/all-r16");
+    assert!(model_ids(&p, "key-strict-12345").contains(&"mine".to_string()));
     // A tenant's own adapter of that name wins over the shared one.
     upload_ok(&p, "a", "common", "llama/rslora-r4");
     runs(&p, KEY_A, "common", "llama/rslora-r4");

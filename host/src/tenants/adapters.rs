@@ -974,7 +974,8 @@ pub mod disk {
 /// The files of a multipart/form-data upload: the part named (by its field
 /// or its file name) `adapter_config.json` and the one named
 /// `adapter_model.safetensors`.
-pub fn parse_multipart(content_type: &str, body: &[u8]) -> Result<AdapterUpload> {
+/// The parts share `body`'s memory (an upload may be large).
+pub fn parse_multipart(content_type: &str, body: &Bytes) -> Result<AdapterUpload> {
     let boundary = content_type
         .split(';')
         .map(str::trim)
@@ -1030,7 +1031,7 @@ pub fn parse_multipart(content_type: &str, body: &[u8]) -> Result<AdapterUpload>
                 .flatten()
                 .any(|n| n == want || n.rsplit('/').next() == Some(want))
         };
-        let part = Bytes::copy_from_slice(&body[start..end]);
+        let part = body.slice(start..end);
         if is("adapter_config.json") {
             config = Some(part);
         } else if is("adapter_model.safetensors") {
@@ -1073,25 +1074,30 @@ mod tests {
         body.extend(part("adapter_model.safetensors", b"\x00\r\n--X\r\n\xff"));
         body.extend_from_slice(b"--XyZ--\r\n");
         let ct = "multipart/form-data; boundary=XyZ";
+        let body = Bytes::from(body);
         let up = parse_multipart(ct, &body).expect("parsed");
         assert_eq!(&up.config[..], b"{\"r\": 8}");
         assert_eq!(&up.weights[..], b"\x00\r\n--X\r\n\xff");
 
         let mut one = part("adapter_config.json", b"{}");
         one.extend_from_slice(b"--XyZ--\r\n");
-        let e = parse_multipart(ct, &one).err().expect("refused");
+        let e = parse_multipart(ct, &Bytes::from(one))
+            .err()
+            .expect("refused");
         assert!(format!("{e}").contains("adapter_model.safetensors"), "{e}");
 
         let mut bin = part("adapter_model.bin", b"pickle");
         bin.extend_from_slice(b"--XyZ--\r\n");
-        let e = parse_multipart(ct, &bin).err().expect("refused");
+        let e = parse_multipart(ct, &Bytes::from(bin))
+            .err()
+            .expect("refused");
         assert!(format!("{e}").contains("safetensors"), "{e}");
 
         let e = parse_multipart("application/octet-stream", &body)
             .err()
             .expect("refused");
         assert!(format!("{e}").contains("multipart/form-data"), "{e}");
-        assert!(parse_multipart(ct, b"--XyZ\r\nno end").is_err());
+        assert!(parse_multipart(ct, &Bytes::from_static(b"--XyZ\r\nno end")).is_err());
     }
 
     #[test]
