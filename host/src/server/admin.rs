@@ -142,6 +142,8 @@ fn tenant_view(state: &AppState, t: &crate::tenants::Tenant) -> serde_json::Valu
         "installed": state.tenants.list_plugins(t)["data"],
         "adapter_limits": c.adapter_limits,
         "kv_cache": c.kv_cache,
+        // The per-minute budgets and what is left of each now.
+        "rate_limits": t.rate_limits(),
         "cache_group": c.cache_group,
         "adapters": s.adapters,
         // With --state-store: the revision of the shared manifest this

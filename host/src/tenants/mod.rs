@@ -73,6 +73,60 @@ pub struct TenantLimits {
     pub max_concurrent: Option<usize>,
     /// Prompt plus completion tokens per minute; beyond, 429 with Retry-After.
     pub tokens_per_minute: Option<u64>,
+    /// Prompt tokens per minute; beyond, 429 with Retry-After.
+    pub prompt_tokens_per_minute: Option<u64>,
+    /// Completion tokens per minute; beyond, 429 with Retry-After.
+    pub completion_tokens_per_minute: Option<u64>,
+    /// Requests admitted per minute; beyond, 429 with Retry-After.
+    pub requests_per_minute: Option<u64>,
+}
+
+/// The per-minute budgets of [`TenantLimits`], in a fixed order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RateLimit {
+    Tokens,
+    PromptTokens,
+    CompletionTokens,
+    Requests,
+}
+
+impl RateLimit {
+    pub const ALL: [RateLimit; 4] = [
+        RateLimit::Tokens,
+        RateLimit::PromptTokens,
+        RateLimit::CompletionTokens,
+        RateLimit::Requests,
+    ];
+
+    /// Its key in `limits` (and in the admin view's `rate_limits`).
+    pub fn key(self) -> &'static str {
+        match self {
+            RateLimit::Tokens => "tokens_per_minute",
+            RateLimit::PromptTokens => "prompt_tokens_per_minute",
+            RateLimit::CompletionTokens => "completion_tokens_per_minute",
+            RateLimit::Requests => "requests_per_minute",
+        }
+    }
+
+    /// What it counts, for messages.
+    pub fn what(self) -> &'static str {
+        match self {
+            RateLimit::Tokens => "tokens",
+            RateLimit::PromptTokens => "prompt tokens",
+            RateLimit::CompletionTokens => "completion tokens",
+            RateLimit::Requests => "requests",
+        }
+    }
+
+    /// The budget `limits` sets, if any.
+    pub fn of(self, limits: &TenantLimits) -> Option<u64> {
+        match self {
+            RateLimit::Tokens => limits.tokens_per_minute,
+            RateLimit::PromptTokens => limits.prompt_tokens_per_minute,
+            RateLimit::CompletionTokens => limits.completion_tokens_per_minute,
+            RateLimit::Requests => limits.requests_per_minute,
+        }
+    }
 }
 
 /// A tenant's share of the engine under contention (the scheduler's
@@ -374,10 +428,38 @@ impl<R: Clone, L> VersionSlot<R, L> {
     }
 }
 
-/// Token bucket of the tokens-per-minute limit.
+/// A token bucket of a per-minute limit: it holds up to a minute's
+/// budget and refills at a sixtieth of it per second. A request is
+/// refused while the level is not above zero; what it used is taken after
+/// (so one large request may drive the level below zero, and the tenant
+/// waits for the refill).
+#[derive(Clone, Copy, Debug)]
 struct Bucket {
     level: f64,
     at: Instant,
+}
+
+impl Bucket {
+    fn full(per_minute: u64) -> Bucket {
+        Bucket {
+            level: per_minute as f64,
+            at: Instant::now(),
+        }
+    }
+
+    /// Refills up to `now`, capped at `per_minute`.
+    fn refill(&mut self, per_minute: u64, now: Instant) {
+        let rate = per_minute as f64 / 60.0;
+        self.level =
+            (self.level + rate * now.saturating_duration_since(self.at).as_secs_f64()).min(per_minute as f64);
+        self.at = now;
+    }
+
+    /// Whole seconds until the level reaches `need`.
+    fn wait_for(&self, per_minute: u64, need: f64) -> u64 {
+        let rate = (per_minute as f64 / 60.0).max(1e-9);
+        ((need - self.level) / rate).ceil().max(1.0) as u64
+    }
 }
 
 pub struct Tenant {
@@ -386,7 +468,8 @@ pub struct Tenant {
     in_flight: AtomicUsize,
     /// Plugin instances its requests in flight have reserved.
     instances_held: AtomicUsize,
-    bucket: Mutex<Bucket>,
+    /// Per [`RateLimit`], in [`RateLimit::ALL`]'s order.
+    buckets: Mutex<[Bucket; 4]>,
     pub(crate) plugins: Mutex<BTreeMap<String, PluginSlot>>,
     /// Its own LoRA adapters, by name.
     pub(crate) adapters: Mutex<BTreeMap<String, adapters::AdapterSlot>>,
@@ -405,12 +488,14 @@ pub enum TenantError {
     /// 429: the tenant has `max` requests in flight, its `max_concurrent`.
     #[error("Tenant '{tenant}' has {max} requests in flight, its limit. Retry later.")]
     TooManyInFlight { tenant: String, max: usize },
-    /// 429: the tenant used its `tokens_per_minute`; its bucket refills
-    /// enough for one token in `retry_after` seconds.
-    #[error("Tenant '{tenant}' used its {tpm} tokens per minute. Retry after {retry_after} s.")]
-    TokensPerMinute {
+    /// 429: the tenant used a per-minute budget (`what`: tokens, prompt
+    /// tokens, completion tokens or requests); its bucket refills enough
+    /// for one more in `retry_after` seconds.
+    #[error("Tenant '{tenant}' used its {per_minute} {what} per minute. Retry after {retry_after} s.")]
+    PerMinute {
         tenant: String,
-        tpm: u64,
+        what: &'static str,
+        per_minute: u64,
         retry_after: u64,
     },
     /// 503: the tenant's requests in flight hold its `share` of the plugin
@@ -446,22 +531,32 @@ impl Drop for Admission {
 }
 
 impl Admission {
-    /// Charges the request's tokens to the tenant's per-minute budget.
-    pub fn charge(&self, tokens: u64) {
-        if self.snapshot.config.limits.tokens_per_minute.is_some() {
-            let mut b = self
-                .tenant
-                .bucket
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            b.level -= tokens as f64;
+    /// Charges the request's tokens to the tenant's per-minute budgets.
+    pub fn charge(&self, prompt: u64, completion: u64) {
+        let limits = &self.snapshot.config.limits;
+        let mut b = self
+            .tenant
+            .buckets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (i, l) in RateLimit::ALL.into_iter().enumerate() {
+            let used = match l {
+                RateLimit::Tokens => prompt + completion,
+                RateLimit::PromptTokens => prompt,
+                RateLimit::CompletionTokens => completion,
+                RateLimit::Requests => continue,
+            };
+            if l.of(limits).is_some() {
+                b[i].level -= used as f64;
+            }
         }
     }
 }
 
 impl Tenant {
     fn new(config: TenantConfig) -> Tenant {
-        let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
+        let buckets =
+            RateLimit::ALL.map(|l| Bucket::full(l.of(&config.limits).unwrap_or(0)));
         Tenant {
             id: config.id.clone(),
             snapshot: ArcSwap::from_pointee(Snapshot {
@@ -471,10 +566,7 @@ impl Tenant {
             }),
             in_flight: AtomicUsize::new(0),
             instances_held: AtomicUsize::new(0),
-            bucket: Mutex::new(Bucket {
-                level: tpm,
-                at: Instant::now(),
-            }),
+            buckets: Mutex::new(buckets),
             plugins: Mutex::new(BTreeMap::new()),
             adapters: Mutex::new(BTreeMap::new()),
             adapter_loads: tokio::sync::Mutex::new(()),
@@ -505,25 +597,65 @@ impl Tenant {
                 });
             }
         }
-        if let Some(tpm) = limits.tokens_per_minute {
-            let rate = tpm as f64 / 60.0;
-            let mut b = self
-                .bucket
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            let now = Instant::now();
-            b.level = (b.level + rate * (now - b.at).as_secs_f64()).min(tpm as f64);
-            b.at = now;
-            if b.level <= 0.0 {
-                let wait = ((1.0 - b.level) / rate.max(1e-9)).ceil().max(1.0) as u64;
-                return Err(TenantError::TokensPerMinute {
-                    tenant: self.id.clone(),
-                    tpm,
-                    retry_after: wait,
-                });
+        let mut buckets = self
+            .buckets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        // Every budget is checked before any is taken, and the longest
+        // wait is the one to honour.
+        let mut refused: Option<(RateLimit, u64, u64)> = None;
+        for (i, l) in RateLimit::ALL.into_iter().enumerate() {
+            let Some(per_minute) = l.of(limits) else {
+                continue;
+            };
+            let b = &mut buckets[i];
+            b.refill(per_minute, now);
+            // A request takes one whole unit of the requests budget; the
+            // token budgets need only be above zero.
+            let need = if l == RateLimit::Requests { 1.0 } else { f64::MIN_POSITIVE };
+            if b.level < need {
+                let wait = b.wait_for(per_minute, need.max(1.0));
+                if refused.is_none_or(|(_, _, w)| wait > w) {
+                    refused = Some((l, per_minute, wait));
+                }
             }
         }
+        if let Some((l, per_minute, retry_after)) = refused {
+            return Err(TenantError::PerMinute {
+                tenant: self.id.clone(),
+                what: l.what(),
+                per_minute,
+                retry_after,
+            });
+        }
+        if limits.requests_per_minute.is_some() {
+            buckets[3].level -= 1.0;
+        }
+        drop(buckets);
         Ok(adm)
+    }
+
+    /// Each per-minute budget the tenant has, with its bucket's level now
+    /// (what it may still use; below zero after a large request).
+    pub fn rate_limits(&self) -> serde_json::Value {
+        let limits = &self.snapshot().config.limits;
+        let mut buckets = self
+            .buckets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now = Instant::now();
+        let mut out = serde_json::Map::new();
+        for (i, l) in RateLimit::ALL.into_iter().enumerate() {
+            if let Some(per_minute) = l.of(limits) {
+                buckets[i].refill(per_minute, now);
+                out.insert(
+                    l.key().into(),
+                    serde_json::json!({"limit": per_minute, "remaining": buckets[i].level.floor()}),
+                );
+            }
+        }
+        serde_json::Value::Object(out)
     }
 
     /// Rebuilds the snapshot from `config` and the active plugin versions.
@@ -569,13 +701,15 @@ impl Tenant {
             .map(|(n, _)| n.clone())
             .collect();
         {
-            let tpm = config.limits.tokens_per_minute.unwrap_or(0) as f64;
             let mut b = self
-                .bucket
+                .buckets
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
-            if b.level > tpm {
-                b.level = tpm;
+            for (i, l) in RateLimit::ALL.into_iter().enumerate() {
+                let cap = l.of(&config.limits).unwrap_or(0) as f64;
+                if b[i].level > cap {
+                    b[i].level = cap;
+                }
             }
         }
         self.snapshot.store(Arc::new(Snapshot {

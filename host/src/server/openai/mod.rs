@@ -280,7 +280,7 @@ pub async fn tokenize(
         .await?
     };
     if let Some(c) = &ctx {
-        c.admission.charge(ids.len() as u64);
+        c.admission.charge(ids.len() as u64, 0);
     }
     Ok(json_response(
         &json!({"count": ids.len(), "max_model_len": engine.max_model_len(), "tokens": ids}),
@@ -335,7 +335,7 @@ pub async fn detokenize(
         ));
     }
     if let Some(c) = &ctx {
-        c.admission.charge(ids.len() as u64);
+        c.admission.charge(ids.len() as u64, 0);
     }
     let tok = engine.tokenizer().clone();
     let text = off_runtime(move || {
@@ -833,7 +833,7 @@ impl Drop for Run {
     fn drop(&mut self) {
         let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
         if let Some(t) = &self.tenant {
-            t.admission.charge((self.prompt_tokens + completion) as u64);
+            t.admission.charge(self.prompt_tokens as u64, completion as u64);
         }
         if let Some(l) = &self.log {
             l.set_tokens(self.prompt_tokens, completion);

@@ -38,7 +38,7 @@ impl From<TenantError> for ApiError {
         let message = e.to_string();
         match e {
             TenantError::TooManyInFlight { .. } => ApiError::overloaded(message),
-            TenantError::TokensPerMinute { retry_after, .. } => ApiError {
+            TenantError::PerMinute { retry_after, .. } => ApiError {
                 retry_after: Some(retry_after),
                 ..ApiError::overloaded(message)
             },
@@ -361,9 +361,10 @@ mod tests {
                 1,
             ),
             (
-                TenantError::TokensPerMinute {
+                TenantError::PerMinute {
                     tenant: t(),
-                    tpm: 600,
+                    what: "tokens",
+                    per_minute: 600,
                     retry_after: 7,
                 },
                 StatusCode::TOO_MANY_REQUESTS,

@@ -191,7 +191,7 @@ async fn count_tokens(
     let id = protocol::message_id();
     let p = prepare(&state, body, tenant, &id, Endpoint::CountTokens).await?;
     if let Some(c) = &p.ctx {
-        c.admission.charge(p.ids.len() as u64);
+        c.admission.charge(p.ids.len() as u64, 0);
     }
     Ok(json_response(&json!({"input_tokens": p.ids.len()})))
 }
