@@ -450,8 +450,8 @@ impl Bucket {
     /// Refills up to `now`, capped at `per_minute`.
     fn refill(&mut self, per_minute: u64, now: Instant) {
         let rate = per_minute as f64 / 60.0;
-        self.level =
-            (self.level + rate * now.saturating_duration_since(self.at).as_secs_f64()).min(per_minute as f64);
+        self.level = (self.level + rate * now.saturating_duration_since(self.at).as_secs_f64())
+            .min(per_minute as f64);
         self.at = now;
     }
 
@@ -491,7 +491,9 @@ pub enum TenantError {
     /// 429: the tenant used a per-minute budget (`what`: tokens, prompt
     /// tokens, completion tokens or requests); its bucket refills enough
     /// for one more in `retry_after` seconds.
-    #[error("Tenant '{tenant}' used its {per_minute} {what} per minute. Retry after {retry_after} s.")]
+    #[error(
+        "Tenant '{tenant}' used its {per_minute} {what} per minute. Retry after {retry_after} s."
+    )]
     PerMinute {
         tenant: String,
         what: &'static str,
@@ -555,8 +557,7 @@ impl Admission {
 
 impl Tenant {
     fn new(config: TenantConfig) -> Tenant {
-        let buckets =
-            RateLimit::ALL.map(|l| Bucket::full(l.of(&config.limits).unwrap_or(0)));
+        let buckets = RateLimit::ALL.map(|l| Bucket::full(l.of(&config.limits).unwrap_or(0)));
         Tenant {
             id: config.id.clone(),
             snapshot: ArcSwap::from_pointee(Snapshot {
@@ -613,7 +614,11 @@ impl Tenant {
             b.refill(per_minute, now);
             // A request takes one whole unit of the requests budget; the
             // token budgets need only be above zero.
-            let need = if l == RateLimit::Requests { 1.0 } else { f64::MIN_POSITIVE };
+            let need = if l == RateLimit::Requests {
+                1.0
+            } else {
+                f64::MIN_POSITIVE
+            };
             if b.level < need {
                 let wait = b.wait_for(per_minute, need.max(1.0));
                 if refused.is_none_or(|(_, _, w)| wait > w) {
