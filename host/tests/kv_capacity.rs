@@ -68,7 +68,12 @@ fn run(
     while done < prompts.len() {
         while next < prompts.len() && ids.len() - done < concurrent {
             let id = core
-                .add_request(format!("r{next}"), prompts[next].clone(), p.clone(), opts.clone())
+                .add_request(
+                    format!("r{next}"),
+                    prompts[next].clone(),
+                    p.clone(),
+                    opts.clone(),
+                )
                 .unwrap_or_else(|e| panic!("add_request: {}", e.message));
             ids.push(id);
             next += 1;
@@ -80,7 +85,10 @@ fn run(
                 done += 1;
             }
         }
-        core.kv_cache().pool().check_invariants().expect("pool invariants");
+        core.kv_cache()
+            .pool()
+            .check_invariants()
+            .expect("pool invariants");
     }
     cached
 }
@@ -93,7 +101,11 @@ fn calm_after_flood(core: &mut EngineCore, calm: &RequestOptions) -> usize {
     let first = run(core, std::slice::from_ref(&prompt), calm, 1);
     assert_eq!(first, vec![0], "a cold cache has nothing");
     let flood: Vec<Vec<u32>> = (0..30u32)
-        .map(|r| (0..64).map(|i| 3 + (r * 31 + i * 7 + i * i * r) % 70).collect())
+        .map(|r| {
+            (0..64)
+                .map(|i| 3 + (r * 31 + i * 7 + i * i * r) % 70)
+                .collect()
+        })
         .collect();
     run(core, &flood, &tenant("flood", None), 4);
     run(core, std::slice::from_ref(&prompt), calm, 1)[0]
@@ -105,7 +117,10 @@ fn a_reservation_keeps_a_calm_tenants_prefix_through_a_flood() {
     // Without a reservation the flood evicts the calm prefix.
     let mut llm = engine(dir.path());
     let lost = calm_after_flood(llm.engine_mut(), &tenant("calm", None));
-    assert_eq!(lost, 0, "without a reservation the flood should evict the prefix");
+    assert_eq!(
+        lost, 0,
+        "without a reservation the flood should evict the prefix"
+    );
     // With a quarter of the pool reserved (10 blocks) the six blocks stay:
     // the whole prompt but its last, partial-or-final block is a hit.
     let mut llm = engine(dir.path());
@@ -114,9 +129,15 @@ fn a_reservation_keeps_a_calm_tenants_prefix_through_a_flood() {
         max_permille: 1000,
     };
     let kept = calm_after_flood(llm.engine_mut(), &tenant("calm", Some(share)));
-    assert!(kept >= 80, "with a reservation {kept} of 96 tokens were cached");
+    assert!(
+        kept >= 80,
+        "with a reservation {kept} of 96 tokens were cached"
+    );
     let usage = llm.engine().kv_cache().owner_usage();
-    let calm = usage.iter().find(|(n, _)| &**n == "calm").expect("calm counted");
+    let calm = usage
+        .iter()
+        .find(|(n, _)| &**n == "calm")
+        .expect("calm counted");
     assert_eq!(calm.1.evicted_by_others, 0, "{usage:?}");
 }
 
@@ -153,7 +174,10 @@ fn a_cap_bounds_what_one_tenant_holds_and_the_rest_stays_for_others() {
             .map_or(0, |u| u.1.blocks);
         most = most.max(held);
         assert!(held <= 10, "the capped tenant holds {held} blocks");
-        core.kv_cache().pool().check_invariants().expect("pool invariants");
+        core.kv_cache()
+            .pool()
+            .check_invariants()
+            .expect("pool invariants");
     }
     assert!(most >= 8, "the cap should be reached ({most})");
     // Another tenant's prompt runs beside a capped flood without waiting
@@ -174,6 +198,13 @@ fn a_cap_bounds_what_one_tenant_holds_and_the_rest_stays_for_others() {
             }
         }
     }
-    let at = finished.iter().position(|&id| id == calm).expect("calm finished");
-    assert!(at < 6, "the calm request finished {at}th of {}", finished.len());
+    let at = finished
+        .iter()
+        .position(|&id| id == calm)
+        .expect("calm finished");
+    assert!(
+        at < 6,
+        "the calm request finished {at}th of {}",
+        finished.len()
+    );
 }

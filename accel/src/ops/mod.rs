@@ -30,10 +30,10 @@ pub use attention::{
 };
 pub use conv1d::{causal_conv1d_silu, ConvSpec};
 pub use gated_delta::{gated_delta_rule, GatedDeltaSpec};
-pub use recurrent::RecurrentSeq;
 pub use gated_norm::rms_norm_gated;
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};
 pub use norm::{add_inplace, rms_norm, rms_norm_inplace};
+pub use recurrent::RecurrentSeq;
 pub use rope::{rope_inplace, RopeScaling, RopeStyle, RopeTable};
 pub use sample::{sample_rows, RowSampling, SampleScratch, SampledRows, SamplingMetadata};
 

@@ -742,7 +742,8 @@ fn set_tenant_gauges(core: &EngineCore, shown: &mut Vec<String>) {
         let label = crate::tenants::metric_label::of(&name);
         metrics::gauge!(m::TENANT_KV_BLOCKS, "tenant" => label.clone()).set(u.blocks as f64);
         metrics::gauge!(m::TENANT_KV_CACHED_BLOCKS, "tenant" => label.clone()).set(u.cached as f64);
-        metrics::counter!(m::TENANT_KV_EVICTED_BY_OTHERS, "tenant" => label).absolute(u.evicted_by_others);
+        metrics::counter!(m::TENANT_KV_EVICTED_BY_OTHERS, "tenant" => label)
+            .absolute(u.evicted_by_others);
     }
 }
 

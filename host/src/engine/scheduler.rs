@@ -348,14 +348,7 @@ impl Scheduler {
                 let cached = hit.num_tokens(kv.block_size());
                 let num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
                 let admitted = self.running.len() < self.config.max_num_seqs
-                    && kv.allocate(
-                        id,
-                        &req.token_ids,
-                        key,
-                        Some(hit),
-                        cached,
-                        num_new,
-                    );
+                    && kv.allocate(id, &req.token_ids, key, Some(hit), cached, num_new);
                 if !admitted && key.owner != SHARED_OWNER && kv.pool().at_cap(key.owner) {
                     // Its tenant holds all its KV-cache cap allows: it
                     // waits for its own requests to finish, and the

@@ -833,7 +833,8 @@ impl Drop for Run {
     fn drop(&mut self) {
         let completion: usize = self.choices.iter().map(|c| c.tokens).sum();
         if let Some(t) = &self.tenant {
-            t.admission.charge(self.prompt_tokens as u64, completion as u64);
+            t.admission
+                .charge(self.prompt_tokens as u64, completion as u64);
         }
         if let Some(l) = &self.log {
             l.set_tokens(self.prompt_tokens, completion);
@@ -884,11 +885,8 @@ async fn start_run(
 ) -> Result<Run, ApiError> {
     if let Some(t) = &tenant {
         // Tenants share prefix-cache blocks only within a cache group.
-        common.opts.cache_salt = protocol::salt_of(&format!(
-            "{}:{:x}",
-            t.cache_scope(),
-            common.opts.cache_salt
-        ));
+        common.opts.cache_salt =
+            protocol::salt_of(&format!("{}:{:x}", t.cache_scope(), common.opts.cache_salt));
         common.opts.tenant = t.share();
     }
     let engine = state.engine_as(&common.model, tenant.as_ref())?.clone();
