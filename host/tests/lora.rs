@@ -125,6 +125,55 @@ fn each_adapter_matches_peft() {
     }
 }
 
+/// `--max-cpu-loras 1` with three adapters: each request's adapter is
+/// read again from its folder when another was used since, and gives
+/// PEFT's outputs all the same; idle adapters' factors leave host memory.
+#[test]
+fn adapters_dropped_from_host_memory_are_read_again_and_give_the_same_outputs() {
+    let (base, adapters) = ADAPTERS[0];
+    let mut a = args(base, adapters, 1);
+    if let Some(l) = &mut a.lora {
+        l.max_cpu_loras = Some(1);
+    }
+    let mut llm = LLM::new(a).expect("engine");
+    let in_memory = |llm: &LLM| {
+        let r = llm.engine().lora_registry().expect("LoRA enabled");
+        pagoda::engine::lora::lock(r).num_in_memory()
+    };
+    // Loading three at start-up already keeps one.
+    assert_eq!(in_memory(&llm), 1);
+    for round in 0..2 {
+        for &adapter in adapters {
+            let reference = reference(base, adapter);
+            let case = &reference["cases"][0];
+            let prompt = u32s(&case["prompt_ids"]);
+            let want_lp = f64s(&case["prompt_logprobs"]);
+            let mut params = SamplingParams::greedy(1);
+            params.prompt_logprobs = Some(1);
+            let out = llm
+                .generate_with_lora(&[Prompt::Tokens(prompt)], &params, Some(adapter))
+                .unwrap_or_else(|e| panic!("{adapter}: {e:#}"));
+            let got = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
+            for (i, l) in got.iter().enumerate() {
+                let want = want_lp[i + 1].expect("reference logprob");
+                assert!(
+                    (l.logprob as f64 - want).abs() < TOL,
+                    "round {round}, {adapter}, prompt token {}: {} vs PEFT {want}",
+                    i + 1,
+                    l.logprob
+                );
+            }
+            // The runner's slot still holds this adapter; the registry
+            // keeps at most one more.
+            assert!(
+                in_memory(&llm) <= 2,
+                "round {round}, {adapter}: {}",
+                in_memory(&llm)
+            );
+        }
+    }
+}
+
 #[test]
 fn a_mixed_batch_gives_each_request_its_solo_output() {
     let (base, adapters) = ADAPTERS[0];

@@ -176,9 +176,9 @@ pub struct EngineFlags {
     /// The largest adapter rank accepted; larger adapters are refused.
     #[arg(long, default_value_t = 16)]
     pub max_lora_rank: usize,
-    /// Adapters kept in host memory, as vLLM takes it: Pagoda keeps every
-    /// loaded adapter in host memory (they are small), so it must be at
-    /// least --max-loras.
+    /// Adapters whose factors stay in host memory (at least --max-loras):
+    /// the least recently used idle ones beyond are dropped and read again
+    /// from their folder when a request names them. Unset: all stay.
     #[arg(long)]
     pub max_cpu_loras: Option<usize>,
     /// The adapters' factors in memory: auto (the base's own float type, or
@@ -286,6 +286,7 @@ impl EngineFlags {
                 max_loras: self.max_loras,
                 max_lora_rank: self.max_lora_rank,
                 dtype: self.lora_dtype,
+                max_cpu_loras: self.max_cpu_loras,
                 modules: self
                     .lora_modules
                     .iter()

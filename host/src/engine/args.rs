@@ -656,6 +656,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             crate::engine::lora::LoraLimits {
                 max_loras: l.max_loras,
                 max_rank: l.max_lora_rank,
+                max_cpu_loras: l.max_cpu_loras,
             },
         );
         for (name, path) in &l.modules {

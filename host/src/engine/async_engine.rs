@@ -310,17 +310,30 @@ impl AsyncEngine {
         self.loras.as_ref()
     }
 
-    /// The adapter named `name`, if loaded.
+    /// The adapter named `name`, if loaded (its factors read again if
+    /// `--max-cpu-loras` dropped them; a folder that no longer loads is
+    /// logged and answers `None`).
     pub fn lora(&self, name: &str) -> Option<Arc<crate::engine::lora::LoadedLora>> {
         crate::engine::lora::lock(self.loras.as_ref()?)
             .get(name)
-            .cloned()
+            .unwrap_or_else(|e| {
+                tracing::error!("{e:#}");
+                None
+            })
+    }
+
+    /// The adapter named `name`, without reading its factors.
+    pub fn lora_info(&self, name: &str) -> Option<crate::engine::lora::LoraInfo> {
+        crate::engine::lora::lock(self.loras.as_ref()?)
+            .list()
+            .into_iter()
+            .find(|l| l.name == name)
     }
 
     /// Every loaded adapter, by name.
-    pub fn loras(&self) -> Vec<Arc<crate::engine::lora::LoadedLora>> {
+    pub fn loras(&self) -> Vec<crate::engine::lora::LoraInfo> {
         match &self.loras {
-            Some(r) => crate::engine::lora::lock(r).iter().cloned().collect(),
+            Some(r) => crate::engine::lora::lock(r).list(),
             None => Vec::new(),
         }
     }
@@ -346,7 +359,7 @@ impl AsyncEngine {
     pub fn unload_lora(&self, name: &str) -> bool {
         self.loras
             .as_ref()
-            .is_some_and(|r| crate::engine::lora::lock(r).unload(name).is_some())
+            .is_some_and(|r| crate::engine::lora::lock(r).unload(name))
     }
 
     /// The tokenizer.

@@ -158,18 +158,22 @@ impl EngineCore {
     }
 
     /// Forgets adapter `name`: requests running with it finish.
-    pub fn unload_lora(
-        &mut self,
-        name: &str,
-    ) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
-        crate::engine::lora::lock(self.loras.as_ref()?).unload(name)
+    pub fn unload_lora(&mut self, name: &str) -> bool {
+        self.loras
+            .as_ref()
+            .is_some_and(|r| crate::engine::lora::lock(r).unload(name))
     }
 
-    /// The adapter named `name`, if loaded.
+    /// The adapter named `name`, if loaded (its factors read again if
+    /// `--max-cpu-loras` dropped them; a folder that no longer loads is
+    /// logged and answers `None`).
     pub fn lora(&self, name: &str) -> Option<std::sync::Arc<crate::engine::lora::LoadedLora>> {
         crate::engine::lora::lock(self.loras.as_ref()?)
             .get(name)
-            .cloned()
+            .unwrap_or_else(|e| {
+                tracing::error!("{e:#}");
+                None
+            })
     }
 
     /// The LoRA adapters requests may name, if enabled.

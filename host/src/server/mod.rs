@@ -169,7 +169,7 @@ impl AppState {
     pub fn engine_for(&self, model: &str) -> Result<&AsyncEngine, ApiError> {
         let engine = self.engine()?;
         if !self.config.served_model_names.iter().any(|n| n == model)
-            && engine.lora(model).is_none()
+            && engine.lora_info(model).is_none()
         {
             return Err(ApiError::model_not_found(model));
         }
@@ -745,7 +745,7 @@ async fn api_route(
         (Method::GET, p) if p.starts_with("/v1/models/") => {
             state.engine()?;
             let id = percent_decode(&p["/v1/models/".len()..]);
-            let lora = state.engine()?.lora(&id);
+            let lora = state.engine()?.lora_info(&id);
             let own = tenant.as_ref().and_then(|t| {
                 state
                     .tenants
@@ -904,7 +904,7 @@ async fn update_lora(
                 format!("The lora adapter '{name}' would shadow a served model's name."),
             ));
         }
-        if engine.lora(&name).is_some() {
+        if engine.lora_info(&name).is_some() {
             return Err(ApiError::invalid(
                 Some("lora_name".into()),
                 format!("The lora adapter '{name}' has already been loaded."),
@@ -941,7 +941,7 @@ async fn update_lora(
 }
 
 /// A LoRA adapter's `/v1/models` entry.
-fn lora_card(state: &AppState, l: &crate::engine::lora::LoadedLora) -> Value {
+fn lora_card(state: &AppState, l: &crate::engine::lora::LoraInfo) -> Value {
     json!({
         "id": l.name, "object": "model", "created": 0, "owned_by": "pagoda",
         "root": l.path.display().to_string(), "parent": state.default_model(),

@@ -42,6 +42,9 @@ pub struct LoraArgs {
     pub max_lora_rank: usize,
     /// `--lora-dtype`: how the factors are stored on the device.
     pub dtype: LoraDtype,
+    /// `--max-cpu-loras`: adapters whose factors stay in host memory
+    /// (`None`: all).
+    pub max_cpu_loras: Option<usize>,
     /// `--lora-modules name=path`: adapters loaded at start-up.
     pub modules: Vec<(String, PathBuf)>,
 }
@@ -53,6 +56,7 @@ impl Default for LoraArgs {
             max_loras: 1,
             max_lora_rank: 16,
             dtype: LoraDtype::Auto,
+            max_cpu_loras: None,
             modules: Vec::new(),
         }
     }
@@ -66,6 +70,10 @@ pub struct LoraLimits {
     pub max_loras: usize,
     /// The largest rank accepted (`--max-lora-rank`).
     pub max_rank: usize,
+    /// Adapters whose factors stay in host memory (`--max-cpu-loras`); the
+    /// least recently used idle ones beyond are dropped and read again
+    /// from their folder when named. `None`: every adapter stays.
+    pub max_cpu_loras: Option<usize>,
 }
 
 impl Default for LoraLimits {
@@ -74,6 +82,7 @@ impl Default for LoraLimits {
         LoraLimits {
             max_loras: 1,
             max_rank: 16,
+            max_cpu_loras: None,
         }
     }
 }
@@ -87,13 +96,34 @@ pub fn lock(r: &SharedLoras) -> std::sync::MutexGuard<'_, LoraRegistry> {
     r.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// What the registry knows of an adapter whether or not its factors are
+/// in memory.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoraInfo {
+    pub id: u32,
+    pub name: String,
+    pub path: PathBuf,
+}
+
+/// One named adapter: where it comes from, and its factors while they are
+/// in host memory.
+#[derive(Debug)]
+struct Entry {
+    id: u32,
+    path: PathBuf,
+    hot: Option<Arc<LoadedLora>>,
+    /// When it was last named ([`LoraRegistry::get`]), for eviction.
+    last_used: u64,
+}
+
 /// The adapters a server knows, by name.
 #[derive(Debug)]
 pub struct LoraRegistry {
     base: ModelConfig,
     limits: LoraLimits,
-    by_name: BTreeMap<String, Arc<LoadedLora>>,
+    by_name: BTreeMap<String, Entry>,
     next_id: u32,
+    clock: u64,
 }
 
 impl LoraRegistry {
@@ -104,6 +134,7 @@ impl LoraRegistry {
             limits,
             by_name: BTreeMap::new(),
             next_id: 1,
+            clock: 0,
         }
     }
 
@@ -151,22 +182,107 @@ impl LoraRegistry {
             adapter,
         });
         self.next_id += 1;
-        self.by_name.insert(name.to_string(), Arc::clone(&lora));
+        self.clock += 1;
+        self.by_name.insert(
+            name.to_string(),
+            Entry {
+                id: lora.id,
+                path: path.to_path_buf(),
+                hot: Some(Arc::clone(&lora)),
+                last_used: self.clock,
+            },
+        );
+        self.evict_idle(name);
         Ok(lora)
     }
 
     /// Forgets adapter `name`; requests already running with it finish.
-    pub fn unload(&mut self, name: &str) -> Option<Arc<LoadedLora>> {
-        self.by_name.remove(name)
+    /// Returns whether it was known.
+    pub fn unload(&mut self, name: &str) -> bool {
+        self.by_name.remove(name).is_some()
     }
 
-    /// The adapter named `name`.
-    pub fn get(&self, name: &str) -> Option<&Arc<LoadedLora>> {
-        self.by_name.get(name)
+    /// Whether an adapter named `name` is known (without reading it).
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// The adapter named `name`, its factors read again from its folder if
+    /// `--max-cpu-loras` had dropped them (under the same id: the same
+    /// folder gives the same factors, so its cached blocks stay valid).
+    /// `Err` when that read fails (the folder changed or went away).
+    pub fn get(&mut self, name: &str) -> Result<Option<Arc<LoadedLora>>> {
+        self.clock += 1;
+        let clock = self.clock;
+        let Some(e) = self.by_name.get_mut(name) else {
+            return Ok(None);
+        };
+        e.last_used = clock;
+        if let Some(hot) = &e.hot {
+            return Ok(Some(Arc::clone(hot)));
+        }
+        let adapter = LoraAdapter::load(&e.path, &self.base, self.limits.max_rank)
+            .map_err(|err| {
+                anyhow::anyhow!(
+                    "adapter {name:?} was dropped from host memory (--max-cpu-loras) and no longer loads from {}: {err:#}",
+                    e.path.display()
+                )
+            })?;
+        let lora = Arc::new(LoadedLora {
+            id: e.id,
+            name: name.to_string(),
+            path: e.path.clone(),
+            adapter,
+        });
+        e.hot = Some(Arc::clone(&lora));
+        tracing::info!("LoRA adapter {name:?} read again from {}", e.path.display());
+        self.evict_idle(name);
+        Ok(Some(lora))
+    }
+
+    /// Drops the factors of the least recently used adapters beyond
+    /// `--max-cpu-loras` that nothing else holds (no request, no device
+    /// slot), never `keep`'s.
+    fn evict_idle(&mut self, keep: &str) {
+        let Some(max) = self.limits.max_cpu_loras else {
+            return;
+        };
+        loop {
+            let hot = self.by_name.values().filter(|e| e.hot.is_some()).count();
+            if hot <= max {
+                return;
+            }
+            let victim = self
+                .by_name
+                .iter()
+                .filter(|(n, e)| {
+                    n.as_str() != keep && e.hot.as_ref().is_some_and(|h| Arc::strong_count(h) == 1)
+                })
+                .min_by_key(|(_, e)| e.last_used)
+                .map(|(n, _)| n.clone());
+            match victim.and_then(|v| self.by_name.get_mut(&v)) {
+                Some(e) => e.hot = None,
+                // Every other adapter in memory is in use: over the limit
+                // until they finish.
+                None => return,
+            }
+        }
     }
 
     /// Every adapter, by name.
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<LoadedLora>> {
-        self.by_name.values()
+    pub fn list(&self) -> Vec<LoraInfo> {
+        self.by_name
+            .iter()
+            .map(|(n, e)| LoraInfo {
+                id: e.id,
+                name: n.clone(),
+                path: e.path.clone(),
+            })
+            .collect()
+    }
+
+    /// Adapters whose factors are in host memory now.
+    pub fn num_in_memory(&self) -> usize {
+        self.by_name.values().filter(|e| e.hot.is_some()).count()
     }
 }
