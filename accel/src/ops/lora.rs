@@ -230,9 +230,41 @@ impl Simd {
     }
 }
 
+/// Asks for the cache lines of elements `from..to` of `d` ahead of use.
+fn prefetch(d: LoraData<'_>, from: usize, to: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let (ptr, size) = match d {
+            LoraData::F32(v) => (v.as_ptr() as *const i8, 4),
+            LoraData::Bf16(v) | LoraData::F16(v) => (v.as_ptr() as *const i8, 2),
+        };
+        let (start, end) = (from.min(d.len()) * size, to.min(d.len()) * size);
+        let mut off = start;
+        while off < end {
+            // SAFETY: `off` is within the slice (checked above); a
+            // prefetch never faults and changes nothing but the caches.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (d, from, to);
+}
+
 /// `h[k - k0] = scale · A[k] · x` for `k` in `k0..k0 + h.len()`.
+///
+/// First asks for every line of those rows of `A` and `Bᵀ` at once: a
+/// decode step reaches each projection's factors once, after the base's
+/// weights have pushed them out of the caches, and rows of a few KB read
+/// one after another would wait on memory line by line before the
+/// hardware prefetchers catch on.
 fn shrink(f: &LoraFactors<'_>, k0: usize, x: &[f32], h: &mut [f32], simd: Simd) {
     let in_dim = x.len();
+    let out_dim = f.b.len() / f.rank.max(1);
+    let k1 = k0 + h.len();
+    prefetch(f.a, k0 * in_dim, k1 * in_dim);
+    prefetch(f.b, k0 * out_dim, k1 * out_dim);
     for (i, hk) in h.iter_mut().enumerate() {
         let k = k0 + i;
         let (s, e) = (k * in_dim, (k + 1) * in_dim);
