@@ -44,6 +44,7 @@ fn engine(model: &Path, adapter: Option<&Path>, dtype: LoraDtype) -> LLM {
             max_lora_rank: 8,
             modules: vec![("a".into(), p.to_path_buf())],
             dtype,
+            ..Default::default()
         });
     }
     LLM::new(a).expect("engine")
