@@ -1,17 +1,22 @@
-//! Block ids, their reference counts, the LRU queue of free blocks, and the
-//! map from prefix hashes to cached blocks.
+//! Block ids, their reference counts, the LRU queues of free blocks (one per
+//! owner: a tenant with a KV-cache reservation or cap, or the shared one),
+//! and the map from prefix hashes to cached blocks.
 //!
 //! A block whose reference count drops to zero keeps its contents and its
-//! hash: it sits in the free queue and can be revived by a prefix hit until
-//! it is handed out again, which evicts it.
+//! hash: it sits in its owner's free queue and can be revived by a prefix
+//! hit until it is handed out again, which evicts it. Which free block an
+//! allocation takes is the least recently freed one among the queues it may
+//! evict from: the shared queue, its own, and those of owners holding more
+//! than their reservation ([`OwnerLimits`]).
 //!
 //! The pool also counts, for each block, how many of its slots the model
 //! has written since the block was handed out ([`BlockPool::mark_written`]).
 //! A hash is accepted only for a block whose every slot was written, so a
 //! block can never become findable by prefix before its K/V exists
-//! ([`BlockPool::cache`], [`BlockPool::check_invariants`]). The free queue is an intrusive
-//! doubly-linked list over arrays, so every operation is O(1) and none
-//! allocates after construction.
+//! ([`BlockPool::cache`], [`BlockPool::check_invariants`]). The free queues are intrusive
+//! doubly-linked lists over arrays, so every operation is O(1) but an
+//! allocation, which compares the queues' heads (O(owners)), and none
+//! allocates after construction but [`BlockPool::add_owner`].
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};

@@ -3,8 +3,9 @@
 //!
 //! - [`dtype`] names the cache's element type; the K/V tensors themselves
 //!   live on the device, in the backend's pool.
-//! - [`block_pool`] owns block ids: reference counts, the LRU free queue and
-//!   the prefix-hash map.
+//! - [`block_pool`] owns block ids: reference counts, the LRU free queues
+//!   (per tenant with a KV-cache reservation or cap) and the prefix-hash
+//!   map.
 //! - [`manager`] maps requests to block tables and decides which prompt
 //!   blocks are already cached.
 //! - [`events`] tells what enters and leaves the prefix cache, as vLLM's
