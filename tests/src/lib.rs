@@ -410,3 +410,34 @@ pub fn reference_json(name: &str) -> Value {
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// The folder of a PEFT adapter fixture (`tests/fixtures/lora/<name>`,
+/// e.g. `llama/qv-r8`).
+pub fn lora_fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/lora")).join(name)
+}
+
+/// The first case of a PEFT adapter fixture's reference: its prompt ids and
+/// PEFT's logprobs of prompt tokens 1.. (`name` as for [`lora_fixture`]).
+pub fn lora_first_case(name: &str) -> (Vec<u64>, Vec<f64>) {
+    let path = lora_fixture(name).join("reference.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let r: Value =
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let c = &r["cases"][0];
+    let ids = c["prompt_ids"]
+        .as_array()
+        .expect("prompt_ids")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    let lps = c["prompt_logprobs"]
+        .as_array()
+        .expect("prompt_logprobs")
+        .iter()
+        .skip(1)
+        .filter_map(Value::as_f64)
+        .collect();
+    (ids, lps)
+}

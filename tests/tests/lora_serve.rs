@@ -14,45 +14,15 @@ fn fixtures() -> PathBuf {
 }
 
 fn lora(name: &str) -> String {
-    fixtures()
-        .join("lora/llama")
-        .join(name)
+    pagoda_e2e::lora_fixture(&format!("llama/{name}"))
         .display()
         .to_string()
-}
-
-fn reference(adapter: &str) -> Value {
-    let p = fixtures()
-        .join("lora/llama")
-        .join(adapter)
-        .join("reference.json");
-    serde_json::from_str(&std::fs::read_to_string(p).expect("reference")).expect("JSON")
-}
-
-/// The first case's prompt ids and PEFT's logprobs of its prompt tokens.
-fn case(adapter: &str) -> (Vec<u64>, Vec<f64>) {
-    let r = reference(adapter);
-    let c = &r["cases"][0];
-    let ids = c["prompt_ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .filter_map(Value::as_u64)
-        .collect();
-    let lps = c["prompt_logprobs"]
-        .as_array()
-        .expect("logprobs")
-        .iter()
-        .skip(1)
-        .filter_map(Value::as_f64)
-        .collect();
-    (ids, lps)
 }
 
 /// The largest gap between the server's prompt logprobs for `model` and
 /// PEFT's for `adapter`.
 fn prompt_logprob_error(s: &Server, model: &str, adapter: &str) -> f64 {
-    let (ids, want) = case(adapter);
+    let (ids, want) = pagoda_e2e::lora_first_case(&format!("llama/{adapter}"));
     let (st, v) = s.post(
         "/v1/completions",
         &json!({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}),

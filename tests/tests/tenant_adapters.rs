@@ -28,10 +28,6 @@ fn fixtures() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures"))
 }
 
-fn lora_dir(name: &str) -> PathBuf {
-    fixtures().join("lora").join(name)
-}
-
 fn llama() -> PathBuf {
     fixtures().join("hf-families/llama")
 }
@@ -86,7 +82,7 @@ fn multipart(parts: &[(&str, Vec<u8>)]) -> (String, Vec<u8>) {
 }
 
 fn files_of(fixture: &str) -> Vec<(&'static str, Vec<u8>)> {
-    let d = lora_dir(fixture);
+    let d = pagoda_e2e::lora_fixture(fixture);
     vec![
         (
             "adapter_config.json",
@@ -132,33 +128,10 @@ fn upload_ok(p: &PServer, tenant: &str, name: &str, fixture: &str) -> Value {
     v
 }
 
-/// The first case of an adapter's PEFT reference: prompt ids and the
-/// logprobs of prompt tokens 1...
-fn case(fixture: &str) -> (Vec<u64>, Vec<f64>) {
-    let p = lora_dir(fixture).join("reference.json");
-    let r: Value =
-        serde_json::from_str(&std::fs::read_to_string(p).expect("reference")).expect("JSON");
-    let c = &r["cases"][0];
-    let ids = c["prompt_ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .filter_map(Value::as_u64)
-        .collect();
-    let lps = c["prompt_logprobs"]
-        .as_array()
-        .expect("logprobs")
-        .iter()
-        .skip(1)
-        .filter_map(Value::as_f64)
-        .collect();
-    (ids, lps)
-}
-
 /// A completion for `model` as `key`, with prompt logprobs of `fixture`'s
 /// prompt: (status, body).
 fn score(p: &PServer, key: &str, model: &str, fixture: &str) -> (u16, Value) {
-    let (ids, _) = case(fixture);
+    let (ids, _) = pagoda_e2e::lora_first_case(fixture);
     p.post_as(
         key,
         "/v1/completions",
@@ -169,7 +142,7 @@ fn score(p: &PServer, key: &str, model: &str, fixture: &str) -> (u16, Value) {
 /// The largest gap between the server's prompt logprobs for `model` (as
 /// `key`) and PEFT's for adapter `fixture`.
 fn gap(p: &PServer, key: &str, model: &str, fixture: &str) -> f64 {
-    let (ids, want) = case(fixture);
+    let (ids, want) = pagoda_e2e::lora_first_case(fixture);
     let (st, v) = score(p, key, model, fixture);
     assert_eq!(st, 200, "{model} as {key}: {v}");
     let got = v["choices"][0]["prompt_logprobs"]
@@ -296,7 +269,7 @@ fn adapters_are_uploaded_checked_versioned_private_and_persisted() {
     // A's cache; B's copy of the very same adapter hits neither A's cache
     // nor B's own base model's.
     // (Without prompt_logprobs, which compute every prompt token anew.)
-    let (ids, _) = case("llama/qv-r8");
+    let (ids, _) = pagoda_e2e::lora_first_case("llama/qv-r8");
     let cached = |key: &str, model: &str| {
         let (st, v) = p.post_as(
             key,
@@ -407,7 +380,7 @@ fn adapters_are_uploaded_checked_versioned_private_and_persisted() {
     // DELETE: a request in flight (its first token out) finishes with the
     // adapter; new ones get 404.
     let addr = p.s.base.clone();
-    let (ids, _) = case("llama/qv-r8");
+    let (ids, _) = pagoda_e2e::lora_first_case("llama/qv-r8");
     let (started_tx, started_rx) = std::sync::mpsc::channel();
     let streaming = std::thread::spawn(move || {
         use std::io::BufRead;
