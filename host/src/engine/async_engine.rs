@@ -324,10 +324,7 @@ impl AsyncEngine {
 
     /// The adapter named `name`, without reading its factors.
     pub fn lora_info(&self, name: &str) -> Option<crate::engine::lora::LoraInfo> {
-        crate::engine::lora::lock(self.loras.as_ref()?)
-            .list()
-            .into_iter()
-            .find(|l| l.name == name)
+        crate::engine::lora::lock(self.loras.as_ref()?).info(name)
     }
 
     /// Every loaded adapter, by name.

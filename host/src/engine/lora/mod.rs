@@ -202,9 +202,13 @@ impl LoraRegistry {
         self.by_name.remove(name).is_some()
     }
 
-    /// Whether an adapter named `name` is known (without reading it).
-    pub fn contains(&self, name: &str) -> bool {
-        self.by_name.contains_key(name)
+    /// The adapter named `name`, if known, without reading its factors.
+    pub fn info(&self, name: &str) -> Option<LoraInfo> {
+        self.by_name.get(name).map(|e| LoraInfo {
+            id: e.id,
+            name: name.to_string(),
+            path: e.path.clone(),
+        })
     }
 
     /// The adapter named `name`, its factors read again from its folder if
@@ -271,14 +275,7 @@ impl LoraRegistry {
 
     /// Every adapter, by name.
     pub fn list(&self) -> Vec<LoraInfo> {
-        self.by_name
-            .iter()
-            .map(|(n, e)| LoraInfo {
-                id: e.id,
-                name: n.clone(),
-                path: e.path.clone(),
-            })
-            .collect()
+        self.by_name.keys().filter_map(|n| self.info(n)).collect()
     }
 
     /// Adapters whose factors are in host memory now.
