@@ -346,9 +346,7 @@ impl Tenants {
             }
         }
         let write = self.begin_write(&tenant.id).await?;
-        let tenant = &self
-            .get(&tenant.id)
-            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
+        let tenant = &self.live(tenant)?;
         let _g = tenant.admin.lock().await;
         let limits = tenant.snapshot().config.adapter_limits.clone();
         let (record, history, keep) = {
@@ -497,9 +495,7 @@ impl Tenants {
         name: &str,
     ) -> Result<AdapterRecord> {
         let write = self.begin_write(&tenant.id).await?;
-        let tenant = &self
-            .get(&tenant.id)
-            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
+        let tenant = &self.live(tenant)?;
         let _g = tenant.admin.lock().await;
         let (target, record, mut history) = {
             let slots = lock_slots(tenant);
@@ -546,9 +542,7 @@ impl Tenants {
     /// it; requests in flight finish with it. `false` if there is none.
     pub async fn delete_adapter(&self, tenant: &Arc<Tenant>, name: &str) -> Result<bool> {
         let write = self.begin_write(&tenant.id).await?;
-        let tenant = &self
-            .get(&tenant.id)
-            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
+        let tenant = &self.live(tenant)?;
         let _g = tenant.admin.lock().await;
         if !lock_slots(tenant).contains_key(name) {
             return Ok(false);

@@ -923,6 +923,14 @@ impl Tenants {
         v
     }
 
+    /// `tenant` as this replica holds it now, for a change that has begun
+    /// its write ([`Tenants::begin_write`]): another replica may have
+    /// deleted it meanwhile.
+    fn live(&self, tenant: &Tenant) -> Result<Arc<Tenant>> {
+        self.get(&tenant.id)
+            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))
+    }
+
     pub fn get(&self, id: &str) -> Option<Arc<Tenant>> {
         self.map
             .read()
@@ -1157,9 +1165,7 @@ impl Tenants {
         .await
         .map_err(|e| anyhow!("the compiler task failed: {e}"))??;
         let write = self.begin_write(&tenant.id).await?;
-        let tenant = &self
-            .get(&tenant.id)
-            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
+        let tenant = &self.live(tenant)?;
         let _g = tenant.admin.lock().await;
         let (version, history) = {
             let slots = tenant
@@ -1233,9 +1239,7 @@ impl Tenants {
     /// Makes the previously active version active again.
     pub async fn rollback(&self, tenant: &Arc<Tenant>, name: &str) -> Result<VersionRecord> {
         let write = self.begin_write(&tenant.id).await?;
-        let tenant = &self
-            .get(&tenant.id)
-            .ok_or_else(|| anyhow!("tenant '{}' was deleted through another replica", tenant.id))?;
+        let tenant = &self.live(tenant)?;
         let _g = tenant.admin.lock().await;
         let (target, history, record, loaded) = {
             let slots = tenant
