@@ -11,6 +11,8 @@ pub mod bench;
 pub mod cli;
 pub mod digest;
 pub mod engine;
+pub mod metering;
+pub mod object_url;
 pub mod plugins;
 pub mod server;
 pub mod tenants;

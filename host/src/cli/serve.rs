@@ -146,6 +146,19 @@ pub struct ServeArgs {
     /// Plugin instances alive at once, across all requests.
     #[arg(long, default_value_t = 256)]
     pub plugin_max_instances: u32,
+    /// One usage record (JSON line) per finished request, for billing: a
+    /// local file, or s3://bucket/prefix, gs://…, az://… or file:///dir
+    /// (records then wait in --usage-log-spool and are put in batches).
+    /// A record is on disk before its response's last bytes are sent.
+    #[arg(long, env = "PAGODA_USAGE_LOG")]
+    pub usage_log: Option<String>,
+    /// Where records for an object-store --usage-log wait until the store
+    /// has them (default: usage-spool under --state-dir).
+    #[arg(long)]
+    pub usage_log_spool: Option<std::path::PathBuf>,
+    /// How often spooled usage records are put to the store.
+    #[arg(long, default_value_t = 2.0)]
+    pub usage_log_flush_seconds: f64,
     /// Let the model decide when to call tools (`tool_choice: "auto"`),
     /// parsing its output with --tool-call-parser.
     #[arg(long)]
@@ -226,6 +239,25 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     } else {
         a.served_model_name.clone()
     };
+    let usage_log = match a.usage_log.clone() {
+        None => None,
+        Some(target) => {
+            if !(a.usage_log_flush_seconds.is_finite() && a.usage_log_flush_seconds > 0.0) {
+                anyhow::bail!(
+                    "--usage-log-flush-seconds {} must be a positive number of seconds",
+                    a.usage_log_flush_seconds
+                );
+            }
+            Some(crate::metering::UsageLogConfig {
+                target,
+                spool: a
+                    .usage_log_spool
+                    .clone()
+                    .or_else(|| a.state_dir.as_ref().map(|d| d.join("usage-spool"))),
+                flush: Duration::from_secs_f64(a.usage_log_flush_seconds),
+            })
+        }
+    };
     serve(
         engine,
         ServerConfig {
@@ -270,6 +302,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             max_logprobs: a.vllm.max_logprobs_limit(),
             skip_tokenizer_init: a.skip_tokenizer_init,
             reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
+            usage_log,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,
                 log_prompts: a.enable_log_requests && !a.disable_log_requests,

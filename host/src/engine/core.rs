@@ -365,6 +365,7 @@ impl EngineCore {
             prompt_len,
             num_computed: 0,
             num_cached_prompt: 0,
+            num_spec_accepted: 0,
             max_len,
             salt: opts.cache_salt,
             // Prompt logprobs come from the exact kernels, so a prompt

@@ -32,6 +32,8 @@ pub struct EngineCoreOutput {
     pub num_prompt_tokens: usize,
     pub num_cached_tokens: usize,
     pub num_output_tokens: usize,
+    /// Of its output tokens so far, accepted drafts.
+    pub num_spec_accepted: usize,
     /// When the request was first scheduled (admission to the running set),
     /// for queue and prefill times.
     pub scheduled_at: Option<std::time::Instant>,
@@ -49,6 +51,7 @@ impl EngineCoreOutput {
         self.finish_reason = next.finish_reason;
         self.stop_reason = next.stop_reason;
         self.num_output_tokens = next.num_output_tokens;
+        self.num_spec_accepted = next.num_spec_accepted;
     }
 
     /// Appends a sampled token to `req` and applies the token-level stop
@@ -92,6 +95,7 @@ impl EngineCoreOutput {
             stop_reason,
             num_prompt_tokens: req.prompt_len,
             num_cached_tokens: req.num_cached_prompt,
+            num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: n_out,
             scheduled_at: req.first_scheduled_at,
         }
@@ -111,6 +115,7 @@ impl EngineCoreOutput {
             stop_reason: None,
             num_prompt_tokens: req.prompt_len,
             num_cached_tokens: req.num_cached_prompt,
+            num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: 0,
             scheduled_at: req.first_scheduled_at,
         }
@@ -127,6 +132,7 @@ impl EngineCoreOutput {
             stop_reason: None,
             num_prompt_tokens: req.prompt_len,
             num_cached_tokens: req.num_cached_prompt,
+            num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: req.token_ids.len() - req.prompt_len,
             scheduled_at: req.first_scheduled_at,
             external_id: req.external_id,

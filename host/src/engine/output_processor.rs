@@ -32,6 +32,8 @@ pub struct StepOutput {
     pub num_prompt_tokens: usize,
     pub num_cached_tokens: usize,
     pub num_output_tokens: usize,
+    /// Of its output tokens so far, accepted drafts.
+    pub num_spec_accepted: usize,
     /// When the request was first scheduled (admission to the running set),
     /// for queue and prefill times.
     pub scheduled_at: Option<std::time::Instant>,
@@ -190,6 +192,7 @@ impl OutputProcessor {
                 stop_reason,
                 num_prompt_tokens: out.num_prompt_tokens,
                 num_cached_tokens: out.num_cached_tokens,
+                num_spec_accepted: out.num_spec_accepted.min(num_output_tokens),
                 num_output_tokens,
                 scheduled_at: out.scheduled_at,
             },

@@ -486,6 +486,8 @@ pub struct Request {
     pub num_computed: usize,
     /// Prompt tokens found in the prefix cache at first admission.
     pub num_cached_prompt: usize,
+    /// Output tokens that were accepted drafts (speculative decoding).
+    pub num_spec_accepted: usize,
     pub params: SamplingParams,
     /// Generation ends at this total length (prompt + output).
     pub max_len: usize,

@@ -599,6 +599,7 @@ impl Scheduler {
             }
             let mut emitted: Option<EngineCoreOutput> = None;
             let mut failed = None;
+            let mut appended = 0usize;
             for j in 0..sampled {
                 let token = out.sampled(i)[j];
                 let mut complete = false;
@@ -610,6 +611,7 @@ impl Scheduler {
                     complete = g.matcher.is_complete();
                 }
                 generated += 1;
+                appended += 1;
                 let logprob = out.take_logprob(i, j);
                 let step = EngineCoreOutput::token(req, token, logprob, complete);
                 // The reasoning ends with its end tokens; the grammar, if
@@ -628,6 +630,12 @@ impl Scheduler {
                     // A stop among verified drafts ends the output there.
                     break;
                 }
+            }
+            // Every token this step appended but the target's own was an
+            // accepted draft (fewer when a stop cut the drafts short).
+            req.num_spec_accepted += appended.saturating_sub(1).min(accepted);
+            if let Some(e) = &mut emitted {
+                e.num_spec_accepted = req.num_spec_accepted;
             }
             if let Some(e) = failed {
                 self.abort_guided(s.id, &e, kv, outputs);

@@ -48,7 +48,11 @@ const UNSET: usize = usize::MAX;
 /// What one request's handlers learn about it, for its log line.
 #[derive(Debug)]
 pub struct Record {
+    /// The route the request came in on.
+    path: String,
     tenant: Mutex<Option<String>>,
+    /// A short hash of the API key it came with (never the key).
+    key_id: Mutex<Option<String>>,
     /// The LoRA adapter the request ran with (a tenant's own, or shared).
     adapter: Mutex<Option<String>>,
     request_id: Mutex<Option<String>>,
@@ -60,9 +64,11 @@ pub struct Record {
 }
 
 impl Record {
-    fn new(log_prompts: bool) -> Record {
+    fn new(path: &str, log_prompts: bool) -> Record {
         Record {
+            path: path.to_string(),
             tenant: Mutex::new(None),
+            key_id: Mutex::new(None),
             adapter: Mutex::new(None),
             request_id: Mutex::new(None),
             prompt_tokens: AtomicUsize::new(UNSET),
@@ -81,6 +87,23 @@ impl Record {
     /// The tenant the request was authenticated as.
     pub fn set_tenant(&self, id: &str) {
         *self.tenant.lock().unwrap_or_else(|e| e.into_inner()) = Some(id.to_string());
+    }
+
+    /// The short hash of the API key the request came with.
+    pub fn set_key_id(&self, id: String) {
+        *self.key_id.lock().unwrap_or_else(|e| e.into_inner()) = Some(id);
+    }
+
+    /// The route the request came in on.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The tenant, the key's short hash and the adapter, as set so far
+    /// (for the request's usage record).
+    pub fn who(&self) -> (Option<String>, Option<String>, Option<String>) {
+        let get = |m: &Mutex<Option<String>>| m.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (get(&self.tenant), get(&self.key_id), get(&self.adapter))
     }
 
     /// The id the response carries (`cmpl-…`, `chatcmpl-…`, `resp_…`).
@@ -139,7 +162,7 @@ impl Pending {
     pub fn start(config: AccessLogConfig, method: &str, path: &str) -> Pending {
         Pending {
             config,
-            record: Arc::new(Record::new(config.log_prompts)),
+            record: Arc::new(Record::new(path, config.log_prompts)),
             method: method.to_string(),
             path: path.to_string(),
             started: Instant::now(),

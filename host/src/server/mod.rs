@@ -88,6 +88,8 @@ pub struct ServerConfig {
     /// One line per request (`--disable-uvicorn-access-log`,
     /// `--enable-log-requests`).
     pub access_log: access_log::AccessLogConfig,
+    /// `--usage-log`: where each finished request's usage record goes.
+    pub usage_log: Option<crate::metering::UsageLogConfig>,
 }
 
 /// What every request handler shares.
@@ -110,9 +112,16 @@ pub struct AppState {
     /// directory or a state store): it then never serves a request
     /// without a key, even while it knows no tenant.
     tenancy: bool,
+    /// `--usage-log`, opened.
+    usage_log: Option<Arc<crate::metering::UsageLog>>,
 }
 
 impl AppState {
+    /// Where usage records go, with `--usage-log`.
+    pub(crate) fn usage_log(&self) -> Option<&crate::metering::UsageLog> {
+        self.usage_log.as_deref()
+    }
+
     /// The names this server answers to.
     pub fn served_model_names(&self) -> &[String] {
         &self.config.served_model_names
@@ -464,6 +473,25 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         "Prompt tokens of admitted requests, per tenant."
     );
     metrics::describe_counter!(m::TENANT_GENERATION_TOKENS, "Tokens generated, per tenant.");
+    metrics::describe_counter!(
+        crate::metering::metrics::TENANT_TOKENS,
+        "Tokens of finished requests per tenant and kind (prompt, cached, completion, spec_accepted), as their usage records count them."
+    );
+    {
+        use crate::metering::ship::metrics as um;
+        metrics::describe_counter!(
+            um::BATCHES,
+            "Batches of usage records put to the --usage-log store."
+        );
+        metrics::describe_counter!(
+            um::ERRORS,
+            "Puts of usage records to the --usage-log store that failed (the records stay spooled and are retried)."
+        );
+        metrics::describe_gauge!(
+            um::SPOOLED,
+            "Bytes of usage records spooled and not yet acknowledged by the --usage-log store."
+        );
+    }
     metrics::describe_histogram!(m::TENANT_TTFT, "Time to first token per tenant, seconds.");
     metrics::describe_histogram!(
         m::TENANT_QUEUE_TIME,
@@ -525,8 +553,9 @@ fn authenticate(
     }
     let key = auth::bearer_token(req.headers());
     if let Some(t) = key.and_then(|k| state.tenants.by_key(k)) {
-        if let Some(r) = access_log::current() {
+        if let (Some(r), Some(k)) = (access_log::current(), key) {
             r.set_tenant(&t.id);
+            r.set_key_id(state.tenants.key_id(k));
         }
         return Ok(Some(t));
     }
@@ -1196,7 +1225,17 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let model_root = args.model.display().to_string();
     let tenancy =
         admin_token.is_some() || config.state_dir.is_some() || config.state_store.is_some();
+    let usage_log = match &config.usage_log {
+        Some(c) => {
+            let _in_runtime = rt.enter();
+            let log = crate::metering::UsageLog::open(c)?;
+            tracing::info!("usage records go to {}", c.target);
+            Some(log)
+        }
+        None => None,
+    };
     let state = Arc::new(AppState {
+        usage_log,
         tenancy,
         model_root,
         responses: Default::default(),
@@ -1373,6 +1412,9 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
         state.shutting_down.store(true, Ordering::Release);
         if let Some(e) = state.engine.get() {
             e.shutdown();
+        }
+        if let Some(log) = &state.usage_log {
+            log.close().await;
         }
         match engine_death {
             Some(why) => Err(anyhow::anyhow!("the engine died: {why}")),

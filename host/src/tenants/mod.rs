@@ -939,6 +939,14 @@ impl Tenants {
             .cloned()
     }
 
+    /// A short id of an API key for usage records and logs: the first 16
+    /// hex digits of its salted hash (never the key, and not enough of the
+    /// stored hash to test guesses against).
+    pub fn key_id(&self, key: &str) -> String {
+        let h = hash_key(&self.salt(), key);
+        h.trim_start_matches(SALTED).chars().take(16).collect()
+    }
+
     /// The tenant an API key belongs to. Every stored hash is compared,
     /// each in constant time, so the time taken says nothing about which
     /// keys exist or how close a guess came.

@@ -18,18 +18,14 @@
 
 use super::adapters::AdapterRecord;
 use super::{TenantConfig, VersionRecord};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use bytes::Bytes;
 use object_store::path::Path;
-use object_store::{
-    ClientConfigKey, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
-    UpdateVersion,
-};
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, UpdateVersion};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 /// Metric names (described in the server's metrics setup).
 pub mod metrics {
@@ -173,86 +169,12 @@ impl StateStore {
     /// `AWS_ENDPOINT_URL`, `AWS_ALLOW_HTTP`, `GOOGLE_SERVICE_ACCOUNT`,
     /// `AZURE_STORAGE_ACCOUNT_NAME`, ...).
     pub fn open(url: &str) -> Result<StateStore> {
-        let (scheme, rest) = url.split_once("://").ok_or_else(|| {
-            anyhow!("--state-store {url}: give a URL such as s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or file:///path")
-        })?;
-        // Fail fast unless the environment says otherwise: an admin write
-        // waits on these, and serving never does.
-        let timeouts = [
-            (ClientConfigKey::Timeout, "5s"),
-            (ClientConfigKey::ConnectTimeout, "2s"),
-        ];
-        let retry = RetryConfig {
-            max_retries: 2,
-            retry_timeout: Duration::from_secs(5),
-            ..RetryConfig::default()
-        };
-        let bucket_prefix = |rest: &str| -> (String, String) {
-            let (b, p) = rest.split_once('/').unwrap_or((rest, ""));
-            (b.to_string(), p.trim_matches('/').to_string())
-        };
-        // One cloud: its builder from the environment, our timeouts where
-        // the environment sets none, the bucket (or container) and retries.
-        macro_rules! cloud {
-            ($builder:path, $key:path, $with_bucket:ident) => {{
-                use object_store::*;
-                let (bucket, prefix) = bucket_prefix(rest);
-                let mut b = <$builder>::from_env();
-                for (k, v) in timeouts {
-                    let k = <$key>::Client(k);
-                    if b.get_config_value(&k).is_none() {
-                        b = b.with_config(k, v);
-                    }
-                }
-                let s = b
-                    .$with_bucket(bucket)
-                    .with_retry(retry)
-                    .build()
-                    .with_context(|| format!("--state-store {url}"))?;
-                (Arc::new(s) as Arc<dyn ObjectStore>, prefix, None)
-            }};
-        }
-        let (store, prefix, local_lock): (Arc<dyn ObjectStore>, String, _) = match scheme {
-            "s3" | "s3a" => cloud!(
-                aws::AmazonS3Builder,
-                aws::AmazonS3ConfigKey,
-                with_bucket_name
-            ),
-            "gs" => cloud!(
-                gcp::GoogleCloudStorageBuilder,
-                gcp::GoogleConfigKey,
-                with_bucket_name
-            ),
-            "az" | "azure" => cloud!(
-                azure::MicrosoftAzureBuilder,
-                azure::AzureConfigKey,
-                with_container_name
-            ),
-            "file" => {
-                let root = std::path::PathBuf::from(rest);
-                if !root.is_absolute() {
-                    bail!(
-                        "--state-store {url}: a file store needs an absolute path (file:///path)"
-                    );
-                }
-                super::store::create_private_dir(&root)
-                    .with_context(|| format!("cannot create --state-store {}", root.display()))?;
-                let s = object_store::local::LocalFileSystem::new_with_prefix(&root)
-                    .with_context(|| format!("--state-store {url}"))?;
-                (
-                    Arc::new(s),
-                    String::new(),
-                    Some(root.join(".manifest-lock")),
-                )
-            }
-            other => {
-                bail!("--state-store {url}: the scheme '{other}' is not one of s3, gs, az and file")
-            }
-        };
+        let opened = crate::object_url::open("--state-store", url)?;
         Ok(StateStore {
-            store,
-            prefix: Path::from(prefix),
-            local_lock,
+            store: opened.store,
+            prefix: opened.prefix,
+            // `file://` only: `LocalFileSystem` has no conditional update.
+            local_lock: opened.local_root.map(|root| root.join(".manifest-lock")),
             url: url.to_string(),
             up: AtomicBool::new(true),
         })

@@ -14,6 +14,7 @@ pub mod tools;
 use crate::engine::async_engine::{AbortGuard, SubmitError};
 use crate::engine::output_processor::{StepOutput, StopReason};
 use crate::engine::request::{SamplingDefaults, TokenLogprob};
+use crate::metering::{self, RecordStatus, UsageRecord};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
 use bytes::Bytes;
@@ -767,6 +768,8 @@ struct Choice {
     tokens: usize,
     /// Its output's ids, with `return_token_ids`.
     token_ids: Vec<u32>,
+    /// Of its tokens, accepted drafts (speculative decoding).
+    spec_accepted: usize,
     logprobs: Vec<TokenLogprob>,
     finish_reason: Option<&'static str>,
     stop_reason: Option<Value>,
@@ -826,6 +829,10 @@ struct Run {
     log: Option<Arc<crate::server::access_log::Record>>,
     /// Splits chat output into reasoning and answer (`--reasoning-parser`).
     reasoning: Option<reasoning::ReasoningParser>,
+    /// When it arrived, for its usage record (ms since the Unix epoch).
+    created_ms: u64,
+    /// Its usage record has been written (see [`Run::meter`]).
+    metered: bool,
     _slot: InFlight,
 }
 
@@ -839,6 +846,78 @@ impl Drop for Run {
         if let Some(l) = &self.log {
             l.set_tokens(self.prompt_tokens, completion);
         }
+        if !self.metered {
+            // It ended before its response did (the client went away, or
+            // it failed): its tokens were spent all the same. Nobody
+            // waits on this record.
+            let r = self.usage_record(RecordStatus::Aborted);
+            metering::count(&r);
+            if let Some(log) = self._slot.0.usage_log() {
+                log.submit(&r);
+            }
+        }
+    }
+}
+
+impl Run {
+    /// The request's usage record as it stands.
+    fn usage_record(&self, status: RecordStatus) -> UsageRecord {
+        let (tenant, key_id, adapter) = self.log.as_ref().map(|l| l.who()).unwrap_or_default();
+        let tenant = tenant.or_else(|| self.tenant.as_ref().map(|t| t.admission.tenant.id.clone()));
+        let endpoint = self.log.as_ref().map_or_else(
+            || match self.api {
+                Api::Chat => "/v1/chat/completions".to_string(),
+                Api::Completions => "/v1/completions".to_string(),
+            },
+            |l| l.path().to_string(),
+        );
+        UsageRecord {
+            id: metering::record_id(),
+            request_id: self.id.clone(),
+            tenant,
+            key_id,
+            endpoint,
+            model: self.model.clone(),
+            adapter,
+            prompt_tokens: self.prompt_tokens as u64,
+            cached_tokens: self.cached_tokens as u64,
+            completion_tokens: self.choices.iter().map(|c| c.tokens as u64).sum(),
+            spec_accepted_tokens: self
+                .choices
+                .iter()
+                .map(|c| c.spec_accepted.min(c.tokens) as u64)
+                .sum(),
+            finish_reasons: self
+                .choices
+                .iter()
+                .map(|c| c.finish_reason.map(str::to_string))
+                .collect(),
+            status,
+            created_ms: self.created_ms,
+            finished_ms: metering::now_ms(),
+        }
+    }
+
+    /// Records the finished request's usage: counted, and with
+    /// `--usage-log` on disk before this returns. Called before the
+    /// response's last bytes go out, so that no response is sent whose
+    /// record could still be lost; a record that cannot be written fails
+    /// the response instead (a 503).
+    async fn meter(&mut self) -> Result<(), ApiError> {
+        if self.metered {
+            return Ok(());
+        }
+        self.metered = true;
+        let r = self.usage_record(RecordStatus::Ok);
+        metering::count(&r);
+        if let Some(log) = self._slot.0.usage_log() {
+            log.commit(&r).await.map_err(|e| {
+                ApiError::unavailable(format!(
+                    "the usage record of this request could not be written ({e}); the response is withheld"
+                ))
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -883,6 +962,7 @@ async fn start_run(
     tenant: Option<TenantCtx>,
     tools: Option<ToolMode>,
 ) -> Result<Run, ApiError> {
+    let created_ms = metering::now_ms();
     if let Some(t) = &tenant {
         // Tenants share prefix-cache blocks only within a cache group.
         common.opts.cache_salt =
@@ -1110,6 +1190,8 @@ async fn start_run(
         tenant,
         log,
         reasoning: reasoning.map(|(parser, _)| parser),
+        created_ms,
+        metered: false,
         _slot: slot,
     };
     Ok(run)
@@ -1236,6 +1318,7 @@ impl Run {
         let c = &mut self.choices[i];
         c.text.push_str(&o.new_text);
         c.tokens += o.new_token_ids.len();
+        c.spec_accepted = o.num_spec_accepted;
         if self.return_token_ids {
             c.token_ids.extend_from_slice(&o.new_token_ids);
         }
@@ -1752,6 +1835,7 @@ async fn collect(mut run: Run) -> Result<Run, ApiError> {
         run.tenant = Some(t);
         r?;
     }
+    run.meter().await?;
     Ok(run)
 }
 
@@ -1836,6 +1920,10 @@ fn stream_response(run: Run, include_usage: bool) -> Response<Body> {
                 }
                 Phase::Done => {
                     run.guard.disarm();
+                    if let Err(e) = run.meter().await {
+                        let b = Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", e.body()));
+                        return Some((Ok(Frame::data(b)), (run, Phase::End)));
+                    }
                     Some((
                         Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n"))),
                         (run, Phase::End),

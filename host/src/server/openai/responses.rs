@@ -1247,6 +1247,11 @@ fn stream_events(
             }
         }
         run.guard.disarm();
+        if let Err(e) = run.meter().await {
+            let data = json!({"code": e.code, "message": e.message, "param": null});
+            let _ = tx.send(event("error", &mut seq, data)).await;
+            return;
+        }
         let (status, incomplete) = status_of(run.choices[0].finish_reason);
         let (items, assistant) = final_output(&run, &msg_id, &echo);
         let mut closing: Vec<(&'static str, Value)> = Vec::new();

@@ -349,6 +349,10 @@ fn stream_message(mut run: Run, id: String, model: String) -> Response<Body> {
             }
         }
         run.guard.disarm();
+        if let Err(e) = run.meter().await {
+            let _ = tx.send(stream::error_event(&e)).await;
+            return;
+        }
         let mut out = Vec::new();
         let c = &run.choices[0];
         let called = match &mode {
