@@ -254,3 +254,66 @@ fn with_one_tenant_fair_share_schedules_exactly_as_fcfs() {
     assert!(fcfs.1 > 0, "the pool is small enough to preempt");
     assert_eq!(fair, fcfs);
 }
+
+/// Tenant A's long prompts fill each step's 64-token budget while A is
+/// alone. Once tenant B has work too, A's prefills add at most a quarter of
+/// the budget (16 tokens) to a step, so the step in flight when B's request
+/// comes stays short; B's prompt runs in the next step alone, as on an idle
+/// engine, and A's prompts still finish.
+#[test]
+fn while_tenants_contend_one_tenants_prefills_fill_a_quarter_of_a_step() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = model(dir.path());
+    let mut a = EngineArgs::new(&m);
+    a.threads = 1;
+    a.max_model_len = Some(MAX_MODEL_LEN);
+    a.kv_cache_memory = Some(4 << 20);
+    a.kv_cache_dtype = KvCacheDtype::F32;
+    a.max_num_seqs = 8;
+    a.max_num_batched_tokens = 64;
+    let mut llm = LLM::new(a).unwrap_or_else(|e| panic!("LLM::new: {e:#}"));
+    let core = llm.engine_mut();
+    let flood: Vec<u64> = (0..3)
+        .map(|i| add(core, &format!("a{i}"), 100, 8, tenant("a", 1)))
+        .collect();
+    core.step().expect("step");
+    assert_eq!(
+        core.stats().last_step_tokens,
+        64,
+        "alone, A fills the budget"
+    );
+    // B decodes for longer than A's prompts take, so both contend
+    // throughout (no reliance on how long contention is remembered).
+    let b = add(core, "b", 12, 100, tenant("b", 1));
+    let outs = core.step().expect("step");
+    assert!(
+        outs.iter()
+            .any(|o| o.id == b && !o.new_token_ids.is_empty()),
+        "B's first token comes in the next step"
+    );
+    assert_eq!(
+        core.stats().last_step_tokens,
+        12,
+        "B's first prefill runs alone"
+    );
+    let mut done = 0;
+    for _ in 0..200 {
+        let outs = core.step().expect("step");
+        core.check_kv_accounting().expect("kv accounting");
+        // No step carries more than 16 prompt tokens of A beside the
+        // decodes (one token per running sequence, B's included).
+        assert!(core.stats().last_step_tokens <= 16 + 4);
+        assert!(
+            !outs.iter().any(|o| o.id == b && o.finish_reason.is_some()),
+            "B outlasts A's prompts"
+        );
+        done += outs
+            .iter()
+            .filter(|o| flood.contains(&o.id) && o.finish_reason.is_some())
+            .count();
+        if done == flood.len() {
+            return;
+        }
+    }
+    panic!("A's requests did not finish under the cap");
+}

@@ -131,6 +131,11 @@ pub struct EngineFlags {
     /// request's `priority` field orders the queue).
     #[arg(long, default_value = "fair")]
     pub scheduling_policy: String,
+    /// Under fair share, while tenants contend: the most prompt tokens
+    /// one tenant's prefills add to a step, so that a step another tenant
+    /// waits on stays short (0: a quarter of --max-num-batched-tokens).
+    #[arg(long, default_value_t = 0)]
+    pub tenant_prefill_chunk: usize,
     /// Defaults for sampling parameters a request leaves unset: auto (the
     /// model folder's generation_config.json), vllm (vLLM's own defaults),
     /// or a folder holding a generation_config.json.
@@ -255,6 +260,7 @@ impl EngineFlags {
         a.max_num_batched_tokens = self.max_num_batched_tokens;
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
+        a.tenant_prefill_chunk = self.tenant_prefill_chunk;
         a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
         a.kv_events = self
             .kv_events_config

@@ -67,6 +67,9 @@ pub struct EngineArgs {
     pub max_num_batched_tokens: usize,
     pub enable_prefix_caching: bool,
     pub scheduling_policy: SchedulingPolicy,
+    /// Under fair share, while tenants contend: the most prompt tokens one
+    /// tenant's prefills add to a step (0: a quarter of the step budget).
+    pub tenant_prefill_chunk: usize,
     /// Seed for requests that give none (each request's RNG is derived
     /// from it and the request id); `None` seeds from the OS.
     pub seed: Option<u64>,
@@ -121,6 +124,7 @@ impl EngineArgs {
             max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fair,
+            tenant_prefill_chunk: 0,
             seed: None,
             generation_config: GenerationConfigSource::Auto,
             speculative: None,
@@ -630,6 +634,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         draft_lookahead: 0,
         draft_max_batch: 0,
         max_loras: 0,
+        tenant_prefill_chunk: args.tenant_prefill_chunk,
     });
     let mut core = EngineCore::new(
         scheduler,

@@ -242,6 +242,18 @@ impl FairShare {
         (t.running + 1) as f64 / t.weight <= (h.running - 1) as f64 / h.weight
     }
 
+    /// Whether `tenant` is strictly first in the serving order (see
+    /// [`ServeKey`]): ahead of every other active tenant, ties excluded.
+    pub fn is_first(&self, tenant: &str) -> bool {
+        let Some(mine) = self.tenants.get(tenant).map(|_| self.key(tenant)) else {
+            return false;
+        };
+        self.tenants
+            .keys()
+            .filter(|t| &***t != tenant)
+            .all(|t| mine.compare(&self.key(t)) == Ordering::Less)
+    }
+
     /// How many tenants have requests in the engine.
     pub fn num_tenants(&self) -> usize {
         self.tenants.len()

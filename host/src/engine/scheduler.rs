@@ -18,6 +18,7 @@ use crate::engine::scheduler_output::{BlockUpdate, NewRequest, ScheduledSeq, Sch
 use crate::engine::spec_decode::SpecStats;
 use crate::engine::structured_output::GuidedRow;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 
 /// In which order waiting requests are admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -63,7 +64,16 @@ pub struct SchedulerConfig {
     /// Distinct LoRA adapters that may run at once (`--max-loras`, the
     /// model's adapter slots); 0 without `--enable-lora`.
     pub max_loras: usize,
+    /// Under `fair` with several tenants: the most prompt tokens one
+    /// tenant's prefills add to a step (see [`Scheduler::prefill_cap`]);
+    /// 0 for a quarter of `max_num_batched_tokens`.
+    pub tenant_prefill_chunk: usize,
 }
+
+/// How long tenants count as contending after two last had work at once:
+/// a calm tenant between two requests is still there, and the steps a
+/// flood plans in that gap must stay short too.
+const CONTENTION_MEMORY: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The most prompt tokens a request that asked for prompt logprobs runs
 /// in one step: each needs a vocabulary-wide row of logits (4 bytes a
@@ -115,6 +125,13 @@ pub struct Scheduler {
     fair: FairShare,
     /// Requests the runner knows that left since the last plan.
     finished: Vec<u64>,
+    /// When two or more tenants last had work at once (`fair` only).
+    contended_at: Option<std::time::Instant>,
+    /// Prompt tokens each tenant's prefills got in the step being planned,
+    /// while [`Scheduler::prefill_cap`] holds.
+    prefill_taken: Vec<(Arc<str>, usize)>,
+    /// The last step was one tenant's alone (see [`Scheduler::first_prefill_of`]).
+    last_exclusive: bool,
 }
 
 impl Scheduler {
@@ -128,6 +145,88 @@ impl Scheduler {
             num_preemptions: 0,
             fair: FairShare::default(),
             finished: Vec::new(),
+            contended_at: None,
+            prefill_taken: Vec::new(),
+            last_exclusive: false,
+        }
+    }
+
+    /// Under contention, the tenant whose first tokens the next step is
+    /// for alone, if any: a tenant strictly first in the serving order
+    /// (fewest slots per weight, then least virtual time) with a prompt not
+    /// yet through its first token. Its step carries no other tenant's
+    /// rows, so its time to first token is the step in flight plus its own
+    /// prefill, as if it were alone, not one shared with every decode and
+    /// prefill chunk of a tenant that floods the server. Never two such
+    /// steps in a row: the others' sequences wait at most every other step.
+    fn first_prefill_of(&self) -> Option<Arc<str>> {
+        if self.last_exclusive {
+            return None;
+        }
+        let prefilling = |id: &u64| {
+            self.requests
+                .get(id)
+                .filter(|r| r.num_computed < r.prompt_len)
+                .map(|r| &r.tenant.name)
+        };
+        let candidate = self
+            .waiting
+            .iter()
+            .chain(self.running.iter())
+            .filter_map(prefilling)
+            .min_by(|a, b| self.fair.key(a).compare(&self.fair.key(b)))?;
+        self.fair.is_first(candidate).then(|| Arc::clone(candidate))
+    }
+
+    /// The most prompt tokens one tenant's prefills may add to the next
+    /// step, or None for no limit beyond the step's budget.
+    ///
+    /// Fair share of sequence slots and virtual time decides *who* runs;
+    /// this bounds what one tenant adds to a step that others wait on. A
+    /// step runs as long as its tokens take, and a calm tenant's first
+    /// token waits for the step in flight and then its own: if another
+    /// tenant's long prompts filled them (a 512-token chunk per step), the
+    /// calm tenant's time to first token would be several of its own
+    /// prefills. So while tenants contend (two had work at once within
+    /// [`CONTENTION_MEMORY`]), each tenant's prefills get at most
+    /// `tenant_prefill_chunk` tokens a step; decodes are not limited (a
+    /// tenant's share of them is its share of the slots). With one tenant
+    /// nothing changes.
+    fn prefill_cap(&mut self) -> Option<usize> {
+        if self.config.policy != SchedulingPolicy::Fair {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        if self.fair.num_tenants() > 1 {
+            self.contended_at = Some(now);
+        }
+        let recent = self
+            .contended_at
+            .is_some_and(|t| now.duration_since(t) < CONTENTION_MEMORY);
+        if !recent {
+            return None;
+        }
+        let chunk = match self.config.tenant_prefill_chunk {
+            0 => self.config.max_num_batched_tokens / 4,
+            n => n,
+        };
+        Some(chunk.max(1))
+    }
+
+    /// Of `cap`, what `tenant`'s prefills may still add to this step.
+    fn prefill_left(&self, cap: usize, tenant: &str) -> usize {
+        let taken = self
+            .prefill_taken
+            .iter()
+            .find(|(t, _)| &**t == tenant)
+            .map_or(0, |(_, n)| *n);
+        cap.saturating_sub(taken)
+    }
+
+    fn take_prefill(&mut self, tenant: &Arc<str>, n: usize) {
+        match self.prefill_taken.iter_mut().find(|(t, _)| t == tenant) {
+            Some((_, taken)) => *taken += n,
+            None => self.prefill_taken.push((Arc::clone(tenant), n)),
         }
     }
 
@@ -222,6 +321,15 @@ impl Scheduler {
         guided.clear();
         out.finished.append(&mut self.finished);
         let mut budget = self.config.max_num_batched_tokens;
+        let prefill_cap = self.prefill_cap();
+        self.prefill_taken.clear();
+        let exclusive = match prefill_cap {
+            Some(_) => self.first_prefill_of(),
+            None => None,
+        };
+        self.last_exclusive = exclusive.is_some();
+        // A step of one tenant's alone is within the budget only.
+        let prefill_cap = prefill_cap.filter(|_| exclusive.is_none());
         // With one tenant the order is already fcfs order; skipping the
         // (allocating) stable sort keeps a decode step allocation-free.
         if self.config.policy == SchedulingPolicy::Fair && self.fair.num_tenants() > 1 {
@@ -246,8 +354,18 @@ impl Scheduler {
                 self.running.remove(i);
                 continue;
             };
+            if exclusive.as_ref().is_some_and(|t| *t != req.tenant.name) {
+                i += 1;
+                continue;
+            }
             let mut num_new =
                 (req.token_ids.len() - req.num_computed).min(chunk_limit(req, budget));
+            // A prefill (more than the one token a decode runs) within its
+            // tenant's part of the step, under contention.
+            let prefill = num_new > 1;
+            if let (true, Some(cap)) = (prefill, prefill_cap) {
+                num_new = num_new.min(self.prefill_left(cap, &req.tenant.name));
+            }
             if num_new == 0 {
                 i += 1;
                 continue;
@@ -298,6 +416,10 @@ impl Scheduler {
                 continue;
             }
             let lookahead = self.reserve_lookahead(id, num_new + num_drafts, kv);
+            if prefill && prefill_cap.is_some() {
+                let tenant = Arc::clone(&self.requests[&id].tenant.name);
+                self.take_prefill(&tenant, num_new);
+            }
             let req = &self.requests[&id];
             num_new += num_drafts;
             let mut seq = schedule_seq(req, req.num_computed, num_new, num_drafts);
@@ -323,7 +445,8 @@ impl Scheduler {
                     self.waiting.remove(pos);
                     continue;
                 };
-                if !self.lora_fits(req) {
+                if !self.lora_fits(req) || exclusive.as_ref().is_some_and(|t| *t != req.tenant.name)
+                {
                     self.waiting.remove(pos);
                     no_slot.push(id);
                     continue;
@@ -346,7 +469,17 @@ impl Scheduler {
                     break;
                 }
                 let cached = hit.num_tokens(kv.block_size());
-                let num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
+                let mut num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
+                if let (true, Some(cap)) = (num_new > 1, prefill_cap) {
+                    num_new = num_new.min(self.prefill_left(cap, &req.tenant.name));
+                    if num_new == 0 {
+                        // Its tenant's prefills have their part of this
+                        // step; other tenants' requests behind it may run.
+                        self.waiting.remove(pos);
+                        no_slot.push(id);
+                        continue;
+                    }
+                }
                 let admitted = self.running.len() < self.config.max_num_seqs
                     && kv.allocate(id, &req.token_ids, key, Some(hit), cached, num_new);
                 if !admitted && key.owner != SHARED_OWNER && kv.pool().at_cap(key.owner) {
@@ -380,6 +513,10 @@ impl Scheduler {
                 self.waiting.remove(pos);
                 self.running.push(id);
                 self.fair.admitted(&req.tenant.name);
+                if num_new > 1 && prefill_cap.is_some() {
+                    let tenant = Arc::clone(&req.tenant.name);
+                    self.take_prefill(&tenant, num_new);
+                }
                 let lookahead = self.reserve_lookahead(id, num_new, kv);
                 let Some(req) = self.requests.get(&id) else {
                     break;
