@@ -63,6 +63,8 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();
+    // A dense model: no linear layers, no recurrent state.
+    let mut state = pagoda::engine::models::StateCache::<CpuBackend>::default();
     let mut step = <CpuBackend as Backend>::Step::default();
     // Four sequences, each with its own 8 blocks.
     let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (s * 8..s * 8 + 8).collect()).collect();
@@ -77,7 +79,15 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     }
     b.upload_step(&batch, &mut step).expect("upload");
     model
-        .forward(&mut b, &step, batch.num_tokens(), 4, &mut kv, &mut ws)
+        .forward(
+            &mut b,
+            &step,
+            batch.num_tokens(),
+            4,
+            &mut kv,
+            &mut state,
+            &mut ws,
+        )
         .expect("prefill");
     let logits = b
         .to_host(&mut ws.logits, 4 * c.vocab_size)
@@ -104,7 +114,7 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
         counting_alloc::arm(step_no > 0);
         b.upload_step(&batch, &mut step).expect("upload");
         model
-            .forward(&mut b, &step, 4, 4, &mut kv, &mut ws)
+            .forward(&mut b, &step, 4, 4, &mut kv, &mut state, &mut ws)
             .expect("decode");
         let logits = b.to_host(&mut ws.logits, 4 * c.vocab_size).expect("logits");
         let allocated = counting_alloc::disarm();

@@ -348,6 +348,7 @@ pub fn run_schedule(
                 batch.num_tokens(),
                 rows,
                 &mut kv,
+                &mut pagoda::engine::models::StateCache::default(),
                 &mut ws,
             )
             .expect("forward");

@@ -20,7 +20,7 @@ pub mod input_batch;
 pub mod lora_slots;
 
 use crate::engine::config::ModelConfig;
-use crate::engine::models::{Model, Workspace};
+use crate::engine::models::{Model, StateCache, Workspace};
 use crate::engine::request::TokenLogprob;
 use crate::engine::runner_output::{ModelRunnerOutput, PromptScore};
 use crate::engine::sampler::Sampler;
@@ -77,6 +77,9 @@ pub struct ModelRunner<B: Backend> {
     backend: B,
     model: Model<B>,
     kv: B::Kv,
+    /// The linear layers' per-sequence state (hybrid models; empty
+    /// otherwise), beside the KV pool.
+    state: StateCache<B>,
     ws: Workspace<B>,
     step: B::Step,
     /// Tokens per KV block.
@@ -114,6 +117,7 @@ impl<B: Backend> ModelRunner<B> {
             backend,
             model,
             kv,
+            state: StateCache::default(),
             ws: Workspace::default(),
             step: B::Step::default(),
             block_size,
@@ -147,6 +151,14 @@ impl<B: Backend> ModelRunner<B> {
             ws,
             ..ModelRunner::new(backend, model, kv, block_size)
         }
+    }
+
+    /// Gives the model's linear layers their per-sequence state (see
+    /// [`crate::engine::models::CausalLm::alloc_state`]), as many slots as
+    /// the KV-cache manager hands out.
+    pub fn with_state(mut self, state: StateCache<B>) -> ModelRunner<B> {
+        self.state = state;
+        self
     }
 
     /// Adds a draft model, which proposes the drafts when the speculator's
@@ -205,6 +217,7 @@ impl<B: Backend> ModelRunner<B> {
         let b = &mut self.backend;
         b.upload_step(batch, &mut self.step)
             .context("uploading the step's metadata")?;
+        self.state.slots.clone_from(&batch.state_slots);
         self.model
             .forward(
                 b,
@@ -212,6 +225,7 @@ impl<B: Backend> ModelRunner<B> {
                 batch.num_tokens(),
                 batch.logit_rows.len(),
                 &mut self.kv,
+                &mut self.state,
                 &mut self.ws,
             )
             .context("running the model")

@@ -136,7 +136,7 @@ pub struct GatedDeltaNet<B: Backend> {
 }
 
 /// Rows `r0..r1` of `m`, borrowing its bytes.
-fn row_range<'a>(m: &'a HostMatrix<'_>, r0: usize, r1: usize) -> Result<HostMatrix<'a>> {
+pub(crate) fn row_range<'a>(m: &'a HostMatrix<'_>, r0: usize, r1: usize) -> Result<HostMatrix<'a>> {
     if m.affine().is_some() {
         // The transforms are stated for the whole matrix; slicing them is
         // not implemented.
