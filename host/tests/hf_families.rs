@@ -527,6 +527,55 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
             Box::new(|v| v["layer_types"] = serde_json::json!(["full_attention"])),
             &["layer_types", "num_hidden_layers"],
         ),
+        (
+            "qwen3_5",
+            Box::new(|v| v["layer_types"][1] = "sliding_attention".into()),
+            &["layer_types", "sliding_attention"],
+        ),
+        (
+            "qwen3_next",
+            Box::new(|v| v["full_attention_interval"] = 2.into()),
+            &["layer_types", "full_attention_interval", "disagree"],
+        ),
+        (
+            "qwen3_5",
+            Box::new(|v| v["linear_num_value_heads"] = 3.into()),
+            &["linear_num_value_heads", "multiple"],
+        ),
+        (
+            "qwen3_5_moe",
+            Box::new(|v| v["rope_parameters"]["mrope_section"] = serde_json::json!([2, 2, 1])),
+            &["mrope_section", "summing to 4"],
+        ),
+        (
+            "qwen3_next",
+            Box::new(
+                |v| v["rope_parameters"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "partial_rotary_factor": 0.25}),
+            ),
+            &["partial RoPE", "rope_type"],
+        ),
+        (
+            "qwen3_next",
+            Box::new(|v| v["partial_rotary_factor"] = 0.5.into()),
+            &["partial_rotary_factor", "disagree"],
+        ),
+        (
+            "qwen3_5",
+            Box::new(|v| v["attn_output_gate"] = false.into()),
+            &["attn_output_gate"],
+        ),
+        (
+            "qwen3_5_moe",
+            Box::new(|v| v["attention_bias"] = true.into()),
+            &["attention_bias"],
+        ),
+        (
+            "qwen3_5",
+            Box::new(|v| {
+                v["layer_types"] = serde_json::json!(vec!["linear_attention"; 4]);
+            }),
+            &["no full_attention layer"],
+        ),
     ];
     for (family, edit, needles) in cases {
         let msg = refusal(family, edit);
@@ -546,6 +595,17 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         pagoda::engine::config::unknown_hf_keys(&v).is_empty(),
         "transformers' own keys are all known"
     );
+    for family in HYBRID {
+        let c: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture_dir(family).join("config.json")).expect("config"),
+        )
+        .expect("JSON");
+        assert_eq!(
+            pagoda::engine::config::unknown_hf_keys(&c),
+            Vec::<String>::new(),
+            "{family}: transformers' own keys are all known"
+        );
+    }
     v["frobnicate_heads"] = true.into();
     v["attn_logit_softcapping"] = 30.0.into();
     assert_eq!(
@@ -581,6 +641,9 @@ fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
         "qwen3moe",
         "deepseekv2lite",
         "deepseekv3",
+        "qwen3_5",
+        "qwen3_5_moe",
+        "qwen3_next",
     ] {
         assert_eq!(
             unused_tensors(family, |_| {}),

@@ -5,7 +5,9 @@
 //! prefixes) must give exactly what it gives alone, on transformers' own
 //! tiny Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2-Lite and DeepSeek-V3
 //! checkpoints (float32) and on a Q8_0 GGUF of Qwen2-MoE whose experts stay
-//! quantized.
+//! quantized. The hybrid Qwen models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
+//! too: their linear layers' state is carried across chunks in per-sequence
+//! slots, and a preempted sequence recomputes it from its first token.
 
 mod support;
 
@@ -18,6 +20,28 @@ fn fixtures() -> PathBuf {
         Some(p) => PathBuf::from(p),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families"),
     }
+}
+
+fn fixtures_2026() -> PathBuf {
+    match std::env::var_os("PAGODA_HF_FAMILIES_2026") {
+        Some(p) => PathBuf::from(p),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families-2026"),
+    }
+}
+
+#[test]
+fn qwen3_5_batches_exactly() {
+    batch_changes_nothing(&fixtures_2026().join("qwen3_5"), "qwen3_5");
+}
+
+#[test]
+fn qwen3_5_moe_batches_exactly() {
+    batch_changes_nothing(&fixtures_2026().join("qwen3_5_moe"), "qwen3_5_moe");
+}
+
+#[test]
+fn qwen3_next_batches_exactly() {
+    batch_changes_nothing(&fixtures_2026().join("qwen3_next"), "qwen3_next");
 }
 
 #[test]

@@ -964,6 +964,20 @@ impl ModelConfig {
         if self.sliding_windows.contains(&Some(0)) {
             bail!("a sliding window of 0 tokens would let a token see nothing");
         }
+        if let Some(h) = &self.hybrid {
+            if h.linear_layers.len() != self.num_layers {
+                bail!(
+                    "the layer types list {} layers, but the model has {}",
+                    h.linear_layers.len(),
+                    self.num_layers
+                );
+            }
+            if h.linear_layers.iter().all(|&l| l) {
+                // The KV pool and the engine's capacity figures are per
+                // attention layer; a model of linear layers only has none.
+                bail!("'layer_types' lists no full_attention layer; a model of linear-attention layers only is not supported");
+            }
+        }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             bail!("rope_theta {} must be a positive number", self.rope_theta);
         }

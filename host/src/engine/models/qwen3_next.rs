@@ -167,11 +167,6 @@ pub fn load<B: Backend>(
             ffn,
         });
     }
-    if n_attn == 0 {
-        // The KV pool and the engine's capacity figures are per attention
-        // layer; a model of linear layers only would have none.
-        bail!("'layer_types' lists no full_attention layer; a model of linear-attention layers only is not supported");
-    }
     let upload = |name: &str, rows, cols| load_matrix(backend, source, name, rows, cols);
     let embed = upload("model.embed_tokens.weight", c.vocab_size, d)?;
     let lm_head = if c.tie_word_embeddings && !source.contains("lm_head.weight") {

@@ -70,6 +70,9 @@ pub trait ModelExecutor: Send {
     fn weight_type(&self) -> &'static str;
     /// The device, for logs.
     fn describe_device(&self) -> String;
+    /// Bytes of recurrent state one sequence holds (a hybrid model's
+    /// linear layers; 0 otherwise), as the memory budget counts it.
+    fn state_bytes_per_seq(&self) -> usize;
 }
 
 /// Runs `model` on `backend` over the KV pool `kv`.
@@ -415,6 +418,10 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
 
     fn weight_type(&self) -> &'static str {
         self.model.weight_type()
+    }
+
+    fn state_bytes_per_seq(&self) -> usize {
+        self.model.state_bytes_per_seq()
     }
 
     fn describe_device(&self) -> String {
