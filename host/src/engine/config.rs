@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// The architectures one Llama-family definition serves, with the names
 /// they carry in HF `config.json` (`architectures`) and in GGUF
-/// (`general.architecture`).
+/// (`general.architecture`; "-" where GGUF files are not read yet).
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     (
         "LlamaForCausalLM",
@@ -54,17 +54,17 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     ),
     (
         "Qwen3NextForCausalLM",
-        "qwen3next",
+        "-",
         "Qwen3-Next (hybrid Gated DeltaNet and gated attention, experts with a gated shared expert)",
     ),
     (
         "Qwen3_5ForCausalLM",
-        "qwen35",
+        "-",
         "Qwen3.5 dense, text only (hybrid Gated DeltaNet and gated attention)",
     ),
     (
         "Qwen3_5MoeForCausalLM",
-        "qwen35moe",
+        "-",
         "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
     ),
 ];
@@ -475,6 +475,12 @@ impl ModelConfig {
             "qwen3" => Arch::Qwen3,
             "qwen2moe" => Arch::Qwen2Moe,
             "qwen3moe" => Arch::Qwen3Moe,
+            // llama.cpp's converter reorders these models' value heads
+            // and folds A_log; reading that layout back is not built.
+            "qwen3next" | "qwen35" | "qwen35moe" => bail!(
+                "{}: GGUF files of the hybrid Qwen models ('{name}') are not read yet; serve the Hugging Face folder instead",
+                g.path().display()
+            ),
             other => bail!(
                 "{}: GGUF architecture '{other}' is not supported; supported: {}",
                 g.path().display(),
