@@ -101,6 +101,8 @@ pub fn batched_with(
         "blocks leaked"
     );
     kv.pool().check_invariants().expect("pool invariants");
+    let (slots, free) = kv.state_slot_usage();
+    assert_eq!(free, slots, "recurrent-state slots leaked");
     (out, llm)
 }
 

@@ -130,6 +130,8 @@ pub struct KvCacheManager {
     /// Recurrent-state slots nobody holds (see the module docs); `None`
     /// for a model without linear layers.
     free_state_slots: Option<Vec<u32>>,
+    /// How many state slots there are in all.
+    num_state_slots: usize,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -166,6 +168,7 @@ impl KvCacheManager {
             owners: HashMap::new(),
             max_seq_blocks: 1,
             free_state_slots: None,
+            num_state_slots: 0,
         }
     }
 
@@ -175,7 +178,39 @@ impl KvCacheManager {
     pub fn with_state_slots(mut self, slots: usize) -> KvCacheManager {
         // Handed out from the end: slot 0 first.
         self.free_state_slots = Some((0..slots as u32).rev().collect());
+        self.num_state_slots = slots;
         self
+    }
+
+    /// Recurrent-state slots in all, and of those nobody holds (0 and 0
+    /// for a model without linear layers).
+    pub fn state_slot_usage(&self) -> (usize, usize) {
+        let free = self.free_state_slots.as_ref().map_or(0, Vec::len);
+        (self.num_state_slots, free)
+    }
+
+    /// Checks that every sequence holding blocks holds its own state slot,
+    /// and that held and free slots together are every slot, once.
+    pub fn check_state_slots(&self) -> Result<(), String> {
+        let Some(free) = &self.free_state_slots else {
+            return Ok(());
+        };
+        let mut seen = vec![false; self.num_state_slots];
+        let held = self.seqs.iter().map(|(&id, s)| (Some(id), s.state_slot));
+        for (owner, slot) in held.chain(free.iter().map(|&f| (None, Some(f)))) {
+            let Some(slot) = slot else {
+                return Err(format!("sequence {owner:?} holds blocks but no state slot"));
+            };
+            match seen.get_mut(slot as usize) {
+                Some(s) if !*s => *s = true,
+                Some(_) => return Err(format!("state slot {slot} is counted twice ({owner:?})")),
+                None => return Err(format!("state slot {slot} is out of range ({owner:?})")),
+            }
+        }
+        match seen.iter().position(|s| !s) {
+            Some(lost) => Err(format!("state slot {lost} is neither held nor free")),
+            None => Ok(()),
+        }
     }
 
     /// The recurrent-state slot of `seq` (0 for a model without linear
@@ -659,10 +694,17 @@ mod tests {
         // nothing of it is left behind.
         assert!(!m.allocate(12, &t, k(0), None, 0, 5));
         assert_eq!(m.num_seqs(), 2);
+        m.check_state_slots().expect("slots accounted");
         // Freed (finish, abort or preemption), its slot serves the next.
         m.free(10);
+        assert_eq!(m.state_slot_usage(), (2, 1));
         assert!(m.allocate(12, &t, k(0), None, 0, 5));
         assert_eq!(m.state_slot(12), a);
+        m.check_state_slots().expect("slots accounted");
+        m.free(11);
+        m.free(12);
+        assert_eq!(m.state_slot_usage(), (2, 2));
+        m.check_state_slots().expect("slots accounted");
         // Without slots (no linear layers), nothing is counted.
         let mut plain = KvCacheManager::new(16, 4, false);
         for id in 0..3 {
