@@ -41,6 +41,19 @@ fn a_warm_latent_attention_decode_step_allocates_nothing() {
     warm_decode_allocates_nothing(hf_family("deepseekv3"));
 }
 
+#[test]
+fn a_warm_hybrid_decode_step_allocates_nothing() {
+    // Qwen3-Next: the Gated DeltaNet layers' conv and delta-rule state
+    // updates in their slots, the gated attention with partial RoPE, and
+    // the experts with the gated shared expert.
+    let root = match std::env::var_os("PAGODA_HF_FAMILIES_2026") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-families-2026"),
+    };
+    warm_decode_allocates_nothing(EngineArgs::new(root.join("qwen3_next")));
+}
+
 /// Prefills four sequences, then decodes them step by step: every decode
 /// step after the first must not touch the heap.
 fn warm_decode_allocates_nothing(mut args: EngineArgs) {
@@ -63,8 +76,10 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();
-    // A dense model: no linear layers, no recurrent state.
-    let mut state = pagoda::engine::models::StateCache::<CpuBackend>::default();
+    // A slot per sequence for a hybrid model's linear layers (none
+    // otherwise).
+    let mut state = model.alloc_state(&mut b, 4).expect("the recurrent state");
+    state.slots.extend(0..4u32);
     let mut step = <CpuBackend as Backend>::Step::default();
     // Four sequences, each with its own 8 blocks.
     let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (s * 8..s * 8 + 8).collect()).collect();
