@@ -511,11 +511,6 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     // in the memory budget for every one of `--max-num-seqs`.
     let state_bytes = model.state_bytes_per_seq() as u64 * args.max_num_seqs as u64;
     let hybrid = model.state_bytes_per_seq() > 0;
-    if hybrid && args.speculative.is_some() {
-        bail!(
-            "speculative decoding with a hybrid (linear-attention) model is not supported yet: its recurrent state would have to be rolled back past each rejected draft; serve it without --speculative-config"
-        );
-    }
     let draft = match args.speculative.as_ref().map(|s| &s.method) {
         Some(SpecMethod::DraftModel { model: path }) => {
             Some(load_draft_model(&backend, path, &loaded, max_model_len)?)

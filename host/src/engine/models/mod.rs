@@ -74,6 +74,31 @@ impl<B: Backend> StateCache<B> {
     pub fn num_slots(&self) -> usize {
         self.num_slots
     }
+
+    /// Copies slot `from` of `src` (a cache of the same model) into slot
+    /// `to` of this one, in every layer: a snapshot before a step, or a
+    /// snapshot put back.
+    pub fn copy_slot(&mut self, b: &mut B, src: &StateCache<B>, from: u32, to: u32) {
+        let (from, to) = (from as usize, to as usize);
+        for (d, s) in self.layers.iter_mut().zip(&src.layers) {
+            // Each buffer as one row of all its slots side by side.
+            for (dst, src_buf, len) in [
+                (&mut d.conv, &s.conv, s.conv_len),
+                (&mut d.delta, &s.delta, s.delta_len),
+            ] {
+                b.copy_columns(
+                    src_buf,
+                    src.num_slots * len,
+                    from * len,
+                    dst,
+                    self.num_slots * len,
+                    to * len,
+                    len,
+                    1,
+                );
+            }
+        }
+    }
 }
 
 /// A causal language model loaded onto the device of `B`.

@@ -83,6 +83,13 @@ pub struct ModelRunner<B: Backend> {
     /// The linear layers' per-sequence state (hybrid models; empty
     /// otherwise), beside the KV pool.
     state: StateCache<B>,
+    /// The state of the step's drafting sequences before it ran, one slot
+    /// each in plan order, to put back where drafts are rejected (grown
+    /// when a step has more drafting sequences than slots).
+    snapshot: StateCache<B>,
+    /// The accepted part of such sequences' steps, run again over their
+    /// restored state (reused).
+    rerun: StepBatch,
     ws: Workspace<B>,
     step: B::Step,
     /// Tokens per KV block.
@@ -121,6 +128,8 @@ impl<B: Backend> ModelRunner<B> {
             model,
             kv,
             state: StateCache::default(),
+            snapshot: StateCache::default(),
+            rerun: StepBatch::default(),
             ws: Workspace::default(),
             step: B::Step::default(),
             block_size,
@@ -234,6 +243,96 @@ impl<B: Backend> ModelRunner<B> {
             .context("running the model")
     }
 
+    /// Snapshots the recurrent state of every sequence that carries drafts
+    /// this step (a hybrid model's linear layers advance through every
+    /// token they see, rejected drafts included, so a rejection must be
+    /// undone from the state before the step).
+    fn snapshot_drafting(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        if self.state.num_slots() == 0 {
+            return Ok(());
+        }
+        let n = seqs.iter().filter(|s| s.num_drafts > 0).count();
+        if n == 0 {
+            return Ok(());
+        }
+        if self.snapshot.num_slots() < n {
+            self.snapshot = self
+                .model
+                .alloc_state(&mut self.backend, n)
+                .context("allocating the drafting sequences' state snapshots")?;
+        }
+        let drafting = seqs.iter().filter(|s| s.num_drafts > 0);
+        for (j, s) in drafting.enumerate() {
+            self.snapshot
+                .copy_slot(&mut self.backend, &self.state, s.state_slot, j as u32);
+        }
+        Ok(())
+    }
+
+    /// For each drafting sequence whose drafts were not all accepted, puts
+    /// its state back as it was before the step and runs the step's tokens
+    /// up to the last accepted draft again (no logits; their K/V, written
+    /// again, is what the step wrote), so the state ends where the
+    /// sequence now ends. Runs after [`ModelRunner::take_sampled`].
+    fn roll_back_rejected(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        if self.state.num_slots() == 0 {
+            return Ok(());
+        }
+        self.rerun.clear();
+        let mut j = 0u32;
+        for (i, s) in seqs.iter().enumerate() {
+            if s.num_drafts == 0 {
+                continue;
+            }
+            let snap = j;
+            j += 1;
+            let accepted = self
+                .output
+                .sampled(i)
+                .len()
+                .saturating_sub(1)
+                .min(s.num_drafts);
+            if accepted == s.num_drafts {
+                continue;
+            }
+            let Some(r) = self.batch.get(s.id) else {
+                continue;
+            };
+            self.state
+                .copy_slot(&mut self.backend, &self.snapshot, snap, s.state_slot);
+            // The real tokens and the accepted drafts, now in its tokens.
+            let end = s.start + s.num_tokens - s.num_drafts + accepted;
+            let prompt_kernel_until = if r.prompt_kernel { r.prompt_len } else { 0 };
+            self.rerun.push_seq(
+                &r.token_ids[s.start..end],
+                s.start,
+                &r.block_table,
+                self.block_size,
+                prompt_kernel_until,
+                0,
+            );
+            self.rerun.state_slots.push(s.state_slot);
+        }
+        if self.rerun.num_tokens() == 0 {
+            return Ok(());
+        }
+        let b = &mut self.backend;
+        b.upload_step(&self.rerun, &mut self.step)
+            .context("uploading the rolled-back sequences' step")?;
+        self.state.slots.clone_from(&self.rerun.state_slots);
+        self.model
+            .forward(
+                b,
+                &self.step,
+                self.rerun.num_tokens(),
+                0,
+                &mut self.kv,
+                &mut self.state,
+                &mut self.ws,
+            )
+            .context("running the accepted tokens again after rejected drafts")
+    }
+
     /// Appends what the step sampled to each request's row, and records
     /// how its drafts fared.
     fn take_sampled(&mut self, seqs: &[ScheduledSeq]) {
@@ -344,6 +443,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &self.lora_slots,
             &mut self.step_batch,
         );
+        self.snapshot_drafting(&plan.seqs)?;
         if guided.is_empty() {
             self.forward()?;
         } else {
@@ -398,6 +498,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &mut self.batch,
         );
         self.take_sampled(&plan.seqs);
+        self.roll_back_rejected(&plan.seqs)?;
         self.propose(plan)?;
         Ok(&mut self.output)
     }
