@@ -21,7 +21,9 @@ For each family, OUT_DIR/<family>/ gets:
 The reference forward below is written from each model's published
 definition (the transformers modeling files and the papers: RoPE and its
 llama3 and YaRN scalings, grouped-query and multi-head latent attention,
-sliding windows, SwiGLU, the routers of Mixtral, Qwen-MoE and DeepSeek). It
+sliding windows, SwiGLU, the routers of Mixtral, Qwen-MoE and DeepSeek, and
+the hybrid Qwen models' Gated DeltaNet in its token-by-token recurrent form
+and their gated attention with partial RoPE). It
 shares no code with Pagoda. Every config uses a non-default rope_theta; the
 DeepSeek ones use YaRN; Mistral's window is shorter than the prompts.
 
@@ -134,7 +136,47 @@ def families():
             rope_parameters={"rope_type": "yarn", "rope_theta": 20000.0, "factor": 4.0,
                              "original_max_position_embeddings": 64, "beta_fast": 32,
                              "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}),
+        # Hybrids with shapes unlike the published ones: one key head
+        # shared by three value heads of another width, a 3-tap conv,
+        # linear and full layers interleaved irregularly, half the head
+        # rotated, and experts only in some layers.
+        "qwen3-next": base_config(
+            "Qwen3NextForCausalLM", "qwen3_next", num_hidden_layers=5, head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention",
+                         "linear_attention", "full_attention"],
+            linear_conv_kernel_dim=3, linear_key_head_dim=12, linear_value_head_dim=20,
+            linear_num_key_heads=1, linear_num_value_heads=3,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=40, norm_topk_prob=True, decoder_sparse_step=2,
+            mlp_only_layers=[3], attention_bias=False, output_router_logits=False,
+            router_aux_loss_coef=0.001,
+            rope_parameters={"rope_type": "default", "rope_theta": 600000.0,
+                             "partial_rotary_factor": 0.5}),
+        # Every third layer full (full_attention_interval, no layer_types),
+        # six query heads over three KV heads of 24 with a quarter rotated,
+        # and M-RoPE sections that text-only positions make plain RoPE.
+        "qwen3_5": base_config(
+            "Qwen3_5ForCausalLM", "qwen3_5_text", num_hidden_layers=6, num_attention_heads=6,
+            num_key_value_heads=3, head_dim=24, full_attention_interval=3,
+            linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, attention_bias=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 2000000.0,
+                             "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1],
+                             "mrope_interleaved": True}),
     }
+
+
+def is_hybrid(c):
+    return c["model_type"] in ("qwen3_next", "qwen3_5_text")
+
+
+def linear_layers(c):
+    """Per layer: Gated DeltaNet (True) or full attention, as transformers'
+    configs decide it."""
+    if "layer_types" in c:
+        return [t == "linear_attention" for t in c["layer_types"]]
+    every = c.get("full_attention_interval", 4)
+    return [(i + 1) % every != 0 for i in range(c["num_hidden_layers"])]
 
 
 def v4_form(c):
@@ -142,7 +184,13 @@ def v4_form(c):
     c = dict(c)
     p = dict(c.pop("rope_parameters"))
     c["rope_theta"] = p.pop("rope_theta")
-    c["rope_scaling"] = None if p.get("rope_type") == "default" else p
+    if "partial_rotary_factor" in p:
+        c["partial_rotary_factor"] = p.pop("partial_rotary_factor")
+    if "mrope_section" in p:
+        p["type"] = p.pop("rope_type")
+        c["rope_scaling"] = p
+    else:
+        c["rope_scaling"] = None if p.get("rope_type") == "default" else p
     c["transformers_version"] = "4.57.0"
     return c
 
@@ -172,11 +220,40 @@ def make_weights(c, rng):
         mat(f"{prefix}.up_proj.weight", f, d)
         mat(f"{prefix}.down_proj.weight", d, f)
 
+    if is_hybrid(c):
+        # Their RMSNorms scale by 1 + w: zero-centred weights.
+        vec("model.norm.weight", d, around=0.0)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        vec(f"{p}.input_layernorm.weight", d)
-        vec(f"{p}.post_attention_layernorm.weight", d)
-        if at.startswith("deepseek"):
+        vec(f"{p}.input_layernorm.weight", d, around=0.0 if is_hybrid(c) else 1.0)
+        vec(f"{p}.post_attention_layernorm.weight", d, around=0.0 if is_hybrid(c) else 1.0)
+        if is_hybrid(c) and linear_layers(c)[i]:
+            nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+            dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+            kd, vd = nk * dk, nv * dv
+            q = f"{p}.linear_attn"
+            if at == "qwen3_next":
+                mat(f"{q}.in_proj_qkvz.weight", 2 * kd + 2 * vd, d)
+                mat(f"{q}.in_proj_ba.weight", 2 * nv, d)
+            else:
+                mat(f"{q}.in_proj_qkv.weight", 2 * kd + vd, d)
+                mat(f"{q}.in_proj_z.weight", vd, d)
+                mat(f"{q}.in_proj_b.weight", nv, d)
+                mat(f"{q}.in_proj_a.weight", nv, d)
+            k = c["linear_conv_kernel_dim"]
+            w[f"{q}.conv1d.weight"] = (rng.standard_normal((2 * kd + vd, 1, k)) / math.sqrt(k)).astype(np.float32)
+            vec(f"{q}.A_log", nv, around=-0.5, spread=0.5)
+            vec(f"{q}.dt_bias", nv, around=0.0, spread=0.5)
+            vec(f"{q}.norm.weight", dv)
+            mat(f"{q}.out_proj.weight", d, vd)
+        elif is_hybrid(c):
+            mat(f"{p}.self_attn.q_proj.weight", 2 * h * hd, d)
+            mat(f"{p}.self_attn.k_proj.weight", kvh * hd, d)
+            mat(f"{p}.self_attn.v_proj.weight", kvh * hd, d)
+            mat(f"{p}.self_attn.o_proj.weight", d, h * hd)
+            vec(f"{p}.self_attn.q_norm.weight", hd, around=0.0)
+            vec(f"{p}.self_attn.k_norm.weight", hd, around=0.0)
+        elif at.startswith("deepseek"):
             nope, rope, r, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["kv_lora_rank"], c["v_head_dim"]
             if c["q_lora_rank"] is None:
                 mat(f"{p}.self_attn.q_proj.weight", h * (nope + rope), d)
@@ -215,7 +292,7 @@ def make_weights(c, rng):
             mat(f"{p}.mlp.gate.weight", e, d, gain=3.0)
             for x in range(e):
                 mlp(f"{p}.mlp.experts.{x}", c["moe_intermediate_size"])
-            if at == "qwen2_moe":
+            if at in ("qwen2_moe", "qwen3_next"):
                 mlp(f"{p}.mlp.shared_expert", c["shared_expert_intermediate_size"])
                 mat(f"{p}.mlp.shared_expert_gate.weight", 1, d)
             if at.startswith("deepseek"):
@@ -234,7 +311,7 @@ def is_sparse(c, i):
     at = c["model_type"]
     if at == "mixtral":
         return True
-    if at in ("qwen2_moe", "qwen3_moe"):
+    if at in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0
     if at.startswith("deepseek"):
         return i >= c["first_k_dense_replace"]
@@ -384,7 +461,7 @@ def moe(c, w, p, x, stats):
     for t in range(x.shape[0]):
         for i, wt in zip(chosen[t], weights[t]):
             out[t] += wt * expert(i, x[t:t + 1])[0]
-    if at == "qwen2_moe":
+    if at in ("qwen2_moe", "qwen3_next"):
         gate = 1 / (1 + np.exp(-(x @ w[f"{p}.mlp.shared_expert_gate.weight"].T)))
         out += gate * swiglu(x, w, f"{p}.mlp.shared_expert")
     if at.startswith("deepseek"):
@@ -445,20 +522,97 @@ def mla_attention(c, w, p, x, pos):
     return o.reshape(t, h * vd) @ w[f"{p}.self_attn.o_proj.weight"].T
 
 
+def gated_delta_net(c, w, p, x):
+    """transformers' Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet, with the
+    delta rule in its recurrent form (torch_recurrent_gated_delta_rule):
+    per value head h (reading key head h // (nv / nk)), S <- S * exp(g);
+    S += k (beta (v - S^T k))^T; o = S^T q."""
+    t = x.shape[0]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    r = nv // nk
+    q_ = f"{p}.linear_attn"
+    if c["model_type"] == "qwen3_next":
+        # fix_query_key_value_ordering: rows grouped by key head.
+        qkvz = (x @ w[f"{q_}.in_proj_qkvz.weight"].T).reshape(t, nk, 2 * dk + 2 * r * dv)
+        ba = (x @ w[f"{q_}.in_proj_ba.weight"].T).reshape(t, nk, 2 * r)
+        q = qkvz[..., :dk].reshape(t, nk * dk)
+        k = qkvz[..., dk:2 * dk].reshape(t, nk * dk)
+        v = qkvz[..., 2 * dk:2 * dk + r * dv].reshape(t, nv * dv)
+        z = qkvz[..., 2 * dk + r * dv:].reshape(t, nv, dv)
+        b, a = ba[..., :r].reshape(t, nv), ba[..., r:].reshape(t, nv)
+        mixed = np.concatenate([q, k, v], axis=1)
+    else:
+        mixed = x @ w[f"{q_}.in_proj_qkv.weight"].T
+        z = (x @ w[f"{q_}.in_proj_z.weight"].T).reshape(t, nv, dv)
+        b = x @ w[f"{q_}.in_proj_b.weight"].T
+        a = x @ w[f"{q_}.in_proj_a.weight"].T
+    cw = w[f"{q_}.conv1d.weight"][:, 0, :]
+    kn = cw.shape[1]
+    padded = np.concatenate([np.zeros((kn - 1, mixed.shape[1])), mixed])
+    conv = silu(np.stack([(padded[i:i + kn] * cw.T).sum(axis=0) for i in range(t)]))
+    kd = nk * dk
+    l2 = lambda u: u / np.sqrt((u * u).sum(-1, keepdims=True) + 1e-6)
+    q = l2(conv[:, :kd].reshape(t, nk, dk)) / math.sqrt(dk)
+    k = l2(conv[:, kd:2 * kd].reshape(t, nk, dk))
+    v = conv[:, 2 * kd:].reshape(t, nv, dv)
+    beta = 1 / (1 + np.exp(-b))
+    g = -np.exp(w[f"{q_}.A_log"]) * np.log1p(np.exp(a + w[f"{q_}.dt_bias"]))
+    state = np.zeros((nv, dk, dv))
+    o = np.zeros((t, nv, dv))
+    for i in range(t):
+        for h in range(nv):
+            kh = h // r
+            s = state[h] * math.exp(g[i, h])
+            delta = (v[i, h] - k[i, kh] @ s) * beta[i, h]
+            s = s + np.outer(k[i, kh], delta)
+            state[h] = s
+            o[i, h] = q[i, kh] @ s
+    normed = rms_norm(o, w[f"{q_}.norm.weight"], c["rms_norm_eps"]) * silu(z)
+    return normed.reshape(t, nv * dv) @ w[f"{q_}.out_proj.weight"].T
+
+
+def gated_attention(c, w, p, x, pos):
+    """transformers' Qwen3NextAttention: q_proj gives per head the query and
+    an output gate; (1 + w) q/k norms; RoPE (neox pairs) over the first
+    head_dim * partial_rotary_factor values; the output times sigmoid(gate)."""
+    h, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    t = x.shape[0]
+    qg = (x @ w[f"{p}.self_attn.q_proj.weight"].T).reshape(t, h, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(t, h * hd)
+    k = (x @ w[f"{p}.self_attn.k_proj.weight"].T).reshape(t, kvh, hd)
+    v = (x @ w[f"{p}.self_attn.v_proj.weight"].T).reshape(t, kvh, hd)
+    eps = c["rms_norm_eps"]
+    q = rms_norm(q, 1 + w[f"{p}.self_attn.q_norm.weight"], eps)
+    k = rms_norm(k, 1 + w[f"{p}.self_attn.k_norm.weight"], eps)
+    rd = int(hd * c["rope_parameters"]["partial_rotary_factor"])
+    freq, att = rope_frequencies(c, rd)
+    q = np.concatenate([rotate(q[..., :rd], pos, freq, att, False), q[..., rd:]], axis=-1)
+    k = np.concatenate([rotate(k[..., :rd], pos, freq, att, False), k[..., rd:]], axis=-1)
+    o = attend(q, k, v, 1 / math.sqrt(hd)).reshape(t, h * hd)
+    return (o / (1 + np.exp(-gate))) @ w[f"{p}.self_attn.o_proj.weight"].T
+
+
 def forward(c, w, ids, stats):
     """Logits at every position of `ids`, float64."""
     w = {k: v.astype(np.float64) for k, v in w.items()}
     x = w["model.embed_tokens.weight"][ids]
     pos = np.arange(len(ids), dtype=np.float64)
     eps = c["rms_norm_eps"]
+    # The hybrids' RMSNorms scale by 1 + w.
+    off = 1.0 if is_hybrid(c) else 0.0
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        hn = rms_norm(x, w[f"{p}.input_layernorm.weight"], eps)
-        attn = mla_attention if c["model_type"].startswith("deepseek") else gqa_attention
-        x = x + attn(c, w, p, hn, pos)
-        hn = rms_norm(x, w[f"{p}.post_attention_layernorm.weight"], eps)
+        hn = rms_norm(x, off + w[f"{p}.input_layernorm.weight"], eps)
+        if is_hybrid(c):
+            mix = gated_delta_net(c, w, p, hn) if linear_layers(c)[i] else gated_attention(c, w, p, hn, pos)
+        else:
+            attn = mla_attention if c["model_type"].startswith("deepseek") else gqa_attention
+            mix = attn(c, w, p, hn, pos)
+        x = x + mix
+        hn = rms_norm(x, off + w[f"{p}.post_attention_layernorm.weight"], eps)
         x = x + (moe(c, w, p, hn, stats) if is_sparse(c, i) else swiglu(hn, w, f"{p}.mlp"))
-    return rms_norm(x, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
+    return rms_norm(x, off + w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
 # ---------------------------------------------------------------------------

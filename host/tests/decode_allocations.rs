@@ -41,6 +41,19 @@ fn a_warm_latent_attention_decode_step_allocates_nothing() {
     warm_decode_allocates_nothing(hf_family("deepseekv3"));
 }
 
+#[test]
+fn a_warm_hybrid_decode_step_allocates_nothing() {
+    // Qwen3-Next: the Gated DeltaNet layers' conv and delta-rule state
+    // updates in their slots, the gated attention with partial RoPE, and
+    // the experts with the gated shared expert.
+    let root = match std::env::var_os("PAGODA_HF_FAMILIES_2026") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-families-2026"),
+    };
+    warm_decode_allocates_nothing(EngineArgs::new(root.join("qwen3_next")));
+}
+
 /// Prefills four sequences, then decodes them step by step: every decode
 /// step after the first must not touch the heap.
 fn warm_decode_allocates_nothing(mut args: EngineArgs) {
@@ -63,6 +76,10 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();
+    // A slot per sequence for a hybrid model's linear layers (none
+    // otherwise).
+    let mut state = model.alloc_state(&mut b, 4).expect("the recurrent state");
+    state.slots.extend(0..4u32);
     let mut step = <CpuBackend as Backend>::Step::default();
     // Four sequences, each with its own 8 blocks.
     let tables: Vec<Vec<u32>> = (0..4u32).map(|s| (s * 8..s * 8 + 8).collect()).collect();
@@ -77,7 +94,15 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
     }
     b.upload_step(&batch, &mut step).expect("upload");
     model
-        .forward(&mut b, &step, batch.num_tokens(), 4, &mut kv, &mut ws)
+        .forward(
+            &mut b,
+            &step,
+            batch.num_tokens(),
+            4,
+            &mut kv,
+            &mut state,
+            &mut ws,
+        )
         .expect("prefill");
     let logits = b
         .to_host(&mut ws.logits, 4 * c.vocab_size)
@@ -104,7 +129,7 @@ fn warm_decode_allocates_nothing(mut args: EngineArgs) {
         counting_alloc::arm(step_no > 0);
         b.upload_step(&batch, &mut step).expect("upload");
         model
-            .forward(&mut b, &step, 4, 4, &mut kv, &mut ws)
+            .forward(&mut b, &step, 4, 4, &mut kv, &mut state, &mut ws)
             .expect("decode");
         let logits = b.to_host(&mut ws.logits, 4 * c.vocab_size).expect("logits");
         let allocated = counting_alloc::disarm();

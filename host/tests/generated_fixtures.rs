@@ -13,6 +13,12 @@
 //!   cached each give exactly what they give alone;
 //! - the Q8_0 GGUF keeps its weights quantized.
 //!
+//! The hybrid Qwen fixtures use shapes unlike the published models' (one key
+//! head for three value heads of another width, a 3-tap conv, irregular
+//! layer patterns, partial RoPE over half or a quarter of the head) in
+//! transformers' `layer_types` and `full_attention_interval` forms; the
+//! reference runs their delta rule token by token, the recurrent form.
+//!
 //! The fixtures are made once into `target/generated-fixtures` (or
 //! `$PAGODA_GENERATED_FIXTURES`); scripts/test.sh makes them before the
 //! suite runs, and this test makes them itself when they are missing.
@@ -227,6 +233,16 @@ fn deepseek_v2_lite_with_yarn() {
 #[test]
 fn deepseek_v3_with_yarn_and_group_limited_routing() {
     check_family("deepseek-v3");
+}
+
+#[test]
+fn qwen3_next_with_one_key_head_for_three_value_heads_and_sparse_experts() {
+    check_family("qwen3-next");
+}
+
+#[test]
+fn qwen3_5_with_every_third_layer_full_and_a_quarter_of_each_head_rotated() {
+    check_family("qwen3_5");
 }
 
 /// A model whose every layer has a window gives back the blocks that fell

@@ -742,6 +742,19 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn mul_sigmoid(
+        &mut self,
+        x: &mut Vec<f32>,
+        gate: &Vec<f32>,
+        gate_stride: usize,
+        gate_col: usize,
+        m: usize,
+        width: usize,
+    ) -> Result<(), BackendError> {
+        ops::mul_sigmoid(x, gate, gate_stride, gate_col, m, width);
+        Ok(())
+    }
+
     fn rms_norm_gated(
         &mut self,
         x: &Vec<f32>,

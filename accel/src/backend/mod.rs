@@ -345,6 +345,11 @@ pub struct StepBatch {
     /// ([`Backend::lora_add`]), [`NO_LORA`] for the base model. Empty when
     /// no token of the step has an adapter.
     pub lora_slots: Vec<u16>,
+    /// Per sequence, in [`StepBatch::seqs`]' order: its recurrent-state
+    /// slot (the linear-attention layers of a hybrid model; see
+    /// [`Backend::causal_conv1d`]). Filled by the engine's runner for
+    /// every step; models without such layers ignore it.
+    pub state_slots: Vec<u32>,
 }
 
 /// The [`StepBatch::lora_slots`] entry of a token without an adapter.
@@ -376,6 +381,7 @@ impl StepBatch {
         self.block_tables.clear();
         self.logit_rows.clear();
         self.lora_slots.clear();
+        self.state_slots.clear();
     }
 
     /// Makes `self` a copy of `other`, reusing its vectors' capacity (a
@@ -390,6 +396,7 @@ impl StepBatch {
         self.block_tables.clone_from(&other.block_tables);
         self.logit_rows.clone_from(&other.logit_rows);
         self.lora_slots.clone_from(&other.lora_slots);
+        self.state_slots.clone_from(&other.state_slots);
     }
 
     /// Tokens in the step.
@@ -609,7 +616,8 @@ pub trait Backend: Send + 'static {
         false
     }
     /// Whether the recurrent-layer operations ([`Backend::causal_conv1d`],
-    /// [`Backend::gated_delta_rule`], [`Backend::rms_norm_gated`]) run
+    /// [`Backend::gated_delta_rule`], [`Backend::rms_norm_gated`],
+    /// [`Backend::mul_sigmoid`]) run
     /// here. A hybrid linear-attention model (Qwen3-Next, Qwen3.5) is
     /// refused at load on a backend without them; should one be called
     /// anyway, it returns [`BackendError::UnsupportedOp`].
@@ -963,6 +971,27 @@ pub trait Backend: Send + 'static {
         Err(BackendError::UnsupportedOp {
             device: self.describe(),
             op: "gated_delta_rule",
+        })
+    }
+    /// The output gate of gated attention (see [`crate::ops::mul_sigmoid`]):
+    /// `x[r][j] *= sigmoid(gate[r·gate_stride + gate_col + j])` for `m` rows
+    /// of `width`. One of the recurrent-layer operations
+    /// ([`Backend::supports_linear_attention`]): only the hybrid models use
+    /// it.
+    #[allow(clippy::too_many_arguments)]
+    fn mul_sigmoid(
+        &mut self,
+        x: &mut Self::Buffer,
+        gate: &Self::Buffer,
+        gate_stride: usize,
+        gate_col: usize,
+        m: usize,
+        width: usize,
+    ) -> Result<(), BackendError> {
+        let _ = (x, gate, gate_stride, gate_col, m, width);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "mul_sigmoid",
         })
     }
     /// The gated RMSNorm (see [`crate::ops::gated_norm`]): each group of

@@ -1,4 +1,5 @@
-//! Activations: SiLU·mul for the gated MLP and (log-)softmax for sampling.
+//! Activations: SiLU·mul for the gated MLP, the sigmoid output gate of the
+//! hybrid Qwen models' attention, and (log-)softmax for sampling.
 //!
 //! Both are dominated by `exp`, which libm computes one element at a time;
 //! with an FFN of 14k and a 1000-token prompt that is ~14M calls per layer, so
@@ -165,6 +166,40 @@ impl Kernel for Softmax<'_> {
     }
 }
 
+/// The output gate of gated attention (Qwen3-Next, Qwen3.5):
+/// `x[r][j] *= sigmoid(gate[r·gate_stride + gate_col + j])` for `rows` rows
+/// of `width` (`x: [rows, width]`; the gate may sit inside a wider
+/// projection's output). Plain scalar code: it touches each attention
+/// output once, next to a matmul over the same rows.
+///
+/// # Panics
+/// If `x` or `gate` holds fewer than `rows` rows of `width`.
+pub fn mul_sigmoid(
+    x: &mut [f32],
+    gate: &[f32],
+    gate_stride: usize,
+    gate_col: usize,
+    rows: usize,
+    width: usize,
+) {
+    assert!(
+        x.len() >= rows * width,
+        "mul_sigmoid: x holds fewer than {rows} rows of {width}"
+    );
+    assert!(
+        gate_col + width <= gate_stride
+            && (rows == 0 || gate.len() >= (rows - 1) * gate_stride + gate_col + width),
+        "mul_sigmoid: gate holds fewer than {rows} rows of {width} at column {gate_col}"
+    );
+    for (r, xr) in x[..rows * width].chunks_exact_mut(width).enumerate() {
+        let g = &gate[r * gate_stride + gate_col..][..width];
+        for (v, &g) in xr.iter_mut().zip(g) {
+            // torch's float32 sigmoid: 1 / (1 + e^-g).
+            *v *= 1.0 / (1.0 + (-g).exp());
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -278,5 +313,42 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn mul_sigmoid_gates_each_column_by_its_own_gate_inside_a_wider_row() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (rows, width, stride, col) = (3usize, 5usize, 12usize, 4usize);
+        let x: Vec<f32> = (0..rows * width)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let mut gate: Vec<f32> = (0..rows * stride)
+            .map(|_| rng.random_range(-8.0..8.0))
+            .collect();
+        gate[col] = -100.0;
+        gate[stride + col + 1] = 100.0;
+        let mut got = x.clone();
+        mul_sigmoid(&mut got, &gate, stride, col, rows, width);
+        for r in 0..rows {
+            for j in 0..width {
+                let g = gate[r * stride + col + j] as f64;
+                let want = x[r * width + j] as f64 / (1.0 + (-g).exp());
+                let d = (got[r * width + j] as f64 - want).abs();
+                assert!(
+                    d <= 1e-6 * want.abs().max(1e-3),
+                    "[{r},{j}]: {} vs {want}",
+                    got[r * width + j]
+                );
+            }
+        }
+        assert!(
+            got[0].abs() < 1e-30,
+            "a very negative gate closes the output"
+        );
+        assert_eq!(
+            got[width + 1],
+            x[width + 1],
+            "a very positive gate passes it"
+        );
     }
 }

@@ -24,7 +24,7 @@ mod rope;
 pub mod sample;
 pub(crate) mod simd;
 
-pub use act::{log_softmax_inplace, silu_mul, softmax_inplace};
+pub use act::{log_softmax_inplace, mul_sigmoid, silu_mul, softmax_inplace};
 pub use attention::{
     paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
 };

@@ -392,10 +392,15 @@ fn profile_forward<B: Backend>(
     batch.push_seq(&ids, 0, &table, bs, 0, 0);
     let rows = args.max_num_seqs.min(tokens);
     batch.logit_rows = ((tokens - rows) as u32..tokens as u32).collect();
+    batch.state_slots.push(0);
     let mut step = B::Step::default();
     backend.upload_step(&batch, &mut step)?;
+    let mut state = model
+        .alloc_state(backend, 1)
+        .context("allocating the profile forward's recurrent state")?;
+    state.slots.push(0);
     model
-        .forward(backend, &step, tokens, rows, &mut kv, ws)
+        .forward(backend, &step, tokens, rows, &mut kv, &mut state, ws)
         .context("the profile forward")?;
     backend
         .to_host(&mut ws.logits, rows * c.vocab_size)
@@ -446,6 +451,12 @@ fn load_draft_model<B: Backend>(
     draft_args.generation_config = GenerationConfigSource::Vllm;
     let (draft, loaded) = load_model(backend, &draft_args, |_| max_model_len)
         .with_context(|| format!("loading the draft model {}", path.display()))?;
+    if draft.state_bytes_per_seq() > 0 {
+        bail!(
+            "the draft model {} is a hybrid (linear-attention) model, whose recurrent state cannot be rolled back past rejected drafts yet; use a draft model with attention layers only",
+            path.display()
+        );
+    }
     let (t, d) = (&target.tokenizer, &loaded.tokenizer);
     if loaded.config.vocab_size != target.config.vocab_size || d.vocab_size() != t.vocab_size() {
         bail!(
@@ -500,6 +511,10 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         );
     }
     let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
+    // A hybrid model's linear layers keep one state per sequence, counted
+    // in the memory budget for every one of `--max-num-seqs`.
+    let state_bytes = model.state_bytes_per_seq() as u64 * args.max_num_seqs as u64;
+    let hybrid = model.state_bytes_per_seq() > 0;
     let draft = match args.speculative.as_ref().map(|s| &s.method) {
         Some(SpecMethod::DraftModel { model: path }) => {
             Some(load_draft_model(&backend, path, &loaded, max_model_len)?)
@@ -542,6 +557,22 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         // space): the pool is committed lazily, as blocks are first used.
         (None, None) => available_memory().map_or(1 << 30, |m| (m / 4).min(4 << 30)),
     };
+    if state_bytes > 0 {
+        if state_bytes >= budget {
+            bail!(
+                "the linear-attention layers' state of --max-num-seqs {} sequences takes {state_bytes} bytes ({} each), the whole KV-cache budget of {budget} bytes; lower --max-num-seqs or raise --kv-cache-memory",
+                args.max_num_seqs,
+                model.state_bytes_per_seq()
+            );
+        }
+        tracing::info!(
+            "recurrent state: {} slots × {:.2} MiB = {:.2} MiB for the linear-attention layers, taken from the KV-cache budget",
+            args.max_num_seqs,
+            model.state_bytes_per_seq() as f64 / (1 << 20) as f64,
+            state_bytes as f64 / (1 << 20) as f64
+        );
+    }
+    let budget = budget - state_bytes;
     let num_blocks = (budget / per_block as u64) as usize;
     let tokens = num_blocks * args.block_size;
     let gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64;
@@ -587,8 +618,22 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         }
     );
     let kv = backend.alloc_kv(&spec).context("allocating the KV cache")?;
-    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching)
+    let state = model
+        .alloc_state(&mut backend, if hybrid { args.max_num_seqs } else { 0 })
+        .context("allocating the linear-attention layers' state")?;
+    // A prefix-cache hit would have to restore the linear layers' state at
+    // the hit's end, which is not checkpointed yet: exactness first.
+    let prefix_caching = args.enable_prefix_caching && !hybrid;
+    if hybrid && args.enable_prefix_caching {
+        tracing::info!(
+            "prefix caching is off: this hybrid model's linear-attention state is not checkpointed at block boundaries yet, so a cache hit could not restore it"
+        );
+    }
+    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, prefix_caching)
         .with_max_seq_len(max_model_len);
+    if hybrid {
+        kvm = kvm.with_state_slots(args.max_num_seqs);
+    }
     // Every layer attends over a window shorter than the context: blocks
     // below it go back to the pool as sequences move on.
     let windows = &c.sliding_windows;
@@ -617,7 +662,8 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let mut runner = ModelRunner::with_workspace(backend, model, kv, args.block_size, ws);
+    let mut runner =
+        ModelRunner::with_workspace(backend, model, kv, args.block_size, ws).with_state(state);
     if let Some(d) = draft {
         let spec = kv_spec(&*d, kv_dtype, num_blocks, args.block_size);
         let dkv = runner

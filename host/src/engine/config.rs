@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// The architectures one Llama-family definition serves, with the names
 /// they carry in HF `config.json` (`architectures`) and in GGUF
-/// (`general.architecture`).
+/// (`general.architecture`; "-" where GGUF files are not read yet).
 pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     (
         "LlamaForCausalLM",
@@ -52,6 +52,21 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "deepseek2",
         "DeepSeek-V3, R1 (MLA, sigmoid group-limited routing)",
     ),
+    (
+        "Qwen3NextForCausalLM",
+        "-",
+        "Qwen3-Next (hybrid Gated DeltaNet and gated attention, experts with a gated shared expert)",
+    ),
+    (
+        "Qwen3_5ForCausalLM",
+        "-",
+        "Qwen3.5 dense, text only (hybrid Gated DeltaNet and gated attention)",
+    ),
+    (
+        "Qwen3_5MoeForCausalLM",
+        "-",
+        "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -79,6 +94,39 @@ pub enum Arch {
     /// DeepSeek-V2 and V3: multi-head latent attention, shared and routed
     /// experts after the first dense layers.
     Deepseek,
+    /// Qwen3-Next: hybrid (see [`HybridConfig`]), experts with a gated
+    /// shared expert, its Gated DeltaNet projections grouped by key head.
+    Qwen3Next,
+    /// Qwen3.5 dense: hybrid, dense MLPs.
+    Qwen35,
+    /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
+    /// layer.
+    Qwen35Moe,
+}
+
+/// The hybrid Qwen models (Qwen3-Next, Qwen3.5): most layers are Gated
+/// DeltaNet (linear attention with a fixed-size state per sequence), the
+/// others gated full attention (`q_proj` emits the query and a sigmoid
+/// output gate per head) with RoPE over the first `rotary_dim` values of
+/// each head. Their RMSNorms (not the Gated DeltaNet's gated norm) scale
+/// by `1 + w`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HybridConfig {
+    /// Per layer: Gated DeltaNet (`linear_attention`) or full attention.
+    pub linear_layers: Vec<bool>,
+    /// `linear_num_key_heads`.
+    pub n_k_heads: usize,
+    /// `linear_num_value_heads` (a multiple of the key heads).
+    pub n_v_heads: usize,
+    /// `linear_key_head_dim`.
+    pub k_dim: usize,
+    /// `linear_value_head_dim`.
+    pub v_dim: usize,
+    /// `linear_conv_kernel_dim`.
+    pub conv_kernel: usize,
+    /// Dimensions of each attention head that RoPE rotates:
+    /// `int(head_dim · partial_rotary_factor)`, the rest pass through.
+    pub rotary_dim: usize,
 }
 
 /// DeepSeek's multi-head latent attention.
@@ -175,6 +223,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// Multi-head latent attention, for DeepSeek.
     pub mla: Option<MlaConfig>,
+    /// The layer mix and linear-attention shape of the hybrid Qwen models.
+    pub hybrid: Option<HybridConfig>,
 }
 
 impl ModelConfig {
@@ -215,6 +265,9 @@ impl ModelConfig {
             (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => HfFamily::Qwen3Moe,
             (Some("DeepseekV2ForCausalLM"), _) | (None, "deepseek_v2") => HfFamily::DeepseekV2,
             (Some("DeepseekV3ForCausalLM"), _) | (None, "deepseek_v3") => HfFamily::DeepseekV3,
+            (Some("Qwen3NextForCausalLM"), _) | (None, "qwen3_next") => HfFamily::Qwen3Next,
+            (Some("Qwen3_5ForCausalLM"), _) | (None, "qwen3_5_text") => HfFamily::Qwen35,
+            (Some("Qwen3_5MoeForCausalLM"), _) | (None, "qwen3_5_moe_text") => HfFamily::Qwen35Moe,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -261,12 +314,20 @@ impl ModelConfig {
             HfFamily::Qwen2Moe => Arch::Qwen2Moe,
             HfFamily::Qwen3Moe => Arch::Qwen3Moe,
             HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => Arch::Deepseek,
+            HfFamily::Qwen3Next => Arch::Qwen3Next,
+            HfFamily::Qwen35 => Arch::Qwen35,
+            HfFamily::Qwen35Moe => Arch::Qwen35Moe,
         };
+        let hybrid_family = matches!(
+            family,
+            HfFamily::Qwen3Next | HfFamily::Qwen35 | HfFamily::Qwen35Moe
+        );
         let max_position_embeddings = match v.get("max_position_embeddings") {
             None | Some(Value::Null) => 2048,
             Some(_) => usize_of("max_position_embeddings")?,
         };
-        let (rope_theta, rope_scaling) = read_hf_rope(v, max_position_embeddings)?;
+        let (rope_theta, rope_scaling, rotary_factor) =
+            read_hf_rope(v, max_position_embeddings, hybrid_family)?;
         let num_layers = usize_of("num_hidden_layers")?;
         // Checked before anything is sized by it (validate checks again).
         if num_layers > MAX_LAYERS {
@@ -310,15 +371,38 @@ impl ModelConfig {
                 let b = flag("attention_bias")?;
                 (b, b)
             }
+            HfFamily::Qwen3Next | HfFamily::Qwen35 | HfFamily::Qwen35Moe => {
+                if flag("attention_bias")? {
+                    bail!("'attention_bias' on the gated attention of a hybrid Qwen model is not supported; no published checkpoint sets it");
+                }
+                (false, false)
+            }
         };
         let mlp_bias = match family {
             HfFamily::Llama => flag("mlp_bias")?,
             _ => false,
         };
         let sliding_windows = read_hf_sliding_windows(v, family, num_layers)?;
-        let intermediate_size = usize_of("intermediate_size")?;
+        let intermediate_size = match (family, v.get("intermediate_size")) {
+            // Qwen3.5-MoE has no dense MLP (every layer is a mixture), and
+            // its config no `intermediate_size`: the experts' width stands
+            // in, so that the shape checks have a value.
+            (HfFamily::Qwen35Moe, None | Some(Value::Null)) => usize_of("moe_intermediate_size")?,
+            _ => usize_of("intermediate_size")?,
+        };
         let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
         let mla = read_hf_mla(v, family, &rope_scaling)?;
+        let hybrid = match hybrid_family {
+            true => Some(read_hf_hybrid(
+                v,
+                family,
+                num_layers,
+                head_dim,
+                rotary_factor,
+                &rope_scaling,
+            )?),
+            false => None,
+        };
         // DeepSeek's heads: the RoPE table covers the rotary part only, and
         // the latent cache has one KV head.
         let (head_dim, num_kv_heads) = match &mla {
@@ -360,6 +444,7 @@ impl ModelConfig {
             sliding_windows,
             moe,
             mla,
+            hybrid,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -390,6 +475,12 @@ impl ModelConfig {
             "qwen3" => Arch::Qwen3,
             "qwen2moe" => Arch::Qwen2Moe,
             "qwen3moe" => Arch::Qwen3Moe,
+            // llama.cpp's converter reorders these models' value heads
+            // and folds A_log; reading that layout back is not built.
+            "qwen3next" | "qwen35" | "qwen35moe" => bail!(
+                "{}: GGUF files of the hybrid Qwen models ('{name}') are not read yet; serve the Hugging Face folder instead",
+                g.path().display()
+            ),
             other => bail!(
                 "{}: GGUF architecture '{other}' is not supported; supported: {}",
                 g.path().display(),
@@ -564,6 +655,7 @@ impl ModelConfig {
             sliding_windows,
             moe,
             mla: None,
+            hybrid: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -740,6 +832,7 @@ impl ModelConfig {
             sliding_windows: Vec::new(),
             moe: Some(moe),
             mla: Some(mla),
+            hybrid: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -877,6 +970,20 @@ impl ModelConfig {
         if self.sliding_windows.contains(&Some(0)) {
             bail!("a sliding window of 0 tokens would let a token see nothing");
         }
+        if let Some(h) = &self.hybrid {
+            if h.linear_layers.len() != self.num_layers {
+                bail!(
+                    "the layer types list {} layers, but the model has {}",
+                    h.linear_layers.len(),
+                    self.num_layers
+                );
+            }
+            if h.linear_layers.iter().all(|&l| l) {
+                // The KV pool and the engine's capacity figures are per
+                // attention layer; a model of linear layers only has none.
+                bail!("'layer_types' lists no full_attention layer; a model of linear-attention layers only is not supported");
+            }
+        }
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
             bail!("rope_theta {} must be a positive number", self.rope_theta);
         }
@@ -913,6 +1020,9 @@ enum HfFamily {
     Qwen3Moe,
     DeepseekV2,
     DeepseekV3,
+    Qwen3Next,
+    Qwen35,
+    Qwen35Moe,
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below
@@ -1022,6 +1132,8 @@ fn read_hf_moe(
             | HfFamily::Qwen3Moe
             | HfFamily::DeepseekV2
             | HfFamily::DeepseekV3
+            | HfFamily::Qwen3Next
+            | HfFamily::Qwen35Moe
     ) {
         return Ok(None);
     }
@@ -1062,6 +1174,26 @@ fn read_hf_moe(
         HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => {
             read_deepseek_moe(v, family, num_layers, n_experts, top_k)?
         }
+        // transformers' Qwen3.5-MoE config has no `decoder_sparse_step`,
+        // `mlp_only_layers` or `norm_topk_prob`: every layer is a mixture,
+        // its router always renormalizes, and its shared expert is gated.
+        HfFamily::Qwen35Moe => MoeConfig {
+            n_experts,
+            top_k,
+            normalize: true,
+            expert_ffn: int("moe_intermediate_size")?.context("missing 'moe_intermediate_size'")?,
+            shared_ffn: Some(
+                int("shared_expert_intermediate_size")?
+                    .context("missing 'shared_expert_intermediate_size'")?,
+            )
+            .filter(|&f| f > 0),
+            sparse_layers: vec![true; num_layers],
+            scoring: RouterScoring::Softmax,
+            routed_scale: 1.0,
+            groups: None,
+            score_bias: false,
+            shared_gated: true,
+        },
         _ => {
             let step = int("decoder_sparse_step")?.unwrap_or(1);
             if step == 0 {
@@ -1080,14 +1212,16 @@ fn read_hf_moe(
                 Some(other) => bail!("'mlp_only_layers' must be a list, got {other}"),
             };
             let normalize = match v.get("norm_topk_prob") {
-                None | Some(Value::Null) => false,
+                // Qwen3-Next's config class defaults it to true, the
+                // Qwen2/3-MoE ones to false.
+                None | Some(Value::Null) => family == HfFamily::Qwen3Next,
                 Some(Value::Bool(b)) => *b,
                 Some(other) => bail!("'norm_topk_prob' must be true or false, got {other}"),
             };
             let expert_ffn =
                 int("moe_intermediate_size")?.context("missing 'moe_intermediate_size'")?;
             let shared_ffn = match family {
-                HfFamily::Qwen2Moe => Some(
+                HfFamily::Qwen2Moe | HfFamily::Qwen3Next => Some(
                     int("shared_expert_intermediate_size")?
                         .context("missing 'shared_expert_intermediate_size'")?,
                 )
@@ -1226,7 +1360,14 @@ fn read_deepseek_moe(
 /// or transformers 4's top-level `rope_theta` and `rope_scaling`. A value
 /// that both forms give must agree; a scaling that is not implemented, and
 /// a `partial_rotary_factor` below 1, are refused with the key named.
-fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeScaling)> {
+///
+/// With `partial_ok` (the hybrid Qwen families), a `partial_rotary_factor`
+/// in (0, 1] is returned instead (1 where none is given).
+fn read_hf_rope(
+    v: &Value,
+    max_position_embeddings: usize,
+    partial_ok: bool,
+) -> Result<(f32, RopeScaling, f32)> {
     let params = match v.get("rope_parameters") {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => Some(o),
@@ -1261,6 +1402,7 @@ fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeS
         // transformers' own default for these families.
         (None, None) => 10_000.0,
     };
+    let mut partial: Option<(f32, &str)> = None;
     for (what, factor) in [
         ("partial_rotary_factor", v.get("partial_rotary_factor")),
         (
@@ -1270,11 +1412,21 @@ fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeS
     ] {
         if let Some(f) = factor.filter(|f| !f.is_null()) {
             let f = number(f, what)?;
-            if f != 1.0 {
-                bail!("'{what}' is {f}: RoPE over part of each head is not supported (only 1.0)");
+            if !partial_ok && f != 1.0 {
+                bail!("'{what}' is {f}: RoPE over part of each head is not supported for this architecture (only 1.0)");
             }
+            if !(f > 0.0 && f <= 1.0) {
+                bail!("'{what}' is {f}: it must be in (0, 1]");
+            }
+            if let Some((g, other)) = partial {
+                if g != f {
+                    bail!("'{what}' ({f}) and '{other}' ({g}) disagree; remove the stale one");
+                }
+            }
+            partial = Some((f, what));
         }
     }
+    let partial = partial.map_or(1.0, |(f, _)| f);
     // transformers 5 keeps the scaling inside `rope_parameters`; 4 in
     // `rope_scaling`.
     let (scaling, key) = match params {
@@ -1286,7 +1438,7 @@ fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeS
         },
     };
     let Some(obj) = scaling else {
-        return Ok((theta, RopeScaling::None));
+        return Ok((theta, RopeScaling::None, partial));
     };
     let kind = obj
         .get("rope_type")
@@ -1359,7 +1511,7 @@ fn read_hf_rope(v: &Value, max_position_embeddings: usize) -> Result<(f32, RopeS
             "{key}: rope_type '{other}' is not supported yet (supported: default, linear, llama3, yarn)"
         ),
     };
-    Ok((theta, scaling))
+    Ok((theta, scaling, partial))
 }
 
 /// The attention window of each layer, as the family's modeling code
@@ -1380,6 +1532,17 @@ fn read_hf_sliding_windows(
             .with_context(|| format!("'sliding_window' must be a non-negative integer, got {x}"))
             .map(|w| (w > 0).then_some(w as usize))?,
     };
+    if matches!(
+        family,
+        HfFamily::Qwen3Next | HfFamily::Qwen35 | HfFamily::Qwen35Moe
+    ) {
+        // Their `layer_types` name linear and full attention (read by
+        // `read_hf_hybrid`); their modeling code builds no window.
+        if window.is_some() {
+            bail!("'sliding_window' on a hybrid Qwen model is not supported: its attention layers attend over the whole context");
+        }
+        return Ok(Vec::new());
+    }
     let layer_types: Option<Vec<&str>> = match v.get("layer_types") {
         None | Some(Value::Null) => None,
         Some(Value::Array(a)) => Some(
@@ -1413,7 +1576,12 @@ fn read_hf_sliding_windows(
         bail!("'sliding_window' must be a positive integer or null, got 0");
     }
     let sliding: Vec<bool> = match family {
-        HfFamily::Llama | HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => vec![false; num_layers],
+        HfFamily::Llama
+        | HfFamily::DeepseekV2
+        | HfFamily::DeepseekV3
+        | HfFamily::Qwen3Next
+        | HfFamily::Qwen35
+        | HfFamily::Qwen35Moe => vec![false; num_layers],
         HfFamily::Mistral | HfFamily::Mixtral => vec![window.is_some(); num_layers],
         HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
@@ -1436,6 +1604,131 @@ fn read_hf_sliding_windows(
     let w =
         window.context("layers use sliding-window attention, but 'sliding_window' is not set")?;
     Ok(sliding.into_iter().map(|s| s.then_some(w)).collect())
+}
+
+/// The hybrid Qwen models' layer mix, Gated DeltaNet shape and partial RoPE
+/// (see [`HybridConfig`]), as transformers' `Qwen3NextConfig` and
+/// `Qwen3_5TextConfig` read them: `layer_types` (`linear_attention`,
+/// `full_attention`), or where it is absent every `full_attention_interval`-th
+/// layer (default 4) full attention; the `linear_*` shape keys; the RoPE
+/// dimensions `int(head_dim · partial_rotary_factor)`. Qwen3.5's M-RoPE
+/// sections (`mrope_section`) split the rotary pairs between temporal,
+/// height and width positions; text-only positions give all three the same
+/// position, so any split is plain RoPE over the rotary dimensions, and the
+/// sections are only checked to cover them.
+fn read_hf_hybrid(
+    v: &Value,
+    family: HfFamily,
+    num_layers: usize,
+    head_dim: usize,
+    rotary_factor: f32,
+    rope_scaling: &RopeScaling,
+) -> Result<HybridConfig> {
+    let count = |key: &str| -> Result<usize> {
+        optional_count(v, key, 1)?.with_context(|| format!("missing '{key}'"))
+    };
+    let linear_layers: Vec<bool> = match v.get("layer_types") {
+        None | Some(Value::Null) => {
+            let every = optional_count(v, "full_attention_interval", 1)?.unwrap_or(4);
+            (0..num_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("linear_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => bail!(
+                    "'layer_types' entry {t} is not supported (linear_attention, full_attention)"
+                ),
+            })
+            .collect::<Result<_>>()?,
+        Some(other) => bail!("'layer_types' must be a list, got {other}"),
+    };
+    if linear_layers.len() != num_layers {
+        bail!(
+            "'layer_types' lists {} layers, but num_hidden_layers is {num_layers}",
+            linear_layers.len()
+        );
+    }
+    if let Some(every) = optional_count(v, "full_attention_interval", 1)? {
+        if v.get("layer_types").is_some_and(|t| !t.is_null())
+            && linear_layers
+                .iter()
+                .enumerate()
+                .any(|(i, &l)| l != ((i + 1) % every != 0))
+        {
+            bail!("'layer_types' and 'full_attention_interval' ({every}) disagree; remove the stale one");
+        }
+    }
+    if let Some(x) = v.get("attn_output_gate").filter(|x| !x.is_null()) {
+        if x.as_bool() != Some(true) {
+            bail!("'attn_output_gate' = {x}: only the gated attention (true) of the published models is built");
+        }
+    }
+    let h = HybridConfig {
+        linear_layers,
+        n_k_heads: count("linear_num_key_heads")?,
+        n_v_heads: count("linear_num_value_heads")?,
+        k_dim: count("linear_key_head_dim")?,
+        v_dim: count("linear_value_head_dim")?,
+        conv_kernel: count("linear_conv_kernel_dim")?,
+        // transformers: `int(head_dim * partial_rotary_factor)`.
+        rotary_dim: (head_dim as f64 * rotary_factor as f64) as usize,
+    };
+    if !h.n_v_heads.is_multiple_of(h.n_k_heads) {
+        bail!(
+            "'linear_num_value_heads' ({}) must be a multiple of 'linear_num_key_heads' ({})",
+            h.n_v_heads,
+            h.n_k_heads
+        );
+    }
+    if h.conv_kernel < 2 || h.conv_kernel > 64 {
+        bail!(
+            "'linear_conv_kernel_dim' = {} must be between 2 and 64",
+            h.conv_kernel
+        );
+    }
+    for (key, x) in [
+        ("linear_num_value_heads", h.n_v_heads),
+        ("linear_key_head_dim", h.k_dim),
+        ("linear_value_head_dim", h.v_dim),
+    ] {
+        if x > 1 << 12 {
+            bail!(
+                "'{key}' = {x} is beyond the supported maximum of {}",
+                1 << 12
+            );
+        }
+    }
+    if h.rotary_dim == 0 || !h.rotary_dim.is_multiple_of(2) {
+        bail!(
+            "partial_rotary_factor {rotary_factor} of head_dim {head_dim} rotates {} dimensions; RoPE needs a positive even number",
+            h.rotary_dim
+        );
+    }
+    if !rope_scaling.is_none() {
+        bail!("RoPE scaling (rope_parameters.rope_type other than 'default') on the partial RoPE of a hybrid Qwen model is not supported");
+    }
+    if matches!(family, HfFamily::Qwen35 | HfFamily::Qwen35Moe) {
+        let params = v.get("rope_parameters").filter(|p| !p.is_null());
+        if let Some(sec) = params
+            .and_then(|p| p.get("mrope_section"))
+            .filter(|s| !s.is_null())
+        {
+            let pairs: Option<Vec<u64>> = sec
+                .as_array()
+                .and_then(|a| a.iter().map(Value::as_u64).collect());
+            match pairs {
+                Some(p) if p.iter().sum::<u64>() as usize == h.rotary_dim / 2 => {}
+                _ => bail!(
+                    "rope_parameters.mrope_section {sec} must be rotary-pair counts summing to {} (half the {} rotary dimensions)",
+                    h.rotary_dim / 2,
+                    h.rotary_dim
+                ),
+            }
+        }
+    }
+    Ok(h)
 }
 
 /// The top-level `config.json` keys of the families read here that either
@@ -1534,6 +1827,17 @@ const KNOWN_HF_KEYS: &[&str] = &[
     "router_aux_loss_coef",
     "output_router_logits",
     "router_jitter_noise",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "full_attention_interval",
+    "attn_output_gate",
+    // Multi-token-prediction layers, used only for speculative decoding
+    // (not loaded here): they change nothing in the main model's forward.
+    "mtp_num_hidden_layers",
+    "mtp_use_dedicated_embeddings",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

@@ -416,6 +416,7 @@ impl EngineCore {
     /// call this after every step.
     pub fn check_kv_accounting(&self) -> Result<(), String> {
         self.kv.pool().check_invariants()?;
+        self.kv.check_state_slots()?;
         let bs = self.kv.block_size();
         for &id in self.scheduler.running_ids() {
             let Some(req) = self.scheduler.get(id) else {

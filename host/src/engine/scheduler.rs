@@ -110,6 +110,7 @@ fn schedule_seq(req: &Request, start: usize, num_tokens: usize, num_drafts: usiz
         lookahead: 0,
         admitted: false,
         blocks: None,
+        state_slot: 0,
     }
 }
 
@@ -555,6 +556,7 @@ impl Scheduler {
                     lora: req.lora.clone(),
                 });
             }
+            s.state_slot = kv.state_slot(s.id);
             let table = kv.block_table(s.id);
             if req.blocks_shrunk || table.len() != req.blocks_sent {
                 s.blocks = Some(BlockUpdate {

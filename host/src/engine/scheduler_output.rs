@@ -36,6 +36,10 @@ pub struct ScheduledSeq {
     /// The sequence's blocks changed: its table keeps its first `keep`
     /// entries and gains [`SchedulerOutput::new_blocks`]`[blocks]`.
     pub blocks: Option<BlockUpdate>,
+    /// Its recurrent-state slot, for a hybrid model's linear layers
+    /// ([`crate::engine::kv_cache::KvCacheManager::state_slot`]; 0 when the
+    /// model has none).
+    pub state_slot: u32,
 }
 
 impl ScheduledSeq {

@@ -101,6 +101,8 @@ pub fn batched_with(
         "blocks leaked"
     );
     kv.pool().check_invariants().expect("pool invariants");
+    let (slots, free) = kv.state_slot_usage();
+    assert_eq!(free, slots, "recurrent-state slots leaked");
     (out, llm)
 }
 
@@ -124,14 +126,18 @@ pub fn batch_changes_nothing_with(
     let probe = LLM::new(probe_args).expect("engine");
     let prompts = prompts(probe.engine().runner().config().vocab_size as u32);
     let alone = solo(model, &prompts);
-    let per_block = (16usize << 20) / probe.engine().kv_cache().pool().num_blocks();
+    // A hybrid model's recurrent state (one slot per --max-num-seqs) comes
+    // out of the same budget before the blocks do.
+    let state = probe.engine().runner().state_bytes_per_seq() * args(model).max_num_seqs;
+    let hybrid = state > 0;
+    let per_block = ((16usize << 20) - state) / probe.engine().kv_cache().pool().num_blocks();
     drop(probe);
     let conditions: Vec<(&str, EngineArgs)> = vec![
         ("one batch, prefix caching", args(model)),
         ("chunked prefill (16-token steps) and a 12-block pool", {
             let mut a = args(model);
             a.max_num_batched_tokens = 16;
-            a.kv_cache_memory = Some(12 * per_block as u64);
+            a.kv_cache_memory = Some((12 * per_block + state) as u64);
             a.max_model_len = Some(12 * a.block_size);
             a
         }),
@@ -148,6 +154,13 @@ pub fn batch_changes_nothing_with(
             assert!(
                 stats.num_preemptions > 0,
                 "{what}: the small pool should preempt"
+            );
+        } else if hybrid {
+            // Prefix caching is off until the linear layers' state is
+            // checkpointed: a hit could not restore it.
+            assert!(
+                !llm.engine().kv_cache().prefix_caching() && stats.prefix.hits == 0,
+                "{what}: a hybrid model must not hit the prefix cache"
             );
         } else {
             assert!(

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The families the script writes, one folder each.
-pub const FAMILIES: [&str; 8] = [
+pub const FAMILIES: [&str; 10] = [
     "llama3",
     "mistral",
     "qwen3",
@@ -14,6 +14,8 @@ pub const FAMILIES: [&str; 8] = [
     "qwen3moe",
     "deepseek-v2-lite",
     "deepseek-v3",
+    "qwen3-next",
+    "qwen3_5",
 ];
 
 /// The fixtures' folder, made by the script if it is not there yet.

@@ -315,6 +315,10 @@ pub fn run_schedule(
     };
     let mut kv = b.alloc_kv(&spec).expect("a KV pool");
     let mut ws = Workspace::<CpuBackend>::default();
+    // A hybrid model's linear layers: sequence `s` in state slot `s`.
+    let mut state = model
+        .alloc_state(&mut b, seqs.len())
+        .expect("the recurrent state");
     let mut dev_step = <CpuBackend as Backend>::Step::default();
     let mut done = vec![0usize; seqs.len()];
     let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); seqs.len()];
@@ -337,10 +341,12 @@ pub fn run_schedule(
                 usize::MAX,
                 n,
             );
+            batch.state_slots.push(s as u32);
             done[s] += n;
         }
         let rows = batch.logit_rows.len();
         b.upload_step(&batch, &mut dev_step).expect("upload");
+        state.slots.clone_from(&batch.state_slots);
         model
             .forward(
                 &mut b,
@@ -348,6 +354,7 @@ pub fn run_schedule(
                 batch.num_tokens(),
                 rows,
                 &mut kv,
+                &mut state,
                 &mut ws,
             )
             .expect("forward");

@@ -27,6 +27,20 @@
 //! blocks were computed and keep their hashes, so other requests can still
 //! find them in the prefix cache until they are evicted.
 //!
+//! # Recurrent-state slots (hybrid models)
+//!
+//! A hybrid model's linear-attention layers (Gated DeltaNet) keep one
+//! fixed-size state per sequence instead of K/V per token (vLLM's hybrid
+//! KV-cache manager). With [`KvCacheManager::with_state_slots`] the manager
+//! also hands each sequence one of that many state slots when it first
+//! gets blocks, and takes it back in [`KvCacheManager::free`] (finish,
+//! abort, preemption): a sequence that cannot get a slot is not admitted,
+//! like one that cannot get blocks. The slot's contents are the runner's;
+//! a sequence that starts at position 0 (new, or preempted and recomputed)
+//! starts from a zero state whatever the slot held before. Prefix-cache
+//! hits would need the state at the hit's end, which is not checkpointed
+//! yet, so the engine turns prefix caching off for these models.
+//!
 //! Blocks planned for a step that has not run are tracked as *in flight*
 //! ([`KvCacheManager::in_flight`]), never as cached: the scheduler holds a
 //! new request back while the block after its cache hit is being computed
@@ -87,6 +101,8 @@ struct SeqBlocks {
     /// they fell out of the sliding window.
     released: usize,
     key: CacheKey,
+    /// Its recurrent-state slot, when the model has linear layers.
+    state_slot: Option<u32>,
 }
 
 /// The KV-cache manager of one device.
@@ -111,6 +127,11 @@ pub struct KvCacheManager {
     /// Blocks of the longest sequence the engine admits: no tenant's cap
     /// goes below it, or that tenant's longest request could never run.
     max_seq_blocks: usize,
+    /// Recurrent-state slots nobody holds (see the module docs); `None`
+    /// for a model without linear layers.
+    free_state_slots: Option<Vec<u32>>,
+    /// How many state slots there are in all.
+    num_state_slots: usize,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -146,7 +167,56 @@ impl KvCacheManager {
             lora_names: HashMap::new(),
             owners: HashMap::new(),
             max_seq_blocks: 1,
+            free_state_slots: None,
+            num_state_slots: 0,
         }
+    }
+
+    /// Gives each sequence one of `slots` recurrent-state slots for as long
+    /// as it holds blocks (a hybrid model's linear layers; `slots` is the
+    /// engine's `--max-num-seqs`).
+    pub fn with_state_slots(mut self, slots: usize) -> KvCacheManager {
+        // Handed out from the end: slot 0 first.
+        self.free_state_slots = Some((0..slots as u32).rev().collect());
+        self.num_state_slots = slots;
+        self
+    }
+
+    /// Recurrent-state slots in all, and of those nobody holds (0 and 0
+    /// for a model without linear layers).
+    pub fn state_slot_usage(&self) -> (usize, usize) {
+        let free = self.free_state_slots.as_ref().map_or(0, Vec::len);
+        (self.num_state_slots, free)
+    }
+
+    /// Checks that every sequence holding blocks holds its own state slot,
+    /// and that held and free slots together are every slot, once.
+    pub fn check_state_slots(&self) -> Result<(), String> {
+        let Some(free) = &self.free_state_slots else {
+            return Ok(());
+        };
+        let mut seen = vec![false; self.num_state_slots];
+        let held = self.seqs.iter().map(|(&id, s)| (Some(id), s.state_slot));
+        for (owner, slot) in held.chain(free.iter().map(|&f| (None, Some(f)))) {
+            let Some(slot) = slot else {
+                return Err(format!("sequence {owner:?} holds blocks but no state slot"));
+            };
+            match seen.get_mut(slot as usize) {
+                Some(s) if !*s => *s = true,
+                Some(_) => return Err(format!("state slot {slot} is counted twice ({owner:?})")),
+                None => return Err(format!("state slot {slot} is out of range ({owner:?})")),
+            }
+        }
+        match seen.iter().position(|s| !s) {
+            Some(lost) => Err(format!("state slot {lost} is neither held nor free")),
+            None => Ok(()),
+        }
+    }
+
+    /// The recurrent-state slot of `seq` (0 for a model without linear
+    /// layers, or a sequence that holds nothing).
+    pub fn state_slot(&self, seq: u64) -> u32 {
+        self.seqs.get(&seq).and_then(|s| s.state_slot).unwrap_or(0)
     }
 
     /// Bounds tenants' caps from below by the blocks of a `len`-token
@@ -357,8 +427,18 @@ impl KvCacheManager {
         if new_blocks + revived > self.pool.available_for(key.owner) {
             return false;
         }
+        let new_seq = !self.seqs.contains_key(&seq);
+        let state_slot = match &mut self.free_state_slots {
+            Some(free) if new_seq => match free.pop() {
+                Some(slot) => Some(slot),
+                // Every slot is held: like a pool without blocks.
+                None => return false,
+            },
+            _ => None,
+        };
         let entry = self.seqs.entry(seq).or_insert_with(|| SeqBlocks {
             key,
+            state_slot,
             ..Default::default()
         });
         if let Some(hit) = hit {
@@ -474,6 +554,9 @@ impl KvCacheManager {
     /// evicted before its prefix.
     pub fn free(&mut self, seq: u64) {
         if let Some(s) = self.seqs.remove(&seq) {
+            if let (Some(slot), Some(free)) = (s.state_slot, &mut self.free_state_slots) {
+                free.push(slot);
+            }
             for &b in s.blocks[s.released..].iter().rev() {
                 self.pool.release(b);
             }
@@ -593,6 +676,39 @@ mod tests {
             prompt_kernel: false,
             lora: 0,
             owner: SHARED_OWNER,
+        }
+    }
+
+    #[test]
+    fn each_sequence_holds_its_own_state_slot_until_freed_and_none_are_admitted_past_them() {
+        let mut m = KvCacheManager::new(16, 4, false).with_state_slots(2);
+        let t = [1u32, 2, 3, 4, 5];
+        assert!(m.allocate(10, &t, k(0), None, 0, 5));
+        assert!(m.allocate(11, &t, k(0), None, 0, 5));
+        let (a, b) = (m.state_slot(10), m.state_slot(11));
+        assert_ne!(a, b, "two running sequences share a state slot");
+        // A sequence already holding a slot grows without another.
+        assert!(m.allocate(10, &t, k(0), None, 5, 1));
+        assert_eq!(m.state_slot(10), a);
+        // Blocks are left, slots are not: the third sequence waits, and
+        // nothing of it is left behind.
+        assert!(!m.allocate(12, &t, k(0), None, 0, 5));
+        assert_eq!(m.num_seqs(), 2);
+        m.check_state_slots().expect("slots accounted");
+        // Freed (finish, abort or preemption), its slot serves the next.
+        m.free(10);
+        assert_eq!(m.state_slot_usage(), (2, 1));
+        assert!(m.allocate(12, &t, k(0), None, 0, 5));
+        assert_eq!(m.state_slot(12), a);
+        m.check_state_slots().expect("slots accounted");
+        m.free(11);
+        m.free(12);
+        assert_eq!(m.state_slot_usage(), (2, 2));
+        m.check_state_slots().expect("slots accounted");
+        // Without slots (no linear layers), nothing is counted.
+        let mut plain = KvCacheManager::new(16, 4, false);
+        for id in 0..3 {
+            assert!(plain.allocate(id, &t, k(0), None, 0, 5));
         }
     }
 

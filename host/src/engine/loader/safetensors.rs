@@ -255,7 +255,13 @@ impl WeightSource for SafetensorsSource {
             );
         }
         let (path, t) = self.tensor(name)?;
-        check_shape(path, name, t.shape(), &[rows, cols])?;
+        // A depthwise conv1d weight (`[channels, 1, kernel]`, the Gated
+        // DeltaNet's) is a `[channels, kernel]` matrix: the unit middle
+        // dimension changes nothing in the row-major bytes.
+        match t.shape() {
+            [r, 1, c] if *r == rows && *c == cols => {}
+            shape => check_shape(path, name, shape, &[rows, cols])?,
+        }
         let ctx = || format!("{}: tensor '{name}'", path.display());
         let stored = t.dtype();
         let m = match (self.dtype, stored) {

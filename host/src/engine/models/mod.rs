@@ -10,6 +10,7 @@
 //! | [`mixtral`] | `MixtralForCausalLM` |
 //! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
 //! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
+//! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
 //!
 //! # Adding a family
 //!
@@ -32,6 +33,7 @@ pub mod layers;
 pub mod llama;
 pub mod mixtral;
 pub mod qwen3;
+pub mod qwen3_next;
 pub mod qwen_moe;
 
 use crate::engine::config::{Arch, ModelConfig};
@@ -41,16 +43,89 @@ use pagoda_accel::{Backend, BackendError, KvLayerSpec};
 
 pub use layers::Workspace;
 
+/// The recurrent state of a hybrid model's linear-attention layers on the
+/// device: one fixed-size state per slot and layer, where an attention
+/// layer keeps K/V per token. The KV-cache manager decides which sequence
+/// holds which slot ([`crate::engine::kv_cache::KvCacheManager::state_slot`]);
+/// each step says which slot each of its sequences reads and updates.
+/// Empty for a model without such layers.
+pub struct StateCache<B: Backend> {
+    /// Per linear-attention layer, in layer order.
+    pub(crate) layers: Vec<layers::gated_delta_net::RecurrentState<B>>,
+    /// Slots allocated in each layer.
+    num_slots: usize,
+    /// This step's slot for each of its sequences, in step order (see
+    /// [`pagoda_accel::StepBatch::state_slots`]).
+    pub slots: Vec<u32>,
+}
+
+impl<B: Backend> Default for StateCache<B> {
+    fn default() -> Self {
+        StateCache {
+            layers: Vec::new(),
+            num_slots: 0,
+            slots: Vec::new(),
+        }
+    }
+}
+
+impl<B: Backend> StateCache<B> {
+    /// Slots allocated per layer.
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+
+    /// Copies slot `from` of `src` (a cache of the same model) into slot
+    /// `to` of this one, in every layer: a snapshot before a step, or a
+    /// snapshot put back.
+    pub fn copy_slot(&mut self, b: &mut B, src: &StateCache<B>, from: u32, to: u32) {
+        let (from, to) = (from as usize, to as usize);
+        for (d, s) in self.layers.iter_mut().zip(&src.layers) {
+            // Each buffer as one row of all its slots side by side.
+            for (dst, src_buf, len) in [
+                (&mut d.conv, &s.conv, s.conv_len),
+                (&mut d.delta, &s.delta, s.delta_len),
+            ] {
+                b.copy_columns(
+                    src_buf,
+                    src.num_slots * len,
+                    from * len,
+                    dst,
+                    self.num_slots * len,
+                    to * len,
+                    len,
+                    1,
+                );
+            }
+        }
+    }
+}
+
 /// A causal language model loaded onto the device of `B`.
 pub trait CausalLm<B: Backend>: Send {
     /// The model's shape.
     fn config(&self) -> &ModelConfig;
-    /// What each layer keeps per token in the KV pool, in layer order.
+    /// What each layer keeps per token in the KV pool, in layer order. A
+    /// hybrid model lists only its attention layers: its linear layers keep
+    /// a state per sequence instead ([`CausalLm::state_bytes_per_seq`]).
     fn kv_layers(&self) -> Vec<KvLayerSpec>;
+    /// Bytes of recurrent state one sequence holds across the model's
+    /// linear-attention layers; 0 for a model without them.
+    fn state_bytes_per_seq(&self) -> usize {
+        0
+    }
+    /// The recurrent state of `slots` sequences on `b`'s device (empty for
+    /// a model without linear layers).
+    fn alloc_state(&self, b: &mut B, slots: usize) -> Result<StateCache<B>> {
+        let _ = (b, slots);
+        Ok(StateCache::default())
+    }
     /// Runs one step, whose metadata `step` already holds on the device
     /// (`n_tokens` tokens, `n_logits` logit rows), and leaves the logits of
     /// the logit rows in `ws.logits` (`[n_logits, vocab]`). K/V of every
-    /// token are written into `kv` at the step's slots.
+    /// token are written into `kv` at the step's slots; a hybrid model's
+    /// linear layers read and update `state` at `state.slots`.
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,
         b: &mut B,
@@ -58,6 +133,7 @@ pub trait CausalLm<B: Backend>: Send {
         n_tokens: usize,
         n_logits: usize,
         kv: &mut B::Kv,
+        state: &mut StateCache<B>,
         ws: &mut Workspace<B>,
     ) -> Result<(), BackendError>;
     /// Bytes of weights held on the device.
@@ -106,6 +182,9 @@ pub fn load<B: Backend>(
         Arch::Deepseek => Box::new(deepseek::load(backend, source, config, max_positions)?),
         Arch::Qwen2Moe | Arch::Qwen3Moe => {
             Box::new(qwen_moe::load(backend, source, config, max_positions)?)
+        }
+        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
+            Box::new(qwen3_next::load(backend, source, config, max_positions)?)
         }
     })
 }

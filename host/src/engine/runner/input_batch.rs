@@ -10,8 +10,9 @@
 //! step beyond its row.
 //!
 //! A row's index is also its slot for per-row device state: the grammar
-//! bitmask row today; a LoRA adapter index or a recurrent-state slot would
-//! sit beside it.
+//! bitmask row. A hybrid model's recurrent-state slot is not the row: the
+//! KV-cache manager hands it out with the blocks, so it survives the rows
+//! condensing, and each step carries it ([`StepBatch::state_slots`]).
 
 use super::lora_slots::LoraSlots;
 use crate::engine::request::SamplingParams;
@@ -307,6 +308,7 @@ impl InputBatch {
                 prompt_kernel_until,
                 s.logit_rows,
             );
+            batch.state_slots.push(s.state_slot);
             if any_lora {
                 let slot = r
                     .lora

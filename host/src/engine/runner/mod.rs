@@ -20,7 +20,7 @@ pub mod input_batch;
 pub mod lora_slots;
 
 use crate::engine::config::ModelConfig;
-use crate::engine::models::{Model, Workspace};
+use crate::engine::models::{Model, StateCache, Workspace};
 use crate::engine::request::TokenLogprob;
 use crate::engine::runner_output::{ModelRunnerOutput, PromptScore};
 use crate::engine::sampler::Sampler;
@@ -70,6 +70,9 @@ pub trait ModelExecutor: Send {
     fn weight_type(&self) -> &'static str;
     /// The device, for logs.
     fn describe_device(&self) -> String;
+    /// Bytes of recurrent state one sequence holds (a hybrid model's
+    /// linear layers; 0 otherwise), as the memory budget counts it.
+    fn state_bytes_per_seq(&self) -> usize;
 }
 
 /// Runs `model` on `backend` over the KV pool `kv`.
@@ -77,6 +80,16 @@ pub struct ModelRunner<B: Backend> {
     backend: B,
     model: Model<B>,
     kv: B::Kv,
+    /// The linear layers' per-sequence state (hybrid models; empty
+    /// otherwise), beside the KV pool.
+    state: StateCache<B>,
+    /// The state of the step's drafting sequences before it ran, one slot
+    /// each in plan order, to put back where drafts are rejected (grown
+    /// when a step has more drafting sequences than slots).
+    snapshot: StateCache<B>,
+    /// The accepted part of such sequences' steps, run again over their
+    /// restored state (reused).
+    rerun: StepBatch,
     ws: Workspace<B>,
     step: B::Step,
     /// Tokens per KV block.
@@ -114,6 +127,9 @@ impl<B: Backend> ModelRunner<B> {
             backend,
             model,
             kv,
+            state: StateCache::default(),
+            snapshot: StateCache::default(),
+            rerun: StepBatch::default(),
             ws: Workspace::default(),
             step: B::Step::default(),
             block_size,
@@ -147,6 +163,14 @@ impl<B: Backend> ModelRunner<B> {
             ws,
             ..ModelRunner::new(backend, model, kv, block_size)
         }
+    }
+
+    /// Gives the model's linear layers their per-sequence state (see
+    /// [`crate::engine::models::CausalLm::alloc_state`]), as many slots as
+    /// the KV-cache manager hands out.
+    pub fn with_state(mut self, state: StateCache<B>) -> ModelRunner<B> {
+        self.state = state;
+        self
     }
 
     /// Adds a draft model, which proposes the drafts when the speculator's
@@ -205,6 +229,7 @@ impl<B: Backend> ModelRunner<B> {
         let b = &mut self.backend;
         b.upload_step(batch, &mut self.step)
             .context("uploading the step's metadata")?;
+        self.state.slots.clone_from(&batch.state_slots);
         self.model
             .forward(
                 b,
@@ -212,9 +237,100 @@ impl<B: Backend> ModelRunner<B> {
                 batch.num_tokens(),
                 batch.logit_rows.len(),
                 &mut self.kv,
+                &mut self.state,
                 &mut self.ws,
             )
             .context("running the model")
+    }
+
+    /// Snapshots the recurrent state of every sequence that carries drafts
+    /// this step (a hybrid model's linear layers advance through every
+    /// token they see, rejected drafts included, so a rejection must be
+    /// undone from the state before the step).
+    fn snapshot_drafting(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        if self.state.num_slots() == 0 {
+            return Ok(());
+        }
+        let n = seqs.iter().filter(|s| s.num_drafts > 0).count();
+        if n == 0 {
+            return Ok(());
+        }
+        if self.snapshot.num_slots() < n {
+            self.snapshot = self
+                .model
+                .alloc_state(&mut self.backend, n)
+                .context("allocating the drafting sequences' state snapshots")?;
+        }
+        let drafting = seqs.iter().filter(|s| s.num_drafts > 0);
+        for (j, s) in drafting.enumerate() {
+            self.snapshot
+                .copy_slot(&mut self.backend, &self.state, s.state_slot, j as u32);
+        }
+        Ok(())
+    }
+
+    /// For each drafting sequence whose drafts were not all accepted, puts
+    /// its state back as it was before the step and runs the step's tokens
+    /// up to the last accepted draft again (no logits; their K/V, written
+    /// again, is what the step wrote), so the state ends where the
+    /// sequence now ends. Runs after [`ModelRunner::take_sampled`].
+    fn roll_back_rejected(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        if self.state.num_slots() == 0 {
+            return Ok(());
+        }
+        self.rerun.clear();
+        let mut j = 0u32;
+        for (i, s) in seqs.iter().enumerate() {
+            if s.num_drafts == 0 {
+                continue;
+            }
+            let snap = j;
+            j += 1;
+            let accepted = self
+                .output
+                .sampled(i)
+                .len()
+                .saturating_sub(1)
+                .min(s.num_drafts);
+            if accepted == s.num_drafts {
+                continue;
+            }
+            let Some(r) = self.batch.get(s.id) else {
+                continue;
+            };
+            self.state
+                .copy_slot(&mut self.backend, &self.snapshot, snap, s.state_slot);
+            // The real tokens and the accepted drafts, now in its tokens.
+            let end = s.start + s.num_tokens - s.num_drafts + accepted;
+            let prompt_kernel_until = if r.prompt_kernel { r.prompt_len } else { 0 };
+            self.rerun.push_seq(
+                &r.token_ids[s.start..end],
+                s.start,
+                &r.block_table,
+                self.block_size,
+                prompt_kernel_until,
+                0,
+            );
+            self.rerun.state_slots.push(s.state_slot);
+        }
+        if self.rerun.num_tokens() == 0 {
+            return Ok(());
+        }
+        let b = &mut self.backend;
+        b.upload_step(&self.rerun, &mut self.step)
+            .context("uploading the rolled-back sequences' step")?;
+        self.state.slots.clone_from(&self.rerun.state_slots);
+        self.model
+            .forward(
+                b,
+                &self.step,
+                self.rerun.num_tokens(),
+                0,
+                &mut self.kv,
+                &mut self.state,
+                &mut self.ws,
+            )
+            .context("running the accepted tokens again after rejected drafts")
     }
 
     /// Appends what the step sampled to each request's row, and records
@@ -327,6 +443,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &self.lora_slots,
             &mut self.step_batch,
         );
+        self.snapshot_drafting(&plan.seqs)?;
         if guided.is_empty() {
             self.forward()?;
         } else {
@@ -381,6 +498,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &mut self.batch,
         );
         self.take_sampled(&plan.seqs);
+        self.roll_back_rejected(&plan.seqs)?;
         self.propose(plan)?;
         Ok(&mut self.output)
     }
@@ -401,6 +519,10 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
 
     fn weight_type(&self) -> &'static str {
         self.model.weight_type()
+    }
+
+    fn state_bytes_per_seq(&self) -> usize {
+        self.model.state_bytes_per_seq()
     }
 
     fn describe_device(&self) -> String {

@@ -203,6 +203,9 @@ impl<B: Backend> DraftForward<B> {
                     batch.num_tokens(),
                     n_logits,
                     &mut self.kv,
+                    // A hybrid draft model is refused at load: its state
+                    // would need rolling back with each rejected draft.
+                    &mut crate::engine::models::StateCache::default(),
                     &mut self.ws,
                 )
                 .context("running the draft model")?;

@@ -25,14 +25,14 @@ pub enum FeedForward<B: Backend> {
 }
 
 impl<B: Backend> FeedForward<B> {
-    fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
+    pub(crate) fn matrices(&self) -> Box<dyn Iterator<Item = &B::Matrix> + '_> {
         match self {
             FeedForward::Dense(m) => Box::new(m.matrices()),
             FeedForward::Moe(m) => m.matrices(),
         }
     }
 
-    fn forward(
+    pub(crate) fn forward(
         &self,
         b: &mut B,
         step: &B::Step,
@@ -313,6 +313,7 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
         n_tokens: usize,
         n_logits: usize,
         kv: &mut B::Kv,
+        _state: &mut crate::engine::models::StateCache<B>,
         ws: &mut Workspace<B>,
     ) -> Result<(), BackendError> {
         let c = &self.config;

@@ -80,6 +80,9 @@ pub enum GdnForm {
 pub struct RecurrentState<B: Backend> {
     pub conv: B::Buffer,
     pub delta: B::Buffer,
+    /// Values of one slot's conv state and delta-rule state.
+    pub(crate) conv_len: usize,
+    pub(crate) delta_len: usize,
 }
 
 impl<B: Backend> RecurrentState<B> {
@@ -88,6 +91,8 @@ impl<B: Backend> RecurrentState<B> {
         let mut s = RecurrentState {
             conv: B::Buffer::default(),
             delta: B::Buffer::default(),
+            conv_len: shape.conv().state_len(),
+            delta_len: shape.heads.state_len(),
         };
         b.reserve(&mut s.conv, slots * shape.conv().state_len())?;
         b.reserve(&mut s.delta, slots * shape.heads.state_len())?;
@@ -136,7 +141,7 @@ pub struct GatedDeltaNet<B: Backend> {
 }
 
 /// Rows `r0..r1` of `m`, borrowing its bytes.
-fn row_range<'a>(m: &'a HostMatrix<'_>, r0: usize, r1: usize) -> Result<HostMatrix<'a>> {
+pub(crate) fn row_range<'a>(m: &'a HostMatrix<'_>, r0: usize, r1: usize) -> Result<HostMatrix<'a>> {
     if m.affine().is_some() {
         // The transforms are stated for the whole matrix; slicing them is
         // not implemented.

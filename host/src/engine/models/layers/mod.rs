@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod decoder;
+pub mod gated_attention;
 pub mod gated_delta_net;
 pub mod lora;
 pub mod mla;
@@ -65,6 +66,10 @@ pub struct Workspace<B: Backend> {
     pub(crate) moe: moe::MoeWorkspace<B>,
     /// The latent attention's buffers.
     pub(crate) mla: mla::MlaWorkspace<B>,
+    /// The rotated part of q or k under partial RoPE.
+    pub(crate) rot: B::Buffer,
+    /// The Gated DeltaNet layers' buffers.
+    pub(crate) gdn: gated_delta_net::GdnWorkspace<B>,
     /// The logits of the step's logit rows.
     pub logits: B::Buffer,
 }
@@ -87,6 +92,8 @@ impl<B: Backend> Default for Workspace<B> {
             rows: Default::default(),
             moe: Default::default(),
             mla: Default::default(),
+            rot: Default::default(),
+            gdn: Default::default(),
             logits: Default::default(),
         }
     }
