@@ -182,6 +182,7 @@ pub(crate) fn gated_delta_rule_at(
     check_slots("gated_delta_rule", seqs, state.len(), slot_len);
     let head_len = spec.k_dim * spec.v_dim;
     let (out_p, state_p) = (SendPtr(out.as_mut_ptr()), SendPtr(state.as_mut_ptr()));
+    reserve_scratch(pool, Scratch::len(&spec));
     pool.run(seqs.len() * nv, &|task| {
         let (seq, h) = (&seqs[task / nv], task % nv);
         let (out_p, state_p) = (&out_p, &state_p);
@@ -222,9 +223,40 @@ pub(crate) fn gated_delta_rule_at(
 }
 
 thread_local! {
-    /// Each pool thread's chunk buffers ([`Scratch`]): grown on first use,
-    /// then reused, so a warm step allocates nothing.
+    /// Each pool thread's chunk buffers ([`Scratch`]): grown on every
+    /// thread of the pool at once ([`reserve_scratch`]), then reused, so a
+    /// warm step allocates nothing.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The pools (by id) whose every thread holds a [`SCRATCH`] of at least
+/// the length noted.
+static RESERVED: std::sync::Mutex<Vec<(u64, usize)>> = std::sync::Mutex::new(Vec::new());
+
+/// Grows [`SCRATCH`] to `need` on every thread of `pool`, unless that was
+/// done: which thread runs a task is up to timing, so growing on first use
+/// would let a later step allocate on a thread that had no task before.
+fn reserve_scratch(pool: &ThreadPool, need: usize) {
+    let mut reserved = RESERVED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let i = match reserved.iter().position(|(id, _)| *id == pool.id()) {
+        Some(i) if reserved[i].1 >= need => return,
+        Some(i) => i,
+        None => {
+            reserved.push((pool.id(), 0));
+            reserved.len() - 1
+        }
+    };
+    pool.broadcast(&|_| {
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            if s.len() < need {
+                s.resize(need, 0.0);
+            }
+        })
+    });
+    reserved[i].1 = need;
 }
 
 /// The per-chunk buffers, carved from one slice.
