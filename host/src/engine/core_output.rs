@@ -35,6 +35,8 @@ pub struct EngineCoreOutput {
     /// When the request was first scheduled (admission to the running set),
     /// for queue and prefill times.
     pub scheduled_at: Option<std::time::Instant>,
+    /// A pooling request's final output: the raw pooled hidden state.
+    pub pooled: Option<Vec<f32>>,
 }
 
 impl EngineCoreOutput {
@@ -45,6 +47,9 @@ impl EngineCoreOutput {
         self.logprobs.extend(next.logprobs);
         if next.prompt_logprobs.is_some() {
             self.prompt_logprobs = next.prompt_logprobs;
+        }
+        if next.pooled.is_some() {
+            self.pooled = next.pooled;
         }
         self.finish_reason = next.finish_reason;
         self.stop_reason = next.stop_reason;
@@ -94,6 +99,7 @@ impl EngineCoreOutput {
             num_cached_tokens: req.num_cached_prompt,
             num_output_tokens: n_out,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
         }
     }
 
@@ -113,6 +119,7 @@ impl EngineCoreOutput {
             num_cached_tokens: req.num_cached_prompt,
             num_output_tokens: 0,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
         }
     }
 
@@ -129,6 +136,7 @@ impl EngineCoreOutput {
             num_cached_tokens: req.num_cached_prompt,
             num_output_tokens: req.token_ids.len() - req.prompt_len,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
             external_id: req.external_id,
         }
     }
