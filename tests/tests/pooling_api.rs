@@ -153,6 +153,17 @@ fn embeddings_match_sentence_transformers_in_every_input_shape() {
         assert_eq!(d, &float, "input {i}: base64 and float differ");
     }
 
+    // vLLM's /pooling: the same request, each vector as `data` of an
+    // object "pooling", the same numbers.
+    let (st, pooled) = s.post("/pooling", &json!({"model": "smol", "input": texts}));
+    assert_eq!(st, 200, "{pooled}");
+    for (i, d) in pooled["data"].as_array().expect("data").iter().enumerate() {
+        assert_eq!(d["object"], "pooling", "{pooled}");
+        assert_eq!(d["index"], i, "{pooled}");
+        assert_eq!(d["data"], list["data"][i]["embedding"], "input {i}");
+    }
+    assert_eq!(pooled["usage"]["prompt_tokens"], n_tokens, "{pooled}");
+
     // Matryoshka: the first 16 components, renormalized.
     let (st, short) = s.post(
         "/v1/embeddings",

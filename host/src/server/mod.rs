@@ -684,7 +684,10 @@ async fn dispatch(
         }
         (_, p)
             if p.starts_with("/v1/")
-                || matches!(p, "/tokenize" | "/detokenize" | "/tokenizer_info") =>
+                || matches!(
+                    p,
+                    "/tokenize" | "/detokenize" | "/tokenizer_info" | "/pooling"
+                ) =>
         {
             match authenticate(&state, &req) {
                 Err(e) => Err(e),
@@ -792,7 +795,23 @@ async fn api_route(
         }
         (Method::POST, "/v1/embeddings") => {
             let body = read_json(&state, req).await?;
-            openai::embeddings::embeddings(state, body, tenant).await
+            openai::embeddings::embeddings(
+                state,
+                body,
+                tenant,
+                openai::embeddings::PoolingRoute::Embeddings,
+            )
+            .await
+        }
+        (Method::POST, "/pooling") => {
+            let body = read_json(&state, req).await?;
+            openai::embeddings::embeddings(
+                state,
+                body,
+                tenant,
+                openai::embeddings::PoolingRoute::Pooling,
+            )
+            .await
         }
         (Method::POST, "/v1/completions/render") => {
             let body = read_json(&state, req).await?;
@@ -1020,7 +1039,6 @@ fn unserved_route(path: &str) -> Option<&'static str> {
         ("/v2/rerank", "reranking"),
         ("/rerank", "reranking"),
         ("/score", "scoring"),
-        ("/pooling", "pooling"),
         ("/classify", "classification"),
     ];
     known

@@ -153,18 +153,40 @@ pub(crate) fn refuse_generation(
     Ok(())
 }
 
-/// `POST /v1/embeddings`.
+/// The two routes that return pooled vectors: OpenAI's embeddings, and
+/// vLLM's `/pooling` (the same request; each vector as `data` of an
+/// object `"pooling"`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum PoolingRoute {
+    Embeddings,
+    Pooling,
+}
+
+impl PoolingRoute {
+    fn path(self) -> &'static str {
+        match self {
+            PoolingRoute::Embeddings => "/v1/embeddings",
+            PoolingRoute::Pooling => "/pooling",
+        }
+    }
+}
+
+/// `POST /v1/embeddings` and `POST /pooling`.
 pub async fn embeddings(
     state: Arc<AppState>,
     body: Value,
     tenant: Option<Arc<crate::tenants::Tenant>>,
+    route: PoolingRoute,
 ) -> Result<Response<Body>, ApiError> {
-    let id = random_id("embd");
-    let (body, ctx) = admit(&state, tenant, &id, "/v1/embeddings", body).await?;
+    let id = random_id(match route {
+        PoolingRoute::Embeddings => "embd",
+        PoolingRoute::Pooling => "pool",
+    });
+    let (body, ctx) = admit(&state, tenant, &id, route.path(), body).await?;
     let req: EmbeddingRequest = serde_json::from_value(body).map_err(|e| {
         ApiError::invalid(
             None,
-            format!("invalid embeddings request: {e} (see https://platform.openai.com/docs/api-reference/embeddings/create)"),
+            format!("invalid {} request: {e} (it takes OpenAI's embeddings fields: see https://platform.openai.com/docs/api-reference/embeddings/create)", route.path()),
         )
     })?;
     let model = match req.model.clone() {
@@ -299,7 +321,14 @@ pub async fn embeddings(
             } else {
                 json!(v)
             };
-            json!({"index": index, "object": "embedding", "embedding": embedding})
+            match route {
+                PoolingRoute::Embeddings => {
+                    json!({"index": index, "object": "embedding", "embedding": embedding})
+                }
+                PoolingRoute::Pooling => {
+                    json!({"index": index, "object": "pooling", "data": embedding})
+                }
+            }
         })
         .collect();
     Ok(json_response(&json!({
