@@ -137,3 +137,96 @@ fn pooling_and_generation_refuse_each_other_naming_the_endpoint() {
         .expect_err("pooling on a generation model");
     assert!(e.message.contains("--runner pooling"), "{}", e.message);
 }
+
+/// A copy of qwen3-embed as a plain causal checkpoint: `Qwen3ForCausalLM`,
+/// no sentence-transformers files. Only the flags can make it pool.
+fn causal_copy(tag: &str) -> PathBuf {
+    let src = fixture("qwen3-embed");
+    let dst = std::env::temp_dir().join(format!("pagoda-pooling-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("mkdir");
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy fixture file");
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("config JSON");
+    c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    std::fs::write(dst.join("config.json"), c.to_string()).expect("write config");
+    dst
+}
+
+#[test]
+fn runner_convert_and_pooler_config_flags_decide_pooling_as_vllm_reads_them() {
+    use pagoda::engine::pooling::{ConvertKind, RunnerKind};
+    let dir = causal_copy("flags");
+    let r = reference("qwen3-embed");
+    let first = &r["inputs"][0];
+    let prompt = Prompt::Text(first["text"].as_str().expect("text").into());
+    let want = floats(&first["embedding"]);
+
+    // A causal checkpoint without pooling files generates by default.
+    let mut gen = LLM::new(args(&dir)).expect("load as generation");
+    let e = gen
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect_err("embedding with a generation model");
+    assert!(format!("{e:#}").contains("--runner pooling"), "{e:#}");
+
+    // --runner pooling, and --convert embed under --runner auto: vLLM's
+    // default for a converted decoder is the last token, normalized, which
+    // is what Qwen3-Embedding's own files say.
+    for (runner, convert) in [
+        (RunnerKind::Pooling, ConvertKind::Auto),
+        (RunnerKind::Auto, ConvertKind::Embed),
+    ] {
+        let mut a = args(&dir);
+        a.runner = runner;
+        a.convert = convert;
+        let mut llm = LLM::new(a).expect("load for pooling");
+        let v = llm
+            .embed(std::slice::from_ref(&prompt), None)
+            .expect("embed");
+        let c = cosine(&v[0], &want);
+        assert!(c >= MIN_COSINE, "{runner:?}/{convert:?}: cosine {c}");
+    }
+
+    // --pooler-config normalize false: the raw hidden state, whose
+    // direction is still sentence-transformers'.
+    let mut a = args(&dir);
+    a.runner = RunnerKind::Pooling;
+    a.pooler_config = Some(r#"{"normalize": false}"#.into());
+    let mut raw = LLM::new(a).expect("load unnormalized");
+    let v = raw
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect("embed raw");
+    let norm: f64 = v[0]
+        .iter()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (norm - 1.0).abs() > 1e-2,
+        "not normalized, yet its norm is {norm}"
+    );
+    assert!(cosine(&v[0], &want) >= MIN_COSINE);
+
+    // What is not implemented is refused at start-up, by name.
+    for (json, word) in [
+        (r#"{"pooling_type": "MEAN"}"#, "MEAN"),
+        (r#"{"softmax": true}"#, "softmax"),
+    ] {
+        let mut a = args(&dir);
+        a.runner = RunnerKind::Pooling;
+        a.pooler_config = Some(json.into());
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{json}: {e:#}");
+    }
+    let mut a = args(&dir);
+    a.convert = ConvertKind::Classify;
+    let e = LLM::new(a).err().expect("classify refused");
+    assert!(format!("{e:#}").contains("classify"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
