@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The official `openai` package's `embeddings.create`, unmodified, against
-a Pagoda serving an embedding model, compared with sentence-transformers'
-vectors in the fixture's reference.json.
+"""The official `openai` package's `embeddings.create` and LangChain's
+`OpenAIEmbeddings`, unmodified, against a Pagoda serving an embedding model,
+compared with sentence-transformers' vectors in the fixture's reference.json.
 
 usage: openai_embeddings.py BASE_URL MODEL REFERENCE_JSON
 The SDK asks for base64 unless told otherwise and decodes it itself; both
@@ -52,6 +52,20 @@ for fmt in (None, "float", "base64"):
 r = client.embeddings.create(model=model, input=texts[0], dimensions=16)
 check("dimensions=16", len(r.data[0].embedding) == 16
       and cosine(r.data[0].embedding, ref["dimensions"]["16"][0]) >= 0.99999, r.data[0])
+# LangChain's OpenAIEmbeddings. check_embedding_ctx_length=False is how
+# LangChain is pointed at any server other than OpenAI's: otherwise it
+# sends tiktoken's cl100k ids, which are OpenAI's vocabulary, not the model's.
+from langchain_openai import OpenAIEmbeddings  # noqa: E402
+
+lc = OpenAIEmbeddings(model=model, base_url=base + "/v1", api_key="unused",
+                      check_embedding_ctx_length=False, max_retries=0)
+docs = lc.embed_documents(texts)
+worst = min(cosine(v, w) for v, w in zip(docs, want))
+check(f"langchain embed_documents matches sentence-transformers (cosine {worst:.7f})",
+      len(docs) == len(texts) and worst >= 0.99999, worst)
+q = lc.embed_query(texts[2])
+check("langchain embed_query", cosine(q, want[2]) >= 0.99999, q[:4])
+
 try:
     client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
     check("chat on an embedding model is refused", False)

@@ -253,7 +253,8 @@ fn embedding_errors_are_vllms_400s() {
 }
 
 /// The official `openai` package's `embeddings.create` (float, base64, and
-/// its default), as tests/python/openai_embeddings.py drives it.
+/// its default) and LangChain's `OpenAIEmbeddings`, as
+/// tests/python/openai_embeddings.py drives them.
 #[test]
 fn the_official_openai_client_embeds() {
     let s = start();
