@@ -202,9 +202,17 @@ fn embedding_errors_are_vllms_400s() {
         &json!({"model": "smol", "input": vec![5; 64]}),
     );
     assert_eq!(ok["data"][0]["embedding"], same["data"][0]["embedding"]);
-    cut["truncate_prompt_tokens"] = json!(65);
-    let (st, e) = s.post("/v1/embeddings", &cut);
-    assert_eq!(st, 400, "{e}");
+    for k in [65, 0, -2] {
+        cut["truncate_prompt_tokens"] = json!(k);
+        let (st, e) = s.post("/v1/embeddings", &cut);
+        assert_eq!(st, 400, "truncate_prompt_tokens {k}: {e}");
+        assert_eq!(e["error"]["param"], "truncate_prompt_tokens", "{e}");
+    }
+    // -1 is the context's length.
+    cut["truncate_prompt_tokens"] = json!(-1);
+    let (st, all) = s.post("/v1/embeddings", &cut);
+    assert_eq!(st, 200, "{all}");
+    assert_eq!(all["data"][0]["embedding"], same["data"][0]["embedding"]);
 
     for (body, param) in [
         (json!({"model": "smol", "input": []}), "input"),

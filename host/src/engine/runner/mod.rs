@@ -244,9 +244,10 @@ impl<B: Backend> ModelRunner<B> {
             }
             // The sequence's last logit row is its last token's.
             let row = next_row - 1;
-            self.output
-                .pooled
-                .push((s.id, hidden[row * d..(row + 1) * d].to_vec()));
+            let v = hidden.get(row * d..(row + 1) * d).with_context(|| {
+                format!("pooling row {row} lies past the step's {rows} logit rows")
+            })?;
+            self.output.pooled.push((s.id, v.to_vec()));
         }
         Ok(())
     }

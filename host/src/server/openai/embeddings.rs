@@ -232,6 +232,12 @@ pub async fn embeddings(
         None => None,
         Some(-1) => Some(max_len),
         Some(k) if k >= 1 && k as usize <= max_len => Some(k as usize),
+        Some(k) if k < 1 => {
+            return Err(ApiError::invalid(
+                Some("truncate_prompt_tokens".into()),
+                format!("truncate_prompt_tokens {k}: give -1 (the context's length) or a positive number of tokens to keep"),
+            ))
+        }
         Some(k) => {
             return Err(ApiError::invalid(
                 Some("truncate_prompt_tokens".into()),
