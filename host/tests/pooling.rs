@@ -230,3 +230,37 @@ fn runner_convert_and_pooler_config_flags_decide_pooling_as_vllm_reads_them() {
     assert!(format!("{e:#}").contains("classify"), "{e:#}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A long input is prefilled in chunks over several steps (here 8 tokens
+/// a step, beside the other inputs' chunks), and queued inputs wait for a
+/// sequence slot: the vector is read only at the chunk that ends the
+/// prompt, and is still sentence-transformers'.
+#[test]
+fn chunked_and_queued_pooling_rows_give_the_same_vectors() {
+    let r = reference("qwen3-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut a = args(&fixture("qwen3-embed"));
+    a.max_num_batched_tokens = 8;
+    a.max_num_seqs = 2;
+    a.enable_prefix_caching = false;
+    let mut llm = LLM::new(a).expect("load qwen3-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    let got = llm.embed(&prompts, None).expect("embed in chunks");
+    for (k, (v, i)) in got.iter().zip(inputs).enumerate() {
+        let c = cosine(v, &floats(&i["embedding"]));
+        assert!(c >= MIN_COSINE, "input {k}: cosine {c}");
+    }
+    // 8 tokens a step: every token of every input was computed in chunks.
+    let total: usize = inputs
+        .iter()
+        .map(|i| i["token_ids"].as_array().map_or(0, Vec::len))
+        .sum();
+    let steps = llm.engine().stats().steps;
+    assert!(
+        steps as usize >= total.div_ceil(8),
+        "{total} tokens in {steps} steps of at most 8"
+    );
+}
