@@ -78,6 +78,7 @@ fn requests(params: &SamplingParams) -> Vec<RequestState> {
                 block_table: Vec::new(),
                 spec: SpecState::default(),
                 lora: None,
+                pooling: false,
             };
             for _ in 0..100 {
                 // Repeats, as real outputs have.

@@ -31,6 +31,7 @@ fn request(id: u64, params: SamplingParams, prompt: Vec<u32>) -> RequestState {
         block_table: Vec::new(),
         spec: SpecState::default(),
         lora: None,
+        pooling: false,
     }
 }
 

@@ -213,7 +213,7 @@ fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
 
     // Routes Pagoda does not serve answer with the OpenAI error body.
     for (path, status) in [
-        ("/v1/embeddings", 501),
+        ("/v1/moderations", 501),
         ("/v1/audio/speech", 501),
         ("/v1/nonsense", 404),
     ] {
@@ -226,6 +226,17 @@ fn ping_invocations_model_fields_unserved_routes_and_cached_tokens() {
             "{path}: {e}"
         );
     }
+
+    // Embeddings from a generation model: a 400 (not a 5xx the openai
+    // SDK would retry) that says which endpoints the model serves.
+    let (st, e) = s.post("/v1/embeddings", &json!({"model": "smol", "input": "x"}));
+    assert_eq!(st, 400, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("/v1/completions")),
+        "{e}"
+    );
 
     // The second request of a long shared prompt finds it cached.
     let prompt = "Pagoda serves many tenants from one fleet. ".repeat(20);

@@ -192,6 +192,20 @@ pub struct EngineFlags {
     /// streams per adapter.
     #[arg(long, default_value = "auto", value_parser = parse_lora_dtype)]
     pub lora_dtype: crate::engine::lora::LoraDtype,
+    /// What the model is served for, as vLLM's --runner: generate,
+    /// pooling (embeddings on /v1/embeddings), or auto (pooling when the
+    /// checkpoint is a headless `*Model` or has sentence-transformers'
+    /// modules.json).
+    #[arg(long, default_value = "auto")]
+    pub runner: String,
+    /// How a generative checkpoint becomes a pooling model, as vLLM's
+    /// --convert: auto, embed (its last hidden states) or classify.
+    #[arg(long, default_value = "auto")]
+    pub convert: String,
+    /// The pooler over the model's own (1_Pooling, 2_Normalize), as vLLM's
+    /// JSON: {"pooling_type": "LAST", "normalize": true}.
+    #[arg(long)]
+    pub pooler_config: Option<String>,
 }
 
 fn parse_lora_dtype(s: &str) -> Result<crate::engine::lora::LoraDtype> {
@@ -273,6 +287,9 @@ impl EngineFlags {
             self.speculative_model.as_deref(),
             self.num_speculative_tokens,
         )?;
+        a.runner = crate::engine::pooling::RunnerKind::parse(&self.runner)?;
+        a.convert = crate::engine::pooling::ConvertKind::parse(&self.convert)?;
+        a.pooler_config = self.pooler_config.clone();
         if !self.enable_lora && !self.lora_modules.is_empty() {
             bail!("--lora-modules needs --enable-lora");
         }

@@ -84,6 +84,12 @@ pub struct EngineArgs {
     pub kv_events: Option<KvEventsConfig>,
     /// LoRA adapters (`--enable-lora` and its flags), if on.
     pub lora: Option<crate::engine::lora::LoraArgs>,
+    /// `--runner`: generation, pooling, or what the model's files say.
+    pub runner: crate::engine::pooling::RunnerKind,
+    /// `--convert`: how a generative checkpoint becomes a pooling model.
+    pub convert: crate::engine::pooling::ConvertKind,
+    /// `--pooler-config`: vLLM's JSON over the model's own pooling.
+    pub pooler_config: Option<String>,
 }
 
 /// `--max-num-seqs` on the CPU when the flag is not given: where batched
@@ -130,6 +136,9 @@ impl EngineArgs {
             speculative: None,
             kv_events: None,
             lora: None,
+            runner: Default::default(),
+            convert: Default::default(),
+            pooler_config: None,
         }
     }
 }
@@ -345,7 +354,8 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             );
         }
     }
-    match args.device {
+    let pooler = resolve_pooler(args)?;
+    let mut core = match args.device {
         Device::Cpu => assemble(cpu_backend(args)?, args),
         #[cfg(feature = "cuda")]
         Device::Cuda => assemble(
@@ -360,7 +370,71 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             },
             anyhow::Error::from,
         )),
+    }?;
+    if let Some(p) = &pooler {
+        if args.speculative.is_some() || args.lora.is_some() {
+            bail!("--runner pooling serves embeddings, which neither speculative decoding nor LoRA adapters apply to; drop --speculative-config and --enable-lora");
+        }
+        tracing::info!(
+            "serving for pooling (embeddings): {} pooling{}",
+            p.pooling_type.name(),
+            if p.normalize { ", L2-normalized" } else { "" }
+        );
     }
+    core.set_pooler(pooler);
+    Ok(core)
+}
+
+/// Decides whether the model is served for pooling (`--runner`,
+/// `--convert`) and how it pools: `--pooler-config` over the model's
+/// sentence-transformers files, else vLLM's default for a decoder turned
+/// into an embedding model (last token, normalized).
+fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::PoolerConfig>> {
+    use crate::engine::pooling::{
+        architecture_is_pooling, ConvertKind, PoolerConfig, PoolingType, RunnerKind,
+    };
+    let dir = args.model.is_dir().then_some(args.model.as_path());
+    let config_json = match dir {
+        Some(d) => std::fs::read_to_string(d.join("config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok()),
+        None => None,
+    };
+    let own = match dir {
+        Some(d) => PoolerConfig::from_sentence_transformers(d)?,
+        None => None,
+    };
+    let pooling = match args.runner {
+        RunnerKind::Pooling => true,
+        RunnerKind::Generate => false,
+        RunnerKind::Auto => {
+            args.convert != ConvertKind::Auto
+                || config_json.as_ref().is_some_and(architecture_is_pooling)
+                || own.is_some()
+        }
+    };
+    if !pooling {
+        if args.pooler_config.is_some() || args.convert != ConvertKind::Auto {
+            bail!("--pooler-config and --convert apply to pooling models; add --runner pooling");
+        }
+        return Ok(None);
+    }
+    if args.convert == ConvertKind::Classify {
+        bail!("--convert classify (scoring with a decoder's logits, the Qwen3-Reranker form) is not implemented yet; serve a decoder for embeddings with --convert embed");
+    }
+    let mut cfg = own.unwrap_or(PoolerConfig::DECODER_DEFAULT);
+    if let Some(json) = &args.pooler_config {
+        cfg = cfg.with_overrides(json)?;
+    }
+    // The decoder families read the hidden state of the row they would
+    // sample from, which is the last token's.
+    if cfg.pooling_type != PoolingType::Last {
+        bail!(
+            "{} pooling of a decoder model is not implemented (its runner pools the last token); use --pooler-config '{{\"pooling_type\": \"LAST\"}}'",
+            cfg.pooling_type.name()
+        );
+    }
+    Ok(Some(cfg))
 }
 
 /// Runs one forward of the largest step the scheduler can plan (a prefill

@@ -120,6 +120,7 @@ pub struct AsyncEngine {
     tokenizer: Arc<Tokenizer>,
     max_model_len: usize,
     vocab_size: usize,
+    hidden_size: usize,
     /// The ids that end an output, for structured output's token trie.
     eos_ids: Arc<[u32]>,
     /// The structured-output compiler, once first asked for.
@@ -127,6 +128,8 @@ pub struct AsyncEngine {
     sampling_defaults: Arc<SamplingDefaults>,
     /// The LoRA adapters requests may name (`--enable-lora`).
     loras: Option<crate::engine::lora::SharedLoras>,
+    /// How the model pools, when it is served for pooling.
+    pooler: Option<Arc<crate::engine::pooling::PoolerConfig>>,
     /// `Some(why)` once the engine thread has died.
     dead: watch::Receiver<Option<String>>,
 }
@@ -193,6 +196,8 @@ impl AsyncEngine {
         let tokenizer = core.tokenizer().clone();
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().config().vocab_size;
+        let pooler = core.pooler().cloned().map(Arc::new);
+        let hidden_size = core.runner().config().hidden_size;
         // What the KV cache is, once, as vLLM publishes it.
         let kv = core.kv_cache();
         metrics::gauge!(
@@ -264,6 +269,8 @@ impl AsyncEngine {
             tokenizer,
             max_model_len,
             vocab_size,
+            hidden_size,
+            pooler,
             eos_ids,
             grammar: Arc::new(OnceLock::new()),
             sampling_defaults,
@@ -372,6 +379,17 @@ impl AsyncEngine {
     /// The model's vocabulary size.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
+    }
+
+    /// How the model pools, when it is served for pooling (`--runner
+    /// pooling`); `None` for a generation model.
+    pub fn pooler(&self) -> Option<&Arc<crate::engine::pooling::PoolerConfig>> {
+        self.pooler.as_ref()
+    }
+
+    /// The model's hidden size: the length of its pooled vectors.
+    pub fn hidden_size(&self) -> usize {
+        self.hidden_size
     }
 
     /// The model's structured-output compiler, built on first use (its

@@ -259,7 +259,9 @@ impl ModelConfig {
             (Some("LlamaForCausalLM"), _) | (None, "llama") => HfFamily::Llama,
             (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
             (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => HfFamily::Qwen2,
-            (Some("Qwen3ForCausalLM"), _) | (None, "qwen3") => HfFamily::Qwen3,
+            // `Qwen3Model`: the headless decoder Qwen3-Embedding is saved
+            // as; served for pooling (see `engine::pooling`).
+            (Some("Qwen3ForCausalLM" | "Qwen3Model"), _) | (None, "qwen3") => HfFamily::Qwen3,
             (Some("MixtralForCausalLM"), _) | (None, "mixtral") => HfFamily::Mixtral,
             (Some("Qwen2MoeForCausalLM"), _) | (None, "qwen2_moe") => HfFamily::Qwen2Moe,
             (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => HfFamily::Qwen3Moe,

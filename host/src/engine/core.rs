@@ -48,6 +48,10 @@ pub struct RequestOptions {
     pub reasoning_end: Option<Vec<u32>>,
     /// The LoRA adapter to run with ([`EngineCore::lora`]), if any.
     pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
+    /// A pooling request (embeddings): the prompt runs, its pooled hidden
+    /// state comes back in the final output, nothing is generated. Only a
+    /// model served for pooling ([`EngineCore::pooler`]) takes one.
+    pub pooling: bool,
 }
 
 /// Counters the engine keeps for metrics and logs.
@@ -94,6 +98,9 @@ pub struct EngineCore {
     /// Shared with the front end, which loads and unloads adapters off
     /// the engine thread ([`EngineCore::lora_registry`]).
     loras: Option<crate::engine::lora::SharedLoras>,
+    /// How the model pools, when it is served for pooling (`--runner
+    /// pooling`); `None` for generation.
+    pooler: Option<crate::engine::pooling::PoolerConfig>,
 }
 
 impl EngineCore {
@@ -121,7 +128,19 @@ impl EngineCore {
             guided: Vec::new(),
             kv_events: None,
             loras: None,
+            pooler: None,
         }
+    }
+
+    /// Serves the model for pooling (embeddings) with `pooler`: requests
+    /// must then be pooling requests, and generation ones are refused.
+    pub fn set_pooler(&mut self, pooler: Option<crate::engine::pooling::PoolerConfig>) {
+        self.pooler = pooler;
+    }
+
+    /// How the model pools, if it is served for pooling.
+    pub fn pooler(&self) -> Option<&crate::engine::pooling::PoolerConfig> {
+        self.pooler.as_ref()
     }
 
     /// Serves LoRA adapters from `registry` (`--enable-lora`): the model
@@ -312,6 +331,29 @@ impl EngineCore {
                     .into(),
             });
         }
+        match (opts.pooling, self.pooler.is_some()) {
+            (true, false) => {
+                return Err(ParamError {
+                    param: "model",
+                    message: "The model does not support the Embeddings API; it is served for generation: use /v1/completions or /v1/chat/completions, or restart with --runner pooling".into(),
+                })
+            }
+            (false, true) => {
+                return Err(ParamError {
+                    param: "model",
+                    message: "The model does not support generation; it is served for pooling (--runner pooling): use /v1/embeddings".into(),
+                })
+            }
+            _ => {}
+        }
+        if opts.pooling {
+            // A pooling row runs its prompt and generates nothing: the
+            // runner reads the pooled hidden state where it would sample.
+            params.max_tokens = Some(0);
+            params.prompt_logprobs = None;
+            params.logprobs = None;
+            params.n = 1;
+        }
         let max_tokens_set = params.max_tokens.is_some();
         params.apply_defaults(&self.sampling_defaults);
         let vocab = self.runner.config().vocab_size;
@@ -329,7 +371,17 @@ impl EngineCore {
             });
         }
         let prompt_len = prompt_ids.len();
-        if prompt_len >= self.max_model_len {
+        if opts.pooling && prompt_len > self.max_model_len {
+            // vLLM's message for an embedding input over the context.
+            return Err(ParamError {
+                param: "input",
+                message: format!(
+                    "This model's maximum context length is {} tokens. However, you requested {prompt_len} tokens in the input for embedding generation. Please reduce the length of the input.",
+                    self.max_model_len
+                ),
+            });
+        }
+        if prompt_len >= self.max_model_len && !opts.pooling {
             return Err(ParamError {
                 param: "prompt",
                 message: format!(
@@ -370,9 +422,11 @@ impl EngineCore {
             salt: opts.cache_salt,
             // Prompt logprobs come from the exact kernels, so a prompt
             // scores as generation would compute it.
+            // Pooled vectors too: they are the exact model's.
             prompt_kernel: prompt_len >= crate::engine::request::PROMPT_KERNEL_MIN_LEN
                 && self.runner.has_prompt_kernel()
-                && params.prompt_logprobs.is_none(),
+                && params.prompt_logprobs.is_none()
+                && !opts.pooling,
             priority: opts.priority,
             tenant: opts.tenant,
             arrival: id,
@@ -395,6 +449,7 @@ impl EngineCore {
             blocks_sent: 0,
             blocks_shrunk: false,
             lora: opts.lora,
+            pooling: opts.pooling,
         };
         self.stats.prompt_tokens += prompt_len as u64;
         self.scheduler.add(req);

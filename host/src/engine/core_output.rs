@@ -37,6 +37,8 @@ pub struct EngineCoreOutput {
     /// When the request was first scheduled (admission to the running set),
     /// for queue and prefill times.
     pub scheduled_at: Option<std::time::Instant>,
+    /// A pooling request's final output: the raw pooled hidden state.
+    pub pooled: Option<Vec<f32>>,
 }
 
 impl EngineCoreOutput {
@@ -47,6 +49,9 @@ impl EngineCoreOutput {
         self.logprobs.extend(next.logprobs);
         if next.prompt_logprobs.is_some() {
             self.prompt_logprobs = next.prompt_logprobs;
+        }
+        if next.pooled.is_some() {
+            self.pooled = next.pooled;
         }
         self.finish_reason = next.finish_reason;
         self.stop_reason = next.stop_reason;
@@ -98,6 +103,7 @@ impl EngineCoreOutput {
             num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: n_out,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
         }
     }
 
@@ -118,6 +124,7 @@ impl EngineCoreOutput {
             num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: 0,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
         }
     }
 
@@ -135,6 +142,7 @@ impl EngineCoreOutput {
             num_spec_accepted: req.num_spec_accepted,
             num_output_tokens: req.token_ids.len() - req.prompt_len,
             scheduled_at: req.first_scheduled_at,
+            pooled: None,
             external_id: req.external_id,
         }
     }

@@ -107,6 +107,66 @@ impl LLM {
         }
     }
 
+    /// Embeds every prompt with a model served for pooling (`--runner
+    /// pooling`), all in the same batches, and returns their vectors in
+    /// prompt order, as vLLM's `LLM.embed`: pooled, truncated to
+    /// `dimensions` if given, and normalized as the model's pooler says.
+    pub fn embed(
+        &mut self,
+        prompts: &[Prompt],
+        dimensions: Option<usize>,
+    ) -> Result<Vec<Vec<f32>>> {
+        let pooler = self.core.pooler().cloned().context(
+            "the model is served for generation; build the engine with --runner pooling to embed",
+        )?;
+        let mut owner: HashMap<u64, usize> = HashMap::new();
+        for (pi, prompt) in prompts.iter().enumerate() {
+            let ids = match prompt {
+                Prompt::Text(t) => self.core.tokenizer().encode_for_pooling(t)?,
+                Prompt::Tokens(t) => t.clone(),
+            };
+            let request_id = format!("{}", self.next_request);
+            self.next_request += 1;
+            let id = self
+                .core
+                .add_request(
+                    request_id,
+                    ids,
+                    SamplingParams::default(),
+                    RequestOptions {
+                        pooling: true,
+                        ..Default::default()
+                    },
+                )
+                .with_context(|| format!("prompt {pi}"))?;
+            owner.insert(id, pi);
+        }
+        let mut results: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
+        let mut remaining = owner.len();
+        while remaining > 0 {
+            for o in self.core.step()? {
+                let Some(&pi) = owner.get(&o.id) else {
+                    continue;
+                };
+                if o.finish_reason.is_some() {
+                    let v = o.pooled.with_context(|| {
+                        format!("prompt {pi}: the engine returned no pooled vector")
+                    })?;
+                    results[pi] = Some(pooler.finish(v, dimensions));
+                    remaining -= 1;
+                }
+            }
+            if remaining > 0 && !self.core.has_unfinished() {
+                anyhow::bail!("the engine stopped with {remaining} pooling requests unfinished");
+            }
+        }
+        results
+            .into_iter()
+            .enumerate()
+            .map(|(i, r)| r.with_context(|| format!("prompt {i}: no output")))
+            .collect()
+    }
+
     /// Generates completions for every prompt, batched, and returns them in
     /// prompt order. Fields of `params` left unset take the model's
     /// defaults ([`LLM::sampling_defaults`]).

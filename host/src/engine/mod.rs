@@ -40,6 +40,7 @@ pub mod loader;
 pub mod lora;
 pub mod models;
 pub mod output_processor;
+pub mod pooling;
 pub mod request;
 pub mod runner;
 pub mod runner_output;

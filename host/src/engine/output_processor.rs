@@ -37,6 +37,9 @@ pub struct StepOutput {
     /// When the request was first scheduled (admission to the running set),
     /// for queue and prefill times.
     pub scheduled_at: Option<std::time::Instant>,
+    /// A pooling request's final output: the raw pooled hidden state
+    /// (see [`crate::engine::pooling::PoolerConfig::finish`]).
+    pub pooled: Option<Vec<f32>>,
 }
 
 /// The strings that end a request's output, from its parameters.
@@ -195,6 +198,7 @@ impl OutputProcessor {
                 num_spec_accepted: out.num_spec_accepted.min(num_output_tokens),
                 num_output_tokens,
                 scheduled_at: out.scheduled_at,
+                pooled: out.pooled,
             },
         })
     }

@@ -535,6 +535,9 @@ pub struct Request {
     pub(crate) blocks_shrunk: bool,
     /// The LoRA adapter it runs with, if any.
     pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
+    /// A pooling request: its prompt runs, the runner returns the pooled
+    /// hidden state instead of sampling, and it leaves at once.
+    pub pooling: bool,
 }
 
 /// Shortest prompt whose positions run on the prompt kernel where the model

@@ -16,6 +16,9 @@ pub struct ModelRunnerOutput {
     /// The prompt-token scores the step computed, for requests that asked
     /// for prompt logprobs.
     pub prompt_logprobs: Vec<PromptScore>,
+    /// The pooled hidden states of the pooling requests that reached
+    /// their end this step, by request id.
+    pub pooled: Vec<(u64, Vec<f32>)>,
 }
 
 /// One sequence's share of a [`ModelRunnerOutput`].
@@ -47,6 +50,13 @@ impl ModelRunnerOutput {
         self.tokens.clear();
         self.logprobs.clear();
         self.prompt_logprobs.clear();
+        self.pooled.clear();
+    }
+
+    /// Takes request `id`'s pooled hidden state, if the step made one.
+    pub fn take_pooled(&mut self, id: u64) -> Option<Vec<f32>> {
+        let i = self.pooled.iter().position(|(p, _)| *p == id)?;
+        Some(self.pooled.swap_remove(i).1)
     }
 
     /// Opens sequence `id`'s entry; what is pushed until the next call is

@@ -554,6 +554,7 @@ impl Scheduler {
                     prompt_kernel: req.prompt_kernel,
                     structured: req.grammar.is_some(),
                     lora: req.lora.clone(),
+                    pooling: req.pooling,
                 });
             }
             s.state_slot = kv.state_slot(s.id);
@@ -731,7 +732,16 @@ impl Scheduler {
             if sampled == 0 {
                 // Nothing was left to generate (max_tokens 0): the prompt
                 // ran and was scored.
-                let done = EngineCoreOutput::prompt_only(req);
+                let mut done = EngineCoreOutput::prompt_only(req);
+                if req.pooling {
+                    done.pooled = out.take_pooled(s.id);
+                    if done.pooled.is_none() {
+                        // The runner pools every pooling row that reaches
+                        // its end; a missing vector is a bug, reported to
+                        // the client rather than answered with nothing.
+                        done.finish_reason = Some(FinishReason::Abort);
+                    }
+                }
                 self.remove(s.id, FinishReason::Length, kv);
                 outputs.push(done);
                 continue;

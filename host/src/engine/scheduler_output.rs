@@ -81,6 +81,9 @@ pub struct NewRequest {
     pub structured: bool,
     /// The LoRA adapter it runs with, if any.
     pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
+    /// A pooling request: the runner reads its last prompt row's hidden
+    /// state instead of sampling.
+    pub pooling: bool,
 }
 
 /// A step's plan.

@@ -713,7 +713,10 @@ async fn dispatch(
         }
         (_, p)
             if p.starts_with("/v1/")
-                || matches!(p, "/tokenize" | "/detokenize" | "/tokenizer_info") =>
+                || matches!(
+                    p,
+                    "/tokenize" | "/detokenize" | "/tokenizer_info" | "/pooling"
+                ) =>
         {
             match authenticate(&state, &req) {
                 Err(e) => Err(e),
@@ -819,6 +822,26 @@ async fn api_route(
             let body = read_json(&state, req).await?;
             update_lora(&state, p == "/v1/load_lora_adapter", &body).await
         }
+        (Method::POST, "/v1/embeddings") => {
+            let body = read_json(&state, req).await?;
+            openai::embeddings::embeddings(
+                state,
+                body,
+                tenant,
+                openai::embeddings::PoolingRoute::Embeddings,
+            )
+            .await
+        }
+        (Method::POST, "/pooling") => {
+            let body = read_json(&state, req).await?;
+            openai::embeddings::embeddings(
+                state,
+                body,
+                tenant,
+                openai::embeddings::PoolingRoute::Pooling,
+            )
+            .await
+        }
         (Method::POST, "/v1/completions/render") => {
             let body = read_json(&state, req).await?;
             openai::render(state, body, tenant, false).await
@@ -870,9 +893,14 @@ async fn api_route(
             openai::detokenize(state, body, tenant).await
         }
         (Method::GET, "/tokenizer_info") => tokenizer_info(&state),
-        (m, p @ ("/v1/models" | "/v1/completions" | "/v1/chat/completions" | "/v1/responses")) => {
-            Err(ApiError::method_not_allowed(m.as_str(), p))
-        }
+        (
+            m,
+            p @ ("/v1/models"
+            | "/v1/completions"
+            | "/v1/chat/completions"
+            | "/v1/responses"
+            | "/v1/embeddings"),
+        ) => Err(ApiError::method_not_allowed(m.as_str(), p)),
         (_, p) => Err(match unserved_route(p) {
             Some(what) => ApiError::not_implemented(p, what),
             None => ApiError::not_found(p),
@@ -1029,7 +1057,6 @@ fn percent_decode(s: &str) -> String {
 /// client learns it is missing here rather than misspelled.
 fn unserved_route(path: &str) -> Option<&'static str> {
     let known: &[(&str, &str)] = &[
-        ("/v1/embeddings", "embeddings"),
         ("/v1/audio/", "audio"),
         ("/v1/images/", "images"),
         ("/v1/moderations", "moderations"),
@@ -1041,7 +1068,6 @@ fn unserved_route(path: &str) -> Option<&'static str> {
         ("/v2/rerank", "reranking"),
         ("/rerank", "reranking"),
         ("/score", "scoring"),
-        ("/pooling", "pooling"),
         ("/classify", "classification"),
     ];
     known
@@ -1106,9 +1132,15 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let bos = engine.tokenizer().bos_id().unwrap_or(0);
         let params = crate::engine::SamplingParams::greedy(1);
+        // A pooling model warms up on a pooling request (it refuses to
+        // generate).
+        let opts = crate::engine::core::RequestOptions {
+            pooling: engine.pooler().is_some(),
+            ..Default::default()
+        };
         let warm = async {
             engine
-                .submit("warmup".into(), vec![bos], params, Default::default(), tx)
+                .submit("warmup".into(), vec![bos], params, opts, tx)
                 .await
                 .map_err(|e| anyhow::anyhow!("warm-up request refused: {e}"))?;
             while let Some(o) = rx.recv().await {

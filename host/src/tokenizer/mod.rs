@@ -640,6 +640,18 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes an input of a pooling model as transformers' tokenizer does
+    /// with `add_special_tokens=True`: the tokenizer's post-processor adds
+    /// its special tokens (BERT's `[CLS]`/`[SEP]`, the `<|endoftext|>`
+    /// Qwen3-Embedding pools), which is what the model was trained to see.
+    pub fn encode_for_pooling(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| anyhow!("cannot tokenize the text: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
     /// The token sequences `bad_words` ban, as vLLM tokenizes them
     /// (`SamplingParams.update_from_tokenizer`): each word, stripped of
     /// leading whitespace, as it encodes at the start of a text; and, with

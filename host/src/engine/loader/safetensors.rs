@@ -16,7 +16,9 @@ pub struct SafetensorsSource {
     dir: PathBuf,
     shards: Vec<(PathBuf, Mmap)>,
     /// tensor name → index into `shards`
-    index: HashMap<String, usize>,
+    /// Each tensor's shard and its name there, under the name the model
+    /// definitions read it by.
+    index: HashMap<String, (usize, String)>,
     dtype: DType,
     /// The checkpoint's quantization scheme, if it has one.
     scheme: Option<Scheme>,
@@ -117,9 +119,21 @@ impl SafetensorsSource {
                 anyhow::anyhow!("{}: not a valid safetensors file: {e}", path.display())
             })?;
             for n in names {
-                index.insert(n, i);
+                index.insert(n.clone(), (i, n));
             }
             shards.push((path, mmap));
+        }
+        // A decoder saved from its headless `*Model` class (as
+        // sentence-transformers saves Qwen3-Embedding) names its tensors
+        // without the `model.` prefix the `*ForCausalLM` layout has: serve
+        // them under the prefixed names the model definitions read.
+        if index.contains_key("embed_tokens.weight")
+            && !index.contains_key("model.embed_tokens.weight")
+        {
+            index = index
+                .into_iter()
+                .map(|(k, v)| (format!("model.{k}"), v))
+                .collect();
         }
         Ok(SafetensorsSource {
             dir: dir.to_path_buf(),
@@ -160,7 +174,7 @@ impl SafetensorsSource {
     }
 
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
-        let &i = self
+        let (i, stored) = self
             .index
             .get(name)
             .with_context(|| format!("{}: tensor '{name}' is missing", self.dir.display()))?;
@@ -168,11 +182,11 @@ impl SafetensorsSource {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(name.to_string());
-        let (path, mmap) = &self.shards[i];
+        let (path, mmap) = &self.shards[*i];
         let st = SafeTensors::deserialize(mmap)
             .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let view = st
-            .tensor(name)
+            .tensor(stored)
             .map_err(|e| anyhow::anyhow!("{}: tensor '{name}': {e}", path.display()))?;
         Ok((path.as_path(), view))
     }

@@ -122,9 +122,11 @@ pub trait CausalLm<B: Backend>: Send {
     }
     /// Runs one step, whose metadata `step` already holds on the device
     /// (`n_tokens` tokens, `n_logits` logit rows), and leaves the logits of
-    /// the logit rows in `ws.logits` (`[n_logits, vocab]`). K/V of every
-    /// token are written into `kv` at the step's slots; a hybrid model's
-    /// linear layers read and update `state` at `state.slots`.
+    /// the logit rows in `ws.logits` (`[n_logits, vocab]`), and their
+    /// final-normed hidden states in `ws.h` (`[n_logits, hidden]`: what a
+    /// pooling request's vector is made from). K/V of every token are
+    /// written into `kv` at the step's slots; a hybrid model's linear
+    /// layers read and update `state` at `state.slots`.
     #[allow(clippy::too_many_arguments)]
     fn forward(
         &self,

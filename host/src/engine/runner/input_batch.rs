@@ -52,6 +52,8 @@ pub struct RequestState {
     pub spec: SpecState,
     /// The LoRA adapter its tokens run with, if any.
     pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
+    /// A pooling request (see [`crate::engine::pooling`]).
+    pub pooling: bool,
 }
 
 impl RequestState {
@@ -204,6 +206,7 @@ impl InputBatch {
                 block_table: Vec::new(),
                 spec: SpecState::default(),
                 lora: n.lora.clone(),
+                pooling: n.pooling,
             };
             self.insert(state);
         }

@@ -269,6 +269,41 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
+    /// Reads the pooled hidden state of every pooling request whose prompt
+    /// the step finished: its last token's final-normed hidden state, which
+    /// the model leaves in `ws.h` for each logit row (last-token pooling;
+    /// the engine refuses other pooling for decoders at start-up).
+    fn pool(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
+        let mut any = false;
+        for s in seqs {
+            any |= s.sample && self.batch.get(s.id).is_some_and(|r| r.pooling);
+        }
+        if !any {
+            return Ok(());
+        }
+        let d = self.model.config().hidden_size;
+        let rows = self.step_batch.logit_rows.len();
+        let hidden = self
+            .backend
+            .to_host(&mut self.ws.h, rows * d)
+            .context("reading the pooled hidden states back")?;
+        let mut next_row = 0;
+        for s in seqs {
+            next_row += s.logit_rows;
+            let pooling = self.batch.get(s.id).is_some_and(|r| r.pooling);
+            if !(s.sample && pooling) || next_row == 0 {
+                continue;
+            }
+            // The sequence's last logit row is its last token's.
+            let row = next_row - 1;
+            let v = hidden.get(row * d..(row + 1) * d).with_context(|| {
+                format!("pooling row {row} lies past the step's {rows} logit rows")
+            })?;
+            self.output.pooled.push((s.id, v.to_vec()));
+        }
+        Ok(())
+    }
+
     /// For each drafting sequence whose drafts were not all accepted, puts
     /// its state back as it was before the step and runs the step's tokens
     /// up to the last accepted draft again (no logits; their K/V, written
@@ -498,6 +533,8 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &mut self.batch,
         );
         self.take_sampled(&plan.seqs);
+        // Before any rollback: its forward pass overwrites `ws.h`.
+        self.pool(&plan.seqs)?;
         self.roll_back_rejected(&plan.seqs)?;
         self.propose(plan)?;
         Ok(&mut self.output)
@@ -756,6 +793,7 @@ mod tests {
             block_table: Vec::new(),
             spec: SpecState::default(),
             lora: None,
+            pooling: false,
         };
         for &t in output {
             r.append(t);

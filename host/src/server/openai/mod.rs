@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod anthropic;
+pub mod embeddings;
 pub mod fields;
 pub mod protocol;
 pub mod reasoning;
@@ -62,6 +63,7 @@ pub async fn completions(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?;
+    embeddings::refuse_generation(engine, "/v1/completions")?;
     let prompts = parse_prompts(&f)?;
     let tok = engine.tokenizer().clone();
     let max_len = engine.max_model_len();
@@ -361,6 +363,7 @@ pub async fn chat(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?;
+    embeddings::refuse_generation(engine, "/v1/chat/completions")?;
     let (ids, mode) = chat_prompt(
         &state,
         engine,
@@ -438,6 +441,7 @@ pub async fn chat_batch(
     }
     // A tenant's own adapter serves its batches as it serves its chats.
     let engine = state.engine_as(&common.model, ctx.as_ref())?;
+    embeddings::refuse_generation(engine, "/v1/chat/completions/batch")?;
     let mut prompts = Vec::with_capacity(conversations.len());
     for (i, conversation) in conversations.into_iter().enumerate() {
         // Each conversation is rendered as the chat body it stands for.

@@ -232,6 +232,7 @@ pub fn parse_common(
             sample_index: 0,
             reasoning_end: None,
             lora: None,
+            pooling: false,
         },
         stream,
         include_usage,

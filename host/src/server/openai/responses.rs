@@ -859,6 +859,7 @@ async fn respond(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
+    super::embeddings::refuse_generation(&engine, "/v1/responses")?;
     // Function tools go through the chat path's parsing, schema
     // enforcement (named and required choices) and templates.
     let (ids, mode) = super::chat_prompt(

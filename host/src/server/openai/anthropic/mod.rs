@@ -162,6 +162,7 @@ async fn prepare(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
+    super::embeddings::refuse_generation(&engine, "/v1/messages")?;
     let (ids, mode) = super::chat_prompt(
         state,
         &engine,

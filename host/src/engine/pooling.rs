@@ -1,0 +1,284 @@
+//! Pooling models (embeddings): which runner a model gets (`--runner`,
+//! `--convert`), and how its hidden states become one vector per input
+//! (`--pooler-config`, else the model's sentence-transformers files), as
+//! vLLM reads them.
+//!
+//! A pooling request is a prefill-only row in the engine's ordinary
+//! batches: it runs its prompt, the runner reads the final-normed hidden
+//! state of the pooled token instead of sampling, and the request leaves
+//! at once, keeping no KV (see `EngineCore::add_request`). The raw pooled
+//! state comes back in the engine's output; [`PoolerConfig::finish`] then
+//! truncates (`dimensions`) and normalizes it, in the front end.
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// `--runner`: what the model is served for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RunnerKind {
+    /// Pooling when the model's files say it is an embedding or scoring
+    /// model (an architecture without a head, or sentence-transformers'
+    /// `modules.json`), else generation.
+    #[default]
+    Auto,
+    Generate,
+    Pooling,
+}
+
+impl RunnerKind {
+    /// Parses the flag's value.
+    pub fn parse(s: &str) -> Result<RunnerKind> {
+        Ok(match s {
+            "auto" => RunnerKind::Auto,
+            "generate" => RunnerKind::Generate,
+            "pooling" => RunnerKind::Pooling,
+            other => bail!("--runner {other}: expected auto, generate or pooling"),
+        })
+    }
+}
+
+/// `--convert`: how a generative checkpoint is turned into a pooling model.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ConvertKind {
+    #[default]
+    Auto,
+    /// Embeddings from the last hidden states.
+    Embed,
+    /// Class scores from a classification head (cross-encoders).
+    Classify,
+}
+
+impl ConvertKind {
+    /// Parses the flag's value.
+    pub fn parse(s: &str) -> Result<ConvertKind> {
+        Ok(match s {
+            "auto" => ConvertKind::Auto,
+            "embed" => ConvertKind::Embed,
+            "classify" => ConvertKind::Classify,
+            "none" => ConvertKind::Auto,
+            other => bail!("--convert {other}: expected auto, embed or classify"),
+        })
+    }
+}
+
+/// Which hidden states make an input's vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolingType {
+    /// The last token's (decoder embedding models: Qwen3-Embedding).
+    Last,
+    /// The first token's (`[CLS]`).
+    Cls,
+    /// The mean over every token.
+    Mean,
+}
+
+impl PoolingType {
+    fn parse(s: &str) -> Result<PoolingType> {
+        Ok(match s.to_ascii_uppercase().as_str() {
+            "LAST" => PoolingType::Last,
+            "CLS" => PoolingType::Cls,
+            "MEAN" => PoolingType::Mean,
+            other => bail!("pooling_type {other:?}: expected LAST, CLS or MEAN"),
+        })
+    }
+
+    /// vLLM's name for it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PoolingType::Last => "LAST",
+            PoolingType::Cls => "CLS",
+            PoolingType::Mean => "MEAN",
+        }
+    }
+}
+
+/// How a pooling model makes its vectors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PoolerConfig {
+    pub pooling_type: PoolingType,
+    /// L2-normalize each vector (sentence-transformers' `Normalize`).
+    pub normalize: bool,
+}
+
+impl PoolerConfig {
+    /// What a decoder converted to an embedding model pools by default, as
+    /// vLLM's `as_embedding_model`: the last token, normalized.
+    pub const DECODER_DEFAULT: PoolerConfig = PoolerConfig {
+        pooling_type: PoolingType::Last,
+        normalize: true,
+    };
+
+    /// The pooling sentence-transformers' `modules.json` in `dir`
+    /// describes, if the folder has one: its Pooling module's
+    /// `config.json` (one `pooling_mode_*` set) and whether a Normalize
+    /// module follows.
+    pub fn from_sentence_transformers(dir: &Path) -> Result<Option<PoolerConfig>> {
+        let path = dir.join("modules.json");
+        let text = match std::fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        let modules: Vec<Value> = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a JSON list of modules", path.display()))?;
+        let kind = |m: &Value| {
+            m.get("type")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_owned()
+        };
+        let normalize = modules.iter().any(|m| kind(m).ends_with(".Normalize"));
+        let Some(pool) = modules.iter().find(|m| kind(m).ends_with(".Pooling")) else {
+            return Ok(None);
+        };
+        let sub = pool.get("path").and_then(Value::as_str).unwrap_or("");
+        let cfg_path = dir.join(sub).join("config.json");
+        let cfg: Value = serde_json::from_str(
+            &std::fs::read_to_string(&cfg_path)
+                .with_context(|| format!("reading {}", cfg_path.display()))?,
+        )
+        .with_context(|| format!("{}: not JSON", cfg_path.display()))?;
+        let on = |k: &str| cfg.get(k).and_then(Value::as_bool).unwrap_or(false);
+        let mut modes = Vec::new();
+        if on("pooling_mode_cls_token") {
+            modes.push(PoolingType::Cls);
+        }
+        if on("pooling_mode_mean_tokens") {
+            modes.push(PoolingType::Mean);
+        }
+        if on("pooling_mode_lasttoken") {
+            modes.push(PoolingType::Last);
+        }
+        for unsupported in [
+            "pooling_mode_max_tokens",
+            "pooling_mode_mean_sqrt_len_tokens",
+            "pooling_mode_weightedmean_tokens",
+        ] {
+            if on(unsupported) {
+                bail!(
+                    "{}: {unsupported} is not implemented; only CLS, mean and last-token pooling are (override with --pooler-config '{{\"pooling_type\": \"MEAN\"}}' if that is what you want)",
+                    cfg_path.display()
+                );
+            }
+        }
+        if cfg.get("include_prompt").and_then(Value::as_bool) == Some(false) {
+            bail!(
+                "{}: include_prompt false (pooling that skips the instruction) is not implemented",
+                cfg_path.display()
+            );
+        }
+        match modes.as_slice() {
+            [one] => Ok(Some(PoolerConfig {
+                pooling_type: *one,
+                normalize,
+            })),
+            [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
+            _ => bail!(
+                "{}: sets several pooling modes at once (their concatenation is not implemented)",
+                cfg_path.display()
+            ),
+        }
+    }
+
+    /// Applies `--pooler-config` (vLLM's JSON: `pooling_type`, `normalize`)
+    /// over `base`. Keys that would change the vectors and are not
+    /// implemented are refused by name.
+    pub fn with_overrides(mut self, json: &str) -> Result<PoolerConfig> {
+        let v: Value = serde_json::from_str(json)
+            .with_context(|| format!("--pooler-config {json}: not JSON"))?;
+        let Some(obj) = v.as_object() else {
+            bail!("--pooler-config {json}: expected a JSON object such as {{\"pooling_type\": \"MEAN\", \"normalize\": true}}");
+        };
+        for (k, val) in obj {
+            match k.as_str() {
+                "pooling_type" => {
+                    let s = val
+                        .as_str()
+                        .context("--pooler-config: pooling_type must be a string")?;
+                    self.pooling_type = PoolingType::parse(s).context("--pooler-config")?;
+                }
+                "normalize" => {
+                    self.normalize = val
+                        .as_bool()
+                        .context("--pooler-config: normalize must be true or false")?;
+                }
+                other => bail!(
+                    "--pooler-config: key {other:?} is not implemented (supported: pooling_type, normalize)"
+                ),
+            }
+        }
+        Ok(self)
+    }
+
+    /// Turns a raw pooled hidden state into the vector a client gets: the
+    /// first `dimensions` components if asked (Matryoshka truncation, as
+    /// vLLM does before normalizing), then L2-normalized if the model
+    /// normalizes.
+    pub fn finish(&self, mut v: Vec<f32>, dimensions: Option<usize>) -> Vec<f32> {
+        if let Some(d) = dimensions {
+            v.truncate(d);
+        }
+        if self.normalize {
+            // As torch's F.normalize: divide by max(‖v‖, 1e-12).
+            let norm = v
+                .iter()
+                .map(|x| f64::from(*x) * f64::from(*x))
+                .sum::<f64>()
+                .sqrt();
+            let scale = 1.0 / norm.max(1e-12);
+            for x in &mut v {
+                *x = (f64::from(*x) * scale) as f32;
+            }
+        }
+        v
+    }
+}
+
+/// Whether `config.json`'s first architecture names a model without a
+/// generation head (`Qwen3Model`, `BertModel`) or with a scoring head
+/// (`...ForSequenceClassification`): such checkpoints are served for
+/// pooling when `--runner auto`.
+pub fn architecture_is_pooling(config_json: &Value) -> bool {
+    let arch = config_json
+        .get("architectures")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    arch.ends_with("Model") || arch.ends_with("ForSequenceClassification")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finish_truncates_before_normalizing() {
+        let c = PoolerConfig::DECODER_DEFAULT;
+        let v = c.finish(vec![3.0, 4.0, 12.0], Some(2));
+        assert_eq!(v.len(), 2);
+        assert!(
+            (v[0] - 0.6).abs() < 1e-7 && (v[1] - 0.8).abs() < 1e-7,
+            "{v:?}"
+        );
+        let raw = PoolerConfig {
+            normalize: false,
+            ..c
+        };
+        assert_eq!(raw.finish(vec![3.0, 4.0], None), vec![3.0, 4.0]);
+    }
+
+    #[test]
+    fn overrides_refuse_unknown_keys() {
+        let c = PoolerConfig::DECODER_DEFAULT;
+        let m = c
+            .clone()
+            .with_overrides(r#"{"pooling_type": "mean", "normalize": false}"#)
+            .unwrap();
+        assert_eq!(m.pooling_type, PoolingType::Mean);
+        assert!(!m.normalize);
+        let e = c.with_overrides(r#"{"softmax": true}"#).unwrap_err();
+        assert!(format!("{e:#}").contains("softmax"), "{e:#}");
+    }
+}

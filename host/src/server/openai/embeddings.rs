@@ -1,0 +1,504 @@
+//! `POST /v1/embeddings`, with OpenAI's request and response shapes and
+//! vLLM's extra fields and errors: `input` as a string, a list of strings,
+//! a list of token ids or a list of token-id lists; `encoding_format`
+//! `float` or `base64`; `dimensions` (Matryoshka truncation);
+//! `truncate_prompt_tokens`, `add_special_tokens`, `normalize` and
+//! `priority` as vLLM takes them.
+//!
+//! Each input is one pooling request in the engine's ordinary batches
+//! (see [`crate::engine::pooling`]); tenants are admitted, routed through
+//! their plugins' `route` hook, scheduled by fair share and charged the
+//! inputs' tokens as generation requests are.
+
+use super::{admit, now_secs, off_runtime, random_id, InFlight};
+use crate::engine::async_engine::SubmitError;
+use crate::engine::core::RequestOptions;
+use crate::engine::request::SamplingParams;
+use crate::server::errors::{json_response, ApiError};
+use crate::server::{AppState, Body};
+use hyper::Response;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+
+/// The request body, as OpenAI and vLLM define it. Fields vLLM accepts
+/// and that change nothing here (`user`) are read and dropped; unknown
+/// fields are ignored, as vLLM ignores them.
+#[derive(Deserialize)]
+struct EmbeddingRequest {
+    model: Option<String>,
+    input: Value,
+    #[serde(default)]
+    encoding_format: Option<String>,
+    #[serde(default)]
+    dimensions: Option<i64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    user: Option<String>,
+    /// vLLM's: keep only the last k tokens of each input (-1: the
+    /// context's length).
+    #[serde(default)]
+    truncate_prompt_tokens: Option<i64>,
+    /// vLLM's: whether the tokenizer adds its special tokens (default true).
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    /// vLLM's: whether to L2-normalize (default: the model's pooler).
+    #[serde(default)]
+    normalize: Option<bool>,
+    #[serde(default)]
+    priority: Option<i64>,
+}
+
+/// One input, before or after tokenizing.
+enum Input {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+const INPUT_SHAPES: &str = "'input' must be a string, an array of strings, an array of token ids, or an array of token-id arrays";
+
+/// Reads `input` in any of its four shapes.
+fn parse_input(v: &Value) -> Result<Vec<Input>, ApiError> {
+    let bad = || ApiError::invalid(Some("input".into()), INPUT_SHAPES);
+    let token = |x: &Value| -> Result<u32, ApiError> {
+        x.as_u64()
+            .and_then(|t| u32::try_from(t).ok())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    Some("input".into()),
+                    "token ids must be non-negative integers",
+                )
+            })
+    };
+    let inputs = match v {
+        Value::String(s) => vec![Input::Text(s.clone())],
+        Value::Array(items) if items.is_empty() => {
+            return Err(ApiError::invalid(
+                Some("input".into()),
+                "'input' must not be empty",
+            ))
+        }
+        Value::Array(items) => match &items[0] {
+            Value::String(_) => items
+                .iter()
+                .map(|x| {
+                    x.as_str()
+                        .map(|s| Input::Text(s.to_owned()))
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_, _>>()?,
+            Value::Number(_) => vec![Input::Tokens(
+                items.iter().map(token).collect::<Result<_, _>>()?,
+            )],
+            Value::Array(_) => items
+                .iter()
+                .map(|x| match x {
+                    Value::Array(ids) => Ok(Input::Tokens(
+                        ids.iter().map(token).collect::<Result<_, _>>()?,
+                    )),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<_, _>>()?,
+            _ => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    Ok(inputs)
+}
+
+/// Little-endian float32 bytes in standard base64 (with padding), as
+/// vLLM and OpenAI encode `encoding_format: "base64"` (the openai SDK
+/// decodes it with `np.frombuffer(base64.b64decode(s), dtype="float32")`).
+fn base64_f32(v: &[f32]) -> String {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    base64(&bytes)
+}
+
+/// RFC 4648 base64 with padding.
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Refuses a generation request (`endpoint`) to a model served for
+/// pooling, as vLLM does: a 400 that names the endpoint to use instead.
+pub(crate) fn refuse_generation(
+    engine: &crate::engine::async_engine::AsyncEngine,
+    endpoint: &str,
+) -> Result<(), ApiError> {
+    if engine.pooler().is_some() {
+        return Err(ApiError::invalid(
+            Some("model".into()),
+            format!("The model does not support {endpoint}: it is served for pooling (--runner pooling). Use /v1/embeddings."),
+        ));
+    }
+    Ok(())
+}
+
+/// The two routes that return pooled vectors: OpenAI's embeddings, and
+/// vLLM's `/pooling` (the same request; each vector as `data` of an
+/// object `"pooling"`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum PoolingRoute {
+    Embeddings,
+    Pooling,
+}
+
+impl PoolingRoute {
+    fn path(self) -> &'static str {
+        match self {
+            PoolingRoute::Embeddings => "/v1/embeddings",
+            PoolingRoute::Pooling => "/pooling",
+        }
+    }
+}
+
+/// `POST /v1/embeddings` and `POST /pooling`.
+pub async fn embeddings(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    route: PoolingRoute,
+) -> Result<Response<Body>, ApiError> {
+    let created_ms = crate::metering::now_ms();
+    let id = random_id(match route {
+        PoolingRoute::Embeddings => "embd",
+        PoolingRoute::Pooling => "pool",
+    });
+    let (body, ctx) = admit(&state, tenant, &id, route.path(), body).await?;
+    let req: EmbeddingRequest = serde_json::from_value(body).map_err(|e| {
+        ApiError::invalid(
+            None,
+            format!("invalid {} request: {e} (it takes OpenAI's embeddings fields: see https://platform.openai.com/docs/api-reference/embeddings/create)", route.path()),
+        )
+    })?;
+    let model = match req.model.clone() {
+        Some(m) => m,
+        None => state
+            .default_model()
+            .ok_or_else(|| ApiError::invalid(Some("model".into()), "'model' is required"))?
+            .to_owned(),
+    };
+    if let Some(c) = &ctx {
+        c.check_model(&model)?;
+    }
+    let engine = state.engine_as(&model, ctx.as_ref())?.clone();
+    let Some(pooler) = engine.pooler().cloned() else {
+        return Err(ApiError::invalid(
+            Some("model".into()),
+            format!("The model {model:?} does not support the Embeddings API: it is served for generation. Use /v1/completions or /v1/chat/completions, or serve an embedding model with --runner pooling."),
+        ));
+    };
+    let base64_out = match req.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                Some("encoding_format".into()),
+                format!("encoding_format {other:?}: expected \"float\" or \"base64\""),
+            ))
+        }
+    };
+    let hidden = engine.hidden_size();
+    let dimensions = match req.dimensions {
+        None => None,
+        Some(d) if d >= 1 && d as usize <= hidden => Some(d as usize),
+        Some(d) => {
+            return Err(ApiError::invalid(
+                Some("dimensions".into()),
+                format!("dimensions {d}: the model's embeddings have {hidden} dimensions; ask for 1 to {hidden}"),
+            ))
+        }
+    };
+    let max_len = engine.max_model_len();
+    let truncate = match req.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(max_len),
+        Some(k) if k >= 1 && k as usize <= max_len => Some(k as usize),
+        Some(k) if k < 1 => {
+            return Err(ApiError::invalid(
+                Some("truncate_prompt_tokens".into()),
+                format!("truncate_prompt_tokens {k}: give -1 (the context's length) or a positive number of tokens to keep"),
+            ))
+        }
+        Some(k) => {
+            return Err(ApiError::invalid(
+                Some("truncate_prompt_tokens".into()),
+                format!("truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). Please request a smaller truncation size."),
+            ))
+        }
+    };
+    let pooler = crate::engine::pooling::PoolerConfig {
+        normalize: req.normalize.unwrap_or(pooler.normalize),
+        ..(*pooler).clone()
+    };
+    let inputs = parse_input(&req.input)?;
+    if state.config_skip_tokenizer_init() && inputs.iter().any(|i| matches!(i, Input::Text(_))) {
+        return Err(ApiError::invalid(
+            Some("input".into()),
+            "this server was started with --skip-tokenizer-init: 'input' must be token ids",
+        ));
+    }
+    let tok = engine.tokenizer().clone();
+    let add_special = req.add_special_tokens.unwrap_or(true);
+    for i in &inputs {
+        if let (Input::Text(t), None) = (i, truncate) {
+            super::check_prompt_size(&tok, t.len(), max_len, "input")?;
+        }
+    }
+    // Tokenizing is CPU work: off the HTTP threads.
+    let prompts: Vec<Vec<u32>> = off_runtime(move || {
+        inputs
+            .into_iter()
+            .map(|i| {
+                let mut ids = match i {
+                    Input::Text(t) => if add_special {
+                        tok.encode_for_pooling(&t)
+                    } else {
+                        tok.encode(&t, false)
+                    }
+                    .map_err(|e| ApiError::invalid(Some("input".into()), format!("{e:#}")))?,
+                    Input::Tokens(t) => t,
+                };
+                if let Some(k) = truncate {
+                    // vLLM keeps the last k tokens.
+                    let cut = ids.len().saturating_sub(k);
+                    ids.drain(..cut);
+                }
+                Ok(ids)
+            })
+            .collect()
+    })
+    .await?;
+    for ids in &prompts {
+        if ids.is_empty() {
+            return Err(ApiError::invalid(Some("input".into()), "an input is empty"));
+        }
+        if ids.len() > max_len {
+            return Err(ApiError::context_length(
+                "input",
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
+                    ids.len()
+                ),
+            ));
+        }
+    }
+    let mut opts = RequestOptions {
+        pooling: true,
+        priority: req.priority.unwrap_or(0),
+        ..Default::default()
+    };
+    if let Some(t) = &ctx {
+        // As generation: tenants share prefix-cache blocks only within
+        // their cache group, and are scheduled by their share.
+        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
+        opts.tenant = t.share();
+    }
+    let vectors = run(&state, &engine, &id, &prompts, opts).await?;
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    if let Some(c) = &ctx {
+        c.admission.charge(prompt_tokens as u64, 0);
+    }
+    // Metered as generation is: counted, and on disk with --usage-log
+    // before the response goes out.
+    let (tenant, key_id, adapter) = crate::server::access_log::current()
+        .map(|l| l.who())
+        .unwrap_or_default();
+    let record = crate::metering::UsageRecord {
+        id: crate::metering::record_id(),
+        request_id: id.clone(),
+        tenant: tenant.or_else(|| ctx.as_ref().map(|c| c.admission.tenant.id.clone())),
+        key_id,
+        endpoint: route.path().to_string(),
+        model: model.clone(),
+        adapter,
+        prompt_tokens: prompt_tokens as u64,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        spec_accepted_tokens: 0,
+        finish_reasons: Vec::new(),
+        status: crate::metering::RecordStatus::Ok,
+        created_ms,
+        finished_ms: crate::metering::now_ms(),
+    };
+    crate::metering::count(&record);
+    if let Some(log) = state.usage_log() {
+        log.commit(&record).await.map_err(|e| {
+            ApiError::unavailable(format!(
+                "the usage record of this request could not be written ({e}); the response is withheld"
+            ))
+        })?;
+    }
+    let data: Vec<Value> = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, raw)| {
+            let v = pooler.finish(raw, dimensions);
+            let embedding = if base64_out {
+                Value::String(base64_f32(&v))
+            } else {
+                json!(v)
+            };
+            match route {
+                PoolingRoute::Embeddings => {
+                    json!({"index": index, "object": "embedding", "embedding": embedding})
+                }
+                PoolingRoute::Pooling => {
+                    json!({"index": index, "object": "pooling", "data": embedding})
+                }
+            }
+        })
+        .collect();
+    Ok(json_response(&json!({
+        "id": id,
+        "object": "list",
+        "created": now_secs(),
+        "model": model,
+        "data": data,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens,
+            "completion_tokens": 0,
+            "prompt_tokens_details": null,
+        },
+    })))
+}
+
+/// Submits every prompt as a pooling request and waits for their raw
+/// pooled vectors, in prompt order. Dropping the future (the client went
+/// away) aborts what is still running.
+async fn run(
+    state: &Arc<AppState>,
+    engine: &crate::engine::async_engine::AsyncEngine,
+    id: &str,
+    prompts: &[Vec<u32>],
+    opts: RequestOptions,
+) -> Result<Vec<Vec<f32>>, ApiError> {
+    let in_flight = state.in_flight.fetch_add(1, Ordering::AcqRel) + 1;
+    let _slot = InFlight(Arc::clone(state));
+    if in_flight > state.max_pending {
+        return Err(ApiError::overloaded(format!(
+            "The server has {} requests in flight, its limit (--max-pending-requests). Retry later.",
+            state.max_pending
+        )));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut guard = engine.abort_guard();
+    let mut index_of = std::collections::HashMap::new();
+    for (i, ids) in prompts.iter().enumerate() {
+        let eid = engine
+            .submit(
+                format!("{id}-{i}"),
+                ids.clone(),
+                SamplingParams::default(),
+                opts.clone(),
+                tx.clone(),
+            )
+            .await
+            .map_err(|e| match e {
+                SubmitError::Invalid(e) => {
+                    // The engine names the prompt; this API calls it input.
+                    let param = if e.param == "prompt" {
+                        "input"
+                    } else {
+                        e.param
+                    };
+                    ApiError::invalid(Some(param.to_string()), e.message)
+                }
+                SubmitError::EngineDead => ApiError::unavailable("the engine has stopped"),
+            })?;
+        guard.push(eid);
+        index_of.insert(eid, i);
+    }
+    // Only the engine holds senders now: if it dies, the channel closes.
+    drop(tx);
+    if let Some(l) = crate::server::access_log::current() {
+        l.set_request_id(id);
+        l.set_tokens(prompts.iter().map(Vec::len).sum(), 0);
+    }
+    let mut out: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
+    let mut remaining = prompts.len();
+    while remaining > 0 {
+        let Some(o) = rx.recv().await else {
+            return Err(ApiError::unavailable(match engine.death() {
+                Some(why) => format!("the engine stopped: {why}"),
+                None => "the engine stopped".into(),
+            }));
+        };
+        let Some(&i) = index_of.get(&o.id) else {
+            continue;
+        };
+        if o.finish_reason.is_none() {
+            continue;
+        }
+        match o.pooled {
+            Some(v) if out[i].is_none() => {
+                out[i] = Some(v);
+                remaining -= 1;
+            }
+            Some(_) => {}
+            None => {
+                return Err(ApiError::internal(format!(
+                    "input {i}: the engine finished it without a pooled vector"
+                )))
+            }
+        }
+    }
+    guard.disarm();
+    Ok(out.into_iter().flatten().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_rfc4648_vectors() {
+        // RFC 4648 §10.
+        for (plain, encoded) in [
+            ("", ""),
+            ("f", "Zg=="),
+            ("fo", "Zm8="),
+            ("foo", "Zm9v"),
+            ("foob", "Zm9vYg=="),
+            ("fooba", "Zm9vYmE="),
+            ("foobar", "Zm9vYmFy"),
+        ] {
+            assert_eq!(base64(plain.as_bytes()), encoded, "{plain:?}");
+        }
+        // 1.0f32 is 00 00 80 3f.
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+    }
+
+    #[test]
+    fn input_shapes() {
+        let n = |v: Value| parse_input(&v).map(|i| i.len());
+        assert_eq!(n(json!("a")).ok(), Some(1));
+        assert_eq!(n(json!(["a", "b"])).ok(), Some(2));
+        assert_eq!(n(json!([1, 2, 3])).ok(), Some(1));
+        assert_eq!(n(json!([[1], [2, 3]])).ok(), Some(2));
+        assert!(n(json!([])).is_err());
+        assert!(n(json!(["a", 1])).is_err());
+        assert!(n(json!([-1])).is_err());
+        assert!(n(json!({"a": 1})).is_err());
+    }
+}

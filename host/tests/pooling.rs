@@ -1,0 +1,266 @@
+//! Pooling models through the engine's ordinary batches, against
+//! sentence-transformers' float32 outputs (tests/fixtures/pooling, written
+//! by scripts/make-pooling-fixtures.py).
+//!
+//! qwen3-embed is Qwen3-Embedding's form: a `Qwen3Model` checkpoint without
+//! the `model.` prefix, a tokenizer that appends `<|endoftext|>`, and
+//! sentence-transformers' modules.json with last-token pooling and
+//! Normalize. Each vector must reach cosine 0.99999 with
+//! sentence-transformers', batched with the others or alone.
+
+use pagoda::engine::core::RequestOptions;
+use pagoda::engine::loader::DType;
+use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const MIN_COSINE: f64 = 0.99999;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/pooling")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    let p = fixture(name).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("reference.json"))
+        .expect("reference.json is JSON")
+}
+
+fn args(model: &Path) -> EngineArgs {
+    let mut a = EngineArgs::new(model);
+    a.threads = 2;
+    a.dtype = DType::Float32;
+    a.max_model_len = Some(64);
+    a.kv_cache_memory = Some(8 << 20);
+    a
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect()
+}
+
+fn cosine(a: &[f32], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "vector lengths differ");
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * y).sum();
+    let na: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|y| y * y).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+#[test]
+fn qwen3_embedding_matches_sentence_transformers_batched_and_alone() {
+    let r = reference("qwen3-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    // `Qwen3Model` with modules.json: served for pooling without flags.
+    let mut llm = LLM::new(args(&fixture("qwen3-embed"))).expect("load qwen3-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    for (p, i) in prompts.iter().zip(inputs) {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        let Prompt::Text(t) = p else { unreachable!() };
+        let got = llm.tokenizer().encode_for_pooling(t).expect("encode");
+        assert_eq!(got, want, "tokenization (EOS appended)");
+    }
+    let batched = llm.embed(&prompts, None).expect("embed batched");
+    for (k, (v, i)) in batched.iter().zip(inputs).enumerate() {
+        let want = floats(&i["embedding"]);
+        let c = cosine(v, &want);
+        assert!(
+            c >= MIN_COSINE,
+            "input {k}: cosine {c} with sentence-transformers"
+        );
+        let norm: f64 = v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-5, "input {k}: norm {norm}");
+        // Componentwise too: a cosine near 1 with a wrong scale would
+        // still pass the check above if normalization were skipped.
+        for (x, y) in v.iter().zip(&want) {
+            assert!((f64::from(*x) - y).abs() < 1e-4, "input {k}: {x} vs {y}");
+        }
+        let alone = llm.embed(&prompts[k..=k], None).expect("embed alone");
+        assert_eq!(&alone[0], v, "input {k}: batched and alone differ");
+    }
+    let dims = &r["dimensions"]["16"].as_array().expect("dimensions 16");
+    let short = llm.embed(&prompts, Some(16)).expect("embed dimensions 16");
+    for (k, (v, want)) in short.iter().zip(dims.iter()).enumerate() {
+        let c = cosine(v, &floats(want));
+        assert!(c >= MIN_COSINE, "input {k}, 16 dimensions: cosine {c}");
+    }
+}
+
+#[test]
+fn pooling_and_generation_refuse_each_other_naming_the_endpoint() {
+    let mut llm = LLM::new(args(&fixture("qwen3-embed"))).expect("load qwen3-embed");
+    let e = llm
+        .generate(&[Prompt::Tokens(vec![5, 6, 7])], &SamplingParams::default())
+        .expect_err("generation on a pooling model");
+    assert!(format!("{e:#}").contains("/v1/embeddings"), "{e:#}");
+    // Over the context: vLLM's message for embedding inputs.
+    let long = Prompt::Tokens(vec![5; 65]);
+    let e = llm.embed(&[long], None).expect_err("65 tokens in 64");
+    let msg = format!("{e:#}");
+    assert!(
+        msg.contains("maximum context length is 64 tokens")
+            && msg.contains("65 tokens in the input for embedding generation"),
+        "{msg}"
+    );
+    // A whole context's worth fits: nothing is generated after it.
+    llm.embed(&[Prompt::Tokens(vec![5; 64])], None)
+        .expect("64 tokens in 64");
+
+    let mut gen_args = args(&fixture("qwen3-embed"));
+    gen_args.runner = pagoda::engine::pooling::RunnerKind::Generate;
+    let mut gen = LLM::new(gen_args).expect("the same checkpoint for generation");
+    let e = gen
+        .engine_mut()
+        .add_request(
+            "x".into(),
+            vec![5, 6],
+            SamplingParams::default(),
+            RequestOptions {
+                pooling: true,
+                ..Default::default()
+            },
+        )
+        .expect_err("pooling on a generation model");
+    assert!(e.message.contains("--runner pooling"), "{}", e.message);
+}
+
+/// A copy of qwen3-embed as a plain causal checkpoint: `Qwen3ForCausalLM`,
+/// no sentence-transformers files. Only the flags can make it pool.
+fn causal_copy(tag: &str) -> PathBuf {
+    let src = fixture("qwen3-embed");
+    let dst = std::env::temp_dir().join(format!("pagoda-pooling-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dst).expect("mkdir");
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy fixture file");
+    }
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("config JSON");
+    c["architectures"] = serde_json::json!(["Qwen3ForCausalLM"]);
+    std::fs::write(dst.join("config.json"), c.to_string()).expect("write config");
+    dst
+}
+
+#[test]
+fn runner_convert_and_pooler_config_flags_decide_pooling_as_vllm_reads_them() {
+    use pagoda::engine::pooling::{ConvertKind, RunnerKind};
+    let dir = causal_copy("flags");
+    let r = reference("qwen3-embed");
+    let first = &r["inputs"][0];
+    let prompt = Prompt::Text(first["text"].as_str().expect("text").into());
+    let want = floats(&first["embedding"]);
+
+    // A causal checkpoint without pooling files generates by default.
+    let mut gen = LLM::new(args(&dir)).expect("load as generation");
+    let e = gen
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect_err("embedding with a generation model");
+    assert!(format!("{e:#}").contains("--runner pooling"), "{e:#}");
+
+    // --runner pooling, and --convert embed under --runner auto: vLLM's
+    // default for a converted decoder is the last token, normalized, which
+    // is what Qwen3-Embedding's own files say.
+    for (runner, convert) in [
+        (RunnerKind::Pooling, ConvertKind::Auto),
+        (RunnerKind::Auto, ConvertKind::Embed),
+    ] {
+        let mut a = args(&dir);
+        a.runner = runner;
+        a.convert = convert;
+        let mut llm = LLM::new(a).expect("load for pooling");
+        let v = llm
+            .embed(std::slice::from_ref(&prompt), None)
+            .expect("embed");
+        let c = cosine(&v[0], &want);
+        assert!(c >= MIN_COSINE, "{runner:?}/{convert:?}: cosine {c}");
+    }
+
+    // --pooler-config normalize false: the raw hidden state, whose
+    // direction is still sentence-transformers'.
+    let mut a = args(&dir);
+    a.runner = RunnerKind::Pooling;
+    a.pooler_config = Some(r#"{"normalize": false}"#.into());
+    let mut raw = LLM::new(a).expect("load unnormalized");
+    let v = raw
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect("embed raw");
+    let norm: f64 = v[0]
+        .iter()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (norm - 1.0).abs() > 1e-2,
+        "not normalized, yet its norm is {norm}"
+    );
+    assert!(cosine(&v[0], &want) >= MIN_COSINE);
+
+    // What is not implemented is refused at start-up, by name.
+    for (json, word) in [
+        (r#"{"pooling_type": "MEAN"}"#, "MEAN"),
+        (r#"{"softmax": true}"#, "softmax"),
+    ] {
+        let mut a = args(&dir);
+        a.runner = RunnerKind::Pooling;
+        a.pooler_config = Some(json.into());
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{json}: {e:#}");
+    }
+    let mut a = args(&dir);
+    a.convert = ConvertKind::Classify;
+    let e = LLM::new(a).err().expect("classify refused");
+    assert!(format!("{e:#}").contains("classify"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A long input is prefilled in chunks over several steps (here 8 tokens
+/// a step, beside the other inputs' chunks), and queued inputs wait for a
+/// sequence slot: the vector is read only at the chunk that ends the
+/// prompt, and is still sentence-transformers'.
+#[test]
+fn chunked_and_queued_pooling_rows_give_the_same_vectors() {
+    let r = reference("qwen3-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut a = args(&fixture("qwen3-embed"));
+    a.max_num_batched_tokens = 8;
+    a.max_num_seqs = 2;
+    a.enable_prefix_caching = false;
+    let mut llm = LLM::new(a).expect("load qwen3-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    let got = llm.embed(&prompts, None).expect("embed in chunks");
+    for (k, (v, i)) in got.iter().zip(inputs).enumerate() {
+        let c = cosine(v, &floats(&i["embedding"]));
+        assert!(c >= MIN_COSINE, "input {k}: cosine {c}");
+    }
+    // 8 tokens a step: every token of every input was computed in chunks.
+    let total: usize = inputs
+        .iter()
+        .map(|i| i["token_ids"].as_array().map_or(0, Vec::len))
+        .sum();
+    let steps = llm.engine().stats().steps;
+    assert!(
+        steps as usize >= total.div_ceil(8),
+        "{total} tokens in {steps} steps of at most 8"
+    );
+}

@@ -1,0 +1,278 @@
+#!/usr/bin/env python3
+"""Writes tiny random-weight pooling models (embedding and reranking), saved
+by transformers and sentence-transformers themselves, with their float32
+outputs as the reference Pagoda's pooling runner is compared with.
+
+    python3 scripts/make-pooling-fixtures.py OUT_DIR   (tests/fixtures/pooling)
+
+Needs torch, transformers, tokenizers and sentence-transformers (PyPI).
+
+OUT_DIR/<model>/ gets what the Hub holds for such a model, and reference.json:
+
+  qwen3-embed   Qwen3-Embedding's form: a Qwen3 decoder saved from
+                `Qwen3Model` (tensor names without the `model.` prefix), a
+                tokenizer that appends <|endoftext|>, and sentence-transformers'
+                modules.json with last-token pooling and Normalize.
+  bert-embed    a sentence-transformers BERT encoder (`BertModel`): mean
+                pooling (1_Pooling/config.json) and 2_Normalize, a WordPiece
+                tokenizer, layer_norm_eps 1e-7 and 3 token types.
+  bert-rerank   a cross-encoder (`BertForSequenceClassification`,
+                num_labels 1), scored as sentence-transformers' CrossEncoder
+                scores pairs (sigmoid of the logit).
+
+reference.json:
+  embed models: {"inputs": [{"text", "token_ids", "embedding"}...],
+                 "dimensions": {"<n>": [[...]]} (the first n components,
+                 renormalized, as Matryoshka truncation asks)}
+  rerank model: {"query", "documents", "token_ids" (per pair),
+                 "logits", "scores" (sigmoid)}
+
+Every config sets values away from the defaults (rope_theta, eps, head_dim,
+token types) so that a key ignored by the loader shows in the numbers.
+"""
+
+import json
+import os
+import sys
+
+import torch
+
+SEED = 45
+TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "Pagoda serves embeddings",
+    "what is the capital of france?",
+    "a",
+]
+QUERY = "what is the capital of france?"
+DOCS = [
+    "paris is the capital of france",
+    "the quick brown fox jumps over the lazy dog",
+    "france is a country in europe and its capital is paris",
+]
+
+
+def here(*p):
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), *p)
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
+def scale_weights(model, std):
+    """Random weights of a scale that keeps activations near unit size over
+    two layers, so the outputs are not dominated by one component."""
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+
+
+# ---------------------------------------------------------------------------
+# Qwen3-Embedding form
+# ---------------------------------------------------------------------------
+
+def qwen3_embed(out):
+    from sentence_transformers import SentenceTransformer
+    from transformers import Qwen3Config, Qwen3Model, PreTrainedTokenizerFast
+
+    d = os.path.join(out, "qwen3-embed")
+    os.makedirs(d, exist_ok=True)
+    # The hf-families tokenizer, with Qwen3-Embedding's post-processor: the
+    # model pools the hidden state of the <|endoftext|> appended to every
+    # input.
+    src = here("..", "tests", "fixtures", "hf-families", "qwen3", "tokenizer.json")
+    with open(src) as f:
+        tok = json.load(f)
+    tok["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}},
+                   {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}},
+                 {"SpecialToken": {"id": "<|endoftext|>", "type_id": 1}}],
+        "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                             "tokens": ["<|endoftext|>"]}},
+    }
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(d, "tokenizer.json"),
+        eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+        model_max_length=256, padding_side="left")
+    tokenizer.save_pretrained(d)
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_theta=50000.0, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=0, bos_token_id=None,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(SEED)
+    model = Qwen3Model(config).float().eval()
+    scale_weights(model, 0.08)
+    model.save_pretrained(d, safe_serialization=True)
+
+    write_json(os.path.join(d, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    write_json(os.path.join(d, "sentence_bert_config.json"),
+               {"max_seq_length": 256, "do_lower_case": False})
+    os.makedirs(os.path.join(d, "1_Pooling"), exist_ok=True)
+    write_json(os.path.join(d, "1_Pooling", "config.json"), pooling_config(64, "lasttoken"))
+    os.makedirs(os.path.join(d, "2_Normalize"), exist_ok=True)
+
+    st = SentenceTransformer(d, device="cpu")
+    embed_reference(d, st, tokenizer)
+
+
+def pooling_config(dim, mode):
+    return {
+        "word_embedding_dimension": dim,
+        "pooling_mode_cls_token": mode == "cls",
+        "pooling_mode_mean_tokens": mode == "mean",
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": mode == "lasttoken",
+        "include_prompt": True,
+    }
+
+
+def embed_reference(d, st, tokenizer):
+    """sentence-transformers' own embeddings, one input per batch so that
+    no padding enters, and the Matryoshka truncations of them."""
+    inputs = []
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        emb = st.encode([text], batch_size=1, convert_to_numpy=True)[0]
+        inputs.append({"text": text, "token_ids": [int(i) for i in ids],
+                       "embedding": [float(x) for x in emb]})
+    dims = {}
+    for n in (16,):
+        truncated = st.encode(TEXTS, batch_size=1, convert_to_numpy=True,
+                              truncate_dim=n)
+        dims[str(n)] = [[float(x) for x in (v / (v ** 2).sum() ** 0.5)]
+                        for v in truncated]
+    write_json(os.path.join(d, "reference.json"), {"inputs": inputs, "dimensions": dims})
+
+
+# ---------------------------------------------------------------------------
+# BERT: a WordPiece tokenizer, an embedding encoder and a cross-encoder
+# ---------------------------------------------------------------------------
+
+WORDS = ("the quick brown fox jumps over lazy dog what is capital of france paris "
+         "country in europe and its a serves pag embed ##s ##ding ##oda ##ings "
+         "? , . !").split()
+
+
+def bert_tokenizer(d):
+    """A WordPiece tokenizer laid out as BERT's (lower-casing normalizer,
+    BERT pre-tokenizer, [CLS] A [SEP] B [SEP] with token types), built with
+    the `tokenizers` library and saved through transformers."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, decoders
+    from transformers import BertTokenizerFast
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += [w for w in WORDS if w not in vocab]
+    vocab += [c for c in "abcdefghijklmnopqrstuvwxyz0123456789" if c not in vocab]
+    vocab += ["##" + c for c in "abcdefghijklmnopqrstuvwxyz" if "##" + c not in vocab]
+    ids = {w: i for i, w in enumerate(vocab)}
+    tok = Tokenizer(models.WordPiece(ids, unk_token="[UNK]", max_input_chars_per_word=100))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    tok.decoder = decoders.WordPiece(prefix="##")
+    fast = BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", sep_token="[SEP]",
+                             pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
+                             model_max_length=128)
+    fast.save_pretrained(d)
+    return fast, len(vocab)
+
+
+def bert_config(vocab, **kw):
+    from transformers import BertConfig
+    return BertConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=96, hidden_act="gelu",
+        max_position_embeddings=128, type_vocab_size=3,
+        layer_norm_eps=1e-7, pad_token_id=0, **kw)
+
+
+def bert_embed(out):
+    from sentence_transformers import SentenceTransformer
+    from transformers import BertModel
+
+    d = os.path.join(out, "bert-embed")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab = bert_tokenizer(d)
+    torch.manual_seed(SEED)
+    model = BertModel(bert_config(vocab), add_pooling_layer=False).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    write_json(os.path.join(d, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    write_json(os.path.join(d, "sentence_bert_config.json"),
+               {"max_seq_length": 128, "do_lower_case": False})
+    os.makedirs(os.path.join(d, "1_Pooling"), exist_ok=True)
+    write_json(os.path.join(d, "1_Pooling", "config.json"), pooling_config(64, "mean"))
+    os.makedirs(os.path.join(d, "2_Normalize"), exist_ok=True)
+    st = SentenceTransformer(d, device="cpu")
+    embed_reference(d, st, tok)
+
+
+def bert_rerank(out):
+    from sentence_transformers import CrossEncoder
+    from transformers import BertForSequenceClassification
+
+    d = os.path.join(out, "bert-rerank")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab = bert_tokenizer(d)
+    torch.manual_seed(SEED + 1)
+    model = BertForSequenceClassification(bert_config(vocab, num_labels=1)).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    ce = CrossEncoder(d, device="cpu")
+    pairs = [(QUERY, doc) for doc in DOCS]
+    logits = []
+    ids = []
+    for q, doc in pairs:
+        enc = tok(q, doc, return_tensors="pt")
+        ids.append([int(i) for i in enc["input_ids"][0]])
+        with torch.no_grad():
+            logits.append(float(model(**enc).logits[0, 0]))
+    scores = [float(s) for s in ce.predict(pairs, batch_size=1)]
+    write_json(os.path.join(d, "reference.json"), {
+        "query": QUERY, "documents": DOCS, "token_ids": ids,
+        "logits": logits, "scores": scores,
+    })
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    qwen3_embed(out)
+    bert_embed(out)
+    bert_rerank(out)
+
+
+if __name__ == "__main__":
+    main()
