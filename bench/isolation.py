@@ -187,16 +187,17 @@ def mann_whitney(x, y):
 
 def timing(a):
     rng = random.Random(11)
-    secret = ids(rng, a.prefix)
-    complete(a.base, a.a_key, secret + ids(rng, 8), 1, stream=False)  # A caches it
 
     def ttft(key, prefix):
         return complete(a.base, key, prefix + ids(rng, 8), 1)[0]
 
     probe, fresh, own_hit, own_fresh = [], [], [], []
     for _ in range(a.requests):
-        # Alternating, so drift hits both alike. A re-touches its prefix
-        # so it stays cached.
+        # A new secret each round, cached by A: B's probe is the first
+        # time B sends it (a second would hit B's own cache). Alternating,
+        # so drift hits all four alike.
+        secret = ids(rng, a.prefix)
+        complete(a.base, a.a_key, secret + ids(rng, 8), 1, stream=False)
         probe.append(ttft(a.b_key, secret))
         fresh.append(ttft(a.b_key, ids(rng, a.prefix)))
         own_hit.append(ttft(a.a_key, secret))

@@ -26,9 +26,15 @@ EXPERIMENTS="${EXPERIMENTS:-noisy cache timing}"
 EXTRA="${EXTRA:-}"
 OUT="${OUT:-/tmp/pagoda-isolation}"
 MODEL="$(scripts/fetch-demo-model.sh)"
-cargo build --release --locked -p pagoda >&2
+# PAGODA_BIN: a binary built elsewhere (an earlier commit, for a
+# before/after); otherwise this tree's, built now.
+if [ -n "${PAGODA_BIN:-}" ]; then
+  P="$PAGODA_BIN"
+else
+  cargo build --release --locked -p pagoda >&2
+  P="$CARGO_TARGET_DIR/release/pagoda"
+fi
 . bench/lib.sh
-P="$CARGO_TARGET_DIR/release/pagoda"
 BASE="http://127.0.0.1:$PORT"
 ADMIN=bench-admin-token
 mkdir -p "$OUT"
@@ -53,7 +59,7 @@ serve() {
 }
 stop() { kill "$SERVER"; wait "$SERVER" 2>/dev/null || true; SERVER=; }
 
-echo "load: $(cut -d' ' -f1-3 /proc/loadavg); commit $(git rev-parse --short HEAD)" | tee "$OUT/figures.jsonl"
+echo "load: $(cut -d' ' -f1-3 /proc/loadavg); binary $P; commit $(git rev-parse --short HEAD)" | tee "$OUT/figures.jsonl"
 for e in $EXPERIMENTS; do
   case $e in
     noisy)
