@@ -24,6 +24,8 @@ CACHE_KV="${CACHE_KV:-48MiB}"
 RESERVED="${RESERVED:-0.3}"
 EXPERIMENTS="${EXPERIMENTS:-noisy cache timing}"
 EXTRA="${EXTRA:-}"
+# ISO_ARGS: more bench/isolation.py flags (e.g. --calm-prompt 16).
+ISO_ARGS="${ISO_ARGS:-}"
 OUT="${OUT:-/tmp/pagoda-isolation}"
 MODEL="$(scripts/fetch-demo-model.sh)"
 # PAGODA_BIN: a binary built elsewhere (an earlier commit, for a
@@ -64,7 +66,8 @@ for e in $EXPERIMENTS; do
   case $e in
     noisy)
       serve noisy
-      python3 bench/isolation.py noisy --base "$BASE" --flood "$FLOOD" --requests "$REQUESTS" | tee -a "$OUT/figures.jsonl"
+      # shellcheck disable=SC2086 # ISO_ARGS is meant to split
+      python3 bench/isolation.py noisy --base "$BASE" --flood "$FLOOD" --requests "$REQUESTS" $ISO_ARGS | tee -a "$OUT/figures.jsonl"
       stop ;;
     cache)
       serve cache --kv-cache-memory "$CACHE_KV"

@@ -89,8 +89,15 @@ pub fn open(flag: &str, url: &str) -> Result<ObjectUrl> {
             if !root.is_absolute() {
                 bail!("{flag} {url}: a file store needs an absolute path (file:///path)");
             }
-            crate::tenants::store::create_private_dir(&root)
-                .with_context(|| format!("cannot create {flag} {}", root.display()))?;
+            {
+                use std::os::unix::fs::DirBuilderExt;
+                // 0700, as every directory of server state.
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&root)
+                    .with_context(|| format!("cannot create {flag} {}", root.display()))?;
+            }
             let s = object_store::local::LocalFileSystem::new_with_prefix(&root)
                 .with_context(|| format!("{flag} {url}"))?;
             ObjectUrl {
