@@ -25,7 +25,7 @@ use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraAdapter;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::{GatedDeltaSpec, RopeScaling, RopeTable};
-use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
+use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec};
 
 /// A layer's token mixer.
 enum Mixer<B: Backend> {
@@ -333,16 +333,7 @@ impl<B: Backend> CausalLm<B> for QwenHybrid<B> {
             layer.ffn.forward(b, step, n, ws, None)?;
             b.add(&mut ws.x, &ws.proj, n * d);
         }
-        let r = n_logits;
-        if r == 0 {
-            return Ok(());
-        }
-        b.reserve(&mut ws.rows, r * d)?;
-        b.reserve(&mut ws.logits, r * c.vocab_size)?;
-        b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
-        b.rms_norm(&ws.rows, &self.norm, eps, r, d, &mut ws.h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.matmul(head, &ws.h, r, &mut ws.logits, step, Rows::Logits);
-        Ok(())
+        super::layers::decoder::final_logits(b, step, c, &self.norm, head, n_logits, ws)
     }
 }

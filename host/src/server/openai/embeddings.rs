@@ -340,14 +340,7 @@ pub async fn embeddings(
         created_ms,
         finished_ms: crate::metering::now_ms(),
     };
-    crate::metering::count(&record);
-    if let Some(log) = state.usage_log() {
-        log.commit(&record).await.map_err(|e| {
-            ApiError::unavailable(format!(
-                "the usage record of this request could not be written ({e}); the response is withheld"
-            ))
-        })?;
-    }
+    super::meter(&state, &record).await?;
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()

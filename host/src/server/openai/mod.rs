@@ -913,16 +913,24 @@ impl Run {
         }
         self.metered = true;
         let r = self.usage_record(RecordStatus::Ok);
-        metering::count(&r);
-        if let Some(log) = self._slot.0.usage_log() {
-            log.commit(&r).await.map_err(|e| {
-                ApiError::unavailable(format!(
-                    "the usage record of this request could not be written ({e}); the response is withheld"
-                ))
-            })?;
-        }
-        Ok(())
+        meter(&self._slot.0, &r).await
     }
+}
+
+/// Records a finished request's usage: counted in the per-tenant metric
+/// and, with `--usage-log`, on disk before this returns, so that callers
+/// send the response only after. A record that cannot be written fails the
+/// response instead (a 503).
+pub(crate) async fn meter(state: &AppState, r: &UsageRecord) -> Result<(), ApiError> {
+    metering::count(r);
+    if let Some(log) = state.usage_log() {
+        log.commit(r).await.map_err(|e| {
+            ApiError::unavailable(format!(
+                "the usage record of this request could not be written ({e}); the response is withheld"
+            ))
+        })?;
+    }
+    Ok(())
 }
 
 /// Counts a request as in flight until dropped.

@@ -330,17 +330,32 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
             layer.ffn.forward(b, step, n, ws, lora)?;
             b.add(&mut ws.x, &ws.proj, n * d);
         }
-        let r = n_logits;
-        if r == 0 {
-            return Ok(());
-        }
-        // `ws.h` already holds `n ≥ r` rows.
-        b.reserve(&mut ws.rows, r * d)?;
-        b.reserve(&mut ws.logits, r * c.vocab_size)?;
-        b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
-        b.rms_norm(&ws.rows, &self.norm, eps, r, d, &mut ws.h);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        b.matmul(head, &ws.h, r, &mut ws.logits, step, Rows::Logits);
-        Ok(())
+        final_logits(b, step, c, &self.norm, head, n_logits, ws)
     }
+}
+
+/// The model's tail: the logit rows of the step's hidden states `ws.x`,
+/// final-normed into `ws.h` (`[n_logits, hidden]`, what a pooling row's
+/// vector is read from) and projected by `head` into `ws.logits`. `ws.h`
+/// must already hold the step's `n_tokens ≥ n_logits` rows.
+pub fn final_logits<B: Backend>(
+    b: &mut B,
+    step: &B::Step,
+    c: &ModelConfig,
+    norm: &B::Vector,
+    head: &B::Matrix,
+    n_logits: usize,
+    ws: &mut Workspace<B>,
+) -> Result<(), BackendError> {
+    let (r, d) = (n_logits, c.hidden_size);
+    if r == 0 {
+        return Ok(());
+    }
+    b.reserve(&mut ws.rows, r * d)?;
+    b.reserve(&mut ws.logits, r * c.vocab_size)?;
+    b.gather_logit_rows(&ws.x, d, step, &mut ws.rows);
+    b.rms_norm(&ws.rows, norm, c.rms_norm_eps, r, d, &mut ws.h);
+    b.matmul(head, &ws.h, r, &mut ws.logits, step, Rows::Logits);
+    Ok(())
 }
