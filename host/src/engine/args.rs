@@ -586,9 +586,16 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     }
     let kv_dtype = args.kv_cache_dtype.resolve(model.weight_type());
     // A hybrid model's linear layers keep one state per sequence, counted
-    // in the memory budget for every one of `--max-num-seqs`.
-    let state_bytes = model.state_bytes_per_seq() as u64 * args.max_num_seqs as u64;
+    // in the memory budget for every one of `--max-num-seqs`, and with
+    // prefix caching as many checkpoints of it again (see
+    // `kv_cache::state_checkpoints`).
     let hybrid = model.state_bytes_per_seq() > 0;
+    let state_slots = if args.enable_prefix_caching {
+        2 * args.max_num_seqs
+    } else {
+        args.max_num_seqs
+    };
+    let state_bytes = model.state_bytes_per_seq() as u64 * state_slots as u64;
     let draft = match args.speculative.as_ref().map(|s| &s.method) {
         Some(SpecMethod::DraftModel { model: path }) => {
             Some(load_draft_model(&backend, path, &loaded, max_model_len)?)
@@ -634,14 +641,19 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     if state_bytes > 0 {
         if state_bytes >= budget {
             bail!(
-                "the linear-attention layers' state of --max-num-seqs {} sequences takes {state_bytes} bytes ({} each), the whole KV-cache budget of {budget} bytes; lower --max-num-seqs or raise --kv-cache-memory",
+                "the linear-attention layers' state of --max-num-seqs {} sequences{} takes {state_bytes} bytes ({} each), the whole KV-cache budget of {budget} bytes; lower --max-num-seqs or raise --kv-cache-memory",
                 args.max_num_seqs,
+                if args.enable_prefix_caching {
+                    " and as many prefix-cache checkpoints"
+                } else {
+                    ""
+                },
                 model.state_bytes_per_seq()
             );
         }
         tracing::info!(
-            "recurrent state: {} slots × {:.2} MiB = {:.2} MiB for the linear-attention layers, taken from the KV-cache budget",
-            args.max_num_seqs,
+            "recurrent state: {} slots × {:.2} MiB = {:.2} MiB for the linear-attention layers (half of them prefix-cache checkpoints when caching is on), taken from the KV-cache budget",
+            state_slots,
             model.state_bytes_per_seq() as f64 / (1 << 20) as f64,
             state_bytes as f64 / (1 << 20) as f64
         );
@@ -695,18 +707,21 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
     let state = model
         .alloc_state(&mut backend, if hybrid { args.max_num_seqs } else { 0 })
         .context("allocating the linear-attention layers' state")?;
-    // A prefix-cache hit would have to restore the linear layers' state at
-    // the hit's end, which is not checkpointed yet: exactness first.
-    let prefix_caching = args.enable_prefix_caching && !hybrid;
-    if hybrid && args.enable_prefix_caching {
-        tracing::info!(
-            "prefix caching is off: this hybrid model's linear-attention state is not checkpointed at block boundaries yet, so a cache hit could not restore it"
-        );
-    }
-    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, prefix_caching)
+    // A prefix-cache hit restores the linear layers' state from a
+    // checkpoint at the hit's end: as many checkpoint slots as sequences.
+    let checkpoints = if hybrid && args.enable_prefix_caching {
+        model
+            .alloc_state(&mut backend, args.max_num_seqs)
+            .context("allocating the linear-attention layers' state checkpoints")?
+    } else {
+        Default::default()
+    };
+    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching)
         .with_max_seq_len(max_model_len);
     if hybrid {
-        kvm = kvm.with_state_slots(args.max_num_seqs);
+        kvm = kvm
+            .with_state_slots(args.max_num_seqs)
+            .with_state_checkpoints(checkpoints.num_slots());
     }
     // Every layer attends over a window shorter than the context: blocks
     // below it go back to the pool as sequences move on.
@@ -736,8 +751,9 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
             crate::engine::request::PROMPT_KERNEL_MIN_LEN
         );
     }
-    let mut runner =
-        ModelRunner::with_workspace(backend, model, kv, args.block_size, ws).with_state(state);
+    let mut runner = ModelRunner::with_workspace(backend, model, kv, args.block_size, ws)
+        .with_state(state)
+        .with_state_checkpoints(checkpoints);
     if let Some(d) = draft {
         let spec = kv_spec(&*d, kv_dtype, num_blocks, args.block_size);
         let dkv = runner

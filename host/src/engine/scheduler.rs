@@ -111,6 +111,8 @@ fn schedule_seq(req: &Request, start: usize, num_tokens: usize, num_drafts: usiz
         admitted: false,
         blocks: None,
         state_slot: 0,
+        restore_state: None,
+        save_state: None,
     }
 }
 
@@ -371,6 +373,9 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            if prefill && req.prompt_logprobs_from().is_none() {
+                num_new = kv.checkpoint_chunk(req.num_computed, num_new, req.token_ids.len());
+            }
             // A decode with drafts verifies them in the same step, within
             // the budget and the request's length limit.
             let mut num_drafts = if req.num_computed + 1 == req.token_ids.len() {
@@ -481,6 +486,9 @@ impl Scheduler {
                         continue;
                     }
                 }
+                if req.prompt_logprobs_from().is_none() {
+                    num_new = kv.checkpoint_chunk(cached, num_new, req.token_ids.len());
+                }
                 let admitted = self.running.len() < self.config.max_num_seqs
                     && kv.allocate(id, &req.token_ids, key, Some(hit), cached, num_new);
                 if !admitted && key.owner != SHARED_OWNER && kv.pool().at_cap(key.owner) {
@@ -558,6 +566,13 @@ impl Scheduler {
                 });
             }
             s.state_slot = kv.state_slot(s.id);
+            s.restore_state = kv.take_state_restore(s.id);
+            // Prompt chunks that end on a block boundary leave the state
+            // there for later prefix-cache hits.
+            let end = s.start + s.num_tokens;
+            if s.num_drafts == 0 && end <= req.prompt_len {
+                s.save_state = kv.plan_state_checkpoint(s.id, end);
+            }
             let table = kv.block_table(s.id);
             if req.blocks_shrunk || table.len() != req.blocks_sent {
                 s.blocks = Some(BlockUpdate {

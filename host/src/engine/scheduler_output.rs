@@ -40,6 +40,12 @@ pub struct ScheduledSeq {
     /// ([`crate::engine::kv_cache::KvCacheManager::state_slot`]; 0 when the
     /// model has none).
     pub state_slot: u32,
+    /// The checkpoint of the recurrent state to copy into `state_slot`
+    /// before the step: where the sequence's prefix-cache hit ends.
+    pub restore_state: Option<u32>,
+    /// The checkpoint slot to copy `state_slot` into after the step, which
+    /// ends on a block boundary ([`crate::engine::kv_cache::state_checkpoints`]).
+    pub save_state: Option<u32>,
 }
 
 impl ScheduledSeq {

@@ -37,9 +37,12 @@
 //! abort, preemption): a sequence that cannot get a slot is not admitted,
 //! like one that cannot get blocks. The slot's contents are the runner's;
 //! a sequence that starts at position 0 (new, or preempted and recomputed)
-//! starts from a zero state whatever the slot held before. Prefix-cache
-//! hits would need the state at the hit's end, which is not checkpointed
-//! yet, so the engine turns prefix caching off for these models.
+//! starts from a zero state whatever the slot held before. With prefix
+//! caching, [`KvCacheManager::with_state_checkpoints`] adds checkpoints of
+//! that state at block boundaries ([`super::state_checkpoints`]): a hit
+//! reaches only as far as the last block with one, and the sequence's
+//! first step restores it ([`KvCacheManager::take_state_restore`]); steps
+//! that end on a boundary save one ([`KvCacheManager::plan_state_checkpoint`]).
 //!
 //! Blocks planned for a step that has not run are tracked as *in flight*
 //! ([`KvCacheManager::in_flight`]), never as cached: the scheduler holds a
@@ -50,6 +53,7 @@
 
 use super::block_pool::{BlockHash, BlockPool, OwnerUsage, SHARED_OWNER};
 use super::events::{external_hash, salt_key, KvEvent};
+use super::state_checkpoints::StateCheckpoints;
 use std::collections::HashMap;
 
 /// Prefix-cache counters, in tokens, as vLLM reports them.
@@ -103,6 +107,12 @@ struct SeqBlocks {
     key: CacheKey,
     /// Its recurrent-state slot, when the model has linear layers.
     state_slot: Option<u32>,
+    /// The checkpoint its prefix-cache hit starts from, until its first
+    /// step takes it ([`KvCacheManager::take_state_restore`]).
+    restore: Option<u32>,
+    /// A checkpoint its planned step writes: the slot, the block it ends,
+    /// and the tokens computed once it has run.
+    saving: Option<(u32, BlockHash, usize)>,
 }
 
 /// The KV-cache manager of one device.
@@ -132,6 +142,9 @@ pub struct KvCacheManager {
     free_state_slots: Option<Vec<u32>>,
     /// How many state slots there are in all.
     num_state_slots: usize,
+    /// Checkpoints of the recurrent state at block boundaries, for prefix
+    /// caching of a hybrid model.
+    checkpoints: Option<StateCheckpoints>,
 }
 
 /// What a prefix lookup found: cached blocks a new sequence can start from.
@@ -139,6 +152,9 @@ pub struct KvCacheManager {
 pub struct PrefixHit {
     blocks: Vec<u32>,
     hashes: Vec<BlockHash>,
+    /// The checkpoint of the recurrent state at the hit's end (hybrid
+    /// models).
+    restore: Option<u32>,
 }
 
 impl PrefixHit {
@@ -169,7 +185,78 @@ impl KvCacheManager {
             max_seq_blocks: 1,
             free_state_slots: None,
             num_state_slots: 0,
+            checkpoints: None,
         }
+    }
+
+    /// Keeps `n` checkpoints of the recurrent state at block boundaries,
+    /// so a hybrid model's prefix-cache hits restore it (see the module
+    /// docs); nothing without prefix caching.
+    pub fn with_state_checkpoints(mut self, n: usize) -> KvCacheManager {
+        if self.caching {
+            self.checkpoints = Some(StateCheckpoints::new(n));
+        }
+        self
+    }
+
+    /// Whether prefix-cache hits need a checkpoint of the recurrent state
+    /// at their end, so prefill chunks should end on block boundaries
+    /// ([`KvCacheManager::checkpoint_chunk`]).
+    pub fn checkpoints_state(&self) -> bool {
+        self.checkpoints.as_ref().is_some_and(|c| !c.is_empty())
+    }
+
+    /// How many of `num_new` tokens from `start` (of `len` to compute) a
+    /// prefill chunk should run so that it ends on a block boundary, where
+    /// the state can be checkpointed: a chunk that stops short of the end
+    /// is cut back to the last boundary it crosses, and one that reaches
+    /// the end stops at the last boundary a later hit can use (a prompt's
+    /// last token is never a hit), which leaves the rest for the next
+    /// step. Unchanged when no boundary lies inside the chunk, or when the
+    /// state is not checkpointed.
+    pub fn checkpoint_chunk(&self, start: usize, num_new: usize, len: usize) -> usize {
+        if !self.checkpoints_state() || len == 0 {
+            return num_new;
+        }
+        let bs = self.block_size;
+        let end = start + num_new;
+        let boundary = if end < len {
+            end / bs * bs
+        } else {
+            (len - 1) / bs * bs
+        };
+        if boundary > start && boundary < end {
+            boundary - start
+        } else {
+            num_new
+        }
+    }
+
+    /// Plans a checkpoint of `seq`'s recurrent state after its planned
+    /// step, which computes up to token `end`: the checkpoint slot to copy
+    /// its state slot into, when `end` is a block boundary whose state is
+    /// not already checkpointed.
+    pub fn plan_state_checkpoint(&mut self, seq: u64, end: usize) -> Option<u32> {
+        let bs = self.block_size;
+        if end == 0 || end % bs != 0 {
+            return None;
+        }
+        let checkpoints = self.checkpoints.as_mut()?;
+        let entry = self.seqs.get_mut(&seq)?;
+        let j = end / bs - 1;
+        let hash = match j.checked_sub(entry.hashes.len()) {
+            None => entry.hashes[j],
+            Some(p) => *entry.planned.get(p)?,
+        };
+        let slot = checkpoints.plan(hash)?;
+        entry.saving = Some((slot, hash, end));
+        Some(slot)
+    }
+
+    /// The checkpoint `seq`'s prefix-cache hit starts from, once: its first
+    /// step copies it into the sequence's state slot before running.
+    pub fn take_state_restore(&mut self, seq: u64) -> Option<u32> {
+        self.seqs.get_mut(&seq)?.restore.take()
     }
 
     /// Gives each sequence one of `slots` recurrent-state slots for as long
@@ -274,6 +361,9 @@ impl KvCacheManager {
     pub fn reset_prefix_cache(&mut self) -> Result<(), usize> {
         self.pool.reset_prefix_cache()?;
         self.in_flight.clear();
+        if let Some(c) = &mut self.checkpoints {
+            c.clear();
+        }
         if let Some(events) = &mut self.events {
             // Evictions before the reset are moot now.
             let mut evicted = Vec::new();
@@ -379,6 +469,18 @@ impl KvCacheManager {
                 None => break,
             }
         }
+        if let Some(checkpoints) = &self.checkpoints {
+            // The linear layers can start only where their state was
+            // checkpointed: the hit ends at the last such block.
+            let at = hit
+                .hashes
+                .iter()
+                .rposition(|&h| checkpoints.find(h).is_some());
+            let keep = at.map_or(0, |i| i + 1);
+            hit.restore = at.and_then(|i| checkpoints.find(hit.hashes[i]));
+            hit.blocks.truncate(keep);
+            hit.hashes.truncate(keep);
+        }
         hit
     }
 
@@ -451,6 +553,10 @@ impl KvCacheManager {
                 entry.computed = hit.blocks.len() * bs;
                 entry.blocks = hit.blocks;
                 entry.hashes = hit.hashes;
+                entry.restore = hit.restore;
+                if let (Some(slot), Some(c)) = (hit.restore, &mut self.checkpoints) {
+                    c.touch(slot);
+                }
             }
         }
         for _ in 0..new_blocks {
@@ -493,6 +599,12 @@ impl KvCacheManager {
                 .mark_written(entry.blocks[j], num_computed - j * bs);
         }
         entry.computed = num_computed;
+        if let (Some((slot, hash, end)), Some(c)) = (entry.saving, &mut self.checkpoints) {
+            if num_computed >= end {
+                c.confirm(slot, hash);
+                entry.saving = None;
+            }
+        }
         if self.caching {
             let full = num_computed.min(tokens.len()) / bs;
             let key = entry.key;

@@ -8,6 +8,8 @@
 //!   map.
 //! - [`manager`] maps requests to block tables and decides which prompt
 //!   blocks are already cached.
+//! - [`state_checkpoints`] files a hybrid model's recurrent state at block
+//!   boundaries, so prefix-cache hits restore it.
 //! - [`events`] tells what enters and leaves the prefix cache, as vLLM's
 //!   KV-cache events do, for prefix-aware routers.
 
@@ -15,6 +17,7 @@ pub mod block_pool;
 pub mod dtype;
 pub mod events;
 pub mod manager;
+pub mod state_checkpoints;
 
 pub use block_pool::{BlockHash, BlockPool, OwnerLimits, OwnerUsage, SHARED_OWNER};
 pub use dtype::KvCacheDtype;

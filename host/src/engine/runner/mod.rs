@@ -87,6 +87,10 @@ pub struct ModelRunner<B: Backend> {
     /// each in plan order, to put back where drafts are rejected (grown
     /// when a step has more drafting sequences than slots).
     snapshot: StateCache<B>,
+    /// Checkpoints of sequences' state at block boundaries, for prefix-cache
+    /// hits (see [`crate::engine::kv_cache::state_checkpoints`]); empty
+    /// without prefix caching.
+    checkpoints: StateCache<B>,
     /// The accepted part of such sequences' steps, run again over their
     /// restored state (reused).
     rerun: StepBatch,
@@ -129,6 +133,7 @@ impl<B: Backend> ModelRunner<B> {
             kv,
             state: StateCache::default(),
             snapshot: StateCache::default(),
+            checkpoints: StateCache::default(),
             rerun: StepBatch::default(),
             ws: Workspace::default(),
             step: B::Step::default(),
@@ -170,6 +175,14 @@ impl<B: Backend> ModelRunner<B> {
     /// the KV-cache manager hands out.
     pub fn with_state(mut self, state: StateCache<B>) -> ModelRunner<B> {
         self.state = state;
+        self
+    }
+
+    /// Gives the runner `checkpoints`, the slots the KV-cache manager files
+    /// the state at block boundaries in
+    /// ([`crate::engine::kv_cache::KvCacheManager::with_state_checkpoints`]).
+    pub fn with_state_checkpoints(mut self, checkpoints: StateCache<B>) -> ModelRunner<B> {
+        self.checkpoints = checkpoints;
         self
     }
 
@@ -241,6 +254,29 @@ impl<B: Backend> ModelRunner<B> {
                 &mut self.ws,
             )
             .context("running the model")
+    }
+
+    /// Starts each sequence whose prefix-cache hit ends at a checkpoint
+    /// from that checkpoint's state.
+    fn restore_checkpoints(&mut self, seqs: &[ScheduledSeq]) {
+        for s in seqs {
+            if let Some(c) = s.restore_state {
+                self.state
+                    .copy_slot(&mut self.backend, &self.checkpoints, c, s.state_slot);
+            }
+        }
+    }
+
+    /// Files the state of each sequence whose step ended on a block
+    /// boundary the scheduler chose for a checkpoint. After the forward
+    /// pass, so a slot restored from in the same step was read first.
+    fn save_checkpoints(&mut self, seqs: &[ScheduledSeq]) {
+        for s in seqs {
+            if let Some(c) = s.save_state {
+                self.checkpoints
+                    .copy_slot(&mut self.backend, &self.state, s.state_slot, c);
+            }
+        }
     }
 
     /// Snapshots the recurrent state of every sequence that carries drafts
@@ -478,6 +514,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
             &self.lora_slots,
             &mut self.step_batch,
         );
+        self.restore_checkpoints(&plan.seqs);
         self.snapshot_drafting(&plan.seqs)?;
         if guided.is_empty() {
             self.forward()?;
@@ -498,6 +535,7 @@ impl<B: Backend> ModelExecutor for ModelRunner<B> {
                 ran
             })?;
         }
+        self.save_checkpoints(&plan.seqs);
         let vocab = self.model.config().vocab_size;
         let len = self.step_batch.logit_rows.len() * vocab;
         let b = &mut self.backend;
