@@ -317,3 +317,70 @@ fn while_tenants_contend_one_tenants_prefills_fill_a_quarter_of_a_step() {
     }
     panic!("A's requests did not finish under the cap");
 }
+
+/// With `--tenant-step-tokens 4`, while tenants contend a tenant adds at
+/// most 4 tokens of any kind to a step: A's 8 decoding streams take turns
+/// (each advances at least every other step, none starves), B's stream
+/// decodes every step, and every request finishes.
+#[test]
+fn while_tenants_contend_one_tenants_streams_decode_in_turns_within_the_step_bound() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = model(dir.path());
+    let mut a = EngineArgs::new(&m);
+    a.threads = 1;
+    a.max_model_len = Some(MAX_MODEL_LEN);
+    a.kv_cache_memory = Some(4 << 20);
+    a.kv_cache_dtype = KvCacheDtype::F32;
+    a.max_num_seqs = 16;
+    a.max_num_batched_tokens = 64;
+    a.tenant_step_tokens = 4;
+    let mut llm = LLM::new(a).unwrap_or_else(|e| panic!("LLM::new: {e:#}"));
+    let core = llm.engine_mut();
+    let flood: Vec<u64> = (0..8)
+        .map(|i| add(core, &format!("a{i}"), 5, 12, tenant("a", 1)))
+        .collect();
+    // Alone, A is not bounded: its 8 prompts run in one step.
+    core.step().expect("step");
+    assert_eq!(core.stats().last_step_tokens, 40, "alone, A is unbounded");
+    let b = add(core, "b", 3, 30, tenant("b", 1));
+    let mut outputs: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut last_seen: HashMap<u64, usize> = HashMap::new();
+    for step in 0..200 {
+        let outs = core.step().expect("step");
+        core.check_kv_accounting().expect("kv accounting");
+        let a_tokens = outs
+            .iter()
+            .filter(|o| flood.contains(&o.id))
+            .map(|o| o.new_token_ids.len())
+            .sum::<usize>();
+        assert!(
+            a_tokens <= 4,
+            "step {step}: A got {a_tokens} tokens, over its bound of 4"
+        );
+        for o in &outs {
+            outputs
+                .entry(o.id)
+                .or_default()
+                .extend_from_slice(&o.new_token_ids);
+            if !o.new_token_ids.is_empty() {
+                last_seen.insert(o.id, step);
+            }
+        }
+        // Turns: no stream of A waits more than two bounds' worth of
+        // steps (8 streams, 4 a step) while it runs.
+        for &id in &flood {
+            let done = outputs.get(&id).is_some_and(|v| v.len() == 11);
+            let seen = last_seen.get(&id).copied().unwrap_or(0);
+            assert!(done || step < seen + 3, "step {step}: stream {id} starves");
+        }
+        if !core.has_unfinished() {
+            break;
+        }
+    }
+    assert!(!core.has_unfinished(), "requests did not finish");
+    assert_eq!(outputs[&b].len(), 30);
+    for &id in &flood {
+        // One token came from the first step, before `outputs` counted.
+        assert_eq!(outputs[&id].len(), 11, "stream {id}");
+    }
+}

@@ -136,6 +136,11 @@ pub struct EngineFlags {
     /// waits on stays short (0: a quarter of --max-num-batched-tokens).
     #[arg(long, default_value_t = 0)]
     pub tenant_prefill_chunk: usize,
+    /// Under fair share, while tenants contend: the most tokens of any
+    /// kind (decodes and prefill chunks) one tenant adds to a step; its
+    /// streams beyond it decode in turns (0: no such bound).
+    #[arg(long, default_value_t = 0)]
+    pub tenant_step_tokens: usize,
     /// Defaults for sampling parameters a request leaves unset: auto (the
     /// model folder's generation_config.json), vllm (vLLM's own defaults),
     /// or a folder holding a generation_config.json.
@@ -275,6 +280,7 @@ impl EngineFlags {
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
         a.tenant_prefill_chunk = self.tenant_prefill_chunk;
+        a.tenant_step_tokens = self.tenant_step_tokens;
         a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
         a.kv_events = self
             .kv_events_config

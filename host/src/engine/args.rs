@@ -70,6 +70,10 @@ pub struct EngineArgs {
     /// Under fair share, while tenants contend: the most prompt tokens one
     /// tenant's prefills add to a step (0: a quarter of the step budget).
     pub tenant_prefill_chunk: usize,
+    /// Under fair share, while tenants contend: the most tokens of any kind
+    /// one tenant adds to a step, its streams decoding in turns beyond it
+    /// (0: no such bound).
+    pub tenant_step_tokens: usize,
     /// Seed for requests that give none (each request's RNG is derived
     /// from it and the request id); `None` seeds from the OS.
     pub seed: Option<u64>,
@@ -131,6 +135,7 @@ impl EngineArgs {
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fair,
             tenant_prefill_chunk: 0,
+            tenant_step_tokens: 0,
             seed: None,
             generation_config: GenerationConfigSource::Auto,
             speculative: None,
@@ -771,6 +776,7 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         draft_max_batch: 0,
         max_loras: 0,
         tenant_prefill_chunk: args.tenant_prefill_chunk,
+        tenant_step_tokens: args.tenant_step_tokens,
     });
     let mut core = EngineCore::new(
         scheduler,

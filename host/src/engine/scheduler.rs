@@ -68,6 +68,10 @@ pub struct SchedulerConfig {
     /// tenant's prefills add to a step (see [`Scheduler::prefill_cap`]);
     /// 0 for a quarter of `max_num_batched_tokens`.
     pub tenant_prefill_chunk: usize,
+    /// Under `fair` with several tenants: the most tokens of any kind
+    /// (decodes, drafts and prefill chunks together) one tenant adds to a
+    /// step; its sequences beyond it take turns. 0 for no such bound.
+    pub tenant_step_tokens: usize,
 }
 
 /// How long tenants count as contending after two last had work at once:
@@ -135,6 +139,12 @@ pub struct Scheduler {
     prefill_taken: Vec<(Arc<str>, usize)>,
     /// The last step was one tenant's alone (see [`Scheduler::first_prefill_of`]).
     last_exclusive: bool,
+    /// Tokens of any kind each tenant got in the step being planned, while
+    /// [`SchedulerConfig::tenant_step_tokens`] bounds them.
+    step_taken: Vec<(Arc<str>, usize)>,
+    /// Running sequences that waited out a step at their tenant's bound:
+    /// they go first among their tenant's next step (reused).
+    turned_away: Vec<u64>,
 }
 
 impl Scheduler {
@@ -151,6 +161,8 @@ impl Scheduler {
             contended_at: None,
             prefill_taken: Vec::new(),
             last_exclusive: false,
+            step_taken: Vec::new(),
+            turned_away: Vec::new(),
         }
     }
 
@@ -218,18 +230,36 @@ impl Scheduler {
 
     /// Of `cap`, what `tenant`'s prefills may still add to this step.
     fn prefill_left(&self, cap: usize, tenant: &str) -> usize {
-        let taken = self
-            .prefill_taken
-            .iter()
-            .find(|(t, _)| &**t == tenant)
-            .map_or(0, |(_, n)| *n);
-        cap.saturating_sub(taken)
+        cap.saturating_sub(taken_by(&self.prefill_taken, tenant))
     }
 
     fn take_prefill(&mut self, tenant: &Arc<str>, n: usize) {
-        match self.prefill_taken.iter_mut().find(|(t, _)| t == tenant) {
-            Some((_, taken)) => *taken += n,
-            None => self.prefill_taken.push((Arc::clone(tenant), n)),
+        take(&mut self.prefill_taken, tenant, n);
+    }
+
+    /// The most tokens of any kind one tenant may add to the next step,
+    /// while tenants contend and [`SchedulerConfig::tenant_step_tokens`]
+    /// is set (see [`Scheduler::prefill_cap`], which says when they do).
+    ///
+    /// The prefill bound alone leaves a step in flight with every decode
+    /// row of a tenant that keeps many streams open: a calm tenant's first
+    /// token waits for that step, which at 32 streams is several times its
+    /// own short prefill. Under this bound that tenant's streams decode in
+    /// turns instead (those left out go first next step), so the step in
+    /// flight is at most one bound per contending tenant.
+    fn step_cap(&self, contended: bool) -> Option<usize> {
+        match self.config.tenant_step_tokens {
+            0 => None,
+            n if contended => Some(n),
+            _ => None,
+        }
+    }
+
+    /// Of `cap`, what `tenant` may still add to this step.
+    fn step_left(&self, cap: Option<usize>, tenant: &str) -> usize {
+        match cap {
+            Some(cap) => cap.saturating_sub(taken_by(&self.step_taken, tenant)),
+            None => usize::MAX,
         }
     }
 
@@ -333,6 +363,9 @@ impl Scheduler {
         self.last_exclusive = exclusive.is_some();
         // A step of one tenant's alone is within the budget only.
         let prefill_cap = prefill_cap.filter(|_| exclusive.is_none());
+        let step_cap = self.step_cap(prefill_cap.is_some());
+        self.step_taken.clear();
+        self.turned_away.clear();
         // With one tenant the order is already fcfs order; skipping the
         // (allocating) stable sort keeps a decode step allocation-free.
         if self.config.policy == SchedulingPolicy::Fair && self.fair.num_tenants() > 1 {
@@ -361,8 +394,16 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            let mut num_new =
-                (req.token_ids.len() - req.num_computed).min(chunk_limit(req, budget));
+            let step_left = self.step_left(step_cap, &req.tenant.name);
+            if step_left == 0 {
+                // Its tenant has its part of this step: its turn is next.
+                self.turned_away.push(id);
+                i += 1;
+                continue;
+            }
+            let mut num_new = (req.token_ids.len() - req.num_computed)
+                .min(chunk_limit(req, budget))
+                .min(step_left);
             // A prefill (more than the one token a decode runs) within its
             // tenant's part of the step, under contention.
             let prefill = num_new > 1;
@@ -381,6 +422,7 @@ impl Scheduler {
             let mut num_drafts = if req.num_computed + 1 == req.token_ids.len() {
                 req.num_drafts
                     .min(budget - 1)
+                    .min(step_left - 1)
                     .min(req.max_len.saturating_sub(req.token_ids.len() + 1))
             } else {
                 0
@@ -425,6 +467,10 @@ impl Scheduler {
             if prefill && prefill_cap.is_some() {
                 let tenant = Arc::clone(&self.requests[&id].tenant.name);
                 self.take_prefill(&tenant, num_new);
+            }
+            if step_cap.is_some() {
+                let tenant = Arc::clone(&self.requests[&id].tenant.name);
+                take(&mut self.step_taken, &tenant, num_new + num_drafts);
             }
             let req = &self.requests[&id];
             num_new += num_drafts;
@@ -475,7 +521,15 @@ impl Scheduler {
                     break;
                 }
                 let cached = hit.num_tokens(kv.block_size());
-                let mut num_new = (req.token_ids.len() - cached).min(chunk_limit(req, budget));
+                let step_left = self.step_left(step_cap, &req.tenant.name);
+                if step_left == 0 {
+                    self.waiting.remove(pos);
+                    no_slot.push(id);
+                    continue;
+                }
+                let mut num_new = (req.token_ids.len() - cached)
+                    .min(chunk_limit(req, budget))
+                    .min(step_left);
                 if let (true, Some(cap)) = (num_new > 1, prefill_cap) {
                     num_new = num_new.min(self.prefill_left(cap, &req.tenant.name));
                     if num_new == 0 {
@@ -522,9 +576,12 @@ impl Scheduler {
                 self.waiting.remove(pos);
                 self.running.push(id);
                 self.fair.admitted(&req.tenant.name);
+                let tenant = Arc::clone(&req.tenant.name);
                 if num_new > 1 && prefill_cap.is_some() {
-                    let tenant = Arc::clone(&req.tenant.name);
                     self.take_prefill(&tenant, num_new);
+                }
+                if step_cap.is_some() {
+                    take(&mut self.step_taken, &tenant, num_new);
                 }
                 let lookahead = self.reserve_lookahead(id, num_new, kv);
                 let Some(req) = self.requests.get(&id) else {
@@ -540,6 +597,12 @@ impl Scheduler {
         }
         for &id in no_slot.iter().rev() {
             self.waiting.push_front(id);
+        }
+        if !self.turned_away.is_empty() {
+            // Those left out this step lead their tenant's next (the sort
+            // by tenant is stable), so a tenant's streams take turns.
+            let away = &self.turned_away;
+            self.running.sort_by_key(|id| !away.contains(id));
         }
         // Described once every block is allocated: preemption above takes
         // sequences out of the plan with their blocks, so these tables are
@@ -991,6 +1054,22 @@ impl Scheduler {
     /// Ids of the requests in the running queue, in order.
     pub fn running_ids(&self) -> &[u64] {
         &self.running
+    }
+}
+
+/// What `tenant` has taken of a step, by `taken`'s count.
+fn taken_by(taken: &[(Arc<str>, usize)], tenant: &str) -> usize {
+    taken
+        .iter()
+        .find(|(t, _)| &**t == tenant)
+        .map_or(0, |(_, n)| *n)
+}
+
+/// Counts `n` more tokens of a step for `tenant`.
+fn take(taken: &mut Vec<(Arc<str>, usize)>, tenant: &Arc<str>, n: usize) {
+    match taken.iter_mut().find(|(t, _)| t == tenant) {
+        Some((_, t)) => *t += n,
+        None => taken.push((Arc::clone(tenant), n)),
     }
 }
 
