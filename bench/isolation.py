@@ -105,6 +105,16 @@ class Flood:
             t.join(timeout=max(0.0, deadline - time.time()))
 
 
+def generated_tokens(base):
+    """The server's `vllm:generation_tokens_total`, summed over labels."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        total = 0.0
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:generation_tokens_total"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
 def p50(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -119,12 +129,18 @@ def noisy(a):
     alone = calm(a.requests)
     with Flood(a.base, a.flood_key, a.flood, a.flood_prompt, a.flood_output, 1):
         time.sleep(a.settle)
+        t0, g0 = time.perf_counter(), generated_tokens(a.base)
         beside = calm(a.requests)
+        # What the flood generated meanwhile (the calm requests' own tokens
+        # taken out): the throughput the bound costs it.
+        g1, t1 = generated_tokens(a.base), time.perf_counter()
+    flood_tps = (g1 - g0 - a.requests * a.calm_output) / (t1 - t0)
     return {
         "experiment": "noisy",
         "calm_ttft_p50_ms_alone": round(p50(alone) * 1e3, 1),
         "calm_ttft_p50_ms_beside_flood": round(p50(beside) * 1e3, 1),
         "ratio": round(p50(beside) / p50(alone), 2),
+        "flood_tokens_per_s_beside": round(flood_tps, 1),
         "flood_streams": a.flood,
         "calm_requests": a.requests,
     }

@@ -175,7 +175,11 @@ impl Scheduler {
     /// prefill chunk of a tenant that floods the server. Never two such
     /// steps in a row: the others' sequences wait at most every other step.
     fn first_prefill_of(&self) -> Option<Arc<str>> {
-        if self.last_exclusive {
+        // Alone now (the others idle between requests, contention still
+        // remembered), a tenant has no one to be served before: its steps
+        // stay within the bounds, so that the step in flight when another
+        // tenant's request comes is short.
+        if self.last_exclusive || self.fair.num_tenants() < 2 {
             return None;
         }
         let prefilling = |id: &u64| {
