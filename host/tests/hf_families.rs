@@ -375,6 +375,72 @@ fn hybrid_prompts_prefilled_in_chunks_of_7_agree_with_transformers() {
     }
 }
 
+/// Gemma 3's config in transformers 4's form: the global layers' RoPE in
+/// `rope_theta` and `rope_scaling`, the local layers' base in
+/// `rope_local_base_freq`, and the layer types as every
+/// `sliding_window_pattern`-th layer global.
+fn gemma3_v4_folder(dir: &Path) -> PathBuf {
+    edited_folder(
+        "gemma3",
+        |v| {
+            let o = v.as_object_mut().expect("config object");
+            let p = o.remove("rope_parameters").expect("rope_parameters");
+            let types = o.remove("layer_types").expect("layer_types");
+            o.remove("_sliding_window_pattern");
+            assert_eq!(
+                types,
+                serde_json::json!(["sliding_attention", "sliding_attention", "full_attention"])
+            );
+            o.insert("sliding_window_pattern".into(), 3.into());
+            let full = &p["full_attention"];
+            o.insert("rope_theta".into(), full["rope_theta"].clone());
+            o.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"rope_type": "linear", "factor": full["factor"].clone()}),
+            );
+            o.insert(
+                "rope_local_base_freq".into(),
+                p["sliding_attention"]["rope_theta"].clone(),
+            );
+        },
+        dir,
+    )
+}
+
+/// Gemma 3: local layers over a 16-token window (shorter than every
+/// prompt) with their own RoPE base, global layers with linear-scaled
+/// RoPE, `query_pre_attn_scalar`, q/k norms, sandwich norms, `1 + w`
+/// norms, the scaled embedding and GeGLU, under both config forms. An
+/// exact implementation reaches about 1e-5 (the fixtures' README).
+#[test]
+fn gemma3_with_local_and_global_layers_agrees_with_transformers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v5 = folder("gemma3", "config.json", dir.path());
+    let a = check_against_reference("gemma3", "gemma3 (transformers 5)", &v5, TOL, NEAR_TIE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v4 = gemma3_v4_folder(dir.path());
+    let b = check_against_reference("gemma3", "gemma3 (transformers 4)", &v4, TOL, NEAR_TIE);
+    assert!(a < 5e-5 && b < 5e-5, "gemma3: {a:.2e}, {b:.2e}");
+}
+
+/// Prompts prefilled 7 and 16 tokens a step (chunks that straddle the
+/// 16-token window, and chunks of exactly one window): the same logprobs.
+#[test]
+fn gemma3_prompts_prefilled_in_chunks_agree_with_transformers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = folder("gemma3", "config.json", dir.path());
+    for chunk in [7, 16] {
+        check_against_reference_with(
+            "gemma3",
+            &format!("gemma3 ({chunk}-token chunks)"),
+            &model,
+            TOL,
+            NEAR_TIE,
+            |a| a.max_num_batched_tokens = chunk,
+        );
+    }
+}
+
 #[test]
 fn llama_with_llama3_rope_scaling_agrees_with_transformers() {
     agrees_with_transformers("llama");
@@ -576,6 +642,61 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
             }),
             &["no full_attention layer"],
         ),
+        (
+            "gemma3",
+            Box::new(|v| v["attn_logit_softcapping"] = 50.0.into()),
+            &["attn_logit_softcapping", "not computed"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["use_bidirectional_attention"] = true.into()),
+            &["use_bidirectional_attention"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["hidden_activation"] = "gelu".into()),
+            &["hidden_activation 'gelu'"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_parameters"]["sliding_attention"]["rope_type"] = "dynamic".into()),
+            &["rope_parameters.sliding_attention", "rope_type 'dynamic'"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| {
+                v["rope_parameters"]
+                    .as_object_mut()
+                    .expect("rope_parameters")
+                    .remove("sliding_attention");
+            }),
+            &["rope_parameters", "sliding_attention"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_local_base_freq"] = 20000.0.into()),
+            &["rope_local_base_freq", "disagree"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_theta"] = 10000.0.into()),
+            &["rope_theta", "disagree"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["layer_types"][0] = "linear_attention".into()),
+            &["layer_types", "linear_attention"],
+        ),
+        (
+            "qwen3",
+            Box::new(|v| v["final_logit_softcapping"] = 30.0.into()),
+            &["final_logit_softcapping", "only Gemma 3"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["query_pre_attn_scalar"] = 64.into()),
+            &["query_pre_attn_scalar"],
+        ),
     ];
     for (family, edit, needles) in cases {
         let msg = refusal(family, edit);
@@ -595,7 +716,7 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         pagoda::engine::config::unknown_hf_keys(&v).is_empty(),
         "transformers' own keys are all known"
     );
-    for family in HYBRID {
+    for family in HYBRID.into_iter().chain(["gemma3"]) {
         let c: Value = serde_json::from_str(
             &std::fs::read_to_string(fixture_dir(family).join("config.json")).expect("config"),
         )
@@ -607,10 +728,10 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         );
     }
     v["frobnicate_heads"] = true.into();
-    v["attn_logit_softcapping"] = 30.0.into();
+    v["logit_scale"] = 0.0625.into();
     assert_eq!(
         pagoda::engine::config::unknown_hf_keys(&v),
-        ["attn_logit_softcapping", "frobnicate_heads"]
+        ["frobnicate_heads", "logit_scale"]
     );
 }
 
@@ -644,6 +765,7 @@ fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
+        "gemma3",
     ] {
         assert_eq!(
             unused_tensors(family, |_| {}),
