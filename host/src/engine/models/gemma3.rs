@@ -257,3 +257,24 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// torch's `torch.tensor(h ** 0.5).to(dtype)` for Gemma 3's widths.
+    #[test]
+    fn the_embedding_scale_rounds_to_the_embeddings_type_as_torch_does() {
+        for (hidden, ty, want) in [
+            (640, GgmlType::BF16, 25.25),
+            (1152, GgmlType::BF16, 34.0),
+            (5376, GgmlType::BF16, 73.5),
+            (640, GgmlType::F16, 25.296875),
+            (2560, GgmlType::F16, 50.59375),
+            (640, GgmlType::F32, 25.298221588134766),
+            (1152, GgmlType::Q8_0, 33.941123962402344),
+        ] {
+            assert_eq!(embed_scale(hidden, ty), want as f32, "{hidden} in {ty:?}");
+        }
+    }
+}
