@@ -453,6 +453,37 @@ fn gemma3_prompts_prefilled_in_chunks_agree_with_transformers() {
     }
 }
 
+/// A Gemma 3 config that leaves everything else to transformers'
+/// `Gemma3TextConfig` defaults (read from transformers 5.25):
+/// `rope_parameters` full 1e6 and sliding 1e4, both unscaled; a 4096-token
+/// window on all but every 6th layer; `query_pre_attn_scalar` 256; no
+/// soft-capping; tied embeddings; `gelu_pytorch_tanh`.
+#[test]
+fn gemma3_config_defaults_are_transformers_defaults() {
+    use pagoda::engine::config::{Activation, ModelConfig};
+    use pagoda_accel::ops::RopeScaling;
+    let v = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 12,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "vocab_size": 512
+    });
+    let c = ModelConfig::from_hf_json(&v).expect("config");
+    let g = c.gemma.as_ref().expect("gemma part");
+    assert_eq!((c.rope_theta, &c.rope_scaling), (1e6, &RopeScaling::None));
+    assert_eq!(
+        (g.local_rope_theta, &g.local_rope_scaling),
+        (1e4, &RopeScaling::None)
+    );
+    assert_eq!(g.attn_scale, 1.0 / 16.0);
+    assert_eq!(g.final_logit_softcap, None);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.hidden_act, Activation::GeluTanh);
+    let want: Vec<Option<usize>> = (0..12)
+        .map(|i| ((i + 1) % 6 != 0).then_some(4096))
+        .collect();
+    assert_eq!(c.sliding_windows, want);
+}
+
 /// Variants of the Gemma 3 fixture made by `scripts/make-gemma3-fixture.py`
 /// with transformers' own float32 outputs.
 fn gemma3_variant(name: &str) -> (PathBuf, Value) {

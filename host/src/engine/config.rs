@@ -567,6 +567,13 @@ impl ModelConfig {
             "qwen3moe" => Arch::Qwen3Moe,
             // llama.cpp's converter reorders these models' value heads
             // and folds A_log; reading that layout back is not built.
+            // llama.cpp's converter folds the `+ 1` into Gemma's norms, and
+            // its loader takes the layer pattern, the local RoPE base and
+            // the attention scale from the model size instead of the file.
+            "gemma3" => bail!(
+                "{}: GGUF files of Gemma 3 ('{name}') are not read yet; serve the Hugging Face folder instead",
+                g.path().display()
+            ),
             "qwen3next" | "qwen35" | "qwen35moe" => bail!(
                 "{}: GGUF files of the hybrid Qwen models ('{name}') are not read yet; serve the Hugging Face folder instead",
                 g.path().display()
