@@ -163,7 +163,19 @@ fn check_against_reference_with(
     near_tie: f64,
     configure: impl Fn(&mut EngineArgs),
 ) -> f64 {
-    let reference = reference(family);
+    check_model_against(&reference(family), what, model, tol, near_tie, configure)
+}
+
+/// Serves `model` and checks it against `reference` (a `reference.json`),
+/// as [`check_against_reference`] does.
+fn check_model_against(
+    reference: &Value,
+    what: &str,
+    model: &Path,
+    tol: f64,
+    near_tie: f64,
+    configure: impl Fn(&mut EngineArgs),
+) -> f64 {
     let mut llm = engine_with(model, configure).unwrap_or_else(|e| panic!("{what}: {e:#}"));
     let mut worst = 0f64;
     for (c, case) in reference["cases"]
@@ -375,6 +387,172 @@ fn hybrid_prompts_prefilled_in_chunks_of_7_agree_with_transformers() {
     }
 }
 
+/// Gemma 3's config in transformers 4's form: the global layers' RoPE in
+/// `rope_theta` and `rope_scaling`, the local layers' base in
+/// `rope_local_base_freq`, and the layer types as every
+/// `sliding_window_pattern`-th layer global.
+fn gemma3_v4_folder(dir: &Path) -> PathBuf {
+    edited_folder(
+        "gemma3",
+        |v| {
+            let o = v.as_object_mut().expect("config object");
+            let p = o.remove("rope_parameters").expect("rope_parameters");
+            let types = o.remove("layer_types").expect("layer_types");
+            o.remove("_sliding_window_pattern");
+            assert_eq!(
+                types,
+                serde_json::json!(["sliding_attention", "sliding_attention", "full_attention"])
+            );
+            o.insert("sliding_window_pattern".into(), 3.into());
+            let full = &p["full_attention"];
+            o.insert("rope_theta".into(), full["rope_theta"].clone());
+            o.insert(
+                "rope_scaling".into(),
+                serde_json::json!({"rope_type": "linear", "factor": full["factor"].clone()}),
+            );
+            o.insert(
+                "rope_local_base_freq".into(),
+                p["sliding_attention"]["rope_theta"].clone(),
+            );
+        },
+        dir,
+    )
+}
+
+/// Gemma 3: local layers over a 16-token window (shorter than every
+/// prompt) with their own RoPE base, global layers with linear-scaled
+/// RoPE, `query_pre_attn_scalar`, q/k norms, sandwich norms, `1 + w`
+/// norms, the scaled embedding and GeGLU, under both config forms. An
+/// exact implementation reaches about 1e-5 (the fixtures' README).
+#[test]
+fn gemma3_with_local_and_global_layers_agrees_with_transformers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v5 = folder("gemma3", "config.json", dir.path());
+    let a = check_against_reference("gemma3", "gemma3 (transformers 5)", &v5, TOL, NEAR_TIE);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let v4 = gemma3_v4_folder(dir.path());
+    let b = check_against_reference("gemma3", "gemma3 (transformers 4)", &v4, TOL, NEAR_TIE);
+    assert!(a < 5e-5 && b < 5e-5, "gemma3: {a:.2e}, {b:.2e}");
+}
+
+/// Prompts prefilled 7 and 16 tokens a step (chunks that straddle the
+/// 16-token window, and chunks of exactly one window): the same logprobs.
+#[test]
+fn gemma3_prompts_prefilled_in_chunks_agree_with_transformers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = folder("gemma3", "config.json", dir.path());
+    for chunk in [7, 16] {
+        check_against_reference_with(
+            "gemma3",
+            &format!("gemma3 ({chunk}-token chunks)"),
+            &model,
+            TOL,
+            NEAR_TIE,
+            |a| a.max_num_batched_tokens = chunk,
+        );
+    }
+}
+
+/// A Gemma 3 config that leaves everything else to transformers'
+/// `Gemma3TextConfig` defaults (read from transformers 5.25):
+/// `rope_parameters` full 1e6 and sliding 1e4, both unscaled; a 4096-token
+/// window on all but every 6th layer; `query_pre_attn_scalar` 256; no
+/// soft-capping; tied embeddings; `gelu_pytorch_tanh`.
+#[test]
+fn gemma3_config_defaults_are_transformers_defaults() {
+    use pagoda::engine::config::{Activation, ModelConfig};
+    use pagoda_accel::ops::RopeScaling;
+    let v = serde_json::json!({
+        "architectures": ["Gemma3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 12,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 128, "vocab_size": 512
+    });
+    let c = ModelConfig::from_hf_json(&v).expect("config");
+    let g = c.gemma.as_ref().expect("gemma part");
+    assert_eq!((c.rope_theta, &c.rope_scaling), (1e6, &RopeScaling::None));
+    assert_eq!(
+        (g.local_rope_theta, &g.local_rope_scaling),
+        (1e4, &RopeScaling::None)
+    );
+    assert_eq!(g.attn_scale, 1.0 / 16.0);
+    assert_eq!(g.final_logit_softcap, None);
+    assert!(c.tie_word_embeddings);
+    assert_eq!(c.hidden_act, Activation::GeluTanh);
+    let want: Vec<Option<usize>> = (0..12)
+        .map(|i| ((i + 1) % 6 != 0).then_some(4096))
+        .collect();
+    assert_eq!(c.sliding_windows, want);
+}
+
+/// Variants of the Gemma 3 fixture made by `scripts/make-gemma3-fixture.py`
+/// with transformers' own float32 outputs.
+fn gemma3_variant(name: &str) -> (PathBuf, Value) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures/gemma3-variants")
+        .join(name);
+    let reference = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("reference.json")).expect("reference.json"),
+    )
+    .expect("reference JSON");
+    (dir, reference)
+}
+
+/// transformers 4's config form with other values than the shared fixture:
+/// an 8-token window on every other layer (`sliding_window_pattern` 2),
+/// other RoPE bases and linear factor, `query_pre_attn_scalar` 24,
+/// `final_logit_softcapping` 3 (the random logits reach well past it) and
+/// tied embeddings; whole and in 5-token chunks.
+#[test]
+fn gemma3_with_softcapping_tied_embeddings_and_the_older_config_form_agrees_with_transformers() {
+    let (model, reference) = gemma3_variant("v4-softcap");
+    let mut worst = 0f64;
+    for chunk in [None, Some(5)] {
+        worst = worst.max(check_model_against(
+            &reference,
+            &format!("gemma3 v4-softcap (chunks {chunk:?})"),
+            &model,
+            TOL,
+            NEAR_TIE,
+            |a| {
+                if let Some(c) = chunk {
+                    a.max_num_batched_tokens = c;
+                }
+            },
+        ));
+    }
+    assert!(worst < 5e-5, "gemma3 v4-softcap: {worst:.2e}");
+}
+
+/// A bfloat16 checkpoint: upcast to float32 it computes transformers'
+/// float32 forward over the same weights as exactly as the float32 fixture;
+/// kept in bfloat16 (the weights as stored, and the bfloat16 KV cache
+/// `--kv-cache-dtype auto` then picks) it stays within 0.05 (1.1e-2 seen)
+/// and greedy agrees wherever transformers' choice is clear.
+#[test]
+fn gemma3_in_bfloat16_agrees_with_transformers() {
+    let (model, reference) = gemma3_variant("bf16");
+    let exact = check_model_against(
+        &reference,
+        "gemma3 bf16 as f32",
+        &model,
+        TOL,
+        NEAR_TIE,
+        |_| {},
+    );
+    assert!(exact < 5e-5, "gemma3 bf16 as f32: {exact:.2e}");
+    let stored = check_model_against(
+        &reference,
+        "gemma3 bf16 as stored",
+        &model,
+        0.05,
+        0.05,
+        |a| {
+            a.dtype = DType::Auto;
+        },
+    );
+    eprintln!("gemma3 bf16: {exact:.2e} upcast, {stored:.2e} as stored");
+}
+
 #[test]
 fn llama_with_llama3_rope_scaling_agrees_with_transformers() {
     agrees_with_transformers("llama");
@@ -576,6 +754,61 @@ fn keys_that_change_the_math_and_are_not_built_are_refused_by_name() {
             }),
             &["no full_attention layer"],
         ),
+        (
+            "gemma3",
+            Box::new(|v| v["attn_logit_softcapping"] = 50.0.into()),
+            &["attn_logit_softcapping", "not computed"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["use_bidirectional_attention"] = true.into()),
+            &["use_bidirectional_attention"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["hidden_activation"] = "gelu".into()),
+            &["hidden_activation 'gelu'"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_parameters"]["sliding_attention"]["rope_type"] = "dynamic".into()),
+            &["rope_parameters.sliding_attention", "rope_type 'dynamic'"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| {
+                v["rope_parameters"]
+                    .as_object_mut()
+                    .expect("rope_parameters")
+                    .remove("sliding_attention");
+            }),
+            &["rope_parameters", "sliding_attention"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_local_base_freq"] = 20000.0.into()),
+            &["rope_local_base_freq", "disagree"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["rope_theta"] = 10000.0.into()),
+            &["rope_theta", "disagree"],
+        ),
+        (
+            "gemma3",
+            Box::new(|v| v["layer_types"][0] = "linear_attention".into()),
+            &["layer_types", "linear_attention"],
+        ),
+        (
+            "qwen3",
+            Box::new(|v| v["final_logit_softcapping"] = 30.0.into()),
+            &["final_logit_softcapping", "only Gemma 3"],
+        ),
+        (
+            "llama",
+            Box::new(|v| v["query_pre_attn_scalar"] = 64.into()),
+            &["query_pre_attn_scalar"],
+        ),
     ];
     for (family, edit, needles) in cases {
         let msg = refusal(family, edit);
@@ -595,7 +828,7 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         pagoda::engine::config::unknown_hf_keys(&v).is_empty(),
         "transformers' own keys are all known"
     );
-    for family in HYBRID {
+    for family in HYBRID.into_iter().chain(["gemma3"]) {
         let c: Value = serde_json::from_str(
             &std::fs::read_to_string(fixture_dir(family).join("config.json")).expect("config"),
         )
@@ -607,10 +840,10 @@ fn unknown_keys_are_listed_for_the_start_up_warning() {
         );
     }
     v["frobnicate_heads"] = true.into();
-    v["attn_logit_softcapping"] = 30.0.into();
+    v["logit_scale"] = 0.0625.into();
     assert_eq!(
         pagoda::engine::config::unknown_hf_keys(&v),
-        ["attn_logit_softcapping", "frobnicate_heads"]
+        ["frobnicate_heads", "logit_scale"]
     );
 }
 
@@ -644,6 +877,7 @@ fn every_tensor_of_transformers_checkpoints_is_used_and_a_missed_key_shows() {
         "qwen3_5",
         "qwen3_5_moe",
         "qwen3_next",
+        "gemma3",
     ] {
         assert_eq!(
             unused_tensors(family, |_| {}),

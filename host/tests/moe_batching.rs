@@ -8,6 +8,8 @@
 //! quantized. The hybrid Qwen models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE)
 //! too: their linear layers' state is carried across chunks in per-sequence
 //! slots, and a preempted sequence recomputes it from its first token.
+//! Gemma 3 too: its local layers attend over a 16-token window, so chunks,
+//! batches and recomputation all cross window edges.
 
 mod support;
 
@@ -37,6 +39,11 @@ fn qwen3_5_batches_exactly() {
 #[test]
 fn qwen3_5_moe_batches_exactly() {
     batch_changes_nothing(&fixtures_2026().join("qwen3_5_moe"), "qwen3_5_moe");
+}
+
+#[test]
+fn gemma3_batches_exactly() {
+    batch_changes_nothing(&fixtures_2026().join("gemma3"), "gemma3");
 }
 
 #[test]

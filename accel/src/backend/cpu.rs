@@ -447,6 +447,38 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn supports_gemma_ops(&self) -> bool {
+        true
+    }
+
+    fn gelu_tanh_mul(
+        &mut self,
+        gate_up: &Vec<f32>,
+        m: usize,
+        ffn: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        ops::for_row_ranges(
+            self.ctx.pool(),
+            first(gate_up, m * 2 * ffn),
+            2 * ffn,
+            first_mut(out, m * ffn),
+            ffn,
+            &|g, a| ops::gelu_tanh_mul(g, ffn, a),
+        );
+        Ok(())
+    }
+
+    fn scale(&mut self, x: &mut Vec<f32>, n: usize, s: f32) -> Result<(), BackendError> {
+        ops::scale_inplace(first_mut(x, n), s);
+        Ok(())
+    }
+
+    fn softcap(&mut self, x: &mut Vec<f32>, n: usize, cap: f32) -> Result<(), BackendError> {
+        ops::softcap_inplace(first_mut(x, n), cap);
+        Ok(())
+    }
+
     fn rope(&mut self, table: &RopeTable, x: &mut Vec<f32>, n_heads: usize, step: &CpuStep) {
         let n = step.batch.num_tokens() * n_heads * table.head_dim();
         ops::rope_inplace(table, first_mut(x, n), n_heads, &step.batch.positions);

@@ -624,6 +624,13 @@ pub trait Backend: Send + 'static {
     fn supports_linear_attention(&self) -> bool {
         false
     }
+    /// Whether Gemma's operations ([`Backend::gelu_tanh_mul`],
+    /// [`Backend::scale`], [`Backend::softcap`]) run here. A model that
+    /// needs them is refused at load on a backend without; should one be
+    /// called anyway, it returns [`BackendError::UnsupportedOp`].
+    fn supports_gemma_ops(&self) -> bool {
+        false
+    }
     /// Free and total bytes of the device's own memory, for devices that
     /// have one (the engine then sizes the KV pool from
     /// `--gpu-memory-utilization` after a profile forward); `None` for the
@@ -691,6 +698,39 @@ pub trait Backend: Send + 'static {
     /// `out[r][j] = silu(gate_up[r][j]) · gate_up[r][ffn + j]` for `m` rows
     /// (`gate_up: [m, 2·ffn]`, `out: [m, ffn]`).
     fn silu_mul(&mut self, gate_up: &Self::Buffer, m: usize, ffn: usize, out: &mut Self::Buffer);
+    /// `out[r][j] = gelu_tanh(gate_up[r][j]) · gate_up[r][ffn + j]` for `m`
+    /// rows, GELU's tanh approximation (see [`crate::ops::gelu_tanh_mul`]);
+    /// one of Gemma's operations ([`Backend::supports_gemma_ops`]).
+    fn gelu_tanh_mul(
+        &mut self,
+        gate_up: &Self::Buffer,
+        m: usize,
+        ffn: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (gate_up, m, ffn, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "gelu_tanh_mul",
+        })
+    }
+    /// `x[i] *= s` for the first `n` elements (Gemma's embedding scale).
+    fn scale(&mut self, x: &mut Self::Buffer, n: usize, s: f32) -> Result<(), BackendError> {
+        let _ = (x, n, s);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "scale",
+        })
+    }
+    /// `x[i] = tanh(x[i] / cap) · cap` for the first `n` elements (Gemma's
+    /// final logit soft-capping).
+    fn softcap(&mut self, x: &mut Self::Buffer, n: usize, cap: f32) -> Result<(), BackendError> {
+        let _ = (x, n, cap);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "softcap",
+        })
+    }
     /// Rotates each of the step's token rows of `x` (`n_heads` heads of the
     /// table's head dimension) by its position.
     fn rope(&mut self, table: &Self::Rope, x: &mut Self::Buffer, n_heads: usize, step: &Self::Step);

@@ -200,6 +200,53 @@ pub fn mul_sigmoid(
     }
 }
 
+/// GeGLU with the tanh approximation of GELU (transformers'
+/// `gelu_pytorch_tanh`, Gemma's MLP): `out[r][i] = gelu_tanh(gate[r][i]) ·
+/// up[r][i]`, where `gelu_tanh(g) = g/2 · (1 + tanh(√(2/π) · (g + 0.044715
+/// g³)))`, in float32 as torch computes it. `gate_up` is `[rows, 2·ffn]`,
+/// each row `[gate | up]`; `out` is `[rows, ffn]`.
+///
+/// # Panics
+/// If the lengths do not describe the same number of rows.
+pub fn gelu_tanh_mul(gate_up: &[f32], ffn: usize, out: &mut [f32]) {
+    assert!(ffn > 0, "gelu_tanh_mul: ffn must be positive");
+    assert_eq!(
+        gate_up.len(),
+        2 * out.len(),
+        "gelu_tanh_mul: gate_up must be twice out"
+    );
+    assert_eq!(
+        out.len() % ffn,
+        0,
+        "gelu_tanh_mul: out is not a whole number of rows"
+    );
+    // torch's constants: kBeta = √2 · (2/√π) · ½, kKappa = 0.044715.
+    let beta = std::f32::consts::SQRT_2 * std::f32::consts::FRAC_2_SQRT_PI * 0.5;
+    let kappa = 0.044715f32;
+    for (gu, o) in gate_up.chunks_exact(2 * ffn).zip(out.chunks_exact_mut(ffn)) {
+        let (g, u) = gu.split_at(ffn);
+        for ((o, &x), &u) in o.iter_mut().zip(g).zip(u) {
+            let inner = beta * (x + kappa * x * x * x);
+            *o = 0.5 * x * (1.0 + inner.tanh()) * u;
+        }
+    }
+}
+
+/// `x[i] *= s` for every element.
+pub fn scale_inplace(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
+/// Logit soft-capping (Gemma's `final_logit_softcapping`): `x[i] =
+/// tanh(x[i] / cap) · cap`, as transformers computes it.
+pub fn softcap_inplace(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = (*v / cap).tanh() * cap;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -350,5 +397,46 @@ mod tests {
             x[width + 1],
             "a very positive gate passes it"
         );
+    }
+
+    #[test]
+    fn gelu_tanh_mul_softcap_and_scale_match_f64() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        for &(rows, ffn) in &[(1usize, 1usize), (3, 13), (2, 64)] {
+            let gu: Vec<f32> = (0..rows * 2 * ffn)
+                .map(|_| rng.random_range(-8.0..8.0))
+                .collect();
+            let mut out = vec![f32::NAN; rows * ffn];
+            gelu_tanh_mul(&gu, ffn, &mut out);
+            for r in 0..rows {
+                for i in 0..ffn {
+                    let g = gu[r * 2 * ffn + i] as f64;
+                    let u = gu[r * 2 * ffn + ffn + i] as f64;
+                    let c = (2.0 / std::f64::consts::PI).sqrt();
+                    let want = 0.5 * g * (1.0 + (c * (g + 0.044715 * g * g * g)).tanh()) * u;
+                    let got = out[r * ffn + i] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "gelu_tanh({g})·{u}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        let x: Vec<f32> = (0..50).map(|_| rng.random_range(-200.0..200.0)).collect();
+        let mut y = x.clone();
+        softcap_inplace(&mut y, 30.0);
+        for (&a, &b) in x.iter().zip(&y) {
+            let want = (a as f64 / 30.0).tanh() * 30.0;
+            assert!(
+                (b as f64 - want).abs() < 1e-5,
+                "softcap({a}) = {b}, want {want}"
+            );
+            assert!(b.abs() <= 30.0);
+        }
+        let mut z = x.clone();
+        scale_inplace(&mut z, 2.5);
+        for (&a, &b) in x.iter().zip(&z) {
+            assert_eq!(b, a * 2.5);
+        }
     }
 }

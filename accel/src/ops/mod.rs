@@ -24,7 +24,10 @@ mod rope;
 pub mod sample;
 pub(crate) mod simd;
 
-pub use act::{log_softmax_inplace, mul_sigmoid, silu_mul, softmax_inplace};
+pub use act::{
+    gelu_tanh_mul, log_softmax_inplace, mul_sigmoid, scale_inplace, silu_mul, softcap_inplace,
+    softmax_inplace,
+};
 pub use attention::{
     paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
 };

@@ -53,6 +53,11 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "DeepSeek-V3, R1 (MLA, sigmoid group-limited routing)",
     ),
     (
+        "Gemma3ForCausalLM",
+        "-",
+        "Gemma 3 text (1B; the text stack of 4B-27B): local/global layers, per-layer-type RoPE, GeGLU, sandwich norms",
+    ),
+    (
         "Qwen3NextForCausalLM",
         "-",
         "Qwen3-Next (hybrid Gated DeltaNet and gated attention, experts with a gated shared expert)",
@@ -102,6 +107,36 @@ pub enum Arch {
     /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
     /// layer.
     Qwen35Moe,
+    /// Gemma 3 text: local (sliding-window) and global layers with their
+    /// own RoPE, q/k norms, sandwich norms, GeGLU (see [`GemmaConfig`]).
+    Gemma3,
+}
+
+/// The gated MLP's activation: `down(act(gate(x)) · up(x))`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (`silu`, `swish`): SwiGLU.
+    #[default]
+    Silu,
+    /// GELU's tanh approximation (`gelu_pytorch_tanh`): GeGLU.
+    GeluTanh,
+}
+
+/// What Gemma 3 adds to the decoder: every RMSNorm scales by `1 + w`, the
+/// embedding is scaled by `√hidden_size`, each layer normalizes its
+/// attention and MLP outputs too (sandwich norms), the sliding-window
+/// (local) layers rotate with their own RoPE base, and the logits may be
+/// soft-capped.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GemmaConfig {
+    /// The attention's score scale, `query_pre_attn_scalar^-0.5`.
+    pub attn_scale: f32,
+    /// The local layers' RoPE base; the global layers use the config's
+    /// `rope_theta` and `rope_scaling`.
+    pub local_rope_theta: f32,
+    pub local_rope_scaling: RopeScaling,
+    /// `final_logit_softcapping`: logits become `tanh(l / cap) · cap`.
+    pub final_logit_softcap: Option<f32>,
 }
 
 /// The hybrid Qwen models (Qwen3-Next, Qwen3.5): most layers are Gated
@@ -225,6 +260,10 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     /// The layer mix and linear-attention shape of the hybrid Qwen models.
     pub hybrid: Option<HybridConfig>,
+    /// The gated MLP's activation.
+    pub hidden_act: Activation,
+    /// Gemma 3's additions to the decoder.
+    pub gemma: Option<GemmaConfig>,
 }
 
 impl ModelConfig {
@@ -270,6 +309,7 @@ impl ModelConfig {
             (Some("Qwen3NextForCausalLM"), _) | (None, "qwen3_next") => HfFamily::Qwen3Next,
             (Some("Qwen3_5ForCausalLM"), _) | (None, "qwen3_5_text") => HfFamily::Qwen35,
             (Some("Qwen3_5MoeForCausalLM"), _) | (None, "qwen3_5_moe_text") => HfFamily::Qwen35Moe,
+            (Some("Gemma3ForCausalLM"), _) | (None, "gemma3_text") => HfFamily::Gemma3,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -319,6 +359,7 @@ impl ModelConfig {
             HfFamily::Qwen3Next => Arch::Qwen3Next,
             HfFamily::Qwen35 => Arch::Qwen35,
             HfFamily::Qwen35Moe => Arch::Qwen35Moe,
+            HfFamily::Gemma3 => Arch::Gemma3,
         };
         let hybrid_family = matches!(
             family,
@@ -328,21 +369,61 @@ impl ModelConfig {
             None | Some(Value::Null) => 2048,
             Some(_) => usize_of("max_position_embeddings")?,
         };
-        let (rope_theta, rope_scaling, rotary_factor) =
-            read_hf_rope(v, max_position_embeddings, hybrid_family)?;
+        let gemma_family = family == HfFamily::Gemma3;
+        let (rope_theta, rope_scaling, rotary_factor, local_rope) = if gemma_family {
+            let ((theta, scaling), local) = read_gemma_rope(v, max_position_embeddings)?;
+            (theta, scaling, 1.0, Some(local))
+        } else {
+            let (theta, scaling, factor) = read_hf_rope(v, max_position_embeddings, hybrid_family)?;
+            (theta, scaling, factor, None)
+        };
         let num_layers = usize_of("num_hidden_layers")?;
         // Checked before anything is sized by it (validate checks again).
         if num_layers > MAX_LAYERS {
             bail!("'num_hidden_layers' = {num_layers} is beyond the supported maximum of {MAX_LAYERS}");
         }
-        let act = v
-            .get("hidden_act")
-            .or_else(|| v.get("hidden_activation"))
-            .and_then(Value::as_str)
-            .unwrap_or("silu");
-        if !matches!(act, "silu" | "swish") {
-            bail!("hidden_act '{act}' is not supported: the MLP is built for SiLU (silu)");
-        }
+        let act_key = match v.get("hidden_act").filter(|x| !x.is_null()) {
+            Some(_) => "hidden_act",
+            None => "hidden_activation",
+        };
+        let act = match v.get(act_key) {
+            None | Some(Value::Null) => None,
+            Some(x) => Some(
+                x.as_str()
+                    .with_context(|| format!("'{act_key}' must be a string, got {x}"))?,
+            ),
+        };
+        let hidden_act = match (gemma_family, act) {
+            (false, None | Some("silu" | "swish")) => Activation::Silu,
+            (false, Some(act)) => {
+                bail!("{act_key} '{act}' is not supported: the MLP is built for SiLU (silu)")
+            }
+            // `Gemma3TextConfig`'s default.
+            (true, None | Some("gelu_pytorch_tanh")) => Activation::GeluTanh,
+            (true, Some(act)) => bail!(
+                "{act_key} '{act}' is not supported for Gemma 3: its MLP is built for GELU's tanh approximation (gelu_pytorch_tanh)"
+            ),
+        };
+        let gemma = match local_rope {
+            Some((local_rope_theta, local_rope_scaling)) => {
+                Some(read_gemma(v, local_rope_theta, local_rope_scaling)?)
+            }
+            None => {
+                // Keys only Gemma's modeling code reads: on another family
+                // they would mean math that is not built here.
+                for key in [
+                    "query_pre_attn_scalar",
+                    "rope_local_base_freq",
+                    "final_logit_softcapping",
+                    "attn_logit_softcapping",
+                ] {
+                    if v.get(key).is_some_and(|x| !x.is_null()) {
+                        bail!("'{key}' is set, and this architecture's attention does not compute it (only Gemma 3 reads it)");
+                    }
+                }
+                None
+            }
+        };
         let flag = |key: &str| -> Result<bool> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(false),
@@ -370,6 +451,10 @@ impl ModelConfig {
                 Some(_) => (flag("qkv_bias")?, false),
             },
             HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe => {
+                let b = flag("attention_bias")?;
+                (b, b)
+            }
+            HfFamily::Gemma3 => {
                 let b = flag("attention_bias")?;
                 (b, b)
             }
@@ -436,10 +521,11 @@ impl ModelConfig {
             rope_scaling,
             rope_style,
             max_position_embeddings,
+            // `Gemma3TextConfig` ties them by default; the others do not.
             tie_word_embeddings: v
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
-                .unwrap_or(false),
+                .unwrap_or(gemma_family),
             attention_bias,
             o_bias,
             mlp_bias,
@@ -447,6 +533,8 @@ impl ModelConfig {
             moe,
             mla,
             hybrid,
+            hidden_act,
+            gemma,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -479,6 +567,13 @@ impl ModelConfig {
             "qwen3moe" => Arch::Qwen3Moe,
             // llama.cpp's converter reorders these models' value heads
             // and folds A_log; reading that layout back is not built.
+            // llama.cpp's converter folds the `+ 1` into Gemma's norms, and
+            // its loader takes the layer pattern, the local RoPE base and
+            // the attention scale from the model size instead of the file.
+            "gemma3" => bail!(
+                "{}: GGUF files of Gemma 3 ('{name}') are not read yet; serve the Hugging Face folder instead",
+                g.path().display()
+            ),
             "qwen3next" | "qwen35" | "qwen35moe" => bail!(
                 "{}: GGUF files of the hybrid Qwen models ('{name}') are not read yet; serve the Hugging Face folder instead",
                 g.path().display()
@@ -658,6 +753,8 @@ impl ModelConfig {
             moe,
             mla: None,
             hybrid: None,
+            hidden_act: Activation::Silu,
+            gemma: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -835,6 +932,8 @@ impl ModelConfig {
             moe: Some(moe),
             mla: Some(mla),
             hybrid: None,
+            hidden_act: Activation::Silu,
+            gemma: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -876,7 +975,82 @@ impl ModelConfig {
                 bail!("'{name}' = {x} is beyond the supported maximum of {max}");
             }
         }
-        match self.rope_scaling {
+        self.check_rope_scaling(&self.rope_scaling)?;
+        if let Some(g) = &self.gemma {
+            self.check_rope_scaling(&g.local_rope_scaling)?;
+            if !(g.local_rope_theta.is_finite() && g.local_rope_theta > 0.0) {
+                bail!(
+                    "the local layers' RoPE base {} must be a positive number",
+                    g.local_rope_theta
+                );
+            }
+            if !(g.attn_scale.is_finite() && g.attn_scale > 0.0) {
+                bail!("query_pre_attn_scalar must be a positive number");
+            }
+            if let Some(cap) = g.final_logit_softcap {
+                if !(cap.is_finite() && cap > 0.0) {
+                    bail!("final_logit_softcapping {cap} must be a positive number");
+                }
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            bail!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_heads,
+                self.num_kv_heads
+            );
+        }
+        if self.num_heads / self.num_kv_heads > 16 {
+            bail!(
+                "a GQA group of {} query heads per KV head is more than the 16 supported",
+                self.num_heads / self.num_kv_heads
+            );
+        }
+        if !self.head_dim.is_multiple_of(2) || self.head_dim > 256 {
+            bail!(
+                "head_dim {} is not supported (must be even and at most 256)",
+                self.head_dim
+            );
+        }
+        if !self.sliding_windows.is_empty() && self.sliding_windows.len() != self.num_layers {
+            bail!(
+                "{} attention windows for {} layers",
+                self.sliding_windows.len(),
+                self.num_layers
+            );
+        }
+        if self.sliding_windows.contains(&Some(0)) {
+            bail!("a sliding window of 0 tokens would let a token see nothing");
+        }
+        if let Some(h) = &self.hybrid {
+            if h.linear_layers.len() != self.num_layers {
+                bail!(
+                    "the layer types list {} layers, but the model has {}",
+                    h.linear_layers.len(),
+                    self.num_layers
+                );
+            }
+            if h.linear_layers.iter().all(|&l| l) {
+                // The KV pool and the engine's capacity figures are per
+                // attention layer; a model of linear layers only has none.
+                bail!("'layer_types' lists no full_attention layer; a model of linear-attention layers only is not supported");
+            }
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!("rope_theta {} must be a positive number", self.rope_theta);
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            bail!(
+                "rms_norm_eps {} must be a non-negative number",
+                self.rms_norm_eps
+            );
+        }
+        Ok(())
+    }
+
+    /// Checks a RoPE scaling's parameters.
+    fn check_rope_scaling(&self, scaling: &RopeScaling) -> Result<()> {
+        match *scaling {
             RopeScaling::None => {}
             RopeScaling::Linear { factor } => {
                 if !(factor.is_finite() && factor > 0.0) {
@@ -943,58 +1117,6 @@ impl ModelConfig {
                 }
             }
         }
-        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
-            bail!(
-                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
-                self.num_heads,
-                self.num_kv_heads
-            );
-        }
-        if self.num_heads / self.num_kv_heads > 16 {
-            bail!(
-                "a GQA group of {} query heads per KV head is more than the 16 supported",
-                self.num_heads / self.num_kv_heads
-            );
-        }
-        if !self.head_dim.is_multiple_of(2) || self.head_dim > 256 {
-            bail!(
-                "head_dim {} is not supported (must be even and at most 256)",
-                self.head_dim
-            );
-        }
-        if !self.sliding_windows.is_empty() && self.sliding_windows.len() != self.num_layers {
-            bail!(
-                "{} attention windows for {} layers",
-                self.sliding_windows.len(),
-                self.num_layers
-            );
-        }
-        if self.sliding_windows.contains(&Some(0)) {
-            bail!("a sliding window of 0 tokens would let a token see nothing");
-        }
-        if let Some(h) = &self.hybrid {
-            if h.linear_layers.len() != self.num_layers {
-                bail!(
-                    "the layer types list {} layers, but the model has {}",
-                    h.linear_layers.len(),
-                    self.num_layers
-                );
-            }
-            if h.linear_layers.iter().all(|&l| l) {
-                // The KV pool and the engine's capacity figures are per
-                // attention layer; a model of linear layers only has none.
-                bail!("'layer_types' lists no full_attention layer; a model of linear-attention layers only is not supported");
-            }
-        }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            bail!("rope_theta {} must be a positive number", self.rope_theta);
-        }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            bail!(
-                "rms_norm_eps {} must be a non-negative number",
-                self.rms_norm_eps
-            );
-        }
         Ok(())
     }
 
@@ -1025,6 +1147,7 @@ enum HfFamily {
     Qwen3Next,
     Qwen35,
     Qwen35Moe,
+    Gemma3,
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below
@@ -1516,6 +1639,118 @@ fn read_hf_rope(
     Ok((theta, scaling, partial))
 }
 
+/// Gemma 3's RoPE: one set for the global (`full_attention`) layers and one
+/// for the local (`sliding_attention`) ones, each `(base, scaling)`. From
+/// transformers 5's `rope_parameters` keyed by layer type, or 4's
+/// `rope_theta` and `rope_scaling` (global; default base 1e6) and
+/// `rope_local_base_freq` (local, unscaled; default 1e4). Stale keys of the
+/// other form must agree.
+fn read_gemma_rope(
+    v: &Value,
+    max_position_embeddings: usize,
+) -> Result<((f32, RopeScaling), (f32, RopeScaling))> {
+    let number = |key: &str| -> Result<Option<f32>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .with_context(|| format!("'{key}' must be a number, got {x}")),
+        }
+    };
+    let local_base = number("rope_local_base_freq")?;
+    let nested = v
+        .get("rope_parameters")
+        .and_then(Value::as_object)
+        .filter(|p| p.values().any(Value::is_object));
+    let Some(p) = nested else {
+        let has_theta = number("rope_theta")?.is_some()
+            || v.get("rope_parameters")
+                .and_then(|p| p.get("rope_theta"))
+                .is_some_and(|t| !t.is_null());
+        let (theta, scaling, _) = read_hf_rope(v, max_position_embeddings, false)?;
+        let theta = if has_theta { theta } else { 1_000_000.0 };
+        return Ok((
+            (theta, scaling),
+            (local_base.unwrap_or(10_000.0), RopeScaling::None),
+        ));
+    };
+    if let Some(k) = p
+        .keys()
+        .find(|k| !matches!(k.as_str(), "full_attention" | "sliding_attention"))
+    {
+        bail!("'rope_parameters' entry '{k}' is not a layer type of Gemma 3 (full_attention, sliding_attention)");
+    }
+    let one = |t: &str| -> Result<(f32, RopeScaling)> {
+        let sub = p
+            .get(t)
+            .with_context(|| format!("'rope_parameters' has no '{t}' set"))?;
+        if !sub.is_object() {
+            bail!("'rope_parameters.{t}' must be an object, got {sub}");
+        }
+        let (theta, scaling, _) = read_hf_rope(
+            &serde_json::json!({ "rope_parameters": sub }),
+            max_position_embeddings,
+            false,
+        )
+        .with_context(|| format!("'rope_parameters.{t}'"))?;
+        Ok((theta, scaling))
+    };
+    let (global, local) = (one("full_attention")?, one("sliding_attention")?);
+    if let Some(t) = number("rope_theta")? {
+        if t != global.0 {
+            bail!("'rope_parameters.full_attention.rope_theta' ({}) and 'rope_theta' ({t}) disagree; remove the stale one", global.0);
+        }
+    }
+    if let Some(t) = local_base {
+        if t != local.0 {
+            bail!("'rope_parameters.sliding_attention.rope_theta' ({}) and 'rope_local_base_freq' ({t}) disagree; remove the stale one", local.0);
+        }
+    }
+    if v.get("rope_scaling").is_some_and(|x| !x.is_null()) {
+        bail!("'rope_scaling' beside per-layer-type 'rope_parameters': remove the stale one");
+    }
+    Ok((global, local))
+}
+
+/// The rest of [`GemmaConfig`]: `query_pre_attn_scalar` (default 256),
+/// `final_logit_softcapping`; refuses `attn_logit_softcapping` and
+/// `use_bidirectional_attention`, which are not computed.
+fn read_gemma(
+    v: &Value,
+    local_rope_theta: f32,
+    local_rope_scaling: RopeScaling,
+) -> Result<GemmaConfig> {
+    let number = |key: &str| -> Result<Option<f64>> {
+        match v.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(Some)
+                .with_context(|| format!("'{key}' must be a number, got {x}")),
+        }
+    };
+    if let Some(cap) = number("attn_logit_softcapping")? {
+        bail!("'attn_logit_softcapping' ({cap}): soft-capping the attention scores is not computed yet; only null is served");
+    }
+    match v.get("use_bidirectional_attention") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => {}
+        Some(x) => bail!("'use_bidirectional_attention' ({x}): bidirectional attention is not computed; only false is served"),
+    }
+    let scalar = number("query_pre_attn_scalar")?.unwrap_or(256.0);
+    if !(scalar.is_finite() && scalar > 0.0) {
+        bail!("'query_pre_attn_scalar' ({scalar}) must be a positive number");
+    }
+    Ok(GemmaConfig {
+        // transformers: `config.query_pre_attn_scalar**-0.5`, a Python
+        // float, handed to the attention as its scale.
+        attn_scale: scalar.powf(-0.5) as f32,
+        local_rope_theta,
+        local_rope_scaling,
+        final_logit_softcap: number("final_logit_softcapping")?.map(|c| c as f32),
+    })
+}
+
 /// The attention window of each layer, as the family's modeling code
 /// decides it: Mistral puts `sliding_window` on every layer; Qwen2 and
 /// Qwen3 only with `use_sliding_window`, on the layers that transformers 5's
@@ -1527,6 +1762,8 @@ fn read_hf_sliding_windows(
     num_layers: usize,
 ) -> Result<Vec<Option<usize>>> {
     let window = match v.get("sliding_window") {
+        // `Gemma3TextConfig`'s default.
+        None if family == HfFamily::Gemma3 => Some(4096),
         None | Some(Value::Null) => None,
         // Qwen2-MoE's configs write 0 when the window is off.
         Some(x) => x
@@ -1585,6 +1822,21 @@ fn read_hf_sliding_windows(
         | HfFamily::Qwen35
         | HfFamily::Qwen35Moe => vec![false; num_layers],
         HfFamily::Mistral | HfFamily::Mixtral => vec![window.is_some(); num_layers],
+        // `layer_types`, else every `sliding_window_pattern`-th layer global
+        // (transformers 4.5x; default 6) and the others local. transformers
+        // 5 also writes a stale `_sliding_window_pattern` beside
+        // `layer_types`, which it ignores.
+        HfFamily::Gemma3 => match &layer_types {
+            Some(types) => types.iter().map(|t| *t == "sliding_attention").collect(),
+            None => {
+                let pattern = ["sliding_window_pattern", "_sliding_window_pattern"]
+                    .into_iter()
+                    .find_map(|k| optional_count(v, k, 1).transpose())
+                    .transpose()?
+                    .unwrap_or(6);
+                (0..num_layers).map(|i| (i + 1) % pattern != 0).collect()
+            }
+        },
         HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
             match (&layer_types, enabled) {
@@ -1840,6 +2092,16 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // (not loaded here): they change nothing in the main model's forward.
     "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings",
+    // Gemma 3 (read above; refused on other families when set).
+    "query_pre_attn_scalar",
+    "rope_local_base_freq",
+    "final_logit_softcapping",
+    "attn_logit_softcapping",
+    "use_bidirectional_attention",
+    "sliding_window_pattern",
+    "_sliding_window_pattern",
+    // The generation-time cache class; no change to the math.
+    "cache_implementation",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

@@ -14,11 +14,11 @@
 //! running sequence.
 
 use super::layers::decoder::FeedForward;
-use super::layers::gated_attention::{load_offset_norm, GatedAttention, GatedAttentionShape};
+use super::layers::gated_attention::{GatedAttention, GatedAttentionShape};
 use super::layers::gated_delta_net::{GatedDeltaNet, GdnForm, GdnShape, RecurrentState};
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
-use super::layers::{load_matrix, Workspace};
+use super::layers::{load_matrix, load_offset_norm, Workspace};
 use super::{CausalLm, StateCache};
 use crate::engine::config::{Arch, ModelConfig};
 use crate::engine::loader::WeightSource;

@@ -4,7 +4,7 @@
 
 use super::lora::LayerLora;
 use super::projection::Projection;
-use super::{load_matrix, load_vector, Workspace};
+use super::{load_matrix, load_offset_norm, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraModule;
@@ -20,6 +20,11 @@ pub struct AttentionParts {
     pub o_bias: bool,
     /// An RMSNorm over each q and k head before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// The q/k norms scale by `1 + w` (Gemma 3).
+    pub qk_norm_offset: bool,
+    /// The scores' scale where it is not `1/√head_dim` (Gemma 3's
+    /// `query_pre_attn_scalar^-0.5`).
+    pub scale: Option<f32>,
 }
 
 /// One layer's self-attention: q/k/v projections, RoPE, a write of this
@@ -42,6 +47,8 @@ pub struct SelfAttention<B: Backend> {
     /// The attention window, where it is shorter than the context (a
     /// longer one changes nothing).
     window: Option<usize>,
+    /// The scores' scale.
+    scale: f32,
 }
 
 impl<B: Backend> SelfAttention<B> {
@@ -78,11 +85,12 @@ impl<B: Backend> SelfAttention<B> {
             None
         };
         let vector = |name: &str, len| load_vector(backend, source, name, len);
+        let norm = |name: &str| match parts.qk_norm_offset {
+            true => load_offset_norm(backend, source, name, c.head_dim),
+            false => vector(name, c.head_dim),
+        };
         let qk_norm = match parts.qk_norm {
-            true => Some((
-                vector(&p("q_norm.weight"), c.head_dim)?,
-                vector(&p("k_norm.weight"), c.head_dim)?,
-            )),
+            true => Some((norm(&p("q_norm.weight"))?, norm(&p("k_norm.weight"))?)),
             false => None,
         };
         let o_bias = match parts.o_bias {
@@ -102,6 +110,9 @@ impl<B: Backend> SelfAttention<B> {
             head_dim: c.head_dim,
             eps: c.rms_norm_eps,
             window: c.sliding_window(layer).filter(|&w| w < max_positions),
+            scale: parts
+                .scale
+                .unwrap_or_else(|| 1.0 / (c.head_dim as f32).sqrt()),
         })
     }
 
@@ -204,13 +215,12 @@ impl<B: Backend> SelfAttention<B> {
         b.rope(rope, &mut ws.q, self.n_heads, step);
         b.rope(rope, &mut ws.k, self.n_kv_heads, step);
         b.write_kv(kv, self.layer, &ws.k, &ws.v, step);
-        let scale = 1.0 / (hd as f32).sqrt();
         b.attention(
             kv,
             self.layer,
             &ws.q,
             self.n_heads,
-            scale,
+            self.scale,
             self.window,
             step,
             &mut ws.attn,

@@ -13,7 +13,7 @@
 
 use super::gated_delta_net::row_range;
 use super::projection::Projection;
-use super::{load_matrix, Workspace};
+use super::{load_matrix, load_offset_norm, Workspace};
 use crate::engine::loader::WeightSource;
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, KvLayerSpec, Rows};
@@ -43,25 +43,6 @@ pub struct GatedAttention<B: Backend> {
     /// The layer's index in the KV pool, which holds the attention layers
     /// only.
     kv_layer: usize,
-}
-
-/// Uploads the checkpoint's RMSNorm weight `name` as `1 + w`: the hybrid
-/// Qwen models' norms (`Qwen3NextRMSNorm`) scale by `1 + w` (the weight is
-/// stored zero-centred), which is the plain RMSNorm with the weight moved
-/// by one. In float32 `1 + w` rounds as transformers' own `1.0 +
-/// self.weight.float()` does.
-pub fn load_offset_norm<B: Backend>(
-    backend: &B,
-    source: &dyn WeightSource,
-    name: &str,
-    len: usize,
-) -> Result<B::Vector> {
-    let w: Vec<f32> = source
-        .vector(name, len)?
-        .into_iter()
-        .map(|w| 1.0 + w)
-        .collect();
-    Ok(backend.upload_vector(&w)?)
 }
 
 impl<B: Backend> GatedAttention<B> {

@@ -1,9 +1,11 @@
 //! The gated feed-forward block of the Llama family: `down(silu(gate(x)) ·
-//! up(x))`, optionally with biases.
+//! up(x))`, optionally with biases; Gemma's GeGLU puts GELU's tanh
+//! approximation in SiLU's place.
 
 use super::lora::LayerLora;
 use super::projection::Projection;
 use super::{load_matrix, load_vector, Workspace};
+use crate::engine::config::Activation;
 use crate::engine::lora::LoraModule;
 use anyhow::{Context, Result};
 use pagoda_accel::{Backend, BackendError, Rows};
@@ -19,6 +21,7 @@ pub struct GatedMlp<B: Backend> {
     down_bias: Option<B::Vector>,
     hidden: usize,
     ffn: usize,
+    act: Activation,
 }
 
 impl<B: Backend> GatedMlp<B> {
@@ -60,7 +63,31 @@ impl<B: Backend> GatedMlp<B> {
             down_bias,
             hidden,
             ffn,
+            act: Activation::Silu,
         })
+    }
+
+    /// The block with `act` in place of SiLU.
+    pub fn with_activation(mut self, act: Activation) -> GatedMlp<B> {
+        self.act = act;
+        self
+    }
+
+    /// `out = act(gate) · up` for `m` rows of `gate_up` (`[m, 2·ffn]`).
+    fn activate(
+        &self,
+        b: &mut B,
+        gate_up: &B::Buffer,
+        m: usize,
+        out: &mut B::Buffer,
+    ) -> Result<(), BackendError> {
+        match self.act {
+            Activation::Silu => {
+                b.silu_mul(gate_up, m, self.ffn, out);
+                Ok(())
+            }
+            Activation::GeluTanh => b.gelu_tanh_mul(gate_up, m, self.ffn, out),
+        }
     }
 
     /// The projections, for load-time facts (sizes, kernels).
@@ -93,7 +120,7 @@ impl<B: Backend> GatedMlp<B> {
         if let Some(bias) = &self.gate_up_bias {
             b.add_bias(gate_up, bias, m, 2 * f);
         }
-        b.silu_mul(gate_up, m, f, act);
+        self.activate(b, gate_up, m, act)?;
         b.matmul(&self.down, act, m, out, step, Rows::Tokens);
         if let Some(bias) = &self.down_bias {
             b.add_bias(out, bias, m, self.hidden);
@@ -155,7 +182,7 @@ impl<B: Backend> GatedMlp<B> {
             f,
             f,
         )?;
-        b.silu_mul(&ws.gate_up, n, f, &mut ws.act);
+        self.activate(b, &ws.gate_up, n, &mut ws.act)?;
         b.matmul(&self.down, &ws.act, n, &mut ws.proj, step, Rows::Tokens);
         if let Some(bias) = &self.down_bias {
             b.add_bias(&mut ws.proj, bias, n, d);

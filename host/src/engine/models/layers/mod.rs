@@ -41,6 +41,25 @@ pub fn load_vector<B: Backend>(
     Ok(backend.upload_vector(&source.vector(name, len)?)?)
 }
 
+/// Uploads the checkpoint's RMSNorm weight `name` as `1 + w`: the hybrid
+/// Qwen models' norms (`Qwen3NextRMSNorm`) and Gemma's (`Gemma3RMSNorm`)
+/// scale by `1 + w` (the weight is stored zero-centred), which is the plain
+/// RMSNorm with the weight moved by one. In float32 `1 + w` rounds as
+/// transformers' own `1.0 + self.weight.float()` does.
+pub fn load_offset_norm<B: Backend>(
+    backend: &B,
+    source: &dyn WeightSource,
+    name: &str,
+    len: usize,
+) -> Result<B::Vector> {
+    let w: Vec<f32> = source
+        .vector(name, len)?
+        .into_iter()
+        .map(|w| 1.0 + w)
+        .collect();
+    Ok(backend.upload_vector(&w)?)
+}
+
 /// Activation buffers reused across steps, so a warm step allocates
 /// nothing. Each block grows what it uses ([`Backend::reserve`]).
 pub struct Workspace<B: Backend> {
