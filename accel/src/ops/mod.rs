@@ -24,9 +24,10 @@ mod rope;
 pub mod sample;
 pub(crate) mod simd;
 
-pub use act::{log_softmax_inplace, mul_sigmoid, silu_mul, softmax_inplace};
+pub use act::{log_softmax_inplace, mul_sigmoid, silu_mul, softmax_inplace, swiglu_clamped};
 pub use attention::{
-    paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
+    paged_attention, paged_attention_with_sinks, window_reads_from, write_kv, AttnSeq, KvDtype,
+    KvElem, KvLayout, MAX_HEAD_DIM,
 };
 pub use conv1d::{causal_conv1d_silu, ConvSpec};
 pub use gated_delta::{gated_delta_rule, GatedDeltaSpec};

@@ -67,6 +67,11 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
     ),
+    (
+        "GptOssForCausalLM",
+        "-",
+        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, not MXFP4 yet)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -102,6 +107,20 @@ pub enum Arch {
     /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
     /// layer.
     Qwen35Moe,
+    /// gpt-oss: biased attention with a sink logit per head, alternating
+    /// sliding-window and full layers, YaRN; experts in every layer stored
+    /// fused, with biases and a clamped SwiGLU (see [`GptOssConfig`]).
+    GptOss,
+}
+
+/// What gpt-oss's experts compute beyond a plain SwiGLU: `swiglu_limit`
+/// clamps the gate from above and the up projection both ways, and
+/// `swiglu_alpha` scales the gate inside the sigmoid (see
+/// [`pagoda_accel::ops::swiglu_clamped`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptOssConfig {
+    pub swiglu_alpha: f32,
+    pub swiglu_limit: f32,
 }
 
 /// The hybrid Qwen models (Qwen3-Next, Qwen3.5): most layers are Gated
@@ -225,6 +244,8 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     /// The layer mix and linear-attention shape of the hybrid Qwen models.
     pub hybrid: Option<HybridConfig>,
+    /// gpt-oss's expert activation.
+    pub gpt_oss: Option<GptOssConfig>,
 }
 
 impl ModelConfig {
@@ -270,6 +291,7 @@ impl ModelConfig {
             (Some("Qwen3NextForCausalLM"), _) | (None, "qwen3_next") => HfFamily::Qwen3Next,
             (Some("Qwen3_5ForCausalLM"), _) | (None, "qwen3_5_text") => HfFamily::Qwen35,
             (Some("Qwen3_5MoeForCausalLM"), _) | (None, "qwen3_5_moe_text") => HfFamily::Qwen35Moe,
+            (Some("GptOssForCausalLM"), _) | (None, "gpt_oss") => HfFamily::GptOss,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -319,6 +341,7 @@ impl ModelConfig {
             HfFamily::Qwen3Next => Arch::Qwen3Next,
             HfFamily::Qwen35 => Arch::Qwen35,
             HfFamily::Qwen35Moe => Arch::Qwen35Moe,
+            HfFamily::GptOss => Arch::GptOss,
         };
         let hybrid_family = matches!(
             family,
@@ -369,7 +392,9 @@ impl ModelConfig {
                 None | Some(Value::Null) => (true, false),
                 Some(_) => (flag("qkv_bias")?, false),
             },
-            HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe => {
+            // gpt-oss's `attention_bias` (true in every published config)
+            // puts a bias on q, k, v and o alike.
+            HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe | HfFamily::GptOss => {
                 let b = flag("attention_bias")?;
                 (b, b)
             }
@@ -393,6 +418,10 @@ impl ModelConfig {
             _ => usize_of("intermediate_size")?,
         };
         let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
+        let gpt_oss = match family {
+            HfFamily::GptOss => Some(read_hf_gpt_oss(v)?),
+            _ => None,
+        };
         let mla = read_hf_mla(v, family, &rope_scaling)?;
         let hybrid = match hybrid_family {
             true => Some(read_hf_hybrid(
@@ -447,6 +476,7 @@ impl ModelConfig {
             moe,
             mla,
             hybrid,
+            gpt_oss,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -658,6 +688,7 @@ impl ModelConfig {
             moe,
             mla: None,
             hybrid: None,
+            gpt_oss: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -771,7 +802,7 @@ impl ModelConfig {
                 topk_group,
                 score: match scoring {
                     RouterScoring::Sigmoid => GroupScore::SumTop2,
-                    RouterScoring::Softmax => GroupScore::Max,
+                    RouterScoring::Softmax | RouterScoring::TopKSoftmax => GroupScore::Max,
                 },
             }),
             _ => None,
@@ -835,6 +866,7 @@ impl ModelConfig {
             moe: Some(moe),
             mla: Some(mla),
             hybrid: None,
+            gpt_oss: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1025,6 +1057,38 @@ enum HfFamily {
     Qwen3Next,
     Qwen35,
     Qwen35Moe,
+    GptOss,
+}
+
+/// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
+/// (default 1.702, the constant transformers' experts use), both positive
+/// and finite; an MXFP4 checkpoint (`quantization_config.quant_method`
+/// `mxfp4`, how OpenAI publishes the experts) is refused by name until its
+/// loader exists.
+fn read_hf_gpt_oss(v: &Value) -> Result<GptOssConfig> {
+    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
+        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
+        if method == "mxfp4" {
+            bail!("'quantization_config.quant_method' is 'mxfp4': gpt-oss's MXFP4-quantized experts are not supported yet; serve a bf16 checkpoint of the model (its experts dequantized)");
+        }
+    }
+    let num = |key: &str, default: f32| -> Result<f32> {
+        let x = match v.get(key) {
+            None | Some(Value::Null) => default,
+            Some(x) => x
+                .as_f64()
+                .with_context(|| format!("'{key}' must be a number, got {x}"))?
+                as f32,
+        };
+        if !(x.is_finite() && x > 0.0) {
+            bail!("'{key}' = {x} must be a positive number");
+        }
+        Ok(x)
+    };
+    Ok(GptOssConfig {
+        swiglu_alpha: num("swiglu_alpha", 1.702)?,
+        swiglu_limit: num("swiglu_limit", 7.0)?,
+    })
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below
@@ -1136,6 +1200,7 @@ fn read_hf_moe(
             | HfFamily::DeepseekV3
             | HfFamily::Qwen3Next
             | HfFamily::Qwen35Moe
+            | HfFamily::GptOss
     ) {
         return Ok(None);
     }
@@ -1176,6 +1241,21 @@ fn read_hf_moe(
         HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => {
             read_deepseek_moe(v, family, num_layers, n_experts, top_k)?
         }
+        // gpt-oss: experts of `intermediate_size` in every layer, the top-k
+        // of the (biased) router logits weighted by their own softmax.
+        HfFamily::GptOss => MoeConfig {
+            n_experts,
+            top_k,
+            normalize: false,
+            expert_ffn: intermediate_size,
+            shared_ffn: None,
+            sparse_layers: vec![true; num_layers],
+            scoring: RouterScoring::TopKSoftmax,
+            routed_scale: 1.0,
+            groups: None,
+            score_bias: false,
+            shared_gated: false,
+        },
         // transformers' Qwen3.5-MoE config has no `decoder_sparse_step`,
         // `mlp_only_layers` or `norm_topk_prob`: every layer is a mixture,
         // its router always renormalizes, and its shared expert is gated.
@@ -1585,6 +1665,12 @@ fn read_hf_sliding_windows(
         | HfFamily::Qwen35
         | HfFamily::Qwen35Moe => vec![false; num_layers],
         HfFamily::Mistral | HfFamily::Mixtral => vec![window.is_some(); num_layers],
+        // gpt-oss: `layer_types`, by default sliding on even layers (as
+        // transformers' `GptOssConfig` fills it in).
+        HfFamily::GptOss => match &layer_types {
+            Some(types) => types.iter().map(|t| *t == "sliding_attention").collect(),
+            None => (0..num_layers).map(|i| i % 2 == 0).collect(),
+        },
         HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
             match (&layer_types, enabled) {
@@ -1840,6 +1926,8 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // (not loaded here): they change nothing in the main model's forward.
     "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings",
+    "swiglu_limit",
+    "swiglu_alpha",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

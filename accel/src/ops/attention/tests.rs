@@ -37,6 +37,7 @@ fn reference(
     ctx_len: usize,
     scale: f64,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     out: &mut [f64],
 ) {
     let g = n_heads / n_kv;
@@ -54,7 +55,9 @@ fn reference(
                 .collect();
             let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-            let total: f64 = w.iter().sum();
+            // A sink joins the denominator only: it has no value.
+            let sink = sinks.map_or(0.0, |s| (s[h] as f64 - mx).exp());
+            let total: f64 = w.iter().sum::<f64>() + sink;
             let o = &mut out[((q_start + i) * n_heads + h) * d..][..d];
             o.fill(0.0);
             for (p, wp) in w.iter().enumerate() {
@@ -75,6 +78,17 @@ fn run_case_windowed<T: KvElem>(
     rng: &mut StdRng,
     shuffle_seqs: bool,
     window: Option<usize>,
+) {
+    run_case_full::<T>(case, rng, shuffle_seqs, window, None)
+}
+
+/// One case against the f64 reference, with a window and sink logits.
+fn run_case_full<T: KvElem>(
+    case: &Case,
+    rng: &mut StdRng,
+    shuffle_seqs: bool,
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) {
     let (d, n_heads, n_kv, bs) = (case.head_dim, case.n_heads, case.n_kv, case.block_size);
     let blocks_needed: usize = case.seqs.iter().map(|&(_, c)| c.div_ceil(bs)).sum();
@@ -146,6 +160,7 @@ fn run_case_windowed<T: KvElem>(
             s.ctx_len,
             scale as f64,
             window,
+            sinks,
             &mut want,
         );
     }
@@ -158,7 +173,7 @@ fn run_case_windowed<T: KvElem>(
             let mut out = vec![f32::NAN; q.len()];
             paged_attention_at(
                 level, &pool, &layout, &k_cache, &v_cache, &q, n_heads, &seqs, scale, window,
-                &mut out,
+                sinks, &mut out,
             );
             for (idx, (&got, &w)) in out.iter().zip(&want).enumerate() {
                 let (tok, rest) = (idx / (n_heads * d), idx % (n_heads * d));
@@ -245,6 +260,30 @@ fn a_sliding_window_matches_the_reference() {
     }
 }
 
+/// A sink logit per q head joins each row's softmax denominator and
+/// contributes no value: against the f64 reference for every cache type,
+/// with and without a window, sinks from far below to far above the scores
+/// (a sink of +40 leaves outputs near 0, one of -40 changes nothing).
+#[test]
+fn attention_sinks_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(16);
+    for (i, case) in cases().iter().enumerate() {
+        let sinks: Vec<f32> = (0..case.n_heads)
+            .map(|h| match h % 4 {
+                0 => 40.0,
+                1 => -40.0,
+                _ => rng.random_range(-3.0..3.0),
+            })
+            .collect();
+        let window = [None, Some(5), Some(32)][i % 3];
+        match i % 3 {
+            0 => run_case_full::<f32>(case, &mut rng, true, window, Some(&sinks)),
+            1 => run_case_full::<f16>(case, &mut rng, false, window, Some(&sinks)),
+            _ => run_case_full::<bf16>(case, &mut rng, true, window, Some(&sinks)),
+        }
+    }
+}
+
 #[test]
 fn paged_attention_random_shapes() {
     let mut rng = StdRng::seed_from_u64(14);
@@ -323,7 +362,7 @@ fn large_scores_stay_finite() {
             block_table: &table,
         }];
         paged_attention_at(
-            level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, &mut out,
+            level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, None, &mut out,
         );
         for t in 0..40 {
             // Score of position p is 10p: the last visible position wins.
@@ -576,7 +615,7 @@ fn chunked<T: KvElem>(
         ];
         let mut ob = vec![f32::NAN; qb.len()];
         paged_attention_at(
-            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, &mut ob,
+            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, None, &mut ob,
         );
         out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
         start += len;

@@ -315,6 +315,25 @@ impl WeightSource for SafetensorsSource {
         to_f32(path, name, t.dtype(), t.data())
     }
 
+    fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        if self.online_int8 {
+            bail!("{}: tensor '{name}': --quantization int8 does not quantize stacked experts yet; serve this model without it", self.dir.display());
+        }
+        let (path, t) = self.tensor(name)?;
+        check_shape(path, name, t.shape(), shape)?;
+        let stored = t.dtype();
+        let ty = match (self.dtype, stored) {
+            (DType::Auto, StDtype::BF16) | (DType::BFloat16, _) => GgmlType::BF16,
+            (DType::Auto, StDtype::F16) | (DType::Float16, _) => GgmlType::F16,
+            (DType::Auto, StDtype::F32) | (DType::Float32, _) => GgmlType::F32,
+            (DType::Auto, other) => bail!(
+                "{}: tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported",
+                path.display()
+            ),
+        };
+        Ok((to_f32(path, name, stored, t.data())?, ty))
+    }
+
     fn contains(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }

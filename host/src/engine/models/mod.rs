@@ -11,6 +11,7 @@
 //! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
 //! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
 //! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
+//! | [`gpt_oss`] | `GptOssForCausalLM` |
 //!
 //! # Adding a family
 //!
@@ -29,6 +30,7 @@
 //!    `host/tests/generated_fixtures.rs`.
 
 pub mod deepseek;
+pub mod gpt_oss;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
@@ -188,5 +190,6 @@ pub fn load<B: Backend>(
         Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
             Box::new(qwen3_next::load(backend, source, config, max_positions)?)
         }
+        Arch::GptOss => Box::new(gpt_oss::load(backend, source, config, max_positions)?),
     })
 }

@@ -23,6 +23,7 @@ pub fn load<B: Backend>(
         qkv_bias: config.attention_bias,
         o_bias: config.o_bias,
         qk_norm: true,
+        sinks: false,
     };
     let layers = (0..config.num_layers)
         .map(|i| dense_layer(backend, source, &config, i, parts, max_positions))

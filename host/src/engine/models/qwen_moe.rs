@@ -29,6 +29,7 @@ pub fn load<B: Backend>(
         qkv_bias: config.attention_bias,
         o_bias: config.o_bias,
         qk_norm: config.arch == Arch::Qwen3Moe,
+        sinks: false,
     };
     let mut layers = Vec::with_capacity(config.num_layers);
     for i in 0..config.num_layers {

@@ -8,7 +8,7 @@ use super::{load_matrix, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraModule;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
 
 /// The optional parts a family's attention block carries.
@@ -20,6 +20,9 @@ pub struct AttentionParts {
     pub o_bias: bool,
     /// An RMSNorm over each q and k head before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// A learned sink logit per q head in the softmax denominator
+    /// (gpt-oss's `sinks`).
+    pub sinks: bool,
 }
 
 /// One layer's self-attention: q/k/v projections, RoPE, a write of this
@@ -33,6 +36,8 @@ pub struct SelfAttention<B: Backend> {
     qk_norm: Option<(B::Vector, B::Vector)>,
     o: B::Matrix,
     o_bias: Option<B::Vector>,
+    /// One sink logit per q head.
+    sinks: Option<B::Vector>,
     /// The layer's index in the KV pool.
     layer: usize,
     n_heads: usize,
@@ -89,6 +94,18 @@ impl<B: Backend> SelfAttention<B> {
             true => Some(vector(&p("o_proj.bias"), d)?),
             false => None,
         };
+        let sinks = match parts.sinks {
+            true => {
+                if !backend.supports_attention_sinks() {
+                    bail!(
+                        "the model's attention has a sink logit per head, and this device's attention has no sinks yet ({}); serve it with --device cpu",
+                        backend.describe()
+                    );
+                }
+                Some(vector(&p("sinks"), c.num_heads)?)
+            }
+            false => None,
+        };
         let o = load_matrix(backend, source, &p("o_proj.weight"), d, q)?;
         Ok(SelfAttention {
             qkv,
@@ -96,6 +113,7 @@ impl<B: Backend> SelfAttention<B> {
             qk_norm,
             o,
             o_bias,
+            sinks,
             layer,
             n_heads: c.num_heads,
             n_kv_heads: c.num_kv_heads,
@@ -212,6 +230,7 @@ impl<B: Backend> SelfAttention<B> {
             self.n_heads,
             scale,
             self.window,
+            self.sinks.as_ref(),
             step,
             &mut ws.attn,
         );

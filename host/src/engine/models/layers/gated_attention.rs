@@ -208,6 +208,7 @@ impl<B: Backend> GatedAttention<B> {
             s.n_heads,
             scale,
             None,
+            None,
             step,
             &mut ws.attn,
         );
