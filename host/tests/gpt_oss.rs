@@ -172,11 +172,8 @@ fn gpt_oss_batches_exactly() {
 fn gpt_oss_keys_not_built_are_refused_by_name() {
     let cases: Vec<(Box<dyn Fn(&mut Value)>, &[&str])> = vec![
         (
-            Box::new(|v| {
-                v["quantization_config"] = serde_json::json!({"quant_method": "mxfp4",
-                    "modules_to_not_convert": ["model.layers.*.self_attn", "model.embed_tokens", "lm_head"]})
-            }),
-            &["quant_method", "mxfp4"],
+            Box::new(|v| v["quantization_config"] = serde_json::json!({"quant_method": "fp8"})),
+            &["quant_method", "fp8", "mxfp4"],
         ),
         (
             Box::new(|v| v["swiglu_limit"] = (-1.0).into()),
@@ -245,4 +242,143 @@ fn the_gpt_oss_chat_template_renders() {
         text,
         "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
+}
+
+/// e2m1's magnitudes, by code (the sign is code bit 3).
+const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+
+/// Quantizes `w` (`[n, rows, cols]`, applied as `x @ W`) to MXFP4 as
+/// OpenAI's checkpoints store it: each `W` transposed to `[cols, rows]`,
+/// blocks of 32 along `rows`, one power-of-two scale per block. Returns the
+/// blocks, the scales and the values they decode to, in `w`'s layout.
+fn mxfp4(w: &[f32], n: usize, rows: usize, cols: usize) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+    let (mut blocks, mut scales) = (Vec::new(), Vec::new());
+    let mut decoded = vec![0f32; w.len()];
+    for e in 0..n {
+        for c in 0..cols {
+            for g in 0..rows / 32 {
+                let at = |r: usize| e * rows * cols + (g * 32 + r) * cols + c;
+                let amax = (0..32).map(|r| w[at(r)].abs()).fold(0f32, f32::max);
+                let exp = if amax > 0.0 {
+                    (amax as f64 / 6.0).log2().ceil() as i32
+                } else {
+                    0
+                };
+                scales.push((exp + 127) as u8);
+                let scale = 2f64.powi(exp);
+                let mut codes = [0u8; 32];
+                for (r, code) in codes.iter_mut().enumerate() {
+                    let y = w[at(r)] as f64 / scale;
+                    let (i, _) = E2M1
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &m)| (i, (m as f64 - y.abs()).abs()))
+                        .fold((0, f64::MAX), |a, b| if b.1 < a.1 { b } else { a });
+                    *code = i as u8 | if y < 0.0 { 8 } else { 0 };
+                    let v = E2M1[i] as f64 * scale;
+                    decoded[at(r)] = if y < 0.0 { -v } else { v } as f32;
+                }
+                for pair in codes.chunks_exact(2) {
+                    blocks.push(pair[0] | (pair[1] << 4));
+                }
+            }
+        }
+    }
+    (blocks, scales, decoded)
+}
+
+/// An MXFP4 checkpoint (`quant_method` `mxfp4`, the experts as `_blocks`
+/// and `_scales`) serves exactly as the float checkpoint holding the values
+/// its blocks decode to.
+#[test]
+fn an_mxfp4_checkpoint_serves_as_its_dequantized_experts() {
+    use safetensors::{tensor::TensorView, Dtype, SafeTensors};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let quant = edited(&dir.path().join("q"), |v| {
+        v["quantization_config"] = serde_json::json!({"quant_method": "mxfp4",
+            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]});
+    });
+    let float = edited(&dir.path().join("f"), |_| {});
+    let bytes = std::fs::read(fixture().join("model.safetensors")).expect("weights");
+    let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let (mut q, mut f): (Vec<(String, Dtype, Vec<usize>, Vec<u8>)>, Vec<_>) = (vec![], vec![]);
+    let le = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut quantized = 0;
+    for (name, view) in st.tensors() {
+        let shape = view.shape().to_vec();
+        if !(name.ends_with("experts.gate_up_proj") || name.ends_with("experts.down_proj")) {
+            q.push((
+                name.clone(),
+                Dtype::F32,
+                shape.clone(),
+                view.data().to_vec(),
+            ));
+            f.push((name, Dtype::F32, shape, view.data().to_vec()));
+            continue;
+        }
+        let w: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (n, rows, cols) = (shape[0], shape[1], shape[2]);
+        let (blocks, scales, decoded) = mxfp4(&w, n, rows, cols);
+        assert_ne!(decoded, w, "{name}: 4 bits change the weights");
+        q.push((
+            format!("{name}_blocks"),
+            Dtype::U8,
+            vec![n, cols, rows / 32, 16],
+            blocks,
+        ));
+        q.push((
+            format!("{name}_scales"),
+            Dtype::U8,
+            vec![n, cols, rows / 32],
+            scales,
+        ));
+        f.push((name, Dtype::F32, shape, le(&decoded)));
+        quantized += 1;
+    }
+    assert_eq!(quantized, 4, "two stacks in each of two layers");
+    for (folder, tensors) in [(&quant, &q), (&float, &f)] {
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
+            .collect();
+        std::fs::write(
+            folder.join("model.safetensors"),
+            safetensors::serialize(views, None).expect("serialize"),
+        )
+        .expect("write weights");
+    }
+    let prompts: Vec<Vec<u32>> = vec![(1..40).collect(), (100..120).rev().collect()];
+    let mut params = SamplingParams::greedy(12);
+    params.ignore_eos = true;
+    params.prompt_logprobs = Some(1);
+    let run = |model: &Path| {
+        let mut llm = LLM::new(args(model)).unwrap_or_else(|e| panic!("{e:#}"));
+        prompts
+            .iter()
+            .map(|p| {
+                let o = llm
+                    .generate(&[Prompt::Tokens(p.clone())], &params)
+                    .expect("generate");
+                let lp: Vec<f32> = o[0]
+                    .prompt_logprobs
+                    .as_ref()
+                    .expect("prompt logprobs")
+                    .iter()
+                    .map(|l| l.logprob)
+                    .collect();
+                (lp, o[0].outputs[0].token_ids.clone())
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(&quant), run(&float));
+    // Every block and scale is read, and nothing else is left over.
+    let a = args(&quant);
+    let backend = pagoda::engine::args::cpu_backend(&a).expect("backend");
+    let (_, loaded) =
+        pagoda::engine::args::load_model(&backend, &a, |_| 128).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(loaded.unused_tensors, Vec::<String>::new());
 }

@@ -70,7 +70,7 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     (
         "GptOssForCausalLM",
         "-",
-        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, not MXFP4 yet)",
+        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts dequantized at load)",
     ),
 ];
 
@@ -418,6 +418,13 @@ impl ModelConfig {
             _ => usize_of("intermediate_size")?,
         };
         let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
+        let quant_method = v
+            .get("quantization_config")
+            .and_then(|q| q.get("quant_method"))
+            .and_then(Value::as_str);
+        if quant_method == Some("mxfp4") && family != HfFamily::GptOss {
+            bail!("'quantization_config.quant_method' 'mxfp4' is read for gpt-oss's experts only, not for this architecture");
+        }
         let gpt_oss = match family {
             HfFamily::GptOss => Some(read_hf_gpt_oss(v)?),
             _ => None,
@@ -1062,16 +1069,10 @@ enum HfFamily {
 
 /// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
 /// (default 1.702, the constant transformers' experts use), both positive
-/// and finite; an MXFP4 checkpoint (`quantization_config.quant_method`
-/// `mxfp4`, how OpenAI publishes the experts) is refused by name until its
-/// loader exists.
+/// and finite. An MXFP4 checkpoint (`quantization_config.quant_method`
+/// `mxfp4`, how OpenAI publishes the experts) is read by the loader
+/// (`hf_quant::mxfp4`).
 fn read_hf_gpt_oss(v: &Value) -> Result<GptOssConfig> {
-    if let Some(q) = v.get("quantization_config").filter(|q| !q.is_null()) {
-        let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("");
-        if method == "mxfp4" {
-            bail!("'quantization_config.quant_method' is 'mxfp4': gpt-oss's MXFP4-quantized experts are not supported yet; serve a bf16 checkpoint of the model (its experts dequantized)");
-        }
-    }
     let num = |key: &str, default: f32| -> Result<f32> {
         let x = match v.get(key) {
             None | Some(Value::Null) => default,

@@ -8,8 +8,9 @@
 //! with gate and up in alternating columns, biases on both projections)
 //! with a clamped SwiGLU between them (`swiglu_limit`, `swiglu_alpha`).
 //!
-//! MXFP4-quantized experts (how OpenAI publishes the weights) are refused
-//! when the config is read; bf16 and f32 checkpoints load here.
+//! bf16 and f32 checkpoints load as stored; MXFP4 ones (how OpenAI
+//! publishes the weights: the experts as e2m1 blocks with e8m0 scales) have
+//! their experts dequantized at load (`loader::hf_quant::mxfp4`).
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
