@@ -382,3 +382,45 @@ fn an_mxfp4_checkpoint_serves_as_its_dequantized_experts() {
         pagoda::engine::args::load_model(&backend, &a, |_| 128).unwrap_or_else(|e| panic!("{e:#}"));
     assert_eq!(loaded.unused_tensors, Vec::<String>::new());
 }
+
+/// Served in bfloat16 (`--dtype bfloat16`: the fused experts, like every
+/// other matrix, stored as bf16), the logprobs stay near transformers'
+/// float32 ones: rounding the weights to 8 bits of mantissa moves them by
+/// at most a few hundredths here, where a wrongly laid-out expert moves
+/// them by whole nats.
+#[test]
+fn gpt_oss_in_bfloat16_stays_near_transformers_float32() {
+    let mut a = args(&fixture());
+    a.dtype = DType::BFloat16;
+    let backend = pagoda::engine::args::cpu_backend(&a).expect("backend");
+    let (m, _) =
+        pagoda::engine::args::load_model(&backend, &a, |_| 128).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(m.weight_type(), "BF16");
+    drop(m);
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("reference.json")).expect("reference.json"),
+    )
+    .expect("reference JSON");
+    let mut llm = LLM::new(a).unwrap_or_else(|e| panic!("{e:#}"));
+    let mut worst = 0f64;
+    for case in reference["cases"].as_array().expect("cases") {
+        let prompt = u32s(&case["prompt_ids"]);
+        let want = f64s(&case["prompt_logprobs"]);
+        let mut params = SamplingParams::greedy(1);
+        params.prompt_logprobs = Some(1);
+        let out = llm
+            .generate(&[Prompt::Tokens(prompt)], &params)
+            .expect("generate");
+        for (l, w) in out[0]
+            .prompt_logprobs
+            .as_ref()
+            .expect("prompt logprobs")
+            .iter()
+            .zip(&want[1..])
+        {
+            worst = worst.max((l.logprob as f64 - w.expect("logprob")).abs());
+        }
+    }
+    eprintln!("gpt_oss (bfloat16): largest prompt logprob difference {worst:.2e}");
+    assert!(worst < 0.1, "bf16 logprobs {worst} from transformers' f32");
+}
