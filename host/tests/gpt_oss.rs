@@ -180,6 +180,10 @@ fn gpt_oss_keys_not_built_are_refused_by_name() {
             &["swiglu_limit"],
         ),
         (
+            Box::new(|v| v["experts_per_token"] = 3.into()),
+            &["experts_per_token", "num_experts_per_tok"],
+        ),
+        (
             Box::new(|v| {
                 v["layer_types"] = serde_json::json!(["sliding_attention", "chunked_attention"])
             }),

@@ -1244,6 +1244,11 @@ fn read_hf_moe(
         }
         // gpt-oss: experts of `intermediate_size` in every layer, the top-k
         // of the (biased) router logits weighted by their own softmax.
+        // OpenAI's configs repeat the top-k as `experts_per_token`.
+        HfFamily::GptOss if int("experts_per_token")?.is_some_and(|k| k != top_k) => bail!(
+            "'experts_per_token' ({}) and 'num_experts_per_tok' ({top_k}) disagree",
+            int("experts_per_token")?.unwrap_or(0)
+        ),
         HfFamily::GptOss => MoeConfig {
             n_experts,
             top_k,
@@ -1929,6 +1934,11 @@ const KNOWN_HF_KEYS: &[&str] = &[
     "mtp_use_dedicated_embeddings",
     "swiglu_limit",
     "swiglu_alpha",
+    // gpt-oss (OpenAI's configs): the top-k again (checked against
+    // `num_experts_per_tok`) and the pre-YaRN context, which
+    // `original_max_position_embeddings` carries for the math.
+    "experts_per_token",
+    "initial_context_length",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see
