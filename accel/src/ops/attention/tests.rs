@@ -579,6 +579,7 @@ fn chunked<T: KvElem>(
     pool: &ThreadPool,
     chunk: usize,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     rng: &mut StdRng,
 ) -> Vec<f32> {
     let w = p.n_heads * p.layout.head_dim;
@@ -615,7 +616,8 @@ fn chunked<T: KvElem>(
         ];
         let mut ob = vec![f32::NAN; qb.len()];
         paged_attention_at(
-            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, None, &mut ob,
+            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, sinks,
+            &mut ob,
         );
         out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
         start += len;
@@ -625,7 +627,8 @@ fn chunked<T: KvElem>(
 
 /// A query row's output is bitwise the same whatever tile it is
 /// computed in: the prompt in chunks of 1 (decode), 2, 5, 17, 64 and all
-/// 150 queries at once, on 1 or 3 threads, with batch mates.
+/// 150 queries at once, on 1 or 3 threads, with batch mates; with and
+/// without a window, and with sink logits.
 fn check_tile_invariance<T: KvElem>(seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     // (head_dim, n_heads, n_kv, block_size): group sizes 3, 4, 1, 2 and
@@ -641,25 +644,42 @@ fn check_tile_invariance<T: KvElem>(seed: u64) {
         (128, 14, 2, 32),
     ] {
         let p = prompt::<T>(&mut rng, d, h, kv, bs);
-        // Full attention, and windows below and above a chunk.
-        for (level, window) in levels()
-            .into_iter()
-            .flat_map(|l| [(l, None), (l, Some(20)), (l, Some(71))])
-        {
-            let want = chunked(&p, level, &ThreadPool::new(1), PROMPT_LEN, window, &mut rng);
+        let sink_logits: Vec<f32> = (0..h).map(|_| rng.random_range(-2.0..4.0)).collect();
+        let sk = Some(sink_logits.as_slice());
+        // Full attention, and windows below and above a chunk; sinks with
+        // and without a window.
+        for (level, window, sinks) in levels().into_iter().flat_map(|l| {
+            [
+                (l, None, None),
+                (l, Some(20), None),
+                (l, Some(71), None),
+                (l, None, sk),
+                (l, Some(20), sk),
+            ]
+        }) {
+            let want = chunked(
+                &p,
+                level,
+                &ThreadPool::new(1),
+                PROMPT_LEN,
+                window,
+                sinks,
+                &mut rng,
+            );
             assert!(want.iter().all(|x| x.is_finite()));
             for threads in [1usize, 3] {
                 let pool = ThreadPool::new(threads);
                 for chunk in [1usize, 2, 5, 17, 64, PROMPT_LEN] {
-                    let got = chunked(&p, level, &pool, chunk, window, &mut rng);
+                    let got = chunked(&p, level, &pool, chunk, window, sinks, &mut rng);
                     let w = h * d;
                     if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits())
                     {
                         panic!(
-                            "{:?} {level:?} window={window:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
+                            "{:?} {level:?} window={window:?} sinks={} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
                              in chunks of {chunk}, position {} head {} dim {} is {} \
                              but {} in one prefill",
                             T::DTYPE,
+                            sinks.is_some(),
                             i / w,
                             i % w / d,
                             i % d,
