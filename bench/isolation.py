@@ -115,6 +115,26 @@ def generated_tokens(base):
         return total
 
 
+def engine_ttft(base, tenant):
+    """(sum, count) of `tenant`'s engine-side time to first token (from
+    arrival at the engine, without HTTP, tokenization or the client)."""
+    total = count = 0.0
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if f'tenant="{tenant}"' not in line:
+                continue
+            if line.startswith("pagoda_tenant_time_to_first_token_seconds_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith("pagoda_tenant_time_to_first_token_seconds_count"):
+                count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def mean_since(before, after):
+    n = after[1] - before[1]
+    return round((after[0] - before[0]) / n * 1e3, 1) if n else float("nan")
+
+
 def p50(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -126,11 +146,15 @@ def noisy(a):
         return [complete(a.base, a.calm_key, ids(rng, a.calm_prompt), a.calm_output)[0] for _ in range(n)]
 
     calm(2)  # warm-up
+    e0 = engine_ttft(a.base, "calm")
     alone = calm(a.requests)
+    e1 = engine_ttft(a.base, "calm")
     with Flood(a.base, a.flood_key, a.flood, a.flood_prompt, a.flood_output, 1):
         time.sleep(a.settle)
         t0, g0 = time.perf_counter(), generated_tokens(a.base)
+        e2 = engine_ttft(a.base, "calm")
         beside = calm(a.requests)
+        e3 = engine_ttft(a.base, "calm")
         # What the flood generated meanwhile (the calm requests' own tokens
         # taken out): the throughput the bound costs it.
         g1, t1 = generated_tokens(a.base), time.perf_counter()
@@ -141,6 +165,11 @@ def noisy(a):
         "calm_ttft_p50_ms_beside_flood": round(p50(beside) * 1e3, 1),
         "ratio": round(p50(beside) / p50(alone), 2),
         "flood_tokens_per_s_beside": round(flood_tps, 1),
+        # The same requests' mean TTFT inside the engine (queue and
+        # prefill only): what the scheduler adds, apart from the HTTP side
+        # and the bench's own clients sharing the CPU.
+        "calm_engine_ttft_mean_ms_alone": mean_since(e0, e1),
+        "calm_engine_ttft_mean_ms_beside_flood": mean_since(e2, e3),
         "flood_streams": a.flood,
         "calm_requests": a.requests,
     }

@@ -54,6 +54,18 @@ fn a_warm_hybrid_decode_step_allocates_nothing() {
     warm_decode_allocates_nothing(EngineArgs::new(root.join("qwen3_next")));
 }
 
+#[test]
+fn a_warm_gpt_oss_decode_step_allocates_nothing() {
+    // gpt-oss: attention sinks, sliding-window and full layers, the biased
+    // router and the fused experts with biases and a clamped SwiGLU.
+    let root = match std::env::var_os("PAGODA_HF_FAMILIES_2026") {
+        Some(p) => std::path::PathBuf::from(p),
+        None => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/hf-families-2026"),
+    };
+    warm_decode_allocates_nothing(EngineArgs::new(root.join("gpt_oss")));
+}
+
 /// Prefills four sequences, then decodes them step by step: every decode
 /// step after the first must not touch the heap.
 fn warm_decode_allocates_nothing(mut args: EngineArgs) {

@@ -215,13 +215,14 @@ impl CpuBackend {
         n_heads: usize,
         scale: f32,
         window: Option<usize>,
+        sinks: Option<&[f32]>,
         step: &CpuStep,
         out: &mut [f32],
     ) {
         let cache = &layers[layer];
         self.with_attn_seqs(step, |pool, seqs| {
-            ops::paged_attention(
-                pool, layout, &cache.k, &cache.v, q, n_heads, seqs, scale, window, out,
+            ops::paged_attention_with_sinks(
+                pool, layout, &cache.k, &cache.v, q, n_heads, seqs, scale, window, sinks, out,
             )
         });
     }
@@ -269,6 +270,10 @@ impl Backend for CpuBackend {
     }
 
     fn supports_sliding_window(&self) -> bool {
+        true
+    }
+
+    fn supports_attention_sinks(&self) -> bool {
         true
     }
 
@@ -508,22 +513,24 @@ impl Backend for CpuBackend {
         n_heads: usize,
         scale: f32,
         window: Option<usize>,
+        sinks: Option<&Vec<f32>>,
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) {
+        let sinks = sinks.map(|s| s.as_slice());
         let layout = *kv.layout(layer);
         let n = step.batch.num_tokens() * n_heads * layout.head_dim;
         let (q, out) = (first(q, n), first_mut(out, n));
         match kv {
-            CpuKv::F32(l) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
-            }
-            CpuKv::F16(l) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
-            }
-            CpuKv::Bf16(l) => {
-                self.attention_typed(l, &layout, layer, q, n_heads, scale, window, step, out)
-            }
+            CpuKv::F32(l) => self.attention_typed(
+                l, &layout, layer, q, n_heads, scale, window, sinks, step, out,
+            ),
+            CpuKv::F16(l) => self.attention_typed(
+                l, &layout, layer, q, n_heads, scale, window, sinks, step, out,
+            ),
+            CpuKv::Bf16(l) => self.attention_typed(
+                l, &layout, layer, q, n_heads, scale, window, sinks, step, out,
+            ),
         }
     }
 
@@ -686,6 +693,44 @@ impl Backend for CpuBackend {
                 }
             }
         }
+    }
+
+    fn add_routed_bias(
+        &mut self,
+        x: &mut Vec<f32>,
+        bias: &Vec<f32>,
+        d: usize,
+        routes: &ops::Routing,
+    ) {
+        let e = routes.offsets.len().saturating_sub(1);
+        assert_eq!(
+            bias.len(),
+            e * d,
+            "add_routed_bias: one bias row per expert"
+        );
+        for (b, r) in bias.chunks_exact(d).zip(routes.offsets.windows(2)) {
+            for row in x[r[0] * d..r[1] * d].chunks_exact_mut(d) {
+                ops::add_inplace(row, b);
+            }
+        }
+    }
+
+    fn swiglu_clamped(
+        &mut self,
+        gate_up: &Vec<f32>,
+        m: usize,
+        ffn: usize,
+        alpha: f32,
+        limit: f32,
+        out: &mut Vec<f32>,
+    ) {
+        ops::swiglu_clamped(
+            first(gate_up, m * 2 * ffn),
+            ffn,
+            alpha,
+            limit,
+            first_mut(out, m * ffn),
+        );
     }
 
     fn add_gated(&mut self, x: &mut Vec<f32>, y: &Vec<f32>, gate: &Vec<f32>, m: usize, d: usize) {

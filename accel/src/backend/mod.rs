@@ -597,6 +597,12 @@ pub trait Backend: Send + 'static {
     fn supports_sliding_window(&self) -> bool {
         false
     }
+    /// Whether [`Backend::attention`] takes a sink logit per head. A model
+    /// with attention sinks (GPT-OSS) is refused at load on backends
+    /// without.
+    fn supports_attention_sinks(&self) -> bool {
+        false
+    }
     /// Whether the mixture-of-experts operations ([`Backend::route_experts`]
     /// and the four after it) run here. A MoE model is refused at load on
     /// a backend without them, so they are never called there.
@@ -749,7 +755,11 @@ pub trait Backend: Send + 'static {
     /// block tables: prefill chunks and decodes in one call. Scores are
     /// scaled by `scale`. With a `window` of `w`, a query sees only the `w`
     /// most recent positions, itself included; only backends whose
-    /// [`Backend::supports_sliding_window`] says so are given one.
+    /// [`Backend::supports_sliding_window`] says so are given one. With
+    /// `sinks` (`n_heads` values, GPT-OSS), each q head's sink logit joins
+    /// its softmax denominator unscaled and contributes no value; only
+    /// backends whose [`Backend::supports_attention_sinks`] says so are
+    /// given them.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &mut self,
@@ -759,6 +769,7 @@ pub trait Backend: Send + 'static {
         n_heads: usize,
         scale: f32,
         window: Option<usize>,
+        sinks: Option<&Self::Vector>,
         step: &Self::Step,
         out: &mut Self::Buffer,
     );
@@ -836,6 +847,40 @@ pub trait Backend: Send + 'static {
         out: &mut Self::Buffer,
     ) {
         let _ = (experts, x, routes, out);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// Adds expert `e`'s bias (row `e` of `bias`, `[n_experts, d]`) to each
+    /// of its grouped rows of `x` (`[m·k, d]`): GPT-OSS's expert biases.
+    fn add_routed_bias(
+        &mut self,
+        x: &mut Self::Buffer,
+        bias: &Self::Vector,
+        d: usize,
+        routes: &Self::Routes,
+    ) {
+        let _ = (x, bias, d, routes);
+        panic!(
+            "{}: no mixture-of-experts operations (supports_experts is false)",
+            self.describe()
+        );
+    }
+    /// GPT-OSS's clamped SwiGLU ([`crate::ops::swiglu_clamped`]) over `m`
+    /// rows (`gate_up: [m, 2·ffn]`, gate then up; `out: [m, ffn]`); one of
+    /// the expert operations.
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_clamped(
+        &mut self,
+        gate_up: &Self::Buffer,
+        m: usize,
+        ffn: usize,
+        alpha: f32,
+        limit: f32,
+        out: &mut Self::Buffer,
+    ) {
+        let _ = (gate_up, m, ffn, alpha, limit, out);
         panic!(
             "{}: no mixture-of-experts operations (supports_experts is false)",
             self.describe()

@@ -38,6 +38,33 @@ pub(crate) fn silu_mul_at(level: SimdLevel, gate_up: &[f32], ffn: usize, out: &m
     unsafe { dispatch(level, SiluMul { gate_up, ffn, out }) }
 }
 
+/// GPT-OSS's clamped SwiGLU: with `g = min(gate, limit)` and `u =
+/// clamp(up, -limit, limit)`, `out = (u + 1) · g · sigmoid(alpha · g)`.
+///
+/// `gate_up` is `[n_rows, 2*ffn]`, each row `[gate (ffn) | up (ffn)]`
+/// (the checkpoint's interleaved columns are split at load); `out` is
+/// `[n_rows, ffn]`. Scalar f32, as transformers computes it.
+///
+/// # Panics
+/// If the lengths do not describe the same number of rows.
+pub fn swiglu_clamped(gate_up: &[f32], ffn: usize, alpha: f32, limit: f32, out: &mut [f32]) {
+    assert!(ffn > 0, "swiglu_clamped: ffn must be positive");
+    assert_eq!(
+        gate_up.len(),
+        2 * out.len(),
+        "swiglu_clamped: gate_up must be twice out"
+    );
+    for (gu, o) in gate_up.chunks_exact(2 * ffn).zip(out.chunks_exact_mut(ffn)) {
+        let (g, u) = gu.split_at(ffn);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            let g = g.min(limit);
+            let u = u.clamp(-limit, limit);
+            let glu = g * (1.0 / (1.0 + (-(g * alpha)).exp()));
+            *o = (u + 1.0) * glu;
+        }
+    }
+}
+
 struct SiluMul<'a> {
     gate_up: &'a [f32],
     ffn: usize,
@@ -257,6 +284,38 @@ mod tests {
             .into_iter()
             .filter(|&l| l <= simd_level())
             .collect()
+    }
+
+    #[test]
+    fn swiglu_clamped_matches_reference() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        let (alpha, limit) = (1.702f32, 7.0f32);
+        for &(rows, ffn) in &[(1usize, 1usize), (3, 13), (2, 64)] {
+            let mut gu: Vec<f32> = (0..rows * 2 * ffn)
+                .map(|_| rng.random_range(-12.0..12.0))
+                .collect();
+            // Both sides of both clamps, and exp's overflow region.
+            gu[0] = -100.0;
+            gu[ffn] = 9.0;
+            if ffn > 2 {
+                gu[1] = 8.5;
+                gu[ffn + 1] = -8.5;
+            }
+            let mut out = vec![f32::NAN; rows * ffn];
+            swiglu_clamped(&gu, ffn, alpha, limit, &mut out);
+            for r in 0..rows {
+                for i in 0..ffn {
+                    let g = (gu[r * 2 * ffn + i] as f64).min(limit as f64);
+                    let u = (gu[r * 2 * ffn + ffn + i] as f64).clamp(-7.0, 7.0);
+                    let want = (u + 1.0) * g / (1.0 + (-(g * alpha as f64)).exp());
+                    let got = out[r * ffn + i] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5 * want.abs().max(1e-3),
+                        "{rows}x{ffn} [{r},{i}]: {got} vs {want}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -26,10 +26,11 @@ pub(crate) mod simd;
 
 pub use act::{
     gelu_tanh_mul, log_softmax_inplace, mul_sigmoid, scale_inplace, silu_mul, softcap_inplace,
-    softmax_inplace,
+    softmax_inplace, swiglu_clamped,
 };
 pub use attention::{
-    paged_attention, window_reads_from, write_kv, AttnSeq, KvDtype, KvElem, KvLayout, MAX_HEAD_DIM,
+    paged_attention, paged_attention_with_sinks, window_reads_from, write_kv, AttnSeq, KvDtype,
+    KvElem, KvLayout, MAX_HEAD_DIM,
 };
 pub use conv1d::{causal_conv1d_silu, ConvSpec};
 pub use gated_delta::{gated_delta_rule, GatedDeltaSpec};

@@ -12,6 +12,9 @@ pub enum RouterScoring {
     Softmax,
     /// An independent sigmoid per expert (DeepSeek-V3).
     Sigmoid,
+    /// The top-k of the raw logits, weighted by a softmax over those k
+    /// logits only (GPT-OSS's router).
+    TopKSoftmax,
 }
 
 /// How a group of experts is scored when the top-k is limited to the best
@@ -188,6 +191,8 @@ pub fn route(logits: &[f32], m: usize, spec: &RouterSpec, bias: Option<&[f32]>, 
                     *s = 1.0 / (1.0 + (-*s).exp());
                 }
             }
+            // The logits choose; the softmax comes after the choice.
+            RouterScoring::TopKSoftmax => {}
         }
         out.choice.clear();
         out.choice.extend_from_slice(&out.scores);
@@ -224,6 +229,9 @@ pub fn route(logits: &[f32], m: usize, spec: &RouterSpec, bias: Option<&[f32]>, 
         }
         out.picked = picked;
         let w = &mut out.weights[first..];
+        if spec.scoring == RouterScoring::TopKSoftmax {
+            super::softmax_inplace(w);
+        }
         if spec.normalize {
             let sum: f32 = w.iter().sum();
             if sum > 0.0 {
@@ -283,6 +291,27 @@ mod tests {
         let e: Vec<f64> = row.iter().map(|&x| (x as f64 - m).exp()).collect();
         let s: f64 = e.iter().sum();
         e.into_iter().map(|x| x / s).collect()
+    }
+
+    #[test]
+    fn top_k_softmax_weighs_the_chosen_logits_by_their_own_softmax() {
+        let logits = [
+            0.1f32, 2.0, -1.0, 1.5, /* token 2 */ 3.0, 0.0, 0.5, 2.9,
+        ];
+        let mut s = spec(4, 2);
+        s.scoring = RouterScoring::TopKSoftmax;
+        let mut r = Routing::default();
+        route(&logits, 2, &s, None, &mut r);
+        assert_eq!(r.experts, [1, 3, 0, 3]);
+        let want = [
+            softmax64(&[2.0, 1.5])[0],
+            softmax64(&[2.0, 1.5])[1],
+            softmax64(&[3.0, 2.9])[0],
+            softmax64(&[3.0, 2.9])[1],
+        ];
+        for (g, w) in r.weights.iter().zip(want) {
+            assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
+        }
     }
 
     #[test]

@@ -72,6 +72,11 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
     ),
+    (
+        "GptOssForCausalLM",
+        "-",
+        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts dequantized at load)",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -110,6 +115,10 @@ pub enum Arch {
     /// Gemma 3 text: local (sliding-window) and global layers with their
     /// own RoPE, q/k norms, sandwich norms, GeGLU (see [`GemmaConfig`]).
     Gemma3,
+    /// gpt-oss: biased attention with a sink logit per head, alternating
+    /// sliding-window and full layers, YaRN; experts in every layer stored
+    /// fused, with biases and a clamped SwiGLU (see [`GptOssConfig`]).
+    GptOss,
 }
 
 /// The gated MLP's activation: `down(act(gate(x)) · up(x))`.
@@ -137,6 +146,16 @@ pub struct GemmaConfig {
     pub local_rope_scaling: RopeScaling,
     /// `final_logit_softcapping`: logits become `tanh(l / cap) · cap`.
     pub final_logit_softcap: Option<f32>,
+}
+
+/// What gpt-oss's experts compute beyond a plain SwiGLU: `swiglu_limit`
+/// clamps the gate from above and the up projection both ways, and
+/// `swiglu_alpha` scales the gate inside the sigmoid (see
+/// [`pagoda_accel::ops::swiglu_clamped`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GptOssConfig {
+    pub swiglu_alpha: f32,
+    pub swiglu_limit: f32,
 }
 
 /// The hybrid Qwen models (Qwen3-Next, Qwen3.5): most layers are Gated
@@ -264,6 +283,8 @@ pub struct ModelConfig {
     pub hidden_act: Activation,
     /// Gemma 3's additions to the decoder.
     pub gemma: Option<GemmaConfig>,
+    /// gpt-oss's expert activation.
+    pub gpt_oss: Option<GptOssConfig>,
 }
 
 impl ModelConfig {
@@ -310,6 +331,7 @@ impl ModelConfig {
             (Some("Qwen3_5ForCausalLM"), _) | (None, "qwen3_5_text") => HfFamily::Qwen35,
             (Some("Qwen3_5MoeForCausalLM"), _) | (None, "qwen3_5_moe_text") => HfFamily::Qwen35Moe,
             (Some("Gemma3ForCausalLM"), _) | (None, "gemma3_text") => HfFamily::Gemma3,
+            (Some("GptOssForCausalLM"), _) | (None, "gpt_oss") => HfFamily::GptOss,
             (other, mt) => bail!(
                 "architecture {} (model_type '{mt}') is not supported; supported: {}",
                 other.unwrap_or("<none>"),
@@ -360,6 +382,7 @@ impl ModelConfig {
             HfFamily::Qwen35 => Arch::Qwen35,
             HfFamily::Qwen35Moe => Arch::Qwen35Moe,
             HfFamily::Gemma3 => Arch::Gemma3,
+            HfFamily::GptOss => Arch::GptOss,
         };
         let hybrid_family = matches!(
             family,
@@ -450,7 +473,9 @@ impl ModelConfig {
                 None | Some(Value::Null) => (true, false),
                 Some(_) => (flag("qkv_bias")?, false),
             },
-            HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe => {
+            // gpt-oss's `attention_bias` (true in every published config)
+            // puts a bias on q, k, v and o alike.
+            HfFamily::Llama | HfFamily::Qwen3 | HfFamily::Qwen3Moe | HfFamily::GptOss => {
                 let b = flag("attention_bias")?;
                 (b, b)
             }
@@ -478,6 +503,17 @@ impl ModelConfig {
             _ => usize_of("intermediate_size")?,
         };
         let moe = read_hf_moe(v, family, num_layers, intermediate_size)?;
+        let quant_method = v
+            .get("quantization_config")
+            .and_then(|q| q.get("quant_method"))
+            .and_then(Value::as_str);
+        if quant_method == Some("mxfp4") && family != HfFamily::GptOss {
+            bail!("'quantization_config.quant_method' 'mxfp4' is read for gpt-oss's experts only, not for this architecture");
+        }
+        let gpt_oss = match family {
+            HfFamily::GptOss => Some(read_hf_gpt_oss(v)?),
+            _ => None,
+        };
         let mla = read_hf_mla(v, family, &rope_scaling)?;
         let hybrid = match hybrid_family {
             true => Some(read_hf_hybrid(
@@ -535,6 +571,7 @@ impl ModelConfig {
             hybrid,
             hidden_act,
             gemma,
+            gpt_oss,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -755,6 +792,7 @@ impl ModelConfig {
             hybrid: None,
             hidden_act: Activation::Silu,
             gemma: None,
+            gpt_oss: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -868,7 +906,7 @@ impl ModelConfig {
                 topk_group,
                 score: match scoring {
                     RouterScoring::Sigmoid => GroupScore::SumTop2,
-                    RouterScoring::Softmax => GroupScore::Max,
+                    RouterScoring::Softmax | RouterScoring::TopKSoftmax => GroupScore::Max,
                 },
             }),
             _ => None,
@@ -934,6 +972,7 @@ impl ModelConfig {
             hybrid: None,
             hidden_act: Activation::Silu,
             gemma: None,
+            gpt_oss: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1148,6 +1187,32 @@ enum HfFamily {
     Qwen35,
     Qwen35Moe,
     Gemma3,
+    GptOss,
+}
+
+/// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
+/// (default 1.702, the constant transformers' experts use), both positive
+/// and finite. An MXFP4 checkpoint (`quantization_config.quant_method`
+/// `mxfp4`, how OpenAI publishes the experts) is read by the loader
+/// (`hf_quant::mxfp4`).
+fn read_hf_gpt_oss(v: &Value) -> Result<GptOssConfig> {
+    let num = |key: &str, default: f32| -> Result<f32> {
+        let x = match v.get(key) {
+            None | Some(Value::Null) => default,
+            Some(x) => x
+                .as_f64()
+                .with_context(|| format!("'{key}' must be a number, got {x}"))?
+                as f32,
+        };
+        if !(x.is_finite() && x > 0.0) {
+            bail!("'{key}' = {x} must be a positive number");
+        }
+        Ok(x)
+    };
+    Ok(GptOssConfig {
+        swiglu_alpha: num("swiglu_alpha", 1.702)?,
+        swiglu_limit: num("swiglu_limit", 7.0)?,
+    })
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below
@@ -1259,6 +1324,7 @@ fn read_hf_moe(
             | HfFamily::DeepseekV3
             | HfFamily::Qwen3Next
             | HfFamily::Qwen35Moe
+            | HfFamily::GptOss
     ) {
         return Ok(None);
     }
@@ -1299,6 +1365,26 @@ fn read_hf_moe(
         HfFamily::DeepseekV2 | HfFamily::DeepseekV3 => {
             read_deepseek_moe(v, family, num_layers, n_experts, top_k)?
         }
+        // gpt-oss: experts of `intermediate_size` in every layer, the top-k
+        // of the (biased) router logits weighted by their own softmax.
+        // OpenAI's configs repeat the top-k as `experts_per_token`.
+        HfFamily::GptOss if int("experts_per_token")?.is_some_and(|k| k != top_k) => bail!(
+            "'experts_per_token' ({}) and 'num_experts_per_tok' ({top_k}) disagree",
+            int("experts_per_token")?.unwrap_or(0)
+        ),
+        HfFamily::GptOss => MoeConfig {
+            n_experts,
+            top_k,
+            normalize: false,
+            expert_ffn: intermediate_size,
+            shared_ffn: None,
+            sparse_layers: vec![true; num_layers],
+            scoring: RouterScoring::TopKSoftmax,
+            routed_scale: 1.0,
+            groups: None,
+            score_bias: false,
+            shared_gated: false,
+        },
         // transformers' Qwen3.5-MoE config has no `decoder_sparse_step`,
         // `mlp_only_layers` or `norm_topk_prob`: every layer is a mixture,
         // its router always renormalizes, and its shared expert is gated.
@@ -1837,6 +1923,12 @@ fn read_hf_sliding_windows(
                 (0..num_layers).map(|i| (i + 1) % pattern != 0).collect()
             }
         },
+        // gpt-oss: `layer_types`, by default sliding on even layers (as
+        // transformers' `GptOssConfig` fills it in).
+        HfFamily::GptOss => match &layer_types {
+            Some(types) => types.iter().map(|t| *t == "sliding_attention").collect(),
+            None => (0..num_layers).map(|i| i % 2 == 0).collect(),
+        },
         HfFamily::Qwen2 | HfFamily::Qwen3 | HfFamily::Qwen2Moe | HfFamily::Qwen3Moe => {
             let enabled = matches!(v.get("use_sliding_window"), Some(Value::Bool(true)));
             match (&layer_types, enabled) {
@@ -2102,6 +2194,13 @@ const KNOWN_HF_KEYS: &[&str] = &[
     "_sliding_window_pattern",
     // The generation-time cache class; no change to the math.
     "cache_implementation",
+    "swiglu_limit",
+    "swiglu_alpha",
+    // gpt-oss (OpenAI's configs): the top-k again (checked against
+    // `num_experts_per_tok`) and the pre-YaRN context, which
+    // `original_max_position_embeddings` carries for the math.
+    "experts_per_token",
+    "initial_context_length",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see

@@ -1293,12 +1293,15 @@ impl Backend for CudaBackend {
         n_heads: usize,
         scale: f32,
         window: Option<usize>,
+        sinks: Option<&CudaVector>,
         step: &CudaStep,
         out: &mut CudaBuffer,
     ) {
-        // `supports_sliding_window` is false: models with windows that
-        // matter are refused at load.
+        // `supports_sliding_window` and `supports_attention_sinks` are
+        // false: models with windows that matter, or with sinks, are
+        // refused at load.
         debug_assert!(window.is_none(), "no sliding-window kernel on CUDA");
+        assert!(sinks.is_none(), "no attention-sink kernel on CUDA");
         let _ = window;
         if step.n_tokens == 0 {
             return;

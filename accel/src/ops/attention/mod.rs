@@ -71,6 +71,15 @@
 //! nothing yet gets `alpha = exp(0) = 1` and `p = 0`, and a row that has
 //! gets `alpha = 1` and `p = 0` as before. The invariance above holds with
 //! a window too.
+//!
+//! # Attention sinks
+//! With a sink logit `s_h` per q head (GPT-OSS's `sinks`), each row's
+//! softmax denominator gains `exp(s_h)` while the sink contributes no value:
+//! `out = Σ_j exp(x_j) v_j / (Σ_j exp(x_j) + exp(s_h))`. The sink is not
+//! scaled. It is folded in once, after the last chunk, by the same scalar
+//! code in both kernels ([`sink_inv`]): with the row's running max `m` and
+//! sum `l`, `m' = max(m, s_h)`, `a = exp(m - m')` and the output scale is
+//! `a / (l · a + exp(s_h - m'))`; so the invariance above holds with sinks.
 
 /// Uninitialized stack scratch: it is large (up to 64 KiB) and a decode
 /// task is short, so zeroing it would cost a visible share. Every kernel
@@ -145,8 +154,61 @@ pub fn paged_attention<T: KvElem>(
         seqs,
         scale,
         window,
+        None,
         out,
     )
+}
+
+/// [`paged_attention`] with a sink logit per q head (`sinks`: `n_heads`
+/// values) in every row's softmax denominator; see "Attention sinks" in
+/// the module docs.
+///
+/// # Panics
+/// As [`paged_attention`], and if `sinks` is not `n_heads` long.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_with_sinks<T: KvElem>(
+    pool: &ThreadPool,
+    layout: &KvLayout,
+    k_cache: &[T],
+    v_cache: &[T],
+    q: &[f32],
+    n_heads: usize,
+    seqs: &[AttnSeq<'_>],
+    scale: f32,
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    paged_attention_at(
+        simd_level(),
+        pool,
+        layout,
+        k_cache,
+        v_cache,
+        q,
+        n_heads,
+        seqs,
+        scale,
+        window,
+        sinks,
+        out,
+    )
+}
+
+/// The factor a row's accumulator is multiplied by at the end: `1 / l`, or
+/// with a sink logit `s`, `a / (l · a + exp(s - m'))` where `m' = max(m,
+/// s)` and `a = exp(m - m')` (`m`: the row's running max, `l`: its sum).
+/// One scalar function for both kernels, so their rows stay bitwise equal.
+#[inline(always)]
+pub(super) fn sink_inv(m: f32, l: f32, sink: Option<f32>) -> f32 {
+    match sink {
+        None => 1.0 / l,
+        Some(s) => {
+            let mm = m.max(s);
+            let a = (m - mm).exp();
+            a / (l * a + (s - mm).exp())
+        }
+    }
 }
 
 /// [`paged_attention`] at an explicit SIMD level (tests and benchmarks cover
@@ -163,9 +225,17 @@ pub(crate) fn paged_attention_at<T: KvElem>(
     seqs: &[AttnSeq<'_>],
     scale: f32,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     out: &mut [f32],
 ) {
     check_level(level);
+    if let Some(s) = sinks {
+        assert_eq!(
+            s.len(),
+            n_heads,
+            "paged_attention: one sink logit per q head"
+        );
+    }
     assert!(
         window != Some(0),
         "paged_attention: a window of 0 positions"
@@ -260,6 +330,7 @@ pub(crate) fn paged_attention_at<T: KvElem>(
         q,
         out: SyncPtr(out.as_mut_ptr()),
         scale,
+        sinks,
         window: window.unwrap_or(usize::MAX),
         window_grid: lcm(bs, KT),
         seqs,

@@ -60,6 +60,8 @@ pub(super) struct Ctx<'a> {
     pub(super) q: &'a [f32],
     pub(super) out: SyncPtr,
     pub(super) scale: f32,
+    /// A sink logit per q head in each row's softmax denominator.
+    pub(super) sinks: Option<&'a [f32]>,
     /// Positions a query sees, itself included (`usize::MAX`: all).
     pub(super) window: usize,
     /// Chunk boundaries for every cache type: a windowed tile starts at a

@@ -3,6 +3,7 @@
 use super::in_place::{ChunkAt, Reader};
 use super::micro::{pv_row, qk_direct, qk_keys};
 use super::plan::{Tile, KT, MAX_HEAD_DIM, SMALL_ROWS};
+use super::sink_inv;
 use crate::ops::simd::Simd;
 
 /// The small kernel (see the module docs). It computes exactly the wide
@@ -183,9 +184,10 @@ pub(super) unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
             c0 += n;
         }
         for r in 0..rows {
-            // Every row sees position 0, so its sum is positive.
-            let inv = 1.0 / lsum[r];
-            let dst = c.out.0.add(c.offset(token0 + r / g, t.kvh * g + r % g));
+            // Every row sees its own position, so its sum is positive.
+            let head = t.kvh * g + r % g;
+            let inv = sink_inv(m[r], lsum[r], c.sinks.map(|s| s[head]));
+            let dst = c.out.0.add(c.offset(token0 + r / g, head));
             for i in 0..d {
                 *dst.add(i) = *acc.add(r * d + i) * inv;
             }

@@ -37,6 +37,7 @@ fn reference(
     ctx_len: usize,
     scale: f64,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     out: &mut [f64],
 ) {
     let g = n_heads / n_kv;
@@ -54,7 +55,9 @@ fn reference(
                 .collect();
             let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-            let total: f64 = w.iter().sum();
+            // A sink joins the denominator only: it has no value.
+            let sink = sinks.map_or(0.0, |s| (s[h] as f64 - mx).exp());
+            let total: f64 = w.iter().sum::<f64>() + sink;
             let o = &mut out[((q_start + i) * n_heads + h) * d..][..d];
             o.fill(0.0);
             for (p, wp) in w.iter().enumerate() {
@@ -75,6 +78,17 @@ fn run_case_windowed<T: KvElem>(
     rng: &mut StdRng,
     shuffle_seqs: bool,
     window: Option<usize>,
+) {
+    run_case_full::<T>(case, rng, shuffle_seqs, window, None)
+}
+
+/// One case against the f64 reference, with a window and sink logits.
+fn run_case_full<T: KvElem>(
+    case: &Case,
+    rng: &mut StdRng,
+    shuffle_seqs: bool,
+    window: Option<usize>,
+    sinks: Option<&[f32]>,
 ) {
     let (d, n_heads, n_kv, bs) = (case.head_dim, case.n_heads, case.n_kv, case.block_size);
     let blocks_needed: usize = case.seqs.iter().map(|&(_, c)| c.div_ceil(bs)).sum();
@@ -146,6 +160,7 @@ fn run_case_windowed<T: KvElem>(
             s.ctx_len,
             scale as f64,
             window,
+            sinks,
             &mut want,
         );
     }
@@ -158,7 +173,7 @@ fn run_case_windowed<T: KvElem>(
             let mut out = vec![f32::NAN; q.len()];
             paged_attention_at(
                 level, &pool, &layout, &k_cache, &v_cache, &q, n_heads, &seqs, scale, window,
-                &mut out,
+                sinks, &mut out,
             );
             for (idx, (&got, &w)) in out.iter().zip(&want).enumerate() {
                 let (tok, rest) = (idx / (n_heads * d), idx % (n_heads * d));
@@ -245,6 +260,30 @@ fn a_sliding_window_matches_the_reference() {
     }
 }
 
+/// A sink logit per q head joins each row's softmax denominator and
+/// contributes no value: against the f64 reference for every cache type,
+/// with and without a window, sinks from far below to far above the scores
+/// (a sink of +40 leaves outputs near 0, one of -40 changes nothing).
+#[test]
+fn attention_sinks_match_the_reference() {
+    let mut rng = StdRng::seed_from_u64(16);
+    for (i, case) in cases().iter().enumerate() {
+        let sinks: Vec<f32> = (0..case.n_heads)
+            .map(|h| match h % 4 {
+                0 => 40.0,
+                1 => -40.0,
+                _ => rng.random_range(-3.0..3.0),
+            })
+            .collect();
+        let window = [None, Some(5), Some(32)][i % 3];
+        match i % 3 {
+            0 => run_case_full::<f32>(case, &mut rng, true, window, Some(&sinks)),
+            1 => run_case_full::<f16>(case, &mut rng, false, window, Some(&sinks)),
+            _ => run_case_full::<bf16>(case, &mut rng, true, window, Some(&sinks)),
+        }
+    }
+}
+
 #[test]
 fn paged_attention_random_shapes() {
     let mut rng = StdRng::seed_from_u64(14);
@@ -323,7 +362,7 @@ fn large_scores_stay_finite() {
             block_table: &table,
         }];
         paged_attention_at(
-            level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, &mut out,
+            level, &pool, &layout, &kc, &vc, &q, 1, &seqs, 1.0, None, None, &mut out,
         );
         for t in 0..40 {
             // Score of position p is 10p: the last visible position wins.
@@ -540,6 +579,7 @@ fn chunked<T: KvElem>(
     pool: &ThreadPool,
     chunk: usize,
     window: Option<usize>,
+    sinks: Option<&[f32]>,
     rng: &mut StdRng,
 ) -> Vec<f32> {
     let w = p.n_heads * p.layout.head_dim;
@@ -576,7 +616,8 @@ fn chunked<T: KvElem>(
         ];
         let mut ob = vec![f32::NAN; qb.len()];
         paged_attention_at(
-            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, &mut ob,
+            level, pool, &p.layout, &p.k, &p.v, &qb, p.n_heads, &seqs, scale, window, sinks,
+            &mut ob,
         );
         out[start * w..(start + len) * w].copy_from_slice(&ob[w..(1 + len) * w]);
         start += len;
@@ -586,7 +627,8 @@ fn chunked<T: KvElem>(
 
 /// A query row's output is bitwise the same whatever tile it is
 /// computed in: the prompt in chunks of 1 (decode), 2, 5, 17, 64 and all
-/// 150 queries at once, on 1 or 3 threads, with batch mates.
+/// 150 queries at once, on 1 or 3 threads, with batch mates; with and
+/// without a window, and with sink logits.
 fn check_tile_invariance<T: KvElem>(seed: u64) {
     let mut rng = StdRng::seed_from_u64(seed);
     // (head_dim, n_heads, n_kv, block_size): group sizes 3, 4, 1, 2 and
@@ -602,25 +644,42 @@ fn check_tile_invariance<T: KvElem>(seed: u64) {
         (128, 14, 2, 32),
     ] {
         let p = prompt::<T>(&mut rng, d, h, kv, bs);
-        // Full attention, and windows below and above a chunk.
-        for (level, window) in levels()
-            .into_iter()
-            .flat_map(|l| [(l, None), (l, Some(20)), (l, Some(71))])
-        {
-            let want = chunked(&p, level, &ThreadPool::new(1), PROMPT_LEN, window, &mut rng);
+        let sink_logits: Vec<f32> = (0..h).map(|_| rng.random_range(-2.0..4.0)).collect();
+        let sk = Some(sink_logits.as_slice());
+        // Full attention, and windows below and above a chunk; sinks with
+        // and without a window.
+        for (level, window, sinks) in levels().into_iter().flat_map(|l| {
+            [
+                (l, None, None),
+                (l, Some(20), None),
+                (l, Some(71), None),
+                (l, None, sk),
+                (l, Some(20), sk),
+            ]
+        }) {
+            let want = chunked(
+                &p,
+                level,
+                &ThreadPool::new(1),
+                PROMPT_LEN,
+                window,
+                sinks,
+                &mut rng,
+            );
             assert!(want.iter().all(|x| x.is_finite()));
             for threads in [1usize, 3] {
                 let pool = ThreadPool::new(threads);
                 for chunk in [1usize, 2, 5, 17, 64, PROMPT_LEN] {
-                    let got = chunked(&p, level, &pool, chunk, window, &mut rng);
+                    let got = chunked(&p, level, &pool, chunk, window, sinks, &mut rng);
                     let w = h * d;
                     if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits())
                     {
                         panic!(
-                            "{:?} {level:?} window={window:?} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
+                            "{:?} {level:?} window={window:?} sinks={} d={d} heads={h}/{kv} bs={bs} threads={threads}: \
                              in chunks of {chunk}, position {} head {} dim {} is {} \
                              but {} in one prefill",
                             T::DTYPE,
+                            sinks.is_some(),
                             i / w,
                             i % w / d,
                             i % d,

@@ -2,6 +2,7 @@
 
 use super::micro::{pv_tile, qk_tile};
 use super::plan::{Tile, KT, MAX_HEAD_DIM, WIDE_ROWS};
+use super::sink_inv;
 use crate::ops::simd::Simd;
 
 /// The wide kernel: rows in the lanes (see the module docs). Layouts, with
@@ -127,8 +128,9 @@ pub(super) unsafe fn wide_tile<S: Simd>(t: &Tile<'_, '_>) {
             c0 += n;
         }
         for r in 0..rows {
-            let inv = 1.0 / *lsum.add(r);
-            let dst = c.out.0.add(c.offset(token0 + r / g, t.kvh * g + r % g));
+            let head = t.kvh * g + r % g;
+            let inv = sink_inv(*m.add(r), *lsum.add(r), c.sinks.map(|s| s[head]));
+            let dst = c.out.0.add(c.offset(token0 + r / g, head));
             for i in 0..d {
                 *dst.add(i) = *acct.add(i * rp + r) * inv;
             }

@@ -49,6 +49,19 @@ pub trait WeightSource {
     /// The 1-D tensor `name` (norm weights, biases) as f32, checked against
     /// the expected length.
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>>;
+    /// The float tensor `name` of exactly `shape` (a stack of matrices,
+    /// such as gpt-oss's fused experts `[experts, rows, cols]`) as f32
+    /// values in row-major order, with the storage type its matrices take
+    /// (the stored float type, or the one `--dtype` converts to: f32 values
+    /// of that type convert back exactly). A source that holds no such
+    /// stacks says so.
+    fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, pagoda_accel::GgmlType)> {
+        let _ = shape;
+        anyhow::bail!(
+            "{}: tensor '{name}' is a stack of matrices, which this format does not provide",
+            self.describe()
+        )
+    }
     /// Whether the source holds a tensor called `name`.
     fn contains(&self, name: &str) -> bool;
     /// Where the weights come from, for error messages.

@@ -173,6 +173,59 @@ impl SafetensorsSource {
         unused
     }
 
+    /// The stack `name` of `shape` `[n, rows, cols]` from MXFP4
+    /// `{name}_blocks` `[n, cols, rows / 32, 16]` and `{name}_scales` `[n,
+    /// cols, rows / 32]`: transformers' experts are applied as `x @ W`, and
+    /// the quantized form stores each `W` transposed, blocked along `rows`.
+    /// Kept as bfloat16 (f32 under `--dtype float32`; both exact).
+    fn mxfp4_stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        let &[n, rows, cols] = shape else {
+            bail!(
+                "{}: tensor '{name}': an mxfp4 stack must have three dimensions, not {shape:?}",
+                self.dir.display()
+            );
+        };
+        if rows % 32 != 0 {
+            bail!(
+                "{}: tensor '{name}': {rows} rows are not whole mxfp4 blocks of 32",
+                self.dir.display()
+            );
+        }
+        let (bn, sn) = (format!("{name}_blocks"), format!("{name}_scales"));
+        let g = rows / 32;
+        let (path, blocks) = self.tensor(&bn)?;
+        check_shape(path, &bn, blocks.shape(), &[n, cols, g, 16])?;
+        let (path, scales) = self.tensor(&sn)?;
+        check_shape(path, &sn, scales.shape(), &[n, cols, g])?;
+        for (t, tn) in [(&blocks, &bn), (&scales, &sn)] {
+            if t.dtype() != StDtype::U8 {
+                bail!(
+                    "{}: tensor '{tn}' has dtype {:?}; mxfp4 blocks and scales are U8",
+                    path.display(),
+                    t.dtype()
+                );
+            }
+        }
+        let v = super::hf_quant::mxfp4::dequantize(blocks.data(), scales.data(), n * cols, g)
+            .with_context(|| format!("{}: tensor '{name}'", path.display()))?;
+        // `[n, cols, rows]` → `[n, rows, cols]`.
+        let mut out = vec![0f32; n * rows * cols];
+        for e in 0..n {
+            let (src, dst) = (&v[e * rows * cols..], &mut out[e * rows * cols..]);
+            for c in 0..cols {
+                for r in 0..rows {
+                    dst[r * cols + c] = src[c * rows + r];
+                }
+            }
+        }
+        let ty = match self.dtype {
+            DType::Float32 => GgmlType::F32,
+            DType::Float16 => GgmlType::F16,
+            DType::Auto | DType::BFloat16 => GgmlType::BF16,
+        };
+        Ok((out, ty))
+    }
+
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
         let (i, stored) = self
             .index
@@ -313,6 +366,28 @@ impl WeightSource for SafetensorsSource {
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[len])?;
         to_f32(path, name, t.dtype(), t.data())
+    }
+
+    fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        if self.online_int8 {
+            bail!("{}: tensor '{name}': --quantization int8 does not quantize stacked experts yet; serve this model without it", self.dir.display());
+        }
+        if matches!(self.scheme, Some(Scheme::Mxfp4(_))) && !self.index.contains_key(name) {
+            return self.mxfp4_stacked(name, shape);
+        }
+        let (path, t) = self.tensor(name)?;
+        check_shape(path, name, t.shape(), shape)?;
+        let stored = t.dtype();
+        let ty = match (self.dtype, stored) {
+            (DType::Auto, StDtype::BF16) | (DType::BFloat16, _) => GgmlType::BF16,
+            (DType::Auto, StDtype::F16) | (DType::Float16, _) => GgmlType::F16,
+            (DType::Auto, StDtype::F32) | (DType::Float32, _) => GgmlType::F32,
+            (DType::Auto, other) => bail!(
+                "{}: tensor '{name}' has dtype {other:?}; only F32, F16 and BF16 are supported",
+                path.display()
+            ),
+        };
+        Ok((to_f32(path, name, stored, t.data())?, ty))
     }
 
     fn contains(&self, name: &str) -> bool {

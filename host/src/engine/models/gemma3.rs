@@ -104,6 +104,7 @@ pub fn load<B: Backend>(
         qk_norm: true,
         qk_norm_offset: true,
         scale: Some(g.attn_scale),
+        sinks: false,
     };
     let norm = |name: &str| load_offset_norm(backend, source, name, d);
     let mut layers = Vec::with_capacity(c.num_layers);

@@ -12,6 +12,7 @@
 //! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
 //! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
 //! | [`gemma3`] | `Gemma3ForCausalLM` |
+//! | [`gpt_oss`] | `GptOssForCausalLM` |
 //!
 //! # Adding a family
 //!
@@ -31,6 +32,7 @@
 
 pub mod deepseek;
 pub mod gemma3;
+pub mod gpt_oss;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
@@ -191,5 +193,6 @@ pub fn load<B: Backend>(
             Box::new(qwen3_next::load(backend, source, config, max_positions)?)
         }
         Arch::Gemma3 => Box::new(gemma3::load(backend, source, config, max_positions)?),
+        Arch::GptOss => Box::new(gpt_oss::load(backend, source, config, max_positions)?),
     })
 }

@@ -26,6 +26,7 @@ mod awq;
 mod compressed_tensors;
 mod gptq;
 mod modelslim;
+pub mod mxfp4;
 
 use anyhow::{bail, Context, Result};
 use pagoda_accel::{Affine, GgmlType, HostMatrix};
@@ -147,6 +148,8 @@ pub enum Scheme {
     Awq(awq::Awq),
     CompressedTensors(CompressedTensors),
     ModelSlim(ModelSlim),
+    /// gpt-oss's MXFP4 experts (its linear layers stay dense).
+    Mxfp4(mxfp4::Mxfp4),
 }
 
 impl Scheme {
@@ -209,8 +212,9 @@ impl Scheme {
             "gptq" => Scheme::Gptq(Gptq::from_config(q)?),
             "awq" => Scheme::Awq(awq::Awq::from_config(q)?),
             "compressed-tensors" => Scheme::CompressedTensors(CompressedTensors::from_config(q)?),
+            "mxfp4" => Scheme::Mxfp4(mxfp4::Mxfp4),
             other => bail!(
-                "quant_method '{other}' is not supported; Pagoda loads gptq, awq, compressed-tensors (int8 W8A8, int4/int8 pack-quantized) and Ascend ModelSlim W8A8 checkpoints, and GGUF files"
+                "quant_method '{other}' is not supported; Pagoda loads gptq, awq, compressed-tensors (int8 W8A8, int4/int8 pack-quantized), Ascend ModelSlim W8A8 and (gpt-oss) mxfp4 checkpoints, and GGUF files"
             ),
         })
     }
@@ -222,6 +226,7 @@ impl Scheme {
             Scheme::Awq(_) => "awq",
             Scheme::CompressedTensors(_) => "compressed-tensors",
             Scheme::ModelSlim(_) => "ascend",
+            Scheme::Mxfp4(_) => "mxfp4",
         }
     }
 
@@ -232,6 +237,7 @@ impl Scheme {
             Scheme::Awq(a) => a.describe(),
             Scheme::CompressedTensors(c) => c.describe(),
             Scheme::ModelSlim(m) => m.describe(),
+            Scheme::Mxfp4(m) => m.describe(),
         }
     }
 
@@ -260,6 +266,9 @@ impl Scheme {
             Scheme::Awq(a) => a.linear(store, prefix, rows, cols)?,
             Scheme::CompressedTensors(c) => c.linear(store, prefix, rows, cols)?,
             Scheme::ModelSlim(m) => m.linear(store, prefix, rows, cols)?,
+            // Only the experts' stacks are quantized (see
+            // `WeightSource::stacked`).
+            Scheme::Mxfp4(_) => None,
         };
         int.map(|i| i.into_host(prefix)).transpose()
     }
@@ -297,6 +306,8 @@ pub enum QuantizationArg {
     W8A8,
     /// Quantize a float checkpoint's linear layers to int8 at load.
     Int8,
+    /// gpt-oss's MXFP4 experts (`mxfp4`).
+    Mxfp4,
 }
 
 impl std::str::FromStr for QuantizationArg {
@@ -310,8 +321,9 @@ impl std::str::FromStr for QuantizationArg {
             "ascend" => QuantizationArg::Ascend,
             "w8a8" => QuantizationArg::W8A8,
             "int8" => QuantizationArg::Int8,
+            "mxfp4" => QuantizationArg::Mxfp4,
             other => bail!(
-                "--quantization {other} is not supported; use one of gguf, gptq, awq, compressed-tensors, ascend, w8a8 (a checkpoint's own int8 format) or int8 (quantize a float checkpoint at load), or omit it to use the model's own"
+                "--quantization {other} is not supported; use one of gguf, gptq, awq, compressed-tensors, ascend, mxfp4, w8a8 (a checkpoint's own int8 format) or int8 (quantize a float checkpoint at load), or omit it to use the model's own"
             ),
         })
     }
@@ -328,6 +340,7 @@ impl QuantizationArg {
             QuantizationArg::Ascend => "ascend",
             QuantizationArg::W8A8 => "w8a8",
             QuantizationArg::Int8 => "int8",
+            QuantizationArg::Mxfp4 => "mxfp4",
         }
     }
 
@@ -338,7 +351,8 @@ impl QuantizationArg {
             (QuantizationArg::Gptq, Some(Scheme::Gptq(_)))
             | (QuantizationArg::Awq, Some(Scheme::Awq(_)))
             | (QuantizationArg::CompressedTensors, Some(Scheme::CompressedTensors(_)))
-            | (QuantizationArg::Ascend, Some(Scheme::ModelSlim(_))) => true,
+            | (QuantizationArg::Ascend, Some(Scheme::ModelSlim(_)))
+            | (QuantizationArg::Mxfp4, Some(Scheme::Mxfp4(_))) => true,
             (QuantizationArg::W8A8, Some(s)) => s.is_w8a8(),
             _ => false,
         };

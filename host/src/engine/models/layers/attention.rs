@@ -8,7 +8,7 @@ use super::{load_matrix, load_offset_norm, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraModule;
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
 
 /// The optional parts a family's attention block carries.
@@ -25,6 +25,9 @@ pub struct AttentionParts {
     /// The scores' scale where it is not `1/√head_dim` (Gemma 3's
     /// `query_pre_attn_scalar^-0.5`).
     pub scale: Option<f32>,
+    /// A learned sink logit per q head in the softmax denominator
+    /// (gpt-oss's `sinks`).
+    pub sinks: bool,
 }
 
 /// One layer's self-attention: q/k/v projections, RoPE, a write of this
@@ -38,6 +41,8 @@ pub struct SelfAttention<B: Backend> {
     qk_norm: Option<(B::Vector, B::Vector)>,
     o: B::Matrix,
     o_bias: Option<B::Vector>,
+    /// One sink logit per q head.
+    sinks: Option<B::Vector>,
     /// The layer's index in the KV pool.
     layer: usize,
     n_heads: usize,
@@ -97,6 +102,18 @@ impl<B: Backend> SelfAttention<B> {
             true => Some(vector(&p("o_proj.bias"), d)?),
             false => None,
         };
+        let sinks = match parts.sinks {
+            true => {
+                if !backend.supports_attention_sinks() {
+                    bail!(
+                        "the model's attention has a sink logit per head, and this device's attention has no sinks yet ({}); serve it with --device cpu",
+                        backend.describe()
+                    );
+                }
+                Some(vector(&p("sinks"), c.num_heads)?)
+            }
+            false => None,
+        };
         let o = load_matrix(backend, source, &p("o_proj.weight"), d, q)?;
         Ok(SelfAttention {
             qkv,
@@ -104,6 +121,7 @@ impl<B: Backend> SelfAttention<B> {
             qk_norm,
             o,
             o_bias,
+            sinks,
             layer,
             n_heads: c.num_heads,
             n_kv_heads: c.num_kv_heads,
@@ -222,6 +240,7 @@ impl<B: Backend> SelfAttention<B> {
             self.n_heads,
             self.scale,
             self.window,
+            self.sinks.as_ref(),
             step,
             &mut ws.attn,
         );

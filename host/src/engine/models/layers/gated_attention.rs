@@ -189,6 +189,7 @@ impl<B: Backend> GatedAttention<B> {
             s.n_heads,
             scale,
             None,
+            None,
             step,
             &mut ws.attn,
         );

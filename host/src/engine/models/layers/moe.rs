@@ -61,15 +61,31 @@ enum GateUp<B: Backend> {
     },
 }
 
+/// The activation between an expert's gate/up and down projections.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpertAct {
+    /// `silu(gate) · up`.
+    SiluMul,
+    /// gpt-oss's clamped SwiGLU ([`pagoda_accel::ops::swiglu_clamped`]).
+    ClampedSwiglu { alpha: f32, limit: f32 },
+}
+
 /// One sparse MoE block on the device.
 pub struct SparseMoe<B: Backend> {
     /// f32, whatever the checkpoint's dtype: the routing is f32 math.
     router: B::Matrix,
+    /// Added to the router's logits (gpt-oss's `router.bias`), before both
+    /// the choice and the weights.
+    router_bias: Option<B::Vector>,
     /// Added to the scores for the choice only.
     bias: Option<B::Vector>,
     spec: RouterSpec,
     gate_up: GateUp<B>,
     down: Vec<B::Matrix>,
+    /// Each expert's gate|up bias (`[n_experts, 2·ffn]`) and down bias
+    /// (`[n_experts, hidden]`), where the experts have biases (gpt-oss).
+    expert_bias: Option<(B::Vector, B::Vector)>,
+    act: ExpertAct,
     /// The shared expert, and its sigmoid gate where it has one.
     shared: Option<(GatedMlp<B>, Option<B::Matrix>)>,
     hidden: usize,
@@ -92,17 +108,7 @@ impl<B: Backend> SparseMoe<B> {
         names: &MoeNames<'_>,
     ) -> Result<SparseMoe<B>> {
         let (d, f, e) = (c.hidden_size, moe.expert_ffn, moe.n_experts);
-        let spec = RouterSpec {
-            n_experts: e,
-            top_k: moe.top_k,
-            scoring: moe.scoring,
-            normalize: moe.normalize,
-            scale: moe.routed_scale,
-            groups: moe.groups,
-        };
-        if let Err(why) = spec.check() {
-            bail!("{}: {why}", source.describe());
-        }
+        let spec = router_spec(source, moe)?;
         let router = upload_f32(backend, &source.matrix(&names.router, e, d)?)
             .with_context(|| format!("{}: tensor '{}'", source.describe(), names.router))?;
         let bias = match (&names.bias, moe.score_bias) {
@@ -150,11 +156,92 @@ impl<B: Backend> SparseMoe<B> {
         };
         Ok(SparseMoe {
             router,
+            router_bias: None,
             bias,
             spec,
             gate_up,
             down,
+            expert_bias: None,
+            act: ExpertAct::SiluMul,
             shared,
+            hidden: d,
+            ffn: f,
+        })
+    }
+
+    /// Loads a block whose experts are stored fused, as transformers'
+    /// `GptOssExperts` writes them under `prefix` (`model.layers.N.mlp`):
+    /// `experts.gate_up_proj` `[experts, hidden, 2·ffn]` (applied as `x @
+    /// W`, gate and up in alternating columns), `experts.gate_up_proj_bias`
+    /// `[experts, 2·ffn]` (alternating likewise), `experts.down_proj`
+    /// `[experts, ffn, hidden]`, `experts.down_proj_bias` `[experts,
+    /// hidden]`; and the router's `router.weight` and `router.bias`. The
+    /// columns are split into gate|up rows at load, so the device runs
+    /// the same grouped matmuls as for per-expert checkpoints; `act` is
+    /// the activation between them.
+    pub fn load_fused(
+        backend: &B,
+        source: &dyn WeightSource,
+        c: &ModelConfig,
+        moe: &MoeConfig,
+        prefix: &str,
+        act: ExpertAct,
+    ) -> Result<SparseMoe<B>> {
+        let (d, f, e) = (c.hidden_size, moe.expert_ffn, moe.n_experts);
+        let spec = router_spec(source, moe)?;
+        let p = |s: &str| format!("{prefix}.{s}");
+        let router_name = p("router.weight");
+        let router = upload_f32(backend, &source.matrix(&router_name, e, d)?)
+            .with_context(|| format!("{}: tensor '{router_name}'", source.describe()))?;
+        let router_bias = load_vector(backend, source, &p("router.bias"), e)?;
+        let (gu, ty) = source.stacked(&p("experts.gate_up_proj"), &[e, d, 2 * f])?;
+        let gub = source
+            .stacked(&p("experts.gate_up_proj_bias"), &[e, 2 * f])?
+            .0;
+        let (dn, down_ty) = source.stacked(&p("experts.down_proj"), &[e, f, d])?;
+        let db = source.stacked(&p("experts.down_proj_bias"), &[e, d])?.0;
+        let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
+        let mut gu_bias = Vec::with_capacity(e * 2 * f);
+        let mut rows = vec![0f32; 2 * f * d];
+        let mut down_rows = vec![0f32; d * f];
+        for x in 0..e {
+            // Row j of gate (j < f) is column 2j, row f + j of up column
+            // 2j + 1, of the expert's `[hidden, 2·ffn]` matrix.
+            let w = &gu[x * d * 2 * f..(x + 1) * d * 2 * f];
+            for j in 0..f {
+                for k in 0..d {
+                    rows[j * d + k] = w[k * 2 * f + 2 * j];
+                    rows[(f + j) * d + k] = w[k * 2 * f + 2 * j + 1];
+                }
+            }
+            let m = HostMatrix::from_f32_as(ty, 2 * f, d, &rows)?;
+            gate_up.push(backend.upload_matrix(&m)?);
+            let b = &gub[x * 2 * f..(x + 1) * 2 * f];
+            gu_bias.extend((0..f).map(|j| b[2 * j]));
+            gu_bias.extend((0..f).map(|j| b[2 * j + 1]));
+            // `[ffn, hidden]` applied as `a @ W`: transposed to `[hidden, ffn]`.
+            let w = &dn[x * f * d..(x + 1) * f * d];
+            for j in 0..f {
+                for n in 0..d {
+                    down_rows[n * f + j] = w[j * d + n];
+                }
+            }
+            let m = HostMatrix::from_f32_as(down_ty, d, f, &down_rows)?;
+            down.push(backend.upload_matrix(&m)?);
+        }
+        Ok(SparseMoe {
+            router,
+            router_bias: Some(router_bias),
+            bias: None,
+            spec,
+            gate_up: GateUp::Fused(gate_up),
+            down,
+            expert_bias: Some((
+                backend.upload_vector(&gu_bias)?,
+                backend.upload_vector(&db)?,
+            )),
+            act,
+            shared: None,
             hidden: d,
             ffn: f,
         })
@@ -205,6 +292,9 @@ impl<B: Backend> SparseMoe<B> {
             step,
             Rows::Tokens,
         );
+        if let Some(rb) = &self.router_bias {
+            b.add_bias(&mut w.router_logits, rb, n, e);
+        }
         b.route_experts(
             &w.router_logits,
             n,
@@ -223,8 +313,19 @@ impl<B: Backend> SparseMoe<B> {
                 b.copy_columns(&w.tmp, f, 0, &mut w.gate_up, 2 * f, f, f, pairs);
             }
         }
-        b.silu_mul(&w.gate_up, pairs, f, &mut w.act);
+        if let Some((gub, _)) = &self.expert_bias {
+            b.add_routed_bias(&mut w.gate_up, gub, 2 * f, &w.routes);
+        }
+        match self.act {
+            ExpertAct::SiluMul => b.silu_mul(&w.gate_up, pairs, f, &mut w.act),
+            ExpertAct::ClampedSwiglu { alpha, limit } => {
+                b.swiglu_clamped(&w.gate_up, pairs, f, alpha, limit, &mut w.act)
+            }
+        }
         b.grouped_matmul(&self.down, &w.act, &w.routes, &mut w.y);
+        if let Some((_, db)) = &self.expert_bias {
+            b.add_routed_bias(&mut w.y, db, d, &w.routes);
+        }
         b.scatter_routed(&w.y, d, &w.routes, &mut ws.proj);
         if let Some((mlp, gate)) = &self.shared {
             b.reserve(&mut w.shared, n * d)?;
@@ -249,6 +350,22 @@ impl<B: Backend> SparseMoe<B> {
         }
         Ok(())
     }
+}
+
+/// The router's rule for `moe`, checked; the message names the key.
+fn router_spec(source: &dyn WeightSource, moe: &MoeConfig) -> Result<RouterSpec> {
+    let spec = RouterSpec {
+        n_experts: moe.n_experts,
+        top_k: moe.top_k,
+        scoring: moe.scoring,
+        normalize: moe.normalize,
+        scale: moe.routed_scale,
+        groups: moe.groups,
+    };
+    if let Err(why) = spec.check() {
+        bail!("{}: {why}", source.describe());
+    }
+    Ok(spec)
 }
 
 /// The buffers of the MoE blocks, in [`Workspace::moe`].
