@@ -67,6 +67,16 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
     ),
+    (
+        "BertModel",
+        "-",
+        "BERT encoders for embeddings (sentence-transformers: all-MiniLM, BGE, E5), served for pooling",
+    ),
+    (
+        "BertForSequenceClassification",
+        "-",
+        "BERT cross-encoders with one label (ms-marco rerankers), served for scoring",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -102,6 +112,9 @@ pub enum Arch {
     /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
     /// layer.
     Qwen35Moe,
+    /// BERT: a post-LayerNorm encoder whose rows attend both ways, served
+    /// for pooling only (see [`EncoderConfig`]).
+    Bert,
 }
 
 /// The hybrid Qwen models (Qwen3-Next, Qwen3.5): most layers are Gated
@@ -188,6 +201,21 @@ pub struct MoeConfig {
     pub shared_gated: bool,
 }
 
+/// What an encoder (BERT) has that a decoder does not.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EncoderConfig {
+    /// The LayerNorms' epsilon (`layer_norm_eps`).
+    pub layer_norm_eps: f32,
+    /// Rows of the token type table (`type_vocab_size`); 0 for none.
+    pub type_vocab_size: usize,
+    /// What is added to each position before its embedding is read (0 for
+    /// BERT's absolute positions).
+    pub position_offset: usize,
+    /// `Some(num_labels)` for a `*ForSequenceClassification` checkpoint:
+    /// the pooler (dense and tanh) and the classifier follow the encoder.
+    pub num_labels: Option<usize>,
+}
+
 /// Everything the forward pass needs to know about the model's shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -225,6 +253,8 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     /// The layer mix and linear-attention shape of the hybrid Qwen models.
     pub hybrid: Option<HybridConfig>,
+    /// The encoder's own keys, for BERT.
+    pub encoder: Option<EncoderConfig>,
 }
 
 impl ModelConfig {
@@ -255,6 +285,11 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+        if let (Some(a @ ("BertModel" | "BertForSequenceClassification")), _) | (None, a @ "bert") =
+            (archs.first().copied(), model_type)
+        {
+            return Self::from_hf_bert(v, a);
+        }
         let family = match (archs.first().copied(), model_type) {
             (Some("LlamaForCausalLM"), _) | (None, "llama") => HfFamily::Llama,
             (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
@@ -447,6 +482,107 @@ impl ModelConfig {
             moe,
             mla,
             hybrid,
+            encoder: None,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Interprets the `config.json` of a BERT checkpoint (`arch`:
+    /// `BertModel`, `BertForSequenceClassification`, or the model type
+    /// `bert`). Every key that would change its math and is not computed
+    /// here is refused by name.
+    fn from_hf_bert(v: &Value, arch: &str) -> Result<ModelConfig> {
+        let usize_of = |key: &str| -> Result<usize> {
+            let x = v
+                .get(key)
+                .with_context(|| format!("missing '{key}'"))?
+                .as_u64()
+                .with_context(|| format!("'{key}' must be a positive integer"))?;
+            usize::try_from(x).with_context(|| format!("'{key}' is too large"))
+        };
+        match v.get("hidden_act").and_then(Value::as_str) {
+            None | Some("gelu") => {}
+            Some(other) => bail!(
+                "hidden_act '{other}' is not implemented for BERT (only 'gelu', the erf form, is)"
+            ),
+        }
+        match v.get("position_embedding_type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "absolute" => {}
+            Some(other) => bail!(
+                "position_embedding_type {other} is not implemented for BERT (only 'absolute' is)"
+            ),
+        }
+        for key in ["is_decoder", "add_cross_attention"] {
+            if v.get(key).and_then(Value::as_bool) == Some(true) {
+                bail!("'{key}' is true: a BERT decoder is not served (only encoders are)");
+            }
+        }
+        let hidden_size = usize_of("hidden_size")?;
+        let num_heads = usize_of("num_attention_heads")?;
+        if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
+            bail!("hidden_size {hidden_size} is not a whole number of {num_heads} attention heads");
+        }
+        let layer_norm_eps = match v.get("layer_norm_eps") {
+            None | Some(Value::Null) => 1e-12,
+            Some(x) => x.as_f64().context("'layer_norm_eps' must be a number")? as f32,
+        };
+        let type_vocab_size = match v.get("type_vocab_size") {
+            None | Some(Value::Null) => 2,
+            Some(_) => usize_of("type_vocab_size")?,
+        };
+        let num_labels = if arch == "BertForSequenceClassification" {
+            let n = match v.get("num_labels") {
+                Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
+                None => v
+                    .get("id2label")
+                    .and_then(Value::as_object)
+                    .map_or(2, |m| m.len()),
+            };
+            if n != 1 {
+                bail!(
+                    "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
+                );
+            }
+            if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
+                if p != "regression" && p != "single_label_classification" {
+                    bail!("problem_type '{p}' is not served for a one-label classifier");
+                }
+            }
+            Some(n)
+        } else {
+            None
+        };
+        let cfg = ModelConfig {
+            arch: Arch::Bert,
+            hidden_size,
+            num_layers: usize_of("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: num_heads,
+            head_dim: hidden_size / num_heads,
+            intermediate_size: usize_of("intermediate_size")?,
+            vocab_size: usize_of("vocab_size")?,
+            rms_norm_eps: layer_norm_eps,
+            // No rotary embedding: the positions are a learned table.
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            rope_style: RopeStyle::Neox,
+            max_position_embeddings: usize_of("max_position_embeddings")?,
+            tie_word_embeddings: false,
+            attention_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            sliding_windows: Vec::new(),
+            moe: None,
+            mla: None,
+            hybrid: None,
+            encoder: Some(EncoderConfig {
+                layer_norm_eps,
+                type_vocab_size,
+                position_offset: 0,
+                num_labels,
+            }),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -658,6 +794,7 @@ impl ModelConfig {
             moe,
             mla: None,
             hybrid: None,
+            encoder: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -835,6 +972,7 @@ impl ModelConfig {
             moe: Some(moe),
             mla: Some(mla),
             hybrid: None,
+            encoder: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -1840,6 +1978,15 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // (not loaded here): they change nothing in the main model's forward.
     "mtp_num_hidden_layers",
     "mtp_use_dedicated_embeddings",
+    // BERT (see `from_hf_bert`); the dropouts are training only.
+    "layer_norm_eps",
+    "type_vocab_size",
+    "position_embedding_type",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "classifier_dropout",
+    "num_labels",
+    "gradient_checkpointing",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see
