@@ -665,6 +665,28 @@ impl Tokenizer {
         Ok(pack_token_types(enc.get_ids(), enc.get_type_ids()))
     }
 
+    /// [`Tokenizer::encode_pair_for_scoring`] cut to at most `max_len`
+    /// tokens, special tokens included, as transformers' `truncation=True`
+    /// cuts a pair (longest first, from the right): vLLM's
+    /// `truncate_prompt_tokens` on the score endpoints.
+    pub fn encode_pair_truncated(
+        &self,
+        first: &str,
+        second: &str,
+        max_len: usize,
+    ) -> Result<Vec<u32>> {
+        let mut t = self.inner.clone();
+        t.with_truncation(Some(tokenizers::TruncationParams {
+            max_length: max_len,
+            ..Default::default()
+        }))
+        .map_err(|e| anyhow!("cannot truncate to {max_len} tokens: {e}"))?;
+        let enc = t
+            .encode((first, second), true)
+            .map_err(|e| anyhow!("cannot tokenize the pair: {e}"))?;
+        Ok(pack_token_types(enc.get_ids(), enc.get_type_ids()))
+    }
+
     /// The token sequences `bad_words` ban, as vLLM tokenizes them
     /// (`SamplingParams.update_from_tokenizer`): each word, stripped of
     /// leading whitespace, as it encodes at the start of a text; and, with
