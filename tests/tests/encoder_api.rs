@@ -113,6 +113,15 @@ fn bert_embeddings_match_sentence_transformers_over_http() {
     let (st, ok) = s.post("/v1/embeddings", &cut);
     assert_eq!(st, 200, "{ok}");
 
+    // A client's ids are ids: one past the vocabulary is refused even
+    // where its high bits would read as a token type.
+    let (st, e) = s.post(
+        "/v1/embeddings",
+        &json!({"model": "smol", "input": [2, 5 | (1 << 30), 3]}),
+    );
+    assert_eq!(st, 400, "{e}");
+    assert_eq!(e["error"]["param"], "input", "{e}");
+
     // Generation, and scoring, on the embedding model: 400s that name the
     // endpoint to use.
     for (path, body) in [

@@ -2012,3 +2012,66 @@ fn supported_list() -> String {
         .collect::<Vec<_>>()
         .join(", ")
 }
+
+#[cfg(test)]
+mod bert_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn bert(extra: Value) -> Value {
+        let mut v = json!({
+            "architectures": ["BertModel"],
+            "model_type": "bert",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+            "vocab_size": 96,
+            "max_position_embeddings": 128,
+            "layer_norm_eps": 1e-7,
+            "type_vocab_size": 3,
+            "hidden_act": "gelu",
+        });
+        for (k, x) in extra.as_object().expect("object") {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    #[test]
+    fn bert_config_reads_the_encoder_keys() {
+        let c = ModelConfig::from_hf_json(&bert(json!({}))).expect("BertModel");
+        assert_eq!(c.arch, Arch::Bert);
+        assert_eq!(c.head_dim, 16);
+        let e = c.encoder.expect("encoder");
+        assert_eq!(e.layer_norm_eps, 1e-7);
+        assert_eq!(e.type_vocab_size, 3);
+        assert_eq!(e.num_labels, None);
+        let c = ModelConfig::from_hf_json(&bert(json!({
+            "architectures": ["BertForSequenceClassification"],
+            "id2label": {"0": "LABEL_0"},
+        })))
+        .expect("cross-encoder");
+        assert_eq!(c.encoder.and_then(|e| e.num_labels), Some(1));
+    }
+
+    #[test]
+    fn bert_config_refuses_what_it_does_not_compute_by_name() {
+        for (extra, word) in [
+            (json!({"hidden_act": "gelu_new"}), "hidden_act"),
+            (
+                json!({"position_embedding_type": "relative_key"}),
+                "position_embedding_type",
+            ),
+            (json!({"is_decoder": true}), "is_decoder"),
+            (json!({"add_cross_attention": true}), "add_cross_attention"),
+            (
+                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}}),
+                "2 labels",
+            ),
+        ] {
+            let e = ModelConfig::from_hf_json(&bert(extra.clone())).expect_err("refused");
+            assert!(format!("{e:#}").contains(word), "{extra}: {e:#}");
+        }
+    }
+}

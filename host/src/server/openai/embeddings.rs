@@ -302,9 +302,18 @@ pub async fn embeddings(
             .collect()
     })
     .await?;
+    let vocab = engine.vocab_size();
     for ids in &prompts {
         if ids.is_empty() {
             return Err(ApiError::invalid(Some("input".into()), "an input is empty"));
+        }
+        // Checked here, not only in the engine: an encoder's engine reads
+        // high bits as a token type, which a client's ids do not carry.
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                Some("input".into()),
+                format!("token id {bad} is beyond the vocabulary of {vocab}"),
+            ));
         }
         if ids.len() > max_len {
             return Err(ApiError::context_length(
