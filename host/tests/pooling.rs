@@ -462,3 +462,55 @@ fn bert_refuses_generation_long_inputs_and_wrong_flags() {
         .expect("--convert embed of a cross-encoder");
     assert!(format!("{e:#}").contains("cross-encoder"), "{e:#}");
 }
+
+/// xlmr-embed: `XLMRobertaModel` (BGE-M3's form): positions start after
+/// padding_idx (66 rows of positions, a context of 64), one token type,
+/// a Unigram tokenizer, CLS pooling and Normalize.
+#[test]
+fn xlm_roberta_embedding_matches_sentence_transformers() {
+    let r = reference("xlmr-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut a = args(&fixture("xlmr-embed"));
+    // The context is the position table less the offset.
+    a.max_model_len = None;
+    let mut llm = LLM::new(a).expect("load xlmr-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    let got = llm.embed(&prompts, None).expect("embed");
+    for (k, (v, i)) in got.iter().zip(inputs).enumerate() {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        let Prompt::Text(t) = &prompts[k] else {
+            unreachable!()
+        };
+        assert_eq!(llm.tokenizer().encode_for_pooling(t).expect("encode"), want);
+        let c = cosine(v, &floats(&i["embedding"]));
+        assert!(
+            c >= MIN_COSINE,
+            "input {k}: cosine {c} with sentence-transformers"
+        );
+    }
+    let dims = &r["dimensions"]["16"].as_array().expect("dimensions 16");
+    let short = llm.embed(&prompts, Some(16)).expect("embed dimensions 16");
+    for (k, (v, want)) in short.iter().zip(dims.iter()).enumerate() {
+        let c = cosine(v, &floats(want));
+        assert!(c >= MIN_COSINE, "input {k}, 16 dimensions: cosine {c}");
+    }
+    // 64 positions after the offset: the last one is reachable, one more
+    // is refused.
+    llm.embed(&[Prompt::Tokens(vec![4; 64])], None)
+        .expect("64 tokens in 64");
+    let e = llm
+        .embed(&[Prompt::Tokens(vec![4; 65])], None)
+        .expect_err("65 tokens in 64");
+    assert!(
+        format!("{e:#}").contains("maximum context length is 64 tokens"),
+        "{e:#}"
+    );
+}

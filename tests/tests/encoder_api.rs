@@ -289,3 +289,34 @@ fn bert_rerank_scores_match_cross_encoder_over_http() {
         );
     }
 }
+
+/// xlmr-embed (`XLMRobertaModel`: positions after padding_idx, CLS
+/// pooling): its 66 position rows less the offset of 2 hold a context of
+/// 64 tokens, which the server takes (the harness passes a context
+/// length, so the default itself is checked in host/tests/pooling.rs).
+#[test]
+fn xlm_roberta_embeddings_match_sentence_transformers_over_http() {
+    let s = start("xlmr-embed");
+    let r = reference("xlmr-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    let (st, out) = s.post("/v1/embeddings", &json!({"model": "smol", "input": texts}));
+    assert_eq!(st, 200, "{out}");
+    for (k, (d, i)) in out["data"]
+        .as_array()
+        .expect("data")
+        .iter()
+        .zip(inputs)
+        .enumerate()
+    {
+        let c = cosine(&floats(&d["embedding"]), &floats(&i["embedding"]));
+        assert!(c >= 0.99999, "input {k}: cosine {c}");
+    }
+    let (st, text) = s.get("/v1/models");
+    assert_eq!(st, 200, "{text}");
+    let models: Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(models["data"][0]["max_model_len"], 64, "{models}");
+}

@@ -77,6 +77,11 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "BERT cross-encoders with one label (ms-marco rerankers), served for scoring",
     ),
+    (
+        "XLMRobertaModel",
+        "-",
+        "XLM-RoBERTa encoders for embeddings (BGE-M3, multilingual E5), served for pooling",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -209,8 +214,11 @@ pub struct EncoderConfig {
     /// Rows of the token type table (`type_vocab_size`); 0 for none.
     pub type_vocab_size: usize,
     /// What is added to each position before its embedding is read (0 for
-    /// BERT's absolute positions).
+    /// BERT's absolute positions; XLM-R's `padding_idx + 1`).
     pub position_offset: usize,
+    /// Rows of the position table (`max_position_embeddings` as the
+    /// checkpoint gives it; the context is this less the offset).
+    pub position_rows: usize,
     /// `Some(num_labels)` for a `*ForSequenceClassification` checkpoint:
     /// the pooler (dense and tanh) and the classifier follow the encoder.
     pub num_labels: Option<usize>,
@@ -285,8 +293,8 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        if let (Some(a @ ("BertModel" | "BertForSequenceClassification")), _) | (None, a @ "bert") =
-            (archs.first().copied(), model_type)
+        if let (Some(a @ ("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")), _)
+        | (None, a @ ("bert" | "xlm-roberta")) = (archs.first().copied(), model_type)
         {
             return Self::from_hf_bert(v, a);
         }
@@ -489,8 +497,8 @@ impl ModelConfig {
     }
 
     /// Interprets the `config.json` of a BERT checkpoint (`arch`:
-    /// `BertModel`, `BertForSequenceClassification`, or the model type
-    /// `bert`). Every key that would change its math and is not computed
+    /// `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, or
+    /// the model type `bert` or `xlm-roberta`). Every key that would change its math and is not computed
     /// here is refused by name.
     fn from_hf_bert(v: &Value, arch: &str) -> Result<ModelConfig> {
         let usize_of = |key: &str| -> Result<usize> {
@@ -532,6 +540,23 @@ impl ModelConfig {
             None | Some(Value::Null) => 2,
             Some(_) => usize_of("type_vocab_size")?,
         };
+        // XLM-R (RoBERTa's embeddings): positions count from padding_idx
+        // + 1, as transformers' `create_position_ids_from_input_ids` gives
+        // them for a prompt without padding.
+        let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
+        let position_offset = if xlmr {
+            let pad = v
+                .get("pad_token_id")
+                .and_then(Value::as_u64)
+                .context("XLM-R needs 'pad_token_id' (its positions start after it)")?;
+            pad as usize + 1
+        } else {
+            0
+        };
+        let position_rows = usize_of("max_position_embeddings")?;
+        if position_rows <= position_offset {
+            bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
+        }
         let num_labels = if arch == "BertForSequenceClassification" {
             let n = match v.get("num_labels") {
                 Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
@@ -568,7 +593,7 @@ impl ModelConfig {
             rope_theta: 10000.0,
             rope_scaling: RopeScaling::None,
             rope_style: RopeStyle::Neox,
-            max_position_embeddings: usize_of("max_position_embeddings")?,
+            max_position_embeddings: position_rows - position_offset,
             tie_word_embeddings: false,
             attention_bias: true,
             o_bias: true,
@@ -580,7 +605,8 @@ impl ModelConfig {
             encoder: Some(EncoderConfig {
                 layer_norm_eps,
                 type_vocab_size,
-                position_offset: 0,
+                position_offset,
+                position_rows,
                 num_labels,
             }),
         };
@@ -2073,5 +2099,32 @@ mod bert_tests {
             let e = ModelConfig::from_hf_json(&bert(extra.clone())).expect_err("refused");
             assert!(format!("{e:#}").contains(word), "{extra}: {e:#}");
         }
+    }
+}
+
+#[cfg(test)]
+mod xlmr_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn xlm_roberta_positions_start_after_padding() {
+        let v = json!({
+            "architectures": ["XLMRobertaModel"],
+            "model_type": "xlm-roberta",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+            "vocab_size": 64,
+            "max_position_embeddings": 514,
+            "pad_token_id": 1,
+            "type_vocab_size": 1,
+        });
+        let c = ModelConfig::from_hf_json(&v).expect("XLMRobertaModel");
+        let e = c.encoder.as_ref().expect("encoder");
+        assert_eq!((e.position_offset, e.position_rows), (2, 514));
+        // The context: the table less the offset, as XLM-R's 512.
+        assert_eq!(c.max_position_embeddings, 512);
     }
 }

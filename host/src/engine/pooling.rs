@@ -324,8 +324,10 @@ pub fn architecture_is_encoder(config_json: &Value) -> bool {
         .and_then(|a| a.first())
         .and_then(Value::as_str);
     let model_type = config_json.get("model_type").and_then(Value::as_str);
-    matches!(arch, Some("BertModel" | "BertForSequenceClassification"))
-        || (arch.is_none() && model_type == Some("bert"))
+    matches!(
+        arch,
+        Some("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")
+    ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta")))
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! BERT encoders: `BertModel` (embeddings, sentence-transformers' form)
 //! and `BertForSequenceClassification` (cross-encoders), as transformers
-//! defines them.
+//! defines them; and `XLMRobertaModel`, the same encoder whose positions
+//! start after `padding_idx` and which has one token type.
 //!
 //! Input embedding: word + absolute position + token type, then LayerNorm.
 //! Each layer is post-LayerNorm: `h = LN(x + O·attn(x))`, `x = LN(h +
@@ -130,10 +131,10 @@ pub fn load<B: Backend>(
             backend.describe()
         );
     }
-    if max_positions + enc.position_offset > config.max_position_embeddings {
+    if max_positions + enc.position_offset > enc.position_rows {
         bail!(
             "--max-model-len {max_positions} exceeds the {} positions of the model's position embeddings; lower --max-model-len",
-            config.max_position_embeddings - enc.position_offset.min(config.max_position_embeddings)
+            enc.position_rows.saturating_sub(enc.position_offset)
         );
     }
     let p = if source.contains("bert.embeddings.word_embeddings.weight") {
@@ -154,7 +155,7 @@ pub fn load<B: Backend>(
         backend,
         source,
         &format!("{e}.position_embeddings.weight"),
-        config.max_position_embeddings,
+        enc.position_rows,
         d,
     )?;
     let token_type = if enc.type_vocab_size > 0 {

@@ -11,7 +11,7 @@
 //! | [`qwen_moe`] | `Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` |
 //! | [`deepseek`] | `DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM` |
 //! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
-//! | [`bert`] | `BertModel`, `BertForSequenceClassification` (encoders, served for pooling) |
+//! | [`bert`] | `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel` (encoders, served for pooling) |
 //!
 //! # Adding a family
 //!
