@@ -16,6 +16,9 @@ OUT_DIR/<model>/ gets what the Hub holds for such a model, and reference.json:
   bert-embed    a sentence-transformers BERT encoder (`BertModel`): mean
                 pooling (1_Pooling/config.json) and 2_Normalize, a WordPiece
                 tokenizer, layer_norm_eps 1e-7 and 3 token types.
+  xlmr-embed    `XLMRobertaModel` (BGE-M3's and multilingual E5's form):
+                positions offset by padding_idx + 1, one token type, a
+                Unigram tokenizer, CLS pooling and Normalize.
   bert-rerank   a cross-encoder (`BertForSequenceClassification`,
                 num_labels 1), scored as sentence-transformers' CrossEncoder
                 scores pairs (sigmoid of the logit).
@@ -264,14 +267,87 @@ def bert_rerank(out):
     })
 
 
+# ---------------------------------------------------------------------------
+# XLM-RoBERTa: a Unigram tokenizer, an embedding encoder with CLS pooling
+# ---------------------------------------------------------------------------
+
+def xlmr_tokenizer(d):
+    """A Unigram tokenizer laid out as XLM-R's (Metaspace, `<s> A </s>` and
+    `<s> A </s></s> B </s>`, ids 0-3 for <s> <pad> </s> <unk>), built with
+    the `tokenizers` library and saved through transformers."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
+    from transformers import XLMRobertaTokenizerFast
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    words = [w for w in WORDS if not w.startswith("##")]
+    pieces = [(t, 0.0) for t in specials]
+    pieces += [("\u2581" + w, -2.0) for w in dict.fromkeys(words)]
+    pieces += [("\u2581", -4.0)]
+    pieces += [(c, -6.0) for c in "abcdefghijklmnopqrstuvwxyzP?,.!"]
+    pieces += [("<mask>", 0.0)]
+    ids = {p: i for i, (p, _) in enumerate(pieces)}
+    tok = Tokenizer(models.Unigram(pieces, unk_id=3))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>",
+        special_tokens=[("<s>", ids["<s>"]), ("</s>", ids["</s>"])])
+    fast = XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                                   pad_token="<pad>", mask_token="<mask>", model_max_length=64)
+    fast.save_pretrained(d)
+    return fast, len(pieces)
+
+
+def xlmr_embed(out):
+    """`XLMRobertaModel` as multilingual embedders (BGE-M3, E5) are saved:
+    positions offset by padding_idx + 1 (66 rows for a context of 64), one
+    token type, CLS pooling and Normalize."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+
+    d = os.path.join(out, "xlmr-embed")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab = xlmr_tokenizer(d)
+    torch.manual_seed(SEED + 2)
+    config = XLMRobertaConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=96, hidden_act="gelu",
+        max_position_embeddings=66, type_vocab_size=1,
+        layer_norm_eps=1e-6, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    model = XLMRobertaModel(config, add_pooling_layer=False).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    write_json(os.path.join(d, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    write_json(os.path.join(d, "sentence_bert_config.json"),
+               {"max_seq_length": 64, "do_lower_case": False})
+    os.makedirs(os.path.join(d, "1_Pooling"), exist_ok=True)
+    write_json(os.path.join(d, "1_Pooling", "config.json"), pooling_config(64, "cls"))
+    os.makedirs(os.path.join(d, "2_Normalize"), exist_ok=True)
+    st = SentenceTransformer(d, device="cpu")
+    embed_reference(d, st, tok)
+
+
+FIXTURES = {
+    "qwen3-embed": qwen3_embed,
+    "bert-embed": bert_embed,
+    "bert-rerank": bert_rerank,
+    "xlmr-embed": xlmr_embed,
+}
+
+
 def main():
-    if len(sys.argv) != 2:
+    """python3 scripts/make-pooling-fixtures.py OUT_DIR [NAME...]: every
+    fixture, or only those named."""
+    if len(sys.argv) < 2:
         sys.exit(__doc__)
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
-    qwen3_embed(out)
-    bert_embed(out)
-    bert_rerank(out)
+    for name in sys.argv[2:] or list(FIXTURES):
+        FIXTURES[name](out)
 
 
 if __name__ == "__main__":

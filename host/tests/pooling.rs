@@ -264,3 +264,253 @@ fn chunked_and_queued_pooling_rows_give_the_same_vectors() {
         "{total} tokens in {steps} steps of at most 8"
     );
 }
+
+/// bert-embed: a sentence-transformers `BertModel` (WordPiece, mean
+/// pooling, Normalize, layer_norm_eps 1e-7, three token types), served for
+/// pooling without flags. Its rows attend both ways, so each input runs
+/// whole in one step even under a budget of 8 tokens a step.
+#[test]
+fn bert_embedding_matches_sentence_transformers() {
+    let r = reference("bert-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    for budget in [None, Some(8)] {
+        let mut a = args(&fixture("bert-embed"));
+        if let Some(b) = budget {
+            a.max_num_batched_tokens = b;
+            a.max_num_seqs = 2;
+        }
+        let mut llm = LLM::new(a).expect("load bert-embed");
+        for (p, i) in prompts.iter().zip(inputs) {
+            let want: Vec<u32> = i["token_ids"]
+                .as_array()
+                .expect("ids")
+                .iter()
+                .map(|x| x.as_u64().expect("id") as u32)
+                .collect();
+            let Prompt::Text(t) = p else { unreachable!() };
+            let got = llm.tokenizer().encode_for_pooling(t).expect("encode");
+            assert_eq!(got, want, "WordPiece with [CLS] and [SEP]");
+        }
+        let batched = llm.embed(&prompts, None).expect("embed batched");
+        for (k, (v, i)) in batched.iter().zip(inputs).enumerate() {
+            let want = floats(&i["embedding"]);
+            let c = cosine(v, &want);
+            assert!(
+                c >= MIN_COSINE,
+                "budget {budget:?}, input {k}: cosine {c} with sentence-transformers"
+            );
+            for (x, y) in v.iter().zip(&want) {
+                assert!((f64::from(*x) - y).abs() < 1e-4, "input {k}: {x} vs {y}");
+            }
+            let alone = llm.embed(&prompts[k..=k], None).expect("embed alone");
+            assert_eq!(&alone[0], v, "input {k}: batched and alone differ");
+        }
+        let dims = &r["dimensions"]["16"].as_array().expect("dimensions 16");
+        let short = llm.embed(&prompts, Some(16)).expect("embed dimensions 16");
+        for (k, (v, want)) in short.iter().zip(dims.iter()).enumerate() {
+            let c = cosine(v, &floats(want));
+            assert!(c >= MIN_COSINE, "input {k}, 16 dimensions: cosine {c}");
+        }
+    }
+}
+
+/// `--pooler-config` over the model's own 1_Pooling: CLS pooling gives
+/// another vector (the `[CLS]` row, not the mean), normalize false leaves
+/// the mean unnormalized, whose direction is still the reference's.
+#[test]
+fn bert_pooler_config_overrides_the_sentence_transformers_files() {
+    let r = reference("bert-embed");
+    let first = &r["inputs"][0];
+    let prompt = Prompt::Text(first["text"].as_str().expect("text").into());
+    let want = floats(&first["embedding"]);
+    let mut a = args(&fixture("bert-embed"));
+    a.pooler_config = Some(r#"{"normalize": false}"#.into());
+    let mut raw = LLM::new(a).expect("load unnormalized");
+    let v = raw
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect("embed");
+    let norm: f64 = v[0]
+        .iter()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!(
+        (norm - 1.0).abs() > 1e-2,
+        "not normalized, yet its norm is {norm}"
+    );
+    assert!(cosine(&v[0], &want) >= MIN_COSINE);
+
+    let mut a = args(&fixture("bert-embed"));
+    a.pooler_config = Some(r#"{"pooling_type": "CLS"}"#.into());
+    let mut cls = LLM::new(a).expect("load CLS");
+    let v = cls
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect("embed");
+    let c = cosine(&v[0], &want);
+    assert!(c < 0.999, "CLS pooling gave the mean's vector (cosine {c})");
+    let norm: f64 = v[0]
+        .iter()
+        .map(|x| f64::from(*x).powi(2))
+        .sum::<f64>()
+        .sqrt();
+    assert!((norm - 1.0).abs() < 1e-5, "norm {norm}");
+}
+
+/// bert-rerank: `BertForSequenceClassification` with one label; each pair
+/// is `[CLS] q [SEP] d [SEP]` with token types 0 then 1, its `[CLS]` row
+/// through the pooler (dense, tanh) and the classifier, then a sigmoid:
+/// CrossEncoder's scores within 1e-4.
+#[test]
+fn bert_cross_encoder_scores_match_cross_encoder() {
+    let r = reference("bert-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut llm = LLM::new(args(&fixture("bert-rerank"))).expect("load bert-rerank");
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let packed = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair");
+        let ids: Vec<u64> = packed
+            .iter()
+            .map(|&t| u64::from(pagoda_accel::ops::encoder::unpack_token(t).0))
+            .collect();
+        let want: Vec<u64> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id"))
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+        // Types: 0 through the first [SEP], 1 after.
+        let sep = want.iter().position(|&t| t == 3).expect("[SEP]");
+        for (i, &t) in packed.iter().enumerate() {
+            let ty = pagoda_accel::ops::encoder::unpack_token(t).1;
+            assert_eq!(ty, u32::from(i > sep), "token {i}'s type");
+        }
+    }
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-4,
+            "pair {k}: score {g}, CrossEncoder {w}"
+        );
+    }
+    // Token types matter: the same tokens all of type 0 score otherwise.
+    let flat: Vec<u32> = llm
+        .tokenizer()
+        .encode_pair_for_scoring(query, docs[0])
+        .expect("encode")
+        .iter()
+        .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+        .collect();
+    let e = llm.embed(&[Prompt::Tokens(flat)], None).expect("raw logit");
+    let s = pagoda::engine::pooling::score_of(&e[0]).expect("one logit");
+    assert!((f64::from(s) - want[0]).abs() > 1e-4, "types ignored: {s}");
+}
+
+/// An encoder refuses generation and inputs over its context, and the
+/// flags that cannot apply to it, each saying what to do instead.
+#[test]
+fn bert_refuses_generation_long_inputs_and_wrong_flags() {
+    use pagoda::engine::pooling::{ConvertKind, RunnerKind};
+    let mut llm = LLM::new(args(&fixture("bert-embed"))).expect("load bert-embed");
+    let e = llm
+        .generate(&[Prompt::Tokens(vec![5, 6, 7])], &SamplingParams::default())
+        .expect_err("generation on an encoder");
+    assert!(format!("{e:#}").contains("/v1/embeddings"), "{e:#}");
+    let e = llm
+        .embed(&[Prompt::Tokens(vec![5; 65])], None)
+        .expect_err("65 tokens in 64");
+    assert!(
+        format!("{e:#}").contains("maximum context length is 64 tokens"),
+        "{e:#}"
+    );
+    llm.embed(&[Prompt::Tokens(vec![5; 64])], None)
+        .expect("64 tokens in 64");
+    let e = llm
+        .score(&[("a", "b")])
+        .expect_err("scoring with an embedder");
+    assert!(format!("{e:#}").contains("cross-encoder"), "{e:#}");
+
+    let mut a = args(&fixture("bert-embed"));
+    a.runner = RunnerKind::Generate;
+    let e = LLM::new(a).err().expect("--runner generate refused");
+    assert!(format!("{e:#}").contains("pooling"), "{e:#}");
+    let mut a = args(&fixture("bert-embed"));
+    a.max_model_len = Some(129);
+    let e = LLM::new(a).err().expect("past the position table");
+    assert!(format!("{e:#}").contains("128 positions"), "{e:#}");
+    let mut a = args(&fixture("bert-rerank"));
+    a.convert = ConvertKind::Embed;
+    let e = LLM::new(a)
+        .err()
+        .expect("--convert embed of a cross-encoder");
+    assert!(format!("{e:#}").contains("cross-encoder"), "{e:#}");
+}
+
+/// xlmr-embed: `XLMRobertaModel` (BGE-M3's form): positions start after
+/// padding_idx (66 rows of positions, a context of 64), one token type,
+/// a Unigram tokenizer, CLS pooling and Normalize.
+#[test]
+fn xlm_roberta_embedding_matches_sentence_transformers() {
+    let r = reference("xlmr-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut a = args(&fixture("xlmr-embed"));
+    // The context is the position table less the offset.
+    a.max_model_len = None;
+    let mut llm = LLM::new(a).expect("load xlmr-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    let got = llm.embed(&prompts, None).expect("embed");
+    for (k, (v, i)) in got.iter().zip(inputs).enumerate() {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        let Prompt::Text(t) = &prompts[k] else {
+            unreachable!()
+        };
+        assert_eq!(llm.tokenizer().encode_for_pooling(t).expect("encode"), want);
+        let c = cosine(v, &floats(&i["embedding"]));
+        assert!(
+            c >= MIN_COSINE,
+            "input {k}: cosine {c} with sentence-transformers"
+        );
+    }
+    let dims = &r["dimensions"]["16"].as_array().expect("dimensions 16");
+    let short = llm.embed(&prompts, Some(16)).expect("embed dimensions 16");
+    for (k, (v, want)) in short.iter().zip(dims.iter()).enumerate() {
+        let c = cosine(v, &floats(want));
+        assert!(c >= MIN_COSINE, "input {k}, 16 dimensions: cosine {c}");
+    }
+    // 64 positions after the offset: the last one is reachable, one more
+    // is refused.
+    llm.embed(&[Prompt::Tokens(vec![4; 64])], None)
+        .expect("64 tokens in 64");
+    let e = llm
+        .embed(&[Prompt::Tokens(vec![4; 65])], None)
+        .expect_err("65 tokens in 64");
+    assert!(
+        format!("{e:#}").contains("maximum context length is 64 tokens"),
+        "{e:#}"
+    );
+}

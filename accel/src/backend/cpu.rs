@@ -61,6 +61,35 @@ impl CpuBackend {
     pub fn weight_level(&self) -> SimdLevel {
         self.level
     }
+
+    fn encoder_error(&self, detail: String) -> BackendError {
+        BackendError::Device {
+            device: self.describe(),
+            what: "an encoder operation".into(),
+            detail,
+        }
+    }
+
+    /// The step's sequences as an encoder reads them: each must hold its
+    /// whole prompt (start at position 0), since its rows attend both ways.
+    fn encoder_seqs(&self, step: &CpuStep) -> Result<Vec<ops::EncoderSeq>, BackendError> {
+        step.batch
+            .seqs
+            .iter()
+            .map(|s| {
+                if s.ctx_len != s.q_len {
+                    return Err(self.encoder_error(format!(
+                        "a sequence runs {} of its {} positions in this step; an encoder needs its whole prompt in one step",
+                        s.q_len, s.ctx_len
+                    )));
+                }
+                Ok(ops::EncoderSeq {
+                    start: s.q_start as usize,
+                    len: s.q_len as usize,
+                })
+            })
+            .collect()
+    }
 }
 
 impl DeviceMatrix for Weight {
@@ -287,6 +316,153 @@ impl Backend for CpuBackend {
 
     fn supports_lora(&self) -> bool {
         true
+    }
+
+    fn supports_encoder(&self) -> bool {
+        true
+    }
+
+    fn encoder_embed(
+        &mut self,
+        word: &Weight,
+        position: &Weight,
+        position_offset: usize,
+        token_type: Option<&Weight>,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let d = word.cols();
+        let batch = &step.batch;
+        let n = batch.num_tokens();
+        if position.cols() != d || token_type.is_some_and(|t| t.cols() != d) {
+            return Err(self.encoder_error(format!(
+                "encoder_embed: tables of {d}, {} and {:?} columns",
+                position.cols(),
+                token_type.map(|t| t.cols())
+            )));
+        }
+        let mut tmp = vec![0.0f32; d];
+        let out = &mut out[..n * d];
+        for (t, row) in out.chunks_exact_mut(d).enumerate() {
+            let (id, ty) = ops::encoder::unpack_token(batch.tokens[t]);
+            let pos = batch.positions[t] as usize + position_offset;
+            if id as usize >= word.rows() {
+                return Err(self.encoder_error(format!(
+                    "token id {id} lies past the {} rows of the word embeddings",
+                    word.rows()
+                )));
+            }
+            if pos >= position.rows() {
+                return Err(self.encoder_error(format!(
+                    "position {pos} lies past the {} rows of the position embeddings",
+                    position.rows()
+                )));
+            }
+            word.dequantize_row(id as usize, row);
+            position.dequantize_row(pos, &mut tmp);
+            ops::add_inplace(row, &tmp);
+            match token_type {
+                Some(tt) if (ty as usize) < tt.rows() => {
+                    tt.dequantize_row(ty as usize, &mut tmp);
+                    ops::add_inplace(row, &tmp);
+                }
+                Some(tt) => {
+                    return Err(self.encoder_error(format!(
+                        "token type {ty} lies past the {} rows of the token type embeddings",
+                        tt.rows()
+                    )))
+                }
+                None if ty != 0 => {
+                    return Err(self.encoder_error(format!(
+                        "token type {ty}, but the model has no token type embeddings"
+                    )))
+                }
+                None => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn layer_norm(
+        &mut self,
+        x: &Vec<f32>,
+        weight: &Vec<f32>,
+        bias: &Vec<f32>,
+        eps: f32,
+        m: usize,
+        d: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        ops::for_row_ranges(
+            self.ctx.pool(),
+            first(x, m * d),
+            d,
+            first_mut(out, m * d),
+            d,
+            &|xr, or| ops::encoder::layer_norm(xr, weight, bias, eps, or),
+        );
+        Ok(())
+    }
+
+    fn activation(
+        &mut self,
+        x: &mut Vec<f32>,
+        n: usize,
+        act: ops::encoder::Activation,
+    ) -> Result<(), BackendError> {
+        ops::encoder::activation_inplace(first_mut(x, n), act);
+        Ok(())
+    }
+
+    fn bidirectional_attention(
+        &mut self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let seqs = self.encoder_seqs(step)?;
+        ops::encoder::bidirectional_attention(
+            self.ctx.pool(),
+            q,
+            k,
+            v,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            &seqs,
+            scale,
+            out,
+        );
+        Ok(())
+    }
+
+    fn pool_seqs(
+        &mut self,
+        x: &Vec<f32>,
+        d: usize,
+        how: ops::encoder::SeqPooling,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        let seqs = self.encoder_seqs(step)?;
+        let batch = &step.batch;
+        for (i, &r) in batch.logit_rows.iter().enumerate() {
+            let r = r as usize;
+            let seq = seqs
+                .iter()
+                .find(|s| s.start <= r && r < s.start + s.len)
+                .ok_or_else(|| {
+                    self.encoder_error(format!("logit row {r} belongs to no sequence"))
+                })?;
+            ops::encoder::pool_rows(x, d, *seq, how, &mut out[i * d..(i + 1) * d]);
+        }
+        Ok(())
     }
 
     fn lora_add(

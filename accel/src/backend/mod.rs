@@ -637,6 +637,15 @@ pub trait Backend: Send + 'static {
     fn supports_gemma_ops(&self) -> bool {
         false
     }
+    /// Whether the encoder operations ([`Backend::encoder_embed`],
+    /// [`Backend::layer_norm`], [`Backend::activation`],
+    /// [`Backend::bidirectional_attention`], [`Backend::pool_seqs`]) run
+    /// here. An encoder model (BERT) is refused at load on a backend
+    /// without them; should one be called anyway, it returns
+    /// [`BackendError::UnsupportedOp`].
+    fn supports_encoder(&self) -> bool {
+        false
+    }
     /// Free and total bytes of the device's own memory, for devices that
     /// have one (the engine then sizes the KV pool from
     /// `--gpu-memory-utilization` after a profile forward); `None` for the
@@ -1100,6 +1109,102 @@ pub trait Backend: Send + 'static {
         Err(BackendError::UnsupportedOp {
             device: self.describe(),
             op: "rms_norm_gated",
+        })
+    }
+
+    /// An encoder's input embedding: for every token of the step, `out[t] =
+    /// word[id] + position[position(t) + position_offset] + token_type[type]`
+    /// (no type table: none added), the id and type unpacked from the
+    /// step's token ([`crate::ops::encoder::unpack_token`]). Errors if an
+    /// id, position or type lies past its table.
+    #[allow(clippy::too_many_arguments)]
+    fn encoder_embed(
+        &mut self,
+        word: &Self::Matrix,
+        position: &Self::Matrix,
+        position_offset: usize,
+        token_type: Option<&Self::Matrix>,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (word, position, position_offset, token_type, step, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "encoder_embed",
+        })
+    }
+    /// LayerNorm of each row of `x: [m, d]` with `weight` and `bias`
+    /// (see [`crate::ops::encoder::layer_norm`]), into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm(
+        &mut self,
+        x: &Self::Buffer,
+        weight: &Self::Vector,
+        bias: &Self::Vector,
+        eps: f32,
+        m: usize,
+        d: usize,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (x, weight, bias, eps, m, d, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "layer_norm",
+        })
+    }
+    /// Applies `act` to the first `n` elements of `x`.
+    fn activation(
+        &mut self,
+        x: &mut Self::Buffer,
+        n: usize,
+        act: crate::ops::encoder::Activation,
+    ) -> Result<(), BackendError> {
+        let _ = (x, n, act);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "activation",
+        })
+    }
+    /// Attention in both directions within each of the step's sequences
+    /// (see [`crate::ops::encoder::bidirectional_attention`]): `q: [tokens,
+    /// n_heads · head_dim]`, `k`, `v`: `[tokens, n_kv_heads · head_dim]`,
+    /// `out` as `q`. Every sequence must have its whole prompt in the step
+    /// (it starts at position 0); one that does not is an error.
+    #[allow(clippy::too_many_arguments)]
+    fn bidirectional_attention(
+        &mut self,
+        q: &Self::Buffer,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        scale: f32,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (q, k, v, n_heads, n_kv_heads, head_dim, scale, step, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "bidirectional_attention",
+        })
+    }
+    /// For each logit row `i` of the step, `out[i]` (`d` wide) is the
+    /// pooling `how` of the rows of `x: [tokens, d]` that belong to the
+    /// logit row's sequence (see [`crate::ops::encoder::pool_rows`]).
+    /// Every such sequence must have its whole prompt in the step.
+    fn pool_seqs(
+        &mut self,
+        x: &Self::Buffer,
+        d: usize,
+        how: crate::ops::encoder::SeqPooling,
+        step: &Self::Step,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (x, d, how, step, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "pool_seqs",
         })
     }
 }

@@ -13,6 +13,7 @@
 mod act;
 mod attention;
 pub mod conv1d;
+pub mod encoder;
 pub mod gated_delta;
 pub mod gated_norm;
 pub mod lora;
@@ -33,6 +34,7 @@ pub use attention::{
     KvElem, KvLayout, MAX_HEAD_DIM,
 };
 pub use conv1d::{causal_conv1d_silu, ConvSpec};
+pub use encoder::{Activation, EncoderSeq, SeqPooling, TOKEN_TYPE_SHIFT};
 pub use gated_delta::{gated_delta_rule, GatedDeltaSpec};
 pub use gated_norm::rms_norm_gated;
 pub use moe::{GroupLimit, GroupScore, RouterScoring, RouterSpec, Routing};

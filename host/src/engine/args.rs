@@ -361,11 +361,12 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
     }
     let pooler = resolve_pooler(args)?;
     let mut core = match args.device {
-        Device::Cpu => assemble(cpu_backend(args)?, args),
+        Device::Cpu => assemble(cpu_backend(args)?, args, pooler.as_ref()),
         #[cfg(feature = "cuda")]
         Device::Cuda => assemble(
             pagoda_accel::CudaBackend::new(0).context("--device cuda")?,
             args,
+            pooler.as_ref(),
         ),
         other => Err(other.open(args.threads).err().map_or_else(
             || {
@@ -381,7 +382,11 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             bail!("--runner pooling serves embeddings, which neither speculative decoding nor LoRA adapters apply to; drop --speculative-config and --enable-lora");
         }
         tracing::info!(
-            "serving for pooling (embeddings): {} pooling{}",
+            "serving for pooling ({}): {} pooling{}",
+            match p.task {
+                crate::engine::pooling::PoolingTask::Embed => "embeddings",
+                crate::engine::pooling::PoolingTask::Score => "scores of a cross-encoder",
+            },
             p.pooling_type.name(),
             if p.normalize { ", L2-normalized" } else { "" }
         );
@@ -396,7 +401,8 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
 /// into an embedding model (last token, normalized).
 fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::PoolerConfig>> {
     use crate::engine::pooling::{
-        architecture_is_pooling, ConvertKind, PoolerConfig, PoolingType, RunnerKind,
+        architecture_is_classifier, architecture_is_encoder, architecture_is_pooling, ConvertKind,
+        PoolerConfig, PoolingType, RunnerKind,
     };
     let dir = args.model.is_dir().then_some(args.model.as_path());
     let config_json = match dir {
@@ -409,6 +415,8 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         Some(d) => PoolerConfig::from_sentence_transformers(d)?,
         None => None,
     };
+    let encoder = config_json.as_ref().is_some_and(architecture_is_encoder);
+    let classifier = config_json.as_ref().is_some_and(architecture_is_classifier);
     let pooling = match args.runner {
         RunnerKind::Pooling => true,
         RunnerKind::Generate => false,
@@ -419,21 +427,32 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         }
     };
     if !pooling {
+        if encoder {
+            bail!("--runner generate: this BERT encoder generates nothing; it is served for pooling (drop --runner, or give --runner pooling)");
+        }
         if args.pooler_config.is_some() || args.convert != ConvertKind::Auto {
             bail!("--pooler-config and --convert apply to pooling models; add --runner pooling");
         }
         return Ok(None);
     }
-    if args.convert == ConvertKind::Classify {
-        bail!("--convert classify (scoring with a decoder's logits, the Qwen3-Reranker form) is not implemented yet; serve a decoder for embeddings with --convert embed");
-    }
-    let mut cfg = own.unwrap_or(PoolerConfig::DECODER_DEFAULT);
+    let mut cfg = match (classifier, args.convert) {
+        (true, ConvertKind::Auto | ConvertKind::Classify) => PoolerConfig::CROSS_ENCODER,
+        (true, ConvertKind::Embed) => bail!(
+            "--convert embed: this checkpoint is a cross-encoder (*ForSequenceClassification), which scores pairs on /score and /rerank; drop --convert"
+        ),
+        (false, ConvertKind::Classify) if encoder => bail!(
+            "--convert classify: this BERT checkpoint has no classifier head (BertModel); serve a BertForSequenceClassification checkpoint for scoring"
+        ),
+        (false, ConvertKind::Classify) => bail!("--convert classify (scoring with a decoder's logits, the Qwen3-Reranker form) is not implemented yet; serve a decoder for embeddings with --convert embed"),
+        (false, _) if encoder => own.unwrap_or(PoolerConfig::ENCODER_DEFAULT),
+        (false, _) => own.unwrap_or(PoolerConfig::DECODER_DEFAULT),
+    };
     if let Some(json) = &args.pooler_config {
         cfg = cfg.with_overrides(json)?;
     }
     // The decoder families read the hidden state of the row they would
     // sample from, which is the last token's.
-    if cfg.pooling_type != PoolingType::Last {
+    if !encoder && cfg.pooling_type != PoolingType::Last {
         bail!(
             "{} pooling of a decoder model is not implemented (its runner pools the last token); use --pooler-config '{{\"pooling_type\": \"LAST\"}}'",
             cfg.pooling_type.name()
@@ -577,11 +596,22 @@ fn load_draft_model<B: Backend>(
 
 /// Loads the model onto `backend`, allocates the KV pool there and wires
 /// the engine around them.
-fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore> {
-    let (model, loaded) = load_model(&backend, args, |c| {
+fn assemble<B: Backend>(
+    mut backend: B,
+    args: &EngineArgs,
+    pooler: Option<&crate::engine::pooling::PoolerConfig>,
+) -> Result<EngineCore> {
+    let (mut model, loaded) = load_model(&backend, args, |c| {
         args.max_model_len.unwrap_or(c.max_position_embeddings)
     })?;
+    if let Some(p) = pooler {
+        model.set_pooling(p.pooling_type.seq_pooling())?;
+    }
     let c = &loaded.config;
+    // An encoder's rows attend both ways over their whole prompt: each
+    // runs in one step (no chunks), from position 0 (no prefix-cache
+    // hits), and keeps no KV (the pool's blocks are bookkeeping only).
+    let encoder = c.encoder.is_some();
     let max_model_len = args.max_model_len.unwrap_or(c.max_position_embeddings);
     if max_model_len > c.max_position_embeddings {
         tracing::warn!(
@@ -664,7 +694,13 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         );
     }
     let budget = budget - state_bytes;
-    let num_blocks = (budget / per_block as u64) as usize;
+    let num_blocks = if per_block == 0 {
+        // Nothing is kept per token: enough blocks for every sequence at
+        // its longest, which cost no memory.
+        args.max_num_seqs * max_model_len.div_ceil(args.block_size) + 1
+    } else {
+        (budget / per_block as u64) as usize
+    };
     let tokens = num_blocks * args.block_size;
     let gib = (num_blocks * per_block) as f64 / (1u64 << 30) as f64;
     if tokens < max_model_len {
@@ -714,14 +750,15 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         .context("allocating the linear-attention layers' state")?;
     // A prefix-cache hit restores the linear layers' state from a
     // checkpoint at the hit's end: as many checkpoint slots as sequences.
-    let checkpoints = if hybrid && args.enable_prefix_caching {
+    let prefix_caching = args.enable_prefix_caching && !encoder;
+    let checkpoints = if hybrid && prefix_caching {
         model
             .alloc_state(&mut backend, args.max_num_seqs)
             .context("allocating the linear-attention layers' state checkpoints")?
     } else {
         Default::default()
     };
-    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, args.enable_prefix_caching)
+    let mut kvm = KvCacheManager::new(num_blocks, args.block_size, prefix_caching)
         .with_max_seq_len(max_model_len);
     if hybrid {
         kvm = kvm
@@ -768,9 +805,19 @@ fn assemble<B: Backend>(mut backend: B, args: &EngineArgs) -> Result<EngineCore>
         runner = runner.with_draft(DraftModel::new(d, dkv));
     }
     let runner: Box<dyn ModelExecutor> = Box::new(runner);
+    let max_num_batched_tokens = if encoder && args.max_num_batched_tokens < max_model_len {
+        tracing::info!(
+            "--max-num-batched-tokens {} raised to --max-model-len {max_model_len}: an encoder runs each prompt whole in one step",
+            args.max_num_batched_tokens
+        );
+        max_model_len
+    } else {
+        args.max_num_batched_tokens
+    };
     let scheduler = Scheduler::new(SchedulerConfig {
+        whole_prompts: encoder,
         max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_batched_tokens,
         policy: args.scheduling_policy,
         draft_lookahead: 0,
         draft_max_batch: 0,

@@ -77,6 +77,21 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts dequantized at load)",
     ),
+    (
+        "BertModel",
+        "-",
+        "BERT encoders for embeddings (sentence-transformers: all-MiniLM, BGE, E5), served for pooling",
+    ),
+    (
+        "BertForSequenceClassification",
+        "-",
+        "BERT cross-encoders with one label (ms-marco rerankers), served for scoring",
+    ),
+    (
+        "XLMRobertaModel",
+        "-",
+        "XLM-RoBERTa encoders for embeddings (BGE-M3, multilingual E5), served for pooling",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -119,6 +134,9 @@ pub enum Arch {
     /// sliding-window and full layers, YaRN; experts in every layer stored
     /// fused, with biases and a clamped SwiGLU (see [`GptOssConfig`]).
     GptOss,
+    /// BERT: a post-LayerNorm encoder whose rows attend both ways, served
+    /// for pooling only (see [`EncoderConfig`]).
+    Bert,
 }
 
 /// The gated MLP's activation: `down(act(gate(x)) · up(x))`.
@@ -242,6 +260,24 @@ pub struct MoeConfig {
     pub shared_gated: bool,
 }
 
+/// What an encoder (BERT) has that a decoder does not.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EncoderConfig {
+    /// The LayerNorms' epsilon (`layer_norm_eps`).
+    pub layer_norm_eps: f32,
+    /// Rows of the token type table (`type_vocab_size`); 0 for none.
+    pub type_vocab_size: usize,
+    /// What is added to each position before its embedding is read (0 for
+    /// BERT's absolute positions; XLM-R's `padding_idx + 1`).
+    pub position_offset: usize,
+    /// Rows of the position table (`max_position_embeddings` as the
+    /// checkpoint gives it; the context is this less the offset).
+    pub position_rows: usize,
+    /// `Some(num_labels)` for a `*ForSequenceClassification` checkpoint:
+    /// the pooler (dense and tanh) and the classifier follow the encoder.
+    pub num_labels: Option<usize>,
+}
+
 /// Everything the forward pass needs to know about the model's shape.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -285,6 +321,8 @@ pub struct ModelConfig {
     pub gemma: Option<GemmaConfig>,
     /// gpt-oss's expert activation.
     pub gpt_oss: Option<GptOssConfig>,
+    /// The encoder's own keys, for BERT.
+    pub encoder: Option<EncoderConfig>,
 }
 
 impl ModelConfig {
@@ -315,6 +353,11 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
+        if let (Some(a @ ("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")), _)
+        | (None, a @ ("bert" | "xlm-roberta")) = (archs.first().copied(), model_type)
+        {
+            return Self::from_hf_bert(v, a);
+        }
         let family = match (archs.first().copied(), model_type) {
             (Some("LlamaForCausalLM"), _) | (None, "llama") => HfFamily::Llama,
             (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
@@ -572,6 +615,128 @@ impl ModelConfig {
             hidden_act,
             gemma,
             gpt_oss,
+            encoder: None,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Interprets the `config.json` of a BERT checkpoint (`arch`:
+    /// `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, or
+    /// the model type `bert` or `xlm-roberta`). Every key that would change its math and is not computed
+    /// here is refused by name.
+    fn from_hf_bert(v: &Value, arch: &str) -> Result<ModelConfig> {
+        let usize_of = |key: &str| -> Result<usize> {
+            let x = v
+                .get(key)
+                .with_context(|| format!("missing '{key}'"))?
+                .as_u64()
+                .with_context(|| format!("'{key}' must be a positive integer"))?;
+            usize::try_from(x).with_context(|| format!("'{key}' is too large"))
+        };
+        match v.get("hidden_act").and_then(Value::as_str) {
+            None | Some("gelu") => {}
+            Some(other) => bail!(
+                "hidden_act '{other}' is not implemented for BERT (only 'gelu', the erf form, is)"
+            ),
+        }
+        match v.get("position_embedding_type") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) if s == "absolute" => {}
+            Some(other) => bail!(
+                "position_embedding_type {other} is not implemented for BERT (only 'absolute' is)"
+            ),
+        }
+        for key in ["is_decoder", "add_cross_attention"] {
+            if v.get(key).and_then(Value::as_bool) == Some(true) {
+                bail!("'{key}' is true: a BERT decoder is not served (only encoders are)");
+            }
+        }
+        let hidden_size = usize_of("hidden_size")?;
+        let num_heads = usize_of("num_attention_heads")?;
+        if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
+            bail!("hidden_size {hidden_size} is not a whole number of {num_heads} attention heads");
+        }
+        let layer_norm_eps = match v.get("layer_norm_eps") {
+            None | Some(Value::Null) => 1e-12,
+            Some(x) => x.as_f64().context("'layer_norm_eps' must be a number")? as f32,
+        };
+        let type_vocab_size = match v.get("type_vocab_size") {
+            None | Some(Value::Null) => 2,
+            Some(_) => usize_of("type_vocab_size")?,
+        };
+        // XLM-R (RoBERTa's embeddings): positions count from padding_idx
+        // + 1, as transformers' `create_position_ids_from_input_ids` gives
+        // them for a prompt without padding.
+        let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
+        let position_offset = if xlmr {
+            let pad = v
+                .get("pad_token_id")
+                .and_then(Value::as_u64)
+                .context("XLM-R needs 'pad_token_id' (its positions start after it)")?;
+            pad as usize + 1
+        } else {
+            0
+        };
+        let position_rows = usize_of("max_position_embeddings")?;
+        if position_rows <= position_offset {
+            bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
+        }
+        let num_labels = if arch == "BertForSequenceClassification" {
+            let n = match v.get("num_labels") {
+                Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
+                None => v
+                    .get("id2label")
+                    .and_then(Value::as_object)
+                    .map_or(2, |m| m.len()),
+            };
+            if n != 1 {
+                bail!(
+                    "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
+                );
+            }
+            if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
+                if p != "regression" && p != "single_label_classification" {
+                    bail!("problem_type '{p}' is not served for a one-label classifier");
+                }
+            }
+            Some(n)
+        } else {
+            None
+        };
+        let cfg = ModelConfig {
+            arch: Arch::Bert,
+            hidden_size,
+            num_layers: usize_of("num_hidden_layers")?,
+            num_heads,
+            num_kv_heads: num_heads,
+            head_dim: hidden_size / num_heads,
+            intermediate_size: usize_of("intermediate_size")?,
+            vocab_size: usize_of("vocab_size")?,
+            rms_norm_eps: layer_norm_eps,
+            // No rotary embedding: the positions are a learned table.
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            rope_style: RopeStyle::Neox,
+            max_position_embeddings: position_rows - position_offset,
+            tie_word_embeddings: false,
+            attention_bias: true,
+            o_bias: true,
+            mlp_bias: true,
+            sliding_windows: Vec::new(),
+            moe: None,
+            mla: None,
+            hybrid: None,
+            hidden_act: Activation::Silu,
+            gemma: None,
+            gpt_oss: None,
+            encoder: Some(EncoderConfig {
+                layer_norm_eps,
+                type_vocab_size,
+                position_offset,
+                position_rows,
+                num_labels,
+            }),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -793,6 +958,7 @@ impl ModelConfig {
             hidden_act: Activation::Silu,
             gemma: None,
             gpt_oss: None,
+            encoder: None,
         };
         cfg.validate()
             .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
@@ -973,6 +1139,7 @@ impl ModelConfig {
             hidden_act: Activation::Silu,
             gemma: None,
             gpt_oss: None,
+            encoder: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -2201,6 +2368,15 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // `original_max_position_embeddings` carries for the math.
     "experts_per_token",
     "initial_context_length",
+    // BERT (see `from_hf_bert`); the dropouts are training only.
+    "layer_norm_eps",
+    "type_vocab_size",
+    "position_embedding_type",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "classifier_dropout",
+    "num_labels",
+    "gradient_checkpointing",
 ];
 
 /// Keys of an HF `config.json` that nothing here reads (see
@@ -2225,4 +2401,94 @@ fn supported_list() -> String {
         .map(|(a, _, _)| *a)
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+#[cfg(test)]
+mod bert_tests {
+    use super::*;
+    use serde_json::json;
+
+    fn bert(extra: Value) -> Value {
+        let mut v = json!({
+            "architectures": ["BertModel"],
+            "model_type": "bert",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+            "vocab_size": 96,
+            "max_position_embeddings": 128,
+            "layer_norm_eps": 1e-7,
+            "type_vocab_size": 3,
+            "hidden_act": "gelu",
+        });
+        for (k, x) in extra.as_object().expect("object") {
+            v[k] = x.clone();
+        }
+        v
+    }
+
+    #[test]
+    fn bert_config_reads_the_encoder_keys() {
+        let c = ModelConfig::from_hf_json(&bert(json!({}))).expect("BertModel");
+        assert_eq!(c.arch, Arch::Bert);
+        assert_eq!(c.head_dim, 16);
+        let e = c.encoder.expect("encoder");
+        assert_eq!(e.layer_norm_eps, 1e-7);
+        assert_eq!(e.type_vocab_size, 3);
+        assert_eq!(e.num_labels, None);
+        let c = ModelConfig::from_hf_json(&bert(json!({
+            "architectures": ["BertForSequenceClassification"],
+            "id2label": {"0": "LABEL_0"},
+        })))
+        .expect("cross-encoder");
+        assert_eq!(c.encoder.and_then(|e| e.num_labels), Some(1));
+    }
+
+    #[test]
+    fn bert_config_refuses_what_it_does_not_compute_by_name() {
+        for (extra, word) in [
+            (json!({"hidden_act": "gelu_new"}), "hidden_act"),
+            (
+                json!({"position_embedding_type": "relative_key"}),
+                "position_embedding_type",
+            ),
+            (json!({"is_decoder": true}), "is_decoder"),
+            (json!({"add_cross_attention": true}), "add_cross_attention"),
+            (
+                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}}),
+                "2 labels",
+            ),
+        ] {
+            let e = ModelConfig::from_hf_json(&bert(extra.clone())).expect_err("refused");
+            assert!(format!("{e:#}").contains(word), "{extra}: {e:#}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod xlmr_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn xlm_roberta_positions_start_after_padding() {
+        let v = json!({
+            "architectures": ["XLMRobertaModel"],
+            "model_type": "xlm-roberta",
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 96,
+            "vocab_size": 64,
+            "max_position_embeddings": 514,
+            "pad_token_id": 1,
+            "type_vocab_size": 1,
+        });
+        let c = ModelConfig::from_hf_json(&v).expect("XLMRobertaModel");
+        let e = c.encoder.as_ref().expect("encoder");
+        assert_eq!((e.position_offset, e.position_rows), (2, 514));
+        // The context: the table less the offset, as XLM-R's 512.
+        assert_eq!(c.max_position_embeddings, 512);
+    }
 }

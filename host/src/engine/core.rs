@@ -339,10 +339,18 @@ impl EngineCore {
                 })
             }
             (false, true) => {
+                let score = self
+                    .pooler
+                    .as_ref()
+                    .is_some_and(|p| p.task == crate::engine::pooling::PoolingTask::Score);
                 return Err(ParamError {
                     param: "model",
-                    message: "The model does not support generation; it is served for pooling (--runner pooling): use /v1/embeddings".into(),
-                })
+                    message: if score {
+                        "The model does not support generation; it is a cross-encoder served for scoring: use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank".into()
+                    } else {
+                        "The model does not support generation; it is served for pooling (--runner pooling): use /v1/embeddings".into()
+                    },
+                });
             }
             _ => {}
         }
@@ -364,11 +372,32 @@ impl EngineCore {
                 message: "the prompt must contain at least one token".into(),
             });
         }
-        if let Some(&bad) = prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ParamError {
-                param: "prompt",
-                message: format!("token id {bad} is beyond the vocabulary of {vocab}"),
-            });
+        // An encoder's tokens may carry their token type in their high
+        // bits (see `pagoda_accel::ops::TOKEN_TYPE_SHIFT`).
+        let types = self
+            .runner
+            .config()
+            .encoder
+            .as_ref()
+            .map_or(1, |e| e.type_vocab_size.max(1));
+        for &t in &prompt_ids {
+            let (id, ty) = if types > 1 {
+                pagoda_accel::ops::encoder::unpack_token(t)
+            } else {
+                (t, 0)
+            };
+            if id as usize >= vocab {
+                return Err(ParamError {
+                    param: "prompt",
+                    message: format!("token id {t} is beyond the vocabulary of {vocab}"),
+                });
+            }
+            if ty as usize >= types {
+                return Err(ParamError {
+                    param: "prompt",
+                    message: format!("token type {ty} is beyond the model's {types} token types"),
+                });
+            }
         }
         let prompt_len = prompt_ids.len();
         if opts.pooling && prompt_len > self.max_model_len {

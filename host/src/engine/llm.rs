@@ -119,12 +119,51 @@ impl LLM {
         let pooler = self.core.pooler().cloned().context(
             "the model is served for generation; build the engine with --runner pooling to embed",
         )?;
+        let ids = prompts
+            .iter()
+            .map(|prompt| match prompt {
+                Prompt::Text(t) => self.core.tokenizer().encode_for_pooling(t),
+                Prompt::Tokens(t) => Ok(t.clone()),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self
+            .pool(ids)?
+            .into_iter()
+            .map(|v| pooler.finish(v, dimensions))
+            .collect())
+    }
+
+    /// Scores each `(query, document)` pair with a cross-encoder
+    /// (`*ForSequenceClassification`, one label), all in the same batches,
+    /// as vLLM's `LLM.score`: the pair encoded as `[CLS] q [SEP] d [SEP]`
+    /// with token types 0 then 1, its logit through a sigmoid.
+    pub fn score(&mut self, pairs: &[(&str, &str)]) -> Result<Vec<f32>> {
+        let pooler = self
+            .core
+            .pooler()
+            .cloned()
+            .context("the model is served for generation; serve a cross-encoder to score")?;
+        if pooler.task != crate::engine::pooling::PoolingTask::Score {
+            anyhow::bail!(
+                "the model is an embedding model, not a cross-encoder: it does not score pairs"
+            );
+        }
+        let ids = pairs
+            .iter()
+            .map(|(q, d)| self.core.tokenizer().encode_pair_for_scoring(q, d))
+            .collect::<Result<Vec<_>>>()?;
+        self.pool(ids)?
+            .into_iter()
+            .map(|v| crate::engine::pooling::score_of(&v))
+            .collect()
+    }
+
+    /// Runs every prompt as a pooling row and returns the raw pooled
+    /// vectors in prompt order.
+    fn pool(&mut self, prompts: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>> {
         let mut owner: HashMap<u64, usize> = HashMap::new();
-        for (pi, prompt) in prompts.iter().enumerate() {
-            let ids = match prompt {
-                Prompt::Text(t) => self.core.tokenizer().encode_for_pooling(t)?,
-                Prompt::Tokens(t) => t.clone(),
-            };
+        let n = prompts.len();
+        for (pi, ids) in prompts.into_iter().enumerate() {
             let request_id = format!("{}", self.next_request);
             self.next_request += 1;
             let id = self
@@ -141,7 +180,7 @@ impl LLM {
                 .with_context(|| format!("prompt {pi}"))?;
             owner.insert(id, pi);
         }
-        let mut results: Vec<Option<Vec<f32>>> = vec![None; prompts.len()];
+        let mut results: Vec<Option<Vec<f32>>> = vec![None; n];
         let mut remaining = owner.len();
         while remaining > 0 {
             for o in self.core.step()? {
@@ -152,7 +191,7 @@ impl LLM {
                     let v = o.pooled.with_context(|| {
                         format!("prompt {pi}: the engine returned no pooled vector")
                     })?;
-                    results[pi] = Some(pooler.finish(v, dimensions));
+                    results[pi] = Some(v);
                     remaining -= 1;
                 }
             }

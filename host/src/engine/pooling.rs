@@ -83,6 +83,15 @@ impl PoolingType {
         })
     }
 
+    /// How the model's forward pools its sequence's rows.
+    pub fn seq_pooling(self) -> pagoda_accel::ops::SeqPooling {
+        match self {
+            PoolingType::Last => pagoda_accel::ops::SeqPooling::Last,
+            PoolingType::Cls => pagoda_accel::ops::SeqPooling::First,
+            PoolingType::Mean => pagoda_accel::ops::SeqPooling::Mean,
+        }
+    }
+
     /// vLLM's name for it.
     pub fn name(self) -> &'static str {
         match self {
@@ -93,12 +102,25 @@ impl PoolingType {
     }
 }
 
+/// What a pooling model's vectors are for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolingTask {
+    /// Embeddings (`/v1/embeddings`, `/pooling`).
+    Embed,
+    /// A cross-encoder's relevance score of a pair (`/score`, `/rerank`):
+    /// one raw logit per input, which the score endpoints pass through a
+    /// sigmoid as vLLM's default activation for one label does.
+    Score,
+}
+
 /// How a pooling model makes its vectors.
 #[derive(Clone, Debug, PartialEq)]
 pub struct PoolerConfig {
     pub pooling_type: PoolingType,
     /// L2-normalize each vector (sentence-transformers' `Normalize`).
     pub normalize: bool,
+    /// What the vectors are for.
+    pub task: PoolingTask,
 }
 
 impl PoolerConfig {
@@ -107,6 +129,25 @@ impl PoolerConfig {
     pub const DECODER_DEFAULT: PoolerConfig = PoolerConfig {
         pooling_type: PoolingType::Last,
         normalize: true,
+        task: PoolingTask::Embed,
+    };
+
+    /// What a BERT encoder without sentence-transformers' files pools by
+    /// default, as vLLM's `BertEmbeddingModel`: its `[CLS]` row,
+    /// normalized.
+    pub const ENCODER_DEFAULT: PoolerConfig = PoolerConfig {
+        pooling_type: PoolingType::Cls,
+        normalize: true,
+        task: PoolingTask::Embed,
+    };
+
+    /// A cross-encoder (`*ForSequenceClassification`, one label): its
+    /// `[CLS]` row through the model's pooler and classifier, one raw
+    /// logit, not normalized.
+    pub const CROSS_ENCODER: PoolerConfig = PoolerConfig {
+        pooling_type: PoolingType::Cls,
+        normalize: false,
+        task: PoolingTask::Score,
     };
 
     /// The pooling sentence-transformers' `modules.json` in `dir`
@@ -172,6 +213,7 @@ impl PoolerConfig {
             [one] => Ok(Some(PoolerConfig {
                 pooling_type: *one,
                 normalize,
+                task: PoolingTask::Embed,
             })),
             [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
             _ => bail!(
@@ -235,6 +277,19 @@ impl PoolerConfig {
     }
 }
 
+/// A cross-encoder's score from its raw pooled output (one logit): the
+/// sigmoid, vLLM's default activation for a one-label classifier and what
+/// sentence-transformers' `CrossEncoder.predict` returns.
+pub fn score_of(raw: &[f32]) -> Result<f32> {
+    match raw {
+        [logit] => Ok((1.0 / (1.0 + (-f64::from(*logit)).exp())) as f32),
+        other => bail!(
+            "a cross-encoder gives one logit per pair; this model gave {}",
+            other.len()
+        ),
+    }
+}
+
 /// Whether `config.json`'s first architecture names a model without a
 /// generation head (`Qwen3Model`, `BertModel`) or with a scoring head
 /// (`...ForSequenceClassification`): such checkpoints are served for
@@ -247,6 +302,32 @@ pub fn architecture_is_pooling(config_json: &Value) -> bool {
         .and_then(Value::as_str)
         .unwrap_or("");
     arch.ends_with("Model") || arch.ends_with("ForSequenceClassification")
+}
+
+/// Whether `config.json`'s first architecture is a classifier
+/// (`...ForSequenceClassification`): a cross-encoder, served for scoring.
+pub fn architecture_is_classifier(config_json: &Value) -> bool {
+    config_json
+        .get("architectures")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .and_then(Value::as_str)
+        .is_some_and(|a| a.ends_with("ForSequenceClassification"))
+}
+
+/// Whether `config.json` describes an encoder (BERT), whose rows attend
+/// both ways and which is served for pooling only.
+pub fn architecture_is_encoder(config_json: &Value) -> bool {
+    let arch = config_json
+        .get("architectures")
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .and_then(Value::as_str);
+    let model_type = config_json.get("model_type").and_then(Value::as_str);
+    matches!(
+        arch,
+        Some("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")
+    ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta")))
 }
 
 #[cfg(test)]

@@ -51,6 +51,10 @@ impl std::str::FromStr for SchedulingPolicy {
 /// The scheduler's limits.
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
+    /// Every prompt runs whole in one step or waits (an encoder's rows
+    /// attend both ways over the whole prompt); no tenant prefill cap
+    /// splits it either.
+    pub whole_prompts: bool,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub policy: SchedulingPolicy,
@@ -358,7 +362,11 @@ impl Scheduler {
         guided.clear();
         out.finished.append(&mut self.finished);
         let mut budget = self.config.max_num_batched_tokens;
-        let prefill_cap = self.prefill_cap();
+        let prefill_cap = if self.config.whole_prompts {
+            None
+        } else {
+            self.prefill_cap()
+        };
         self.prefill_taken.clear();
         let exclusive = match prefill_cap {
             Some(_) => self.first_prefill_of(),
@@ -408,6 +416,10 @@ impl Scheduler {
             let mut num_new = (req.token_ids.len() - req.num_computed)
                 .min(chunk_limit(req, budget))
                 .min(step_left);
+            if self.config.whole_prompts && num_new < req.token_ids.len() - req.num_computed {
+                i += 1;
+                continue;
+            }
             // A prefill (more than the one token a decode runs) within its
             // tenant's part of the step, under contention.
             let prefill = num_new > 1;
@@ -534,6 +546,11 @@ impl Scheduler {
                 let mut num_new = (req.token_ids.len() - cached)
                     .min(chunk_limit(req, budget))
                     .min(step_left);
+                if self.config.whole_prompts && num_new < req.token_ids.len() - cached {
+                    // Whole next step (the budget is at least the longest
+                    // prompt), in arrival order.
+                    break;
+                }
                 if let (true, Some(cap)) = (num_new > 1, prefill_cap) {
                     num_new = num_new.min(self.prefill_left(cap, &req.tenant.name));
                     if num_new == 0 {

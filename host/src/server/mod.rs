@@ -715,7 +715,13 @@ async fn dispatch(
             if p.starts_with("/v1/")
                 || matches!(
                     p,
-                    "/tokenize" | "/detokenize" | "/tokenizer_info" | "/pooling"
+                    "/tokenize"
+                        | "/detokenize"
+                        | "/tokenizer_info"
+                        | "/pooling"
+                        | "/score"
+                        | "/rerank"
+                        | "/v2/rerank"
                 ) =>
         {
             match authenticate(&state, &req) {
@@ -831,6 +837,14 @@ async fn api_route(
                 openai::embeddings::PoolingRoute::Embeddings,
             )
             .await
+        }
+        (Method::POST, p @ ("/score" | "/v1/score")) => {
+            let body = read_json(&state, req).await?;
+            openai::score::score(state, p, body, tenant, openai::score::ScoreRoute::Score).await
+        }
+        (Method::POST, p @ ("/rerank" | "/v1/rerank" | "/v2/rerank")) => {
+            let body = read_json(&state, req).await?;
+            openai::score::score(state, p, body, tenant, openai::score::ScoreRoute::Rerank).await
         }
         (Method::POST, "/pooling") => {
             let body = read_json(&state, req).await?;
@@ -1063,11 +1077,6 @@ fn unserved_route(path: &str) -> Option<&'static str> {
         ("/v1/files", "files"),
         ("/v1/batches", "batches"),
         ("/v1/fine_tuning/", "fine-tuning"),
-        ("/v1/rerank", "reranking"),
-        ("/v1/score", "scoring"),
-        ("/v2/rerank", "reranking"),
-        ("/rerank", "reranking"),
-        ("/score", "scoring"),
         ("/classify", "classification"),
     ];
     known

@@ -652,6 +652,41 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Encodes a pair for a cross-encoder as transformers does with
+    /// `add_special_tokens=True` (BERT: `[CLS] first [SEP] second [SEP]`),
+    /// each token's type (0 for the first text and its specials, 1 for the
+    /// second) packed into its high bits
+    /// ([`pagoda_accel::ops::TOKEN_TYPE_SHIFT`]), as the encoder reads it.
+    pub fn encode_pair_for_scoring(&self, first: &str, second: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode((first, second), true)
+            .map_err(|e| anyhow!("cannot tokenize the pair: {e}"))?;
+        Ok(pack_token_types(enc.get_ids(), enc.get_type_ids()))
+    }
+
+    /// [`Tokenizer::encode_pair_for_scoring`] cut to at most `max_len`
+    /// tokens, special tokens included, as transformers' `truncation=True`
+    /// cuts a pair (longest first, from the right): vLLM's
+    /// `truncate_prompt_tokens` on the score endpoints.
+    pub fn encode_pair_truncated(
+        &self,
+        first: &str,
+        second: &str,
+        max_len: usize,
+    ) -> Result<Vec<u32>> {
+        let mut t = self.inner.clone();
+        t.with_truncation(Some(tokenizers::TruncationParams {
+            max_length: max_len,
+            ..Default::default()
+        }))
+        .map_err(|e| anyhow!("cannot truncate to {max_len} tokens: {e}"))?;
+        let enc = t
+            .encode((first, second), true)
+            .map_err(|e| anyhow!("cannot tokenize the pair: {e}"))?;
+        Ok(pack_token_types(enc.get_ids(), enc.get_type_ids()))
+    }
+
     /// The token sequences `bad_words` ban, as vLLM tokenizes them
     /// (`SamplingParams.update_from_tokenizer`): each word, stripped of
     /// leading whitespace, as it encodes at the start of a text; and, with
@@ -991,4 +1026,13 @@ mod tests {
         assert_eq!(json_ids(Some(&serde_json::json!([1, 2]))), vec![1, 2]);
         assert_eq!(json_ids(Some(&serde_json::json!(7))), vec![7]);
     }
+}
+
+/// Packs each token's type into its id's high bits (see
+/// [`pagoda_accel::ops::TOKEN_TYPE_SHIFT`]).
+pub fn pack_token_types(ids: &[u32], types: &[u32]) -> Vec<u32> {
+    ids.iter()
+        .zip(types.iter().chain(std::iter::repeat(&0)))
+        .map(|(&id, &ty)| id | (ty << pagoda_accel::ops::TOKEN_TYPE_SHIFT))
+        .collect()
 }

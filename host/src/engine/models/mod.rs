@@ -13,6 +13,7 @@
 //! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
 //! | [`gemma3`] | `Gemma3ForCausalLM` |
 //! | [`gpt_oss`] | `GptOssForCausalLM` |
+//! | [`bert`] | `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel` (encoders, served for pooling) |
 //!
 //! # Adding a family
 //!
@@ -30,6 +31,7 @@
 //!    written from the published definition, GGUF) and to
 //!    `host/tests/generated_fixtures.rs`.
 
+pub mod bert;
 pub mod deepseek;
 pub mod gemma3;
 pub mod gpt_oss;
@@ -124,6 +126,23 @@ pub trait CausalLm<B: Backend>: Send {
         let _ = (b, slots);
         Ok(StateCache::default())
     }
+    /// Sets how a pooling row's vector is made from its sequence's hidden
+    /// states. A decoder leaves its last token's final-normed state in
+    /// `ws.h` and takes only [`SeqPooling::Last`]; an encoder pools there
+    /// whichever way it is set.
+    fn set_pooling(&mut self, how: pagoda_accel::ops::SeqPooling) -> Result<()> {
+        if how != pagoda_accel::ops::SeqPooling::Last {
+            anyhow::bail!(
+                "{how:?} pooling of a decoder model is not implemented (its runner pools the last token); use --pooler-config '{{\"pooling_type\": \"LAST\"}}'"
+            );
+        }
+        Ok(())
+    }
+    /// Values per logit row the forward leaves in `ws.h` for pooling: the
+    /// hidden size, or a classifier's number of labels.
+    fn pooled_width(&self) -> usize {
+        self.config().hidden_size
+    }
     /// Runs one step, whose metadata `step` already holds on the device
     /// (`n_tokens` tokens, `n_logits` logit rows), and leaves the logits of
     /// the logit rows in `ws.logits` (`[n_logits, vocab]`), and their
@@ -194,5 +213,6 @@ pub fn load<B: Backend>(
         }
         Arch::Gemma3 => Box::new(gemma3::load(backend, source, config, max_positions)?),
         Arch::GptOss => Box::new(gpt_oss::load(backend, source, config, max_positions)?),
+        Arch::Bert => Box::new(bert::load(backend, source, config, max_positions)?),
     })
 }

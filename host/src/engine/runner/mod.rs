@@ -305,10 +305,11 @@ impl<B: Backend> ModelRunner<B> {
         Ok(())
     }
 
-    /// Reads the pooled hidden state of every pooling request whose prompt
-    /// the step finished: its last token's final-normed hidden state, which
-    /// the model leaves in `ws.h` for each logit row (last-token pooling;
-    /// the engine refuses other pooling for decoders at start-up).
+    /// Reads the pooled vector of every pooling request whose prompt the
+    /// step finished, which the model leaves in `ws.h` for each logit row
+    /// ([`crate::engine::models::CausalLm::pooled_width`] values): a
+    /// decoder's last final-normed hidden state, an encoder's pooled
+    /// sequence, or a classifier's logits.
     fn pool(&mut self, seqs: &[ScheduledSeq]) -> Result<()> {
         let mut any = false;
         for s in seqs {
@@ -317,7 +318,7 @@ impl<B: Backend> ModelRunner<B> {
         if !any {
             return Ok(());
         }
-        let d = self.model.config().hidden_size;
+        let d = self.model.pooled_width();
         let rows = self.step_batch.logit_rows.len();
         let hidden = self
             .backend

@@ -144,10 +144,16 @@ pub(crate) fn refuse_generation(
     engine: &crate::engine::async_engine::AsyncEngine,
     endpoint: &str,
 ) -> Result<(), ApiError> {
-    if engine.pooler().is_some() {
+    if let Some(p) = engine.pooler() {
+        let instead = match p.task {
+            crate::engine::pooling::PoolingTask::Embed => "Use /v1/embeddings.",
+            crate::engine::pooling::PoolingTask::Score => {
+                "It is a cross-encoder: use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank."
+            }
+        };
         return Err(ApiError::invalid(
             Some("model".into()),
-            format!("The model does not support {endpoint}: it is served for pooling (--runner pooling). Use /v1/embeddings."),
+            format!("The model does not support {endpoint}: it is served for pooling (--runner pooling). {instead}"),
         ));
     }
     Ok(())
@@ -207,6 +213,14 @@ pub async fn embeddings(
             format!("The model {model:?} does not support the Embeddings API: it is served for generation. Use /v1/completions or /v1/chat/completions, or serve an embedding model with --runner pooling."),
         ));
     };
+    if pooler.task == crate::engine::pooling::PoolingTask::Score
+        && route == PoolingRoute::Embeddings
+    {
+        return Err(ApiError::invalid(
+            Some("model".into()),
+            format!("The model {model:?} does not support the Embeddings API: it is a cross-encoder, which scores pairs. Use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank."),
+        ));
+    }
     let base64_out = match req.encoding_format.as_deref() {
         None | Some("float") => false,
         Some("base64") => true,
@@ -288,9 +302,18 @@ pub async fn embeddings(
             .collect()
     })
     .await?;
+    let vocab = engine.vocab_size();
     for ids in &prompts {
         if ids.is_empty() {
             return Err(ApiError::invalid(Some("input".into()), "an input is empty"));
+        }
+        // Checked here, not only in the engine: an encoder's engine reads
+        // high bits as a token type, which a client's ids do not carry.
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                Some("input".into()),
+                format!("token id {bad} is beyond the vocabulary of {vocab}"),
+            ));
         }
         if ids.len() > max_len {
             return Err(ApiError::context_length(
@@ -318,29 +341,16 @@ pub async fn embeddings(
     if let Some(c) = &ctx {
         c.admission.charge(prompt_tokens as u64, 0);
     }
-    // Metered as generation is: counted, and on disk with --usage-log
-    // before the response goes out.
-    let (tenant, key_id, adapter) = crate::server::access_log::current()
-        .map(|l| l.who())
-        .unwrap_or_default();
-    let record = crate::metering::UsageRecord {
-        id: crate::metering::record_id(),
-        request_id: id.clone(),
-        tenant: tenant.or_else(|| ctx.as_ref().map(|c| c.admission.tenant.id.clone())),
-        key_id,
-        endpoint: route.path().to_string(),
-        model: model.clone(),
-        adapter,
-        prompt_tokens: prompt_tokens as u64,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        spec_accepted_tokens: 0,
-        finish_reasons: Vec::new(),
-        status: crate::metering::RecordStatus::Ok,
+    meter_pooling(
+        &state,
+        ctx.as_ref().map(|c| c.admission.tenant.id.clone()),
+        &id,
+        route.path(),
+        &model,
+        prompt_tokens,
         created_ms,
-        finished_ms: crate::metering::now_ms(),
-    };
-    super::meter(&state, &record).await?;
+    )
+    .await?;
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()
@@ -376,10 +386,44 @@ pub async fn embeddings(
     })))
 }
 
+/// Meters a pooling request as generation is: counted, and on disk with
+/// --usage-log before the response goes out.
+pub(super) async fn meter_pooling(
+    state: &Arc<AppState>,
+    ctx_tenant: Option<String>,
+    id: &str,
+    endpoint: &str,
+    model: &str,
+    prompt_tokens: usize,
+    created_ms: u64,
+) -> Result<(), ApiError> {
+    let (tenant, key_id, adapter) = crate::server::access_log::current()
+        .map(|l| l.who())
+        .unwrap_or_default();
+    let record = crate::metering::UsageRecord {
+        id: crate::metering::record_id(),
+        request_id: id.to_string(),
+        tenant: tenant.or(ctx_tenant),
+        key_id,
+        endpoint: endpoint.to_string(),
+        model: model.to_string(),
+        adapter,
+        prompt_tokens: prompt_tokens as u64,
+        cached_tokens: 0,
+        completion_tokens: 0,
+        spec_accepted_tokens: 0,
+        finish_reasons: Vec::new(),
+        status: crate::metering::RecordStatus::Ok,
+        created_ms,
+        finished_ms: crate::metering::now_ms(),
+    };
+    super::meter(state, &record).await
+}
+
 /// Submits every prompt as a pooling request and waits for their raw
 /// pooled vectors, in prompt order. Dropping the future (the client went
 /// away) aborts what is still running.
-async fn run(
+pub(super) async fn run(
     state: &Arc<AppState>,
     engine: &crate::engine::async_engine::AsyncEngine,
     id: &str,

@@ -7,6 +7,7 @@ pub mod fields;
 pub mod protocol;
 pub mod reasoning;
 pub mod responses;
+pub mod score;
 pub mod structured;
 pub mod tenant;
 pub mod tool_parsers;

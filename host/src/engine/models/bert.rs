@@ -1,0 +1,377 @@
+//! BERT encoders: `BertModel` (embeddings, sentence-transformers' form)
+//! and `BertForSequenceClassification` (cross-encoders), as transformers
+//! defines them; and `XLMRobertaModel`, the same encoder whose positions
+//! start after `padding_idx` and which has one token type.
+//!
+//! Input embedding: word + absolute position + token type, then LayerNorm.
+//! Each layer is post-LayerNorm: `h = LN(x + O·attn(x))`, `x = LN(h +
+//! W2·gelu(W1·h))`, with biases everywhere, and the attention runs both
+//! ways over each sequence's own rows. Encoder rows are prefill-only: the
+//! whole prompt runs in one step, its K and V come from the step's rows
+//! and nothing goes into the KV pool (the model declares no KV layers).
+//!
+//! The forward ends by pooling each sequence (CLS, mean or last token, the
+//! pooler the engine resolved) into `ws.h`, one row per logit row; a
+//! classifier then applies BERT's pooler (dense, tanh) and its classifier,
+//! leaving `num_labels` raw logits per row.
+//!
+//! A pair's token types (`[CLS] q [SEP]` 0, `d [SEP]` 1) travel packed in
+//! the token ids ([`pagoda_accel::ops::TOKEN_TYPE_SHIFT`]), as vLLM packs
+//! them.
+
+use super::layers::{load_matrix, load_vector, Workspace};
+use super::{CausalLm, StateCache};
+use crate::engine::config::{EncoderConfig, ModelConfig};
+use crate::engine::loader::WeightSource;
+use anyhow::{bail, Context, Result};
+use pagoda_accel::ops::{Activation, SeqPooling};
+use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
+
+/// A dense layer with a bias.
+struct Linear<B: Backend> {
+    w: B::Matrix,
+    b: B::Vector,
+}
+
+impl<B: Backend> Linear<B> {
+    fn load(
+        backend: &B,
+        source: &dyn WeightSource,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Linear<B>> {
+        Ok(Linear {
+            w: load_matrix(backend, source, &format!("{name}.weight"), rows, cols)?,
+            b: load_vector(backend, source, &format!("{name}.bias"), rows)?,
+        })
+    }
+
+    /// `out = x·wᵀ + b` for `m` rows.
+    fn run(
+        &self,
+        b: &mut B,
+        x: &B::Buffer,
+        m: usize,
+        out: &mut B::Buffer,
+        step: &B::Step,
+        rows: Rows,
+    ) -> Result<(), BackendError> {
+        b.reserve(out, m * self.w.rows())?;
+        b.matmul(&self.w, x, m, out, step, rows);
+        b.add_bias(out, &self.b, m, self.w.rows());
+        Ok(())
+    }
+}
+
+/// A LayerNorm's weight and bias.
+struct Norm<B: Backend> {
+    w: B::Vector,
+    b: B::Vector,
+}
+
+impl<B: Backend> Norm<B> {
+    fn load(backend: &B, source: &dyn WeightSource, name: &str, d: usize) -> Result<Norm<B>> {
+        Ok(Norm {
+            w: load_vector(backend, source, &format!("{name}.weight"), d)?,
+            b: load_vector(backend, source, &format!("{name}.bias"), d)?,
+        })
+    }
+}
+
+struct Layer<B: Backend> {
+    q: Linear<B>,
+    k: Linear<B>,
+    v: Linear<B>,
+    o: Linear<B>,
+    attn_norm: Norm<B>,
+    up: Linear<B>,
+    down: Linear<B>,
+    ffn_norm: Norm<B>,
+}
+
+/// BERT's pooler and the classifier after it.
+struct Classifier<B: Backend> {
+    pooler: Linear<B>,
+    classifier: Linear<B>,
+}
+
+/// A loaded BERT encoder.
+pub struct Bert<B: Backend> {
+    config: ModelConfig,
+    enc: EncoderConfig,
+    word: B::Matrix,
+    position: B::Matrix,
+    token_type: Option<B::Matrix>,
+    emb_norm: Norm<B>,
+    layers: Vec<Layer<B>>,
+    head: Option<Classifier<B>>,
+    pooling: SeqPooling,
+    weight_type: &'static str,
+    bytes: usize,
+}
+
+/// Loads a BERT checkpoint (`BertModel` names its tensors from
+/// `embeddings.`; `BertForSequenceClassification` from `bert.`, with
+/// `classifier.` beside). `max_positions` (the engine's `--max-model-len`)
+/// must fit the position table.
+pub fn load<B: Backend>(
+    backend: &B,
+    source: &dyn WeightSource,
+    config: ModelConfig,
+    max_positions: usize,
+) -> Result<Bert<B>> {
+    let enc = config
+        .encoder
+        .clone()
+        .context("a BERT model needs its encoder config")?;
+    if !backend.supports_encoder() {
+        bail!(
+            "this device has no encoder kernels yet ({}); serve BERT models with --device cpu",
+            backend.describe()
+        );
+    }
+    if max_positions + enc.position_offset > enc.position_rows {
+        bail!(
+            "--max-model-len {max_positions} exceeds the {} positions of the model's position embeddings; lower --max-model-len",
+            enc.position_rows.saturating_sub(enc.position_offset)
+        );
+    }
+    let p = if source.contains("bert.embeddings.word_embeddings.weight") {
+        "bert."
+    } else {
+        ""
+    };
+    let (d, ffn) = (config.hidden_size, config.intermediate_size);
+    let e = format!("{p}embeddings");
+    let word = load_matrix(
+        backend,
+        source,
+        &format!("{e}.word_embeddings.weight"),
+        config.vocab_size,
+        d,
+    )?;
+    let position = load_matrix(
+        backend,
+        source,
+        &format!("{e}.position_embeddings.weight"),
+        enc.position_rows,
+        d,
+    )?;
+    let token_type = if enc.type_vocab_size > 0 {
+        Some(load_matrix(
+            backend,
+            source,
+            &format!("{e}.token_type_embeddings.weight"),
+            enc.type_vocab_size,
+            d,
+        )?)
+    } else {
+        None
+    };
+    let emb_norm = Norm::load(backend, source, &format!("{e}.LayerNorm"), d)?;
+    let mut layers = Vec::with_capacity(config.num_layers);
+    for i in 0..config.num_layers {
+        let l = format!("{p}encoder.layer.{i}");
+        layers.push(Layer {
+            q: Linear::load(backend, source, &format!("{l}.attention.self.query"), d, d)?,
+            k: Linear::load(backend, source, &format!("{l}.attention.self.key"), d, d)?,
+            v: Linear::load(backend, source, &format!("{l}.attention.self.value"), d, d)?,
+            o: Linear::load(
+                backend,
+                source,
+                &format!("{l}.attention.output.dense"),
+                d,
+                d,
+            )?,
+            attn_norm: Norm::load(
+                backend,
+                source,
+                &format!("{l}.attention.output.LayerNorm"),
+                d,
+            )?,
+            up: Linear::load(backend, source, &format!("{l}.intermediate.dense"), ffn, d)?,
+            down: Linear::load(backend, source, &format!("{l}.output.dense"), d, ffn)?,
+            ffn_norm: Norm::load(backend, source, &format!("{l}.output.LayerNorm"), d)?,
+        });
+    }
+    let head = match enc.num_labels {
+        Some(n) => Some(Classifier {
+            pooler: Linear::load(backend, source, &format!("{p}pooler.dense"), d, d)?,
+            classifier: Linear::load(backend, source, "classifier", n, d)?,
+        }),
+        None => None,
+    };
+    let mut bytes = word.size_bytes()
+        + position.size_bytes()
+        + token_type.as_ref().map_or(0, |t| t.size_bytes());
+    for l in &layers {
+        for m in [&l.q, &l.k, &l.v, &l.o, &l.up, &l.down] {
+            bytes += m.w.size_bytes();
+        }
+    }
+    if let Some(h) = &head {
+        bytes += h.pooler.w.size_bytes() + h.classifier.w.size_bytes();
+    }
+    let weight_type = layers.first().map_or("none", |l| l.q.w.ty().name());
+    Ok(Bert {
+        config,
+        // A classifier pools its [CLS] row, as BERT's pooler does; an
+        // embedding model pools as the engine sets it.
+        pooling: if enc.num_labels.is_some() {
+            SeqPooling::First
+        } else {
+            SeqPooling::Mean
+        },
+        enc,
+        word,
+        position,
+        token_type,
+        emb_norm,
+        layers,
+        head,
+        weight_type,
+        bytes,
+    })
+}
+
+impl<B: Backend> CausalLm<B> for Bert<B> {
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// None: encoder rows keep nothing after their step.
+    fn kv_layers(&self) -> Vec<KvLayerSpec> {
+        Vec::new()
+    }
+
+    fn set_pooling(&mut self, how: SeqPooling) -> Result<()> {
+        self.pooling = how;
+        Ok(())
+    }
+
+    fn pooled_width(&self) -> usize {
+        self.enc.num_labels.unwrap_or(self.config.hidden_size)
+    }
+
+    fn forward(
+        &self,
+        b: &mut B,
+        step: &B::Step,
+        n: usize,
+        n_logits: usize,
+        _kv: &mut B::Kv,
+        _state: &mut StateCache<B>,
+        ws: &mut Workspace<B>,
+    ) -> Result<(), BackendError> {
+        let c = &self.config;
+        let (d, heads, hd) = (c.hidden_size, c.num_heads, c.head_dim);
+        let eps = self.enc.layer_norm_eps;
+        for buf in [
+            &mut ws.x,
+            &mut ws.h,
+            &mut ws.q,
+            &mut ws.k,
+            &mut ws.v,
+            &mut ws.attn,
+        ] {
+            b.reserve(buf, n * d)?;
+        }
+        b.encoder_embed(
+            &self.word,
+            &self.position,
+            self.enc.position_offset,
+            self.token_type.as_ref(),
+            step,
+            &mut ws.h,
+        )?;
+        b.layer_norm(
+            &ws.h,
+            &self.emb_norm.w,
+            &self.emb_norm.b,
+            eps,
+            n,
+            d,
+            &mut ws.x,
+        )?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        for l in &self.layers {
+            l.q.run(b, &ws.x, n, &mut ws.q, step, Rows::Tokens)?;
+            l.k.run(b, &ws.x, n, &mut ws.k, step, Rows::Tokens)?;
+            l.v.run(b, &ws.x, n, &mut ws.v, step, Rows::Tokens)?;
+            b.bidirectional_attention(
+                &ws.q,
+                &ws.k,
+                &ws.v,
+                heads,
+                heads,
+                hd,
+                scale,
+                step,
+                &mut ws.attn,
+            )?;
+            l.o.run(b, &ws.attn, n, &mut ws.proj, step, Rows::Tokens)?;
+            b.add(&mut ws.proj, &ws.x, n * d);
+            b.layer_norm(
+                &ws.proj,
+                &l.attn_norm.w,
+                &l.attn_norm.b,
+                eps,
+                n,
+                d,
+                &mut ws.x,
+            )?;
+            l.up.run(b, &ws.x, n, &mut ws.act, step, Rows::Tokens)?;
+            b.activation(&mut ws.act, n * c.intermediate_size, Activation::GeluErf)?;
+            l.down
+                .run(b, &ws.act, n, &mut ws.proj, step, Rows::Tokens)?;
+            b.add(&mut ws.proj, &ws.x, n * d);
+            b.layer_norm(&ws.proj, &l.ffn_norm.w, &l.ffn_norm.b, eps, n, d, &mut ws.x)?;
+        }
+        if n_logits == 0 {
+            return Ok(());
+        }
+        b.reserve(&mut ws.h, n_logits * d)?;
+        b.pool_seqs(&ws.x, d, self.pooling, step, &mut ws.h)?;
+        if let Some(head) = &self.head {
+            head.pooler
+                .run(b, &ws.h, n_logits, &mut ws.rows, step, Rows::Logits)?;
+            b.activation(&mut ws.rows, n_logits * d, Activation::Tanh)?;
+            head.classifier
+                .run(b, &ws.rows, n_logits, &mut ws.h, step, Rows::Logits)?;
+        }
+        Ok(())
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    fn weight_type(&self) -> &'static str {
+        self.weight_type
+    }
+
+    fn has_prompt_kernel(&self) -> bool {
+        false
+    }
+
+    fn enable_lora(
+        &mut self,
+        _backend: &B,
+        _slots: usize,
+        _dtype: crate::engine::lora::LoraDtype,
+    ) -> Result<()> {
+        bail!(
+            "LoRA adapters on BERT encoders are not served; serve this model without --enable-lora"
+        )
+    }
+
+    fn set_lora(
+        &mut self,
+        _backend: &B,
+        _slot: usize,
+        _adapter: Option<&crate::engine::lora::LoraAdapter>,
+    ) -> Result<()> {
+        bail!("LoRA adapters on BERT encoders are not served")
+    }
+}

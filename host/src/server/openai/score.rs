@@ -1,0 +1,371 @@
+//! vLLM's scoring endpoints for cross-encoders (`*ForSequenceClassification`
+//! with one label): `POST /score` and `/v1/score` (`text_1`, `text_2`:
+//! one to one, one to many or many to many; `data: [{index, object:
+//! "score", score}]`), and `POST /rerank`, `/v1/rerank` and `/v2/rerank`
+//! (Jina's and Cohere's shape: `query`, `documents`, `top_n`,
+//! `return_documents`; `results: [{index, document: {text},
+//! relevance_score}]` by relevance).
+//!
+//! Each pair is one pooling request, `[CLS] text_1 [SEP] text_2 [SEP]` with
+//! token types 0 then 1 (see [`crate::tokenizer::Tokenizer::encode_pair_for_scoring`]);
+//! its logit goes through a sigmoid, vLLM's default activation for one
+//! label (`use_activation: false` returns the raw logit).
+
+use super::embeddings::{meter_pooling, run};
+use super::{admit, now_secs, off_runtime, random_id};
+use crate::engine::core::RequestOptions;
+use crate::engine::pooling::PoolingTask;
+use crate::server::errors::{json_response, ApiError};
+use crate::server::{AppState, Body};
+use hyper::Response;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// `/score`'s body, as vLLM's `ScoreRequest`.
+#[derive(Deserialize)]
+struct ScoreRequest {
+    model: Option<String>,
+    text_1: Value,
+    text_2: Value,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// `/rerank`'s body, as vLLM's `RerankRequest`.
+#[derive(Deserialize)]
+struct RerankRequest {
+    model: Option<String>,
+    query: Value,
+    documents: Value,
+    #[serde(default)]
+    top_n: Option<i64>,
+    /// Whether each result carries its document (default true, as vLLM
+    /// always includes it).
+    #[serde(default)]
+    return_documents: Option<bool>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// The fields both take.
+#[derive(Deserialize)]
+struct Common {
+    #[serde(default)]
+    truncate_prompt_tokens: Option<i64>,
+    #[serde(default)]
+    priority: Option<i64>,
+    #[serde(default)]
+    use_activation: Option<bool>,
+    /// vLLM's older names for `use_activation`.
+    #[serde(default)]
+    activation: Option<bool>,
+    #[serde(default)]
+    softmax: Option<bool>,
+}
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum ScoreRoute {
+    /// `/score`, `/v1/score`.
+    Score,
+    /// `/rerank`, `/v1/rerank`, `/v2/rerank`.
+    Rerank,
+}
+
+/// A string or a list of strings.
+fn texts(v: &Value, param: &str) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            Some(param.into()),
+            format!("'{param}' must be a string or an array of strings"),
+        )
+    };
+    match v {
+        Value::String(s) => Ok(vec![s.clone()]),
+        Value::Array(items) => items
+            .iter()
+            .map(|x| x.as_str().map(str::to_owned).ok_or_else(bad))
+            .collect(),
+        _ => Err(bad()),
+    }
+}
+
+/// `POST /score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`.
+pub async fn score(
+    state: Arc<AppState>,
+    path: &str,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+    route: ScoreRoute,
+) -> Result<Response<Body>, ApiError> {
+    let created_ms = crate::metering::now_ms();
+    let id = random_id(match route {
+        ScoreRoute::Score => "score",
+        ScoreRoute::Rerank => "rerank",
+    });
+    let (body, ctx) = admit(&state, tenant, &id, path, body).await?;
+    // The pairs, and what the response needs of the request.
+    let (model, first, second, common, rerank) = match route {
+        ScoreRoute::Score => {
+            let r: ScoreRequest = serde_json::from_value(body).map_err(|e| {
+                ApiError::invalid(None, format!("invalid {path} request: {e} (it takes vLLM's score fields: text_1, text_2)"))
+            })?;
+            let (a, b) = (texts(&r.text_1, "text_1")?, texts(&r.text_2, "text_2")?);
+            (r.model, a, b, r.common, None)
+        }
+        ScoreRoute::Rerank => {
+            let r: RerankRequest = serde_json::from_value(body).map_err(|e| {
+                ApiError::invalid(None, format!("invalid {path} request: {e} (it takes query, documents, top_n, return_documents)"))
+            })?;
+            let Value::String(q) = &r.query else {
+                return Err(ApiError::invalid(
+                    Some("query".into()),
+                    "'query' must be a string",
+                ));
+            };
+            let docs = match &r.documents {
+                Value::Array(_) => texts(&r.documents, "documents")?,
+                _ => {
+                    return Err(ApiError::invalid(
+                        Some("documents".into()),
+                        "'documents' must be an array of strings",
+                    ))
+                }
+            };
+            let top_n = r.top_n.unwrap_or(0);
+            (
+                r.model,
+                vec![q.clone()],
+                docs,
+                r.common,
+                Some((top_n, r.return_documents.unwrap_or(true))),
+            )
+        }
+    };
+    // vLLM's `validate_score_input`: 1:1, 1:N or N:N.
+    if second.is_empty() {
+        return Err(ApiError::invalid(
+            Some(
+                if rerank.is_some() {
+                    "documents"
+                } else {
+                    "text_2"
+                }
+                .into(),
+            ),
+            "At least one text element must be given",
+        ));
+    }
+    if first.is_empty() || (first.len() > 1 && first.len() != second.len()) {
+        return Err(ApiError::invalid(
+            Some("text_1".into()),
+            format!(
+                "Input lengths must be either 1:1, 1:N or N:N (got {} and {})",
+                first.len(),
+                second.len()
+            ),
+        ));
+    }
+    let model = match model {
+        Some(m) => m,
+        None => state
+            .default_model()
+            .ok_or_else(|| ApiError::invalid(Some("model".into()), "'model' is required"))?
+            .to_owned(),
+    };
+    if let Some(c) = &ctx {
+        c.check_model(&model)?;
+    }
+    let engine = state.engine_as(&model, ctx.as_ref())?.clone();
+    match engine.pooler().map(|p| p.task) {
+        Some(PoolingTask::Score) => {}
+        Some(PoolingTask::Embed) => {
+            return Err(ApiError::invalid(
+                Some("model".into()),
+                format!("The model {model:?} does not support the {} API: it is an embedding model, not a cross-encoder (a *ForSequenceClassification checkpoint). Use /v1/embeddings.", if rerank.is_some() { "Rerank" } else { "Score" }),
+            ))
+        }
+        None => {
+            return Err(ApiError::invalid(
+                Some("model".into()),
+                format!("The model {model:?} does not support the {} API: it is served for generation. Use /v1/completions or /v1/chat/completions, or serve a cross-encoder.", if rerank.is_some() { "Rerank" } else { "Score" }),
+            ))
+        }
+    }
+    if state.config_skip_tokenizer_init() {
+        return Err(ApiError::invalid(
+            None,
+            "this server was started with --skip-tokenizer-init: scoring needs the tokenizer to pair its texts",
+        ));
+    }
+    let max_len = engine.max_model_len();
+    let truncate = match common.truncate_prompt_tokens {
+        None => None,
+        Some(-1) => Some(max_len),
+        Some(k) if k >= 1 && k as usize <= max_len => Some(k as usize),
+        Some(k) if k < 1 => {
+            return Err(ApiError::invalid(
+                Some("truncate_prompt_tokens".into()),
+                format!("truncate_prompt_tokens {k}: give -1 (the context's length) or a positive number of tokens to keep"),
+            ))
+        }
+        Some(k) => {
+            return Err(ApiError::invalid(
+                Some("truncate_prompt_tokens".into()),
+                format!("truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). Please request a smaller truncation size."),
+            ))
+        }
+    };
+    let activation = common
+        .use_activation
+        .or(common.activation)
+        .or(common.softmax)
+        .unwrap_or(true);
+    let tok = engine.tokenizer().clone();
+    if truncate.is_none() {
+        for t in first.iter().chain(&second) {
+            super::check_prompt_size(&tok, t.len(), max_len, "input")?;
+        }
+    }
+    let pairs: Vec<(String, String)> = second
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            (
+                first[if first.len() == 1 { 0 } else { i }].clone(),
+                d.clone(),
+            )
+        })
+        .collect();
+    // Tokenizing is CPU work: off the HTTP threads.
+    let prompts: Vec<Vec<u32>> = off_runtime(move || {
+        pairs
+            .iter()
+            .map(|(a, b)| {
+                match truncate {
+                    Some(k) => tok.encode_pair_truncated(a, b, k),
+                    None => tok.encode_pair_for_scoring(a, b),
+                }
+                .map_err(|e| ApiError::invalid(None, format!("{e:#}")))
+            })
+            .collect()
+    })
+    .await?;
+    for ids in &prompts {
+        if ids.len() > max_len {
+            // vLLM's message for a scoring input over the context.
+            return Err(ApiError::context_length(
+                "input",
+                format!(
+                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for score. Please reduce the length of the input.",
+                    ids.len()
+                ),
+            ));
+        }
+    }
+    let mut opts = RequestOptions {
+        pooling: true,
+        priority: common.priority.unwrap_or(0),
+        ..Default::default()
+    };
+    if let Some(t) = &ctx {
+        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
+        opts.tenant = t.share();
+    }
+    let raw = run(&state, &engine, &id, &prompts, opts).await?;
+    let scores: Vec<f32> = raw
+        .iter()
+        .map(|v| {
+            if activation {
+                crate::engine::pooling::score_of(v)
+            } else {
+                match v.as_slice() {
+                    [logit] => Ok(*logit),
+                    other => Err(anyhow::anyhow!(
+                        "a cross-encoder gives one logit per pair; this model gave {}",
+                        other.len()
+                    )),
+                }
+            }
+            .map_err(|e| ApiError::internal(format!("{e:#}")))
+        })
+        .collect::<Result<_, _>>()?;
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    if let Some(c) = &ctx {
+        c.admission.charge(prompt_tokens as u64, 0);
+    }
+    meter_pooling(
+        &state,
+        ctx.as_ref().map(|c| c.admission.tenant.id.clone()),
+        &id,
+        path,
+        &model,
+        prompt_tokens,
+        created_ms,
+    )
+    .await?;
+    let body = match rerank {
+        None => json!({
+            "id": id,
+            "object": "list",
+            "created": now_secs(),
+            "model": model,
+            "data": scores
+                .iter()
+                .enumerate()
+                .map(|(index, s)| json!({"index": index, "object": "score", "score": s}))
+                .collect::<Vec<_>>(),
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens,
+                "completion_tokens": 0,
+                "prompt_tokens_details": null,
+            },
+        }),
+        Some((top_n, with_docs)) => {
+            let mut order: Vec<usize> = (0..scores.len()).collect();
+            // By relevance, highest first; ties keep document order.
+            order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+            if top_n > 0 && (top_n as usize) < order.len() {
+                order.truncate(top_n as usize);
+            }
+            let results: Vec<Value> = order
+                .into_iter()
+                .map(|i| {
+                    let mut r = json!({"index": i, "relevance_score": scores[i]});
+                    if with_docs {
+                        r["document"] = json!({"text": second[i]});
+                    }
+                    r
+                })
+                .collect();
+            json!({
+                "id": id,
+                "model": model,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+                "results": results,
+            })
+        }
+    };
+    Ok(json_response(&body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn texts_take_a_string_or_strings() {
+        assert_eq!(
+            texts(&json!("a"), "text_1").ok(),
+            Some(vec!["a".to_string()])
+        );
+        assert_eq!(
+            texts(&json!(["a", "b"]), "text_2").ok().map(|v| v.len()),
+            Some(2)
+        );
+        assert!(texts(&json!([1]), "text_2").is_err());
+        assert!(texts(&json!({"a": 1}), "text_2").is_err());
+    }
+}
