@@ -28,6 +28,8 @@ import urllib.request
 
 STEPS = 16
 NEAR_TIE = 1e-3
+# HYBRID_GGUF_TYPE=q8_0 compares the llama-quantize Q8_0 files instead.
+TYPE = os.environ.get("HYBRID_GGUF_TYPE", "f32")
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "hf-families-2026")
 
 
@@ -91,7 +93,7 @@ def main():
     env = dict(os.environ, LLAMA_ARG_REPACK=os.environ.get("LLAMA_ARG_REPACK", "0"))
     failed = False
     for family in families:
-        gguf = os.path.join(ROOT, "gguf", f"{family}.f32.gguf")
+        gguf = os.path.join(ROOT, "gguf", f"{family}.{TYPE}.gguf")
         ref = json.load(open(os.path.join(ROOT, family, "reference.json")))
         eos = json.load(open(os.path.join(ROOT, family, "config.json")))["eos_token_id"]
         logs = (f"/tmp/hybrid-cmp-{family}-llama.log", f"/tmp/hybrid-cmp-{family}-pagoda.log")
@@ -124,13 +126,13 @@ def main():
                     f"{k} {'equal' if v is None else f'parts at step {v}'}" for k, v in vs_ref.items())
                 part = next((i for i, (w, g) in enumerate(zip(want, got)) if w[0] != g[0]), None)
                 if part is None:
-                    print(f"{family} prompt {c}: agree at all {STEPS} steps{ref_note}")
+                    print(f"{family} {TYPE} prompt {c}: agree at all {STEPS} steps{ref_note}")
                     continue
                 (w, lgap), (g, pgap) = want[part], got[part]
                 tie = min(x for x in (lgap, pgap) if x is not None) < NEAR_TIE
                 verdict = "a near-tie" if tie else "NOT a near-tie"
                 failed |= not tie
-                print(f"{family} prompt {c}: agree at steps 0-{part - 1}; at step {part} llama.cpp takes {w} "
+                print(f"{family} {TYPE} prompt {c}: agree at steps 0-{part - 1}; at step {part} llama.cpp takes {w} "
                       f"(top-2 gap {fmt(lgap)}), Pagoda {g} (top-2 gap {fmt(pgap)}): {verdict}{ref_note}")
         finally:
             for s in servers:
