@@ -8,7 +8,10 @@
 //! folders do (host/tests/hf_families.rs), and greedy ids agree up to the
 //! first near-tie.
 
+use pagoda::engine::config::ModelConfig;
 use pagoda::engine::kv_cache::KvCacheDtype;
+use pagoda::engine::loader::gguf::{GgufFile, GgufValue};
+use pagoda::engine::loader::gguf_writer::{write_gguf, GgufTensorToWrite};
 use pagoda::engine::loader::DType;
 use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
 use serde_json::Value;
@@ -160,8 +163,6 @@ fn qwen3next_gguf_with_split_qkvz_agrees_with_transformers() {
 /// through its blocks, comes back dequantized.
 #[test]
 fn q8_0_gguf_files_rebuild_the_same_matrices_as_the_f32_ones() {
-    use pagoda::engine::config::ModelConfig;
-    use pagoda::engine::loader::gguf::GgufFile;
     use pagoda::engine::loader::gguf_weights::GgufWeights;
     use pagoda::engine::loader::WeightSource;
     for family in ["qwen3_5", "qwen3_5_moe", "qwen3_next"] {
@@ -252,5 +253,118 @@ fn q8_0_gguf_files_load_quantized_and_generate() {
         assert_eq!(lp.len(), prompt.len() - 1);
         assert!(lp.iter().all(|l| l.logprob.is_finite() && l.logprob <= 0.0));
         assert_eq!(out[0].outputs[0].token_ids.len(), 4);
+    }
+}
+
+/// A copy of `family`'s f32 file with its metadata changed by `edit`.
+fn edited(family: &str, dir: &Path, edit: impl Fn(&mut Vec<(String, GgufValue)>)) -> PathBuf {
+    let g = GgufFile::open(&gguf(family, "f32")).expect("f32 file");
+    let mut meta: Vec<(String, GgufValue)> = g
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    edit(&mut meta);
+    let tensors: Vec<GgufTensorToWrite> = g
+        .tensors()
+        .iter()
+        .map(|t| {
+            let data = g.tensor(&t.name).expect("tensor");
+            GgufTensorToWrite {
+                name: t.name.clone(),
+                ty: data.ty,
+                shape: data.shape.to_vec(),
+                data: data.data.to_vec(),
+            }
+        })
+        .collect();
+    let out = dir.join(format!("{family}-edited.gguf"));
+    let meta: Vec<(&str, GgufValue)> = meta.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    write_gguf(&out, &meta, &tensors).expect("write");
+    out
+}
+
+fn set(key: &str, v: GgufValue) -> impl Fn(&mut Vec<(String, GgufValue)>) + '_ {
+    move |m| {
+        m.retain(|(k, _)| k != key);
+        m.push((key.to_string(), v.clone()));
+    }
+}
+
+/// Every metadata key that changes the math is computed or refused by
+/// name: an edited copy of a fixture is refused, naming the key.
+#[test]
+fn metadata_that_changes_the_math_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // The untouched copy loads (so the refusals below are the edits').
+    let same = edited("qwen3_5", dir.path(), |_| {});
+    ModelConfig::from_gguf(&GgufFile::open(&same).expect("open")).expect("unchanged copy");
+    let cases: Vec<(&str, Box<dyn Fn(&mut Vec<(String, GgufValue)>)>, &str)> = vec![
+        (
+            "qwen3_5",
+            Box::new(set(
+                "qwen35.rope.scaling.type",
+                GgufValue::String("yarn".into()),
+            )),
+            "qwen35.rope.scaling.type",
+        ),
+        (
+            "qwen3_5",
+            Box::new(set(
+                "qwen35.rope.dimension_sections",
+                GgufValue::Array([3, 1, 1, 0].map(GgufValue::I32).to_vec()),
+            )),
+            "qwen35.rope.dimension_sections",
+        ),
+        (
+            "qwen3_5",
+            Box::new(set("qwen35.ssm.time_step_rank", GgufValue::U32(3))),
+            "qwen35.ssm.time_step_rank",
+        ),
+        (
+            "qwen3_5",
+            Box::new(set("qwen35.attention.value_length", GgufValue::U32(16))),
+            "qwen35.attention.value_length",
+        ),
+        (
+            "qwen3_5",
+            Box::new(|m: &mut Vec<(String, GgufValue)>| {
+                m.retain(|(k, _)| k != "qwen35.rope.dimension_count")
+            }),
+            "qwen35.rope.dimension_count",
+        ),
+        (
+            "qwen3_5",
+            Box::new(set(
+                "qwen35.attention.recurrent_layers",
+                GgufValue::Array(vec![GgufValue::Bool(true); 3]),
+            )),
+            "qwen35.attention.recurrent_layers",
+        ),
+        (
+            "qwen3_5_moe",
+            Box::new(set("qwen35moe.expert_weights_norm", GgufValue::Bool(false))),
+            "qwen35moe.expert_weights_norm",
+        ),
+        (
+            "qwen3_5_moe",
+            Box::new(set("qwen35moe.expert_gating_func", GgufValue::U32(2))),
+            "qwen35moe.expert_gating_func",
+        ),
+        (
+            "qwen3_next",
+            Box::new(set(
+                "qwen3next.rope.dimension_sections",
+                GgufValue::Array([2, 1, 1, 0].map(GgufValue::I32).to_vec()),
+            )),
+            "qwen3next.rope.dimension_sections",
+        ),
+    ];
+    for (family, edit, key) in cases {
+        let path = edited(family, dir.path(), edit);
+        let err = ModelConfig::from_gguf(&GgufFile::open(&path).expect("open"))
+            .expect_err(&format!("{family} with {key} edited"));
+        let msg = format!("{err:#}");
+        assert!(msg.contains(key), "{family}: '{msg}' does not name {key}");
     }
 }
