@@ -368,3 +368,36 @@ fn metadata_that_changes_the_math_is_refused_by_name() {
         assert!(msg.contains(key), "{family}: '{msg}' does not name {key}");
     }
 }
+
+/// A file converted with its multi-token-prediction layer (the converter
+/// without `--no-mtp`: `block_count` one more, `nextn_predict_layers` = 1,
+/// one more `recurrent_layers` entry) reads as the same model; the extra
+/// layer's tensors are left unread.
+#[test]
+fn nextn_prediction_layers_are_left_out_of_the_model() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plain = ModelConfig::from_gguf(&GgufFile::open(&gguf("qwen3_5", "f32")).expect("open"))
+        .expect("config");
+    let with_mtp = edited("qwen3_5", dir.path(), |m| {
+        set("qwen35.block_count", GgufValue::U32(5))(m);
+        set("qwen35.nextn_predict_layers", GgufValue::U32(1))(m);
+        set(
+            "qwen35.attention.recurrent_layers",
+            GgufValue::Array(
+                [true, true, true, false, false]
+                    .map(GgufValue::Bool)
+                    .to_vec(),
+            ),
+        )(m);
+    });
+    let c = ModelConfig::from_gguf(&GgufFile::open(&with_mtp).expect("open")).expect("config");
+    assert_eq!(c, plain);
+    let too_many = edited(
+        "qwen3_5",
+        dir.path(),
+        set("qwen35.nextn_predict_layers", GgufValue::U32(5)),
+    );
+    let err =
+        ModelConfig::from_gguf(&GgufFile::open(&too_many).expect("open")).expect_err("5 of 4");
+    assert!(format!("{err:#}").contains("qwen35.nextn_predict_layers"));
+}
