@@ -247,7 +247,7 @@ pub fn load_model<B: Backend>(
         override_chat_template(&mut tokenizer, args)?;
         let model = models::load(
             backend,
-            &GgufWeights::new(&file, args.dtype),
+            &GgufWeights::new(&file, args.dtype).for_model(&config),
             config.clone(),
             max_positions(&config),
         )?;

@@ -468,6 +468,11 @@ impl GgufFile {
         })
     }
 
+    /// `key` as an array of bools.
+    pub fn get_bool_array(&self, key: &str) -> Result<Option<Vec<bool>>> {
+        self.get_array(key, "bools", GgufValue::as_bool)
+    }
+
     /// `key` as an array of u64 (any non-negative integer elements).
     pub fn get_u64_array(&self, key: &str) -> Result<Option<Vec<u64>>> {
         self.get_array(key, "non-negative integers", GgufValue::as_u64)

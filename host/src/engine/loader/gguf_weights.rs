@@ -3,6 +3,7 @@
 
 use super::gguf::GgufFile;
 use super::{DType, WeightSource};
+use crate::engine::config::{Arch, ModelConfig};
 use anyhow::{bail, Context, Result};
 use pagoda_accel::{GgmlType, HostMatrix};
 
@@ -10,14 +11,126 @@ use pagoda_accel::{GgmlType, HostMatrix};
 pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
+    hybrid: Option<HybridLayout>,
 }
 
 impl<'a> GgufWeights<'a> {
     /// `dtype` converts float tensors; quantized tensors always stay as
     /// stored (each backend lays them out for its kernels at upload).
     pub fn new(file: &'a GgufFile, dtype: DType) -> Self {
-        GgufWeights { file, dtype }
+        GgufWeights {
+            file,
+            dtype,
+            hybrid: None,
+        }
     }
+
+    /// Reads the tensors of the model `config` describes: for the hybrid
+    /// Qwen models, undoes the layout llama.cpp's converter gives them
+    /// (see [`HybridLayout`]).
+    pub fn for_model(mut self, config: &ModelConfig) -> Self {
+        self.hybrid = HybridLayout::of(config);
+        self
+    }
+}
+
+/// How llama.cpp's converter (`Qwen3NextModel` and, for Qwen3.5, its
+/// `_LinearAttentionVReorderBase`) rewrites a hybrid Qwen model's tensors,
+/// which [`GgufWeights`] undoes so that the model reads transformers'
+/// tensors:
+///
+/// - every RMSNorm weight but the Gated DeltaNet's gated one is stored as
+///   `1 + w` (`attn_norm`, `post_attention_norm`, `output_norm`,
+///   `attn_q_norm`, `attn_k_norm`);
+/// - `A_log` is stored as `ssm_a` = `-exp(A_log)`, `dt_bias` as
+///   `ssm_dt.bias`, the conv1d weight squeezed to `[channels, kernel]`;
+/// - Qwen3-Next's `in_proj_qkvz` (q, k, v, z rows grouped by key head) is
+///   split into `attn_qkv` (all q, all k, all v) and `attn_gate` (all z);
+///   its `in_proj_ba` is kept as `ssm_ba`;
+/// - Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` become
+///   `attn_qkv`, `attn_gate`, `ssm_beta`, `ssm_alpha`, and when there are
+///   more value heads than key heads, every per-value-head row block (v
+///   rows, z, b, a, A, dt, the conv1d's v channels) and `out_proj`'s
+///   columns (`ssm_out`) go from grouped order (key head `k`'s value heads
+///   together, head `k·r + j`) to tiled order (slot `j·n_k + k`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HybridLayout {
+    n_k_heads: usize,
+    n_v_heads: usize,
+    k_dim: usize,
+    v_dim: usize,
+    /// Value heads stored in tiled order (Qwen3.5, Qwen3.5-MoE).
+    tiled: bool,
+}
+
+impl HybridLayout {
+    /// The layout of `config`'s model, if it is a hybrid Qwen one.
+    pub fn of(config: &ModelConfig) -> Option<HybridLayout> {
+        let h = config.hybrid.as_ref()?;
+        Some(HybridLayout {
+            n_k_heads: h.n_k_heads,
+            n_v_heads: h.n_v_heads,
+            k_dim: h.k_dim,
+            v_dim: h.v_dim,
+            tiled: matches!(config.arch, Arch::Qwen35 | Arch::Qwen35Moe)
+                && h.n_v_heads != h.n_k_heads,
+        })
+    }
+
+    /// Where value head `head` (transformers' order) is stored.
+    fn slot(&self, head: usize) -> usize {
+        if !self.tiled {
+            return head;
+        }
+        let r = self.n_v_heads / self.n_k_heads;
+        (head % r) * self.n_k_heads + head / r
+    }
+
+    /// The stored row ranges holding `n_v_heads` blocks of `block` rows
+    /// from row `base` on, in transformers' head order.
+    fn head_rows(&self, g: &str, base: usize, block: usize) -> Vec<(String, usize, usize)> {
+        (0..self.n_v_heads)
+            .map(|h| (g.to_string(), base + self.slot(h) * block, block))
+            .collect()
+    }
+
+    /// `v` (one value per value head, or `block` per head) in
+    /// transformers' head order.
+    fn untile(&self, v: &[f32], block: usize) -> Vec<f32> {
+        (0..self.n_v_heads)
+            .flat_map(|h| {
+                let s = self.slot(h) * block;
+                v[s..s + block].iter().copied()
+            })
+            .collect()
+    }
+}
+
+/// The GGUF name of a norm weight that llama.cpp's converter stores as
+/// `1 + w` in the hybrid Qwen models.
+fn hybrid_offset_norm(hf: &str) -> Option<String> {
+    if hf == "model.norm.weight" {
+        return Some("output_norm.weight".into());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match tail {
+        "input_layernorm.weight" => "attn_norm",
+        "post_attention_layernorm.weight" => "post_attention_norm",
+        "self_attn.q_norm.weight" => "attn_q_norm",
+        "self_attn.k_norm.weight" => "attn_k_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// A hybrid Qwen model's Gated DeltaNet tensor (`model.layers.N.
+/// linear_attn.X`) as its layer and `X`.
+fn linear_attn_part(hf: &str) -> Option<(usize, &str)> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    Some((layer.parse().ok()?, tail.strip_prefix("linear_attn.")?))
 }
 
 /// Translates an HF tensor name into its GGUF name.
@@ -197,8 +310,216 @@ impl GgufWeights<'_> {
     }
 }
 
+impl GgufWeights<'_> {
+    /// The `[rows, cols]` matrix made of the listed row ranges (tensor,
+    /// first row, rows) of stored `[_, cols]` tensors, in their type when
+    /// they share one (whole rows of any block type move intact), else in
+    /// f32.
+    fn gather_rows(
+        &self,
+        parts: &[(String, usize, usize)],
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostMatrix<'static>> {
+        let path = self.file.path().display();
+        let mut stored = Vec::with_capacity(parts.len());
+        for (g, r0, n) in parts {
+            let t = self.file.tensor(g)?;
+            let fits = match t.shape[..] {
+                [r, c] => c == cols && r0 + n <= r,
+                [c] => c == cols && r0 + n <= 1,
+                _ => false,
+            };
+            if !fits {
+                bail!(
+                    "{path}: tensor '{g}' has shape {:?}, but the metadata implies rows {r0}..{} of [_, {cols}]",
+                    t.shape,
+                    r0 + n
+                );
+            }
+            let r = t.shape.len().max(2) - 1;
+            let m = HostMatrix::new(t.ty, t.shape[..r].iter().product(), cols, t.data)
+                .with_context(|| format!("{path}: tensor '{g}'"))?;
+            stored.push((m, *r0, *n));
+        }
+        if stored.iter().map(|(_, _, n)| n).sum::<usize>() != rows {
+            bail!("{path}: the parts of a {rows}-row matrix add up to another number of rows");
+        }
+        let ty = stored
+            .first()
+            .map(|(m, ..)| m.ty())
+            .unwrap_or(GgmlType::F32);
+        if stored.iter().all(|(m, ..)| m.ty() == ty) {
+            let per_row = ty.row_bytes(cols)?;
+            let mut data = Vec::with_capacity(rows * per_row);
+            for (m, r0, n) in &stored {
+                data.extend_from_slice(&m.bytes()[r0 * per_row..(r0 + n) * per_row]);
+            }
+            return Ok(HostMatrix::new(ty, rows, cols, data)?);
+        }
+        let mut out = Vec::with_capacity(rows * cols);
+        for (m, r0, n) in &stored {
+            out.extend_from_slice(&m.dequantize()?[r0 * cols..(r0 + n) * cols]);
+        }
+        Ok(HostMatrix::from_f32(rows, cols, &out)?)
+    }
+
+    /// A hybrid Qwen model's Gated DeltaNet matrix `part` of `layer` in
+    /// transformers' layout, rebuilt from the converter's (see
+    /// [`HybridLayout`]); `None` for the tensors stored as transformers has
+    /// them.
+    fn hybrid_matrix(
+        &self,
+        l: &HybridLayout,
+        layer: usize,
+        part: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Option<Result<HostMatrix<'static>>> {
+        let g = |s: &str| format!("blk.{layer}.{s}");
+        let (kd, vd) = (l.n_k_heads * l.k_dim, l.n_v_heads * l.v_dim);
+        let parts = match part {
+            "in_proj_qkv.weight" => {
+                let qkv = g("attn_qkv.weight");
+                let mut p = vec![(qkv.clone(), 0, 2 * kd)];
+                p.extend(l.head_rows(&qkv, 2 * kd, l.v_dim));
+                p
+            }
+            "in_proj_z.weight" => l.head_rows(&g("attn_gate.weight"), 0, l.v_dim),
+            "in_proj_b.weight" => l.head_rows(&g("ssm_beta.weight"), 0, 1),
+            "in_proj_a.weight" => l.head_rows(&g("ssm_alpha.weight"), 0, 1),
+            "conv1d.weight" => {
+                let conv = g("ssm_conv1d.weight");
+                let mut p = vec![(conv.clone(), 0, 2 * kd)];
+                p.extend(l.head_rows(&conv, 2 * kd, l.v_dim));
+                p
+            }
+            // Qwen3-Next: per key head, its q, k, v and z rows.
+            "in_proj_qkvz.weight" => {
+                let (qkv, z) = (g("attn_qkv.weight"), g("attn_gate.weight"));
+                let rv = vd / l.n_k_heads;
+                (0..l.n_k_heads)
+                    .flat_map(|h| {
+                        [
+                            (qkv.clone(), h * l.k_dim, l.k_dim),
+                            (qkv.clone(), kd + h * l.k_dim, l.k_dim),
+                            (qkv.clone(), 2 * kd + h * rv, rv),
+                            (z.clone(), h * rv, rv),
+                        ]
+                    })
+                    .collect()
+            }
+            "in_proj_ba.weight" => vec![(g("ssm_ba.weight"), 0, rows)],
+            "out_proj.weight" => {
+                return Some(self.untiled_columns(l, &g("ssm_out.weight"), rows, cols))
+            }
+            _ => return None,
+        };
+        Some(self.gather_rows(&parts, rows, cols))
+    }
+
+    /// `ssm_out` (`[hidden, value heads · v_dim]`) with its columns back in
+    /// transformers' head order; permuted columns cut through quantized
+    /// blocks, so a quantized one comes back in f32.
+    fn untiled_columns(
+        &self,
+        l: &HybridLayout,
+        gname: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<HostMatrix<'static>> {
+        let path = self.file.path().display();
+        let t = self.file.tensor(gname)?;
+        if t.shape != [rows, cols] || cols != l.n_v_heads * l.v_dim {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {:?}",
+                t.shape,
+                [rows, l.n_v_heads * l.v_dim]
+            );
+        }
+        let ctx = || format!("{path}: tensor '{gname}'");
+        let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
+        if !l.tiled {
+            return Ok(HostMatrix::new(t.ty, rows, cols, stored.bytes().to_vec())?);
+        }
+        let w = stored.dequantize().with_context(ctx)?;
+        let out: Vec<f32> = w.chunks(cols).flat_map(|r| l.untile(r, l.v_dim)).collect();
+        Ok(match t.ty.is_float() {
+            true => HostMatrix::from_f32_as(t.ty, rows, cols, &out),
+            false => HostMatrix::from_f32(rows, cols, &out),
+        }
+        .with_context(ctx)?)
+    }
+
+    /// A 1-D tensor as f32, checked against `len`.
+    fn stored_vector(&self, gname: &str, len: usize) -> Result<Vec<f32>> {
+        let t = self.file.tensor(gname)?;
+        let path = self.file.path().display();
+        if t.shape != [len] {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies [{len}]",
+                t.shape
+            );
+        }
+        let v = HostMatrix::new(t.ty, 1, len, t.data)
+            .and_then(|m| m.dequantize())
+            .with_context(|| format!("{path}: tensor '{gname}'"))?;
+        Ok(v)
+    }
+
+    /// A hybrid Qwen model's vector `name` as transformers has it; `None`
+    /// for the ones stored unchanged.
+    fn hybrid_vector(&self, l: &HybridLayout, name: &str, len: usize) -> Option<Result<Vec<f32>>> {
+        if let Some(g) = hybrid_offset_norm(name) {
+            // Stored as fl(1 + w): for weights in [-0.5, 1] taking the 1
+            // off is exact (Sterbenz), and the model adds it back.
+            return Some(
+                self.stored_vector(&g, len)
+                    .map(|v| v.into_iter().map(|x| x - 1.0).collect()),
+            );
+        }
+        let (layer, part) = linear_attn_part(name)?;
+        let g = |s: &str| format!("blk.{layer}.{s}");
+        let per_head = |gname: String| -> Result<Vec<f32>> {
+            if len != l.n_v_heads {
+                bail!(
+                    "{name}: {len} values, not one per value head ({})",
+                    l.n_v_heads
+                );
+            }
+            Ok(l.untile(&self.stored_vector(&gname, len)?, 1))
+        };
+        Some(match part {
+            // ssm_a = -exp(A_log).
+            "A_log" => per_head(g("ssm_a")).and_then(|a| {
+                a.iter()
+                    .map(|&a| match a < 0.0 && a.is_finite() {
+                        true => Ok((-(a as f64)).ln() as f32),
+                        false => bail!(
+                            "{}: tensor '{}' holds {a}; llama.cpp's converter writes -exp(A_log), which is negative",
+                            self.file.path().display(),
+                            g("ssm_a")
+                        ),
+                    })
+                    .collect()
+            }),
+            "dt_bias" => per_head(g("ssm_dt.bias")),
+            "norm.weight" => self.stored_vector(&g("ssm_norm.weight"), len),
+            _ => return None,
+        })
+    }
+}
+
 impl WeightSource for GgufWeights<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
+        if let Some(l) = &self.hybrid {
+            if let Some((layer, part)) = linear_attn_part(name) {
+                if let Some(m) = self.hybrid_matrix(l, layer, part, rows, cols) {
+                    let m = m.with_context(|| format!("tensor '{name}'"))?;
+                    return self.convert(m, &|| format!("{}: tensor '{name}'", self.describe()));
+                }
+            }
+        }
         if let Some((gname, e)) = gguf_expert_name(name) {
             return self.expert_matrix(&gname, e, rows, cols);
         }
@@ -228,19 +549,13 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
-        let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
-        let t = self.file.tensor(&gname)?;
-        let path = self.file.path().display();
-        if t.shape != [len] {
-            bail!(
-                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies [{len}]",
-                t.shape
-            );
+        if let Some(l) = &self.hybrid {
+            if let Some(v) = self.hybrid_vector(l, name, len) {
+                return v;
+            }
         }
-        let v = HostMatrix::new(t.ty, 1, len, t.data)
-            .and_then(|m| m.dequantize())
-            .with_context(|| format!("{path}: tensor '{gname}'"))?;
-        Ok(v)
+        let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
+        self.stored_vector(&gname, len)
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -261,7 +576,30 @@ impl WeightSource for GgufWeights<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::gguf_name;
+    use super::{gguf_name, HybridLayout};
+
+    /// The converter's reorder: the value-head axis viewed as
+    /// `[n_k, r, …]` and transposed to `[r, n_k, …]`; with 2 key heads and
+    /// 3 value heads each, transformers' heads 0..6 land in slots
+    /// 0, 2, 4, 1, 3, 5.
+    #[test]
+    fn value_heads_go_from_grouped_to_tiled_slots() {
+        let l = HybridLayout {
+            n_k_heads: 2,
+            n_v_heads: 6,
+            k_dim: 4,
+            v_dim: 2,
+            tiled: true,
+        };
+        let slots: Vec<usize> = (0..6).map(|h| l.slot(h)).collect();
+        assert_eq!(slots, [0, 2, 4, 1, 3, 5]);
+        // Stored (tiled) per-head values [h0, h3, h1, h4, h2, h5] read back
+        // in transformers' order.
+        let stored = [0.0, 3.0, 1.0, 4.0, 2.0, 5.0];
+        assert_eq!(l.untile(&stored, 1), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+        let grouped = HybridLayout { tiled: false, ..l };
+        assert_eq!(grouped.untile(&stored, 1), stored);
+    }
 
     #[test]
     fn maps_hf_names_to_gguf_names() {
