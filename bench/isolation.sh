@@ -53,7 +53,7 @@ serve() {
   local name=$1; shift
   # shellcheck disable=SC2086
   "$P" serve --model "$MODEL" --served-model-name smol --port "$PORT" --threads "$THREADS" \
-    --max-model-len 2048 --admin-token "$ADMIN" $EXTRA "$@" >"$OUT/server-$name.log" 2>&1 &
+    --max-model-len 2048 --admin-token "$ADMIN" --metrics-tenant-label id $EXTRA "$@" >"$OUT/server-$name.log" 2>&1 &
   SERVER=$!
   wait_ready "$BASE/health/ready"
   tenant calm '{"api_keys": ["tenant-calm-key"]}'

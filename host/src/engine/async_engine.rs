@@ -104,6 +104,10 @@ enum Command {
         opts: RequestOptions,
         outputs: mpsc::UnboundedSender<StepOutput>,
         reply: oneshot::Sender<Result<u64, ParamError>>,
+        /// When it was submitted: its time to first token and queue time
+        /// count from here (as vLLM's from the request's arrival), the
+        /// step in flight when it came included.
+        arrived: Instant,
     },
     Abort(u64),
     /// Empty the prefix cache; the reply is how many blocks are held if
@@ -451,6 +455,7 @@ impl AsyncEngine {
                 opts,
                 outputs,
                 reply,
+                arrived: Instant::now(),
             })
             .map_err(|_| SubmitError::EngineDead)?;
         let mut pending = PendingAdd {
@@ -598,6 +603,7 @@ fn engine_loop(
                     opts,
                     outputs,
                     reply,
+                    arrived,
                 } => {
                     // A prompt counts once, whatever its number of samples.
                     let n = if opts.sample_index == 0 {
@@ -629,7 +635,7 @@ fn engine_loop(
                         tracks.insert(
                             id,
                             Track {
-                                arrived: Instant::now(),
+                                arrived,
                                 first_token: None,
                                 last_token: None,
                                 max_tokens,
