@@ -94,6 +94,19 @@ impl HybridLayout {
             .collect()
     }
 
+    /// Rows of `row_bytes` whose value heads take `head_bytes` each (whole
+    /// blocks of their type), with the heads put in transformers' order.
+    fn untile_blocks(&self, bytes: &[u8], row_bytes: usize, head_bytes: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(bytes.len());
+        for row in bytes.chunks(row_bytes) {
+            for h in 0..self.n_v_heads {
+                let at = self.slot(h) * head_bytes;
+                out.extend_from_slice(&row[at..at + head_bytes]);
+            }
+        }
+        out
+    }
+
     /// `v` (one value per value head, or `block` per head) in
     /// transformers' head order.
     fn untile(&self, v: &[f32], block: usize) -> Vec<f32> {
@@ -419,8 +432,11 @@ impl GgufWeights<'_> {
     }
 
     /// `ssm_out` (`[hidden, value heads · v_dim]`) with its columns back in
-    /// transformers' head order; permuted columns cut through quantized
-    /// blocks, so a quantized one comes back in f32.
+    /// transformers' head order. When a head's `v_dim` columns are whole
+    /// blocks of the stored type (128 of Q8_0's or Q4_0's 32, as in the
+    /// published models) the blocks move as they are, so the matrix stays
+    /// quantized; where a head would cut through a block (the tiny fixtures'
+    /// `v_dim` 16), it comes back in f32.
     fn untiled_columns(
         &self,
         l: &HybridLayout,
@@ -441,6 +457,14 @@ impl GgufWeights<'_> {
         let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
         if !l.tiled {
             return Ok(HostMatrix::new(t.ty, rows, cols, stored.bytes().to_vec())?);
+        }
+        let bl = t.ty.block_len();
+        if l.v_dim.is_multiple_of(bl) {
+            // Each head's columns are `v_dim / bl` whole blocks of a row.
+            let head_bytes = l.v_dim / bl * t.ty.block_bytes();
+            let row_bytes = t.ty.row_bytes(cols).with_context(ctx)?;
+            let out = l.untile_blocks(stored.bytes(), row_bytes, head_bytes);
+            return Ok(HostMatrix::new(t.ty, rows, cols, out).with_context(ctx)?);
         }
         let w = stored.dequantize().with_context(ctx)?;
         let out: Vec<f32> = w.chunks(cols).flat_map(|r| l.untile(r, l.v_dim)).collect();
@@ -599,6 +623,42 @@ mod tests {
         assert_eq!(l.untile(&stored, 1), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         let grouped = HybridLayout { tiled: false, ..l };
         assert_eq!(grouped.untile(&stored, 1), stored);
+    }
+
+    /// A quantized `ssm_out` whose heads are whole Q8_0 blocks is put back
+    /// in order block by block: what it then holds is the untiled matrix,
+    /// still in Q8_0.
+    #[test]
+    fn whole_quantized_blocks_are_untiled_without_dequantizing() {
+        use pagoda_accel::{GgmlType, HostMatrix};
+        let l = HybridLayout {
+            n_k_heads: 2,
+            n_v_heads: 4,
+            k_dim: 4,
+            v_dim: 32,
+            tiled: true,
+        };
+        let (rows, cols) = (3, 4 * 32);
+        let ty = GgmlType::Q8_0;
+        let row_bytes = ty.row_bytes(cols).expect("whole blocks");
+        // Each block: an f16 scale (1, 2, ...) and 32 distinct codes.
+        let mut bytes = Vec::new();
+        for b in 0..rows * cols / 32 {
+            let scale = half::f16::from_f32(1.0 + b as f32);
+            bytes.extend_from_slice(&scale.to_le_bytes());
+            bytes.extend((0..32).map(|i| ((i as i32 * 7 + b as i32) % 100 - 50) as i8 as u8));
+        }
+        let stored = HostMatrix::new(ty, rows, cols, bytes.clone()).expect("Q8_0");
+        let want: Vec<f32> = stored
+            .dequantize()
+            .expect("dequantize")
+            .chunks(cols)
+            .flat_map(|r| l.untile(r, l.v_dim))
+            .collect();
+        // One Q8_0 block of 32 per head.
+        let moved = l.untile_blocks(&bytes, row_bytes, ty.block_bytes());
+        let got = HostMatrix::new(ty, rows, cols, moved).expect("Q8_0");
+        assert_eq!(got.dequantize().expect("dequantize"), want);
     }
 
     #[test]
