@@ -391,7 +391,7 @@ impl WeightSource for SafetensorsSource {
         if !matches!(self.scheme, Some(Scheme::Mxfp4(_))) || self.index.contains_key(name) {
             return Ok(None);
         }
-        if cols % 32 != 0 {
+        if !cols.is_multiple_of(32) {
             bail!(
                 "{}: tensor '{name}': {cols} input features are not whole mxfp4 blocks of 32",
                 self.dir.display()
