@@ -43,6 +43,7 @@ mod bf16_tiles;
 mod dense;
 pub(crate) mod formats;
 mod layout;
+pub mod mxfp4;
 mod qkern;
 #[cfg(test)]
 mod tests;
@@ -74,6 +75,9 @@ pub enum GgmlType {
     /// 256-element super-blocks of sixteen 16-element sub-blocks with 8-bit
     /// scales, 6-bit quants.
     Q6_K,
+    /// 32-element blocks: an e8m0 exponent `e` and 4-bit e2m1 codes
+    /// (OCP microscaling FP4), value `e2m1(q) · 2^(e − 127)`; see [`mxfp4`].
+    MXFP4,
 }
 
 impl GgmlType {
@@ -89,6 +93,7 @@ impl GgmlType {
             12 => GgmlType::Q4_K,
             14 => GgmlType::Q6_K,
             30 => GgmlType::BF16,
+            39 => GgmlType::MXFP4,
             _ => return None,
         })
     }
@@ -104,6 +109,7 @@ impl GgmlType {
             GgmlType::Q4_K => 12,
             GgmlType::Q6_K => 14,
             GgmlType::BF16 => 30,
+            GgmlType::MXFP4 => 39,
         }
     }
 
@@ -118,6 +124,7 @@ impl GgmlType {
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_K => "Q4_K",
             GgmlType::Q6_K => "Q6_K",
+            GgmlType::MXFP4 => "MXFP4",
         }
     }
 
@@ -125,7 +132,7 @@ impl GgmlType {
     pub fn block_len(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 | GgmlType::MXFP4 => 32,
             GgmlType::Q4_K | GgmlType::Q6_K => 256,
         }
     }
@@ -140,6 +147,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_K => 144,
             GgmlType::Q6_K => 210,
+            GgmlType::MXFP4 => mxfp4::BLOCK_BYTES,
         }
     }
 
@@ -257,6 +265,8 @@ enum Repr {
     /// ([`bf16_tiles`]), at [`SimdLevel::AmxBf16`].
     #[cfg(target_arch = "x86_64")]
     Tiles(Box<bf16_tiles::TileMat>),
+    /// MXFP4 blocks as GGUF stores them ([`mxfp4`]).
+    Mxfp4(ABuf),
 }
 
 /// A 2-D weight matrix `[rows = out_features, cols = in_features]`, kept in
@@ -336,10 +346,14 @@ impl Weight {
                 unit: "bytes",
             });
         }
-        let repr = if ty.is_float() {
+        let repr = if ty.is_float() || ty == GgmlType::MXFP4 {
             let mut buf = ABuf::zeroed(bytes.len());
             buf.bytes_mut().copy_from_slice(bytes);
-            Repr::Dense(buf)
+            if ty == GgmlType::MXFP4 {
+                Repr::Mxfp4(buf)
+            } else {
+                Repr::Dense(buf)
+            }
         } else {
             Weight::quant_repr(level.min(max_level()), ty, rows, cols, bytes)
         };
@@ -432,7 +446,9 @@ impl Weight {
                 let bytes = formats::quantize_rows(ty, rows, cols, data)?;
                 Weight::from_raw(ty, rows, cols, &bytes)
             }
-            GgmlType::Q4_K | GgmlType::Q6_K => Err(WeightError::QuantizeUnsupported(ty)),
+            GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::MXFP4 => {
+                Err(WeightError::QuantizeUnsupported(ty))
+            }
         }
     }
 
@@ -469,6 +485,7 @@ impl Weight {
                 Repr::Quant(q) => q.size_bytes(),
                 #[cfg(target_arch = "x86_64")]
                 Repr::Tiles(t) => t.size_bytes(),
+                Repr::Mxfp4(b) => b.len(),
             }
     }
 
@@ -492,6 +509,10 @@ impl Weight {
             Repr::Quant(q) => q.dequantize_row(row, out),
             #[cfg(target_arch = "x86_64")]
             Repr::Tiles(t) => t.dequantize_row(row, out),
+            Repr::Mxfp4(b) => {
+                let rb = self.cols / mxfp4::BLOCK_LEN * mxfp4::BLOCK_BYTES;
+                mxfp4::dequantize_row(&b.bytes()[row * rb..(row + 1) * rb], out);
+            }
         }
         if let Some(a) = &self.affine {
             a.finish_row(row, out);
@@ -600,6 +621,7 @@ impl Weight {
                 dense::matmul(self.ty, b, self.rows, self.cols, level, pool, x, m, out)
             }
             Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
+            Repr::Mxfp4(b) => mxfp4::matmul(b, self.rows, self.cols, level, pool, x, m, out),
             #[cfg(target_arch = "x86_64")]
             Repr::Tiles(t) => {
                 let (rows, kind) = (self.rows, t.kind);

@@ -106,6 +106,23 @@ fn ref_block(ty: GgmlType, blk: &[u8]) -> Vec<(f64, f64)> {
             0.0,
         )],
         GgmlType::F16 => vec![(rd16(blk, 0), 0.0)],
+        // OCP MX: e2m1 code (sign bit 3; exponent bits 1..3 with bias 1,
+        // subnormal at 0; mantissa bit 0) times 2^(e - 127); ggml's order,
+        // element j < 16 the low nibble of byte 1 + j, j + 16 its high one.
+        GgmlType::MXFP4 => (0..32)
+            .map(|e| {
+                let byte = blk[1 + e % 16];
+                let c = if e < 16 { byte & 15 } else { byte >> 4 };
+                let (ex, man) = ((c >> 1) & 3, (c & 1) as f64);
+                let mag = if ex == 0 {
+                    man * 0.5
+                } else {
+                    (1.0 + man * 0.5) * 2f64.powi(ex as i32 - 1)
+                };
+                let sign = if c & 8 != 0 { -1.0 } else { 1.0 };
+                (sign * mag * 2f64.powi(blk[0] as i32 - 127), 0.0)
+            })
+            .collect(),
         GgmlType::BF16 => vec![(
             f32::from_bits((u16::from_le_bytes([blk[0], blk[1]]) as u32) << 16) as f64,
             0.0,
@@ -148,6 +165,7 @@ fn random_bytes(rng: &mut StdRng, ty: GgmlType, rows: usize, cols: usize) -> Vec
                 put16(2, rng.random_range(0.0..0.004));
             }
             GgmlType::Q6_K => put16(208, rng.random_range(-0.001..0.001)),
+            GgmlType::MXFP4 => blk[0] = rng.random_range(118u8..130),
         }
         out.extend_from_slice(&blk);
     }
@@ -173,7 +191,8 @@ fn ref_act(x: &[f32], l: usize) -> Vec<f64> {
 fn lane_len_of(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q6_K => 16,
-        t if t.is_float() => 1,
+        // MXFP4 multiplies f32 activations (no activation quantization).
+        t if t.is_float() || t == GgmlType::MXFP4 => 1,
         _ => 32,
     }
 }
@@ -278,6 +297,51 @@ fn matmul_every_type_level_and_shape() {
                     let what = format!("{ty} {level:?} rows {rows} cols {cols} m {m}");
                     check(ty, &wref, rows, cols, &x, m, &out, &what);
                 }
+            }
+        }
+    }
+}
+
+/// MXFP4 against the naive reference at every level, shape and batch of
+/// [`matmul_every_type_level_and_shape`] (rows 1..130, batches 1..17, 1 to
+/// 32 blocks per row), plus its resident size: 17 bytes per 32 values.
+#[test]
+fn matmul_mxfp4_every_level_and_shape() {
+    let ty = GgmlType::MXFP4;
+    let mut rng = StdRng::seed_from_u64(39);
+    let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    let mut k = 0;
+    for &rows in &[1usize, 3, 7, 33, 130] {
+        for &m in &[1usize, 2, 5, 17] {
+            k += 1;
+            let cols = cols_for(ty, k);
+            let bytes = random_bytes(&mut rng, ty, rows, cols);
+            let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+            assert_eq!(w.size_bytes(), rows * cols / 32 * 17);
+            let wref = ref_matrix(ty, rows, cols, &bytes);
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            for level in levels() {
+                let mut out = vec![f32::NAN; m * rows];
+                w.matmul_at(
+                    level,
+                    &pools[k % 2],
+                    &x,
+                    m,
+                    &mut out,
+                    &mut MatmulScratch::default(),
+                );
+                let what = format!("{ty} {level:?} rows {rows} cols {cols} m {m}");
+                check(ty, &wref, rows, cols, &x, m, &out, &what);
+            }
+            let mut row = vec![0f32; cols];
+            w.dequantize_row(rows - 1, &mut row);
+            for (c, &v) in row.iter().enumerate() {
+                assert_eq!(
+                    v as f64,
+                    wref[(rows - 1) * cols + c].0,
+                    "{what} col {c}",
+                    what = ty
+                );
             }
         }
     }

@@ -75,7 +75,7 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
     (
         "GptOssForCausalLM",
         "-",
-        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts dequantized at load)",
+        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts kept 4-bit in memory)",
     ),
     (
         "BertModel",

@@ -19,7 +19,7 @@ pub fn kind_code(ty: GgmlType) -> Option<i32> {
         GgmlType::Q4_0 => 3,
         GgmlType::Q4_1 => 4,
         GgmlType::Q8_0 => 5,
-        GgmlType::Q4_K | GgmlType::Q6_K => return None,
+        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::MXFP4 => return None,
     })
 }
 
@@ -70,7 +70,7 @@ pub fn pack(ty: GgmlType, rows: usize, cols: usize, data: &[u8]) -> Option<Packe
             }
             Some(Packed { bytes, scale_off })
         }
-        GgmlType::Q4_K | GgmlType::Q6_K => None,
+        GgmlType::Q4_K | GgmlType::Q6_K | GgmlType::MXFP4 => None,
     }
 }
 
@@ -122,6 +122,8 @@ mod tests {
         assert_eq!((p.bytes, p.scale_off), (data, 0));
         assert!(pack(GgmlType::Q4_K, 1, 256, &[0; 144]).is_none());
         assert!(kind_code(GgmlType::Q6_K).is_none());
+        assert!(kind_code(GgmlType::MXFP4).is_none());
+        assert!(pack(GgmlType::MXFP4, 1, 32, &[0; 17]).is_none());
         assert_eq!(kind_code(GgmlType::Q8_0), Some(5));
     }
 }

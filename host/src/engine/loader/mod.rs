@@ -62,6 +62,22 @@ pub trait WeightSource {
             self.describe()
         )
     }
+    /// The stack `name` of `n` matrices `[rows, cols]` (out × in features)
+    /// as MXFP4 blocks in ggml's layout (`pagoda_accel::quant::mxfp4`,
+    /// 17 bytes per 32 values, matrices and rows in order), where the
+    /// source stores that stack in MXFP4 (gpt-oss's `{name}_blocks` and
+    /// `{name}_scales`); `None` where it stores it otherwise, to be read
+    /// with [`WeightSource::stacked`].
+    fn mxfp4_stack(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<u8>>> {
+        let _ = (name, n, rows, cols);
+        Ok(None)
+    }
     /// Whether the source holds a tensor called `name`.
     fn contains(&self, name: &str) -> bool;
     /// Where the weights come from, for error messages.

@@ -191,22 +191,9 @@ impl SafetensorsSource {
                 self.dir.display()
             );
         }
-        let (bn, sn) = (format!("{name}_blocks"), format!("{name}_scales"));
         let g = rows / 32;
-        let (path, blocks) = self.tensor(&bn)?;
-        check_shape(path, &bn, blocks.shape(), &[n, cols, g, 16])?;
-        let (path, scales) = self.tensor(&sn)?;
-        check_shape(path, &sn, scales.shape(), &[n, cols, g])?;
-        for (t, tn) in [(&blocks, &bn), (&scales, &sn)] {
-            if t.dtype() != StDtype::U8 {
-                bail!(
-                    "{}: tensor '{tn}' has dtype {:?}; mxfp4 blocks and scales are U8",
-                    path.display(),
-                    t.dtype()
-                );
-            }
-        }
-        let v = super::hf_quant::mxfp4::dequantize(blocks.data(), scales.data(), n * cols, g)
+        let (path, blocks, scales) = self.mxfp4_parts(name, n, cols, g)?;
+        let v = super::hf_quant::mxfp4::dequantize(blocks, scales, n * cols, g)
             .with_context(|| format!("{}: tensor '{name}'", path.display()))?;
         // `[n, cols, rows]` → `[n, rows, cols]`.
         let mut out = vec![0f32; n * rows * cols];
@@ -224,6 +211,32 @@ impl SafetensorsSource {
             DType::Auto | DType::BFloat16 => GgmlType::BF16,
         };
         Ok((out, ty))
+    }
+
+    /// The U8 tensors `{name}_blocks` `[n, rows, groups, 16]` and
+    /// `{name}_scales` `[n, rows, groups]` of an MXFP4 stack, checked.
+    fn mxfp4_parts(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        groups: usize,
+    ) -> Result<(&Path, &[u8], &[u8])> {
+        let (bn, sn) = (format!("{name}_blocks"), format!("{name}_scales"));
+        let (path, blocks) = self.tensor(&bn)?;
+        check_shape(path, &bn, blocks.shape(), &[n, rows, groups, 16])?;
+        let (path, scales) = self.tensor(&sn)?;
+        check_shape(path, &sn, scales.shape(), &[n, rows, groups])?;
+        for (t, tn) in [(&blocks, &bn), (&scales, &sn)] {
+            if t.dtype() != StDtype::U8 {
+                bail!(
+                    "{}: tensor '{tn}' has dtype {:?}; mxfp4 blocks and scales are U8",
+                    path.display(),
+                    t.dtype()
+                );
+            }
+        }
+        Ok((path, blocks.data(), scales.data()))
     }
 
     fn tensor(&self, name: &str) -> Result<(&Path, safetensors::tensor::TensorView<'_>)> {
@@ -366,6 +379,33 @@ impl WeightSource for SafetensorsSource {
         let (path, t) = self.tensor(name)?;
         check_shape(path, name, t.shape(), &[len])?;
         to_f32(path, name, t.dtype(), t.data())
+    }
+
+    fn mxfp4_stack(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<u8>>> {
+        if !matches!(self.scheme, Some(Scheme::Mxfp4(_))) || self.index.contains_key(name) {
+            return Ok(None);
+        }
+        if !cols.is_multiple_of(32) {
+            bail!(
+                "{}: tensor '{name}': {cols} input features are not whole mxfp4 blocks of 32",
+                self.dir.display()
+            );
+        }
+        let (path, blocks, scales) = self.mxfp4_parts(name, n, rows, cols / 32)?;
+        let out =
+            pagoda_accel::quant::mxfp4::from_hf_blocks(blocks, scales).with_context(|| {
+                format!(
+                    "{}: tensor '{name}': mxfp4 blocks and scales disagree",
+                    path.display()
+                )
+            })?;
+        Ok(Some(out))
     }
 
     fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {

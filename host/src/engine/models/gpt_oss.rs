@@ -9,8 +9,10 @@
 //! with a clamped SwiGLU between them (`swiglu_limit`, `swiglu_alpha`).
 //!
 //! bf16 and f32 checkpoints load as stored; MXFP4 ones (how OpenAI
-//! publishes the weights: the experts as e2m1 blocks with e8m0 scales) have
-//! their experts dequantized at load (`loader::hf_quant::mxfp4`).
+//! publishes the weights: the experts as e2m1 blocks with e8m0 scales) keep
+//! their experts in MXFP4 (`pagoda_accel::quant::mxfp4`, re-packed into
+//! ggml's block layout at load, whatever `--dtype` says); backends without
+//! an MXFP4 kernel (CUDA) refuse them at upload.
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};

@@ -3,9 +3,11 @@
 //! `{name}_blocks` `[..., rows, cols / 32, 16]` bytes, two values a byte
 //! (low nibble first), and `{name}_scales` `[..., rows, cols / 32]`, the
 //! power of two `2^(s − 127)` of each block. Only the experts' stacked
-//! tensors are quantized; they are dequantized at load here (exactly: an
-//! e2m1 value times a power of two is a bfloat16 and an f32), as
-//! transformers does on devices without its Triton kernels.
+//! tensors are quantized. Fused expert stacks (gpt-oss's `SparseMoe`) stay
+//! MXFP4 in memory: the loader re-packs them into ggml's blocks
+//! (`WeightSource::mxfp4_stack`, `pagoda_accel::quant::mxfp4`). A stack
+//! read any other way (`WeightSource::stacked`) is dequantized here
+//! (exactly: an e2m1 value times a power of two is a bfloat16 and an f32).
 
 use anyhow::{bail, Result};
 
@@ -20,7 +22,7 @@ pub struct Mxfp4;
 
 impl Mxfp4 {
     pub fn describe(&self) -> String {
-        "mxfp4 experts (e2m1 with an e8m0 scale per 32, dequantized at load)".into()
+        "mxfp4 experts (e2m1 with an e8m0 scale per 32, kept 4-bit in memory)".into()
     }
 }
 

@@ -194,41 +194,85 @@ impl<B: Backend> SparseMoe<B> {
         let router = upload_f32(backend, &source.matrix(&router_name, e, d)?)
             .with_context(|| format!("{}: tensor '{router_name}'", source.describe()))?;
         let router_bias = load_vector(backend, source, &p("router.bias"), e)?;
-        let (gu, ty) = source.stacked(&p("experts.gate_up_proj"), &[e, d, 2 * f])?;
         let gub = source
             .stacked(&p("experts.gate_up_proj_bias"), &[e, 2 * f])?
             .0;
-        let (dn, down_ty) = source.stacked(&p("experts.down_proj"), &[e, f, d])?;
         let db = source.stacked(&p("experts.down_proj_bias"), &[e, d])?.0;
-        let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
         let mut gu_bias = Vec::with_capacity(e * 2 * f);
-        let mut rows = vec![0f32; 2 * f * d];
-        let mut down_rows = vec![0f32; d * f];
-        for x in 0..e {
-            // Row j of gate (j < f) is column 2j, row f + j of up column
-            // 2j + 1, of the expert's `[hidden, 2·ffn]` matrix.
-            let w = &gu[x * d * 2 * f..(x + 1) * d * 2 * f];
-            for j in 0..f {
-                for k in 0..d {
-                    rows[j * d + k] = w[k * 2 * f + 2 * j];
-                    rows[(f + j) * d + k] = w[k * 2 * f + 2 * j + 1];
-                }
-            }
-            let m = HostMatrix::from_f32_as(ty, 2 * f, d, &rows)?;
-            gate_up.push(backend.upload_matrix(&m)?);
-            let b = &gub[x * 2 * f..(x + 1) * 2 * f];
+        for b in gub.chunks_exact(2 * f) {
             gu_bias.extend((0..f).map(|j| b[2 * j]));
             gu_bias.extend((0..f).map(|j| b[2 * j + 1]));
-            // `[ffn, hidden]` applied as `a @ W`: transposed to `[hidden, ffn]`.
-            let w = &dn[x * f * d..(x + 1) * f * d];
-            for j in 0..f {
-                for n in 0..d {
-                    down_rows[n * f + j] = w[j * d + n];
-                }
-            }
-            let m = HostMatrix::from_f32_as(down_ty, d, f, &down_rows)?;
-            down.push(backend.upload_matrix(&m)?);
         }
+        // Row j of gate (j < f) is output 2j of the checkpoint's fused
+        // expert, row f + j of up its output 2j + 1.
+        let (gate_up, down) = match (
+            source.mxfp4_stack(&p("experts.gate_up_proj"), e, 2 * f, d)?,
+            source.mxfp4_stack(&p("experts.down_proj"), e, d, f)?,
+        ) {
+            // MXFP4 checkpoints: the experts stay MXFP4 (17 bytes per 32
+            // values), stored `[out, in]` already; only gate and up rows
+            // are taken apart.
+            (Some(gu), Some(dn)) => {
+                let ty = pagoda_accel::GgmlType::MXFP4;
+                let (gu_row, dn_mat) = (ty.row_bytes(d)?, d * ty.row_bytes(f)?);
+                let mut gate_up = Vec::with_capacity(e);
+                let mut rows = vec![0u8; 2 * f * gu_row];
+                for w in gu.chunks_exact(2 * f * gu_row) {
+                    for j in 0..f {
+                        let src = |o: usize| &w[o * gu_row..(o + 1) * gu_row];
+                        rows[j * gu_row..(j + 1) * gu_row].copy_from_slice(src(2 * j));
+                        rows[(f + j) * gu_row..(f + j + 1) * gu_row]
+                            .copy_from_slice(src(2 * j + 1));
+                    }
+                    gate_up.push(backend.upload_matrix(&HostMatrix::new(
+                        ty,
+                        2 * f,
+                        d,
+                        &rows[..],
+                    )?)?);
+                }
+                let down = dn
+                    .chunks_exact(dn_mat)
+                    .map(|w| {
+                        backend
+                            .upload_matrix(&HostMatrix::new(ty, d, f, w)?)
+                            .map_err(Into::into)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                (gate_up, down)
+            }
+            _ => {
+                let (gu, ty) = source.stacked(&p("experts.gate_up_proj"), &[e, d, 2 * f])?;
+                let (dn, down_ty) = source.stacked(&p("experts.down_proj"), &[e, f, d])?;
+                let (mut gate_up, mut down) = (Vec::with_capacity(e), Vec::with_capacity(e));
+                let mut rows = vec![0f32; 2 * f * d];
+                let mut down_rows = vec![0f32; d * f];
+                for x in 0..e {
+                    // The checkpoint's `[hidden, 2·ffn]` matrix, applied as
+                    // `a @ W`.
+                    let w = &gu[x * d * 2 * f..(x + 1) * d * 2 * f];
+                    for j in 0..f {
+                        for k in 0..d {
+                            rows[j * d + k] = w[k * 2 * f + 2 * j];
+                            rows[(f + j) * d + k] = w[k * 2 * f + 2 * j + 1];
+                        }
+                    }
+                    let m = HostMatrix::from_f32_as(ty, 2 * f, d, &rows)?;
+                    gate_up.push(backend.upload_matrix(&m)?);
+                    // `[ffn, hidden]` applied as `a @ W`: transposed to
+                    // `[hidden, ffn]`.
+                    let w = &dn[x * f * d..(x + 1) * f * d];
+                    for j in 0..f {
+                        for n in 0..d {
+                            down_rows[n * f + j] = w[j * d + n];
+                        }
+                    }
+                    let m = HostMatrix::from_f32_as(down_ty, d, f, &down_rows)?;
+                    down.push(backend.upload_matrix(&m)?);
+                }
+                (gate_up, down)
+            }
+        };
         Ok(SparseMoe {
             router,
             router_bias: Some(router_bias),

@@ -1,0 +1,416 @@
+//! MXFP4 weights (OCP microscaling FP4), kept 4-bit in memory, and their
+//! matmul kernel.
+//!
+//! Storage is ggml's `block_mxfp4` (GGUF type 39), 17 bytes per 32 values:
+//! byte 0 is an e8m0 exponent `e`, bytes `1..17` the 4-bit e2m1 codes, with
+//! element `j < 16` the low nibble of `qs[j]` and element `j + 16` its high
+//! nibble (the Q4_0 order). A code's value is its e2m1 value (`{0, 0.5, 1,
+//! 1.5, 2, 3, 4, 6}`, bit 3 the sign) times `2^(e − 127)`. Like ggml, the
+//! kernel uses doubled codes (`{0, 1, 2, 3, 4, 6, 8, 12}`, small integers)
+//! times `2^(e − 128)`, which is the same number, exactly.
+//!
+//! Hugging Face checkpoints (gpt-oss, `quant_method: "mxfp4"`) store the same
+//! values as `{name}_blocks` (16 bytes per block) and `{name}_scales` (one
+//! `e` per block), but with the elements of a block in byte order, low nibble
+//! first: element `2i` is the low and `2i + 1` the high nibble of byte `i`.
+//! [`from_hf_blocks`] re-packs that into the ggml order.
+//!
+//! The product decodes each block to 32 f32 weights (a nibble table lookup
+//! and one multiply by the power of two, both exact: every value is an f32)
+//! and accumulates them against f32 activations, so a row's result equals
+//! the dequantized f32 matrix's up to summation order. AVX-512 and AVX2
+//! paths do the lookup with a byte shuffle; the scalar path is the
+//! reference. The SIMD level is picked per call like the other kernels.
+
+use super::layout::ABuf;
+use super::OutPtr;
+use crate::cpu::pool::ThreadPool;
+use crate::cpu::SimdLevel;
+
+/// Elements per block.
+pub(crate) const BLOCK_LEN: usize = 32;
+/// Bytes per block: one e8m0 exponent and 16 bytes of codes.
+pub(crate) const BLOCK_BYTES: usize = 17;
+
+/// The doubled e2m1 values of the 16 codes (bit 3 is the sign).
+const KVALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Activation rows handled together per weight row (each decoded block is
+/// reused for this many rows).
+const M_TILE: usize = 4;
+
+/// `2^(e − 128)` as f32, exactly (subnormal for `e < 2`).
+#[inline]
+pub(crate) fn half_scale(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}
+
+/// Decodes one 17-byte block into its 32 values.
+#[inline]
+pub(crate) fn decode_block(block: &[u8], out: &mut [f32]) {
+    let d = half_scale(block[0]);
+    for j in 0..16 {
+        let b = block[1 + j];
+        out[j] = KVALUES[(b & 0x0f) as usize] as f32 * d;
+        out[j + 16] = KVALUES[(b >> 4) as usize] as f32 * d;
+    }
+}
+
+/// Dequantizes one stored row (`cols / 32` blocks) into `out[..cols]`.
+pub(crate) fn dequantize_row(row: &[u8], out: &mut [f32]) {
+    for (b, o) in row
+        .chunks_exact(BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(BLOCK_LEN))
+    {
+        decode_block(b, o);
+    }
+}
+
+/// Re-packs Hugging Face MXFP4 blocks into ggml's block layout: `blocks`
+/// holds `n` blocks of 16 code bytes (element `2i` the low nibble of byte
+/// `i`, `2i + 1` the high one), `scales` their `n` e8m0 exponents; the
+/// result is `n` 17-byte blocks (see the module docs). `None` if the
+/// lengths disagree.
+pub fn from_hf_blocks(blocks: &[u8], scales: &[u8]) -> Option<Vec<u8>> {
+    if blocks.len() != scales.len().checked_mul(16)? {
+        return None;
+    }
+    let mut out = vec![0u8; scales.len() * BLOCK_BYTES];
+    for ((src, &e), dst) in blocks
+        .chunks_exact(16)
+        .zip(scales)
+        .zip(out.chunks_exact_mut(BLOCK_BYTES))
+    {
+        dst[0] = e;
+        // Element `k` of the block is nibble `k % 2` of byte `k / 2`.
+        let code = |k: usize| (src[k / 2] >> (4 * (k % 2))) & 0x0f;
+        for j in 0..16 {
+            dst[1 + j] = code(j) | (code(j + 16) << 4);
+        }
+    }
+    Some(out)
+}
+
+/// `out[i][r] = Σ_k x[i][k] · W[r][k]` for the `rows × cols` MXFP4 matrix
+/// `w` (rows of `cols / 32` blocks), `x: [m, cols]`, `out: [m, rows]`.
+/// The callers checked the lengths and that `m`, `rows` and `cols` are
+/// nonzero.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul(
+    w: &ABuf,
+    rows: usize,
+    cols: usize,
+    level: SimdLevel,
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+) {
+    let row_bytes = cols / BLOCK_LEN * BLOCK_BYTES;
+    let wb = w.bytes();
+    let o = OutPtr(out.as_mut_ptr());
+    pool.run_ranges(rows, 4, &|r0, r1| {
+        let o = &o;
+        for r in r0..r1 {
+            let row = &wb[r * row_bytes..(r + 1) * row_bytes];
+            let mut i0 = 0;
+            while i0 < m {
+                let mt = (m - i0).min(M_TILE);
+                let xs = &x[i0 * cols..(i0 + mt) * cols];
+                let mut acc = [0f32; M_TILE];
+                row_dot(level, row, xs, cols, mt, &mut acc);
+                for (i, &a) in acc[..mt].iter().enumerate() {
+                    // SAFETY: `(i0 + i) · rows + r` is inside `out` (m × rows
+                    // elements), and only the task owning row `r` writes it.
+                    unsafe { *o.0.add((i0 + i) * rows + r) = a };
+                }
+                i0 += mt;
+            }
+        }
+    });
+}
+
+/// The dot products of one weight row with the `mt` activation rows in
+/// `xs` (`mt × cols`), into `acc[..mt]`.
+fn row_dot(level: SimdLevel, row: &[u8], xs: &[f32], cols: usize, mt: usize, acc: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level.has_avx512() {
+            // SAFETY: the level (clamped to the CPU's by the caller) has
+            // AVX-512 F/BW/VL; the slices hold whole blocks.
+            return unsafe { x86::row_dot512(row, xs, cols, mt, acc) };
+        }
+        if level >= SimdLevel::Avx2 {
+            // SAFETY: as above, with AVX2 and FMA.
+            return unsafe { x86::row_dot256(row, xs, cols, mt, acc) };
+        }
+    }
+    let _ = level;
+    row_dot_scalar(row, xs, cols, mt, acc)
+}
+
+/// The reference path: decode a block, then multiply-add it in order.
+fn row_dot_scalar(row: &[u8], xs: &[f32], cols: usize, mt: usize, acc: &mut [f32]) {
+    let mut wv = [0f32; BLOCK_LEN];
+    for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+        decode_block(block, &mut wv);
+        for (i, a) in acc[..mt].iter_mut().enumerate() {
+            let xb = &xs[i * cols + b * BLOCK_LEN..][..BLOCK_LEN];
+            for (w, v) in wv.iter().zip(xb) {
+                *a += w * v;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{half_scale, BLOCK_BYTES, BLOCK_LEN, KVALUES, M_TILE};
+    use std::arch::x86_64::*;
+
+    /// The 16 doubled codes as bytes, for `pshufb`.
+    #[inline]
+    unsafe fn lut() -> __m128i {
+        _mm_loadu_si128(KVALUES.as_ptr() as *const __m128i)
+    }
+
+    /// The doubled values of a block's 32 codes: elements `0..16` and
+    /// `16..32` as two vectors of 16 signed bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn codes(p: *const u8, lut: __m128i) -> (__m128i, __m128i) {
+        let q = _mm_loadu_si128(p as *const __m128i);
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(q, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+        (_mm_shuffle_epi8(lut, lo), _mm_shuffle_epi8(lut, hi))
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,avx2")]
+    pub(super) unsafe fn row_dot512(
+        row: &[u8],
+        xs: &[f32],
+        cols: usize,
+        mt: usize,
+        acc: &mut [f32],
+    ) {
+        let lut = lut();
+        let mut s = [_mm512_setzero_ps(); M_TILE];
+        for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+            let d = _mm512_set1_ps(half_scale(block[0]));
+            let (lo, hi) = codes(block.as_ptr().add(1), lut);
+            let w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d);
+            let w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d);
+            for (i, si) in s[..mt].iter_mut().enumerate() {
+                let xp = xs.as_ptr().add(i * cols + b * BLOCK_LEN);
+                *si = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), *si);
+                *si = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp.add(16)), *si);
+            }
+        }
+        for (a, si) in acc[..mt].iter_mut().zip(&s) {
+            *a = _mm512_reduce_add_ps(*si);
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn row_dot256(
+        row: &[u8],
+        xs: &[f32],
+        cols: usize,
+        mt: usize,
+        acc: &mut [f32],
+    ) {
+        let lut = lut();
+        let mut s = [[_mm256_setzero_ps(); 2]; M_TILE];
+        for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+            let d = _mm256_set1_ps(half_scale(block[0]));
+            let (lo, hi) = codes(block.as_ptr().add(1), lut);
+            let f = |v: __m128i| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
+            let w = [
+                f(lo),
+                f(_mm_srli_si128::<8>(lo)),
+                f(hi),
+                f(_mm_srli_si128::<8>(hi)),
+            ];
+            for (i, si) in s[..mt].iter_mut().enumerate() {
+                let xp = xs.as_ptr().add(i * cols + b * BLOCK_LEN);
+                for (k, wk) in w.iter().enumerate() {
+                    si[k % 2] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xp.add(8 * k)), si[k % 2]);
+                }
+            }
+        }
+        for (a, si) in acc[..mt].iter_mut().zip(&s) {
+            let v = _mm256_add_ps(si[0], si[1]);
+            let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let h = _mm_add_ss(h, _mm_shuffle_ps::<1>(h, h));
+            *a = _mm_cvtss_f32(h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{GgmlType, MatmulScratch, Weight};
+
+    /// A deterministic xorshift stream.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn f(&mut self) -> f64 {
+            (self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+        }
+    }
+
+    /// The value of a code and exponent from the OCP definition, in f64:
+    /// sign bit 3, then e2m1 with exponent bias 1 (subnormal when the
+    /// exponent bits are 0), times `2^(e − 127)`. Independent of the
+    /// tables above.
+    fn ocp_value(code: u8, e: u8) -> f64 {
+        let sign = if code & 8 != 0 { -1.0 } else { 1.0 };
+        let (ex, man) = ((code >> 1) & 3, code & 1);
+        let mag = if ex == 0 {
+            man as f64 * 0.5
+        } else {
+            (1.0 + man as f64 * 0.5) * 2f64.powi(ex as i32 - 1)
+        };
+        sign * mag * 2f64.powi(e as i32 - 127)
+    }
+
+    /// Random ggml blocks for `rows × cols`, exponents in a range around 127
+    /// so products stay finite.
+    fn random_blocks(rng: &mut Rng, rows: usize, cols: usize) -> Vec<u8> {
+        let mut v = vec![0u8; rows * cols / 32 * BLOCK_BYTES];
+        for block in v.chunks_exact_mut(BLOCK_BYTES) {
+            block[0] = 117 + (rng.next() % 16) as u8;
+            for b in &mut block[1..] {
+                *b = rng.next() as u8;
+            }
+        }
+        v
+    }
+
+    /// Naive reference: each element decoded from the ggml layout by its
+    /// definition, products summed in f64.
+    fn reference(bytes: &[u8], rows: usize, cols: usize, x: &[f32], m: usize) -> Vec<f64> {
+        let row_bytes = cols / 32 * BLOCK_BYTES;
+        let mut out = vec![0f64; m * rows];
+        for i in 0..m {
+            for r in 0..rows {
+                let mut s = 0f64;
+                for k in 0..cols {
+                    let block = &bytes[r * row_bytes + k / 32 * BLOCK_BYTES..][..BLOCK_BYTES];
+                    let j = k % 32;
+                    let code = if j < 16 {
+                        block[1 + j] & 0x0f
+                    } else {
+                        block[1 + j - 16] >> 4
+                    };
+                    s += ocp_value(code, block[0]) * x[i * cols + k] as f64;
+                }
+                out[i * rows + r] = s;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn half_scale_is_two_to_the_e_minus_128() {
+        for e in 0..=255u8 {
+            assert_eq!(half_scale(e) as f64, 2f64.powi(e as i32 - 128), "e = {e}");
+        }
+    }
+
+    #[test]
+    fn kernel_matches_a_naive_f64_reference_at_every_level() {
+        let pool = ThreadPool::new(3);
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        // Rows not a multiple of any tile or panel; batch 1 and more than a
+        // tile of activation rows, with a ragged last tile.
+        for &(rows, cols, m) in &[
+            (1, 32, 1),
+            (7, 64, 1),
+            (13, 96, 2),
+            (33, 256, 5),
+            (5, 2880, 1),
+            (19, 160, 9),
+        ] {
+            let bytes = random_blocks(&mut rng, rows, cols);
+            let x: Vec<f32> = (0..m * cols).map(|_| rng.f() as f32).collect();
+            let want = reference(&bytes, rows, cols, &x, m);
+            let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+            assert_eq!(w.size_bytes(), rows * cols / 32 * 17);
+            for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+                let mut out = vec![f32::NAN; m * rows];
+                w.matmul_at(level, &pool, &x, m, &mut out, &mut MatmulScratch::default());
+                for (k, (&g, &r)) in out.iter().zip(&want).enumerate() {
+                    // f32 accumulation over `cols` terms of magnitude up to
+                    // |w|·|x|: bound the error by cols · eps · Σ|w·x|.
+                    let i = k / rows;
+                    let row = k % rows;
+                    let mut abs = 0f64;
+                    for c in 0..cols {
+                        let mut d = [0f32; 32];
+                        let off = row * cols / 32 * BLOCK_BYTES + c / 32 * BLOCK_BYTES;
+                        decode_block(&bytes[off..off + BLOCK_BYTES], &mut d);
+                        abs += (d[c % 32] as f64 * x[i * cols + c] as f64).abs();
+                    }
+                    let tol = abs * cols as f64 * f32::EPSILON as f64 + 1e-30;
+                    assert!(
+                        (g as f64 - r).abs() <= tol,
+                        "{level:?} [{rows}x{cols}] m={m} out[{k}]: {g} vs {r} (tol {tol})"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dequantize_row_matches_the_definition() {
+        let mut rng = Rng(42);
+        let (rows, cols) = (3, 64);
+        let bytes = random_blocks(&mut rng, rows, cols);
+        let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+        let mut out = vec![0f32; cols];
+        for r in 0..rows {
+            w.dequantize_row(r, &mut out);
+            // Row r against one-hot activations through the reference.
+            for (k, &v) in out.iter().enumerate() {
+                let mut x = vec![0f32; cols];
+                x[k] = 1.0;
+                let want = reference(&bytes, rows, cols, &x, 1)[r];
+                assert_eq!(v as f64, want, "row {r} col {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn hf_blocks_repack_to_the_ggml_order() {
+        // HF: element 2i is the low nibble of byte i. Put code (k % 16) at
+        // element k, for 32 elements, and scale 130.
+        let mut hf = [0u8; 16];
+        for k in 0..32usize {
+            hf[k / 2] |= ((k % 16) as u8) << (4 * (k % 2));
+        }
+        let g = from_hf_blocks(&hf, &[130]).expect("lengths");
+        assert_eq!(g.len(), 17);
+        assert_eq!(g[0], 130);
+        let mut vals = [0f32; 32];
+        decode_block(&g, &mut vals);
+        for (k, &v) in vals.iter().enumerate() {
+            assert_eq!(v as f64, ocp_value((k % 16) as u8, 130), "element {k}");
+        }
+        assert!(from_hf_blocks(&hf[..15], &[130]).is_none());
+    }
+}
