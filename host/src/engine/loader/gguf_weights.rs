@@ -12,6 +12,8 @@ pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
     hybrid: Option<HybridLayout>,
+    /// Gemma 3's layout (see [`gemma_name`]).
+    gemma: bool,
 }
 
 impl<'a> GgufWeights<'a> {
@@ -22,6 +24,7 @@ impl<'a> GgufWeights<'a> {
             file,
             dtype,
             hybrid: None,
+            gemma: false,
         }
     }
 
@@ -30,6 +33,7 @@ impl<'a> GgufWeights<'a> {
     /// (see [`HybridLayout`]).
     pub fn for_model(mut self, config: &ModelConfig) -> Self {
         self.hybrid = HybridLayout::of(config);
+        self.gemma = config.arch == Arch::Gemma3;
         self
     }
 }
@@ -118,6 +122,28 @@ fn hybrid_offset_norm(hf: &str) -> Option<String> {
     let g = match tail {
         "input_layernorm.weight" => "attn_norm",
         "post_attention_layernorm.weight" => "post_attention_norm",
+        "self_attn.q_norm.weight" => "attn_q_norm",
+        "self_attn.k_norm.weight" => "attn_k_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// Gemma 3's norm `hf` as llama.cpp's converter (`Gemma3Model`) names it:
+/// every RMSNorm weight (the sandwich norms, the q/k norms and the final
+/// one) is stored as `1 + w`, which the reader takes off again.
+fn gemma_norm(hf: &str) -> Option<String> {
+    if hf == "model.norm.weight" {
+        return Some("output_norm.weight".into());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match tail {
+        "input_layernorm.weight" => "attn_norm",
+        "post_attention_layernorm.weight" => "post_attention_norm",
+        "pre_feedforward_layernorm.weight" => "ffn_norm",
+        "post_feedforward_layernorm.weight" => "post_ffw_norm",
         "self_attn.q_norm.weight" => "attn_q_norm",
         "self_attn.k_norm.weight" => "attn_k_norm",
         _ => return None,
@@ -534,6 +560,25 @@ impl WeightSource for GgufWeights<'_> {
         let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
         let t = self.file.tensor(&gname)?;
         let path = self.file.path().display();
+        // Gemma 3: the converter keeps only the embedding rows of the
+        // tokenizer's tokens; the rows past them (which no token of the
+        // tokenizer looks up) come back as zeros.
+        if self.gemma && gname == "token_embd.weight" {
+            if let [r, c] = t.shape[..] {
+                if c == cols && r < rows {
+                    let ctx = || format!("{path}: tensor '{gname}' ({r} of {rows} rows)");
+                    let per_row = t.ty.row_bytes(cols).with_context(ctx)?;
+                    let mut data = t
+                        .data
+                        .get(..r * per_row)
+                        .with_context(|| format!("{}: shorter than its shape", ctx()))?
+                        .to_vec();
+                    data.resize(rows * per_row, 0);
+                    let m = HostMatrix::new(t.ty, rows, cols, data).with_context(ctx)?;
+                    return self.convert(m, &ctx);
+                }
+            }
+        }
         // A one-row matrix may be stored as a vector (the shared expert's
         // gate, `ffn_gate_inp_shexp`).
         if t.shape != [rows, cols] && !(rows == 1 && t.shape == [cols]) {
@@ -549,6 +594,16 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        if self.gemma {
+            if let Some(g) = gemma_norm(name) {
+                // Stored as fl(1 + w); see `hybrid_vector`.
+                return Ok(self
+                    .stored_vector(&g, len)?
+                    .into_iter()
+                    .map(|x| x - 1.0)
+                    .collect());
+            }
+        }
         if let Some(l) = &self.hybrid {
             if let Some(v) = self.hybrid_vector(l, name, len) {
                 return v;
