@@ -219,7 +219,7 @@ fn gemma3_layer_pattern_defaults_to_llama_cpps_period_of_six() {
 /// Every metadata key that changes the math is computed or refused by
 /// name: an edited copy of a fixture is refused, naming the key.
 #[test]
-fn metadata_that_changes_the_math_is_refused_by_name() {
+fn gemma3_metadata_that_changes_the_math_is_refused_by_name() {
     let dir = tempfile::tempdir().expect("tempdir");
     let same = edited("gemma3", dir.path(), |_| {});
     ModelConfig::from_gguf(&GgufFile::open(&same).expect("open")).expect("unchanged copy");
@@ -268,5 +268,76 @@ fn metadata_that_changes_the_math_is_refused_by_name() {
             .expect_err(&format!("{family} with {key} edited"));
         let msg = format!("{err:#}");
         assert!(msg.contains(key), "{family}: '{msg}' does not name {key}");
+    }
+}
+
+#[test]
+fn gpt_oss_gguf_agrees_with_transformers() {
+    let worst = check_against_reference(
+        "gpt_oss",
+        "gpt_oss (llama.cpp's f32 GGUF)",
+        &gguf("gpt_oss", "f32"),
+        TOL,
+        NEAR_TIE,
+        512,
+    );
+    assert!(worst < TOL);
+}
+
+/// The gpt-oss file reads as the same model as its Hugging Face folder:
+/// the alternating layers, YaRN (gpt-oss's unrounded ramp), the experts,
+/// the SwiGLU limits.
+#[test]
+fn gpt_oss_gguf_config_is_the_hf_config() {
+    let g = ModelConfig::from_gguf(&GgufFile::open(&gguf("gpt_oss", "f32")).expect("open"))
+        .expect("gguf config");
+    let hf = ModelConfig::from_hf_config(&fixtures().join("gpt_oss/config.json")).expect("hf");
+    assert_eq!(g, hf);
+}
+
+#[test]
+fn gpt_oss_metadata_that_changes_the_math_is_refused_by_name() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let same = edited("gpt_oss", dir.path(), |_| {});
+    ModelConfig::from_gguf(&GgufFile::open(&same).expect("open")).expect("unchanged copy");
+    type Edit = Box<dyn Fn(&mut Vec<(String, GgufValue)>)>;
+    let cases: Vec<(Edit, &str)> = vec![
+        (
+            Box::new(set(
+                "gpt-oss.rope.scaling.type",
+                GgufValue::String("linear".into()),
+            )),
+            "gpt-oss.rope.scaling.type",
+        ),
+        (
+            Box::new(set("gpt-oss.rope.freq_base_swa", GgufValue::F32(10_000.0))),
+            "gpt-oss.rope.freq_base_swa",
+        ),
+        (
+            Box::new(set("gpt-oss.rope.scaling.attn_factor", GgufValue::F32(2.0))),
+            "gpt-oss.rope.scaling.attn_factor",
+        ),
+        (
+            Box::new(set("gpt-oss.attention.value_length", GgufValue::U32(8))),
+            "gpt-oss.attention.value_length",
+        ),
+        (
+            Box::new(set("gpt-oss.expert_used_count", GgufValue::U32(5))),
+            "gpt-oss.expert_used_count",
+        ),
+        (
+            Box::new(set(
+                "gpt-oss.attention.sliding_window_pattern",
+                GgufValue::Array(vec![GgufValue::Bool(true); 3]),
+            )),
+            "gpt-oss.attention.sliding_window_pattern",
+        ),
+    ];
+    for (edit, key) in cases {
+        let path = edited("gpt_oss", dir.path(), edit);
+        let err = ModelConfig::from_gguf(&GgufFile::open(&path).expect("open"))
+            .expect_err(&format!("gpt_oss with {key} edited"));
+        let msg = format!("{err:#}");
+        assert!(msg.contains(key), "gpt_oss: '{msg}' does not name {key}");
     }
 }

@@ -12,8 +12,10 @@ pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
     hybrid: Option<HybridLayout>,
-    /// Gemma 3's layout (see [`gemma_name`]).
+    /// Gemma 3's layout (see [`gemma_norm`]).
     gemma: bool,
+    /// gpt-oss's layout (see [`gpt_oss_name`] and `gpt_oss_stacked`).
+    gpt_oss: bool,
 }
 
 impl<'a> GgufWeights<'a> {
@@ -25,6 +27,7 @@ impl<'a> GgufWeights<'a> {
             dtype,
             hybrid: None,
             gemma: false,
+            gpt_oss: false,
         }
     }
 
@@ -34,6 +37,7 @@ impl<'a> GgufWeights<'a> {
     pub fn for_model(mut self, config: &ModelConfig) -> Self {
         self.hybrid = HybridLayout::of(config);
         self.gemma = config.arch == Arch::Gemma3;
+        self.gpt_oss = config.arch == Arch::GptOss;
         self
     }
 }
@@ -149,6 +153,23 @@ fn gemma_norm(hf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// gpt-oss's tensors that llama.cpp's converter (`GptOssModel`) names
+/// otherwise than [`gguf_name`]: the sinks (`attn_sinks.weight`), the
+/// pre-MLP norm (`post_attention_norm`), the router (`ffn_gate_inp`).
+fn gpt_oss_name(hf: &str) -> Option<String> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match tail {
+        "self_attn.sinks" => "attn_sinks.weight",
+        "post_attention_layernorm.weight" => "post_attention_norm.weight",
+        "mlp.router.weight" => "ffn_gate_inp.weight",
+        "mlp.router.bias" => "ffn_gate_inp.bias",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
 }
 
 /// A hybrid Qwen model's Gated DeltaNet tensor (`model.layers.N.
@@ -536,6 +557,104 @@ impl GgufWeights<'_> {
     }
 }
 
+impl GgufWeights<'_> {
+    /// The stored tensor `gname` of exactly `shape` as f32 values.
+    fn stored_stack(&self, gname: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        let t = self.file.tensor(gname)?;
+        let path = self.file.path().display();
+        if t.shape != shape {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {shape:?}",
+                t.shape
+            );
+        }
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = shape.iter().product::<usize>() / cols.max(1);
+        let v = HostMatrix::new(t.ty, rows, cols, t.data)
+            .and_then(|m| m.dequantize())
+            .with_context(|| format!("{path}: tensor '{gname}'"))?;
+        Ok((v, t.ty))
+    }
+
+    /// gpt-oss's fused experts as transformers stores them (see
+    /// `SparseMoe::load_fused`), rebuilt from the converter's split:
+    /// `ffn_gate_exps`/`ffn_up_exps` (`[experts, ffn, hidden]`, the fused
+    /// matrix's even and odd columns, transposed), their biases (`[experts,
+    /// ffn]`), `ffn_down_exps` (`[experts, hidden, ffn]`, transposed) and
+    /// its bias. Exact (values only move).
+    fn gpt_oss_stacked(&self, name: &str, shape: &[usize]) -> Option<Result<(Vec<f32>, GgmlType)>> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, tail) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        if !tail.starts_with("mlp.experts.") {
+            return None;
+        }
+        let g = |s: &str| format!("blk.{layer}.{s}");
+        let want = |n: usize| -> Result<()> {
+            if shape.len() != n {
+                bail!("tensor '{name}': asked for {shape:?}, not {n} dimensions");
+            }
+            Ok(())
+        };
+        let ty_of = |a: GgmlType, b: GgmlType| {
+            if a == b && a.is_float() {
+                a
+            } else {
+                GgmlType::F32
+            }
+        };
+        Some((|| -> Result<(Vec<f32>, GgmlType)> {
+            match tail {
+                "mlp.experts.gate_up_proj" => {
+                    want(3)?;
+                    let (e, d, f2) = (shape[0], shape[1], shape[2]);
+                    let f = f2 / 2;
+                    let (gate, gt) = self.stored_stack(&g("ffn_gate_exps.weight"), &[e, f, d])?;
+                    let (up, ut) = self.stored_stack(&g("ffn_up_exps.weight"), &[e, f, d])?;
+                    let mut out = vec![0f32; e * d * f2];
+                    for x in 0..e {
+                        for j in 0..f {
+                            for k in 0..d {
+                                let o = x * d * f2 + k * f2 + 2 * j;
+                                out[o] = gate[(x * f + j) * d + k];
+                                out[o + 1] = up[(x * f + j) * d + k];
+                            }
+                        }
+                    }
+                    Ok((out, ty_of(gt, ut)))
+                }
+                "mlp.experts.gate_up_proj_bias" => {
+                    want(2)?;
+                    let (e, f) = (shape[0], shape[1] / 2);
+                    let (gate, gt) = self.stored_stack(&g("ffn_gate_exps.bias"), &[e, f])?;
+                    let (up, ut) = self.stored_stack(&g("ffn_up_exps.bias"), &[e, f])?;
+                    let out = (0..e * f).flat_map(|i| [gate[i], up[i]]).collect();
+                    Ok((out, ty_of(gt, ut)))
+                }
+                "mlp.experts.down_proj" => {
+                    want(3)?;
+                    let (e, f, d) = (shape[0], shape[1], shape[2]);
+                    let (down, ty) = self.stored_stack(&g("ffn_down_exps.weight"), &[e, d, f])?;
+                    let mut out = vec![0f32; e * f * d];
+                    for x in 0..e {
+                        for n in 0..d {
+                            for j in 0..f {
+                                out[(x * f + j) * d + n] = down[(x * d + n) * f + j];
+                            }
+                        }
+                    }
+                    Ok((out, ty_of(ty, ty)))
+                }
+                "mlp.experts.down_proj_bias" => {
+                    want(2)?;
+                    self.stored_stack(&g("ffn_down_exps.bias"), shape)
+                }
+                _ => bail!("tensor '{name}' is not one of gpt-oss's fused expert tensors"),
+            }
+        })())
+    }
+}
+
 impl WeightSource for GgufWeights<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
         if let Some(l) = &self.hybrid {
@@ -548,6 +667,20 @@ impl WeightSource for GgufWeights<'_> {
         }
         if let Some((gname, e)) = gguf_expert_name(name) {
             return self.expert_matrix(&gname, e, rows, cols);
+        }
+        if let Some(gname) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            let t = self.file.tensor(&gname)?;
+            let path = self.file.path().display();
+            if t.shape != [rows, cols] {
+                bail!(
+                    "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {:?}",
+                    t.shape,
+                    [rows, cols]
+                );
+            }
+            let ctx = || format!("{path}: tensor '{gname}'");
+            let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
+            return self.convert(stored, &ctx);
         }
         if let Some(layer) = name
             .strip_prefix("model.layers.")
@@ -594,6 +727,9 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        if let Some(g) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            return self.stored_vector(&g, len);
+        }
         if self.gemma {
             if let Some(g) = gemma_norm(name) {
                 // Stored as fl(1 + w); see `hybrid_vector`.
@@ -613,7 +749,29 @@ impl WeightSource for GgufWeights<'_> {
         self.stored_vector(&gname, len)
     }
 
+    fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        match self.gpt_oss_stacked(name, shape).filter(|_| self.gpt_oss) {
+            Some(r) => {
+                let (v, ty) = r.with_context(|| self.describe())?;
+                let ty = match self.dtype {
+                    DType::Auto => ty,
+                    DType::Float32 => GgmlType::F32,
+                    DType::BFloat16 => GgmlType::BF16,
+                    DType::Float16 => GgmlType::F16,
+                };
+                Ok((v, ty))
+            }
+            None => bail!(
+                "{}: tensor '{name}' is a stack of matrices, which this GGUF file does not provide",
+                self.describe()
+            ),
+        }
+    }
+
     fn contains(&self, name: &str) -> bool {
+        if let Some(g) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            return self.file.tensors().iter().any(|t| t.name == g);
+        }
         if let Some((g, e)) = gguf_expert_name(name) {
             return self
                 .file
