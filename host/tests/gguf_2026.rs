@@ -341,3 +341,57 @@ fn gpt_oss_metadata_that_changes_the_math_is_refused_by_name() {
         assert!(msg.contains(key), "gpt_oss: '{msg}' does not name {key}");
     }
 }
+
+/// gpt-oss as published in GGUF: experts in MXFP4 (ggml type 39), here the
+/// f32 file quantized by llama.cpp's `llama-quantize ... MXFP4_MOE` (which
+/// also makes the other matrices Q8_0). The experts, dequantized at load
+/// and rebuilt into transformers' fused layout, are the f32 file's within
+/// MXFP4's rounding: a root-mean-square error of a small fraction of the
+/// weights' own, where a value taken from the wrong place (nibble order,
+/// gate/up interleave, transpose) would be of their size.
+#[test]
+fn gpt_oss_mxfp4_experts_read_back_within_mxfp4_rounding() {
+    use pagoda::engine::loader::gguf_weights::GgufWeights;
+    use pagoda::engine::loader::WeightSource;
+    let f32_file = GgufFile::open(&gguf("gpt_oss", "f32")).expect("f32 file");
+    let mx_file = GgufFile::open(&gguf("gpt_oss", "mxfp4_moe")).expect("mxfp4 file");
+    let config = ModelConfig::from_gguf(&f32_file).expect("config");
+    assert_eq!(
+        ModelConfig::from_gguf(&mx_file).expect("mxfp4 config"),
+        config
+    );
+    let exact = GgufWeights::new(&f32_file, DType::Auto).for_model(&config);
+    let mx = GgufWeights::new(&mx_file, DType::Auto).for_model(&config);
+    let (d, f, e) = (config.hidden_size, config.intermediate_size, 4);
+    for i in 0..config.num_layers {
+        for (part, shape) in [
+            ("gate_up_proj", vec![e, d, 2 * f]),
+            ("down_proj", vec![e, f, d]),
+            ("gate_up_proj_bias", vec![e, 2 * f]),
+        ] {
+            let name = format!("model.layers.{i}.mlp.experts.{part}");
+            let (want, _) = exact.stacked(&name, &shape).expect("f32");
+            let (got, _) = mx
+                .stacked(&name, &shape)
+                .unwrap_or_else(|err| panic!("{name}: {err:#}"));
+            let rms = |v: &mut dyn Iterator<Item = f32>| {
+                let (s, n) = v.fold((0f64, 0usize), |(s, n), x| (s + (x as f64).powi(2), n + 1));
+                (s / n as f64).sqrt()
+            };
+            let w = rms(&mut want.iter().copied());
+            let err = rms(&mut want.iter().zip(&got).map(|(a, b)| a - b));
+            eprintln!("{name}: rms error {:.3} of the weights'", err / w);
+            assert!(err < 0.2 * w, "{name}: rms error {err} vs weights' {w}");
+        }
+    }
+    let mut llm = engine(&gguf("gpt_oss", "mxfp4_moe")).expect("mxfp4 engine");
+    let prompt = u32s(&reference("gpt_oss")["cases"][0]["prompt_ids"]);
+    let mut params = SamplingParams::greedy(4);
+    params.prompt_logprobs = Some(1);
+    let out = llm
+        .generate(&[Prompt::Tokens(prompt.clone())], &params)
+        .expect("generate");
+    let lp = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
+    assert!(lp.iter().all(|l| l.logprob.is_finite() && l.logprob <= 0.0));
+    assert_eq!(out[0].outputs[0].token_ids.len(), 4);
+}

@@ -155,6 +155,42 @@ fn gemma_norm(hf: &str) -> Option<String> {
     Some(format!("blk.{layer}.{g}.weight"))
 }
 
+/// The values of MXFP4 blocks as ggml stores them (type 39): per 32
+/// values, one e8m0 scale byte `e` (the scale `2^(e - 127)`) and 16 bytes
+/// of e2m1 codes, the low nibbles the first 16 values and the high nibbles
+/// the next 16. A code's low 3 bits index {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its
+/// high bit is the sign. Exact in f32. `e = 255` (NaN in the OCP format)
+/// is refused.
+pub fn dequantize_mxfp4(blocks: &[u8]) -> Result<Vec<f32>> {
+    const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    if blocks.len() % 17 != 0 {
+        bail!(
+            "{} bytes of MXFP4 are not a whole number of 17-byte blocks",
+            blocks.len()
+        );
+    }
+    let value = |code: u8, scale: f32| {
+        let v = E2M1[(code & 7) as usize] * scale;
+        if code & 8 != 0 {
+            -v
+        } else {
+            v
+        }
+    };
+    let mut out = Vec::with_capacity(blocks.len() / 17 * 32);
+    for (b, block) in blocks.chunks_exact(17).enumerate() {
+        let e = block[0];
+        if e == 255 {
+            bail!("MXFP4 block {b} has the scale byte 255, which is NaN");
+        }
+        let scale = 2f64.powi(e as i32 - 127) as f32;
+        let qs = &block[1..];
+        out.extend(qs.iter().map(|&q| value(q & 0x0f, scale)));
+        out.extend(qs.iter().map(|&q| value(q >> 4, scale)));
+    }
+    Ok(out)
+}
+
 /// gpt-oss's tensors that llama.cpp's converter (`GptOssModel`) names
 /// otherwise than [`gguf_name`]: the sinks (`attn_sinks.weight`), the
 /// pre-MLP norm (`post_attention_norm`), the router (`ffn_gate_inp`).
@@ -560,8 +596,18 @@ impl GgufWeights<'_> {
 impl GgufWeights<'_> {
     /// The stored tensor `gname` of exactly `shape` as f32 values.
     fn stored_stack(&self, gname: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
-        let t = self.file.tensor(gname)?;
         let path = self.file.path().display();
+        // MXFP4 experts (gpt-oss as published): dequantized here, served
+        // in f32.
+        if let Some((stored, data)) = self.file.mxfp4_tensor(gname) {
+            if stored != shape {
+                bail!("{path}: tensor '{gname}' has shape {stored:?}, but the metadata implies {shape:?}");
+            }
+            let v = dequantize_mxfp4(data)
+                .with_context(|| format!("{path}: MXFP4 tensor '{gname}'"))?;
+            return Ok((v, GgmlType::F32));
+        }
+        let t = self.file.tensor(gname)?;
         if t.shape != shape {
             bail!(
                 "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {shape:?}",
@@ -789,7 +835,33 @@ impl WeightSource for GgufWeights<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{gguf_name, HybridLayout};
+    use super::{dequantize_mxfp4, gguf_name, HybridLayout};
+
+    /// Hand-computed blocks: scale byte 128 (2^1) with codes 0..15 in the
+    /// low nibbles and 15 - j in the high ones; scale byte 125 (2^-2) with
+    /// code 0x7 (6) and 0xB (-1.5).
+    #[test]
+    fn mxfp4_blocks_dequantize_to_hand_computed_values() {
+        let mut block = vec![128u8];
+        block.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let v = dequantize_mxfp4(&block).expect("block");
+        let want_lo = [
+            0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0,
+            -12.0,
+        ];
+        let want_hi: Vec<f32> = want_lo.iter().rev().copied().collect();
+        assert_eq!(&v[..16], &want_lo);
+        assert_eq!(&v[16..], &want_hi[..]);
+        let mut second = vec![125u8];
+        second.extend([0xB7u8; 16]);
+        let v = dequantize_mxfp4(&second).expect("block");
+        assert!(v[..16].iter().all(|&x| x == 1.5));
+        assert!(v[16..].iter().all(|&x| x == -0.375));
+        assert!(dequantize_mxfp4(&block[..16]).is_err());
+        let mut nan = block.clone();
+        nan[0] = 255;
+        assert!(dequantize_mxfp4(&nan).is_err());
+    }
 
     /// The converter's reorder: the value-head axis viewed as
     /// `[n_k, r, …]` and transposed to `[r, n_k, …]`; with 2 key heads and
