@@ -766,7 +766,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         if type_id == GGML_TYPE_MXFP4 && GgmlType::from_gguf_id(type_id).is_none() {
             let offset = r.u64(&|| format!("the data offset of tensor '{name}'"))?;
             let cols = ne.first().copied().unwrap_or(1);
-            if cols % 32 != 0 {
+            if !cols.is_multiple_of(32) {
                 bail!("{shown}: MXFP4 tensor '{name}' has rows of {cols} values, not a whole number of 32-value blocks");
             }
             let size = ne

@@ -163,7 +163,7 @@ fn gemma_norm(hf: &str) -> Option<String> {
 /// is refused.
 pub fn dequantize_mxfp4(blocks: &[u8]) -> Result<Vec<f32>> {
     const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
-    if blocks.len() % 17 != 0 {
+    if !blocks.len().is_multiple_of(17) {
         bail!(
             "{} bytes of MXFP4 are not a whole number of 17-byte blocks",
             blocks.len()
