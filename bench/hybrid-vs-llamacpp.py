@@ -2,9 +2,17 @@
 """Greedy tokens of Pagoda and llama.cpp's llama-server on the same f32 GGUF
 of each hybrid Qwen fixture (tests/fixtures/hf-families-2026/gguf: qwen35,
 qwen35moe, qwen3next as llama.cpp's converter writes them), for the three
-prompts of its reference.json.
+prompts of its reference.json; with `gemma3 gpt_oss` as the families, the
+Gemma 3 and gpt-oss files.
 
     python3 bench/hybrid-vs-llamacpp.py PAGODA_BIN LLAMA_BIN_DIR [family ...]
+
+llama.cpp refuses the converter's own gemma3 file of the fixture: the
+converter keeps the embedding rows of the tokenizer's 510 tokens but writes
+512 tokens (padded), and llama.cpp wants a row per token. llama-server is
+given a copy with the 2 missing rows as zeros (written with llama.cpp's
+gguf-py, from LLAMA_BIN_DIR/../../src/vendor/llama.cpp or $LLAMA_CPP_SRC),
+which is the model Pagoda serves from the original file (it pads likewise).
 
 Both continue each prompt's token ids greedily for 16 tokens with the
 config's eos_token_id masked and every other token allowed, as transformers'
@@ -81,6 +89,38 @@ def pagoda(base, ids):
     return out
 
 
+def llama_cpp_file(gguf, llama_bin, family):
+    """`gguf`, or for a file whose embedding has fewer rows than tokens a
+    copy with zero rows added (see the docstring)."""
+    src = os.environ.get("LLAMA_CPP_SRC", os.path.join(llama_bin, "..", "..", "src", "vendor", "llama.cpp"))
+    sys.path.insert(0, os.path.join(src, "gguf-py"))
+    import gguf as g
+    import numpy as np
+    r = g.GGUFReader(gguf)
+    vocab = len(r.fields["tokenizer.ggml.tokens"].contents())
+    emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+    if emb.data.shape[0] >= vocab:
+        return gguf
+    out = f"/tmp/hybrid-cmp-{family}-padded.gguf"
+    w = g.GGUFWriter(out, r.fields["general.architecture"].contents())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        ty = f.types[0]
+        w.add_key_value(f.name, f.contents(), ty, sub_type=f.types[-1] if ty == g.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.array(t.data)
+        if t.name == "token_embd.weight":
+            data = np.concatenate([data, np.zeros((vocab - data.shape[0], data.shape[1]), data.dtype)])
+        w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"{family}: llama.cpp reads {out} ({emb.data.shape[0]} embedding rows padded with zeros to {vocab})")
+    return out
+
+
 def fmt(gap):
     return "n/a (byte token)" if gap is None else f"{gap:.2e}"
 
@@ -98,7 +138,7 @@ def main():
         eos = json.load(open(os.path.join(ROOT, family, "config.json")))["eos_token_id"]
         logs = (f"/tmp/hybrid-cmp-{family}-llama.log", f"/tmp/hybrid-cmp-{family}-pagoda.log")
         servers = [
-            subprocess.Popen([f"{llama_bin}/llama-server", "-m", gguf, "-t", "2", "-c", "1024", "--host", "127.0.0.1",
+            subprocess.Popen([f"{llama_bin}/llama-server", "-m", llama_cpp_file(gguf, llama_bin, family), "-t", "2", "-c", "1024", "--host", "127.0.0.1",
                               "--port", "18290", "--no-webui"], stdout=open(logs[0], "w"), stderr=subprocess.STDOUT,
                              env=env),
             subprocess.Popen([pagoda_bin, "serve", "--model", gguf, "--served-model-name", "m", "--host", "127.0.0.1",

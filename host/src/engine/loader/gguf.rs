@@ -273,6 +273,11 @@ pub struct GgufFile {
     metadata: BTreeMap<String, GgufValue>,
     tensors: Vec<GgufTensorInfo>,
     by_name: HashMap<String, usize>,
+    /// Tensors of ggml type 39 (MXFP4), which no [`GgmlType`] stands for:
+    /// name to (shape in PyTorch order, absolute offset, size). Only
+    /// gpt-oss's experts are read from them, dequantized at load (see
+    /// [`super::gguf_weights::dequantize_mxfp4`]).
+    mxfp4: HashMap<String, (Vec<usize>, u64, usize)>,
 }
 
 impl fmt::Debug for GgufFile {
@@ -314,7 +319,19 @@ impl GgufFile {
             metadata: parsed.metadata,
             tensors: parsed.tensors,
             by_name: parsed.by_name,
+            mxfp4: parsed.mxfp4,
         })
+    }
+
+    /// The MXFP4 tensor `name` (ggml type 39): its shape in PyTorch order
+    /// and its raw blocks (per 32 values along a row, one e8m0 scale byte
+    /// and 16 bytes of e2m1 nibbles). `None` if the file has no MXFP4
+    /// tensor of that name.
+    pub fn mxfp4_tensor(&self, name: &str) -> Option<(&[usize], &[u8])> {
+        let (shape, offset, size) = self.mxfp4.get(name)?;
+        let start = usize::try_from(*offset).ok()?;
+        let data = self.mmap.get(start..start.checked_add(*size)?)?;
+        Some((shape, data))
     }
 
     /// The path the file was opened from.
@@ -530,6 +547,9 @@ impl GgufFile {
 }
 
 /// Everything parsed from the bytes of a GGUF file.
+/// ggml's type id of MXFP4.
+const GGML_TYPE_MXFP4: u32 = 39;
+
 struct Parsed {
     version: u32,
     alignment: u64,
@@ -537,6 +557,7 @@ struct Parsed {
     metadata: BTreeMap<String, GgufValue>,
     tensors: Vec<GgufTensorInfo>,
     by_name: HashMap<String, usize>,
+    mxfp4: HashMap<String, (Vec<usize>, u64, usize)>,
 }
 
 /// A bounds-checked little-endian reader over the file's bytes.
@@ -722,6 +743,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
     let mut tensors = Vec::with_capacity(n_tensors);
     let mut by_name = HashMap::with_capacity(n_tensors);
     let mut relative_offsets = Vec::with_capacity(n_tensors);
+    let mut mxfp4_infos: Vec<(String, Vec<usize>, u64, usize)> = Vec::new();
     for i in 0..n_tensors {
         let name = r.string(&|| format!("the name of tensor {i}"))?;
         let n_dims = r.u32(&|| format!("the dimension count of tensor '{name}'"))? as usize;
@@ -740,6 +762,28 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             ne.push(v);
         }
         let type_id = r.u32(&|| format!("the type of tensor '{name}'"))?;
+        // MXFP4 (ggml type 39): 32 values per block of 17 bytes.
+        if type_id == GGML_TYPE_MXFP4 && GgmlType::from_gguf_id(type_id).is_none() {
+            let offset = r.u64(&|| format!("the data offset of tensor '{name}'"))?;
+            let cols = ne.first().copied().unwrap_or(1);
+            if !cols.is_multiple_of(32) {
+                bail!("{shown}: MXFP4 tensor '{name}' has rows of {cols} values, not a whole number of 32-value blocks");
+            }
+            let size = ne
+                .iter()
+                .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+                .map(|n| n / 32 * 17)
+                .ok_or_else(|| anyhow!("{shown}: tensor '{name}' shape {ne:?} overflows"))?;
+            if offset % alignment != 0 {
+                bail!("{shown}: tensor '{name}' data offset {offset} is not a multiple of the alignment {alignment}");
+            }
+            if by_name.contains_key(&name) || mxfp4_infos.iter().any(|m| m.0 == name) {
+                bail!("{shown}: tensor '{name}' appears more than once");
+            }
+            ne.reverse();
+            mxfp4_infos.push((name, ne, offset, size));
+            continue;
+        }
         let ty = GgmlType::from_gguf_id(type_id).ok_or_else(|| {
             anyhow!("{shown}: tensor '{name}' has unknown or unsupported ggml type id {type_id}")
         })?;
@@ -764,7 +808,10 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
             bail!("{shown}: tensor '{name}' data offset {offset} is not a multiple of the alignment {alignment}");
         }
         ne.reverse();
-        if by_name.insert(name.clone(), i).is_some() {
+        if by_name.contains_key(&name) || mxfp4_infos.iter().any(|m| m.0 == name) {
+            bail!("{shown}: tensor '{name}' appears more than once");
+        }
+        if by_name.insert(name.clone(), tensors.len()).is_some() {
             bail!("{shown}: tensor '{name}' appears more than once");
         }
         relative_offsets.push(offset);
@@ -794,6 +841,21 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         }
     }
 
+    let mut mxfp4 = HashMap::with_capacity(mxfp4_infos.len());
+    for (name, shape, rel, size) in mxfp4_infos {
+        match data_offset
+            .checked_add(rel)
+            .and_then(|s| Some((s, s.checked_add(size as u64)?)))
+        {
+            Some((start, end)) if end <= file_len => {
+                mxfp4.insert(name, (shape, start, size));
+            }
+            _ => bail!(
+                "{shown}: truncated GGUF file: tensor '{name}' data ({size} bytes at data offset {rel}) runs past the end of the file ({file_len} bytes)"
+            ),
+        }
+    }
+
     Ok(Parsed {
         version,
         alignment,
@@ -801,6 +863,7 @@ fn parse(buf: &[u8], path: &Path) -> Result<Parsed> {
         metadata,
         tensors,
         by_name,
+        mxfp4,
     })
 }
 

@@ -12,6 +12,10 @@ pub struct GgufWeights<'a> {
     file: &'a GgufFile,
     dtype: DType,
     hybrid: Option<HybridLayout>,
+    /// Gemma 3's layout (see [`gemma_norm`]).
+    gemma: bool,
+    /// gpt-oss's layout (see [`gpt_oss_name`] and `gpt_oss_stacked`).
+    gpt_oss: bool,
 }
 
 impl<'a> GgufWeights<'a> {
@@ -22,6 +26,8 @@ impl<'a> GgufWeights<'a> {
             file,
             dtype,
             hybrid: None,
+            gemma: false,
+            gpt_oss: false,
         }
     }
 
@@ -30,6 +36,8 @@ impl<'a> GgufWeights<'a> {
     /// (see [`HybridLayout`]).
     pub fn for_model(mut self, config: &ModelConfig) -> Self {
         self.hybrid = HybridLayout::of(config);
+        self.gemma = config.arch == Arch::Gemma3;
+        self.gpt_oss = config.arch == Arch::GptOss;
         self
     }
 }
@@ -136,6 +144,81 @@ fn hybrid_offset_norm(hf: &str) -> Option<String> {
         _ => return None,
     };
     Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// Gemma 3's norm `hf` as llama.cpp's converter (`Gemma3Model`) names it:
+/// every RMSNorm weight (the sandwich norms, the q/k norms and the final
+/// one) is stored as `1 + w`, which the reader takes off again.
+fn gemma_norm(hf: &str) -> Option<String> {
+    if hf == "model.norm.weight" {
+        return Some("output_norm.weight".into());
+    }
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match tail {
+        "input_layernorm.weight" => "attn_norm",
+        "post_attention_layernorm.weight" => "post_attention_norm",
+        "pre_feedforward_layernorm.weight" => "ffn_norm",
+        "post_feedforward_layernorm.weight" => "post_ffw_norm",
+        "self_attn.q_norm.weight" => "attn_q_norm",
+        "self_attn.k_norm.weight" => "attn_k_norm",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}.weight"))
+}
+
+/// The values of MXFP4 blocks as ggml stores them (type 39): per 32
+/// values, one e8m0 scale byte `e` (the scale `2^(e - 127)`) and 16 bytes
+/// of e2m1 codes, the low nibbles the first 16 values and the high nibbles
+/// the next 16. A code's low 3 bits index {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its
+/// high bit is the sign. Exact in f32. `e = 255` (NaN in the OCP format)
+/// is refused.
+pub fn dequantize_mxfp4(blocks: &[u8]) -> Result<Vec<f32>> {
+    const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    if !blocks.len().is_multiple_of(17) {
+        bail!(
+            "{} bytes of MXFP4 are not a whole number of 17-byte blocks",
+            blocks.len()
+        );
+    }
+    let value = |code: u8, scale: f32| {
+        let v = E2M1[(code & 7) as usize] * scale;
+        if code & 8 != 0 {
+            -v
+        } else {
+            v
+        }
+    };
+    let mut out = Vec::with_capacity(blocks.len() / 17 * 32);
+    for (b, block) in blocks.chunks_exact(17).enumerate() {
+        let e = block[0];
+        if e == 255 {
+            bail!("MXFP4 block {b} has the scale byte 255, which is NaN");
+        }
+        let scale = 2f64.powi(e as i32 - 127) as f32;
+        let qs = &block[1..];
+        out.extend(qs.iter().map(|&q| value(q & 0x0f, scale)));
+        out.extend(qs.iter().map(|&q| value(q >> 4, scale)));
+    }
+    Ok(out)
+}
+
+/// gpt-oss's tensors that llama.cpp's converter (`GptOssModel`) names
+/// otherwise than [`gguf_name`]: the sinks (`attn_sinks.weight`), the
+/// pre-MLP norm (`post_attention_norm`), the router (`ffn_gate_inp`).
+fn gpt_oss_name(hf: &str) -> Option<String> {
+    let rest = hf.strip_prefix("model.layers.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let g = match tail {
+        "self_attn.sinks" => "attn_sinks.weight",
+        "post_attention_layernorm.weight" => "post_attention_norm.weight",
+        "mlp.router.weight" => "ffn_gate_inp.weight",
+        "mlp.router.bias" => "ffn_gate_inp.bias",
+        _ => return None,
+    };
+    Some(format!("blk.{layer}.{g}"))
 }
 
 /// A hybrid Qwen model's Gated DeltaNet tensor (`model.layers.N.
@@ -534,6 +617,114 @@ impl GgufWeights<'_> {
     }
 }
 
+impl GgufWeights<'_> {
+    /// The stored tensor `gname` of exactly `shape` as f32 values.
+    fn stored_stack(&self, gname: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        let path = self.file.path().display();
+        // MXFP4 experts (gpt-oss as published): dequantized here, served
+        // in f32.
+        if let Some((stored, data)) = self.file.mxfp4_tensor(gname) {
+            if stored != shape {
+                bail!("{path}: tensor '{gname}' has shape {stored:?}, but the metadata implies {shape:?}");
+            }
+            let v = dequantize_mxfp4(data)
+                .with_context(|| format!("{path}: MXFP4 tensor '{gname}'"))?;
+            return Ok((v, GgmlType::F32));
+        }
+        let t = self.file.tensor(gname)?;
+        if t.shape != shape {
+            bail!(
+                "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {shape:?}",
+                t.shape
+            );
+        }
+        let cols = shape.last().copied().unwrap_or(1);
+        let rows = shape.iter().product::<usize>() / cols.max(1);
+        let v = HostMatrix::new(t.ty, rows, cols, t.data)
+            .and_then(|m| m.dequantize())
+            .with_context(|| format!("{path}: tensor '{gname}'"))?;
+        Ok((v, t.ty))
+    }
+
+    /// gpt-oss's fused experts as transformers stores them (see
+    /// `SparseMoe::load_fused`), rebuilt from the converter's split:
+    /// `ffn_gate_exps`/`ffn_up_exps` (`[experts, ffn, hidden]`, the fused
+    /// matrix's even and odd columns, transposed), their biases (`[experts,
+    /// ffn]`), `ffn_down_exps` (`[experts, hidden, ffn]`, transposed) and
+    /// its bias. Exact (values only move).
+    fn gpt_oss_stacked(&self, name: &str, shape: &[usize]) -> Option<Result<(Vec<f32>, GgmlType)>> {
+        let rest = name.strip_prefix("model.layers.")?;
+        let (layer, tail) = rest.split_once('.')?;
+        let layer: usize = layer.parse().ok()?;
+        if !tail.starts_with("mlp.experts.") {
+            return None;
+        }
+        let g = |s: &str| format!("blk.{layer}.{s}");
+        let want = |n: usize| -> Result<()> {
+            if shape.len() != n {
+                bail!("tensor '{name}': asked for {shape:?}, not {n} dimensions");
+            }
+            Ok(())
+        };
+        let ty_of = |a: GgmlType, b: GgmlType| {
+            if a == b && a.is_float() {
+                a
+            } else {
+                GgmlType::F32
+            }
+        };
+        Some((|| -> Result<(Vec<f32>, GgmlType)> {
+            match tail {
+                "mlp.experts.gate_up_proj" => {
+                    want(3)?;
+                    let (e, d, f2) = (shape[0], shape[1], shape[2]);
+                    let f = f2 / 2;
+                    let (gate, gt) = self.stored_stack(&g("ffn_gate_exps.weight"), &[e, f, d])?;
+                    let (up, ut) = self.stored_stack(&g("ffn_up_exps.weight"), &[e, f, d])?;
+                    let mut out = vec![0f32; e * d * f2];
+                    for x in 0..e {
+                        for j in 0..f {
+                            for k in 0..d {
+                                let o = x * d * f2 + k * f2 + 2 * j;
+                                out[o] = gate[(x * f + j) * d + k];
+                                out[o + 1] = up[(x * f + j) * d + k];
+                            }
+                        }
+                    }
+                    Ok((out, ty_of(gt, ut)))
+                }
+                "mlp.experts.gate_up_proj_bias" => {
+                    want(2)?;
+                    let (e, f) = (shape[0], shape[1] / 2);
+                    let (gate, gt) = self.stored_stack(&g("ffn_gate_exps.bias"), &[e, f])?;
+                    let (up, ut) = self.stored_stack(&g("ffn_up_exps.bias"), &[e, f])?;
+                    let out = (0..e * f).flat_map(|i| [gate[i], up[i]]).collect();
+                    Ok((out, ty_of(gt, ut)))
+                }
+                "mlp.experts.down_proj" => {
+                    want(3)?;
+                    let (e, f, d) = (shape[0], shape[1], shape[2]);
+                    let (down, ty) = self.stored_stack(&g("ffn_down_exps.weight"), &[e, d, f])?;
+                    let mut out = vec![0f32; e * f * d];
+                    for x in 0..e {
+                        for n in 0..d {
+                            for j in 0..f {
+                                out[(x * f + j) * d + n] = down[(x * d + n) * f + j];
+                            }
+                        }
+                    }
+                    Ok((out, ty_of(ty, ty)))
+                }
+                "mlp.experts.down_proj_bias" => {
+                    want(2)?;
+                    self.stored_stack(&g("ffn_down_exps.bias"), shape)
+                }
+                _ => bail!("tensor '{name}' is not one of gpt-oss's fused expert tensors"),
+            }
+        })())
+    }
+}
+
 impl WeightSource for GgufWeights<'_> {
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<HostMatrix<'_>> {
         if let Some(l) = &self.hybrid {
@@ -547,6 +738,20 @@ impl WeightSource for GgufWeights<'_> {
         if let Some((gname, e)) = gguf_expert_name(name) {
             return self.expert_matrix(&gname, e, rows, cols);
         }
+        if let Some(gname) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            let t = self.file.tensor(&gname)?;
+            let path = self.file.path().display();
+            if t.shape != [rows, cols] {
+                bail!(
+                    "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {:?}",
+                    t.shape,
+                    [rows, cols]
+                );
+            }
+            let ctx = || format!("{path}: tensor '{gname}'");
+            let stored = HostMatrix::new(t.ty, rows, cols, t.data).with_context(ctx)?;
+            return self.convert(stored, &ctx);
+        }
         if let Some(layer) = name
             .strip_prefix("model.layers.")
             .and_then(|r| r.strip_suffix(".self_attn.kv_b_proj.weight"))
@@ -558,6 +763,25 @@ impl WeightSource for GgufWeights<'_> {
         let gname = gguf_name(name).with_context(|| format!("no GGUF name for tensor '{name}'"))?;
         let t = self.file.tensor(&gname)?;
         let path = self.file.path().display();
+        // Gemma 3: the converter keeps only the embedding rows of the
+        // tokenizer's tokens; the rows past them (which no token of the
+        // tokenizer looks up) come back as zeros.
+        if self.gemma && gname == "token_embd.weight" {
+            if let [r, c] = t.shape[..] {
+                if c == cols && r < rows {
+                    let ctx = || format!("{path}: tensor '{gname}' ({r} of {rows} rows)");
+                    let per_row = t.ty.row_bytes(cols).with_context(ctx)?;
+                    let mut data = t
+                        .data
+                        .get(..r * per_row)
+                        .with_context(|| format!("{}: shorter than its shape", ctx()))?
+                        .to_vec();
+                    data.resize(rows * per_row, 0);
+                    let m = HostMatrix::new(t.ty, rows, cols, data).with_context(ctx)?;
+                    return self.convert(m, &ctx);
+                }
+            }
+        }
         // A one-row matrix may be stored as a vector (the shared expert's
         // gate, `ffn_gate_inp_shexp`).
         if t.shape != [rows, cols] && !(rows == 1 && t.shape == [cols]) {
@@ -573,6 +797,19 @@ impl WeightSource for GgufWeights<'_> {
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        if let Some(g) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            return self.stored_vector(&g, len);
+        }
+        if self.gemma {
+            if let Some(g) = gemma_norm(name) {
+                // Stored as fl(1 + w); see `hybrid_vector`.
+                return Ok(self
+                    .stored_vector(&g, len)?
+                    .into_iter()
+                    .map(|x| x - 1.0)
+                    .collect());
+            }
+        }
         if let Some(l) = &self.hybrid {
             if let Some(v) = self.hybrid_vector(l, name, len) {
                 return v;
@@ -582,7 +819,29 @@ impl WeightSource for GgufWeights<'_> {
         self.stored_vector(&gname, len)
     }
 
+    fn stacked(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, GgmlType)> {
+        match self.gpt_oss_stacked(name, shape).filter(|_| self.gpt_oss) {
+            Some(r) => {
+                let (v, ty) = r.with_context(|| self.describe())?;
+                let ty = match self.dtype {
+                    DType::Auto => ty,
+                    DType::Float32 => GgmlType::F32,
+                    DType::BFloat16 => GgmlType::BF16,
+                    DType::Float16 => GgmlType::F16,
+                };
+                Ok((v, ty))
+            }
+            None => bail!(
+                "{}: tensor '{name}' is a stack of matrices, which this GGUF file does not provide",
+                self.describe()
+            ),
+        }
+    }
+
     fn contains(&self, name: &str) -> bool {
+        if let Some(g) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
+            return self.file.tensors().iter().any(|t| t.name == g);
+        }
         if let Some((g, e)) = gguf_expert_name(name) {
             return self
                 .file
@@ -600,7 +859,33 @@ impl WeightSource for GgufWeights<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::{gguf_name, HybridLayout};
+    use super::{dequantize_mxfp4, gguf_name, HybridLayout};
+
+    /// Hand-computed blocks: scale byte 128 (2^1) with codes 0..15 in the
+    /// low nibbles and 15 - j in the high ones; scale byte 125 (2^-2) with
+    /// code 0x7 (6) and 0xB (-1.5).
+    #[test]
+    fn mxfp4_blocks_dequantize_to_hand_computed_values() {
+        let mut block = vec![128u8];
+        block.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let v = dequantize_mxfp4(&block).expect("block");
+        let want_lo = [
+            0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, -0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0,
+            -12.0,
+        ];
+        let want_hi: Vec<f32> = want_lo.iter().rev().copied().collect();
+        assert_eq!(&v[..16], &want_lo);
+        assert_eq!(&v[16..], &want_hi[..]);
+        let mut second = vec![125u8];
+        second.extend([0xB7u8; 16]);
+        let v = dequantize_mxfp4(&second).expect("block");
+        assert!(v[..16].iter().all(|&x| x == 1.5));
+        assert!(v[16..].iter().all(|&x| x == -0.375));
+        assert!(dequantize_mxfp4(&block[..16]).is_err());
+        let mut nan = block.clone();
+        nan[0] = 255;
+        assert!(dequantize_mxfp4(&nan).is_err());
+    }
 
     /// The converter's reorder: the value-head axis viewed as
     /// `[n_k, r, …]` and transposed to `[r, n_k, …]`; with 2 key heads and
