@@ -13,7 +13,7 @@ mod support;
 
 use pagoda::engine::kv_cache::KvCacheDtype;
 use pagoda::engine::loader::DType;
-use pagoda::engine::{EngineArgs, Prompt, SamplingParams, LLM};
+use pagoda::engine::{EngineArgs, LLM};
 use pagoda_accel::GgmlType;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -121,22 +121,6 @@ fn engine_with(model: &Path, configure: impl Fn(&mut EngineArgs)) -> anyhow::Res
     LLM::new(a)
 }
 
-fn f64s(v: &Value) -> Vec<Option<f64>> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(Value::as_f64)
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
 /// Serves `family` under both forms and checks it against transformers.
 fn reference(family: &str) -> Value {
     serde_json::from_str(
@@ -177,52 +161,14 @@ fn check_model_against(
     configure: impl Fn(&mut EngineArgs),
 ) -> f64 {
     let mut llm = engine_with(model, configure).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-    let mut worst = 0f64;
-    for (c, case) in reference["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .enumerate()
-    {
-        let prompt = u32s(&case["prompt_ids"]);
-        let want_lp = f64s(&case["prompt_logprobs"]);
-        let want_greedy = u32s(&case["greedy_ids"]);
-        let gaps = f64s(&case["greedy_top2_gap"]);
-        let mut params = SamplingParams::greedy(want_greedy.len());
-        // transformers generated with min_new_tokens = max_new_tokens,
-        // which masks EOS at every step.
-        params.min_tokens = want_greedy.len();
-        params.prompt_logprobs = Some(1);
-        let out = llm
-            .generate(&[Prompt::Tokens(prompt.clone())], &params)
-            .unwrap_or_else(|e| panic!("{what} case {c}: {e:#}"));
-        let got_lp = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
-        assert_eq!(got_lp.len(), prompt.len() - 1);
-        for (i, l) in got_lp.iter().enumerate() {
-            let want = want_lp[i + 1].expect("reference logprob");
-            assert_eq!(l.token_id, prompt[i + 1]);
-            let err = (l.logprob as f64 - want).abs();
-            worst = worst.max(err);
-            assert!(
-                err < tol,
-                "{what} case {c}, prompt token {}: logprob {} vs transformers {want}",
-                i + 1,
-                l.logprob
-            );
-        }
-        let got = &out[0].outputs[0].token_ids;
-        for (i, (&g, &w)) in got.iter().zip(&want_greedy).enumerate() {
-            if gaps[i].is_some_and(|gap| gap < near_tie) {
-                break;
-            }
-            assert_eq!(
-                g, w,
-                "{what} case {c}: greedy token {i} is {g}, transformers {w} (got {got:?}, want {want_greedy:?})"
-            );
-        }
-    }
-    eprintln!("{what}: largest prompt logprob difference {worst:.2e}");
-    worst
+    support::transformers_reference::check_cases(
+        &reference,
+        what,
+        &mut llm,
+        tol,
+        near_tie,
+        u32::MAX,
+    )
 }
 
 fn agrees_with_transformers(family: &str) {

@@ -8,6 +8,10 @@
 //! folders do (host/tests/hf_families.rs), and greedy ids agree up to the
 //! first near-tie.
 
+mod support;
+
+use support::transformers_reference::u32s;
+
 use pagoda::engine::config::ModelConfig;
 use pagoda::engine::kv_cache::KvCacheDtype;
 use pagoda::engine::loader::gguf::{GgufFile, GgufValue};
@@ -49,22 +53,6 @@ fn engine(model: &Path) -> anyhow::Result<LLM> {
     LLM::new(a)
 }
 
-fn f64s(v: &Value) -> Vec<Option<f64>> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(Value::as_f64)
-        .collect()
-}
-
-fn u32s(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("array")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
-}
-
 fn reference(family: &str) -> Value {
     serde_json::from_str(
         &std::fs::read_to_string(fixtures().join(family).join("reference.json"))
@@ -79,51 +67,14 @@ fn reference(family: &str) -> Value {
 fn check_against_reference(family: &str, what: &str, model: &Path, tol: f64, near_tie: f64) -> f64 {
     let reference = reference(family);
     let mut llm = engine(model).unwrap_or_else(|e| panic!("{what}: {e:#}"));
-    let mut worst = 0f64;
-    for (c, case) in reference["cases"]
-        .as_array()
-        .expect("cases")
-        .iter()
-        .enumerate()
-    {
-        let prompt = u32s(&case["prompt_ids"]);
-        let want_lp = f64s(&case["prompt_logprobs"]);
-        let want_greedy = u32s(&case["greedy_ids"]);
-        let gaps = f64s(&case["greedy_top2_gap"]);
-        let mut params = SamplingParams::greedy(want_greedy.len());
-        // transformers generated with min_new_tokens = max_new_tokens.
-        params.min_tokens = want_greedy.len();
-        params.prompt_logprobs = Some(1);
-        let out = llm
-            .generate(&[Prompt::Tokens(prompt.clone())], &params)
-            .unwrap_or_else(|e| panic!("{what} case {c}: {e:#}"));
-        let got_lp = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
-        assert_eq!(got_lp.len(), prompt.len() - 1);
-        for (i, l) in got_lp.iter().enumerate() {
-            let want = want_lp[i + 1].expect("reference logprob");
-            assert_eq!(l.token_id, prompt[i + 1]);
-            let err = (l.logprob as f64 - want).abs();
-            worst = worst.max(err);
-            assert!(
-                err < tol,
-                "{what} case {c}, prompt token {}: logprob {} vs transformers {want}",
-                i + 1,
-                l.logprob
-            );
-        }
-        let got = &out[0].outputs[0].token_ids;
-        for (i, (&g, &w)) in got.iter().zip(&want_greedy).enumerate() {
-            if gaps[i].is_some_and(|gap| gap < near_tie) {
-                break;
-            }
-            assert_eq!(
-                g, w,
-                "{what} case {c}: greedy token {i} is {g}, transformers {w} (got {got:?}, want {want_greedy:?})"
-            );
-        }
-    }
-    eprintln!("{what}: largest prompt logprob difference {worst:.2e}");
-    worst
+    support::transformers_reference::check_cases(
+        &reference,
+        what,
+        &mut llm,
+        tol,
+        near_tie,
+        u32::MAX,
+    )
 }
 
 fn gguf_agrees_with_transformers(family: &str) {

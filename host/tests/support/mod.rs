@@ -11,3 +11,4 @@ pub mod fixtures;
 pub mod hf_to_gguf;
 pub mod reference;
 pub mod tiny_model;
+pub mod transformers_reference;
