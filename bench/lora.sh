@@ -36,10 +36,13 @@ run() {
     grep -E "Successful requests|Output token throughput" | tr -s ' ' | paste -sd ' '
 }
 echo "machine: $(lscpu | sed -n 's/^Model name: *//p'), $THREADS threads; load $(cut -d' ' -f1-3 /proc/loadavg)"
+# Every run draws its own prompts (its own seed): a run whose prompts an
+# earlier run of the base (or of the same adapter) had cached would skip
+# their prefill, and its throughput would not compare with the others'.
 for r in $(seq 1 "$ROUNDS"); do
-  echo "round $r base, 16 streams:      $(run --num-prompts 64 --max-concurrency 16 --seed $r)"
-  echo "round $r 8 adapters, 16 streams: $(run --num-prompts 64 --max-concurrency 16 --seed $r --lora-modules "${NAMES[@]}")"
-  echo "round $r base, 1 stream:        $(run --num-prompts 4 --max-concurrency 1 --seed $r)"
-  echo "round $r 1 adapter, 1 stream:   $(run --num-prompts 4 --max-concurrency 1 --seed $r --lora-modules lora0)"
+  echo "round $r base, 16 streams:      $(run --num-prompts 64 --max-concurrency 16 --seed $((100 + r)))"
+  echo "round $r 8 adapters, 16 streams: $(run --num-prompts 64 --max-concurrency 16 --seed $((200 + r)) --lora-modules "${NAMES[@]}")"
+  echo "round $r base, 1 stream:        $(run --num-prompts 8 --max-concurrency 1 --seed $((300 + r)))"
+  echo "round $r 1 adapter, 1 stream:   $(run --num-prompts 8 --max-concurrency 1 --seed $((400 + r)) --lora-modules lora0)"
 done
 echo "load $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -18,7 +18,7 @@ pub mod quant;
 pub use backend::CudaBackend;
 pub use backend::{
     Backend, BackendError, CpuBackend, DeviceLora, DeviceMatrix, HostMatrix, KvLayerSpec, KvSpec,
-    Rows, StepBatch, StepSeq,
+    LoraSlice, Rows, StepBatch, StepSeq,
 };
 pub use cpu::pool::ThreadPool;
 pub use device::{CpuContext, Device, DeviceError};

@@ -19,6 +19,10 @@ pub struct CpuBackend {
     ctx: CpuContext,
     /// The LoRA kernel's visiting order (reused).
     lora_scratch: crate::ops::lora::LoraScratch,
+    /// [`Backend::matmul_lora`]'s adapted tokens and their deltas, computed
+    /// beside the matmul (reused).
+    lora_order: Vec<u32>,
+    lora_delta: Vec<f32>,
     /// What quantized weights are laid out for.
     level: SimdLevel,
     scratch: MatmulScratch,
@@ -49,6 +53,8 @@ impl CpuBackend {
             head_out: Vec::new(),
             sample_scratch: SampleScratch::default(),
             lora_scratch: Default::default(),
+            lora_order: Vec::new(),
+            lora_delta: Vec::new(),
         }
     }
 
@@ -508,6 +514,115 @@ impl Backend for CpuBackend {
             &mut self.lora_scratch,
             Some(self.ctx.pool()),
         );
+        Ok(())
+    }
+
+    fn matmul_lora(
+        &mut self,
+        w: &Weight,
+        x: &Vec<f32>,
+        m: usize,
+        out: &mut Vec<f32>,
+        bias: Option<&Vec<f32>>,
+        slices: &[super::LoraSlice<'_, Weight>],
+        step: &CpuStep,
+    ) -> Result<(), BackendError> {
+        use crate::ops::lora::{lora_token_delta, LoraFactors, MAX_LORA_RANK};
+        let (in_dim, width) = (w.cols(), w.rows());
+        let bad = |detail: String| BackendError::Device {
+            device: "cpu".into(),
+            what: "matmul_lora".into(),
+            detail,
+        };
+        // What `lora_token_delta` asserts, said as an error up front.
+        for s in slices {
+            if s.col + s.out_dim > width {
+                return Err(bad(format!(
+                    "LoRA columns {}..{} outside the projection's {width}",
+                    s.col,
+                    s.col + s.out_dim
+                )));
+            }
+            for f in s.slots.iter().flatten() {
+                let (a, b) = (lora_data(&f.a)?, lora_data(&f.b)?);
+                if f.rank > MAX_LORA_RANK
+                    || a.len() != f.rank * in_dim
+                    || b.len() != f.rank * s.out_dim
+                {
+                    return Err(bad(format!(
+                        "LoRA factors of rank {} are {} and {} values, not rank × {in_dim} and rank × {}",
+                        f.rank,
+                        a.len(),
+                        b.len(),
+                        s.out_dim
+                    )));
+                }
+            }
+        }
+        fn factors<'a>(s: &super::LoraSlice<'a, Weight>, slot: u16) -> Option<LoraFactors<'a>> {
+            let f = s.slots.get(slot as usize)?.as_ref()?;
+            Some(LoraFactors {
+                a: lora_data(&f.a).ok()?,
+                b: lora_data(&f.b).ok()?,
+                rank: f.rank,
+                scale: f.scale,
+            })
+        }
+        let token_slots = &step.batch.lora_slots;
+        let order = &mut self.lora_order;
+        order.clear();
+        for t in 0..m.min(token_slots.len()) {
+            if slices.iter().any(|s| factors(s, token_slots[t]).is_some()) {
+                order.push(t as u32);
+            }
+        }
+        let order = &self.lora_order[..];
+        let delta = &mut self.lora_delta;
+        if delta.len() < order.len() * width {
+            delta.resize(order.len() * width, 0.0);
+        }
+        let d = SharedRows(delta.as_mut_ptr());
+        let x = first(x, m * in_dim);
+        // Token `order[i]`'s deltas, into row `i` of `delta`.
+        let side = |i: usize| {
+            let d = &d;
+            let t = order[i] as usize;
+            let xt = &x[t * in_dim..(t + 1) * in_dim];
+            for s in slices {
+                if let Some(f) = factors(s, token_slots[t]) {
+                    // SAFETY: row `i` of `delta` (grown above) is this
+                    // task's alone, and the slice's columns lie within it.
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(d.0.add(i * width + s.col), s.out_dim)
+                    };
+                    lora_token_delta(&f, xt, dst);
+                }
+            }
+        };
+        let pool = self.ctx.pool();
+        let scratch = &mut self.scratch;
+        let prompt = &step.batch.prompt_rows[..m];
+        let out = first_mut(out, m * width);
+        pool.run_with_side(order.len(), &side, || {
+            w.matmul_rows(pool, x, m, out, scratch, prompt)
+        });
+        if let Some(bias) = bias {
+            for row in out.chunks_exact_mut(width) {
+                ops::add_inplace(row, bias);
+            }
+        }
+        for (i, &t) in order.iter().enumerate() {
+            let t = t as usize;
+            for s in slices {
+                if factors(s, token_slots[t]).is_some() {
+                    let (o, c) = (t * width + s.col, i * width + s.col);
+                    ops::add_inplace(
+                        &mut out[o..o + s.out_dim],
+                        &self.lora_delta[c..c + s.out_dim],
+                    );
+                }
+            }
+        }
         Ok(())
     }
 
@@ -1093,4 +1208,131 @@ fn lora_data(w: &Weight) -> Result<crate::ops::lora::LoraData<'_>, BackendError>
             w.cols()
         ),
     })
+}
+
+/// Rows that tasks of one region write disjointly.
+struct SharedRows(*mut f32);
+// SAFETY: every task writes only its own rows (see the users).
+unsafe impl Sync for SharedRows {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{DeviceLora, LoraSlice, StepBatch, NO_LORA};
+    use rand::{Rng, SeedableRng};
+
+    fn random(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()
+    }
+
+    /// `matmul_lora` beside the matmul gives the bits of `matmul`,
+    /// `add_bias` and one `lora_add` per slice, on one thread or two, for a
+    /// batch mixing adapters, the base and a slot adapted on some slices.
+    #[test]
+    fn matmul_lora_has_the_bits_of_its_parts_one_after_another() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (in_dim, parts) = (64, [48usize, 26, 26]);
+        let width: usize = parts.iter().sum();
+        let m = 9;
+        for threads in [1, 2] {
+            let mut be = CpuBackend::new(CpuContext::new(threads), crate::cpu::simd_level());
+            let w = be
+                .upload_matrix(
+                    &HostMatrix::from_f32_as(
+                        GgmlType::Q8_0,
+                        width,
+                        in_dim,
+                        &random(&mut rng, width * in_dim),
+                    )
+                    .expect("weight"),
+                )
+                .expect("upload");
+            let bias = random(&mut rng, width);
+            let mut lora = |ty: GgmlType, rank: usize, out: usize, scale: f32| {
+                Some(DeviceLora {
+                    a: be
+                        .upload_matrix(
+                            &HostMatrix::from_f32_as(
+                                ty,
+                                rank,
+                                in_dim,
+                                &random(&mut rng, rank * in_dim),
+                            )
+                            .expect("A"),
+                        )
+                        .expect("upload"),
+                    b: be
+                        .upload_matrix(
+                            &HostMatrix::from_f32_as(ty, rank, out, &random(&mut rng, rank * out))
+                                .expect("B"),
+                        )
+                        .expect("upload"),
+                    rank,
+                    scale,
+                })
+            };
+            // Slot 0 adapts every part, slot 1 the first and last, slot 2
+            // none of them.
+            let per_part: Vec<Vec<Option<DeviceLora<Weight>>>> = parts
+                .iter()
+                .enumerate()
+                .map(|(p, &out)| {
+                    vec![
+                        lora(GgmlType::F32, 4, out, 0.5),
+                        if p == 1 {
+                            None
+                        } else {
+                            lora(GgmlType::BF16, 8, out, 2.0)
+                        },
+                        None,
+                    ]
+                })
+                .collect();
+            let mut col = 0;
+            let slices: Vec<LoraSlice<'_, Weight>> = parts
+                .iter()
+                .zip(&per_part)
+                .map(|(&out_dim, slots)| {
+                    let s = LoraSlice {
+                        slots,
+                        col,
+                        out_dim,
+                    };
+                    col += out_dim;
+                    s
+                })
+                .collect();
+            let batch = StepBatch {
+                tokens: vec![1; m],
+                prompt_rows: vec![false; m],
+                lora_slots: vec![0, NO_LORA, 1, 0, 1, NO_LORA, 0, 2, 1],
+                ..Default::default()
+            };
+            let mut step = CpuStep::default();
+            be.upload_step(&batch, &mut step).expect("step");
+            let x = random(&mut rng, m * in_dim);
+
+            let mut apart = vec![0f32; m * width];
+            be.matmul(&w, &x, m, &mut apart, &step, Rows::Tokens);
+            let mut base = apart.clone();
+            be.add_bias(&mut base, &bias, m, width);
+            be.add_bias(&mut apart, &bias, m, width);
+            for s in &slices {
+                be.lora_add(
+                    &x, in_dim, s.slots, &step, &mut apart, width, s.col, s.out_dim,
+                )
+                .expect("lora_add");
+            }
+            let mut fused = vec![f32::NAN; m * width];
+            be.matmul_lora(&w, &x, m, &mut fused, Some(&bias), &slices, &step)
+                .expect("matmul_lora");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&fused), bits(&apart), "{threads} threads");
+            for t in 0..m {
+                let row = t * width..(t + 1) * width;
+                let adapted = matches!(batch.lora_slots[t], 0 | 1);
+                assert_eq!(fused[row.clone()] != base[row], adapted, "token {t}");
+            }
+        }
+    }
 }

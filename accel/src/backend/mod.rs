@@ -370,6 +370,16 @@ pub struct DeviceLora<M> {
     pub scale: f32,
 }
 
+/// The adapters of one logical projection inside a matmul's output: the
+/// slots' factors (as [`Backend::lora_add`] takes them) and the output
+/// columns `col..col + out_dim` they add to.
+#[derive(Clone, Copy, Debug)]
+pub struct LoraSlice<'a, M> {
+    pub slots: &'a [Option<DeviceLora<M>>],
+    pub col: usize,
+    pub out_dim: usize,
+}
+
 impl StepBatch {
     /// Empties the batch, keeping its capacity.
     pub fn clear(&mut self) {
@@ -950,6 +960,34 @@ pub trait Backend: Send + 'static {
             "{}: no LoRA kernels (supports_lora is false)",
             self.describe()
         );
+    }
+
+    /// A projection with adapters: `out = x · wᵀ` over the step's tokens
+    /// (`Rows::Tokens`, `m` of them), plus `bias` on every row, plus each
+    /// slice's LoRA deltas ([`Backend::lora_add`] with `out_stride =
+    /// w.rows()`, `in_dim = w.cols()`), in that order and with the same
+    /// bits as those calls made one after another. One call, so that a
+    /// backend can compute the deltas, which read only `x`, beside the
+    /// matmul instead of after it.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_lora(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        m: usize,
+        out: &mut Self::Buffer,
+        bias: Option<&Self::Vector>,
+        slices: &[LoraSlice<'_, Self::Matrix>],
+        step: &Self::Step,
+    ) -> Result<(), BackendError> {
+        self.matmul(w, x, m, out, step, Rows::Tokens);
+        if let Some(bias) = bias {
+            self.add_bias(out, bias, m, w.rows());
+        }
+        for s in slices {
+            self.lora_add(x, w.cols(), s.slots, step, out, w.rows(), s.col, s.out_dim)?;
+        }
+        Ok(())
     }
 
     /// Writes the step's latent rows (`latent: [tokens, width]`) into latent

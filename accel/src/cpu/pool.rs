@@ -50,6 +50,15 @@ struct Shared {
     wake: Condvar,
     done_lock: Mutex<()>,
     done: Condvar,
+    /// The side tasks of [`ThreadPool::run_with_side`], written only while
+    /// none is claimable (see `side_claim`).
+    side_job: UnsafeCell<Option<Job>>,
+    /// `epoch << 40 | n << 20 | next`: side task `next` of `n` is the next
+    /// to claim. Claimed by compare-exchange, so a thread that read an
+    /// older word (another epoch, or one already claimed) claims nothing.
+    side_claim: AtomicU64,
+    /// Side tasks of the current epoch that have returned.
+    side_done: AtomicUsize,
 }
 
 // SAFETY: `job` is only written while no worker can read it (all workers have
@@ -67,6 +76,8 @@ pub struct ThreadPool {
     threads: usize,
     /// Serializes callers: one parallel region at a time per pool.
     region: Mutex<()>,
+    /// One [`ThreadPool::run_with_side`] at a time per pool.
+    side: Mutex<()>,
 }
 
 impl ThreadPool {
@@ -88,6 +99,9 @@ impl ThreadPool {
             wake: Condvar::new(),
             done_lock: Mutex::new(()),
             done: Condvar::new(),
+            side_job: UnsafeCell::new(None),
+            side_claim: AtomicU64::new(0),
+            side_done: AtomicUsize::new(0),
         });
         let workers = (1..threads)
             .map(|i| {
@@ -105,6 +119,7 @@ impl ThreadPool {
             workers,
             threads,
             region: Mutex::new(()),
+            side: Mutex::new(()),
         }
     }
 
@@ -126,11 +141,54 @@ impl ThreadPool {
         if n_tasks == 0 {
             return;
         }
-        if self.threads == 1 || n_tasks == 1 {
+        // A single task is run here, unless side tasks wait for a thread.
+        if self.threads == 1 || (n_tasks == 1 && !side_pending(&self.shared)) {
             (0..n_tasks).for_each(f);
             return;
         }
         self.region(n_tasks, false, f);
+    }
+
+    /// Runs `body` and `side(i)` for every `i` in `0..n_side`, returning
+    /// when all have returned. The side tasks are handed out, before their
+    /// own tasks, by the regions `body` runs on this pool, so work that
+    /// depends on neither (a LoRA delta beside its projection's matmul)
+    /// fills the threads that would otherwise wait at the region's end,
+    /// without a region of its own; whatever no region took runs here after
+    /// `body`. Which thread runs a side task is up to timing.
+    ///
+    /// `side` must not use this pool.
+    pub fn run_with_side(&self, n_side: usize, side: &(dyn Fn(usize) + Sync), body: impl FnOnce()) {
+        const MAX: usize = (1 << 20) - 1;
+        if self.threads == 1 || n_side == 0 || n_side > MAX {
+            body();
+            (0..n_side).for_each(side);
+            return;
+        }
+        let _side = self.side.lock().unwrap_or_else(|e| e.into_inner());
+        let s = &*self.shared;
+        // SAFETY: nothing is claimable (the previous epoch ended with
+        // `n = 0`), so no thread reads `side_job`; the lifetime erased here
+        // outlives every claim, as this function waits for all of them.
+        unsafe {
+            let erased: Job = std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(side);
+            *s.side_job.get() = Some(erased);
+        }
+        s.side_done.store(0, Ordering::Relaxed);
+        let epoch = ((s.side_claim.load(Ordering::Relaxed) >> 40) + 1) & 0xFF_FFFF;
+        s.side_claim
+            .store(epoch << 40 | (n_side as u64) << 20, Ordering::Release);
+        body();
+        drain_side(s);
+        // Claimed tasks ran inside regions that have ended, or above; this
+        // waits only if another caller's region of this pool took one.
+        while s.side_done.load(Ordering::Acquire) < n_side {
+            std::hint::spin_loop();
+        }
+        s.side_claim.store(epoch << 40, Ordering::Release);
+        unsafe {
+            *s.side_job.get() = None;
+        }
     }
 
     /// Runs `f(t)` exactly once on every thread of the pool, `t` being the
@@ -210,7 +268,45 @@ impl ThreadPool {
     }
 }
 
+/// Whether a side task is waiting to be claimed.
+fn side_pending(s: &Shared) -> bool {
+    let v = s.side_claim.load(Ordering::Acquire);
+    (v & 0xF_FFFF) < ((v >> 20) & 0xF_FFFF)
+}
+
+/// Claims the next side task, if one is left.
+fn claim_side(s: &Shared) -> Option<usize> {
+    let mut v = s.side_claim.load(Ordering::Acquire);
+    loop {
+        let (n, next) = ((v >> 20) & 0xF_FFFF, v & 0xF_FFFF);
+        if next >= n {
+            return None;
+        }
+        match s
+            .side_claim
+            .compare_exchange_weak(v, v + 1, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => return Some(next as usize),
+            Err(now) => v = now,
+        }
+    }
+}
+
+/// Runs side tasks until none is left to claim.
+fn drain_side(s: &Shared) {
+    while let Some(i) = claim_side(s) {
+        // SAFETY: published before the claim word we claimed from (Release
+        // / AcqRel), and kept alive by `run_with_side` until this task
+        // counts itself done.
+        let job = unsafe { (*s.side_job.get()).expect("side tasks come with their job") };
+        let f: &(dyn Fn(usize) + Sync) = unsafe { &*job };
+        f(i);
+        s.side_done.fetch_add(1, Ordering::Release);
+    }
+}
+
 fn drain_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
+    drain_side(s);
     let n = s.n_tasks.load(Ordering::Relaxed);
     loop {
         let i = s.next_task.fetch_add(1, Ordering::Relaxed);
@@ -338,6 +434,73 @@ mod tests {
             });
             assert_eq!(sum.load(Ordering::Relaxed), 45);
         }
+    }
+
+    #[test]
+    fn side_tasks_run_exactly_once_beside_regions_or_after_them() {
+        for threads in [1usize, 2, 3] {
+            let pool = ThreadPool::new(threads);
+            // Beside a region of many tasks, of one task, and of none.
+            for body_tasks in [0usize, 1, 40] {
+                for n_side in [0usize, 1, 5, 300] {
+                    let side: Vec<AtomicU64> = (0..n_side).map(|_| AtomicU64::new(0)).collect();
+                    let main: Vec<AtomicU64> = (0..body_tasks).map(|_| AtomicU64::new(0)).collect();
+                    pool.run_with_side(
+                        n_side,
+                        &|i| {
+                            side[i].fetch_add(1, Ordering::Relaxed);
+                        },
+                        || {
+                            pool.run(body_tasks, &|i| {
+                                main[i].fetch_add(1, Ordering::Relaxed);
+                            })
+                        },
+                    );
+                    let once = |v: &[AtomicU64]| v.iter().all(|h| h.load(Ordering::Relaxed) == 1);
+                    assert!(once(&side), "{threads} threads, {body_tasks} + {n_side}");
+                    assert!(once(&main), "{threads} threads, {body_tasks} + {n_side}");
+                }
+            }
+            // Regions after it hand out nothing more.
+            let sum = AtomicU64::new(0);
+            pool.run(10, &|i| {
+                sum.fetch_add(i as u64, Ordering::Relaxed);
+            });
+            assert_eq!(sum.load(Ordering::Relaxed), 45);
+        }
+    }
+
+    #[test]
+    fn a_side_task_runs_beside_the_region_not_after_it() {
+        // The side task and the region's only task each wait for the
+        // other's mark: both see it only if they run at the same time.
+        let pool = ThreadPool::new(2);
+        let (side_mark, task_mark) = (AtomicBool::new(false), AtomicBool::new(false));
+        let wait_for = |mark: &AtomicBool| {
+            let start = std::time::Instant::now();
+            while !mark.load(Ordering::SeqCst) {
+                if start.elapsed() > std::time::Duration::from_secs(10) {
+                    return false;
+                }
+                std::thread::yield_now();
+            }
+            true
+        };
+        let (side_saw, task_saw) = (AtomicBool::new(false), AtomicBool::new(false));
+        pool.run_with_side(
+            1,
+            &|_| {
+                side_mark.store(true, Ordering::SeqCst);
+                side_saw.store(wait_for(&task_mark), Ordering::SeqCst);
+            },
+            || {
+                pool.run(1, &|_| {
+                    task_mark.store(true, Ordering::SeqCst);
+                    task_saw.store(wait_for(&side_mark), Ordering::SeqCst);
+                })
+            },
+        );
+        assert!(side_saw.load(Ordering::SeqCst) && task_saw.load(Ordering::SeqCst));
     }
 
     #[test]

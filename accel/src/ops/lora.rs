@@ -37,6 +37,14 @@ impl LoraData<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Bytes per element.
+    pub fn elem_size(&self) -> usize {
+        match self {
+            LoraData::F32(_) => 4,
+            LoraData::Bf16(_) | LoraData::F16(_) => 2,
+        }
+    }
 }
 
 /// One adapter's factors for one projection.
@@ -92,9 +100,51 @@ pub fn lora_add<'a>(
     scratch: &mut LoraScratch,
     pool: Option<&crate::ThreadPool>,
 ) {
+    lora_add_split_from(
+        x,
+        in_dim,
+        token_slots,
+        slot_of,
+        out,
+        out_stride,
+        col,
+        out_dim,
+        scratch,
+        pool,
+        SPLIT_MIN_BYTES,
+    )
+}
+
+/// The factor bytes a call must stream before its work is shared with the
+/// pool. A parallel region costs a few microseconds of waking and joining
+/// threads, and a decode step of a small model with adapters on all seven
+/// projections runs hundreds of these calls of a microsecond or two each:
+/// split, they cost a 135M model's single stream 28% of its speed, done on
+/// the calling thread 2-10% (bench/lora.sh). 128 KiB is about ten
+/// microseconds of streaming on one core, where halving it starts to pay
+/// for the region; an 8B model's projections are above it for one token.
+const SPLIT_MIN_BYTES: usize = 128 << 10;
+
+/// [`lora_add`] with the threshold of [`SPLIT_MIN_BYTES`] as a parameter,
+/// so that tests can reach every split on small factors.
+#[allow(clippy::too_many_arguments)]
+fn lora_add_split_from<'a>(
+    x: &[f32],
+    in_dim: usize,
+    token_slots: &[u16],
+    slot_of: impl Fn(u16) -> Option<LoraFactors<'a>> + Sync,
+    out: &mut [f32],
+    out_stride: usize,
+    col: usize,
+    out_dim: usize,
+    scratch: &mut LoraScratch,
+    pool: Option<&crate::ThreadPool>,
+    split_min_bytes: usize,
+) {
     let order = &mut scratch.order;
     order.clear();
     let mut max_rank = 0;
+    let mut bytes = 0;
     for t in 0..token_slots.len() {
         if let Some(f) = slot_of(token_slots[t]) {
             assert!(
@@ -109,6 +159,7 @@ pub fn lora_add<'a>(
                 "lora_add: out is too short"
             );
             max_rank = max_rank.max(f.rank);
+            bytes += f.a.len() * f.a.elem_size() + f.b.len() * f.b.elem_size();
             order.push(t as u32);
         }
     }
@@ -123,6 +174,7 @@ pub fn lora_add<'a>(
     // not depend on its batch.
     let simd = Simd::detect();
     let o = OutRows(out.as_mut_ptr());
+    let pool = pool.filter(|_| bytes >= split_min_bytes);
     let threads = pool.map_or(1, |p| p.threads());
     match pool {
         // Fewer tokens than threads have work to share: first every
@@ -170,7 +222,7 @@ pub fn lora_add<'a>(
                         std::slice::from_raw_parts_mut(o.0.add(t * out_stride + col), out_dim),
                     )
                 };
-                expand(&f, hk, row, j0, j1, simd);
+                expand(&f, hk, row, j0, j1, simd, false);
             });
         }
         _ => {
@@ -189,7 +241,7 @@ pub fn lora_add<'a>(
                         std::slice::from_raw_parts_mut(o.0.add(t * out_stride + col), out_dim)
                     };
                     shrink(&f, 0, xt, &mut h[..f.rank], simd);
-                    expand(&f, &h[..f.rank], row, 0, out_dim, simd);
+                    expand(&f, &h[..f.rank], row, 0, out_dim, simd, false);
                 }
             };
             match pool {
@@ -284,31 +336,72 @@ fn shrink(f: &LoraFactors<'_>, k0: usize, x: &[f32], h: &mut [f32], simd: Simd) 
     }
 }
 
-/// `row[j] += Σ_k h[k] · Bᵀ[k, j]` for `j` in `j0..j1`, `k` in order.
-fn expand(f: &LoraFactors<'_>, h: &[f32], row: &mut [f32], j0: usize, j1: usize, simd: Simd) {
+/// `row[j] += d[j]` (or `row[j] = d[j]` with `store`) for `j` in
+/// `j0..j1`, where `d[j] = Σ_k h[k] · Bᵀ[k, j]` summed from zero in `k`
+/// order. Summing from zero, not from `row[j]`, gives a delta the same bits
+/// whether it is added here or stored aside and added later (the fused
+/// path of [`lora_token_delta`]).
+fn expand(
+    f: &LoraFactors<'_>,
+    h: &[f32],
+    row: &mut [f32],
+    j0: usize,
+    j1: usize,
+    simd: Simd,
+    store: bool,
+) {
     let out_dim = row.len();
     let row = &mut row[j0..j1];
-    for (k, &c) in h.iter().enumerate() {
-        let (s, e) = (k * out_dim + j0, k * out_dim + j1);
-        match (f.b, simd) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA.
-            (LoraData::F32(b), Simd::Avx2 { .. }) => unsafe { x86::axpy_f32(c, &b[s..e], row) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            (LoraData::Bf16(b), Simd::Avx2 { .. }) => unsafe { x86::axpy_bf16(c, &b[s..e], row) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above, and `f16c` was detected.
-            (LoraData::F16(b), Simd::Avx2 { f16c: true }) => unsafe {
-                x86::axpy_f16(c, &b[s..e], row)
-            },
-            (b, _) => {
-                for (j, o) in row.iter_mut().enumerate() {
-                    *o += c * value(b, s + j);
+    match (f.b, simd) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA; `Bᵀ`
+        // is `rank × out_dim` (checked by the callers) and `j1 ≤ out_dim`.
+        (LoraData::F32(b), Simd::Avx2 { .. }) => unsafe {
+            x86::expand_f32(h, b, out_dim, j0, row, store)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (LoraData::Bf16(b), Simd::Avx2 { .. }) => unsafe {
+            x86::expand_bf16(h, b, out_dim, j0, row, store)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, and `f16c` was detected.
+        (LoraData::F16(b), Simd::Avx2 { f16c: true }) => unsafe {
+            x86::expand_f16(h, b, out_dim, j0, row, store)
+        },
+        (b, _) => {
+            for (j, o) in row.iter_mut().enumerate() {
+                let mut d = 0f32;
+                for (k, &c) in h.iter().enumerate() {
+                    d += c * value(b, k * out_dim + j0 + j);
                 }
+                *o = if store { d } else { *o + d };
             }
         }
     }
+}
+
+/// Writes one token's delta of one projection, `scale · B (A x)`, to
+/// `dst` (`out_dim` wide): the same bits that [`lora_add`] adds for it,
+/// whatever else shares its step. A caller that computes deltas beside the
+/// base matmul (which would overwrite them) adds them to its output after.
+///
+/// # Panics
+/// If the factors are not `rank × x.len()` and `rank × dst.len()`, or the
+/// rank is above [`MAX_LORA_RANK`].
+pub fn lora_token_delta(f: &LoraFactors<'_>, x: &[f32], dst: &mut [f32]) {
+    assert!(
+        f.rank <= MAX_LORA_RANK,
+        "LoRA rank {} above the kernel's",
+        f.rank
+    );
+    assert_eq!(f.a.len(), f.rank * x.len(), "lora A is not rank × in");
+    assert_eq!(f.b.len(), dst.len() * f.rank, "lora Bᵀ is not rank × out");
+    let simd = Simd::detect();
+    let mut h = [0f32; MAX_LORA_RANK];
+    shrink(f, 0, x, &mut h[..f.rank], simd);
+    let out_dim = dst.len();
+    expand(f, &h[..f.rank], dst, 0, out_dim, simd, true);
 }
 
 /// Element `i` as f32.
@@ -415,25 +508,62 @@ mod x86 {
         s
     }
 
+    /// Adds (or stores) `d[j] = Σ_k h[k] · bt[k·out_dim + j0 + j]` to
+    /// `row[j]`, each `d[j]` a chain of fused multiply-adds from zero in
+    /// `k` order, kept in registers over all `k` for 32 (then 8) columns at
+    /// a time; the tail columns take the same chain one by one.
     #[inline(always)]
-    unsafe fn axpy<T: Load8>(c: f32, b: &[T], row: &mut [f32]) {
+    unsafe fn expand<T: Load8>(
+        h: &[f32],
+        bt: &[T],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
         let n = row.len();
-        let lanes = n / 8 * 8;
-        let cv = _mm256_set1_ps(c);
+        // SAFETY (caller): `bt` holds `h.len()` rows of `out_dim`, and
+        // `j0 + n ≤ out_dim`; every load below reads within a row's
+        // `j0..j0 + n`.
+        let at = |k: usize, j: usize| bt.as_ptr().add(k * out_dim + j0 + j);
+        let finish = |o: *mut f32, acc: __m256| {
+            let v = if store {
+                acc
+            } else {
+                _mm256_add_ps(_mm256_loadu_ps(o), acc)
+            };
+            _mm256_storeu_ps(o, v);
+        };
         let mut j = 0;
-        // SAFETY (caller): `b.len() == row.len()`; loads below `lanes`.
-        while j < lanes {
-            let o = row.as_mut_ptr().add(j);
-            _mm256_storeu_ps(
-                o,
-                _mm256_fmadd_ps(cv, T::load8(b.as_ptr().add(j)), _mm256_loadu_ps(o)),
-            );
+        while j + 32 <= n {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for (k, &c) in h.iter().enumerate() {
+                let cv = _mm256_set1_ps(c);
+                for (q, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(cv, T::load8(at(k, j + 8 * q)), *a);
+                }
+            }
+            for (q, a) in acc.iter().enumerate() {
+                finish(row.as_mut_ptr().add(j + 8 * q), *a);
+            }
+            j += 32;
+        }
+        while j + 8 <= n {
+            let mut acc = _mm256_setzero_ps();
+            for (k, &c) in h.iter().enumerate() {
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(c), T::load8(at(k, j)), acc);
+            }
+            finish(row.as_mut_ptr().add(j), acc);
             j += 8;
         }
         // Fused like the lanes, so an element's bits do not depend on
         // whether a column split put it in a lane or in the tail.
-        for j in lanes..n {
-            row[j] = c.mul_add(b[j].get(), row[j]);
+        for j in j..n {
+            let mut d = 0f32;
+            for (k, &c) in h.iter().enumerate() {
+                d = c.mul_add((*at(k, j)).get(), d);
+            }
+            row[j] = if store { d } else { row[j] + d };
         }
     }
 
@@ -467,34 +597,49 @@ mod x86 {
     }
 
     /// # Safety
-    /// AVX2 and FMA; `b.len() == row.len()`.
+    /// AVX2 and FMA; `bt` is `h.len() × out_dim`, `j0 + row.len() ≤ out_dim`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy_f32(c: f32, b: &[f32], row: &mut [f32]) {
-        axpy(c, b, row)
+    pub(super) unsafe fn expand_f32(
+        h: &[f32],
+        bt: &[f32],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
+        expand(h, bt, out_dim, j0, row, store)
     }
 
     /// # Safety
-    /// AVX2 and FMA; `b.len() == row.len()`.
+    /// As [`expand_f32`].
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn axpy_bf16(c: f32, b: &[u16], row: &mut [f32]) {
+    pub(super) unsafe fn expand_bf16(
+        h: &[f32],
+        bt: &[u16],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
         // SAFETY: `Bf16` is a transparent `u16`.
-        axpy(
-            c,
-            std::slice::from_raw_parts(b.as_ptr() as *const Bf16, b.len()),
-            row,
-        )
+        let bt = std::slice::from_raw_parts(bt.as_ptr() as *const Bf16, bt.len());
+        expand(h, bt, out_dim, j0, row, store)
     }
 
     /// # Safety
-    /// AVX2, FMA and F16C; `b.len() == row.len()`.
+    /// As [`expand_f32`], and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn axpy_f16(c: f32, b: &[u16], row: &mut [f32]) {
+    pub(super) unsafe fn expand_f16(
+        h: &[f32],
+        bt: &[u16],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
         // SAFETY: `F16` is a transparent `u16`.
-        axpy(
-            c,
-            std::slice::from_raw_parts(b.as_ptr() as *const F16, b.len()),
-            row,
-        )
+        let bt = std::slice::from_raw_parts(bt.as_ptr() as *const F16, bt.len());
+        expand(h, bt, out_dim, j0, row, store)
     }
 }
 
@@ -669,9 +814,16 @@ mod tests {
                 out_dim,
             );
             let pool = crate::ThreadPool::new(2);
-            for pool in [None, Some(&pool)] {
+            // One thread; the pool at the default threshold (below it
+            // here); the pool splitting whatever the size.
+            let runs = [
+                (None, SPLIT_MIN_BYTES),
+                (Some(&pool), SPLIT_MIN_BYTES),
+                (Some(&pool), 0),
+            ];
+            for (pool, split_min_bytes) in runs {
                 let mut got = base.clone();
-                lora_add(
+                lora_add_split_from(
                     &x,
                     in_dim,
                     &token_slots,
@@ -682,6 +834,7 @@ mod tests {
                     out_dim,
                     &mut LoraScratch::default(),
                     pool,
+                    split_min_bytes,
                 );
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     assert!(
@@ -716,8 +869,16 @@ mod tests {
             let (mut hs, mut hv) = ([0f32; 5], [0f32; 5]);
             shrink(&f.factors(), 0, &x, &mut hs, Simd::Scalar);
             shrink(&f.factors(), 0, &x, &mut hv, simd);
-            expand(&f.factors(), &hs, &mut scalar, 0, out_dim, Simd::Scalar);
-            expand(&f.factors(), &hv, &mut vector, 0, out_dim, simd);
+            expand(
+                &f.factors(),
+                &hs,
+                &mut scalar,
+                0,
+                out_dim,
+                Simd::Scalar,
+                false,
+            );
+            expand(&f.factors(), &hv, &mut vector, 0, out_dim, simd, false);
             for (i, (s, v)) in scalar.iter().zip(&vector).enumerate() {
                 assert!(
                     (s - v).abs() < 1e-4,
@@ -725,6 +886,42 @@ mod tests {
                 );
             }
             assert_ne!(scalar, base);
+        }
+    }
+
+    #[test]
+    fn a_delta_stored_aside_and_added_later_has_the_bits_lora_add_adds() {
+        for kind in 0..3 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+            // Widths across the 32- and 8-column blocks and the tail.
+            for out_dim in [5usize, 8, 45, 83] {
+                let (in_dim, r) = (37, 7);
+                let f = stored(&mut rng, kind, r, in_dim, out_dim, 0.75);
+                let (x, base) = (random(&mut rng, in_dim), random(&mut rng, out_dim));
+                let mut added = base.clone();
+                lora_add(
+                    &x,
+                    in_dim,
+                    &[0],
+                    |_| Some(f.factors()),
+                    &mut added,
+                    out_dim,
+                    0,
+                    out_dim,
+                    &mut LoraScratch::default(),
+                    None,
+                );
+                let mut delta = vec![f32::NAN; out_dim];
+                lora_token_delta(&f.factors(), &x, &mut delta);
+                let later: Vec<u32> = base
+                    .iter()
+                    .zip(&delta)
+                    .map(|(b, d)| (b + d).to_bits())
+                    .collect();
+                let bits: Vec<u32> = added.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(bits, later, "kind {kind}, out {out_dim}");
+                assert_ne!(added, base);
+            }
         }
     }
 
@@ -744,9 +941,11 @@ mod tests {
             };
             let x = random(&mut rng, 9 * in_dim);
             let pool = crate::ThreadPool::new(2);
+            // Split whatever the size (these factors are far below
+            // `SPLIT_MIN_BYTES`, where `lora_add` keeps to one thread).
             let run = |x: &[f32], token_slots: &[u16], pool: Option<&crate::ThreadPool>| {
                 let mut out = vec![0f32; token_slots.len() * out_dim];
-                lora_add(
+                lora_add_split_from(
                     x,
                     in_dim,
                     token_slots,
@@ -757,6 +956,7 @@ mod tests {
                     out_dim,
                     &mut LoraScratch::default(),
                     pool,
+                    0,
                 );
                 out
             };

@@ -1422,11 +1422,11 @@ fn lora_expand(
             continue;
         }
         let o = &mut out[t * out_stride + col + j];
-        let mut acc = *o;
+        let mut acc = 0f32;
         for k in 0..rank {
             acc = h[t * h_stride + k].mul_add(lora_at(ty, bt, k * out_dim + j), acc);
         }
-        *o = acc;
+        *o += acc;
     }
 }
 

@@ -1384,9 +1384,10 @@ extern "C" __global__ void pg_lora_expand(int ty, const u8* bt, const float* h, 
     if (token_slots[t] != slot) return;
     const float* ht = h + (u64)t * h_stride;
     float* o = out + (u64)t * out_stride + col + j;
-    float acc = *o;
+    // Summed from zero, then added: the CPU op's order.
+    float acc = 0.0f;
     for (u32 k = 0; k < rank; k++) {
         acc = fmaf(ht[k], pg_lora_at(ty, bt, (u64)k * out_dim + j), acc);
     }
-    *o = acc;
+    *o = *o + acc;
 }

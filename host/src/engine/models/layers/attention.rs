@@ -9,7 +9,7 @@ use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraModule;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
+use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec};
 
 /// The optional parts a family's attention block carries.
 #[derive(Clone, Copy, Debug, Default)]
@@ -177,48 +177,24 @@ impl<B: Backend> SelfAttention<B> {
         b.reserve(&mut ws.attn, n * qd)?;
         b.reserve(&mut ws.proj, n * d)?;
 
-        self.qkv
-            .matmul(b, &ws.h, n, &mut ws.qkv, &mut ws.split_tmp, step)?;
-        if let Some(bias) = &self.qkv_bias {
-            b.add_bias(&mut ws.qkv, bias, n, qkv_w);
-        }
-        if let Some(l) = lora {
-            // Each adapted part adds to its columns of the fused output.
-            let d_in = self.o.rows();
-            l.add(
-                b,
-                LoraModule::Q,
-                &ws.h,
-                d_in,
-                step,
-                &mut ws.qkv,
-                qkv_w,
-                0,
-                qd,
-            )?;
-            l.add(
-                b,
-                LoraModule::K,
-                &ws.h,
-                d_in,
-                step,
-                &mut ws.qkv,
-                qkv_w,
-                qd,
-                kvd,
-            )?;
-            l.add(
-                b,
-                LoraModule::V,
-                &ws.h,
-                d_in,
-                step,
-                &mut ws.qkv,
-                qkv_w,
-                qd + kvd,
-                kvd,
-            )?;
-        }
+        // Each adapted part adds to its columns of the fused output.
+        let qkv_slices = lora.map_or_else(Vec::new, |l| {
+            l.slices(&[
+                (LoraModule::Q, 0, qd),
+                (LoraModule::K, qd, kvd),
+                (LoraModule::V, qd + kvd, kvd),
+            ])
+        });
+        self.qkv.matmul_lora(
+            b,
+            &ws.h,
+            n,
+            &mut ws.qkv,
+            &mut ws.split_tmp,
+            self.qkv_bias.as_ref(),
+            &qkv_slices,
+            step,
+        )?;
         b.copy_columns(&ws.qkv, qkv_w, 0, &mut ws.q, qd, 0, qd, n);
         b.copy_columns(&ws.qkv, qkv_w, qd, &mut ws.k, kvd, 0, kvd, n);
         b.copy_columns(&ws.qkv, qkv_w, qd + kvd, &mut ws.v, kvd, 0, kvd, n);
@@ -244,13 +220,16 @@ impl<B: Backend> SelfAttention<B> {
             step,
             &mut ws.attn,
         );
-        b.matmul(&self.o, &ws.attn, n, &mut ws.proj, step, Rows::Tokens);
-        if let Some(bias) = &self.o_bias {
-            b.add_bias(&mut ws.proj, bias, n, d);
-        }
-        if let Some(l) = lora {
-            l.add(b, LoraModule::O, &ws.attn, qd, step, &mut ws.proj, d, 0, d)?;
-        }
+        let o_slices = lora.map_or_else(Vec::new, |l| l.slices(&[(LoraModule::O, 0, d)]));
+        b.matmul_lora(
+            &self.o,
+            &ws.attn,
+            n,
+            &mut ws.proj,
+            self.o_bias.as_ref(),
+            &o_slices,
+            step,
+        )?;
         Ok(())
     }
 }

@@ -1,14 +1,14 @@
 //! LoRA adapters on a layer's projections: for every adapter slot, the
 //! factors of each module it adapts, on the device. A step's tokens carry
-//! their adapter slot ([`pagoda_accel::StepBatch::lora_slots`]); after a
+//! their adapter slot ([`pagoda_accel::StepBatch::lora_slots`]); with a
 //! projection's matmul, each module adds `scale · B (A x)` to its columns
 //! of the output for the tokens of each slot
-//! ([`pagoda_accel::Backend::lora_add`]). The base weights are never copied
-//! or merged.
+//! ([`pagoda_accel::Backend::matmul_lora`], which may compute the deltas
+//! beside the matmul). The base weights are never copied or merged.
 
 use crate::engine::lora::{LoraAdapter, LoraModule};
 use anyhow::Result;
-use pagoda_accel::{Backend, BackendError, DeviceLora, GgmlType, HostMatrix};
+use pagoda_accel::{Backend, BackendError, DeviceLora, GgmlType, HostMatrix, LoraSlice};
 
 /// One layer's adapters, by module and slot.
 pub struct LayerLora<B: Backend> {
@@ -72,6 +72,21 @@ impl<B: Backend> LayerLora<B> {
             };
         }
         Ok(())
+    }
+
+    /// The adapted ones of `parts` (each a module with its output columns
+    /// `col..col + out_dim` of one projection), as
+    /// [`pagoda_accel::Backend::matmul_lora`] takes them.
+    pub fn slices(&self, parts: &[(LoraModule, usize, usize)]) -> Vec<LoraSlice<'_, B::Matrix>> {
+        parts
+            .iter()
+            .filter(|(m, _, _)| self.adapts(*m))
+            .map(|&(m, col, out_dim)| LoraSlice {
+                slots: &self.modules[index(m)],
+                col,
+                out_dim,
+            })
+            .collect()
     }
 
     /// Whether any slot adapts module `m`.

@@ -155,38 +155,27 @@ impl<B: Backend> GatedMlp<B> {
         b.reserve(&mut ws.gate_up, n * 2 * f)?;
         b.reserve(&mut ws.act, n * f)?;
         b.reserve(&mut ws.proj, n * d)?;
-        self.gate_up
-            .matmul(b, &ws.h, n, &mut ws.gate_up, &mut ws.split_tmp, step)?;
-        if let Some(bias) = &self.gate_up_bias {
-            b.add_bias(&mut ws.gate_up, bias, n, 2 * f);
-        }
-        l.add(
+        let gate_up = l.slices(&[(LoraModule::Gate, 0, f), (LoraModule::Up, f, f)]);
+        self.gate_up.matmul_lora(
             b,
-            LoraModule::Gate,
             &ws.h,
-            d,
-            step,
+            n,
             &mut ws.gate_up,
-            2 * f,
-            0,
-            f,
-        )?;
-        l.add(
-            b,
-            LoraModule::Up,
-            &ws.h,
-            d,
+            &mut ws.split_tmp,
+            self.gate_up_bias.as_ref(),
+            &gate_up,
             step,
-            &mut ws.gate_up,
-            2 * f,
-            f,
-            f,
         )?;
         self.activate(b, &ws.gate_up, n, &mut ws.act)?;
-        b.matmul(&self.down, &ws.act, n, &mut ws.proj, step, Rows::Tokens);
-        if let Some(bias) = &self.down_bias {
-            b.add_bias(&mut ws.proj, bias, n, d);
-        }
-        l.add(b, LoraModule::Down, &ws.act, f, step, &mut ws.proj, d, 0, d)
+        let down = l.slices(&[(LoraModule::Down, 0, d)]);
+        b.matmul_lora(
+            &self.down,
+            &ws.act,
+            n,
+            &mut ws.proj,
+            self.down_bias.as_ref(),
+            &down,
+            step,
+        )
     }
 }

@@ -1,7 +1,7 @@
 //! A projection whose output is several logical matrices side by side.
 
 use anyhow::Result;
-use pagoda_accel::{Backend, DeviceMatrix, HostMatrix, Rows};
+use pagoda_accel::{Backend, DeviceMatrix, HostMatrix, LoraSlice, Rows};
 
 /// Several logical matrices read from one input and written side by side
 /// (q|k|v, or gate|up). Fused into one matrix when the parts share a
@@ -54,6 +54,39 @@ impl<B: Backend> Projection<B> {
             }
         }
         Ok(())
+    }
+
+    /// [`Projection::matmul`], then `bias`, then the LoRA deltas of
+    /// `slices` (columns of the whole output): one
+    /// [`Backend::matmul_lora`] when fused, so the deltas can run beside
+    /// the matmul.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_lora(
+        &self,
+        b: &mut B,
+        x: &B::Buffer,
+        m: usize,
+        out: &mut B::Buffer,
+        tmp: &mut B::Buffer,
+        bias: Option<&B::Vector>,
+        slices: &[LoraSlice<'_, B::Matrix>],
+        step: &B::Step,
+    ) -> Result<(), pagoda_accel::BackendError> {
+        match self {
+            Projection::Fused(w) => b.matmul_lora(w, x, m, out, bias, slices, step),
+            Projection::Split(_) => {
+                self.matmul(b, x, m, out, tmp, step)?;
+                let width: usize = self.parts().iter().map(|p| p.rows()).sum();
+                if let Some(bias) = bias {
+                    b.add_bias(out, bias, m, width);
+                }
+                let in_dim = self.parts().first().map_or(0, |p| p.cols());
+                for s in slices {
+                    b.lora_add(x, in_dim, s.slots, step, out, width, s.col, s.out_dim)?;
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The matrices on the device.
