@@ -2,7 +2,7 @@
 """Writes tiny random checkpoints of every model family Pagoda serves, with a
 float64 reference forward of each, for host/tests/generated_fixtures.rs.
 
-    python3 scripts/make-fixtures.py OUT_DIR
+    python3 scripts/make-fixtures.py OUT_DIR [FAMILY...]   (all families by default)
     python3 scripts/make-fixtures.py --bench-moe OUT.gguf   (bench/moe.sh's model)
     python3 scripts/make-fixtures.py --bench-dense OUT_DIR  (bench/quantized-hf.sh's model)
 
@@ -23,9 +23,12 @@ definition (the transformers modeling files and the papers: RoPE and its
 llama3 and YaRN scalings, grouped-query and multi-head latent attention,
 sliding windows, SwiGLU, the routers of Mixtral, Qwen-MoE and DeepSeek, and
 the hybrid Qwen models' Gated DeltaNet in its token-by-token recurrent form
-and their gated attention with partial RoPE). It
+and their gated attention with partial RoPE; gpt-oss's attention sinks,
+biased router with a softmax over its top k, and clamped SwiGLU). It
 shares no code with Pagoda. Every config uses a non-default rope_theta; the
-DeepSeek ones use YaRN; Mistral's window is shorter than the prompts.
+DeepSeek ones and gpt-oss use YaRN (gpt-oss's with its ramp ends left
+unrounded, transformers' `truncate: false`); Mistral's window, and
+gpt-oss's on some layers, are shorter than the prompts.
 
 Weights are drawn so that activations keep unit scale through the layers
 and the top logits are far apart (the script reports the smallest greedy
@@ -163,11 +166,48 @@ def families():
             rope_parameters={"rope_type": "default", "rope_theta": 2000000.0,
                              "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 1],
                              "mrope_interleaved": True}),
+        # Qwen3.5-MoE: the Qwen3.5 hybrid with a mixture (and its gated
+        # shared expert) in every layer. Five query heads over one KV head,
+        # half of each head rotated, full attention first and irregular
+        # after, two key heads for six value heads, six experts of which
+        # three are chosen. transformers' Qwen3.5-MoE router always
+        # renormalizes the chosen weights: its config has no norm_topk_prob.
+        "qwen3_5_moe": base_config(
+            "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", num_hidden_layers=5,
+            num_attention_heads=5, num_key_value_heads=1, head_dim=16,
+            layer_types=["full_attention", "linear_attention", "linear_attention",
+                         "full_attention", "linear_attention"],
+            linear_conv_kernel_dim=3, linear_key_head_dim=12, linear_value_head_dim=8,
+            linear_num_key_heads=2, linear_num_value_heads=6,
+            num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40, attention_bias=False,
+            output_router_logits=False, router_aux_loss_coef=0.001,
+            rope_parameters={"rope_type": "default", "rope_theta": 3000000.0,
+                             "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                             "mrope_interleaved": True}),
+        # gpt-oss: a window of 6 (shorter than the prompts) on the first and
+        # last of four layers, six query heads of 24 over two KV heads,
+        # biases on q/k/v/o and learned sinks, six experts of 40 (top 3)
+        # whose SwiGLU is clamped at 1.5, and YaRN with factor 2.5 and
+        # betas 8 and 0.5 whose ramp ends fall between pairs (transformers'
+        # `truncate: false`, as gpt-oss publishes it).
+        "gpt_oss": base_config(
+            "GptOssForCausalLM", "gpt_oss", num_hidden_layers=4, num_attention_heads=6,
+            num_key_value_heads=2, head_dim=24, intermediate_size=40,
+            num_local_experts=6, num_experts_per_tok=3, sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "full_attention",
+                         "sliding_attention"],
+            attention_bias=True, swiglu_alpha=1.702, swiglu_limit=1.5,
+            output_router_logits=False, router_aux_loss_coef=0.001,
+            max_position_embeddings=160,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 20000.0, "factor": 2.5,
+                             "beta_fast": 8.0, "beta_slow": 0.5, "truncate": False,
+                             "original_max_position_embeddings": 64}),
     }
 
 
 def is_hybrid(c):
-    return c["model_type"] in ("qwen3_next", "qwen3_5_text")
+    return c["model_type"] in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def linear_layers(c):
@@ -191,6 +231,9 @@ def v4_form(c):
         c["rope_scaling"] = p
     else:
         c["rope_scaling"] = None if p.get("rope_type") == "default" else p
+    if c["model_type"] == "gpt_oss":
+        # transformers 4's gpt-oss experts hard-code alpha = 1.702.
+        c.pop("swiglu_alpha")
     c["transformers_version"] = "4.57.0"
     return c
 
@@ -276,9 +319,29 @@ def make_weights(c, rng):
             if at in ("qwen3", "qwen3_moe"):
                 vec(f"{p}.self_attn.q_norm.weight", hd)
                 vec(f"{p}.self_attn.k_norm.weight", hd)
+            if at == "gpt_oss":
+                for t, n in [("q", h * hd), ("k", kvh * hd), ("v", kvh * hd), ("o", d)]:
+                    vec(f"{p}.self_attn.{t}_proj.bias", n, around=0.0, spread=0.3)
+                # Sink logits of the size of the scores, so that they matter.
+                vec(f"{p}.self_attn.sinks", h, around=0.5, spread=1.0)
         sparse = is_sparse(c, i)
         if not sparse:
             mlp(f"{p}.mlp", c["intermediate_size"])
+        elif at == "gpt_oss":
+            # Fused and transposed as transformers stores them: gate_up_proj
+            # [experts, hidden, 2 * ffn] with gate and up in alternating
+            # columns, down_proj [experts, ffn, hidden], biases on both.
+            e, f = c["num_local_experts"], c["intermediate_size"]
+            mat(f"{p}.mlp.router.weight", e, d, gain=3.0)
+            vec(f"{p}.mlp.router.bias", e, around=0.0, spread=0.5)
+            w[f"{p}.mlp.experts.gate_up_proj"] = (
+                rng.standard_normal((e, d, 2 * f)) / math.sqrt(d)).astype(np.float32)
+            w[f"{p}.mlp.experts.gate_up_proj_bias"] = (
+                0.3 * rng.standard_normal((e, 2 * f))).astype(np.float32)
+            w[f"{p}.mlp.experts.down_proj"] = (
+                rng.standard_normal((e, f, d)) / math.sqrt(f)).astype(np.float32)
+            w[f"{p}.mlp.experts.down_proj_bias"] = (
+                0.3 * rng.standard_normal((e, d))).astype(np.float32)
         elif at == "mixtral":
             e = c["num_local_experts"]
             mat(f"{p}.block_sparse_moe.gate.weight", e, d, gain=3.0)
@@ -292,7 +355,7 @@ def make_weights(c, rng):
             mat(f"{p}.mlp.gate.weight", e, d, gain=3.0)
             for x in range(e):
                 mlp(f"{p}.mlp.experts.{x}", c["moe_intermediate_size"])
-            if at in ("qwen2_moe", "qwen3_next"):
+            if at in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
                 mlp(f"{p}.mlp.shared_expert", c["shared_expert_intermediate_size"])
                 mat(f"{p}.mlp.shared_expert_gate.weight", 1, d)
             if at.startswith("deepseek"):
@@ -309,7 +372,7 @@ def n_experts(c):
 
 def is_sparse(c, i):
     at = c["model_type"]
-    if at == "mixtral":
+    if at in ("mixtral", "gpt_oss", "qwen3_5_moe_text"):
         return True
     if at in ("qwen2_moe", "qwen3_moe", "qwen3_next"):
         return i not in c["mlp_only_layers"] and (i + 1) % c["decoder_sparse_step"] == 0
@@ -358,8 +421,12 @@ def rope_frequencies(c, dim):
         def corr(rot):
             return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
-        lo = max(math.floor(corr(p.get("beta_fast", 32))), 0)
-        hi = min(math.ceil(corr(p.get("beta_slow", 1))), dim - 1)
+        # transformers rounds the ramp's ends outwards unless `truncate`
+        # is false (gpt-oss), where they stay where they fall.
+        lo, hi = corr(p.get("beta_fast") or 32), corr(p.get("beta_slow") or 1)
+        if p.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
         if lo == hi:
             hi += 0.001
         ramp = np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0, 1)
@@ -386,8 +453,10 @@ def rotate(x, pos, freq, att, interleaved):
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def attend(q, k, v, scale, window=None):
-    """Causal attention. q: [T, H, dq], k: [T, KH, dq], v: [T, KH, dv]."""
+def attend(q, k, v, scale, window=None, sinks=None):
+    """Causal attention. q: [T, H, dq], k: [T, KH, dq], v: [T, KH, dv].
+    sinks: per head a logit that joins each row's softmax and attends to
+    nothing (gpt-oss)."""
     t, h = q.shape[:2]
     group = h // k.shape[1]
     out = np.zeros((t, h, v.shape[2]))
@@ -399,8 +468,10 @@ def attend(q, k, v, scale, window=None):
         if window:
             allowed &= j > i - window
         s = np.where(allowed, s, -np.inf)
-        s = np.exp(s - s.max(axis=1, keepdims=True))
-        out[:, head, :] = (s / s.sum(axis=1, keepdims=True)) @ v[:, kh, :]
+        top = s.max(axis=1, keepdims=True)
+        sink = 0.0 if sinks is None else np.exp(sinks[head] - top)
+        s = np.exp(s - top)
+        out[:, head, :] = (s / (s.sum(axis=1, keepdims=True) + sink)) @ v[:, kh, :]
     return out
 
 
@@ -418,6 +489,10 @@ def route(c, logits, bias):
     for row in logits:
         if at == "deepseek_v3":
             scores = 1 / (1 + np.exp(-row))
+        elif at == "gpt_oss":
+            # gpt-oss: the top-k of the (biased) logits, weighted by the
+            # softmax over those k alone.
+            scores = row
         else:
             z = np.exp(row - row.max())
             scores = z / z.sum()
@@ -437,7 +512,9 @@ def route(c, logits, bias):
         if np.isfinite(basis[order[k]]):
             margin = min(margin, basis[order[k - 1]] - basis[order[k]])
         wt = scores[top]
-        normalize = at == "mixtral" or c.get("norm_topk_prob", False)
+        if at == "gpt_oss":
+            wt = np.exp(wt - wt.max())
+        normalize = at in ("mixtral", "gpt_oss", "qwen3_5_moe_text") or c.get("norm_topk_prob", False)
         if normalize:
             wt = wt / wt.sum()
         wt = wt * c.get("routed_scaling_factor", 1.0)
@@ -451,6 +528,8 @@ def moe(c, w, p, x, stats):
     if at == "mixtral":
         router = w[f"{p}.block_sparse_moe.gate.weight"]
         expert = lambda i, y: swiglu(y, w, f"{p}.block_sparse_moe.experts.{i}", ("w1", "w3", "w2"))
+    elif at == "gpt_oss":
+        return gpt_oss_moe(c, w, p, x, stats)
     else:
         router = w[f"{p}.mlp.gate.weight"]
         expert = lambda i, y: swiglu(y, w, f"{p}.mlp.experts.{i}")
@@ -461,12 +540,57 @@ def moe(c, w, p, x, stats):
     for t in range(x.shape[0]):
         for i, wt in zip(chosen[t], weights[t]):
             out[t] += wt * expert(i, x[t:t + 1])[0]
-    if at in ("qwen2_moe", "qwen3_next"):
+    if at in ("qwen2_moe", "qwen3_next", "qwen3_5_moe_text"):
         gate = 1 / (1 + np.exp(-(x @ w[f"{p}.mlp.shared_expert_gate.weight"].T)))
         out += gate * swiglu(x, w, f"{p}.mlp.shared_expert")
     if at.startswith("deepseek"):
         out += swiglu(x, w, f"{p}.mlp.shared_experts")
     return out
+
+
+def gpt_oss_moe(c, w, p, x, stats):
+    """transformers' GptOssMLP: the router's biased logits pick the top k;
+    each chosen expert computes gate and up (alternating columns of one
+    biased projection), clamps the gate from above and up both ways at
+    swiglu_limit, then (up + 1) * gate * sigmoid(alpha * gate) through its
+    biased down projection."""
+    logits = x @ w[f"{p}.mlp.router.weight"].T + w[f"{p}.mlp.router.bias"]
+    chosen, weights, margin = route(c, logits, None)
+    stats["route_margin"] = min(stats.get("route_margin", math.inf), margin)
+    limit, alpha = c["swiglu_limit"], c.get("swiglu_alpha", 1.702)
+    gu, gub = w[f"{p}.mlp.experts.gate_up_proj"], w[f"{p}.mlp.experts.gate_up_proj_bias"]
+    dn, dnb = w[f"{p}.mlp.experts.down_proj"], w[f"{p}.mlp.experts.down_proj_bias"]
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, wt in zip(chosen[t], weights[t]):
+            y = x[t] @ gu[e] + gub[e]
+            gate = np.minimum(y[0::2], limit)
+            up = np.clip(y[1::2], -limit, limit)
+            glu = gate / (1 + np.exp(-alpha * gate))
+            out[t] += wt * (((up + 1) * glu) @ dn[e] + dnb[e])
+            stats["clamped"] = stats.get("clamped", 0) + int((y[0::2] > limit).sum() + (np.abs(y[1::2]) > limit).sum())
+            stats["clamp_seen"] = stats.get("clamp_seen", 0) + y.size
+    return out
+
+
+def gpt_oss_attention(c, w, p, x, pos, layer):
+    """transformers' GptOssAttention: biased q/k/v/o, RoPE over the whole
+    head (YaRN here), a window on the `sliding_attention` layers, and each
+    head's learned sink in the softmax."""
+    h, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    t = x.shape[0]
+
+    def proj(n, heads):
+        y = x @ w[f"{p}.self_attn.{n}_proj.weight"].T + w[f"{p}.self_attn.{n}_proj.bias"]
+        return y.reshape(t, heads, hd)
+
+    q, k, v = proj("q", h), proj("k", kvh), proj("v", kvh)
+    freq, att = rope_frequencies(c, hd)
+    q, k = rotate(q, pos, freq, att, False), rotate(k, pos, freq, att, False)
+    window = c["sliding_window"] if c["layer_types"][layer] == "sliding_attention" else None
+    o = attend(q, k, v, 1 / math.sqrt(hd), window, w[f"{p}.self_attn.sinks"])
+    return (o.reshape(t, h * hd) @ w[f"{p}.self_attn.o_proj.weight"].T
+            + w[f"{p}.self_attn.o_proj.bias"])
 
 
 def gqa_attention(c, w, p, x, pos):
@@ -606,6 +730,8 @@ def forward(c, w, ids, stats):
         hn = rms_norm(x, off + w[f"{p}.input_layernorm.weight"], eps)
         if is_hybrid(c):
             mix = gated_delta_net(c, w, p, hn) if linear_layers(c)[i] else gated_attention(c, w, p, hn, pos)
+        elif c["model_type"] == "gpt_oss":
+            mix = gpt_oss_attention(c, w, p, hn, pos, i)
         else:
             attn = mla_attention if c["model_type"].startswith("deepseek") else gqa_attention
             mix = attn(c, w, p, hn, pos)
@@ -872,7 +998,7 @@ def build(c, seed):
         min_gap = min(min_gap, min(gaps))
         cases.append({"prompt_ids": ids, "logits": logits.round(7).tolist(),
                       "greedy_ids": greedy, "greedy_top2_logit_gap": gaps})
-    return w, cases, min_gap, stats.get("route_margin")
+    return w, cases, min_gap, stats.get("route_margin"), stats
 
 
 def make(out, name, c, seed):
@@ -882,13 +1008,13 @@ def make(out, name, c, seed):
     # from ties (deterministic: the same seeds every run).
     best = None
     for s in range(seed, seed + SEEDS):
-        w, cases, gap, margin = build(c, s)
+        w, cases, gap, margin, stats = build(c, s)
         score = min(gap / 0.05, (margin if margin is not None else 1.0) / 0.01)
         if best is None or score > best[0]:
-            best = (score, w, cases, gap, margin)
+            best = (score, w, cases, gap, margin, stats)
         if score >= 1.0:
             break
-    _, w, cases, min_gap, margin = best
+    _, w, cases, min_gap, margin, stats = best
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(c, f, indent=2)
     with open(os.path.join(folder, "config.v4.json"), "w") as f:
@@ -909,6 +1035,8 @@ def make(out, name, c, seed):
             pass
     print(f"{name}: smallest greedy top-2 logit gap {min_gap:.3f}"
           + (f", smallest routing margin {margin:.4f}" if margin is not None else "")
+          + (f", {stats['clamped'] / stats['clamp_seen']:.0%} of gate/up values clamped"
+             if "clamped" in stats else "")
           + (f", GGUF {' '.join(gguf_files)}" if gguf_files else ""))
 
 
@@ -962,11 +1090,15 @@ def main():
         return bench_moe(sys.argv[2])
     if len(sys.argv) == 3 and sys.argv[1] == "--bench-dense":
         return bench_dense(sys.argv[2])
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
-    out = sys.argv[1]
+    out, only = sys.argv[1], sys.argv[2:]
+    names = list(families())
+    if any(n not in names for n in only):
+        sys.exit(f"unknown family in {only}; the families are {', '.join(names)}")
     for i, (name, c) in enumerate(families().items()):
-        make(out, name, c, 1000 + 100 * i)
+        if not only or name in only:
+            make(out, name, c, 1000 + 100 * i)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,15 @@
 //! transformers' `layer_types` and `full_attention_interval` forms; the
 //! reference runs their delta rule token by token, the recurrent form.
 //!
+//! Qwen3.5-MoE adds a mixture with a gated shared expert in every layer
+//! (top 3 of 6, five query heads over one KV head, half of each head
+//! rotated). gpt-oss has learned sinks, biases on q/k/v/o, a window of 6 on
+//! the first and last of four layers, six experts (top 3) whose SwiGLU is
+//! clamped at 1.5 for about a tenth of the values, and YaRN with factor 2.5
+//! and betas 8 and 0.5 with its ramp ends left unrounded (`truncate:
+//! false`). Neither has a GGUF here (the script's GGUF writer does not lay
+//! out the hybrids' or gpt-oss's tensors).
+//!
 //! The fixtures are made once into `target/generated-fixtures` (or
 //! `$PAGODA_GENERATED_FIXTURES`); scripts/test.sh makes them before the
 //! suite runs, and this test makes them itself when they are missing.
@@ -243,6 +252,16 @@ fn qwen3_next_with_one_key_head_for_three_value_heads_and_sparse_experts() {
 #[test]
 fn qwen3_5_with_every_third_layer_full_and_a_quarter_of_each_head_rotated() {
     check_family("qwen3_5");
+}
+
+#[test]
+fn qwen3_5_moe_with_five_heads_over_one_and_a_gated_shared_expert_in_every_layer() {
+    check_family("qwen3_5_moe");
+}
+
+#[test]
+fn gpt_oss_with_sinks_a_short_window_on_irregular_layers_clamped_experts_and_unrounded_yarn() {
+    check_family("gpt_oss");
 }
 
 /// A model whose every layer has a window gives back the blocks that fell

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The families the script writes, one folder each.
-pub const FAMILIES: [&str; 10] = [
+pub const FAMILIES: [&str; 12] = [
     "llama3",
     "mistral",
     "qwen3",
@@ -16,6 +16,8 @@ pub const FAMILIES: [&str; 10] = [
     "deepseek-v3",
     "qwen3-next",
     "qwen3_5",
+    "qwen3_5_moe",
+    "gpt_oss",
 ];
 
 /// The fixtures' folder, made by the script if it is not there yet.
