@@ -4,6 +4,7 @@
 pub mod anthropic;
 pub mod embeddings;
 pub mod fields;
+pub mod harmony;
 pub mod protocol;
 pub mod reasoning;
 pub mod responses;

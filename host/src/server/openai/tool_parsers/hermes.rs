@@ -10,6 +10,7 @@ pub(super) const SPEC: Spec = Spec {
     name: "hermes",
     parse,
     hold_from,
+    plain: None,
 };
 
 pub(super) fn hold_from(text: &str) -> usize {

@@ -22,6 +22,7 @@ pub(super) const SPEC: Spec = Spec {
     name: "llama3_json",
     parse,
     hold_from,
+    plain: None,
 };
 
 pub(super) fn hold_from(text: &str) -> usize {

@@ -14,6 +14,7 @@ pub(super) const SPEC: Spec = Spec {
     name: "mistral",
     parse,
     hold_from,
+    plain: None,
 };
 
 pub(super) fn hold_from(text: &str) -> usize {

@@ -14,6 +14,7 @@
 //!   `name[ARGS]{...}` (newer tokenizers).
 //! - `pythonic` (Llama 3.2, Llama 4): a Python list of calls with keyword arguments,
 //!   `[get_weather(city="Paris"), get_time()]`.
+//! - `openai` (gpt-oss): harmony messages addressed `to=functions.NAME`.
 //!
 //! Model output is untrusted, so nothing here panics, and text that does not
 //! form a well-formed call is handed back as content rather than dropped.
@@ -23,6 +24,7 @@
 //! go out as content; once generation ends, [`ToolCallParser::parse`] splits
 //! the complete text.
 use serde_json::Value;
+use std::borrow::Cow;
 
 /// Which format the model writes tool calls in (`--tool-call-parser`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,6 +38,8 @@ pub enum ToolCallParser {
     /// A Python list of keyword-argument calls, optionally inside
     /// `<|python_start|>`/`<|python_end|>` (Llama 3.2, Llama 4).
     Pythonic,
+    /// Harmony messages addressed `to=functions.NAME` (gpt-oss).
+    OpenAi,
 }
 
 /// One tool call found in the output.
@@ -60,6 +64,7 @@ pub struct ParsedOutput {
 mod hermes;
 mod llama3_json;
 mod mistral;
+mod openai;
 mod pythonic;
 
 /// One parser: its `--tool-call-parser` name and its two entry points
@@ -69,11 +74,14 @@ struct Spec {
     name: &'static str,
     parse: fn(&str) -> ParsedOutput,
     hold_from: fn(&str) -> usize,
+    /// The output as content when it holds no call; `None`: as written.
+    plain: Option<fn(&str) -> Cow<'_, str>>,
 }
 
 impl ToolCallParser {
     /// The names, for help texts and errors (those of [`Self::ALL`], in order).
-    pub const NAMES: &'static [&'static str] = &["hermes", "llama3_json", "mistral", "pythonic"];
+    pub const NAMES: &'static [&'static str] =
+        &["hermes", "llama3_json", "mistral", "pythonic", "openai"];
 
     /// Every parser: the registry that names are looked up in.
     pub const ALL: &'static [ToolCallParser] = &[
@@ -81,6 +89,7 @@ impl ToolCallParser {
         ToolCallParser::Llama3Json,
         ToolCallParser::Mistral,
         ToolCallParser::Pythonic,
+        ToolCallParser::OpenAi,
     ];
 
     /// The parser's file's entry.
@@ -90,6 +99,7 @@ impl ToolCallParser {
             ToolCallParser::Llama3Json => &llama3_json::SPEC,
             ToolCallParser::Mistral => &mistral::SPEC,
             ToolCallParser::Pythonic => &pythonic::SPEC,
+            ToolCallParser::OpenAi => &openai::SPEC,
         }
     }
 
@@ -129,6 +139,17 @@ impl ToolCallParser {
     /// or starts like a call, and nothing once it clearly does not.
     pub fn hold_from(self, text: &str) -> usize {
         (self.spec().hold_from)(text)
+    }
+
+    /// The output as the content the user sees when it holds no call (or
+    /// the part of it not yet sent as content while streaming): the text
+    /// as written, but for formats with markers that are never content
+    /// (`openai`'s harmony markers).
+    pub fn plain(self, text: &str) -> Cow<'_, str> {
+        match self.spec().plain {
+            Some(plain) => plain(text),
+            None => Cow::Borrowed(text),
+        }
     }
 }
 
@@ -215,7 +236,7 @@ fn arguments_json(arguments: Option<&Value>) -> Option<String> {
 mod test_util {
     pub use super::*;
     pub use serde_json::{json, Value};
-    pub use ToolCallParser::{Hermes, Llama3Json, Mistral, Pythonic};
+    pub use ToolCallParser::{Hermes, Llama3Json, Mistral, OpenAi, Pythonic};
 
     /// The calls as `(name, arguments as a Value)`, so tests do not depend
     /// on serde_json's key order.
@@ -251,7 +272,7 @@ mod tests {
     use super::mistral::MISTRAL_MARKER;
     use super::test_util::*;
 
-    const ALL: [ToolCallParser; 4] = [Hermes, Llama3Json, Mistral, Pythonic];
+    const ALL: [ToolCallParser; 5] = [Hermes, Llama3Json, Mistral, Pythonic, OpenAi];
 
     // --- names ---
 
@@ -295,6 +316,10 @@ mod tests {
                 Pythonic,
                 "[f(q='日本\\'s', n=-1.5e3, l=[1, (2,), {'k': None}]), g.h(b=True)]",
             ),
+            (
+                OpenAi,
+                "Je vérifie 🌦.<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": \"Zürich\"}<|call|><|start|>assistant<|channel|>commentary to=functions.t<|message|>{}<|call|>",
+            ),
         ]
     }
 
@@ -312,6 +337,7 @@ mod tests {
                 Hermes => text.find(HERMES_START),
                 Mistral => text.find(MISTRAL_MARKER),
                 Llama3Json | Pythonic => Some(0),
+                OpenAi => text.find("<|"),
             }
             .unwrap();
             for (end, _) in text.char_indices().chain([(text.len(), ' ')]) {
@@ -348,7 +374,7 @@ mod tests {
         if output.calls.is_empty() {
             assert_eq!(
                 output.content.as_deref(),
-                non_empty_trimmed(text).as_deref()
+                non_empty_trimmed(&parser.plain(text)).as_deref()
             );
         }
         if let Some(content) = &output.content {
@@ -385,6 +411,17 @@ mod tests {
             "<|python_start|>",
             "<|python_end|>",
             "<|py",
+            "<|channel|>",
+            "<|message|>",
+            "<|start|>",
+            "<|end|>",
+            "<|call|>",
+            "<|return|>",
+            "<|constrain|>",
+            "<|chan",
+            "commentary to=functions.f",
+            "analysis",
+            "final",
             "{",
             "}",
             "[",

@@ -26,6 +26,7 @@ pub(super) const SPEC: Spec = Spec {
     name: "pythonic",
     parse,
     hold_from,
+    plain: None,
 };
 
 pub(super) fn hold_from(text: &str) -> usize {
