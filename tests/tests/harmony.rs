@@ -16,7 +16,8 @@ use serde_json::{json, Value};
 /// `<|start|>assistant`.
 const TEMPLATE: &str = "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}\
 {%- if tools %}\n# Tools\n{% for t in tools %}{{ t.function.name }}\n{% endfor %}{% endif %}<|end|>\
-{%- for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}\
+{%- for m in messages %}{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}\
+<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>{% endfor %}\
 {%- if add_generation_prompt %}<|start|>assistant{% endif %}";
 
 fn server(dir: &TempDir) -> Server {
@@ -54,19 +55,39 @@ fn harmony_reasoning_and_tool_calls_with_the_openai_client() {
     );
 
     // reasoning_effort reaches the template; one it does not know is refused.
-    let rendered = |effort: Value| {
+    let rendered_messages = |effort: Value, messages: Value| {
         let (st, v) = s.post(
             "/v1/chat/completions/render",
-            &json!({"model": "smol", "reasoning_effort": effort,
-                "messages": [{"role": "user", "content": "Hi"}]}),
+            &json!({"model": "smol", "reasoning_effort": effort, "messages": messages}),
         );
         assert_eq!(st, 200, "{v}");
         let ids = v["token_ids"].clone();
-        let ids = if ids.is_null() { v["prompt_token_ids"].clone() } else { ids };
+        let ids = if ids.is_null() {
+            v["prompt_token_ids"].clone()
+        } else {
+            ids
+        };
         let (st, t) = s.post("/detokenize", &json!({"model": "smol", "tokens": ids}));
         assert_eq!(st, 200, "{t} from {v}");
         t["prompt"].as_str().expect("prompt").to_string()
     };
+    let rendered =
+        |effort: Value| rendered_messages(effort, json!([{"role": "user", "content": "Hi"}]));
+    // An earlier turn's reasoning reaches the template as `thinking`, the
+    // name gpt-oss's template reads, under either request name.
+    for key in ["reasoning_content", "reasoning"] {
+        let mut turn = json!({"role": "assistant", "content": "Sunny."});
+        turn[key] = json!("Looked it up.");
+        let prompt = rendered_messages(
+            Value::Null,
+            json!([{"role": "user", "content": "Weather?"}, turn,
+                {"role": "user", "content": "Thanks"}]),
+        );
+        assert!(
+            prompt.contains("<|channel|>analysis<|message|>Looked it up.<|end|>"),
+            "{prompt}"
+        );
+    }
     assert!(rendered(json!("high")).contains("Reasoning: high"));
     assert!(rendered(Value::Null).contains("Reasoning: medium"));
     let (st, v) = s.post(

@@ -585,6 +585,11 @@ async fn render_chat(
             // The messages as validated (text parts joined), with the
             // fields tool use adds (tool_calls, tool_call_id, name).
             let raw = body.get("messages").and_then(Value::as_array);
+            // gpt-oss's template reads an earlier turn's reasoning as
+            // `thinking`.
+            let reads_thinking = tok
+                .chat_template()
+                .is_some_and(|t| t.source().contains("thinking"));
             let normalized: Vec<Value> = messages
                 .iter()
                 .enumerate()
@@ -597,6 +602,11 @@ async fn render_chat(
                     v["role"] = json!(m.role);
                     v["content"] = json!(m.content);
                     same_reasoning(&mut v);
+                    if reads_thinking && v.get("thinking").is_none_or(Value::is_null) {
+                        if let Some(r) = v.get("reasoning").filter(|r| !r.is_null()).cloned() {
+                            v["thinking"] = r;
+                        }
+                    }
                     v
                 })
                 .collect();
