@@ -51,8 +51,6 @@ pub(super) fn parse(text: &str) -> ParsedOutput {
     }
 }
 
-/// All or nothing, like vLLM: one stray character makes the whole output
-
 #[cfg(test)]
 mod tests {
     use super::super::test_util::*;
