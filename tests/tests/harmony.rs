@@ -5,8 +5,10 @@
 //! addressed `to=functions.get_weather` as a tool call, streamed and not
 //! (tests/python/harmony_client.py). The demo model writes no harmony, and
 //! its tokenizer has no harmony tokens, so the markers are text: a regex
-//! makes it write a chosen harmony output. `reasoning_effort` reaches a
-//! chat template that reads it as gpt-oss's does; bad flags are refused.
+//! makes it write a chosen harmony output. `reasoning_effort` (and the
+//! Responses API's `reasoning.effort`), the tools and an earlier turn's
+//! reasoning (as `thinking`) reach a chat template that reads them as
+//! gpt-oss's does; bad flags are refused.
 
 use pagoda_e2e::{demo_gguf, pagoda_bin, Server, TempDir};
 use serde_json::{json, Value};
@@ -89,6 +91,42 @@ fn harmony_reasoning_and_tool_calls_with_the_openai_client() {
         );
     }
     assert!(rendered(json!("high")).contains("Reasoning: high"));
+    // Tools reach it in OpenAI's shape, which gpt-oss's template reads.
+    let (st, v) = s.post(
+        "/v1/chat/completions/render",
+        &json!({"model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather",
+                "parameters": {"type": "object", "properties": {}}}}]}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, t) = s.post(
+        "/detokenize",
+        &json!({"model": "smol", "tokens": v["token_ids"]}),
+    );
+    assert_eq!(st, 200, "{t}");
+    assert!(
+        t["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("# Tools\nget_weather")),
+        "{t}"
+    );
+    // The Responses API's `reasoning.effort` reaches it as `reasoning_effort`.
+    let (st, v) = s.post(
+        "/v1/responses/render",
+        &json!({"model": "smol", "input": "Hi", "reasoning": {"effort": "high"}}),
+    );
+    assert_eq!(st, 200, "{v}");
+    let (st, t) = s.post(
+        "/detokenize",
+        &json!({"model": "smol", "tokens": v["token_ids"]}),
+    );
+    assert_eq!(st, 200, "{t}");
+    assert!(
+        t["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("Reasoning: high")),
+        "{t}"
+    );
     assert!(rendered(Value::Null).contains("Reasoning: medium"));
     let (st, v) = s.post(
         "/v1/chat/completions",
