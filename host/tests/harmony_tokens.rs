@@ -5,8 +5,11 @@
 //! them skipped, as by default, the markers would be gone and nothing
 //! could be split, which is why the server keeps them. The tokenizer is
 //! the byte-level BPE of tests/fixtures/hf-families/llama with the seven
-//! markers added as special tokens, as o200k_harmony adds them.
+//! markers added as special tokens, as o200k_harmony adds them. Where the
+//! markers are special, a structured-output constraint waits for the
+//! `final` channel's header; where they are text, it does not.
 
+use pagoda::server::openai::harmony;
 use pagoda::server::openai::reasoning::{ReasoningParser, ReasoningStream};
 use pagoda::server::openai::tool_parsers::ToolCallParser;
 use pagoda::tokenizer::detokenizer::IncrementalDetokenizer;
@@ -110,4 +113,25 @@ fn harmony_special_tokens_are_read_from_the_streamed_text() {
         answer.contains("analysis") && answer.contains("final"),
         "{answer}"
     );
+}
+
+#[test]
+fn a_constraint_waits_for_the_final_header_only_where_markers_are_special() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let tok = harmony_tokenizer(dir.path());
+    let ids = harmony::final_header_ids(&tok);
+    let channel = tok.token_to_id("<|channel|>").expect("channel");
+    let message = tok.token_to_id("<|message|>").expect("message");
+    assert_eq!(ids.first(), Some(&channel), "{ids:?}");
+    assert_eq!(ids.last(), Some(&message), "{ids:?}");
+    assert_eq!(
+        tok.decode(&ids, false).expect("decode"),
+        "<|channel|>final<|message|>"
+    );
+    // The plain tokenizer: no special markers, no wait.
+    let plain = Tokenizer::from_hf_dir(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/hf-families/llama"),
+    )
+    .expect("tokenizer");
+    assert!(harmony::final_header_ids(&plain).is_empty());
 }

@@ -58,6 +58,22 @@ pub struct Message {
     pub ended: bool,
 }
 
+/// The ids that open the `final` channel (`<|channel|>final<|message|>`),
+/// after which a structured-output constraint applies, where the
+/// tokenizer has harmony's markers as special tokens (a grammar over text
+/// could not write them). Empty where it has not: the markers are then
+/// text that a grammar may write, and the constraint covers the whole
+/// output.
+pub fn final_header_ids(tok: &crate::tokenizer::Tokenizer) -> Vec<u32> {
+    let special = |t: &str| tok.token_to_id(t).is_some_and(|id| tok.is_special(id));
+    if special(CHANNEL) && special(MESSAGE) {
+        tok.encode(&format!("{CHANNEL}final{MESSAGE}"), false)
+            .unwrap_or_default()
+    } else {
+        Vec::new()
+    }
+}
+
 /// A call as the `openai_gptoss` reasoning parser leaves it in the answer
 /// for the `openai` tool parser: `<|channel|>CHANNEL to=RECIPIENT<|message|>BODY`,
 /// then `<|call|>` once it has ended. Only a message with a recipient is

@@ -1110,17 +1110,7 @@ async fn start_run(
             // special tokens; where they are not (a tokenizer without
             // harmony's tokens), it is text the grammar may write, and the
             // constraint covers the whole output.
-            let tok = engine.tokenizer();
-            let special = |t: &str| tok.token_to_id(t).is_some_and(|id| tok.is_special(id));
-            let end = if special(harmony::CHANNEL) && special(harmony::MESSAGE) {
-                tok.encode(
-                    &format!("{}final{}", harmony::CHANNEL, harmony::MESSAGE),
-                    false,
-                )
-                .unwrap_or_default()
-            } else {
-                Vec::new()
-            };
+            let end = harmony::final_header_ids(engine.tokenizer());
             Some((parser.keeping_calls(calls), end))
         }
         (Some(parser), Api::Chat, Some(p)) => {
