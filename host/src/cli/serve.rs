@@ -45,7 +45,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub enable_log_requests: bool,
     /// Split reasoning models' `<think>…</think>` into `reasoning_content`:
-    /// deepseek_r1 or qwen3.
+    /// deepseek_r1 or qwen3; openai_gptoss reads gpt-oss's harmony channels
+    /// (implied by --tool-call-parser openai).
     #[arg(long)]
     pub reasoning_parser: Option<String>,
     /// Accepted as older vLLM takes it; --reasoning-parser turns reasoning on.
@@ -169,6 +170,30 @@ pub struct ServeArgs {
     pub tool_call_parser: Option<String>,
 }
 
+/// The reasoning parser the flags ask for. gpt-oss's tool calls are read
+/// from its harmony output, whose reasoning channel the `openai_gptoss`
+/// parser takes apart: `--tool-call-parser openai` implies it (vLLM reads
+/// any gpt-oss output as harmony), and refuses another.
+fn reasoning_parser(
+    a: &ServeArgs,
+    tools: Option<ToolCallParser>,
+) -> Result<Option<crate::server::openai::reasoning::ReasoningParser>> {
+    use crate::server::openai::reasoning::ReasoningParser;
+    let parser: Option<ReasoningParser> =
+        a.reasoning_parser.as_deref().map(str::parse).transpose()?;
+    if tools != Some(ToolCallParser::OpenAi) {
+        return Ok(parser);
+    }
+    match parser {
+        None => Ok(Some(ReasoningParser::GptOss { calls: false })),
+        Some(p) if p.is_harmony() => Ok(Some(p)),
+        Some(p) => bail!(
+            "--tool-call-parser openai reads gpt-oss's harmony output, which --reasoning-parser {} cannot split; use --reasoning-parser openai_gptoss or leave it out",
+            p.name()
+        ),
+    }
+}
+
 /// The `tool_choice: "auto"` parser the flags ask for.
 fn auto_tool_parser(a: &ServeArgs) -> Result<Option<ToolCallParser>> {
     let parser = a
@@ -227,6 +252,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let label: crate::tenants::metric_label::TenantLabel = a.metrics_tenant_label.parse()?;
     crate::tenants::metric_label::configure(label);
     let auto_tool_parser = auto_tool_parser(&a)?;
+    let reasoning_parser = reasoning_parser(&a, auto_tool_parser)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
     engine.chat_template = a.chat_template.clone();
@@ -301,7 +327,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             return_tokens_as_token_ids: a.return_tokens_as_token_ids,
             max_logprobs: a.vllm.max_logprobs_limit(),
             skip_tokenizer_init: a.skip_tokenizer_init,
-            reasoning_parser: a.reasoning_parser.as_deref().map(str::parse).transpose()?,
+            reasoning_parser,
             usage_log,
             access_log: crate::server::access_log::AccessLogConfig {
                 enabled: !a.disable_uvicorn_access_log,

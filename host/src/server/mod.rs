@@ -1175,15 +1175,25 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
 }
 
 /// One start-up warning when `--reasoning-parser` is given for a tokenizer
-/// that has no `<think>` / `</think>` tokens: such a model most likely
+/// that has no `<think>` / `</think>` tokens (harmony's `<|channel|>` /
+/// `<|message|>` for openai_gptoss): such a model most likely
 /// writes no reasoning tags, so the parser would find none (or take text
 /// that merely spells them).
 fn warn_reasoning_without_think_tokens(config: &ServerConfig, tok: &crate::tokenizer::Tokenizer) {
     let Some(parser) = config.reasoning_parser else {
         return;
     };
-    let missing: Vec<&str> = ["<think>", "</think>"]
-        .into_iter()
+    let tags: &[&str] = if parser.is_harmony() {
+        &[
+            crate::server::openai::harmony::CHANNEL,
+            crate::server::openai::harmony::MESSAGE,
+        ]
+    } else {
+        &["<think>", "</think>"]
+    };
+    let missing: Vec<&str> = tags
+        .iter()
+        .copied()
         .filter(|t| tok.token_to_id(t).is_none())
         .collect();
     if !missing.is_empty() {

@@ -4,6 +4,7 @@
 pub mod anthropic;
 pub mod embeddings;
 pub mod fields;
+pub mod harmony;
 pub mod protocol;
 pub mod reasoning;
 pub mod responses;
@@ -584,6 +585,11 @@ async fn render_chat(
             // The messages as validated (text parts joined), with the
             // fields tool use adds (tool_calls, tool_call_id, name).
             let raw = body.get("messages").and_then(Value::as_array);
+            // gpt-oss's template reads an earlier turn's reasoning as
+            // `thinking`.
+            let reads_thinking = tok
+                .chat_template()
+                .is_some_and(|t| t.source().contains("thinking"));
             let normalized: Vec<Value> = messages
                 .iter()
                 .enumerate()
@@ -596,11 +602,29 @@ async fn render_chat(
                     v["role"] = json!(m.role);
                     v["content"] = json!(m.content);
                     same_reasoning(&mut v);
+                    if reads_thinking && v.get("thinking").is_none_or(Value::is_null) {
+                        if let Some(r) = v.get("reasoning").filter(|r| !r.is_null()).cloned() {
+                            v["thinking"] = r;
+                        }
+                    }
                     v
                 })
                 .collect();
             let source = tok.chat_template().map_or("", |t| t.source());
             let (msgs, mut extra) = tools::template_input(&Value::Array(normalized), tools, source);
+            // `reasoning_effort`, which gpt-oss's template reads.
+            if let Some(effort) = f.str("reasoning_effort")? {
+                if !REASONING_EFFORTS.contains(&effort) {
+                    return Err(ApiError::invalid(
+                        Some("reasoning_effort".into()),
+                        format!(
+                            "'reasoning_effort' must be one of {}",
+                            REASONING_EFFORTS.join(", ")
+                        ),
+                    ));
+                }
+                extra.insert("reasoning_effort".into(), json!(effort));
+            }
             // vLLM's `chat_template_kwargs` (`{"enable_thinking": false}`):
             // more template variables, never replacing the request's own.
             match body.get("chat_template_kwargs") {
@@ -747,6 +771,9 @@ fn same_reasoning(m: &mut Value) {
         _ => {}
     }
 }
+
+/// The `reasoning_effort` values a chat request may give (vLLM's).
+const REASONING_EFFORTS: &[&str] = &["low", "medium", "high"];
 
 /// A chat prompt before tokenizing: rendered by a tenant's plugin (with
 /// the placeholders of the body it was given), or the model template's
@@ -1070,6 +1097,22 @@ async fn start_run(
     // unless the prompt already closed the reasoning (a template given
     // `enable_thinking: false`), as vLLM decides it.
     let reasoning = match (state.reasoning_parser(), api, prompts.first()) {
+        (Some(parser), Api::Chat, Some(_)) if parser.is_harmony() => {
+            // Harmony's markers are special tokens of gpt-oss's tokenizer:
+            // they must stay in the text to be read (as vLLM does).
+            common.params.skip_special_tokens = false;
+            let calls = matches!(
+                tools,
+                Some(ToolMode::Auto(tool_parsers::ToolCallParser::OpenAi))
+            );
+            // A constraint waits for the final channel's header, which a
+            // grammar over text could not write where its markers are
+            // special tokens; where they are not (a tokenizer without
+            // harmony's tokens), it is text the grammar may write, and the
+            // constraint covers the whole output.
+            let end = harmony::final_header_ids(engine.tokenizer());
+            Some((parser.keeping_calls(calls), end))
+        }
         (Some(parser), Api::Chat, Some(p)) => {
             let tok = engine.tokenizer();
             let end = tok.encode("</think>", false).unwrap_or_default();
@@ -1592,10 +1635,10 @@ impl Run {
             // A forced call cut by max_tokens is no call, and its fragment
             // (`{"a`) is no answer either: content null, as vLLM sends.
             let forced = matches!(mode, tools::ToolMode::Named(_) | tools::ToolMode::Required);
-            let content = if forced {
-                json!(parsed.content)
-            } else {
-                json!(c.text)
+            let content = match mode {
+                _ if forced => json!(parsed.content),
+                tools::ToolMode::Auto(p) => json!(p.plain(&c.text)),
+                _ => json!(c.text),
             };
             return (
                 json!({"role": "assistant", "content": content}),
@@ -1665,8 +1708,13 @@ impl Run {
                         // A `required` output that holds no call was cut
                         // inside the call list: a fragment, not an answer.
                         let rest = c.text.get(c.sent..).unwrap_or("");
-                        if !rest.is_empty() && matches!(mode, ToolMode::Auto(_)) {
-                            delta.insert("content".into(), json!(rest));
+                        if let ToolMode::Auto(p) = &mode {
+                            // Without the markers of formats that have
+                            // some that are never content (harmony's).
+                            let rest = p.plain(rest);
+                            if !rest.is_empty() {
+                                delta.insert("content".into(), json!(rest));
+                            }
                         }
                         c.sent = c.text.len();
                     } else {

@@ -11,6 +11,14 @@
 //! - `qwen3`: the model writes `<think>` itself when it thinks; an output
 //!   that does not start with it (thinking off, `enable_thinking: false`)
 //!   is all answer.
+//! - `openai_gptoss` (gpt-oss): the harmony format (see [`super::harmony`]).
+//!   The `analysis` channel is the reasoning (messages joined by a line
+//!   break), the `final` channel and `commentary` without a recipient (a
+//!   preamble) the answer. A call of a function (`to=functions.NAME`)
+//!   stays in the answer, in a canonical harmony form, when the request
+//!   reads tool calls with `--tool-call-parser openai`; otherwise, and for
+//!   calls of built-in tools (`to=browser.search`, `to=python`), its text
+//!   goes to the reasoning. No marker reaches either.
 //!
 //! Whatever the parser, a template whose generation prompt opens
 //! `<think>` (Qwen3-Thinking, DeepSeek-R1) starts the output inside the
@@ -21,7 +29,9 @@
 //! Streaming keeps back a tail that may still become a tag (`</thi`), so
 //! no part of a tag is ever sent as text.
 
+use super::harmony;
 use anyhow::bail;
+use std::borrow::Cow;
 use std::ops::Range;
 
 const START: &str = "<think>";
@@ -32,6 +42,19 @@ const END: &str = "</think>";
 pub enum ReasoningParser {
     DeepSeekR1,
     Qwen3,
+    /// gpt-oss's harmony channels; with `calls`, function calls stay in
+    /// the answer for the `openai` tool parser.
+    GptOss {
+        calls: bool,
+    },
+}
+
+/// An output's split: the reasoning's byte ranges in the text, and the
+/// reasoning and answer texts (each only growing as the text grows).
+struct Split<'a> {
+    ranges: Vec<Range<usize>>,
+    reasoning: Cow<'a, str>,
+    answer: Cow<'a, str>,
 }
 
 impl std::str::FromStr for ReasoningParser {
@@ -40,7 +63,11 @@ impl std::str::FromStr for ReasoningParser {
         Ok(match s {
             "deepseek_r1" => ReasoningParser::DeepSeekR1,
             "qwen3" => ReasoningParser::Qwen3,
-            other => bail!("--reasoning-parser '{other}' is not one of deepseek_r1, qwen3"),
+            "openai_gptoss" => ReasoningParser::GptOss { calls: false },
+            other => bail!(
+                "--reasoning-parser '{other}' is not one of {}",
+                ReasoningParser::NAMES.join(", ")
+            ),
         })
     }
 }
@@ -59,15 +86,32 @@ fn partial_tag(text: &str, tag: &str) -> usize {
 }
 
 impl ReasoningParser {
+    /// The names, for help texts and errors.
+    pub const NAMES: &'static [&'static str] = &["deepseek_r1", "qwen3", "openai_gptoss"];
+
     /// Splits `text` (an output so far, or all of it when `finished`)
-    /// into (reasoning, answer): slices of `text`, each only growing as
-    /// `text` grows.
-    pub fn classify(self, text: &str, finished: bool) -> (&str, &str) {
+    /// into (reasoning, answer) with a `<think>` parser: slices of `text`,
+    /// each only growing as `text` grows.
+    #[cfg(test)]
+    fn classify(self, text: &str, finished: bool) -> (&str, &str) {
         let (r, a) = self.spans(text, finished);
         (text.get(r).unwrap_or(""), text.get(a).unwrap_or(""))
     }
 
-    /// `classify`'s split as byte ranges of `text`.
+    /// Splits `text` (an output so far, or all of it when `finished`).
+    fn split(self, text: &str, finished: bool) -> Split<'_> {
+        if let ReasoningParser::GptOss { calls } = self {
+            return harmony_split(text, finished, calls);
+        }
+        let (r, a) = self.spans(text, finished);
+        Split {
+            reasoning: Cow::Borrowed(text.get(r.clone()).unwrap_or("")),
+            answer: Cow::Borrowed(text.get(a).unwrap_or("")),
+            ranges: vec![r],
+        }
+    }
+
+    /// A `<think>` parser's split as byte ranges of `text`.
     fn spans(self, text: &str, finished: bool) -> (Range<usize>, Range<usize>) {
         let n = text.len();
         // An output that is still only a prefix of "<think>" could go
@@ -78,6 +122,7 @@ impl ReasoningParser {
         let thinking = match self {
             ReasoningParser::DeepSeekR1 => true,
             ReasoningParser::Qwen3 => text.starts_with(START),
+            ReasoningParser::GptOss { .. } => false,
         };
         if !thinking {
             return (0..0, 0..n);
@@ -122,7 +167,11 @@ impl ReasoningStream {
         self.text.push_str(new);
         self.steps.push((self.text.len(), tokens));
         self.finished |= finished;
-        let (r, a) = parser.classify(&self.text, finished);
+        let Split {
+            reasoning: r,
+            answer: a,
+            ..
+        } = parser.split(&self.text, finished);
         let rd = r.get(self.reasoning_sent..).unwrap_or("").to_string();
         let ad = a.get(self.answer_sent..).unwrap_or("").to_string();
         self.reasoning_sent = self.reasoning_sent.max(r.len());
@@ -140,8 +189,8 @@ impl ReasoningStream {
     /// or a token holding the last reasoning text and part of `</think>`)
     /// counts its share, rounded up; the tags themselves are not reasoning.
     pub fn reasoning_tokens(&self, parser: ReasoningParser) -> usize {
-        let (r, _) = parser.spans(&self.text, self.finished);
-        if r.is_empty() {
+        let ranges = parser.split(&self.text, self.finished).ranges;
+        if ranges.iter().all(Range::is_empty) {
             return 0;
         }
         let (mut count, mut start, mut pending) = (0, 0, 0);
@@ -150,7 +199,10 @@ impl ReasoningStream {
             if end == start || pending == 0 {
                 continue;
             }
-            let overlap = end.min(r.end).saturating_sub(start.max(r.start));
+            let overlap: usize = ranges
+                .iter()
+                .map(|r| end.min(r.end).saturating_sub(start.max(r.start)))
+                .sum();
             count += (pending * overlap).div_ceil(end - start);
             start = end;
             pending = 0;
@@ -165,6 +217,22 @@ impl ReasoningParser {
         match self {
             ReasoningParser::DeepSeekR1 => "deepseek_r1",
             ReasoningParser::Qwen3 => "qwen3",
+            ReasoningParser::GptOss { .. } => "openai_gptoss",
+        }
+    }
+
+    /// Whether it reads harmony (gpt-oss) rather than `<think>` tags.
+    pub fn is_harmony(self) -> bool {
+        matches!(self, ReasoningParser::GptOss { .. })
+    }
+
+    /// For one request: whether function calls stay in the answer (the
+    /// request reads them with the `openai` tool parser); only harmony's
+    /// parser has calls to keep.
+    pub fn keeping_calls(self, calls: bool) -> ReasoningParser {
+        match self {
+            ReasoningParser::GptOss { .. } => ReasoningParser::GptOss { calls },
+            other => other,
         }
     }
 
@@ -172,7 +240,46 @@ impl ReasoningParser {
     /// prompt opened `<think>`): everything before `</think>` is reasoning,
     /// whichever format the model otherwise writes.
     pub fn inside(self) -> ReasoningParser {
-        ReasoningParser::DeepSeekR1
+        match self {
+            // Harmony opens no `<think>`.
+            ReasoningParser::GptOss { .. } => self,
+            _ => ReasoningParser::DeepSeekR1,
+        }
+    }
+}
+
+/// Harmony's split (see the module's notes).
+fn harmony_split(text: &str, finished: bool, calls: bool) -> Split<'_> {
+    let (mut ranges, mut reasoning, mut answer) = (Vec::new(), String::new(), String::new());
+    for part in harmony::parse(text, finished) {
+        let m = match part {
+            harmony::Part::Loose(r) => {
+                answer.push_str(text.get(r).unwrap_or(""));
+                continue;
+            }
+            harmony::Part::Message(m) => m,
+        };
+        let body = text.get(m.body.clone()).unwrap_or("");
+        let function = m
+            .recipient
+            .as_deref()
+            .is_some_and(|r| r.starts_with("functions."));
+        if function && calls {
+            answer.push_str(&harmony::canonical_call(&m, body));
+        } else if m.channel == "analysis" || m.recipient.is_some() {
+            if !reasoning.is_empty() && !body.is_empty() {
+                reasoning.push('\n');
+            }
+            reasoning.push_str(body);
+            ranges.push(m.body);
+        } else {
+            answer.push_str(body);
+        }
+    }
+    Split {
+        ranges,
+        reasoning: Cow::Owned(reasoning),
+        answer: Cow::Owned(answer),
     }
 }
 
@@ -359,5 +466,109 @@ mod tests {
             stream(ReasoningParser::Qwen3, &["<", "b>"]),
             (String::new(), "<b>".to_string())
         );
+    }
+
+    const HARMONY: &str = "<|channel|>analysis<|message|>L'utilisateur veut la météo 🌦.<|end|><|start|>assistant<|channel|>analysis<|message|>Use get_weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Je vérifie…<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"location\":\"Zürich\"}<|call|>";
+
+    /// Streams `text` cut at every char boundary `cuts` gives.
+    fn stream_cut(p: ReasoningParser, text: &str, cuts: &[usize]) -> (String, String) {
+        let mut pieces = Vec::new();
+        let mut from = 0;
+        for &c in cuts.iter().chain([&text.len()]) {
+            pieces.push(&text[from..c]);
+            from = c;
+        }
+        stream(p, &pieces)
+    }
+
+    #[test]
+    fn harmony_channels_split_into_reasoning_and_answer() {
+        let p: ReasoningParser = "openai_gptoss".parse().unwrap();
+        assert_eq!(p.name(), "openai_gptoss");
+        let (r, a) = stream(p, &[HARMONY]);
+        assert_eq!(
+            r,
+            "L'utilisateur veut la météo 🌦.\nUse get_weather.\n{\"location\":\"Zürich\"}"
+        );
+        assert_eq!(a, "Je vérifie…");
+        // With the openai tool parser, the call stays in the answer for it.
+        let (r, a) = stream(p.keeping_calls(true), &[HARMONY]);
+        assert_eq!(r, "L'utilisateur veut la météo 🌦.\nUse get_weather.");
+        assert_eq!(
+            a,
+            "Je vérifie…<|channel|>commentary to=functions.get_weather<|message|>{\"location\":\"Zürich\"}<|call|>"
+        );
+        let parsed = crate::server::openai::tool_parsers::ToolCallParser::OpenAi.parse(&a);
+        assert_eq!(parsed.content.as_deref(), Some("Je vérifie…"));
+        assert_eq!(parsed.calls.len(), 1);
+        assert_eq!(parsed.calls[0].name, "get_weather");
+        assert_eq!(parsed.calls[0].arguments, "{\"location\":\"Zürich\"}");
+        // The final channel, as gpt-oss ends an answer.
+        let t = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris.<|return|>";
+        assert_eq!(stream(p, &[t]), ("Easy.".into(), "Paris.".into()));
+        // Stop tokens are not in the text: an output that ends unclosed.
+        let t = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris.";
+        assert_eq!(stream(p, &[t]), ("Easy.".into(), "Paris.".into()));
+        // No harmony at all: all answer.
+        assert_eq!(stream(p, &["Just text"]), ("".into(), "Just text".into()));
+    }
+
+    #[test]
+    fn harmony_chunk_splits_at_every_boundary_give_the_unsplit_result() {
+        let bounds: Vec<usize> = HARMONY.char_indices().map(|(i, _)| i).skip(1).collect();
+        for p in [
+            ReasoningParser::GptOss { calls: false },
+            ReasoningParser::GptOss { calls: true },
+        ] {
+            let whole = stream(p, &[HARMONY]);
+            // Two chunks, cut anywhere.
+            for &c in &bounds {
+                assert_eq!(stream_cut(p, HARMONY, &[c]), whole, "{p:?} cut at {c}");
+            }
+            // One chunk per character.
+            assert_eq!(stream_cut(p, HARMONY, &bounds), whole, "{p:?} per char");
+        }
+    }
+
+    #[test]
+    fn a_harmony_output_cut_mid_marker_never_leaks_it() {
+        let p = ReasoningParser::GptOss { calls: true };
+        let bounds = HARMONY
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain([HARMONY.len()]);
+        for end in bounds {
+            let cut = &HARMONY[..end];
+            let (r, a) = stream(p, &[cut]);
+            assert!(!r.contains("<|"), "{cut:?} -> {r:?}");
+            // The answer holds markers only in the canonical call, which
+            // the tool parser reads; its content never holds any.
+            let parsed = crate::server::openai::tool_parsers::ToolCallParser::OpenAi.parse(&a);
+            let content = parsed.content.unwrap_or_default();
+            // (A lone '<' at the very end is text: no marker starts so.)
+            assert!(!content.contains("<|"), "{cut:?} -> {content:?}");
+            let (_, a) = stream(ReasoningParser::GptOss { calls: false }, &[cut]);
+            assert!(!a.contains("<|"), "{cut:?} -> {a:?}");
+        }
+    }
+
+    #[test]
+    fn harmony_reasoning_tokens_are_the_analysis_tokens() {
+        let p = ReasoningParser::GptOss { calls: false };
+        let steps = [
+            ("<|channel|>", 1),
+            ("analysis", 1),
+            ("<|message|>", 1),
+            ("Hm", 1),
+            ("m.", 1),
+            ("<|end|>", 1),
+            ("<|start|>", 1),
+            ("assistant", 1),
+            ("<|channel|>", 1),
+            ("final", 1),
+            ("<|message|>", 1),
+            ("Yes", 1),
+        ];
+        assert_eq!(reasoning_tokens(p, &steps), 2);
     }
 }

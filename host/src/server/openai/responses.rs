@@ -652,7 +652,7 @@ fn refuse_unsupported(f: &Fields<'_>, reasoning: bool) -> Result<(), ApiError> {
     if !reasoning && f.0.get("reasoning").is_some_and(|r| !r.is_null()) {
         return Err(invalid(
             "reasoning",
-            "'reasoning' needs a server started with --reasoning-parser (deepseek_r1 or qwen3)",
+            "'reasoning' needs a server started with --reasoning-parser (deepseek_r1, qwen3 or openai_gptoss)",
         ));
     }
     if f.0.get("conversation").is_some_and(|r| !r.is_null()) {
@@ -822,6 +822,13 @@ async fn respond(
     ] {
         if let Some(v) = f.0.get(from).filter(|v| !v.is_null()) {
             chat.insert(to.into(), v.clone());
+        }
+    }
+    // `reasoning.effort`, as chat's `reasoning_effort` (which gpt-oss's
+    // template reads).
+    if let Some(effort) = f.0.get("reasoning").and_then(|r| r.get("effort")) {
+        if !effort.is_null() {
+            chat.insert("reasoning_effort".into(), effort.clone());
         }
     }
     if logprobs {
@@ -1078,10 +1085,13 @@ fn answer_output(run: &Run, msg_id: &str, echo: &Echo) -> (Vec<Value>, Value) {
             vec![message_item(msg_id, "completed", Some(""), json!([]))],
             json!({"role": "assistant", "content": ""}),
         ),
-        _ => (
-            vec![message_item(msg_id, "completed", Some(&c.text), lp())],
-            json!({"role": "assistant", "content": c.text}),
-        ),
+        _ => {
+            let text = super::tools::uncalled_text(run.tools.as_ref(), &c.text);
+            (
+                vec![message_item(msg_id, "completed", Some(&text), lp())],
+                json!({"role": "assistant", "content": text}),
+            )
+        }
     }
 }
 

@@ -368,6 +368,16 @@ fn rewritten_ref(r: &str, index: usize, needs_root: &mut bool) -> Option<String>
     Some(format!("#/$defs/{}{pointer}", tool_root_name(index)))
 }
 
+/// A choice's text as content when it holds no call: as written, but
+/// without the markers of an auto parser's format that are never content
+/// (harmony's).
+pub fn uncalled_text<'a>(mode: Option<&ToolMode>, text: &'a str) -> std::borrow::Cow<'a, str> {
+    match mode {
+        Some(ToolMode::Auto(p)) => p.plain(text),
+        _ => std::borrow::Cow::Borrowed(text),
+    }
+}
+
 /// Splits a choice's finished text into content and calls.
 pub fn extract(mode: &ToolMode, text: &str) -> ParsedOutput {
     match mode {

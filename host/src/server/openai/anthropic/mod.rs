@@ -265,8 +265,12 @@ fn final_message(run: &Run, id: &str, model: &str) -> Value {
             }
             content.extend(blocks);
         }
-        None if !c.text.is_empty() => content.push(json!({"type": "text", "text": c.text})),
-        None => {}
+        None => {
+            let text = tools::uncalled_text(run.tools.as_ref(), &c.text);
+            if !text.is_empty() {
+                content.push(json!({"type": "text", "text": text}));
+            }
+        }
     }
     let stop = protocol::stop_reason(c.finish_reason, c.stop_reason.as_ref(), called);
     message(id, model, content, stop, usage(run.prompt_tokens, c.tokens))
@@ -380,7 +384,8 @@ fn stream_message(mut run: Run, id: String, model: String) -> Response<Body> {
                         true
                     }
                     None => {
-                        blocks.text(c.text.get(sent..).unwrap_or(""), &mut out);
+                        let rest = c.text.get(sent..).unwrap_or("");
+                        blocks.text(&tools::uncalled_text(Some(m), rest), &mut out);
                         false
                     }
                 }
