@@ -41,8 +41,9 @@ pub mod mixtral;
 pub mod qwen3;
 pub mod qwen3_next;
 pub mod qwen_moe;
+pub mod registry;
 
-use crate::engine::config::{Arch, ModelConfig};
+use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use anyhow::Result;
 use pagoda_accel::{Backend, BackendError, KvLayerSpec};
@@ -200,19 +201,6 @@ pub fn load<B: Backend>(
     max_positions: usize,
 ) -> Result<Model<B>> {
     layers::decoder::check_context(backend, &config, max_positions)?;
-    Ok(match config.arch {
-        Arch::Llama | Arch::Qwen2 => Box::new(llama::load(backend, source, config, max_positions)?),
-        Arch::Qwen3 => Box::new(qwen3::load(backend, source, config, max_positions)?),
-        Arch::Mixtral => Box::new(mixtral::load(backend, source, config, max_positions)?),
-        Arch::Deepseek => Box::new(deepseek::load(backend, source, config, max_positions)?),
-        Arch::Qwen2Moe | Arch::Qwen3Moe => {
-            Box::new(qwen_moe::load(backend, source, config, max_positions)?)
-        }
-        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
-            Box::new(qwen3_next::load(backend, source, config, max_positions)?)
-        }
-        Arch::Gemma3 => Box::new(gemma3::load(backend, source, config, max_positions)?),
-        Arch::GptOss => Box::new(gpt_oss::load(backend, source, config, max_positions)?),
-        Arch::Bert => Box::new(bert::load(backend, source, config, max_positions)?),
-    })
+    let entry = registry::entry::<B>(config.arch)?;
+    (entry.load)(backend, source, config, max_positions)
 }
