@@ -498,52 +498,37 @@ impl ModelConfig {
     /// (`{name}.*` keys): `arch` as the registry names it, a `llama` file
     /// with experts being Mixtral.
     pub fn from_gguf_decoder(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> {
-        let experts = g.get_u64(&format!("{name}.expert_count"))?.unwrap_or(0);
+        let m = GgufMeta::new(g, name);
+        let experts = m.opt("expert_count")?.unwrap_or(0);
         let arch = match arch {
             Arch::Llama | Arch::Mixtral if experts > 0 => Arch::Mixtral,
             Arch::Llama | Arch::Mixtral => Arch::Llama,
             other => other,
         };
-        let key = |k: &str| format!("{name}.{k}");
-        let req = |k: &str| -> Result<usize> {
-            let x = g
-                .get_u64(&key(k))?
-                .with_context(|| format!("missing metadata '{}'", key(k)))?;
-            usize::try_from(x).with_context(|| format!("'{}' is too large", key(k)))
-        };
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = match g.get_u64(&key("attention.head_count_kv"))? {
-            Some(x) => x as usize,
-            None => num_heads,
-        };
-        let head_dim = match g.get_u64(&key("attention.key_length"))? {
-            Some(x) => x as usize,
+        let hidden_size = m.req("embedding_length")?;
+        let num_heads = m.req("attention.head_count")?;
+        let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = match m.opt("attention.key_length")? {
+            Some(x) => x,
             None if num_heads > 0 => hidden_size / num_heads,
             None => bail!("attention.head_count is 0"),
         };
         // The rotary embedding covers whole heads in every architecture
         // served here; a file that says otherwise (0 included) would be
         // computed wrongly, so it is refused rather than ignored.
-        if let Some(n) = g.get_u64(&key("rope.dimension_count"))? {
-            if n != head_dim as u64 {
+        if let Some(n) = m.opt("rope.dimension_count")? {
+            if n != head_dim {
                 bail!(
                     "{} is {n}, but the attention heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-                    key("rope.dimension_count")
+                    m.key("rope.dimension_count")
                 );
             }
         }
-        let vocab_size = match g.get_u64(&key("vocab_size"))? {
-            Some(x) => x as usize,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .context("no vocab_size and no tokenizer")?,
-        };
-        let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
+        let vocab_size = m.vocab_size()?;
+        let rope_scaling = match m.str("rope.scaling.type")? {
             None | Some("none") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear {
-                factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+                factor: m.f32("rope.scaling.factor")?.unwrap_or(1.0),
             },
             Some(other) => {
                 bail!("rope scaling '{other}' is not supported (supported: none, linear)")
@@ -557,7 +542,7 @@ impl ModelConfig {
                 if !rope_scaling.is_none() {
                     bail!(
                         "both rope_freqs.weight and {} are set; only one RoPE scaling is supported",
-                        key("rope.scaling.type")
+                        m.key("rope.scaling.type")
                     );
                 }
                 let t = g.tensor(&info.name)?;
@@ -569,44 +554,36 @@ impl ModelConfig {
             }
         };
         let tie_word_embeddings = !g.tensors().iter().any(|t| t.name == "output.weight");
-        let num_layers = req("block_count")?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                key("block_count")
-            );
-        }
-        let sliding_windows = match g.get_u64(&key("attention.sliding_window"))? {
-            Some(w) if w > 0 => vec![Some(w as usize); num_layers],
+        let num_layers = m.block_count()?;
+        let sliding_windows = match m.opt("attention.sliding_window")? {
+            Some(w) if w > 0 => vec![Some(w); num_layers],
             _ => Vec::new(),
         };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let intermediate_size = req("feed_forward_length")?;
+        let intermediate_size = m.req("feed_forward_length")?;
         let moe = match arch {
             Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe => {
-                let n_experts = experts as usize;
-                let top_k = req("expert_used_count")?;
+                let n_experts = experts;
+                let top_k = m.req("expert_used_count")?;
                 if n_experts > 1 << 12 {
                     bail!(
                         "{} = {n_experts} is beyond the supported maximum of 4096",
-                        key("expert_count")
+                        m.key("expert_count")
                     );
                 }
                 if top_k == 0 || top_k > n_experts {
                     bail!(
                         "{} = {top_k} must be between 1 and {} ({n_experts})",
-                        key("expert_used_count"),
-                        key("expert_count")
+                        m.key("expert_used_count"),
+                        m.key("expert_count")
                     );
                 }
                 let expert_ffn = match arch {
                     Arch::Mixtral => intermediate_size,
-                    _ => req("expert_feed_forward_length")?,
+                    _ => m.req("expert_feed_forward_length")?,
                 };
                 let shared_ffn = match arch {
-                    Arch::Qwen2Moe => g
-                        .get_u64(&key("expert_shared_feed_forward_length"))?
-                        .map(|f| f as usize)
+                    Arch::Qwen2Moe => m
+                        .opt("expert_shared_feed_forward_length")?
                         .filter(|&f| f > 0),
                     _ => None,
                 };
@@ -621,7 +598,7 @@ impl ModelConfig {
                     shared_ffn,
                     // A layer is a mixture where the file has its router.
                     sparse_layers: (0..num_layers)
-                        .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
+                        .map(|i| m.has(&format!("blk.{i}.ffn_gate_inp.weight")))
                         .collect(),
                     scoring: RouterScoring::Softmax,
                     routed_scale: 1.0,
@@ -641,10 +618,8 @@ impl ModelConfig {
             head_dim,
             intermediate_size,
             vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5),
-            rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
+            rope_theta: m.f32("rope.freq_base")?.unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp's converter permutes the q/k rows of llama-arch
             // models so that rotation pairs are adjacent; qwen2 keeps HF's
@@ -654,11 +629,11 @@ impl ModelConfig {
             } else {
                 RopeStyle::Neox
             },
-            max_position_embeddings: g.get_u64(&key("context_length"))?.unwrap_or(2048) as usize,
+            max_position_embeddings: m.opt("context_length")?.unwrap_or(2048),
             tie_word_embeddings,
-            attention_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
-            o_bias: has("blk.0.attn_output.bias"),
-            mlp_bias: has("blk.0.ffn_down.bias"),
+            attention_bias: arch == Arch::Qwen2 || m.has("blk.0.attn_q.bias"),
+            o_bias: m.has("blk.0.attn_output.bias"),
+            mlp_bias: m.has("blk.0.ffn_down.bias"),
             sliding_windows,
             moe,
             mla: None,
@@ -861,6 +836,85 @@ impl ModelConfig {
     /// Width of the key (and value) projection output.
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+}
+
+/// The `{arch}.*` metadata of a GGUF file, which every GGUF config reader
+/// reads the same way: keys by their suffix (`m.req("block_count")` reads
+/// `llama.block_count`), each error naming the whole key.
+pub struct GgufMeta<'a> {
+    pub g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl<'a> GgufMeta<'a> {
+    /// The keys of `g` under `arch` (its `general.architecture`).
+    pub fn new(g: &'a GgufFile, arch: &'a str) -> Self {
+        GgufMeta { g, arch }
+    }
+
+    /// The whole key: `{arch}.{k}`.
+    pub fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// An integer key, if present.
+    pub fn opt(&self, k: &str) -> Result<Option<usize>> {
+        self.g
+            .get_u64(&self.key(k))?
+            .map(|x| usize::try_from(x).with_context(|| format!("'{}' is too large", self.key(k))))
+            .transpose()
+    }
+
+    /// An integer key that must be present.
+    pub fn req(&self, k: &str) -> Result<usize> {
+        self.opt(k)?
+            .with_context(|| format!("missing metadata '{}'", self.key(k)))
+    }
+
+    /// A float key, if present.
+    pub fn f32(&self, k: &str) -> Result<Option<f32>> {
+        self.g.get_f32(&self.key(k))
+    }
+
+    /// A string key, if present.
+    pub fn str(&self, k: &str) -> Result<Option<&'a str>> {
+        self.g.get_str(&self.key(k))
+    }
+
+    /// A bool key, if present.
+    pub fn bool(&self, k: &str) -> Result<Option<bool>> {
+        self.g.get_bool(&self.key(k))
+    }
+
+    /// Whether the file holds tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.g.tensors().iter().any(|t| t.name == name)
+    }
+
+    /// `block_count`, at most [`MAX_LAYERS`] (checked before anything is
+    /// sized by it).
+    pub fn block_count(&self) -> Result<usize> {
+        let n = self.req("block_count")?;
+        if n > MAX_LAYERS {
+            bail!(
+                "{} = {n} is beyond the supported maximum of {MAX_LAYERS}",
+                self.key("block_count")
+            );
+        }
+        Ok(n)
+    }
+
+    /// `vocab_size`, else the number of the tokenizer's tokens.
+    pub fn vocab_size(&self) -> Result<usize> {
+        match self.opt("vocab_size")? {
+            Some(x) => Ok(x),
+            None => self
+                .g
+                .get_str_array("tokenizer.ggml.tokens")?
+                .map(|t| t.len())
+                .context("no vocab_size and no tokenizer"),
+        }
     }
 }
 

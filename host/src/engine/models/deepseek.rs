@@ -11,7 +11,7 @@ use super::layers::mla::LatentAttention;
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
 use crate::engine::config::{
-    yarn_mscale, Activation, Arch, MlaConfig, ModelConfig, MoeConfig, MAX_LAYERS,
+    yarn_mscale, Activation, Arch, GgufMeta, MlaConfig, ModelConfig, MoeConfig,
 };
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
@@ -85,59 +85,45 @@ pub fn load<B: Backend>(
 /// `mscale_all_dim`; llama.cpp, like DeepSeek's configs, takes `mscale`
 /// equal to it, so cos/sin are not rescaled).
 pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
-    let key = |k: &str| format!("deepseek2.{k}");
-    let opt = |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-    };
-    let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-    let hidden_size = req("embedding_length")?;
-    let num_heads = req("attention.head_count")?;
-    let num_layers = req("block_count")?;
-    if num_layers > MAX_LAYERS {
-        bail!(
-            "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-            key("block_count")
-        );
-    }
-    let rope = req("rope.dimension_count")?;
-    let kv_lora_rank = req("attention.kv_lora_rank")?;
+    let m = GgufMeta::new(g, "deepseek2");
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_layers = m.block_count()?;
+    let rope = m.req("rope.dimension_count")?;
+    let kv_lora_rank = m.req("attention.kv_lora_rank")?;
     let (qk, v) = match (
-        opt("attention.key_length_mla")?,
-        opt("attention.value_length_mla")?,
+        m.opt("attention.key_length_mla")?,
+        m.opt("attention.value_length_mla")?,
     ) {
         (Some(k), Some(v)) => (k, v),
         // Files from before the MLA keys: the per-head sizes.
-        _ => (req("attention.key_length")?, req("attention.value_length")?),
+        _ => (
+            m.req("attention.key_length")?,
+            m.req("attention.value_length")?,
+        ),
     };
     if qk <= rope {
         bail!("the attention heads ({qk}) are not wider than their rotary part ({rope})");
     }
-    let (rope_scaling, softmax_mscale) = match g.get_str(&key("rope.scaling.type"))? {
+    let (rope_scaling, softmax_mscale) = match m.str("rope.scaling.type")? {
         None | Some("none") => (RopeScaling::None, 1.0),
         Some("yarn") => {
-            let factor = g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0);
-            let original = req("rope.scaling.original_context_length")?;
-            let mscale_all_dim = g
-                .get_f32(&key("rope.scaling.yarn_log_multiplier"))?
-                .unwrap_or(0.0) as f64
-                / 0.1;
-            let m = yarn_mscale(factor as f64, mscale_all_dim);
+            let factor = m.f32("rope.scaling.factor")?.unwrap_or(1.0);
+            let original = m.req("rope.scaling.original_context_length")?;
+            let mscale_all_dim =
+                m.f32("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0) as f64 / 0.1;
+            let mscale = yarn_mscale(factor as f64, mscale_all_dim);
             (
                 RopeScaling::Yarn {
                     factor,
                     original_max_position: original,
-                    beta_fast: g
-                        .get_f32(&key("rope.scaling.yarn_beta_fast"))?
-                        .unwrap_or(32.0),
-                    beta_slow: g
-                        .get_f32(&key("rope.scaling.yarn_beta_slow"))?
-                        .unwrap_or(1.0),
+                    beta_fast: m.f32("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+                    beta_slow: m.f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
                     attention_factor: 1.0,
                     truncate: true,
                 },
                 if mscale_all_dim != 0.0 {
-                    (m * m) as f32
+                    (mscale * mscale) as f32
                 } else {
                     1.0
                 },
@@ -148,7 +134,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         }
     };
     let mla = MlaConfig {
-        q_lora_rank: opt("attention.q_lora_rank")?.filter(|&q| q > 0),
+        q_lora_rank: m.opt("attention.q_lora_rank")?.filter(|&q| q > 0),
         kv_lora_rank,
         qk_nope_head_dim: qk - rope,
         qk_rope_head_dim: rope,
@@ -161,19 +147,22 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
             mla.latent_width()
         );
     }
-    let n_experts = req("expert_count")?;
-    let top_k = req("expert_used_count")?;
-    let first_dense = opt("leading_dense_block_count")?.unwrap_or(0);
-    let expert_ffn = req("expert_feed_forward_length")?;
-    let scoring = match opt("expert_gating_func")? {
+    let n_experts = m.req("expert_count")?;
+    let top_k = m.req("expert_used_count")?;
+    let first_dense = m.opt("leading_dense_block_count")?.unwrap_or(0);
+    let expert_ffn = m.req("expert_feed_forward_length")?;
+    let scoring = match m.opt("expert_gating_func")? {
         None | Some(1) => RouterScoring::Softmax,
         Some(2) => RouterScoring::Sigmoid,
         Some(other) => bail!(
             "{} = {other} is not supported (1 softmax, 2 sigmoid)",
-            key("expert_gating_func")
+            m.key("expert_gating_func")
         ),
     };
-    let groups = match (opt("expert_group_count")?, opt("expert_group_used_count")?) {
+    let groups = match (
+        m.opt("expert_group_count")?,
+        m.opt("expert_group_used_count")?,
+    ) {
         (Some(n_group), Some(topk_group)) if n_group > 1 => Some(GroupLimit {
             n_group,
             topk_group,
@@ -187,16 +176,17 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     let moe = MoeConfig {
         n_experts,
         top_k,
-        normalize: g.get_bool(&key("expert_weights_norm"))?.unwrap_or(false),
+        normalize: m.bool("expert_weights_norm")?.unwrap_or(false),
         expert_ffn,
-        shared_ffn: opt("expert_shared_count")?
+        shared_ffn: m
+            .opt("expert_shared_count")?
             .filter(|&n| n > 0)
             .map(|n| n * expert_ffn),
         sparse_layers: (0..num_layers).map(|i| i >= first_dense).collect(),
         scoring,
-        routed_scale: g.get_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
+        routed_scale: m.f32("expert_weights_scale")?.unwrap_or(1.0),
         groups,
-        score_bias: has(&format!("blk.{first_dense}.exp_probs_b.bias")),
+        score_bias: m.has(&format!("blk.{first_dense}.exp_probs_b.bias")),
         shared_gated: false,
     };
     let spec = pagoda_accel::ops::RouterSpec {
@@ -210,13 +200,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     if let Err(why) = spec.check() {
         bail!("{why}");
     }
-    let vocab_size = match opt("vocab_size")? {
-        Some(x) => x,
-        None => g
-            .get_str_array("tokenizer.ggml.tokens")?
-            .map(|t| t.len())
-            .context("no vocab_size and no tokenizer")?,
-    };
+    let vocab_size = m.vocab_size()?;
     let cfg = ModelConfig {
         arch: Arch::Deepseek,
         hidden_size,
@@ -224,18 +208,16 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         num_heads,
         num_kv_heads: num_heads,
         head_dim: rope,
-        intermediate_size: req("feed_forward_length")?,
+        intermediate_size: m.req("feed_forward_length")?,
         vocab_size,
-        rms_norm_eps: g
-            .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-6),
-        rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: m.f32("rope.freq_base")?.unwrap_or(10_000.0),
         rope_scaling,
         // llama.cpp rotates adjacent pairs for deepseek2 (its NORM
         // rope), as DeepSeek's own code does.
         rope_style: RopeStyle::Interleaved,
-        max_position_embeddings: opt("context_length")?.unwrap_or(4096),
-        tie_word_embeddings: !has("output.weight"),
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(4096),
+        tie_word_embeddings: !m.has("output.weight"),
         attention_bias: false,
         o_bias: false,
         mlp_bias: false,

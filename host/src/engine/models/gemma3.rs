@@ -21,7 +21,7 @@ use super::layers::decoder::final_logits;
 use super::layers::mlp::GatedMlp;
 use super::layers::{load_matrix, load_offset_norm, Workspace};
 use super::{CausalLm, StateCache};
-use crate::engine::config::{Activation, Arch, GemmaConfig, ModelConfig, MAX_LAYERS};
+use crate::engine::config::{Activation, Arch, GemmaConfig, GgufMeta, ModelConfig};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraAdapter;
@@ -294,53 +294,42 @@ mod tests {
 /// norms' `1 + w` folded into the weights is undone by
 /// [`crate::engine::loader::gguf_weights::GgufWeights`].
 pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
-    let key = |k: &str| format!("gemma3.{k}");
-    let opt = |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-    };
-    let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-    let hidden_size = req("embedding_length")?;
-    let num_heads = req("attention.head_count")?;
-    let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-    let head_dim = match opt("attention.key_length")? {
+    let m = GgufMeta::new(g, "gemma3");
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = match m.opt("attention.key_length")? {
         Some(k) => k,
         None if num_heads > 0 => hidden_size / num_heads,
-        None => bail!("{} is 0", key("attention.head_count")),
+        None => bail!("{} is 0", m.key("attention.head_count")),
     };
-    if let Some(v) = opt("attention.value_length")?.filter(|&v| v != head_dim) {
+    if let Some(v) = m.opt("attention.value_length")?.filter(|&v| v != head_dim) {
         bail!(
             "{} = {v} differs from {} = {head_dim}; Gemma 3's values are as wide as its keys",
-            key("attention.value_length"),
-            key("attention.key_length")
+            m.key("attention.value_length"),
+            m.key("attention.key_length")
         );
     }
-    if let Some(n) = opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
+    if let Some(n) = m.opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
         bail!(
             "{} = {n}, but the heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-            key("rope.dimension_count")
+            m.key("rope.dimension_count")
         );
     }
-    let num_layers = req("block_count")?;
-    if num_layers > MAX_LAYERS {
-        bail!(
-            "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-            key("block_count")
-        );
-    }
-    if let Some(e) = opt("expert_count")?.filter(|&e| e > 0) {
-        bail!("{} = {e}: Gemma 3 has no experts", key("expert_count"));
+    let num_layers = m.block_count()?;
+    if let Some(e) = m.opt("expert_count")?.filter(|&e| e > 0) {
+        bail!("{} = {e}: Gemma 3 has no experts", m.key("expert_count"));
     }
     // Read by no llama.cpp graph of Gemma 3 (the converter refuses it);
     // transformers would soft-cap the scores.
-    if let Some(c) = g.get_f32(&key("attn_logit_softcapping"))? {
+    if let Some(c) = m.f32("attn_logit_softcapping")? {
         bail!(
             "{} = {c}: soft-capping the attention scores is not computed",
-            key("attn_logit_softcapping")
+            m.key("attn_logit_softcapping")
         );
     }
-    let window = opt("attention.sliding_window")?.filter(|&w| w > 0);
-    let pattern_key = key("attention.sliding_window_pattern");
+    let window = m.opt("attention.sliding_window")?.filter(|&w| w > 0);
+    let pattern_key = m.key("attention.sliding_window_pattern");
     let local: Vec<bool> = match window {
         None => vec![false; num_layers],
         Some(_) => match g.get_bool_array(&pattern_key) {
@@ -349,7 +338,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
                     bail!(
                         "{pattern_key} lists {} layers, but {} is {num_layers}",
                         l.len(),
-                        key("block_count")
+                        m.key("block_count")
                     );
                 }
                 l
@@ -369,17 +358,17 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         .iter()
         .map(|&l| l.then_some(window).flatten())
         .collect();
-    let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
+    let rope_scaling = match m.str("rope.scaling.type")? {
         None | Some("none") => RopeScaling::None,
         Some("linear") => RopeScaling::Linear {
-            factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+            factor: m.f32("rope.scaling.factor")?.unwrap_or(1.0),
         },
         Some(other) => bail!(
             "{} = '{other}' is not supported for Gemma 3 (supported: none, linear)",
-            key("rope.scaling.type")
+            m.key("rope.scaling.type")
         ),
     };
-    if has("rope_freqs.weight") {
+    if m.has("rope_freqs.weight") {
         bail!("tensor 'rope_freqs.weight': per-pair RoPE factors are not read for Gemma 3");
     }
     let scalar = if num_layers == 62 {
@@ -389,23 +378,15 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     };
     let gemma = GemmaConfig {
         attn_scale: scalar.powf(-0.5) as f32,
-        local_rope_theta: g.get_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0),
+        local_rope_theta: m.f32("rope.freq_base_swa")?.unwrap_or(10_000.0),
         local_rope_scaling: RopeScaling::None,
-        final_logit_softcap: g
-            .get_f32(&key("final_logit_softcapping"))?
-            .filter(|&c| c != 0.0),
+        final_logit_softcap: m.f32("final_logit_softcapping")?.filter(|&c| c != 0.0),
     };
     // The converter drops the embedding rows past the tokenizer's
     // tokens; the vocabulary is the LM head's (or the tokenizer's).
     let vocab_size = match g.tensors().iter().find(|t| t.name == "output.weight") {
         Some(t) if t.shape.len() == 2 => t.shape[0],
-        _ => match opt("vocab_size")? {
-            Some(x) => x,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .context("no vocab_size and no tokenizer")?,
-        },
+        _ => m.vocab_size()?,
     };
     let cfg = ModelConfig {
         arch: Arch::Gemma3,
@@ -414,19 +395,17 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         num_heads,
         num_kv_heads,
         head_dim,
-        intermediate_size: req("feed_forward_length")?,
+        intermediate_size: m.req("feed_forward_length")?,
         vocab_size,
-        rms_norm_eps: g
-            .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-6),
-        rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(1_000_000.0),
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: m.f32("rope.freq_base")?.unwrap_or(1_000_000.0),
         rope_scaling,
         rope_style: RopeStyle::Neox,
-        max_position_embeddings: opt("context_length")?.unwrap_or(131_072),
-        tie_word_embeddings: !has("output.weight"),
-        attention_bias: has("blk.0.attn_q.bias"),
-        o_bias: has("blk.0.attn_output.bias"),
-        mlp_bias: has("blk.0.ffn_down.bias"),
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(131_072),
+        tie_word_embeddings: !m.has("output.weight"),
+        attention_bias: m.has("blk.0.attn_q.bias"),
+        o_bias: m.has("blk.0.attn_output.bias"),
+        mlp_bias: m.has("blk.0.ffn_down.bias"),
         sliding_windows,
         moe: None,
         mla: None,

@@ -18,7 +18,7 @@ use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
 use super::layers::moe::{ExpertAct, SparseMoe};
 use crate::engine::config::{
-    yarn_mscale, Activation, Arch, GptOssConfig, ModelConfig, MoeConfig, MAX_LAYERS,
+    yarn_mscale, Activation, Arch, GgufMeta, GptOssConfig, ModelConfig, MoeConfig,
 };
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
@@ -86,72 +86,55 @@ pub fn load<B: Backend>(
 /// softmax. The converter's split of the fused experts is undone by
 /// [`crate::engine::loader::gguf_weights::GgufWeights`].
 pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
-    let key = |k: &str| format!("gpt-oss.{k}");
-    let opt = |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-    };
-    let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-    let hidden_size = req("embedding_length")?;
-    let num_heads = req("attention.head_count")?;
-    let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-    let head_dim = req("attention.key_length")?;
-    if let Some(v) = opt("attention.value_length")?.filter(|&v| v != head_dim) {
+    let m = GgufMeta::new(g, "gpt-oss");
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = m.req("attention.key_length")?;
+    if let Some(v) = m.opt("attention.value_length")?.filter(|&v| v != head_dim) {
         bail!(
             "{} = {v} differs from {} = {head_dim}; gpt-oss's values are as wide as its keys",
-            key("attention.value_length"),
-            key("attention.key_length")
+            m.key("attention.value_length"),
+            m.key("attention.key_length")
         );
     }
-    if let Some(n) = opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
+    if let Some(n) = m.opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
         bail!(
             "{} = {n}, but the heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-            key("rope.dimension_count")
+            m.key("rope.dimension_count")
         );
     }
-    let num_layers = req("block_count")?;
-    if num_layers > MAX_LAYERS {
-        bail!(
-            "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-            key("block_count")
-        );
-    }
-    let rope_theta = g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-    if let Some(b) = g
-        .get_f32(&key("rope.freq_base_swa"))?
-        .filter(|&b| b != rope_theta)
-    {
+    let num_layers = m.block_count()?;
+    let rope_theta = m.f32("rope.freq_base")?.unwrap_or(10_000.0);
+    if let Some(b) = m.f32("rope.freq_base_swa")?.filter(|&b| b != rope_theta) {
         bail!(
             "{} = {b} differs from {} = {rope_theta}; gpt-oss rotates every layer with one base",
-            key("rope.freq_base_swa"),
-            key("rope.freq_base")
+            m.key("rope.freq_base_swa"),
+            m.key("rope.freq_base")
         );
     }
-    if let Some(a) = g
-        .get_f32(&key("rope.scaling.attn_factor"))?
-        .filter(|&a| a != 1.0)
-    {
+    if let Some(a) = m.f32("rope.scaling.attn_factor")?.filter(|&a| a != 1.0) {
         bail!(
             "{} = {a}: gpt-oss's YaRN scales attention by 0.1·ln(factor) + 1 only",
-            key("rope.scaling.attn_factor")
+            m.key("rope.scaling.attn_factor")
         );
     }
-    let max_position_embeddings = opt("context_length")?.unwrap_or(131_072);
-    let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
+    let max_position_embeddings = m.opt("context_length")?.unwrap_or(131_072);
+    let rope_scaling = match m.str("rope.scaling.type")? {
         None | Some("none") => RopeScaling::None,
         Some("yarn") => {
-            let factor = g
-                .get_f32(&key("rope.scaling.factor"))?
-                .with_context(|| format!("missing metadata '{}'", key("rope.scaling.factor")))?;
+            let factor = m
+                .f32("rope.scaling.factor")?
+                .with_context(|| format!("missing metadata '{}'", m.key("rope.scaling.factor")))?;
             RopeScaling::Yarn {
                 factor,
-                original_max_position: req("rope.scaling.original_context_length")?,
-                beta_fast: g
-                    .get_f32(&key("rope.scaling.yarn_beta_fast"))?
+                original_max_position: m.req("rope.scaling.original_context_length")?,
+                beta_fast: m
+                    .f32("rope.scaling.yarn_beta_fast")?
                     .filter(|&b| b != 0.0)
                     .unwrap_or(32.0),
-                beta_slow: g
-                    .get_f32(&key("rope.scaling.yarn_beta_slow"))?
+                beta_slow: m
+                    .f32("rope.scaling.yarn_beta_slow")?
                     .filter(|&b| b != 0.0)
                     .unwrap_or(1.0),
                 attention_factor: yarn_mscale(factor as f64, 1.0) as f32,
@@ -160,11 +143,11 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         }
         Some(other) => bail!(
             "{} = '{other}' is not supported for gpt-oss (supported: none, yarn)",
-            key("rope.scaling.type")
+            m.key("rope.scaling.type")
         ),
     };
-    let window = opt("attention.sliding_window")?.filter(|&w| w > 0);
-    let pattern_key = key("attention.sliding_window_pattern");
+    let window = m.opt("attention.sliding_window")?.filter(|&w| w > 0);
+    let pattern_key = m.key("attention.sliding_window_pattern");
     let local: Vec<bool> = match window {
         None => vec![false; num_layers],
         Some(_) => match g.get_bool_array(&pattern_key) {
@@ -173,7 +156,7 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
                     bail!(
                         "{pattern_key} lists {} layers, but {} is {num_layers}",
                         l.len(),
-                        key("block_count")
+                        m.key("block_count")
                     );
                 }
                 l
@@ -186,22 +169,22 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
             }
         },
     };
-    let n_experts = req("expert_count")?;
-    let top_k = req("expert_used_count")?;
+    let n_experts = m.req("expert_count")?;
+    let top_k = m.req("expert_used_count")?;
     if n_experts == 0 || n_experts > 1 << 12 {
         bail!(
             "{} = {n_experts} must be between 1 and 4096",
-            key("expert_count")
+            m.key("expert_count")
         );
     }
     if top_k == 0 || top_k > n_experts {
         bail!(
             "{} = {top_k} must be between 1 and {} ({n_experts})",
-            key("expert_used_count"),
-            key("expert_count")
+            m.key("expert_used_count"),
+            m.key("expert_count")
         );
     }
-    let expert_ffn = req("expert_feed_forward_length")?;
+    let expert_ffn = m.req("expert_feed_forward_length")?;
     let vocab_size = match g.tensors().iter().find(|t| t.name == "output.weight") {
         Some(t) if t.shape.len() == 2 => t.shape[0],
         _ => g
@@ -218,16 +201,14 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
         head_dim,
         intermediate_size: expert_ffn,
         vocab_size,
-        rms_norm_eps: g
-            .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-5),
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
         rope_theta,
         rope_scaling,
         rope_style: RopeStyle::Neox,
         max_position_embeddings,
-        tie_word_embeddings: !has("output.weight"),
-        attention_bias: has("blk.0.attn_q.bias"),
-        o_bias: has("blk.0.attn_output.bias"),
+        tie_word_embeddings: !m.has("output.weight"),
+        attention_bias: m.has("blk.0.attn_q.bias"),
+        o_bias: m.has("blk.0.attn_output.bias"),
         mlp_bias: false,
         sliding_windows: local
             .iter()

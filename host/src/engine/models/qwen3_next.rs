@@ -20,7 +20,9 @@ use super::layers::mlp::GatedMlp;
 use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
 use super::layers::{load_matrix, load_offset_norm, Workspace};
 use super::{CausalLm, StateCache};
-use crate::engine::config::{Activation, Arch, HybridConfig, ModelConfig, MoeConfig, MAX_LAYERS};
+use crate::engine::config::{
+    Activation, Arch, GgufMeta, HybridConfig, ModelConfig, MoeConfig, MAX_LAYERS,
+};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
 use crate::engine::lora::LoraAdapter;
@@ -353,90 +355,85 @@ impl<B: Backend> CausalLm<B> for QwenHybrid<B> {
 /// [`crate::engine::loader::gguf_weights::GgufWeights`]. `arch` is
 /// the member `name` is, as the registry gives it.
 pub fn gguf_config(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> {
-    let key = |k: &str| format!("{name}.{k}");
-    let opt = |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-    let req = |k: &str| -> Result<usize> {
-        opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-    };
-    let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-    let hidden_size = req("embedding_length")?;
-    let num_heads = req("attention.head_count")?;
-    let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-    let head_dim = req("attention.key_length")?;
-    if let Some(v) = opt("attention.value_length")? {
+    let m = GgufMeta::new(g, name);
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = m.req("attention.key_length")?;
+    if let Some(v) = m.opt("attention.value_length")? {
         if v != head_dim {
             bail!(
                 "{} = {v} differs from {} = {head_dim}; the gated attention's values are as wide as its keys",
-                key("attention.value_length"),
-                key("attention.key_length")
+                m.key("attention.value_length"),
+                m.key("attention.key_length")
             );
         }
     }
-    let block_count = req("block_count")?;
-    let mtp = opt("nextn_predict_layers")?.unwrap_or(0);
+    let block_count = m.req("block_count")?;
+    let mtp = m.opt("nextn_predict_layers")?.unwrap_or(0);
     let num_layers = block_count.checked_sub(mtp).with_context(|| {
         format!(
             "{} ({mtp}) is more than {} ({block_count})",
-            key("nextn_predict_layers"),
-            key("block_count")
+            m.key("nextn_predict_layers"),
+            m.key("block_count")
         )
     })?;
     if num_layers > MAX_LAYERS {
         bail!(
             "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-            key("block_count")
+            m.key("block_count")
         );
     }
-    let linear_layers = match g.get_bool_array(&key("attention.recurrent_layers"))? {
+    let linear_layers = match g.get_bool_array(&m.key("attention.recurrent_layers"))? {
         Some(l) => {
             if l.len() != block_count {
                 bail!(
                     "{} lists {} layers, but {} is {block_count}",
-                    key("attention.recurrent_layers"),
+                    m.key("attention.recurrent_layers"),
                     l.len(),
-                    key("block_count")
+                    m.key("block_count")
                 );
             }
             l[..num_layers].to_vec()
         }
         None => {
-            let every = opt("full_attention_interval")?.unwrap_or(4);
+            let every = m.opt("full_attention_interval")?.unwrap_or(4);
             if every == 0 {
-                bail!("{} must be positive", key("full_attention_interval"));
+                bail!("{} must be positive", m.key("full_attention_interval"));
             }
             (0..num_layers).map(|i| (i + 1) % every != 0).collect()
         }
     };
-    let n_k_heads = req("ssm.group_count")?;
-    let n_v_heads = req("ssm.time_step_rank")?;
-    let inner = req("ssm.inner_size")?;
+    let n_k_heads = m.req("ssm.group_count")?;
+    let n_v_heads = m.req("ssm.time_step_rank")?;
+    let inner = m.req("ssm.inner_size")?;
     if n_k_heads == 0 || n_v_heads == 0 || !n_v_heads.is_multiple_of(n_k_heads) {
         bail!(
             "{} ({n_v_heads} value heads) must be a positive multiple of {} ({n_k_heads} key heads)",
-            key("ssm.time_step_rank"),
-            key("ssm.group_count")
+            m.key("ssm.time_step_rank"),
+            m.key("ssm.group_count")
         );
     }
     if !inner.is_multiple_of(n_v_heads) {
         bail!(
             "{} = {inner} is not a whole number of {n_v_heads} value heads",
-            key("ssm.inner_size")
+            m.key("ssm.inner_size")
         );
     }
-    let rotary_dim = req("rope.dimension_count")?;
+    let rotary_dim = m.req("rope.dimension_count")?;
     let hybrid = HybridConfig {
         linear_layers,
         n_k_heads,
         n_v_heads,
-        k_dim: req("ssm.state_size")?,
+        k_dim: m.req("ssm.state_size")?,
         v_dim: inner / n_v_heads,
-        conv_kernel: req("ssm.conv_kernel")?,
+        conv_kernel: m.req("ssm.conv_kernel")?,
         rotary_dim,
     };
     if hybrid.conv_kernel < 2 || hybrid.conv_kernel > 64 {
         bail!(
             "{} = {} must be between 2 and 64",
-            key("ssm.conv_kernel"),
+            m.key("ssm.conv_kernel"),
             hybrid.conv_kernel
         );
     }
@@ -446,103 +443,102 @@ pub fn gguf_config(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> 
         ("ssm.inner_size / ssm.time_step_rank", hybrid.v_dim),
     ] {
         if x == 0 || x > 1 << 12 {
-            bail!("{} = {x} must be between 1 and {}", key(k), 1 << 12);
+            bail!("{} = {x} must be between 1 and {}", m.key(k), 1 << 12);
         }
     }
     if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
         bail!(
             "{} = {rotary_dim}: RoPE needs a positive even number of dimensions, at most the {head_dim} of a head",
-            key("rope.dimension_count")
+            m.key("rope.dimension_count")
         );
     }
-    match (arch, g.get_i32_array(&key("rope.dimension_sections"))?) {
+    match (arch, g.get_i32_array(&m.key("rope.dimension_sections"))?) {
         (_, None) => {}
         (Arch::Qwen35 | Arch::Qwen35Moe, Some(sec))
             if sec.iter().all(|&s| s >= 0)
                 && sec.iter().map(|&s| s as usize).sum::<usize>() == rotary_dim / 2 => {}
         (_, Some(sec)) => bail!(
             "{} = {sec:?}: only M-RoPE sections of a Qwen3.5 model, summing to half the {rotary_dim} rotary dimensions, are supported",
-            key("rope.dimension_sections")
+            m.key("rope.dimension_sections")
         ),
     }
-    match g.get_str(&key("rope.scaling.type"))? {
+    match m.str("rope.scaling.type")? {
         None | Some("none") => {}
         Some(other) => bail!(
             "{} = '{other}': RoPE scaling on the partial RoPE of a hybrid Qwen model is not supported",
-            key("rope.scaling.type")
+            m.key("rope.scaling.type")
         ),
     }
-    if let Some(w) = opt("attention.sliding_window")?.filter(|&w| w > 0) {
+    if let Some(w) = m.opt("attention.sliding_window")?.filter(|&w| w > 0) {
         bail!(
             "{} = {w}: the hybrid Qwen models' attention layers attend over the whole context",
-            key("attention.sliding_window")
+            m.key("attention.sliding_window")
         );
     }
-    let experts = opt("expert_count")?.unwrap_or(0);
-    let intermediate_size = match (arch, opt("feed_forward_length")?) {
+    let experts = m.opt("expert_count")?.unwrap_or(0);
+    let intermediate_size = match (arch, m.opt("feed_forward_length")?) {
         (_, Some(f)) => f,
         // Qwen3.5-MoE has no dense MLP: the experts' width stands in.
-        (Arch::Qwen35Moe, None) => req("expert_feed_forward_length")?,
-        (_, None) => req("feed_forward_length")?,
+        (Arch::Qwen35Moe, None) => m.req("expert_feed_forward_length")?,
+        (_, None) => m.req("feed_forward_length")?,
     };
     let moe = match arch {
         Arch::Qwen35 => {
             if experts > 0 {
                 bail!(
                     "{} = {experts} in a dense Qwen3.5 model ('qwen35'); a mixture is 'qwen35moe'",
-                    key("expert_count")
+                    m.key("expert_count")
                 );
             }
             None
         }
         _ => {
-            let top_k = req("expert_used_count")?;
+            let top_k = m.req("expert_used_count")?;
             if experts == 0 || experts > 1 << 12 {
                 bail!(
                     "{} = {experts} must be between 1 and 4096",
-                    key("expert_count")
+                    m.key("expert_count")
                 );
             }
             if top_k == 0 || top_k > experts {
                 bail!(
                     "{} = {top_k} must be between 1 and {} ({experts})",
-                    key("expert_used_count"),
-                    key("expert_count")
+                    m.key("expert_used_count"),
+                    m.key("expert_count")
                 );
             }
             // llama.cpp builds both with softmax routing whose chosen
             // weights are renormalized, as transformers does.
-            if let Some(f) = opt("expert_gating_func")?.filter(|&f| f != 1) {
+            if let Some(f) = m.opt("expert_gating_func")?.filter(|&f| f != 1) {
                 bail!(
                     "{} = {f}: these models route with softmax (1)",
-                    key("expert_gating_func")
+                    m.key("expert_gating_func")
                 );
             }
-            if g.get_bool(&key("expert_weights_norm"))? == Some(false) {
+            if m.bool("expert_weights_norm")? == Some(false) {
                 bail!(
                     "{} = false: these models renormalize the chosen experts' weights",
-                    key("expert_weights_norm")
+                    m.key("expert_weights_norm")
                 );
             }
-            if let Some(s) = g
-                .get_f32(&key("expert_weights_scale"))?
-                .filter(|&s| s != 1.0)
-            {
+            if let Some(s) = m.f32("expert_weights_scale")?.filter(|&s| s != 1.0) {
                 bail!(
                     "{} = {s}: these models do not scale the routed experts",
-                    key("expert_weights_scale")
+                    m.key("expert_weights_scale")
                 );
             }
             Some(MoeConfig {
                 n_experts: experts,
                 top_k,
                 normalize: true,
-                expert_ffn: req("expert_feed_forward_length")?,
-                shared_ffn: opt("expert_shared_feed_forward_length")?.filter(|&f| f > 0),
+                expert_ffn: m.req("expert_feed_forward_length")?,
+                shared_ffn: m
+                    .opt("expert_shared_feed_forward_length")?
+                    .filter(|&f| f > 0),
                 // A layer is a mixture where the file has its router
                 // (Qwen3-Next's `mlp_only_layers` are dense).
                 sparse_layers: (0..num_layers)
-                    .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
+                    .map(|i| m.has(&format!("blk.{i}.ffn_gate_inp.weight")))
                     .collect(),
                 scoring: RouterScoring::Softmax,
                 routed_scale: 1.0,
@@ -552,13 +548,7 @@ pub fn gguf_config(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> 
             })
         }
     };
-    let vocab_size = match opt("vocab_size")? {
-        Some(x) => x,
-        None => g
-            .get_str_array("tokenizer.ggml.tokens")?
-            .map(|t| t.len())
-            .context("no vocab_size and no tokenizer")?,
-    };
+    let vocab_size = m.vocab_size()?;
     let cfg = ModelConfig {
         arch,
         hidden_size,
@@ -568,14 +558,12 @@ pub fn gguf_config(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> 
         head_dim,
         intermediate_size,
         vocab_size,
-        rms_norm_eps: g
-            .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-            .unwrap_or(1e-6),
-        rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: m.f32("rope.freq_base")?.unwrap_or(10_000.0),
         rope_scaling: RopeScaling::None,
         rope_style: RopeStyle::Neox,
-        max_position_embeddings: opt("context_length")?.unwrap_or(2048),
-        tie_word_embeddings: !has("output.weight"),
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(2048),
+        tie_word_embeddings: !m.has("output.weight"),
         attention_bias: false,
         o_bias: false,
         mlp_bias: false,
