@@ -355,26 +355,6 @@ impl<B: Backend> CausalLm<B> for Bert<B> {
     fn has_prompt_kernel(&self) -> bool {
         false
     }
-
-    fn enable_lora(
-        &mut self,
-        _backend: &B,
-        _slots: usize,
-        _dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()> {
-        bail!(
-            "LoRA adapters on BERT encoders are not served; serve this model without --enable-lora"
-        )
-    }
-
-    fn set_lora(
-        &mut self,
-        _backend: &B,
-        _slot: usize,
-        _adapter: Option<&crate::engine::lora::LoraAdapter>,
-    ) -> Result<()> {
-        bail!("LoRA adapters on BERT encoders are not served")
-    }
 }
 
 /// Interprets the `config.json` of a BERT checkpoint (`arch`:

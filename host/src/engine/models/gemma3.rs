@@ -19,12 +19,11 @@
 use super::layers::attention::{AttentionParts, SelfAttention};
 use super::layers::decoder::final_logits;
 use super::layers::mlp::GatedMlp;
-use super::layers::{load_matrix, load_offset_norm, Workspace};
+use super::layers::{load_matrix, load_offset_norm, weight_bytes, Workspace};
 use super::{CausalLm, StateCache};
 use crate::engine::config::{Activation, Arch, GemmaConfig, GgufMeta, ModelConfig};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
-use crate::engine::lora::LoraAdapter;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::{RopeScaling, RopeStyle, RopeTable};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, GgmlType, KvLayerSpec};
@@ -184,13 +183,11 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
     }
 
     fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.matrices())
-            .map(|m| m.size_bytes())
-            .sum();
-        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+        weight_bytes(
+            self.layers.iter().flat_map(|l| l.matrices()),
+            &self.embed,
+            self.lm_head.as_ref(),
+        )
     }
 
     fn weight_type(&self) -> &'static str {
@@ -199,26 +196,6 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
 
     fn has_prompt_kernel(&self) -> bool {
         self.prompt_kernel
-    }
-
-    fn enable_lora(
-        &mut self,
-        _backend: &B,
-        _slots: usize,
-        _dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()> {
-        bail!(
-            "LoRA adapters on Gemma 3 are not computed yet; serve this model without --enable-lora"
-        )
-    }
-
-    fn set_lora(
-        &mut self,
-        _backend: &B,
-        _slot: usize,
-        _adapter: Option<&LoraAdapter>,
-    ) -> Result<()> {
-        bail!("LoRA adapters are not enabled (--enable-lora)")
     }
 
     fn forward(

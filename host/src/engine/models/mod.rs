@@ -171,21 +171,32 @@ pub trait CausalLm<B: Backend>: Send {
     fn has_prompt_kernel(&self) -> bool;
     /// Makes room for `slots` LoRA adapters at once (`--max-loras`),
     /// their factors stored as `dtype` resolves beside this model's
-    /// weights, or says why this model or device cannot take them.
+    /// weights, or says why this model or device cannot take them. A
+    /// family that computes no adapter deltas keeps this refusal.
     fn enable_lora(
         &mut self,
         backend: &B,
         slots: usize,
         dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (backend, slots, dtype);
+        anyhow::bail!(
+            "LoRA adapters on {:?} models are not computed yet; serve this model without --enable-lora",
+            self.config().arch
+        )
+    }
     /// Puts `adapter`'s factors in LoRA slot `slot` (or empties it): the
-    /// tokens of the step whose slot it is get its deltas.
+    /// tokens of the step whose slot it is get its deltas. Refused unless
+    /// [`CausalLm::enable_lora`] made room.
     fn set_lora(
         &mut self,
         backend: &B,
         slot: usize,
         adapter: Option<&crate::engine::lora::LoraAdapter>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (backend, slot, adapter);
+        anyhow::bail!("LoRA adapters are not enabled (--enable-lora)")
+    }
 }
 
 /// A loaded model of any family.
