@@ -12,43 +12,68 @@ pub const MAX_CONTEXT: usize = 1 << 24;
 /// The most decoder layers a config may declare.
 pub const MAX_LAYERS: usize = 1 << 10;
 
-/// Which member of the family; decides the small differences between them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
+/// Which architecture a config describes, the family id of the registry's
+/// rows ([`crate::engine::models::registry`]): it picks the loader and
+/// decides the small differences between the members of one family. An
+/// open set, named by a string as vLLM's registry names them: the ids of
+/// the families read here are below, and a new family's file defines its
+/// own (`pub const MINE: Arch = Arch::new("Mine");`), so adding a family
+/// touches no list here.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Arch(&'static str);
+
+#[allow(non_upper_case_globals)]
+impl Arch {
     /// Llama, Mistral and SmolLM2: no attention bias.
-    Llama,
+    pub const Llama: Arch = Arch("Llama");
     /// Qwen2: biases on the q, k and v projections.
-    Qwen2,
+    pub const Qwen2: Arch = Arch("Qwen2");
     /// Qwen3: RMSNorm over each q and k head before RoPE.
-    Qwen3,
+    pub const Qwen3: Arch = Arch("Qwen3");
     /// Mixtral: Mistral's attention, a mixture of experts in every layer.
-    Mixtral,
+    pub const Mixtral: Arch = Arch("Mixtral");
     /// Qwen2-MoE: Qwen2's attention; routed experts plus a shared expert
     /// behind a sigmoid gate.
-    Qwen2Moe,
+    pub const Qwen2Moe: Arch = Arch("Qwen2Moe");
     /// Qwen3-MoE: Qwen3's attention; routed experts.
-    Qwen3Moe,
+    pub const Qwen3Moe: Arch = Arch("Qwen3Moe");
     /// DeepSeek-V2 and V3: multi-head latent attention, shared and routed
     /// experts after the first dense layers.
-    Deepseek,
+    pub const Deepseek: Arch = Arch("Deepseek");
     /// Qwen3-Next: hybrid (see [`HybridConfig`]), experts with a gated
     /// shared expert, its Gated DeltaNet projections grouped by key head.
-    Qwen3Next,
+    pub const Qwen3Next: Arch = Arch("Qwen3Next");
     /// Qwen3.5 dense: hybrid, dense MLPs.
-    Qwen35,
+    pub const Qwen35: Arch = Arch("Qwen35");
     /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
     /// layer.
-    Qwen35Moe,
+    pub const Qwen35Moe: Arch = Arch("Qwen35Moe");
     /// Gemma 3 text: local (sliding-window) and global layers with their
     /// own RoPE, q/k norms, sandwich norms, GeGLU (see [`GemmaConfig`]).
-    Gemma3,
+    pub const Gemma3: Arch = Arch("Gemma3");
     /// gpt-oss: biased attention with a sink logit per head, alternating
     /// sliding-window and full layers, YaRN; experts in every layer stored
     /// fused, with biases and a clamped SwiGLU (see [`GptOssConfig`]).
-    GptOss,
+    pub const GptOss: Arch = Arch("GptOss");
     /// BERT: a post-LayerNorm encoder whose rows attend both ways, served
     /// for pooling only (see [`EncoderConfig`]).
-    Bert,
+    pub const Bert: Arch = Arch("Bert");
+
+    /// The id named `name` (unique among the registry's rows).
+    pub const fn new(name: &'static str) -> Arch {
+        Arch(name)
+    }
+
+    /// Its name, as logs and errors show it.
+    pub fn name(self) -> &'static str {
+        self.0
+    }
+}
+
+impl std::fmt::Debug for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
 }
 
 /// The gated MLP's activation: `down(act(gate(x)) · up(x))`.
