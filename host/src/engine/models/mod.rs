@@ -3,6 +3,11 @@
 //! `pagoda_accel`'s operations with no backend code inside (vLLM's
 //! `model_executor/models`, llama.cpp's model graphs).
 //!
+//! Which file builds which architecture, and how each architecture's
+//! config is read, is one table: [`registry::Architectures::TABLE`] (HF
+//! and GGUF names, family id, config readers, loader). `pagoda models`
+//! prints it.
+//!
 //! | file | architectures |
 //! |---|---|
 //! | [`llama`] | `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` |
@@ -17,19 +22,34 @@
 //!
 //! # Adding a family
 //!
-//! 1. Read its config in `engine/config.rs` (both transformers forms and
-//!    GGUF metadata), implementing or refusing by name every key that
-//!    changes the math, and give it an [`Arch`].
-//! 2. Write `models/<family>.rs`: load each layer from [`layers`]' blocks
-//!    (attention, MLP, mixture of experts, latent attention) under the
-//!    checkpoint's tensor names, and hand them to a
-//!    [`layers::decoder::DecoderStack`] (or implement [`CausalLm`] itself
-//!    if the layer shape differs). A block the device lacks is refused at
-//!    load through the backend's `supports_*` queries.
-//! 3. Map its GGUF tensor names in `loader/gguf_weights.rs`.
-//! 4. Add it to `scripts/make-fixtures.py` (weights, a float64 forward
-//!    written from the published definition, GGUF) and to
-//!    `host/tests/generated_fixtures.rs`.
+//! One new file, `models/<family>.rs`, and one line in
+//! [`registry::Architectures::TABLE`].
+//!
+//! The file holds:
+//! - its family id, `pub const MINE: Arch = Arch::new("Mine");`
+//!   ([`crate::engine::config::Arch`]; the ids of the families that
+//!   predate the table are kept there);
+//! - its config reading, as [`bert`] reads `config.json` and [`gemma3`]
+//!   its GGUF metadata (through [`crate::engine::config::GgufMeta`]):
+//!   both transformers forms and GGUF, implementing or refusing by name
+//!   every key that changes the math, and ending in
+//!   [`ModelConfig::validate`];
+//! - its definition: each layer loaded from [`layers`]' blocks (attention,
+//!   MLP, mixture of experts, latent attention, gated delta net) under the
+//!   checkpoint's tensor names and handed to a
+//!   [`layers::decoder::DecoderStack`], or its own [`CausalLm`] where the
+//!   layer shape differs (LoRA is refused by default). A block the device
+//!   lacks is refused at load through the backend's `supports_*` queries.
+//!
+//! The table's line names its HF `architectures` and `model_type`, its GGUF
+//! `general.architecture`, the models it serves, the family id, the two
+//! readers and `load`. Its tests: a fixture in `scripts/make-fixtures.py`
+//! (weights, a float64 forward written from the published definition,
+//! GGUF) checked in `host/tests/generated_fixtures.rs`.
+//!
+//! What the file does not hold yet: GGUF tensors that llama.cpp's
+//! converter renames or rearranges beyond the Llama names are mapped in
+//! `loader/gguf_weights.rs`.
 
 pub mod bert;
 pub mod deepseek;
