@@ -22,7 +22,8 @@
 //!
 //! # Adding a family
 //!
-//! One new file, `models/<family>.rs`, and one line in
+//! One new file, `models/<family>.rs` (with its `pub mod` line below, as
+//! Rust declares every file), and one line in
 //! [`registry::Architectures::TABLE`].
 //!
 //! The file holds:
