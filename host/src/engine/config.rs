@@ -440,10 +440,6 @@ impl ModelConfig {
         if quant_method == Some("mxfp4") && family != HfFamily::GptOss {
             bail!("'quantization_config.quant_method' 'mxfp4' is read for gpt-oss's experts only, not for this architecture");
         }
-        let gpt_oss = match family {
-            HfFamily::GptOss => Some(read_hf_gpt_oss(v)?),
-            _ => None,
-        };
         let mla = read_hf_mla(v, family, &rope_scaling)?;
         let hybrid = match hybrid_family {
             true => Some(read_hf_hybrid(
@@ -501,7 +497,8 @@ impl ModelConfig {
             hybrid,
             hidden_act,
             gemma,
-            gpt_oss,
+            // gpt-oss's own keys are read by `models::gpt_oss::hf_config`.
+            gpt_oss: None,
             encoder: None,
         };
         cfg.validate()?;
@@ -961,31 +958,6 @@ pub enum HfFamily {
     Qwen35Moe,
     Gemma3,
     GptOss,
-}
-
-/// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
-/// (default 1.702, the constant transformers' experts use), both positive
-/// and finite. An MXFP4 checkpoint (`quantization_config.quant_method`
-/// `mxfp4`, how OpenAI publishes the experts) is read by the loader
-/// (`hf_quant::mxfp4`).
-fn read_hf_gpt_oss(v: &Value) -> Result<GptOssConfig> {
-    let num = |key: &str, default: f32| -> Result<f32> {
-        let x = match v.get(key) {
-            None | Some(Value::Null) => default,
-            Some(x) => x
-                .as_f64()
-                .with_context(|| format!("'{key}' must be a number, got {x}"))?
-                as f32,
-        };
-        if !(x.is_finite() && x > 0.0) {
-            bail!("'{key}' = {x} must be a positive number");
-        }
-        Ok(x)
-    };
-    Ok(GptOssConfig {
-        swiglu_alpha: num("swiglu_alpha", 1.702)?,
-        swiglu_limit: num("swiglu_limit", 7.0)?,
-    })
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below

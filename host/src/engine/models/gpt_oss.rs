@@ -18,13 +18,14 @@ use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
 use super::layers::moe::{ExpertAct, SparseMoe};
 use crate::engine::config::{
-    yarn_mscale, Activation, Arch, GgufMeta, GptOssConfig, ModelConfig, MoeConfig,
+    yarn_mscale, Activation, Arch, GgufMeta, GptOssConfig, HfFamily, ModelConfig, MoeConfig,
 };
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::{RopeScaling, RopeStyle, RouterScoring};
 use pagoda_accel::Backend;
+use serde_json::Value;
 
 /// Loads a gpt-oss model (HF tensor names), refusing it on a device whose
 /// attention has no sinks.
@@ -239,4 +240,39 @@ pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// gpt-oss's `config.json`: what it shares with the other decoders
+/// ([`ModelConfig::from_hf_decoder`]: attention sinks and biases, its
+/// sliding and full layers, YaRN, the fused experts' router), then its
+/// own SwiGLU keys.
+pub fn hf_config(v: &Value, _arch: &str) -> Result<ModelConfig> {
+    let mut config = ModelConfig::from_hf_decoder(v, HfFamily::GptOss)?;
+    config.gpt_oss = Some(read_swiglu(v)?);
+    Ok(config)
+}
+
+/// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
+/// (default 1.702, the constant transformers' experts use), both positive
+/// and finite. An MXFP4 checkpoint (`quantization_config.quant_method`
+/// `mxfp4`, how OpenAI publishes the experts) is read by the loader
+/// (`hf_quant::mxfp4`).
+fn read_swiglu(v: &Value) -> Result<GptOssConfig> {
+    let num = |key: &str, default: f32| -> Result<f32> {
+        let x = match v.get(key) {
+            None | Some(Value::Null) => default,
+            Some(x) => x
+                .as_f64()
+                .with_context(|| format!("'{key}' must be a number, got {x}"))?
+                as f32,
+        };
+        if !(x.is_finite() && x > 0.0) {
+            bail!("'{key}' = {x} must be a positive number");
+        }
+        Ok(x)
+    };
+    Ok(GptOssConfig {
+        swiglu_alpha: num("swiglu_alpha", 1.702)?,
+        swiglu_limit: num("swiglu_limit", 7.0)?,
+    })
 }

@@ -200,7 +200,7 @@ impl<B: Backend> Architectures<B> {
             gguf: &["gpt-oss"],
             models: "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts kept 4-bit in memory from HF folders, dequantized at load from GGUF)",
             arch: Arch::GptOss,
-            hf_config: |v, _| ModelConfig::from_hf_decoder(v, HfFamily::GptOss),
+            hf_config: gpt_oss::hf_config,
             gguf_config: Some(|g, _, _| gpt_oss::gguf_config(g)),
             load: |b, s, c, m| Ok(Box::new(gpt_oss::load(b, s, c, m)?)),
         },
