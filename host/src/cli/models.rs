@@ -1,12 +1,13 @@
 //! `pagoda models`: which architectures this build can load.
 
-use crate::engine::config::SUPPORTED_ARCHITECTURES;
+use crate::engine::models::registry::architectures;
 
 /// Prints the supported architectures and formats.
 pub fn run() {
     println!("{:<22} {:<8} models", "architecture", "gguf");
-    for (hf, gguf, examples) in SUPPORTED_ARCHITECTURES {
-        println!("{hf:<22} {gguf:<8} {examples}");
+    for e in architectures() {
+        let gguf = e.gguf.first().copied().unwrap_or("-");
+        println!("{:<22} {gguf:<8} {}", e.hf[0], e.models);
     }
     println!();
     println!(

@@ -5,138 +5,75 @@ use crate::engine::loader::gguf::GgufFile;
 use anyhow::{bail, Context, Result};
 use pagoda_accel::ops::{GroupLimit, GroupScore, RopeScaling, RopeStyle, RouterScoring};
 use serde_json::Value;
-use std::path::Path;
-
-/// The architectures one Llama-family definition serves, with the names
-/// they carry in HF `config.json` (`architectures`) and in GGUF
-/// (`general.architecture`; "-" where GGUF files are not read yet).
-pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
-    (
-        "LlamaForCausalLM",
-        "llama",
-        "Llama 2, Llama 3.x, SmolLM2, TinyLlama, Vicuna",
-    ),
-    ("MistralForCausalLM", "llama", "Mistral 7B (v0.1 to v0.3)"),
-    (
-        "Qwen2ForCausalLM",
-        "qwen2",
-        "Qwen2, Qwen2.5 (attention q/k/v bias)",
-    ),
-    (
-        "Qwen3ForCausalLM",
-        "qwen3",
-        "Qwen3 dense (q/k RMSNorm per head, explicit head_dim)",
-    ),
-    (
-        "MixtralForCausalLM",
-        "llama",
-        "Mixtral 8x7B, 8x22B (mixture of experts, top-2)",
-    ),
-    (
-        "Qwen2MoeForCausalLM",
-        "qwen2moe",
-        "Qwen1.5-MoE, Qwen2-MoE (routed experts and a gated shared expert)",
-    ),
-    (
-        "Qwen3MoeForCausalLM",
-        "qwen3moe",
-        "Qwen3-MoE (30B-A3B, 235B-A22B)",
-    ),
-    (
-        "DeepseekV2ForCausalLM",
-        "deepseek2",
-        "DeepSeek-V2, V2-Lite (MLA, shared and routed experts)",
-    ),
-    (
-        "DeepseekV3ForCausalLM",
-        "deepseek2",
-        "DeepSeek-V3, R1 (MLA, sigmoid group-limited routing)",
-    ),
-    (
-        "Gemma3ForCausalLM",
-        "gemma3",
-        "Gemma 3 text (1B; the text stack of 4B-27B): local/global layers, per-layer-type RoPE, GeGLU, sandwich norms",
-    ),
-    (
-        "Qwen3NextForCausalLM",
-        "qwen3next",
-        "Qwen3-Next (hybrid Gated DeltaNet and gated attention, experts with a gated shared expert)",
-    ),
-    (
-        "Qwen3_5ForCausalLM",
-        "qwen35",
-        "Qwen3.5 dense, text only (hybrid Gated DeltaNet and gated attention)",
-    ),
-    (
-        "Qwen3_5MoeForCausalLM",
-        "qwen35moe",
-        "Qwen3.5-MoE, text only (hybrid, experts with a gated shared expert)",
-    ),
-    (
-        "GptOssForCausalLM",
-        "gpt-oss",
-        "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts kept 4-bit in memory from HF folders, dequantized at load from GGUF)",
-    ),
-    (
-        "BertModel",
-        "-",
-        "BERT encoders for embeddings (sentence-transformers: all-MiniLM, BGE, E5), served for pooling",
-    ),
-    (
-        "BertForSequenceClassification",
-        "-",
-        "BERT cross-encoders with one label (ms-marco rerankers), served for scoring",
-    ),
-    (
-        "XLMRobertaModel",
-        "-",
-        "XLM-RoBERTa encoders for embeddings (BGE-M3, multilingual E5), served for pooling",
-    ),
-];
 
 /// The longest context the engine accepts (16M tokens).
 pub const MAX_CONTEXT: usize = 1 << 24;
 
 /// The most decoder layers a config may declare.
-const MAX_LAYERS: usize = 1 << 10;
+pub const MAX_LAYERS: usize = 1 << 10;
 
-/// Which member of the family; decides the small differences between them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Arch {
+/// Which architecture a config describes, the family id of the registry's
+/// rows ([`crate::engine::models::registry`]): it picks the loader and
+/// decides the small differences between the members of one family. An
+/// open set, named by a string as vLLM's registry names them: the ids of
+/// the families read here are below, and a new family's file defines its
+/// own (`pub const MINE: Arch = Arch::new("Mine");`), so adding a family
+/// touches no list here.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Arch(&'static str);
+
+#[allow(non_upper_case_globals)]
+impl Arch {
     /// Llama, Mistral and SmolLM2: no attention bias.
-    Llama,
+    pub const Llama: Arch = Arch("Llama");
     /// Qwen2: biases on the q, k and v projections.
-    Qwen2,
+    pub const Qwen2: Arch = Arch("Qwen2");
     /// Qwen3: RMSNorm over each q and k head before RoPE.
-    Qwen3,
+    pub const Qwen3: Arch = Arch("Qwen3");
     /// Mixtral: Mistral's attention, a mixture of experts in every layer.
-    Mixtral,
+    pub const Mixtral: Arch = Arch("Mixtral");
     /// Qwen2-MoE: Qwen2's attention; routed experts plus a shared expert
     /// behind a sigmoid gate.
-    Qwen2Moe,
+    pub const Qwen2Moe: Arch = Arch("Qwen2Moe");
     /// Qwen3-MoE: Qwen3's attention; routed experts.
-    Qwen3Moe,
+    pub const Qwen3Moe: Arch = Arch("Qwen3Moe");
     /// DeepSeek-V2 and V3: multi-head latent attention, shared and routed
     /// experts after the first dense layers.
-    Deepseek,
+    pub const Deepseek: Arch = Arch("Deepseek");
     /// Qwen3-Next: hybrid (see [`HybridConfig`]), experts with a gated
     /// shared expert, its Gated DeltaNet projections grouped by key head.
-    Qwen3Next,
+    pub const Qwen3Next: Arch = Arch("Qwen3Next");
     /// Qwen3.5 dense: hybrid, dense MLPs.
-    Qwen35,
+    pub const Qwen35: Arch = Arch("Qwen35");
     /// Qwen3.5-MoE: hybrid, experts with a gated shared expert in every
     /// layer.
-    Qwen35Moe,
+    pub const Qwen35Moe: Arch = Arch("Qwen35Moe");
     /// Gemma 3 text: local (sliding-window) and global layers with their
     /// own RoPE, q/k norms, sandwich norms, GeGLU (see [`GemmaConfig`]).
-    Gemma3,
+    pub const Gemma3: Arch = Arch("Gemma3");
     /// gpt-oss: biased attention with a sink logit per head, alternating
     /// sliding-window and full layers, YaRN; experts in every layer stored
     /// fused, with biases and a clamped SwiGLU (see [`GptOssConfig`]).
-    GptOss,
+    pub const GptOss: Arch = Arch("GptOss");
     /// BERT: a post-LayerNorm encoder whose rows attend both ways, served
     /// for pooling only (see [`EncoderConfig`]).
-    Bert,
+    pub const Bert: Arch = Arch("Bert");
+
+    /// The id named `name` (unique among the registry's rows).
+    pub const fn new(name: &'static str) -> Arch {
+        Arch(name)
+    }
+
+    /// Its name, as logs and errors show it.
+    pub fn name(self) -> &'static str {
+        self.0
+    }
+}
+
+impl std::fmt::Debug for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
 }
 
 /// The gated MLP's activation: `down(act(gate(x)) · up(x))`.
@@ -326,61 +263,11 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Reads an HF `config.json`.
-    pub fn from_hf_config(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("{}: cannot read the model config", path.display()))?;
-        let v: Value = serde_json::from_str(&text)
-            .with_context(|| format!("{}: not valid JSON", path.display()))?;
-        let config = Self::from_hf_json(&v)
-            .with_context(|| format!("{}: unsupported config", path.display()))?;
-        let unknown = unknown_hf_keys(&v);
-        if !unknown.is_empty() {
-            tracing::warn!(
-                "{}: keys not read (check that none changes the model's math): {}",
-                path.display(),
-                unknown.join(", ")
-            );
-        }
-        Ok(config)
-    }
-
-    /// Interprets a parsed HF `config.json`.
-    pub fn from_hf_json(v: &Value) -> Result<ModelConfig> {
-        let archs: Vec<&str> = v
-            .get("architectures")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_str).collect())
-            .unwrap_or_default();
-        let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        if let (Some(a @ ("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")), _)
-        | (None, a @ ("bert" | "xlm-roberta")) = (archs.first().copied(), model_type)
-        {
-            return Self::from_hf_bert(v, a);
-        }
-        let family = match (archs.first().copied(), model_type) {
-            (Some("LlamaForCausalLM"), _) | (None, "llama") => HfFamily::Llama,
-            (Some("MistralForCausalLM"), _) | (None, "mistral") => HfFamily::Mistral,
-            (Some("Qwen2ForCausalLM"), _) | (None, "qwen2") => HfFamily::Qwen2,
-            // `Qwen3Model`: the headless decoder Qwen3-Embedding is saved
-            // as; served for pooling (see `engine::pooling`).
-            (Some("Qwen3ForCausalLM" | "Qwen3Model"), _) | (None, "qwen3") => HfFamily::Qwen3,
-            (Some("MixtralForCausalLM"), _) | (None, "mixtral") => HfFamily::Mixtral,
-            (Some("Qwen2MoeForCausalLM"), _) | (None, "qwen2_moe") => HfFamily::Qwen2Moe,
-            (Some("Qwen3MoeForCausalLM"), _) | (None, "qwen3_moe") => HfFamily::Qwen3Moe,
-            (Some("DeepseekV2ForCausalLM"), _) | (None, "deepseek_v2") => HfFamily::DeepseekV2,
-            (Some("DeepseekV3ForCausalLM"), _) | (None, "deepseek_v3") => HfFamily::DeepseekV3,
-            (Some("Qwen3NextForCausalLM"), _) | (None, "qwen3_next") => HfFamily::Qwen3Next,
-            (Some("Qwen3_5ForCausalLM"), _) | (None, "qwen3_5_text") => HfFamily::Qwen35,
-            (Some("Qwen3_5MoeForCausalLM"), _) | (None, "qwen3_5_moe_text") => HfFamily::Qwen35Moe,
-            (Some("Gemma3ForCausalLM"), _) | (None, "gemma3_text") => HfFamily::Gemma3,
-            (Some("GptOssForCausalLM"), _) | (None, "gpt_oss") => HfFamily::GptOss,
-            (other, mt) => bail!(
-                "architecture {} (model_type '{mt}') is not supported; supported: {}",
-                other.unwrap_or("<none>"),
-                supported_list()
-            ),
-        };
+    /// Interprets the parsed `config.json` of a decoder of `family`
+    /// (the reading the decoder families share; which keys each honours
+    /// follows `family`). [`crate::engine::models::registry`] picks the
+    /// family from `architectures` or `model_type`.
+    pub fn from_hf_decoder(v: &Value, family: HfFamily) -> Result<ModelConfig> {
         let usize_of = |key: &str| -> Result<usize> {
             let x = v
                 .get(key)
@@ -553,10 +440,6 @@ impl ModelConfig {
         if quant_method == Some("mxfp4") && family != HfFamily::GptOss {
             bail!("'quantization_config.quant_method' 'mxfp4' is read for gpt-oss's experts only, not for this architecture");
         }
-        let gpt_oss = match family {
-            HfFamily::GptOss => Some(read_hf_gpt_oss(v)?),
-            _ => None,
-        };
         let mla = read_hf_mla(v, family, &rope_scaling)?;
         let hybrid = match hybrid_family {
             true => Some(read_hf_hybrid(
@@ -614,129 +497,9 @@ impl ModelConfig {
             hybrid,
             hidden_act,
             gemma,
-            gpt_oss,
-            encoder: None,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// Interprets the `config.json` of a BERT checkpoint (`arch`:
-    /// `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, or
-    /// the model type `bert` or `xlm-roberta`). Every key that would change its math and is not computed
-    /// here is refused by name.
-    fn from_hf_bert(v: &Value, arch: &str) -> Result<ModelConfig> {
-        let usize_of = |key: &str| -> Result<usize> {
-            let x = v
-                .get(key)
-                .with_context(|| format!("missing '{key}'"))?
-                .as_u64()
-                .with_context(|| format!("'{key}' must be a positive integer"))?;
-            usize::try_from(x).with_context(|| format!("'{key}' is too large"))
-        };
-        match v.get("hidden_act").and_then(Value::as_str) {
-            None | Some("gelu") => {}
-            Some(other) => bail!(
-                "hidden_act '{other}' is not implemented for BERT (only 'gelu', the erf form, is)"
-            ),
-        }
-        match v.get("position_embedding_type") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(s)) if s == "absolute" => {}
-            Some(other) => bail!(
-                "position_embedding_type {other} is not implemented for BERT (only 'absolute' is)"
-            ),
-        }
-        for key in ["is_decoder", "add_cross_attention"] {
-            if v.get(key).and_then(Value::as_bool) == Some(true) {
-                bail!("'{key}' is true: a BERT decoder is not served (only encoders are)");
-            }
-        }
-        let hidden_size = usize_of("hidden_size")?;
-        let num_heads = usize_of("num_attention_heads")?;
-        if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
-            bail!("hidden_size {hidden_size} is not a whole number of {num_heads} attention heads");
-        }
-        let layer_norm_eps = match v.get("layer_norm_eps") {
-            None | Some(Value::Null) => 1e-12,
-            Some(x) => x.as_f64().context("'layer_norm_eps' must be a number")? as f32,
-        };
-        let type_vocab_size = match v.get("type_vocab_size") {
-            None | Some(Value::Null) => 2,
-            Some(_) => usize_of("type_vocab_size")?,
-        };
-        // XLM-R (RoBERTa's embeddings): positions count from padding_idx
-        // + 1, as transformers' `create_position_ids_from_input_ids` gives
-        // them for a prompt without padding.
-        let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
-        let position_offset = if xlmr {
-            let pad = v
-                .get("pad_token_id")
-                .and_then(Value::as_u64)
-                .context("XLM-R needs 'pad_token_id' (its positions start after it)")?;
-            pad as usize + 1
-        } else {
-            0
-        };
-        let position_rows = usize_of("max_position_embeddings")?;
-        if position_rows <= position_offset {
-            bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
-        }
-        let num_labels = if arch == "BertForSequenceClassification" {
-            let n = match v.get("num_labels") {
-                Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
-                None => v
-                    .get("id2label")
-                    .and_then(Value::as_object)
-                    .map_or(2, |m| m.len()),
-            };
-            if n != 1 {
-                bail!(
-                    "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
-                );
-            }
-            if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
-                if p != "regression" && p != "single_label_classification" {
-                    bail!("problem_type '{p}' is not served for a one-label classifier");
-                }
-            }
-            Some(n)
-        } else {
-            None
-        };
-        let cfg = ModelConfig {
-            arch: Arch::Bert,
-            hidden_size,
-            num_layers: usize_of("num_hidden_layers")?,
-            num_heads,
-            num_kv_heads: num_heads,
-            head_dim: hidden_size / num_heads,
-            intermediate_size: usize_of("intermediate_size")?,
-            vocab_size: usize_of("vocab_size")?,
-            rms_norm_eps: layer_norm_eps,
-            // No rotary embedding: the positions are a learned table.
-            rope_theta: 10000.0,
-            rope_scaling: RopeScaling::None,
-            rope_style: RopeStyle::Neox,
-            max_position_embeddings: position_rows - position_offset,
-            tie_word_embeddings: false,
-            attention_bias: true,
-            o_bias: true,
-            mlp_bias: true,
-            sliding_windows: Vec::new(),
-            moe: None,
-            mla: None,
-            hybrid: None,
-            hidden_act: Activation::Silu,
-            gemma: None,
+            // gpt-oss's own keys are read by `models::gpt_oss::hf_config`.
             gpt_oss: None,
-            encoder: Some(EncoderConfig {
-                layer_norm_eps,
-                type_vocab_size,
-                position_offset,
-                position_rows,
-                num_labels,
-            }),
+            encoder: None,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -752,90 +515,46 @@ impl ModelConfig {
         self.sliding_windows.get(layer).copied().flatten()
     }
 
-    /// Reads the model's shape from GGUF metadata (`{arch}.*` keys).
-    pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
-        let name = g.architecture()?;
-        if name == "deepseek2" {
-            return Self::from_gguf_deepseek2(g)
-                .with_context(|| format!("{}: unsupported model shape", g.path().display()));
-        }
-        let experts = g.get_u64(&format!("{name}.expert_count"))?.unwrap_or(0);
-        let arch = match name {
-            "llama" | "mistral" if experts > 0 => Arch::Mixtral,
-            "llama" | "mistral" => Arch::Llama,
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
-            "qwen2moe" => Arch::Qwen2Moe,
-            "qwen3moe" => Arch::Qwen3Moe,
-            // llama.cpp's converter folds the `+ 1` into Gemma's norms, and
-            // its loader takes the layer pattern, the local RoPE base and
-            // the attention scale from the model size instead of the file.
-            "gemma3" => {
-                return Self::from_gguf_gemma3(g)
-                    .with_context(|| format!("{}: unsupported model shape", g.path().display()))
-            }
-            "gpt-oss" => {
-                return Self::from_gguf_gpt_oss(g)
-                    .with_context(|| format!("{}: unsupported model shape", g.path().display()))
-            }
-            "qwen3next" | "qwen35" | "qwen35moe" => {
-                return Self::from_gguf_hybrid(g, name)
-                    .with_context(|| format!("{}: unsupported model shape", g.path().display()))
-            }
-            other => bail!(
-                "{}: GGUF architecture '{other}' is not supported; supported: {}",
-                g.path().display(),
-                supported_list()
-            ),
+    /// Reads the shape of a Llama-like decoder (`llama`, `mistral`,
+    /// `qwen2`, `qwen3`, `qwen2moe`, `qwen3moe`) from GGUF metadata
+    /// (`{name}.*` keys): `arch` as the registry names it, a `llama` file
+    /// with experts being Mixtral.
+    pub fn from_gguf_decoder(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> {
+        let m = GgufMeta::new(g, name);
+        let experts = m.opt("expert_count")?.unwrap_or(0);
+        let arch = match arch {
+            Arch::Llama | Arch::Mixtral if experts > 0 => Arch::Mixtral,
+            Arch::Llama | Arch::Mixtral => Arch::Llama,
+            other => other,
         };
-        let key = |k: &str| format!("{name}.{k}");
-        let req = |k: &str| -> Result<usize> {
-            let x = g.get_u64(&key(k))?.with_context(|| {
-                format!("{}: missing metadata '{}'", g.path().display(), key(k))
-            })?;
-            usize::try_from(x).with_context(|| format!("'{}' is too large", key(k)))
-        };
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = match g.get_u64(&key("attention.head_count_kv"))? {
-            Some(x) => x as usize,
-            None => num_heads,
-        };
-        let head_dim = match g.get_u64(&key("attention.key_length"))? {
-            Some(x) => x as usize,
+        let hidden_size = m.req("embedding_length")?;
+        let num_heads = m.req("attention.head_count")?;
+        let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+        let head_dim = match m.opt("attention.key_length")? {
+            Some(x) => x,
             None if num_heads > 0 => hidden_size / num_heads,
-            None => bail!("{}: attention.head_count is 0", g.path().display()),
+            None => bail!("attention.head_count is 0"),
         };
         // The rotary embedding covers whole heads in every architecture
         // served here; a file that says otherwise (0 included) would be
         // computed wrongly, so it is refused rather than ignored.
-        if let Some(n) = g.get_u64(&key("rope.dimension_count"))? {
-            if n != head_dim as u64 {
+        if let Some(n) = m.opt("rope.dimension_count")? {
+            if n != head_dim {
                 bail!(
-                    "{}: {} is {n}, but the attention heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-                    g.path().display(),
-                    key("rope.dimension_count")
+                    "{} is {n}, but the attention heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
+                    m.key("rope.dimension_count")
                 );
             }
         }
-        let vocab_size = match g.get_u64(&key("vocab_size"))? {
-            Some(x) => x as usize,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .with_context(|| {
-                    format!("{}: no vocab_size and no tokenizer", g.path().display())
-                })?,
-        };
-        let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
+        let vocab_size = m.vocab_size()?;
+        let rope_scaling = match m.str("rope.scaling.type")? {
             None | Some("none") => RopeScaling::None,
             Some("linear") => RopeScaling::Linear {
-                factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+                factor: m.f32("rope.scaling.factor")?.unwrap_or(1.0),
             },
-            Some(other) => bail!(
-                "{}: rope scaling '{other}' is not supported (supported: none, linear)",
-                g.path().display()
-            ),
+            Some(other) => {
+                bail!("rope scaling '{other}' is not supported (supported: none, linear)")
+            }
         };
         // llama.cpp's converter turns a Llama 3.1 `rope_scaling` into one
         // divisor per rotary pair, stored as the tensor `rope_freqs.weight`.
@@ -844,63 +563,49 @@ impl ModelConfig {
             Some(info) => {
                 if !rope_scaling.is_none() {
                     bail!(
-                        "{}: both rope_freqs.weight and {} are set; only one RoPE scaling is supported",
-                        g.path().display(),
-                        key("rope.scaling.type")
+                        "both rope_freqs.weight and {} are set; only one RoPE scaling is supported",
+                        m.key("rope.scaling.type")
                     );
                 }
                 let t = g.tensor(&info.name)?;
                 let n = t.shape.iter().product::<usize>();
                 let f = pagoda_accel::HostMatrix::new(t.ty, 1, n, t.data)
                     .and_then(|m| m.dequantize())
-                    .with_context(|| {
-                        format!("{}: tensor 'rope_freqs.weight'", g.path().display())
-                    })?;
+                    .context("tensor 'rope_freqs.weight'")?;
                 RopeScaling::Factors(f)
             }
         };
         let tie_word_embeddings = !g.tensors().iter().any(|t| t.name == "output.weight");
-        let num_layers = req("block_count")?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{}: {} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                g.path().display(),
-                key("block_count")
-            );
-        }
-        let sliding_windows = match g.get_u64(&key("attention.sliding_window"))? {
-            Some(w) if w > 0 => vec![Some(w as usize); num_layers],
+        let num_layers = m.block_count()?;
+        let sliding_windows = match m.opt("attention.sliding_window")? {
+            Some(w) if w > 0 => vec![Some(w); num_layers],
             _ => Vec::new(),
         };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let intermediate_size = req("feed_forward_length")?;
+        let intermediate_size = m.req("feed_forward_length")?;
         let moe = match arch {
             Arch::Mixtral | Arch::Qwen2Moe | Arch::Qwen3Moe => {
-                let n_experts = experts as usize;
-                let top_k = req("expert_used_count")?;
+                let n_experts = experts;
+                let top_k = m.req("expert_used_count")?;
                 if n_experts > 1 << 12 {
                     bail!(
-                        "{}: {} = {n_experts} is beyond the supported maximum of 4096",
-                        g.path().display(),
-                        key("expert_count")
+                        "{} = {n_experts} is beyond the supported maximum of 4096",
+                        m.key("expert_count")
                     );
                 }
                 if top_k == 0 || top_k > n_experts {
                     bail!(
-                        "{}: {} = {top_k} must be between 1 and {} ({n_experts})",
-                        g.path().display(),
-                        key("expert_used_count"),
-                        key("expert_count")
+                        "{} = {top_k} must be between 1 and {} ({n_experts})",
+                        m.key("expert_used_count"),
+                        m.key("expert_count")
                     );
                 }
                 let expert_ffn = match arch {
                     Arch::Mixtral => intermediate_size,
-                    _ => req("expert_feed_forward_length")?,
+                    _ => m.req("expert_feed_forward_length")?,
                 };
                 let shared_ffn = match arch {
-                    Arch::Qwen2Moe => g
-                        .get_u64(&key("expert_shared_feed_forward_length"))?
-                        .map(|f| f as usize)
+                    Arch::Qwen2Moe => m
+                        .opt("expert_shared_feed_forward_length")?
                         .filter(|&f| f > 0),
                     _ => None,
                 };
@@ -915,7 +620,7 @@ impl ModelConfig {
                     shared_ffn,
                     // A layer is a mixture where the file has its router.
                     sparse_layers: (0..num_layers)
-                        .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
+                        .map(|i| m.has(&format!("blk.{i}.ffn_gate_inp.weight")))
                         .collect(),
                     scoring: RouterScoring::Softmax,
                     routed_scale: 1.0,
@@ -935,10 +640,8 @@ impl ModelConfig {
             head_dim,
             intermediate_size,
             vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5),
-            rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-5),
+            rope_theta: m.f32("rope.freq_base")?.unwrap_or(10_000.0),
             rope_scaling,
             // llama.cpp's converter permutes the q/k rows of llama-arch
             // models so that rotation pairs are adjacent; qwen2 keeps HF's
@@ -948,811 +651,14 @@ impl ModelConfig {
             } else {
                 RopeStyle::Neox
             },
-            max_position_embeddings: g.get_u64(&key("context_length"))?.unwrap_or(2048) as usize,
+            max_position_embeddings: m.opt("context_length")?.unwrap_or(2048),
             tie_word_embeddings,
-            attention_bias: arch == Arch::Qwen2 || has("blk.0.attn_q.bias"),
-            o_bias: has("blk.0.attn_output.bias"),
-            mlp_bias: has("blk.0.ffn_down.bias"),
+            attention_bias: arch == Arch::Qwen2 || m.has("blk.0.attn_q.bias"),
+            o_bias: m.has("blk.0.attn_output.bias"),
+            mlp_bias: m.has("blk.0.ffn_down.bias"),
             sliding_windows,
             moe,
             mla: None,
-            hybrid: None,
-            hidden_act: Activation::Silu,
-            gemma: None,
-            gpt_oss: None,
-            encoder: None,
-        };
-        cfg.validate()
-            .with_context(|| format!("{}: unsupported model shape", g.path().display()))?;
-        Ok(cfg)
-    }
-
-    /// Gemma 3 as llama.cpp's converter writes it (`gemma3`), read as
-    /// llama.cpp's loader reads it: the local layers from
-    /// `attention.sliding_window_pattern` (one bool per layer, or a period
-    /// `n` making every layer but each `n`-th local), else a period of 6;
-    /// none when `attention.sliding_window` is absent or 0. The local
-    /// layers rotate with `rope.freq_base_swa` (default 1e4) unscaled, the
-    /// global ones with `rope.freq_base` and the file's linear scaling. The
-    /// file has no `query_pre_attn_scalar`: the score scale is
-    /// `1/√head_dim`, except for the 62-layer model (27B), whose is
-    /// `1/√(hidden / heads)`, as in llama.cpp and Gemma's own configs. The
-    /// norms' `1 + w` folded into the weights is undone by
-    /// [`crate::engine::loader::gguf_weights::GgufWeights`].
-    fn from_gguf_gemma3(g: &GgufFile) -> Result<ModelConfig> {
-        let key = |k: &str| format!("gemma3.{k}");
-        let opt =
-            |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-        let req = |k: &str| -> Result<usize> {
-            opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-        };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-        let head_dim = match opt("attention.key_length")? {
-            Some(k) => k,
-            None if num_heads > 0 => hidden_size / num_heads,
-            None => bail!("{} is 0", key("attention.head_count")),
-        };
-        if let Some(v) = opt("attention.value_length")?.filter(|&v| v != head_dim) {
-            bail!(
-                "{} = {v} differs from {} = {head_dim}; Gemma 3's values are as wide as its keys",
-                key("attention.value_length"),
-                key("attention.key_length")
-            );
-        }
-        if let Some(n) = opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
-            bail!(
-                "{} = {n}, but the heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-                key("rope.dimension_count")
-            );
-        }
-        let num_layers = req("block_count")?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                key("block_count")
-            );
-        }
-        if let Some(e) = opt("expert_count")?.filter(|&e| e > 0) {
-            bail!("{} = {e}: Gemma 3 has no experts", key("expert_count"));
-        }
-        // Read by no llama.cpp graph of Gemma 3 (the converter refuses it);
-        // transformers would soft-cap the scores.
-        if let Some(c) = g.get_f32(&key("attn_logit_softcapping"))? {
-            bail!(
-                "{} = {c}: soft-capping the attention scores is not computed",
-                key("attn_logit_softcapping")
-            );
-        }
-        let window = opt("attention.sliding_window")?.filter(|&w| w > 0);
-        let pattern_key = key("attention.sliding_window_pattern");
-        let local: Vec<bool> = match window {
-            None => vec![false; num_layers],
-            Some(_) => match g.get_bool_array(&pattern_key) {
-                Ok(Some(l)) => {
-                    if l.len() != num_layers {
-                        bail!(
-                            "{pattern_key} lists {} layers, but {} is {num_layers}",
-                            l.len(),
-                            key("block_count")
-                        );
-                    }
-                    l
-                }
-                Ok(None) | Err(_) => {
-                    let every = match g.get_u64(&pattern_key)? {
-                        Some(n) => n as usize,
-                        None => 6,
-                    };
-                    (0..num_layers)
-                        .map(|i| every == 0 || i % every < every - 1)
-                        .collect()
-                }
-            },
-        };
-        let sliding_windows = local
-            .iter()
-            .map(|&l| l.then_some(window).flatten())
-            .collect();
-        let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => RopeScaling::Linear {
-                factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
-            },
-            Some(other) => bail!(
-                "{} = '{other}' is not supported for Gemma 3 (supported: none, linear)",
-                key("rope.scaling.type")
-            ),
-        };
-        if has("rope_freqs.weight") {
-            bail!("tensor 'rope_freqs.weight': per-pair RoPE factors are not read for Gemma 3");
-        }
-        let scalar = if num_layers == 62 {
-            hidden_size as f64 / num_heads.max(1) as f64
-        } else {
-            head_dim as f64
-        };
-        let gemma = GemmaConfig {
-            attn_scale: scalar.powf(-0.5) as f32,
-            local_rope_theta: g.get_f32(&key("rope.freq_base_swa"))?.unwrap_or(10_000.0),
-            local_rope_scaling: RopeScaling::None,
-            final_logit_softcap: g
-                .get_f32(&key("final_logit_softcapping"))?
-                .filter(|&c| c != 0.0),
-        };
-        // The converter drops the embedding rows past the tokenizer's
-        // tokens; the vocabulary is the LM head's (or the tokenizer's).
-        let vocab_size = match g.tensors().iter().find(|t| t.name == "output.weight") {
-            Some(t) if t.shape.len() == 2 => t.shape[0],
-            _ => match opt("vocab_size")? {
-                Some(x) => x,
-                None => g
-                    .get_str_array("tokenizer.ggml.tokens")?
-                    .map(|t| t.len())
-                    .context("no vocab_size and no tokenizer")?,
-            },
-        };
-        let cfg = ModelConfig {
-            arch: Arch::Gemma3,
-            hidden_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            intermediate_size: req("feed_forward_length")?,
-            vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-6),
-            rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(1_000_000.0),
-            rope_scaling,
-            rope_style: RopeStyle::Neox,
-            max_position_embeddings: opt("context_length")?.unwrap_or(131_072),
-            tie_word_embeddings: !has("output.weight"),
-            attention_bias: has("blk.0.attn_q.bias"),
-            o_bias: has("blk.0.attn_output.bias"),
-            mlp_bias: has("blk.0.ffn_down.bias"),
-            sliding_windows,
-            moe: None,
-            mla: None,
-            hybrid: None,
-            hidden_act: Activation::GeluTanh,
-            gemma: Some(gemma),
-            gpt_oss: None,
-            encoder: None,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// gpt-oss as llama.cpp's converter writes it (`gpt-oss`), read as
-    /// llama.cpp's loader reads it: the local layers from
-    /// `attention.sliding_window_pattern` (bools, or a period), else every
-    /// other layer from the first; one RoPE base for all layers (a
-    /// different `rope.freq_base_swa` is refused); YaRN from
-    /// `rope.scaling.*` with gpt-oss's own unrounded ramp (transformers'
-    /// `truncate: false`, which every gpt-oss config sets; llama.cpp rounds
-    /// the ramp's ends); the SwiGLU's alpha 1.702 and limit 7, which
-    /// llama.cpp fixes too; the top-k router logits weighted by their
-    /// softmax. The converter's split of the fused experts is undone by
-    /// [`crate::engine::loader::gguf_weights::GgufWeights`].
-    fn from_gguf_gpt_oss(g: &GgufFile) -> Result<ModelConfig> {
-        let key = |k: &str| format!("gpt-oss.{k}");
-        let opt =
-            |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-        let req = |k: &str| -> Result<usize> {
-            opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-        };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-        let head_dim = req("attention.key_length")?;
-        if let Some(v) = opt("attention.value_length")?.filter(|&v| v != head_dim) {
-            bail!(
-                "{} = {v} differs from {} = {head_dim}; gpt-oss's values are as wide as its keys",
-                key("attention.value_length"),
-                key("attention.key_length")
-            );
-        }
-        if let Some(n) = opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
-            bail!(
-                "{} = {n}, but the heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
-                key("rope.dimension_count")
-            );
-        }
-        let num_layers = req("block_count")?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                key("block_count")
-            );
-        }
-        let rope_theta = g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
-        if let Some(b) = g
-            .get_f32(&key("rope.freq_base_swa"))?
-            .filter(|&b| b != rope_theta)
-        {
-            bail!(
-                "{} = {b} differs from {} = {rope_theta}; gpt-oss rotates every layer with one base",
-                key("rope.freq_base_swa"),
-                key("rope.freq_base")
-            );
-        }
-        if let Some(a) = g
-            .get_f32(&key("rope.scaling.attn_factor"))?
-            .filter(|&a| a != 1.0)
-        {
-            bail!(
-                "{} = {a}: gpt-oss's YaRN scales attention by 0.1·ln(factor) + 1 only",
-                key("rope.scaling.attn_factor")
-            );
-        }
-        let max_position_embeddings = opt("context_length")?.unwrap_or(131_072);
-        let rope_scaling = match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => RopeScaling::None,
-            Some("yarn") => {
-                let factor = g.get_f32(&key("rope.scaling.factor"))?.with_context(|| {
-                    format!("missing metadata '{}'", key("rope.scaling.factor"))
-                })?;
-                RopeScaling::Yarn {
-                    factor,
-                    original_max_position: req("rope.scaling.original_context_length")?,
-                    beta_fast: g
-                        .get_f32(&key("rope.scaling.yarn_beta_fast"))?
-                        .filter(|&b| b != 0.0)
-                        .unwrap_or(32.0),
-                    beta_slow: g
-                        .get_f32(&key("rope.scaling.yarn_beta_slow"))?
-                        .filter(|&b| b != 0.0)
-                        .unwrap_or(1.0),
-                    attention_factor: yarn_mscale(factor as f64, 1.0) as f32,
-                    truncate: false,
-                }
-            }
-            Some(other) => bail!(
-                "{} = '{other}' is not supported for gpt-oss (supported: none, yarn)",
-                key("rope.scaling.type")
-            ),
-        };
-        let window = opt("attention.sliding_window")?.filter(|&w| w > 0);
-        let pattern_key = key("attention.sliding_window_pattern");
-        let local: Vec<bool> = match window {
-            None => vec![false; num_layers],
-            Some(_) => match g.get_bool_array(&pattern_key) {
-                Ok(Some(l)) => {
-                    if l.len() != num_layers {
-                        bail!(
-                            "{pattern_key} lists {} layers, but {} is {num_layers}",
-                            l.len(),
-                            key("block_count")
-                        );
-                    }
-                    l
-                }
-                Ok(None) | Err(_) => {
-                    let every = g.get_u64(&pattern_key)?.unwrap_or(2) as usize;
-                    (0..num_layers)
-                        .map(|i| every == 0 || i % every < every - 1)
-                        .collect()
-                }
-            },
-        };
-        let n_experts = req("expert_count")?;
-        let top_k = req("expert_used_count")?;
-        if n_experts == 0 || n_experts > 1 << 12 {
-            bail!(
-                "{} = {n_experts} must be between 1 and 4096",
-                key("expert_count")
-            );
-        }
-        if top_k == 0 || top_k > n_experts {
-            bail!(
-                "{} = {top_k} must be between 1 and {} ({n_experts})",
-                key("expert_used_count"),
-                key("expert_count")
-            );
-        }
-        let expert_ffn = req("expert_feed_forward_length")?;
-        let vocab_size = match g.tensors().iter().find(|t| t.name == "output.weight") {
-            Some(t) if t.shape.len() == 2 => t.shape[0],
-            _ => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .context("no output.weight and no tokenizer")?,
-        };
-        let cfg = ModelConfig {
-            arch: Arch::GptOss,
-            hidden_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            intermediate_size: expert_ffn,
-            vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5),
-            rope_theta,
-            rope_scaling,
-            rope_style: RopeStyle::Neox,
-            max_position_embeddings,
-            tie_word_embeddings: !has("output.weight"),
-            attention_bias: has("blk.0.attn_q.bias"),
-            o_bias: has("blk.0.attn_output.bias"),
-            mlp_bias: false,
-            sliding_windows: local
-                .iter()
-                .map(|&l| l.then_some(window).flatten())
-                .collect(),
-            moe: Some(MoeConfig {
-                n_experts,
-                top_k,
-                normalize: false,
-                expert_ffn,
-                shared_ffn: None,
-                sparse_layers: vec![true; num_layers],
-                scoring: RouterScoring::TopKSoftmax,
-                routed_scale: 1.0,
-                groups: None,
-                score_bias: false,
-                shared_gated: false,
-            }),
-            mla: None,
-            hybrid: None,
-            hidden_act: Activation::Silu,
-            gemma: None,
-            gpt_oss: Some(GptOssConfig {
-                swiglu_alpha: 1.702,
-                swiglu_limit: 7.0,
-            }),
-            encoder: None,
-        };
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// The hybrid Qwen models as llama.cpp's converter writes them
-    /// (`qwen3next`, `qwen35`, `qwen35moe`): the Gated DeltaNet's shape from
-    /// `ssm.group_count` (key heads), `ssm.time_step_rank` (value heads),
-    /// `ssm.state_size` (key head width), `ssm.inner_size` (all value
-    /// heads' width) and `ssm.conv_kernel`; the layer mix from
-    /// `attention.recurrent_layers` (else `full_attention_interval`); the
-    /// partial RoPE's width from `rope.dimension_count` and, for Qwen3.5,
-    /// its M-RoPE `rope.dimension_sections`, which text-only positions make
-    /// an ordinary RoPE (checked, as transformers' `mrope_section` is).
-    /// Multi-token-prediction layers (`nextn_predict_layers`) past the
-    /// model's own are left unread. The tensors' layout is undone by
-    /// [`crate::engine::loader::gguf_weights::GgufWeights`].
-    fn from_gguf_hybrid(g: &GgufFile, name: &str) -> Result<ModelConfig> {
-        let arch = match name {
-            "qwen3next" => Arch::Qwen3Next,
-            "qwen35" => Arch::Qwen35,
-            "qwen35moe" => Arch::Qwen35Moe,
-            other => bail!("'{other}' is not a hybrid Qwen architecture"),
-        };
-        let key = |k: &str| format!("{name}.{k}");
-        let opt =
-            |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-        let req = |k: &str| -> Result<usize> {
-            opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-        };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_kv_heads = opt("attention.head_count_kv")?.unwrap_or(num_heads);
-        let head_dim = req("attention.key_length")?;
-        if let Some(v) = opt("attention.value_length")? {
-            if v != head_dim {
-                bail!(
-                    "{} = {v} differs from {} = {head_dim}; the gated attention's values are as wide as its keys",
-                    key("attention.value_length"),
-                    key("attention.key_length")
-                );
-            }
-        }
-        let block_count = req("block_count")?;
-        let mtp = opt("nextn_predict_layers")?.unwrap_or(0);
-        let num_layers = block_count.checked_sub(mtp).with_context(|| {
-            format!(
-                "{} ({mtp}) is more than {} ({block_count})",
-                key("nextn_predict_layers"),
-                key("block_count")
-            )
-        })?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                key("block_count")
-            );
-        }
-        let linear_layers = match g.get_bool_array(&key("attention.recurrent_layers"))? {
-            Some(l) => {
-                if l.len() != block_count {
-                    bail!(
-                        "{} lists {} layers, but {} is {block_count}",
-                        key("attention.recurrent_layers"),
-                        l.len(),
-                        key("block_count")
-                    );
-                }
-                l[..num_layers].to_vec()
-            }
-            None => {
-                let every = opt("full_attention_interval")?.unwrap_or(4);
-                if every == 0 {
-                    bail!("{} must be positive", key("full_attention_interval"));
-                }
-                (0..num_layers).map(|i| (i + 1) % every != 0).collect()
-            }
-        };
-        let n_k_heads = req("ssm.group_count")?;
-        let n_v_heads = req("ssm.time_step_rank")?;
-        let inner = req("ssm.inner_size")?;
-        if n_k_heads == 0 || n_v_heads == 0 || !n_v_heads.is_multiple_of(n_k_heads) {
-            bail!(
-                "{} ({n_v_heads} value heads) must be a positive multiple of {} ({n_k_heads} key heads)",
-                key("ssm.time_step_rank"),
-                key("ssm.group_count")
-            );
-        }
-        if !inner.is_multiple_of(n_v_heads) {
-            bail!(
-                "{} = {inner} is not a whole number of {n_v_heads} value heads",
-                key("ssm.inner_size")
-            );
-        }
-        let rotary_dim = req("rope.dimension_count")?;
-        let hybrid = HybridConfig {
-            linear_layers,
-            n_k_heads,
-            n_v_heads,
-            k_dim: req("ssm.state_size")?,
-            v_dim: inner / n_v_heads,
-            conv_kernel: req("ssm.conv_kernel")?,
-            rotary_dim,
-        };
-        if hybrid.conv_kernel < 2 || hybrid.conv_kernel > 64 {
-            bail!(
-                "{} = {} must be between 2 and 64",
-                key("ssm.conv_kernel"),
-                hybrid.conv_kernel
-            );
-        }
-        for (k, x) in [
-            ("ssm.time_step_rank", hybrid.n_v_heads),
-            ("ssm.state_size", hybrid.k_dim),
-            ("ssm.inner_size / ssm.time_step_rank", hybrid.v_dim),
-        ] {
-            if x == 0 || x > 1 << 12 {
-                bail!("{} = {x} must be between 1 and {}", key(k), 1 << 12);
-            }
-        }
-        if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
-            bail!(
-                "{} = {rotary_dim}: RoPE needs a positive even number of dimensions, at most the {head_dim} of a head",
-                key("rope.dimension_count")
-            );
-        }
-        match (arch, g.get_i32_array(&key("rope.dimension_sections"))?) {
-            (_, None) => {}
-            (Arch::Qwen35 | Arch::Qwen35Moe, Some(sec))
-                if sec.iter().all(|&s| s >= 0)
-                    && sec.iter().map(|&s| s as usize).sum::<usize>() == rotary_dim / 2 => {}
-            (_, Some(sec)) => bail!(
-                "{} = {sec:?}: only M-RoPE sections of a Qwen3.5 model, summing to half the {rotary_dim} rotary dimensions, are supported",
-                key("rope.dimension_sections")
-            ),
-        }
-        match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => {}
-            Some(other) => bail!(
-                "{} = '{other}': RoPE scaling on the partial RoPE of a hybrid Qwen model is not supported",
-                key("rope.scaling.type")
-            ),
-        }
-        if let Some(w) = opt("attention.sliding_window")?.filter(|&w| w > 0) {
-            bail!(
-                "{} = {w}: the hybrid Qwen models' attention layers attend over the whole context",
-                key("attention.sliding_window")
-            );
-        }
-        let experts = opt("expert_count")?.unwrap_or(0);
-        let intermediate_size = match (arch, opt("feed_forward_length")?) {
-            (_, Some(f)) => f,
-            // Qwen3.5-MoE has no dense MLP: the experts' width stands in.
-            (Arch::Qwen35Moe, None) => req("expert_feed_forward_length")?,
-            (_, None) => req("feed_forward_length")?,
-        };
-        let moe = match arch {
-            Arch::Qwen35 => {
-                if experts > 0 {
-                    bail!(
-                        "{} = {experts} in a dense Qwen3.5 model ('qwen35'); a mixture is 'qwen35moe'",
-                        key("expert_count")
-                    );
-                }
-                None
-            }
-            _ => {
-                let top_k = req("expert_used_count")?;
-                if experts == 0 || experts > 1 << 12 {
-                    bail!(
-                        "{} = {experts} must be between 1 and 4096",
-                        key("expert_count")
-                    );
-                }
-                if top_k == 0 || top_k > experts {
-                    bail!(
-                        "{} = {top_k} must be between 1 and {} ({experts})",
-                        key("expert_used_count"),
-                        key("expert_count")
-                    );
-                }
-                // llama.cpp builds both with softmax routing whose chosen
-                // weights are renormalized, as transformers does.
-                if let Some(f) = opt("expert_gating_func")?.filter(|&f| f != 1) {
-                    bail!(
-                        "{} = {f}: these models route with softmax (1)",
-                        key("expert_gating_func")
-                    );
-                }
-                if g.get_bool(&key("expert_weights_norm"))? == Some(false) {
-                    bail!(
-                        "{} = false: these models renormalize the chosen experts' weights",
-                        key("expert_weights_norm")
-                    );
-                }
-                if let Some(s) = g
-                    .get_f32(&key("expert_weights_scale"))?
-                    .filter(|&s| s != 1.0)
-                {
-                    bail!(
-                        "{} = {s}: these models do not scale the routed experts",
-                        key("expert_weights_scale")
-                    );
-                }
-                Some(MoeConfig {
-                    n_experts: experts,
-                    top_k,
-                    normalize: true,
-                    expert_ffn: req("expert_feed_forward_length")?,
-                    shared_ffn: opt("expert_shared_feed_forward_length")?.filter(|&f| f > 0),
-                    // A layer is a mixture where the file has its router
-                    // (Qwen3-Next's `mlp_only_layers` are dense).
-                    sparse_layers: (0..num_layers)
-                        .map(|i| has(&format!("blk.{i}.ffn_gate_inp.weight")))
-                        .collect(),
-                    scoring: RouterScoring::Softmax,
-                    routed_scale: 1.0,
-                    groups: None,
-                    score_bias: false,
-                    shared_gated: true,
-                })
-            }
-        };
-        let vocab_size = match opt("vocab_size")? {
-            Some(x) => x,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .context("no vocab_size and no tokenizer")?,
-        };
-        let cfg = ModelConfig {
-            arch,
-            hidden_size,
-            num_layers,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            intermediate_size,
-            vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-6),
-            rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
-            rope_scaling: RopeScaling::None,
-            rope_style: RopeStyle::Neox,
-            max_position_embeddings: opt("context_length")?.unwrap_or(2048),
-            tie_word_embeddings: !has("output.weight"),
-            attention_bias: false,
-            o_bias: false,
-            mlp_bias: false,
-            sliding_windows: Vec::new(),
-            moe,
-            mla: None,
-            hybrid: Some(hybrid),
-            hidden_act: Activation::Silu,
-            gemma: None,
-            gpt_oss: None,
-            encoder: None,
-        };
-        if let Some(t) = g
-            .tensors()
-            .iter()
-            .find(|t| t.name.contains(".attn_") && t.name.ends_with(".bias"))
-        {
-            bail!(
-                "tensor '{}': biases on the gated attention of a hybrid Qwen model are not supported",
-                t.name
-            );
-        }
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// DeepSeek-V2/V3 as llama.cpp's converter writes them (`deepseek2`):
-    /// MLA as one KV head of the latent (`kv_lora_rank`,
-    /// `key_length_mla`, `value_length_mla`, or the older files'
-    /// `key_length`/`value_length`), experts after
-    /// `leading_dense_block_count` layers with `expert_shared_count` shared
-    /// ones, `expert_gating_func` (softmax, or sigmoid with the router's
-    /// `exp_probs_b` bias), `expert_group_count`/`expert_group_used_count`,
-    /// `expert_weights_scale` and `expert_weights_norm`, and YaRN from
-    /// `rope.scaling.*` (its `yarn_log_multiplier` is 0.1 ×
-    /// `mscale_all_dim`; llama.cpp, like DeepSeek's configs, takes `mscale`
-    /// equal to it, so cos/sin are not rescaled).
-    fn from_gguf_deepseek2(g: &GgufFile) -> Result<ModelConfig> {
-        let key = |k: &str| format!("deepseek2.{k}");
-        let opt =
-            |k: &str| -> Result<Option<usize>> { Ok(g.get_u64(&key(k))?.map(|x| x as usize)) };
-        let req = |k: &str| -> Result<usize> {
-            opt(k)?.with_context(|| format!("missing metadata '{}'", key(k)))
-        };
-        let has = |t: &str| g.tensors().iter().any(|x| x.name == t);
-        let hidden_size = req("embedding_length")?;
-        let num_heads = req("attention.head_count")?;
-        let num_layers = req("block_count")?;
-        if num_layers > MAX_LAYERS {
-            bail!(
-                "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
-                key("block_count")
-            );
-        }
-        let rope = req("rope.dimension_count")?;
-        let kv_lora_rank = req("attention.kv_lora_rank")?;
-        let (qk, v) = match (
-            opt("attention.key_length_mla")?,
-            opt("attention.value_length_mla")?,
-        ) {
-            (Some(k), Some(v)) => (k, v),
-            // Files from before the MLA keys: the per-head sizes.
-            _ => (req("attention.key_length")?, req("attention.value_length")?),
-        };
-        if qk <= rope {
-            bail!("the attention heads ({qk}) are not wider than their rotary part ({rope})");
-        }
-        let (rope_scaling, softmax_mscale) = match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => (RopeScaling::None, 1.0),
-            Some("yarn") => {
-                let factor = g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0);
-                let original = req("rope.scaling.original_context_length")?;
-                let mscale_all_dim = g
-                    .get_f32(&key("rope.scaling.yarn_log_multiplier"))?
-                    .unwrap_or(0.0) as f64
-                    / 0.1;
-                let m = yarn_mscale(factor as f64, mscale_all_dim);
-                (
-                    RopeScaling::Yarn {
-                        factor,
-                        original_max_position: original,
-                        beta_fast: g
-                            .get_f32(&key("rope.scaling.yarn_beta_fast"))?
-                            .unwrap_or(32.0),
-                        beta_slow: g
-                            .get_f32(&key("rope.scaling.yarn_beta_slow"))?
-                            .unwrap_or(1.0),
-                        attention_factor: 1.0,
-                        truncate: true,
-                    },
-                    if mscale_all_dim != 0.0 {
-                        (m * m) as f32
-                    } else {
-                        1.0
-                    },
-                )
-            }
-            Some(other) => {
-                bail!("rope scaling '{other}' is not supported for deepseek2 (none, yarn)")
-            }
-        };
-        let mla = MlaConfig {
-            q_lora_rank: opt("attention.q_lora_rank")?.filter(|&q| q > 0),
-            kv_lora_rank,
-            qk_nope_head_dim: qk - rope,
-            qk_rope_head_dim: rope,
-            v_head_dim: v,
-            softmax_mscale,
-        };
-        if mla.latent_width() > pagoda_accel::ops::mla::MAX_LATENT {
-            bail!(
-                "kv_lora_rank + rope = {} is beyond the supported maximum",
-                mla.latent_width()
-            );
-        }
-        let n_experts = req("expert_count")?;
-        let top_k = req("expert_used_count")?;
-        let first_dense = opt("leading_dense_block_count")?.unwrap_or(0);
-        let expert_ffn = req("expert_feed_forward_length")?;
-        let scoring = match opt("expert_gating_func")? {
-            None | Some(1) => RouterScoring::Softmax,
-            Some(2) => RouterScoring::Sigmoid,
-            Some(other) => bail!(
-                "{} = {other} is not supported (1 softmax, 2 sigmoid)",
-                key("expert_gating_func")
-            ),
-        };
-        let groups = match (opt("expert_group_count")?, opt("expert_group_used_count")?) {
-            (Some(n_group), Some(topk_group)) if n_group > 1 => Some(GroupLimit {
-                n_group,
-                topk_group,
-                score: match scoring {
-                    RouterScoring::Sigmoid => GroupScore::SumTop2,
-                    RouterScoring::Softmax | RouterScoring::TopKSoftmax => GroupScore::Max,
-                },
-            }),
-            _ => None,
-        };
-        let moe = MoeConfig {
-            n_experts,
-            top_k,
-            normalize: g.get_bool(&key("expert_weights_norm"))?.unwrap_or(false),
-            expert_ffn,
-            shared_ffn: opt("expert_shared_count")?
-                .filter(|&n| n > 0)
-                .map(|n| n * expert_ffn),
-            sparse_layers: (0..num_layers).map(|i| i >= first_dense).collect(),
-            scoring,
-            routed_scale: g.get_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
-            groups,
-            score_bias: has(&format!("blk.{first_dense}.exp_probs_b.bias")),
-            shared_gated: false,
-        };
-        let spec = pagoda_accel::ops::RouterSpec {
-            n_experts,
-            top_k,
-            scoring,
-            normalize: moe.normalize,
-            scale: moe.routed_scale,
-            groups,
-        };
-        if let Err(why) = spec.check() {
-            bail!("{why}");
-        }
-        let vocab_size = match opt("vocab_size")? {
-            Some(x) => x,
-            None => g
-                .get_str_array("tokenizer.ggml.tokens")?
-                .map(|t| t.len())
-                .context("no vocab_size and no tokenizer")?,
-        };
-        let cfg = ModelConfig {
-            arch: Arch::Deepseek,
-            hidden_size,
-            num_layers,
-            num_heads,
-            num_kv_heads: num_heads,
-            head_dim: rope,
-            intermediate_size: req("feed_forward_length")?,
-            vocab_size,
-            rms_norm_eps: g
-                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-6),
-            rope_theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
-            rope_scaling,
-            // llama.cpp rotates adjacent pairs for deepseek2 (its NORM
-            // rope), as DeepSeek's own code does.
-            rope_style: RopeStyle::Interleaved,
-            max_position_embeddings: opt("context_length")?.unwrap_or(4096),
-            tie_word_embeddings: !has("output.weight"),
-            attention_bias: false,
-            o_bias: false,
-            mlp_bias: false,
-            sliding_windows: Vec::new(),
-            moe: Some(moe),
-            mla: Some(mla),
             hybrid: None,
             hidden_act: Activation::Silu,
             gemma: None,
@@ -1955,10 +861,89 @@ impl ModelConfig {
     }
 }
 
-/// The families whose `config.json` is read here; they differ in which
-/// keys their modeling code honours.
+/// The `{arch}.*` metadata of a GGUF file, which every GGUF config reader
+/// reads the same way: keys by their suffix (`m.req("block_count")` reads
+/// `llama.block_count`), each error naming the whole key.
+pub struct GgufMeta<'a> {
+    pub g: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl<'a> GgufMeta<'a> {
+    /// The keys of `g` under `arch` (its `general.architecture`).
+    pub fn new(g: &'a GgufFile, arch: &'a str) -> Self {
+        GgufMeta { g, arch }
+    }
+
+    /// The whole key: `{arch}.{k}`.
+    pub fn key(&self, k: &str) -> String {
+        format!("{}.{k}", self.arch)
+    }
+
+    /// An integer key, if present.
+    pub fn opt(&self, k: &str) -> Result<Option<usize>> {
+        self.g
+            .get_u64(&self.key(k))?
+            .map(|x| usize::try_from(x).with_context(|| format!("'{}' is too large", self.key(k))))
+            .transpose()
+    }
+
+    /// An integer key that must be present.
+    pub fn req(&self, k: &str) -> Result<usize> {
+        self.opt(k)?
+            .with_context(|| format!("missing metadata '{}'", self.key(k)))
+    }
+
+    /// A float key, if present.
+    pub fn f32(&self, k: &str) -> Result<Option<f32>> {
+        self.g.get_f32(&self.key(k))
+    }
+
+    /// A string key, if present.
+    pub fn str(&self, k: &str) -> Result<Option<&'a str>> {
+        self.g.get_str(&self.key(k))
+    }
+
+    /// A bool key, if present.
+    pub fn bool(&self, k: &str) -> Result<Option<bool>> {
+        self.g.get_bool(&self.key(k))
+    }
+
+    /// Whether the file holds tensor `name`.
+    pub fn has(&self, name: &str) -> bool {
+        self.g.tensors().iter().any(|t| t.name == name)
+    }
+
+    /// `block_count`, at most [`MAX_LAYERS`] (checked before anything is
+    /// sized by it).
+    pub fn block_count(&self) -> Result<usize> {
+        let n = self.req("block_count")?;
+        if n > MAX_LAYERS {
+            bail!(
+                "{} = {n} is beyond the supported maximum of {MAX_LAYERS}",
+                self.key("block_count")
+            );
+        }
+        Ok(n)
+    }
+
+    /// `vocab_size`, else the number of the tokenizer's tokens.
+    pub fn vocab_size(&self) -> Result<usize> {
+        match self.opt("vocab_size")? {
+            Some(x) => Ok(x),
+            None => self
+                .g
+                .get_str_array("tokenizer.ggml.tokens")?
+                .map(|t| t.len())
+                .context("no vocab_size and no tokenizer"),
+        }
+    }
+}
+
+/// The decoder families whose `config.json` is read here; they differ in
+/// which keys their modeling code honours.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum HfFamily {
+pub enum HfFamily {
     Llama,
     Mistral,
     Qwen2,
@@ -1973,31 +958,6 @@ enum HfFamily {
     Qwen35Moe,
     Gemma3,
     GptOss,
-}
-
-/// gpt-oss's own keys: `swiglu_limit` (default 7) and `swiglu_alpha`
-/// (default 1.702, the constant transformers' experts use), both positive
-/// and finite. An MXFP4 checkpoint (`quantization_config.quant_method`
-/// `mxfp4`, how OpenAI publishes the experts) is read by the loader
-/// (`hf_quant::mxfp4`).
-fn read_hf_gpt_oss(v: &Value) -> Result<GptOssConfig> {
-    let num = |key: &str, default: f32| -> Result<f32> {
-        let x = match v.get(key) {
-            None | Some(Value::Null) => default,
-            Some(x) => x
-                .as_f64()
-                .with_context(|| format!("'{key}' must be a number, got {x}"))?
-                as f32,
-        };
-        if !(x.is_finite() && x > 0.0) {
-            bail!("'{key}' = {x} must be a positive number");
-        }
-        Ok(x)
-    };
-    Ok(GptOssConfig {
-        swiglu_alpha: num("swiglu_alpha", 1.702)?,
-        swiglu_limit: num("swiglu_limit", 7.0)?,
-    })
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below
@@ -2015,7 +975,7 @@ fn optional_count(v: &Value, key: &str, min: u64) -> Result<Option<usize>> {
 
 /// YaRN's magnitude correction, `0.1 · mscale · ln(scale) + 1` (1 when the
 /// context is not extended), as DeepSeek and transformers define it.
-fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
+pub fn yarn_mscale(scale: f64, mscale: f64) -> f64 {
     if scale <= 1.0 {
         1.0
     } else {
@@ -2986,7 +1946,7 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // `original_max_position_embeddings` carries for the math.
     "experts_per_token",
     "initial_context_length",
-    // BERT (see `from_hf_bert`); the dropouts are training only.
+    // BERT (see `models::bert::hf_config`); the dropouts are training only.
     "layer_norm_eps",
     "type_vocab_size",
     "position_embedding_type",
@@ -3011,14 +1971,6 @@ pub fn unknown_hf_keys(v: &Value) -> Vec<String> {
         .unwrap_or_default();
     unknown.sort();
     unknown
-}
-
-fn supported_list() -> String {
-    SUPPORTED_ARCHITECTURES
-        .iter()
-        .map(|(a, _, _)| *a)
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 #[cfg(test)]

@@ -21,11 +21,12 @@
 
 use super::layers::{load_matrix, load_vector, Workspace};
 use super::{CausalLm, StateCache};
-use crate::engine::config::{EncoderConfig, ModelConfig};
+use crate::engine::config::{Arch, EncoderConfig, ModelConfig};
 use crate::engine::loader::WeightSource;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::{Activation, SeqPooling};
+use pagoda_accel::ops::{Activation, RopeScaling, RopeStyle, SeqPooling};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec, Rows};
+use serde_json::Value;
 
 /// A dense layer with a bias.
 struct Linear<B: Backend> {
@@ -354,24 +355,125 @@ impl<B: Backend> CausalLm<B> for Bert<B> {
     fn has_prompt_kernel(&self) -> bool {
         false
     }
+}
 
-    fn enable_lora(
-        &mut self,
-        _backend: &B,
-        _slots: usize,
-        _dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()> {
-        bail!(
-            "LoRA adapters on BERT encoders are not served; serve this model without --enable-lora"
-        )
+/// Interprets the `config.json` of a BERT checkpoint (`arch`:
+/// `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, or
+/// the model type `bert` or `xlm-roberta`). Every key that would change its math and is not computed
+/// here is refused by name.
+pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
+    let usize_of = |key: &str| -> Result<usize> {
+        let x = v
+            .get(key)
+            .with_context(|| format!("missing '{key}'"))?
+            .as_u64()
+            .with_context(|| format!("'{key}' must be a positive integer"))?;
+        usize::try_from(x).with_context(|| format!("'{key}' is too large"))
+    };
+    match v.get("hidden_act").and_then(Value::as_str) {
+        None | Some("gelu") => {}
+        Some(other) => bail!(
+            "hidden_act '{other}' is not implemented for BERT (only 'gelu', the erf form, is)"
+        ),
     }
-
-    fn set_lora(
-        &mut self,
-        _backend: &B,
-        _slot: usize,
-        _adapter: Option<&crate::engine::lora::LoraAdapter>,
-    ) -> Result<()> {
-        bail!("LoRA adapters on BERT encoders are not served")
+    match v.get("position_embedding_type") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s == "absolute" => {}
+        Some(other) => bail!(
+            "position_embedding_type {other} is not implemented for BERT (only 'absolute' is)"
+        ),
     }
+    for key in ["is_decoder", "add_cross_attention"] {
+        if v.get(key).and_then(Value::as_bool) == Some(true) {
+            bail!("'{key}' is true: a BERT decoder is not served (only encoders are)");
+        }
+    }
+    let hidden_size = usize_of("hidden_size")?;
+    let num_heads = usize_of("num_attention_heads")?;
+    if num_heads == 0 || !hidden_size.is_multiple_of(num_heads) {
+        bail!("hidden_size {hidden_size} is not a whole number of {num_heads} attention heads");
+    }
+    let layer_norm_eps = match v.get("layer_norm_eps") {
+        None | Some(Value::Null) => 1e-12,
+        Some(x) => x.as_f64().context("'layer_norm_eps' must be a number")? as f32,
+    };
+    let type_vocab_size = match v.get("type_vocab_size") {
+        None | Some(Value::Null) => 2,
+        Some(_) => usize_of("type_vocab_size")?,
+    };
+    // XLM-R (RoBERTa's embeddings): positions count from padding_idx
+    // + 1, as transformers' `create_position_ids_from_input_ids` gives
+    // them for a prompt without padding.
+    let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
+    let position_offset = if xlmr {
+        let pad = v
+            .get("pad_token_id")
+            .and_then(Value::as_u64)
+            .context("XLM-R needs 'pad_token_id' (its positions start after it)")?;
+        pad as usize + 1
+    } else {
+        0
+    };
+    let position_rows = usize_of("max_position_embeddings")?;
+    if position_rows <= position_offset {
+        bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
+    }
+    let num_labels = if arch == "BertForSequenceClassification" {
+        let n = match v.get("num_labels") {
+            Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
+            None => v
+                .get("id2label")
+                .and_then(Value::as_object)
+                .map_or(2, |m| m.len()),
+        };
+        if n != 1 {
+            bail!(
+                "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
+            );
+        }
+        if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
+            if p != "regression" && p != "single_label_classification" {
+                bail!("problem_type '{p}' is not served for a one-label classifier");
+            }
+        }
+        Some(n)
+    } else {
+        None
+    };
+    let cfg = ModelConfig {
+        arch: Arch::Bert,
+        hidden_size,
+        num_layers: usize_of("num_hidden_layers")?,
+        num_heads,
+        num_kv_heads: num_heads,
+        head_dim: hidden_size / num_heads,
+        intermediate_size: usize_of("intermediate_size")?,
+        vocab_size: usize_of("vocab_size")?,
+        rms_norm_eps: layer_norm_eps,
+        // No rotary embedding: the positions are a learned table.
+        rope_theta: 10000.0,
+        rope_scaling: RopeScaling::None,
+        rope_style: RopeStyle::Neox,
+        max_position_embeddings: position_rows - position_offset,
+        tie_word_embeddings: false,
+        attention_bias: true,
+        o_bias: true,
+        mlp_bias: true,
+        sliding_windows: Vec::new(),
+        moe: None,
+        mla: None,
+        hybrid: None,
+        hidden_act: crate::engine::config::Activation::Silu,
+        gemma: None,
+        gpt_oss: None,
+        encoder: Some(EncoderConfig {
+            layer_norm_eps,
+            type_vocab_size,
+            position_offset,
+            position_rows,
+            num_labels,
+        }),
+    };
+    cfg.validate()?;
+    Ok(cfg)
 }

@@ -19,13 +19,13 @@
 use super::layers::attention::{AttentionParts, SelfAttention};
 use super::layers::decoder::final_logits;
 use super::layers::mlp::GatedMlp;
-use super::layers::{load_matrix, load_offset_norm, Workspace};
+use super::layers::{load_matrix, load_offset_norm, weight_bytes, Workspace};
 use super::{CausalLm, StateCache};
-use crate::engine::config::{GemmaConfig, ModelConfig};
+use crate::engine::config::{Activation, Arch, GemmaConfig, GgufMeta, ModelConfig};
+use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
-use crate::engine::lora::LoraAdapter;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::RopeTable;
+use pagoda_accel::ops::{RopeScaling, RopeStyle, RopeTable};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, GgmlType, KvLayerSpec};
 
 struct GemmaLayer<B: Backend> {
@@ -183,13 +183,11 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
     }
 
     fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.matrices())
-            .map(|m| m.size_bytes())
-            .sum();
-        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+        weight_bytes(
+            self.layers.iter().flat_map(|l| l.matrices()),
+            &self.embed,
+            self.lm_head.as_ref(),
+        )
     }
 
     fn weight_type(&self) -> &'static str {
@@ -198,26 +196,6 @@ impl<B: Backend> CausalLm<B> for Gemma3<B> {
 
     fn has_prompt_kernel(&self) -> bool {
         self.prompt_kernel
-    }
-
-    fn enable_lora(
-        &mut self,
-        _backend: &B,
-        _slots: usize,
-        _dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()> {
-        bail!(
-            "LoRA adapters on Gemma 3 are not computed yet; serve this model without --enable-lora"
-        )
-    }
-
-    fn set_lora(
-        &mut self,
-        _backend: &B,
-        _slot: usize,
-        _adapter: Option<&LoraAdapter>,
-    ) -> Result<()> {
-        bail!("LoRA adapters are not enabled (--enable-lora)")
     }
 
     fn forward(
@@ -278,4 +256,142 @@ mod tests {
             assert_eq!(embed_scale(hidden, ty), want as f32, "{hidden} in {ty:?}");
         }
     }
+}
+
+/// Gemma 3 as llama.cpp's converter writes it (`gemma3`), read as
+/// llama.cpp's loader reads it: the local layers from
+/// `attention.sliding_window_pattern` (one bool per layer, or a period
+/// `n` making every layer but each `n`-th local), else a period of 6;
+/// none when `attention.sliding_window` is absent or 0. The local
+/// layers rotate with `rope.freq_base_swa` (default 1e4) unscaled, the
+/// global ones with `rope.freq_base` and the file's linear scaling. The
+/// file has no `query_pre_attn_scalar`: the score scale is
+/// `1/√head_dim`, except for the 62-layer model (27B), whose is
+/// `1/√(hidden / heads)`, as in llama.cpp and Gemma's own configs. The
+/// norms' `1 + w` folded into the weights is undone by
+/// [`crate::engine::loader::gguf_weights::GgufWeights`].
+pub fn gguf_config(g: &GgufFile) -> Result<ModelConfig> {
+    let m = GgufMeta::new(g, "gemma3");
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = match m.opt("attention.key_length")? {
+        Some(k) => k,
+        None if num_heads > 0 => hidden_size / num_heads,
+        None => bail!("{} is 0", m.key("attention.head_count")),
+    };
+    if let Some(v) = m.opt("attention.value_length")?.filter(|&v| v != head_dim) {
+        bail!(
+            "{} = {v} differs from {} = {head_dim}; Gemma 3's values are as wide as its keys",
+            m.key("attention.value_length"),
+            m.key("attention.key_length")
+        );
+    }
+    if let Some(n) = m.opt("rope.dimension_count")?.filter(|&n| n != head_dim) {
+        bail!(
+            "{} = {n}, but the heads are {head_dim} wide; only a rotary embedding over whole heads is supported",
+            m.key("rope.dimension_count")
+        );
+    }
+    let num_layers = m.block_count()?;
+    if let Some(e) = m.opt("expert_count")?.filter(|&e| e > 0) {
+        bail!("{} = {e}: Gemma 3 has no experts", m.key("expert_count"));
+    }
+    // Read by no llama.cpp graph of Gemma 3 (the converter refuses it);
+    // transformers would soft-cap the scores.
+    if let Some(c) = m.f32("attn_logit_softcapping")? {
+        bail!(
+            "{} = {c}: soft-capping the attention scores is not computed",
+            m.key("attn_logit_softcapping")
+        );
+    }
+    let window = m.opt("attention.sliding_window")?.filter(|&w| w > 0);
+    let pattern_key = m.key("attention.sliding_window_pattern");
+    let local: Vec<bool> = match window {
+        None => vec![false; num_layers],
+        Some(_) => match g.get_bool_array(&pattern_key) {
+            Ok(Some(l)) => {
+                if l.len() != num_layers {
+                    bail!(
+                        "{pattern_key} lists {} layers, but {} is {num_layers}",
+                        l.len(),
+                        m.key("block_count")
+                    );
+                }
+                l
+            }
+            Ok(None) | Err(_) => {
+                let every = match g.get_u64(&pattern_key)? {
+                    Some(n) => n as usize,
+                    None => 6,
+                };
+                (0..num_layers)
+                    .map(|i| every == 0 || i % every < every - 1)
+                    .collect()
+            }
+        },
+    };
+    let sliding_windows = local
+        .iter()
+        .map(|&l| l.then_some(window).flatten())
+        .collect();
+    let rope_scaling = match m.str("rope.scaling.type")? {
+        None | Some("none") => RopeScaling::None,
+        Some("linear") => RopeScaling::Linear {
+            factor: m.f32("rope.scaling.factor")?.unwrap_or(1.0),
+        },
+        Some(other) => bail!(
+            "{} = '{other}' is not supported for Gemma 3 (supported: none, linear)",
+            m.key("rope.scaling.type")
+        ),
+    };
+    if m.has("rope_freqs.weight") {
+        bail!("tensor 'rope_freqs.weight': per-pair RoPE factors are not read for Gemma 3");
+    }
+    let scalar = if num_layers == 62 {
+        hidden_size as f64 / num_heads.max(1) as f64
+    } else {
+        head_dim as f64
+    };
+    let gemma = GemmaConfig {
+        attn_scale: scalar.powf(-0.5) as f32,
+        local_rope_theta: m.f32("rope.freq_base_swa")?.unwrap_or(10_000.0),
+        local_rope_scaling: RopeScaling::None,
+        final_logit_softcap: m.f32("final_logit_softcapping")?.filter(|&c| c != 0.0),
+    };
+    // The converter drops the embedding rows past the tokenizer's
+    // tokens; the vocabulary is the LM head's (or the tokenizer's).
+    let vocab_size = match g.tensors().iter().find(|t| t.name == "output.weight") {
+        Some(t) if t.shape.len() == 2 => t.shape[0],
+        _ => m.vocab_size()?,
+    };
+    let cfg = ModelConfig {
+        arch: Arch::Gemma3,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size: m.req("feed_forward_length")?,
+        vocab_size,
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: m.f32("rope.freq_base")?.unwrap_or(1_000_000.0),
+        rope_scaling,
+        rope_style: RopeStyle::Neox,
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(131_072),
+        tie_word_embeddings: !m.has("output.weight"),
+        attention_bias: m.has("blk.0.attn_q.bias"),
+        o_bias: m.has("blk.0.attn_output.bias"),
+        mlp_bias: m.has("blk.0.ffn_down.bias"),
+        sliding_windows,
+        moe: None,
+        mla: None,
+        hybrid: None,
+        hidden_act: Activation::GeluTanh,
+        gemma: Some(gemma),
+        gpt_oss: None,
+        encoder: None,
+    };
+    cfg.validate()?;
+    Ok(cfg)
 }

@@ -3,6 +3,11 @@
 //! `pagoda_accel`'s operations with no backend code inside (vLLM's
 //! `model_executor/models`, llama.cpp's model graphs).
 //!
+//! Which file builds which architecture, and how each architecture's
+//! config is read, is one table: [`registry::Architectures::TABLE`] (HF
+//! and GGUF names, family id, config readers, loader). `pagoda models`
+//! prints it.
+//!
 //! | file | architectures |
 //! |---|---|
 //! | [`llama`] | `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM` |
@@ -17,19 +22,35 @@
 //!
 //! # Adding a family
 //!
-//! 1. Read its config in `engine/config.rs` (both transformers forms and
-//!    GGUF metadata), implementing or refusing by name every key that
-//!    changes the math, and give it an [`Arch`].
-//! 2. Write `models/<family>.rs`: load each layer from [`layers`]' blocks
-//!    (attention, MLP, mixture of experts, latent attention) under the
-//!    checkpoint's tensor names, and hand them to a
-//!    [`layers::decoder::DecoderStack`] (or implement [`CausalLm`] itself
-//!    if the layer shape differs). A block the device lacks is refused at
-//!    load through the backend's `supports_*` queries.
-//! 3. Map its GGUF tensor names in `loader/gguf_weights.rs`.
-//! 4. Add it to `scripts/make-fixtures.py` (weights, a float64 forward
-//!    written from the published definition, GGUF) and to
-//!    `host/tests/generated_fixtures.rs`.
+//! One new file, `models/<family>.rs` (with its `pub mod` line below, as
+//! Rust declares every file), and one line in
+//! [`registry::Architectures::TABLE`].
+//!
+//! The file holds:
+//! - its family id, `pub const MINE: Arch = Arch::new("Mine");`
+//!   ([`crate::engine::config::Arch`]; the ids of the families that
+//!   predate the table are kept there);
+//! - its config reading, as [`bert`] reads `config.json` and [`gemma3`]
+//!   its GGUF metadata (through [`crate::engine::config::GgufMeta`]):
+//!   both transformers forms and GGUF, implementing or refusing by name
+//!   every key that changes the math, and ending in
+//!   [`ModelConfig::validate`];
+//! - its definition: each layer loaded from [`layers`]' blocks (attention,
+//!   MLP, mixture of experts, latent attention, gated delta net) under the
+//!   checkpoint's tensor names and handed to a
+//!   [`layers::decoder::DecoderStack`], or its own [`CausalLm`] where the
+//!   layer shape differs (LoRA is refused by default). A block the device
+//!   lacks is refused at load through the backend's `supports_*` queries.
+//!
+//! The table's line names its HF `architectures` and `model_type`, its GGUF
+//! `general.architecture`, the models it serves, the family id, the two
+//! readers and `load`. Its tests: a fixture in `scripts/make-fixtures.py`
+//! (weights, a float64 forward written from the published definition,
+//! GGUF) checked in `host/tests/generated_fixtures.rs`.
+//!
+//! What the file does not hold yet: GGUF tensors that llama.cpp's
+//! converter renames or rearranges beyond the Llama names are mapped in
+//! `loader/gguf_weights.rs`.
 
 pub mod bert;
 pub mod deepseek;
@@ -41,8 +62,9 @@ pub mod mixtral;
 pub mod qwen3;
 pub mod qwen3_next;
 pub mod qwen_moe;
+pub mod registry;
 
-use crate::engine::config::{Arch, ModelConfig};
+use crate::engine::config::ModelConfig;
 use crate::engine::loader::WeightSource;
 use anyhow::Result;
 use pagoda_accel::{Backend, BackendError, KvLayerSpec};
@@ -170,21 +192,32 @@ pub trait CausalLm<B: Backend>: Send {
     fn has_prompt_kernel(&self) -> bool;
     /// Makes room for `slots` LoRA adapters at once (`--max-loras`),
     /// their factors stored as `dtype` resolves beside this model's
-    /// weights, or says why this model or device cannot take them.
+    /// weights, or says why this model or device cannot take them. A
+    /// family that computes no adapter deltas keeps this refusal.
     fn enable_lora(
         &mut self,
         backend: &B,
         slots: usize,
         dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (backend, slots, dtype);
+        anyhow::bail!(
+            "LoRA adapters on {:?} models are not computed yet; serve this model without --enable-lora",
+            self.config().arch
+        )
+    }
     /// Puts `adapter`'s factors in LoRA slot `slot` (or empties it): the
-    /// tokens of the step whose slot it is get its deltas.
+    /// tokens of the step whose slot it is get its deltas. Refused unless
+    /// [`CausalLm::enable_lora`] made room.
     fn set_lora(
         &mut self,
         backend: &B,
         slot: usize,
         adapter: Option<&crate::engine::lora::LoraAdapter>,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        let _ = (backend, slot, adapter);
+        anyhow::bail!("LoRA adapters are not enabled (--enable-lora)")
+    }
 }
 
 /// A loaded model of any family.
@@ -200,19 +233,6 @@ pub fn load<B: Backend>(
     max_positions: usize,
 ) -> Result<Model<B>> {
     layers::decoder::check_context(backend, &config, max_positions)?;
-    Ok(match config.arch {
-        Arch::Llama | Arch::Qwen2 => Box::new(llama::load(backend, source, config, max_positions)?),
-        Arch::Qwen3 => Box::new(qwen3::load(backend, source, config, max_positions)?),
-        Arch::Mixtral => Box::new(mixtral::load(backend, source, config, max_positions)?),
-        Arch::Deepseek => Box::new(deepseek::load(backend, source, config, max_positions)?),
-        Arch::Qwen2Moe | Arch::Qwen3Moe => {
-            Box::new(qwen_moe::load(backend, source, config, max_positions)?)
-        }
-        Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
-            Box::new(qwen3_next::load(backend, source, config, max_positions)?)
-        }
-        Arch::Gemma3 => Box::new(gemma3::load(backend, source, config, max_positions)?),
-        Arch::GptOss => Box::new(gpt_oss::load(backend, source, config, max_positions)?),
-        Arch::Bert => Box::new(bert::load(backend, source, config, max_positions)?),
-    })
+    let entry = registry::entry::<B>(config.arch)?;
+    (entry.load)(backend, source, config, max_positions)
 }

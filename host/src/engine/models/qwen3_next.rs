@@ -18,13 +18,15 @@ use super::layers::gated_attention::{GatedAttention, GatedAttentionShape};
 use super::layers::gated_delta_net::{GatedDeltaNet, GdnForm, GdnShape, RecurrentState};
 use super::layers::mlp::GatedMlp;
 use super::layers::moe::{hf_expert_names, MoeNames, SparseMoe};
-use super::layers::{load_matrix, load_offset_norm, Workspace};
+use super::layers::{load_matrix, load_offset_norm, weight_bytes, Workspace};
 use super::{CausalLm, StateCache};
-use crate::engine::config::{Arch, ModelConfig};
+use crate::engine::config::{
+    Activation, Arch, GgufMeta, HybridConfig, ModelConfig, MoeConfig, MAX_LAYERS,
+};
+use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
-use crate::engine::lora::LoraAdapter;
 use anyhow::{bail, Context, Result};
-use pagoda_accel::ops::{GatedDeltaSpec, RopeScaling, RopeTable};
+use pagoda_accel::ops::{GatedDeltaSpec, RopeScaling, RopeStyle, RopeTable, RouterScoring};
 use pagoda_accel::{Backend, BackendError, DeviceMatrix, KvLayerSpec};
 
 /// A layer's token mixer.
@@ -251,13 +253,11 @@ impl<B: Backend> CausalLm<B> for QwenHybrid<B> {
     }
 
     fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.matrices())
-            .map(|m| m.size_bytes())
-            .sum();
-        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+        weight_bytes(
+            self.layers.iter().flat_map(|l| l.matrices()),
+            &self.embed,
+            self.lm_head.as_ref(),
+        )
     }
 
     fn weight_type(&self) -> &'static str {
@@ -266,24 +266,6 @@ impl<B: Backend> CausalLm<B> for QwenHybrid<B> {
 
     fn has_prompt_kernel(&self) -> bool {
         self.prompt_kernel
-    }
-
-    fn enable_lora(
-        &mut self,
-        _backend: &B,
-        _slots: usize,
-        _dtype: crate::engine::lora::LoraDtype,
-    ) -> Result<()> {
-        bail!("LoRA adapters on a hybrid (Gated DeltaNet) model are not computed yet; serve this model without --enable-lora")
-    }
-
-    fn set_lora(
-        &mut self,
-        _backend: &B,
-        _slot: usize,
-        _adapter: Option<&LoraAdapter>,
-    ) -> Result<()> {
-        bail!("LoRA adapters are not enabled (--enable-lora)")
     }
 
     fn forward(
@@ -336,4 +318,253 @@ impl<B: Backend> CausalLm<B> for QwenHybrid<B> {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         super::layers::decoder::final_logits(b, step, c, &self.norm, head, n_logits, ws)
     }
+}
+
+/// The hybrid Qwen models as llama.cpp's converter writes them
+/// (`qwen3next`, `qwen35`, `qwen35moe`): the Gated DeltaNet's shape from
+/// `ssm.group_count` (key heads), `ssm.time_step_rank` (value heads),
+/// `ssm.state_size` (key head width), `ssm.inner_size` (all value
+/// heads' width) and `ssm.conv_kernel`; the layer mix from
+/// `attention.recurrent_layers` (else `full_attention_interval`); the
+/// partial RoPE's width from `rope.dimension_count` and, for Qwen3.5,
+/// its M-RoPE `rope.dimension_sections`, which text-only positions make
+/// an ordinary RoPE (checked, as transformers' `mrope_section` is).
+/// Multi-token-prediction layers (`nextn_predict_layers`) past the
+/// model's own are left unread. The tensors' layout is undone by
+/// [`crate::engine::loader::gguf_weights::GgufWeights`]. `arch` is
+/// the member `name` is, as the registry gives it.
+pub fn gguf_config(g: &GgufFile, name: &str, arch: Arch) -> Result<ModelConfig> {
+    let m = GgufMeta::new(g, name);
+    let hidden_size = m.req("embedding_length")?;
+    let num_heads = m.req("attention.head_count")?;
+    let num_kv_heads = m.opt("attention.head_count_kv")?.unwrap_or(num_heads);
+    let head_dim = m.req("attention.key_length")?;
+    if let Some(v) = m.opt("attention.value_length")? {
+        if v != head_dim {
+            bail!(
+                "{} = {v} differs from {} = {head_dim}; the gated attention's values are as wide as its keys",
+                m.key("attention.value_length"),
+                m.key("attention.key_length")
+            );
+        }
+    }
+    let block_count = m.req("block_count")?;
+    let mtp = m.opt("nextn_predict_layers")?.unwrap_or(0);
+    let num_layers = block_count.checked_sub(mtp).with_context(|| {
+        format!(
+            "{} ({mtp}) is more than {} ({block_count})",
+            m.key("nextn_predict_layers"),
+            m.key("block_count")
+        )
+    })?;
+    if num_layers > MAX_LAYERS {
+        bail!(
+            "{} = {num_layers} is beyond the supported maximum of {MAX_LAYERS}",
+            m.key("block_count")
+        );
+    }
+    let linear_layers = match g.get_bool_array(&m.key("attention.recurrent_layers"))? {
+        Some(l) => {
+            if l.len() != block_count {
+                bail!(
+                    "{} lists {} layers, but {} is {block_count}",
+                    m.key("attention.recurrent_layers"),
+                    l.len(),
+                    m.key("block_count")
+                );
+            }
+            l[..num_layers].to_vec()
+        }
+        None => {
+            let every = m.opt("full_attention_interval")?.unwrap_or(4);
+            if every == 0 {
+                bail!("{} must be positive", m.key("full_attention_interval"));
+            }
+            (0..num_layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    let n_k_heads = m.req("ssm.group_count")?;
+    let n_v_heads = m.req("ssm.time_step_rank")?;
+    let inner = m.req("ssm.inner_size")?;
+    if n_k_heads == 0 || n_v_heads == 0 || !n_v_heads.is_multiple_of(n_k_heads) {
+        bail!(
+            "{} ({n_v_heads} value heads) must be a positive multiple of {} ({n_k_heads} key heads)",
+            m.key("ssm.time_step_rank"),
+            m.key("ssm.group_count")
+        );
+    }
+    if !inner.is_multiple_of(n_v_heads) {
+        bail!(
+            "{} = {inner} is not a whole number of {n_v_heads} value heads",
+            m.key("ssm.inner_size")
+        );
+    }
+    let rotary_dim = m.req("rope.dimension_count")?;
+    let hybrid = HybridConfig {
+        linear_layers,
+        n_k_heads,
+        n_v_heads,
+        k_dim: m.req("ssm.state_size")?,
+        v_dim: inner / n_v_heads,
+        conv_kernel: m.req("ssm.conv_kernel")?,
+        rotary_dim,
+    };
+    if hybrid.conv_kernel < 2 || hybrid.conv_kernel > 64 {
+        bail!(
+            "{} = {} must be between 2 and 64",
+            m.key("ssm.conv_kernel"),
+            hybrid.conv_kernel
+        );
+    }
+    for (k, x) in [
+        ("ssm.time_step_rank", hybrid.n_v_heads),
+        ("ssm.state_size", hybrid.k_dim),
+        ("ssm.inner_size / ssm.time_step_rank", hybrid.v_dim),
+    ] {
+        if x == 0 || x > 1 << 12 {
+            bail!("{} = {x} must be between 1 and {}", m.key(k), 1 << 12);
+        }
+    }
+    if rotary_dim == 0 || !rotary_dim.is_multiple_of(2) || rotary_dim > head_dim {
+        bail!(
+            "{} = {rotary_dim}: RoPE needs a positive even number of dimensions, at most the {head_dim} of a head",
+            m.key("rope.dimension_count")
+        );
+    }
+    match (arch, g.get_i32_array(&m.key("rope.dimension_sections"))?) {
+        (_, None) => {}
+        (Arch::Qwen35 | Arch::Qwen35Moe, Some(sec))
+            if sec.iter().all(|&s| s >= 0)
+                && sec.iter().map(|&s| s as usize).sum::<usize>() == rotary_dim / 2 => {}
+        (_, Some(sec)) => bail!(
+            "{} = {sec:?}: only M-RoPE sections of a Qwen3.5 model, summing to half the {rotary_dim} rotary dimensions, are supported",
+            m.key("rope.dimension_sections")
+        ),
+    }
+    match m.str("rope.scaling.type")? {
+        None | Some("none") => {}
+        Some(other) => bail!(
+            "{} = '{other}': RoPE scaling on the partial RoPE of a hybrid Qwen model is not supported",
+            m.key("rope.scaling.type")
+        ),
+    }
+    if let Some(w) = m.opt("attention.sliding_window")?.filter(|&w| w > 0) {
+        bail!(
+            "{} = {w}: the hybrid Qwen models' attention layers attend over the whole context",
+            m.key("attention.sliding_window")
+        );
+    }
+    let experts = m.opt("expert_count")?.unwrap_or(0);
+    let intermediate_size = match (arch, m.opt("feed_forward_length")?) {
+        (_, Some(f)) => f,
+        // Qwen3.5-MoE has no dense MLP: the experts' width stands in.
+        (Arch::Qwen35Moe, None) => m.req("expert_feed_forward_length")?,
+        (_, None) => m.req("feed_forward_length")?,
+    };
+    let moe = match arch {
+        Arch::Qwen35 => {
+            if experts > 0 {
+                bail!(
+                    "{} = {experts} in a dense Qwen3.5 model ('qwen35'); a mixture is 'qwen35moe'",
+                    m.key("expert_count")
+                );
+            }
+            None
+        }
+        _ => {
+            let top_k = m.req("expert_used_count")?;
+            if experts == 0 || experts > 1 << 12 {
+                bail!(
+                    "{} = {experts} must be between 1 and 4096",
+                    m.key("expert_count")
+                );
+            }
+            if top_k == 0 || top_k > experts {
+                bail!(
+                    "{} = {top_k} must be between 1 and {} ({experts})",
+                    m.key("expert_used_count"),
+                    m.key("expert_count")
+                );
+            }
+            // llama.cpp builds both with softmax routing whose chosen
+            // weights are renormalized, as transformers does.
+            if let Some(f) = m.opt("expert_gating_func")?.filter(|&f| f != 1) {
+                bail!(
+                    "{} = {f}: these models route with softmax (1)",
+                    m.key("expert_gating_func")
+                );
+            }
+            if m.bool("expert_weights_norm")? == Some(false) {
+                bail!(
+                    "{} = false: these models renormalize the chosen experts' weights",
+                    m.key("expert_weights_norm")
+                );
+            }
+            if let Some(s) = m.f32("expert_weights_scale")?.filter(|&s| s != 1.0) {
+                bail!(
+                    "{} = {s}: these models do not scale the routed experts",
+                    m.key("expert_weights_scale")
+                );
+            }
+            Some(MoeConfig {
+                n_experts: experts,
+                top_k,
+                normalize: true,
+                expert_ffn: m.req("expert_feed_forward_length")?,
+                shared_ffn: m
+                    .opt("expert_shared_feed_forward_length")?
+                    .filter(|&f| f > 0),
+                // A layer is a mixture where the file has its router
+                // (Qwen3-Next's `mlp_only_layers` are dense).
+                sparse_layers: (0..num_layers)
+                    .map(|i| m.has(&format!("blk.{i}.ffn_gate_inp.weight")))
+                    .collect(),
+                scoring: RouterScoring::Softmax,
+                routed_scale: 1.0,
+                groups: None,
+                score_bias: false,
+                shared_gated: true,
+            })
+        }
+    };
+    let vocab_size = m.vocab_size()?;
+    let cfg = ModelConfig {
+        arch,
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        intermediate_size,
+        vocab_size,
+        rms_norm_eps: m.f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: m.f32("rope.freq_base")?.unwrap_or(10_000.0),
+        rope_scaling: RopeScaling::None,
+        rope_style: RopeStyle::Neox,
+        max_position_embeddings: m.opt("context_length")?.unwrap_or(2048),
+        tie_word_embeddings: !m.has("output.weight"),
+        attention_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        sliding_windows: Vec::new(),
+        moe,
+        mla: None,
+        hybrid: Some(hybrid),
+        hidden_act: Activation::Silu,
+        gemma: None,
+        gpt_oss: None,
+        encoder: None,
+    };
+    if let Some(t) = g
+        .tensors()
+        .iter()
+        .find(|t| t.name.contains(".attn_") && t.name.ends_with(".bias"))
+    {
+        bail!(
+            "tensor '{}': biases on the gated attention of a hybrid Qwen model are not supported",
+            t.name
+        );
+    }
+    cfg.validate()?;
+    Ok(cfg)
 }

@@ -245,13 +245,13 @@ impl<B: Backend> CausalLm<B> for DecoderStack<B> {
     }
 
     fn weight_bytes(&self) -> usize {
-        let layers: usize = self
-            .layers
-            .iter()
-            .flat_map(|l| l.attn.matrices().chain(l.ffn.matrices()))
-            .map(|m| m.size_bytes())
-            .sum();
-        layers + self.embed.size_bytes() + self.lm_head.as_ref().map_or(0, |h| h.size_bytes())
+        super::weight_bytes(
+            self.layers
+                .iter()
+                .flat_map(|l| l.attn.matrices().chain(l.ffn.matrices())),
+            &self.embed,
+            self.lm_head.as_ref(),
+        )
     }
 
     fn has_prompt_kernel(&self) -> bool {

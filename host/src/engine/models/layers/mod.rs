@@ -14,7 +14,19 @@ pub mod projection;
 
 use crate::engine::loader::WeightSource;
 use anyhow::{Context, Result};
-use pagoda_accel::Backend;
+use pagoda_accel::{Backend, DeviceMatrix};
+
+/// Bytes a model's weights hold on the device: its layers' `matrices`,
+/// the token embedding, and the LM head where it is not the embedding.
+pub fn weight_bytes<'a, M: DeviceMatrix + 'a>(
+    matrices: impl Iterator<Item = &'a M>,
+    embed: &M,
+    lm_head: Option<&M>,
+) -> usize {
+    matrices.map(|m| m.size_bytes()).sum::<usize>()
+        + embed.size_bytes()
+        + lm_head.map_or(0, |h| h.size_bytes())
+}
 
 /// Uploads the checkpoint's `[rows, cols]` matrix `name` to `backend`'s
 /// device, in its storage type; errors name the tensor.
