@@ -514,3 +514,66 @@ fn xlm_roberta_embedding_matches_sentence_transformers() {
         "{e:#}"
     );
 }
+
+/// xlmr-rerank: `XLMRobertaForSequenceClassification` with one label (the
+/// bge-reranker form): pairs `<s> q </s></s> d </s>`, positions after
+/// padding_idx, the <s> row through `classifier.dense`, tanh and
+/// `classifier.out_proj`, then a sigmoid: CrossEncoder's scores within
+/// 1e-4, and transformers' logits within 1e-4 without the activation.
+#[test]
+fn xlm_roberta_cross_encoder_scores_match_cross_encoder() {
+    let r = reference("xlmr-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut a = args(&fixture("xlmr-rerank"));
+    a.max_model_len = None;
+    let mut llm = LLM::new(a).expect("load xlmr-rerank");
+    let mut token_ids = Vec::new();
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let packed = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair");
+        let ids: Vec<u32> = packed
+            .iter()
+            .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+            .collect();
+        let want: Vec<u32> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+        token_ids.push(ids);
+    }
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: score {g}, CrossEncoder {w}");
+    }
+    eprintln!("xlmr-rerank: largest |score - CrossEncoder| {worst:.3e}");
+    // The raw logits, batched together.
+    let prompts: Vec<Prompt> = token_ids.into_iter().map(Prompt::Tokens).collect();
+    let raw = llm.embed(&prompts, None).expect("raw logits");
+    for (k, (v, w)) in raw.iter().zip(floats(&r["logits"])).enumerate() {
+        assert_eq!(v.len(), 1, "one logit");
+        assert!(
+            (f64::from(v[0]) - w).abs() < 1e-4,
+            "pair {k}: logit {}, transformers {w}",
+            v[0]
+        );
+    }
+}

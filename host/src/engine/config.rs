@@ -92,6 +92,11 @@ pub const SUPPORTED_ARCHITECTURES: &[(&str, &str, &str)] = &[
         "-",
         "XLM-RoBERTa encoders for embeddings (BGE-M3, multilingual E5), served for pooling",
     ),
+    (
+        "XLMRobertaForSequenceClassification",
+        "-",
+        "XLM-RoBERTa cross-encoders with one label (bge-reranker), served for scoring",
+    ),
 ];
 
 /// The longest context the engine accepts (16M tokens).
@@ -353,7 +358,15 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        if let (Some(a @ ("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")), _)
+        if let (
+            Some(
+                a @ ("BertModel"
+                | "BertForSequenceClassification"
+                | "XLMRobertaModel"
+                | "XLMRobertaForSequenceClassification"),
+            ),
+            _,
+        )
         | (None, a @ ("bert" | "xlm-roberta")) = (archs.first().copied(), model_type)
         {
             return Self::from_hf_bert(v, a);
@@ -668,7 +681,10 @@ impl ModelConfig {
         // XLM-R (RoBERTa's embeddings): positions count from padding_idx
         // + 1, as transformers' `create_position_ids_from_input_ids` gives
         // them for a prompt without padding.
-        let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
+        let xlmr = matches!(
+            arch,
+            "XLMRobertaModel" | "XLMRobertaForSequenceClassification" | "xlm-roberta"
+        );
         let position_offset = if xlmr {
             let pad = v
                 .get("pad_token_id")
@@ -682,7 +698,7 @@ impl ModelConfig {
         if position_rows <= position_offset {
             bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
         }
-        let num_labels = if arch == "BertForSequenceClassification" {
+        let num_labels = if arch.ends_with("ForSequenceClassification") {
             let n = match v.get("num_labels") {
                 Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
                 None => v
@@ -692,7 +708,7 @@ impl ModelConfig {
             };
             if n != 1 {
                 bail!(
-                    "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
+                    "{arch} with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
                 );
             }
             if let Some(p) = v.get("problem_type").and_then(Value::as_str) {

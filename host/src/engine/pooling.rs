@@ -326,7 +326,12 @@ pub fn architecture_is_encoder(config_json: &Value) -> bool {
     let model_type = config_json.get("model_type").and_then(Value::as_str);
     matches!(
         arch,
-        Some("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")
+        Some(
+            "BertModel"
+                | "BertForSequenceClassification"
+                | "XLMRobertaModel"
+                | "XLMRobertaForSequenceClassification"
+        )
     ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta")))
 }
 

@@ -1,7 +1,10 @@
 //! BERT encoders: `BertModel` (embeddings, sentence-transformers' form)
 //! and `BertForSequenceClassification` (cross-encoders), as transformers
 //! defines them; and `XLMRobertaModel`, the same encoder whose positions
-//! start after `padding_idx` and which has one token type.
+//! start after `padding_idx` and which has one token type, with
+//! `XLMRobertaForSequenceClassification` (tensors under `roberta.`; its
+//! head, `classifier.dense`, tanh, `classifier.out_proj` on the <s> row,
+//! is BERT's pooler and classifier under other names).
 //!
 //! Input embedding: word + absolute position + token type, then LayerNorm.
 //! Each layer is post-LayerNorm: `h = LN(x + O·attn(x))`, `x = LN(h +
@@ -139,6 +142,8 @@ pub fn load<B: Backend>(
     }
     let p = if source.contains("bert.embeddings.word_embeddings.weight") {
         "bert."
+    } else if source.contains("roberta.embeddings.word_embeddings.weight") {
+        "roberta."
     } else {
         ""
     };
@@ -196,6 +201,12 @@ pub fn load<B: Backend>(
         });
     }
     let head = match enc.num_labels {
+        // XLM-R's `XLMRobertaClassificationHead`: the same dense, tanh and
+        // projection of the <s> row, named under `classifier.`.
+        Some(n) if source.contains("classifier.out_proj.weight") => Some(Classifier {
+            pooler: Linear::load(backend, source, "classifier.dense", d, d)?,
+            classifier: Linear::load(backend, source, "classifier.out_proj", n, d)?,
+        }),
         Some(n) => Some(Classifier {
             pooler: Linear::load(backend, source, &format!("{p}pooler.dense"), d, d)?,
             classifier: Linear::load(backend, source, "classifier", n, d)?,
