@@ -577,3 +577,83 @@ fn xlm_roberta_cross_encoder_scores_match_cross_encoder() {
         );
     }
 }
+
+/// bert-classify: `BertForSequenceClassification` with three labels
+/// (id2label negative, neutral, positive): each text's `[CLS]` row through
+/// the pooler and classifier, then a softmax: transformers' probabilities
+/// within 1e-4, batched together; scoring pairs is refused, naming
+/// classify.
+#[test]
+fn bert_classifier_probabilities_match_transformers() {
+    let r = reference("bert-classify");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut llm = LLM::new(args(&fixture("bert-classify"))).expect("load bert-classify");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    for (t, i) in texts.iter().zip(inputs) {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(llm.tokenizer().encode_for_pooling(t).expect("encode"), want);
+    }
+    let got = llm.classify(&texts).expect("classify");
+    let mut worst = 0f64;
+    for (k, (p, i)) in got.iter().zip(inputs).enumerate() {
+        let want = floats(&i["probs"]);
+        assert_eq!(p.len(), 3, "three labels");
+        for (g, w) in p.iter().zip(&want) {
+            let err = (f64::from(*g) - w).abs();
+            worst = worst.max(err);
+            assert!(err < 1e-4, "input {k}: probs {p:?}, transformers {want:?}");
+        }
+    }
+    eprintln!("bert-classify: largest |prob - transformers| {worst:.3e}");
+    // The raw logits, one input alone.
+    let raw = llm
+        .embed(&[Prompt::Text(texts[1].into())], None)
+        .expect("logits");
+    for (g, w) in raw[0].iter().zip(floats(&inputs[1]["logits"])) {
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-4,
+            "logit {g}, transformers {w}"
+        );
+    }
+    let e = llm
+        .score(&[("a", "b")])
+        .expect_err("scoring with a classifier");
+    assert!(format!("{e:#}").contains("classify"), "{e:#}");
+    let e = llm
+        .generate(&[Prompt::Tokens(vec![5, 6, 7])], &SamplingParams::default())
+        .expect_err("generation on a classifier");
+    assert!(format!("{e:#}").contains("/classify"), "{e:#}");
+}
+
+/// The labels come from id2label, num_labels or transformers' defaults.
+#[test]
+fn classifier_labels_follow_the_config() {
+    use pagoda::engine::pooling::{class_probs, classifier_labels};
+    let l = classifier_labels(&serde_json::json!({"id2label": {"0": "no", "1": "yes"}}))
+        .expect("labels");
+    assert_eq!(l, ["no", "yes"]);
+    let l = classifier_labels(&serde_json::json!({"num_labels": 3})).expect("labels");
+    assert_eq!(l, ["LABEL_0", "LABEL_1", "LABEL_2"]);
+    assert_eq!(
+        classifier_labels(&serde_json::json!({}))
+            .expect("labels")
+            .len(),
+        2
+    );
+    // softmax of (0, ln 3): 1/4, 3/4; a lone logit's sigmoid.
+    let p = class_probs(&[0.0, 3f32.ln()]);
+    assert!(
+        (p[0] - 0.25).abs() < 1e-6 && (p[1] - 0.75).abs() < 1e-6,
+        "{p:?}"
+    );
+    let p = class_probs(&[0.0]);
+    assert!((p[0] - 0.5).abs() < 1e-7, "{p:?}");
+}

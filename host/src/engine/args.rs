@@ -386,6 +386,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             match p.task {
                 crate::engine::pooling::PoolingTask::Embed => "embeddings",
                 crate::engine::pooling::PoolingTask::Score => "scores of a cross-encoder",
+                crate::engine::pooling::PoolingTask::Classify => "a classifier's probabilities",
             },
             p.pooling_type.name(),
             if p.normalize { ", L2-normalized" } else { "" }
@@ -436,7 +437,10 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         return Ok(None);
     }
     let mut cfg = match (classifier, args.convert) {
-        (true, ConvertKind::Auto | ConvertKind::Classify) => PoolerConfig::CROSS_ENCODER,
+        (true, ConvertKind::Auto | ConvertKind::Classify) => match &config_json {
+            Some(j) => PoolerConfig::classifier(j)?,
+            None => PoolerConfig::CROSS_ENCODER,
+        },
         (true, ConvertKind::Embed) => bail!(
             "--convert embed: this checkpoint is a cross-encoder (*ForSequenceClassification), which scores pairs on /score and /rerank; drop --convert"
         ),

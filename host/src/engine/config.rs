@@ -706,14 +706,20 @@ impl ModelConfig {
                     .and_then(Value::as_object)
                     .map_or(2, |m| m.len()),
             };
-            if n != 1 {
-                bail!(
-                    "{arch} with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
-                );
+            if n == 0 {
+                bail!("{arch} with 0 labels: 'num_labels' must be at least 1");
             }
+            // Several labels: /classify's softmax is single-label
+            // classification's; a multi-label head's independent sigmoids
+            // are not served.
             if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
-                if p != "regression" && p != "single_label_classification" {
-                    bail!("problem_type '{p}' is not served for a one-label classifier");
+                let fits = if n == 1 {
+                    p == "regression" || p == "single_label_classification"
+                } else {
+                    p == "single_label_classification"
+                };
+                if !fits {
+                    bail!("problem_type '{p}' is not served for a classifier with {n} labels (only single_label_classification, whose probabilities are a softmax{})", if n == 1 { ", or regression" } else { "" });
                 }
             }
             Some(n)
@@ -3090,8 +3096,8 @@ mod bert_tests {
             (json!({"is_decoder": true}), "is_decoder"),
             (json!({"add_cross_attention": true}), "add_cross_attention"),
             (
-                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}}),
-                "2 labels",
+                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}, "problem_type": "multi_label_classification"}),
+                "problem_type",
             ),
         ] {
             let e = ModelConfig::from_hf_json(&bert(extra.clone())).expect_err("refused");

@@ -143,10 +143,15 @@ impl LLM {
             .pooler()
             .cloned()
             .context("the model is served for generation; serve a cross-encoder to score")?;
-        if pooler.task != crate::engine::pooling::PoolingTask::Score {
-            anyhow::bail!(
+        match pooler.task {
+            crate::engine::pooling::PoolingTask::Score => {}
+            crate::engine::pooling::PoolingTask::Classify => anyhow::bail!(
+                "the model is a classifier with {} labels, not a cross-encoder: use classify",
+                pooler.labels.len()
+            ),
+            crate::engine::pooling::PoolingTask::Embed => anyhow::bail!(
                 "the model is an embedding model, not a cross-encoder: it does not score pairs"
-            );
+            ),
         }
         let ids = pairs
             .iter()
@@ -156,6 +161,30 @@ impl LLM {
             .into_iter()
             .map(|v| crate::engine::pooling::score_of(&v))
             .collect()
+    }
+
+    /// Classifies each text with a sequence classifier
+    /// (`*ForSequenceClassification`), all in the same batches, as vLLM's
+    /// `LLM.classify`: each text's probabilities over the labels (softmax;
+    /// a lone label's sigmoid).
+    pub fn classify(&mut self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        let pooler = self
+            .core
+            .pooler()
+            .cloned()
+            .context("the model is served for generation; serve a classifier to classify")?;
+        if pooler.labels.is_empty() {
+            anyhow::bail!("the model is an embedding model, not a classifier: use embed");
+        }
+        let ids = texts
+            .iter()
+            .map(|t| self.core.tokenizer().encode_for_pooling(t))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(self
+            .pool(ids)?
+            .iter()
+            .map(|v| crate::engine::pooling::class_probs(v))
+            .collect())
     }
 
     /// Runs every prompt as a pooling row and returns the raw pooled

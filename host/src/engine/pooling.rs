@@ -111,6 +111,10 @@ pub enum PoolingTask {
     /// one raw logit per input, which the score endpoints pass through a
     /// sigmoid as vLLM's default activation for one label does.
     Score,
+    /// A sequence classifier with several labels (`/classify`): its
+    /// `num_labels` raw logits per input, which `/classify` turns into
+    /// probabilities with a softmax, as vLLM's default activation does.
+    Classify,
 }
 
 /// How a pooling model makes its vectors.
@@ -121,6 +125,9 @@ pub struct PoolerConfig {
     pub normalize: bool,
     /// What the vectors are for.
     pub task: PoolingTask,
+    /// A classifier's label names, by index (its config's `id2label`);
+    /// empty for an embedding model.
+    pub labels: Vec<String>,
 }
 
 impl PoolerConfig {
@@ -130,6 +137,7 @@ impl PoolerConfig {
         pooling_type: PoolingType::Last,
         normalize: true,
         task: PoolingTask::Embed,
+        labels: Vec::new(),
     };
 
     /// What a BERT encoder without sentence-transformers' files pools by
@@ -139,6 +147,7 @@ impl PoolerConfig {
         pooling_type: PoolingType::Cls,
         normalize: true,
         task: PoolingTask::Embed,
+        labels: Vec::new(),
     };
 
     /// A cross-encoder (`*ForSequenceClassification`, one label): its
@@ -148,7 +157,25 @@ impl PoolerConfig {
         pooling_type: PoolingType::Cls,
         normalize: false,
         task: PoolingTask::Score,
+        labels: Vec::new(),
     };
+
+    /// A `*ForSequenceClassification` checkpoint whose config is
+    /// `config_json`: a cross-encoder ([`PoolerConfig::CROSS_ENCODER`])
+    /// with one label, a classifier ([`PoolingTask::Classify`]) with
+    /// several; the labels named by `id2label`.
+    pub fn classifier(config_json: &Value) -> Result<PoolerConfig> {
+        let labels = classifier_labels(config_json)?;
+        Ok(PoolerConfig {
+            task: if labels.len() == 1 {
+                PoolingTask::Score
+            } else {
+                PoolingTask::Classify
+            },
+            labels,
+            ..PoolerConfig::CROSS_ENCODER
+        })
+    }
 
     /// The pooling sentence-transformers' `modules.json` in `dir`
     /// describes, if the folder has one: its Pooling module's
@@ -214,6 +241,7 @@ impl PoolerConfig {
                 pooling_type: *one,
                 normalize,
                 task: PoolingTask::Embed,
+                labels: Vec::new(),
             })),
             [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
             _ => bail!(
@@ -288,6 +316,48 @@ pub fn score_of(raw: &[f32]) -> Result<f32> {
             other.len()
         ),
     }
+}
+
+/// A classifier's label names by index: `num_labels` of them (else as
+/// many as `id2label` has, else transformers' default of 2), each its
+/// `id2label` entry or transformers' `LABEL_<i>`.
+pub fn classifier_labels(config_json: &Value) -> Result<Vec<String>> {
+    let id2label = config_json.get("id2label").and_then(Value::as_object);
+    let n = match config_json.get("num_labels") {
+        Some(x) => usize::try_from(
+            x.as_u64()
+                .context("'num_labels' must be a positive integer")?,
+        )
+        .context("'num_labels' is too large")?,
+        None => id2label.map_or(2, |m| m.len()),
+    };
+    if n == 0 {
+        bail!("'num_labels' is 0: a classifier needs at least one label");
+    }
+    Ok((0..n)
+        .map(|i| {
+            id2label
+                .and_then(|m| m.get(&i.to_string()))
+                .and_then(Value::as_str)
+                .map_or_else(|| format!("LABEL_{i}"), str::to_owned)
+        })
+        .collect())
+}
+
+/// A classifier's probabilities from its raw logits, as vLLM's
+/// `/classify` gives them: the sigmoid of a lone logit, else the softmax
+/// over the labels (computed in f64).
+pub fn class_probs(logits: &[f32]) -> Vec<f32> {
+    if let [one] = logits {
+        return vec![(1.0 / (1.0 + (-f64::from(*one)).exp())) as f32];
+    }
+    let max = logits
+        .iter()
+        .map(|&x| f64::from(x))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = logits.iter().map(|&x| (f64::from(x) - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.iter().map(|e| (e / sum) as f32).collect()
 }
 
 /// Whether `config.json`'s first architecture names a model without a

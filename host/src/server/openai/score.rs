@@ -180,6 +180,12 @@ pub async fn score(
     let engine = state.engine_as(&model, ctx.as_ref())?.clone();
     match engine.pooler().map(|p| p.task) {
         Some(PoolingTask::Score) => {}
+        Some(PoolingTask::Classify) => {
+            return Err(ApiError::invalid(
+                Some("model".into()),
+                format!("The model {model:?} does not support the {} API: it is a classifier with several labels, not a cross-encoder. Use /classify.", if rerank.is_some() { "Rerank" } else { "Score" }),
+            ))
+        }
         Some(PoolingTask::Embed) => {
             return Err(ApiError::invalid(
                 Some("model".into()),
