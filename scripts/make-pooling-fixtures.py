@@ -24,6 +24,10 @@ OUT_DIR/<model>/ gets what the Hub holds for such a model, and reference.json:
                 scores pairs (sigmoid of the logit).
   xlmr-rerank   `XLMRobertaForSequenceClassification`, num_labels 1 (the
                 bge-reranker form: classifier.dense, tanh, out_proj).
+  qwen3-rerank  the Qwen3-Reranker form: a causal Qwen3 whose pair score is
+                P(yes) of the softmax over the "no" and "yes" logits at
+                the last token: {"query", "documents", "token_ids",
+                "no_yes_ids", "no_yes_logits", "scores"}.
   bert-classify `BertForSequenceClassification`, num_labels 3 with id2label:
                 {"inputs": [{"text", "token_ids", "logits", "probs",
                 "label"}]} (softmax of transformers' logits).
@@ -399,6 +403,61 @@ def bert_classify(out):
     write_json(os.path.join(d, "reference.json"), {"inputs": inputs})
 
 
+def qwen3_rerank(out):
+    """Qwen3-Reranker's form: a causal Qwen3 (`Qwen3ForCausalLM`, tied
+    embeddings) whose score of a pair is P(yes) of the softmax over the
+    logits of "yes" and "no" at the pair's last token, as the model card
+    computes it. The hf-families tokenizer gains "no" and "yes" as added
+    tokens (ids 507, 508); a pair is the two texts' tokens concatenated,
+    as transformers' tokenizer(text, text_pair) gives them."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, PreTrainedTokenizerFast
+
+    d = os.path.join(out, "qwen3-rerank")
+    os.makedirs(d, exist_ok=True)
+    src = here("..", "tests", "fixtures", "hf-families", "qwen3", "tokenizer.json")
+    with open(src) as f:
+        tok = json.load(f)
+    base = len(tok["model"]["vocab"])
+    for i, word in enumerate(["no", "yes"]):
+        tok["added_tokens"].append({"id": base + i, "content": word, "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": False})
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(d, "tokenizer.json"),
+        eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=256)
+    tokenizer.save_pretrained(d)
+    no_id, yes_id = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_theta=50000.0, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=0, bos_token_id=None,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(SEED + 5)
+    model = Qwen3ForCausalLM(config).float().eval()
+    scale_weights(model, 0.3)
+    model.save_pretrained(d, safe_serialization=True)
+    docs = DOCS + ["yes no yes"]
+    ids, scores, logits = [], [], []
+    for doc in docs:
+        enc = tokenizer(QUERY, doc, return_tensors="pt")
+        ids.append([int(i) for i in enc["input_ids"][0]])
+        with torch.no_grad():
+            last = model(input_ids=enc["input_ids"]).logits[0, -1]
+        pair = torch.stack([last[no_id], last[yes_id]])
+        logits.append([float(pair[0]), float(pair[1])])
+        scores.append(float(torch.softmax(pair, dim=-1)[1]))
+    write_json(os.path.join(d, "reference.json"), {
+        "query": QUERY, "documents": docs, "token_ids": ids,
+        "no_yes_ids": [int(no_id), int(yes_id)], "no_yes_logits": logits,
+        "scores": scores,
+    })
+
+
 FIXTURES = {
     "qwen3-embed": qwen3_embed,
     "bert-embed": bert_embed,
@@ -406,6 +465,7 @@ FIXTURES = {
     "xlmr-embed": xlmr_embed,
     "xlmr-rerank": xlmr_rerank,
     "bert-classify": bert_classify,
+    "qwen3-rerank": qwen3_rerank,
 }
 
 

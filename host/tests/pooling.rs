@@ -657,3 +657,83 @@ fn classifier_labels_follow_the_config() {
     let p = class_probs(&[0.0]);
     assert!((p[0] - 0.5).abs() < 1e-7, "{p:?}");
 }
+
+const QWEN3_RERANKER: &str = r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}"#;
+
+/// qwen3-rerank: a causal Qwen3 served as Qwen3-Reranker is with vLLM's
+/// `--hf-overrides`: each pair (the two texts' tokens concatenated) scores
+/// P(yes) of the softmax over the logits of "no" and "yes" at its last
+/// token: transformers' within 1e-4, batched together; the overrides'
+/// other forms are refused by name.
+#[test]
+fn qwen3_reranker_scores_match_transformers() {
+    let r = reference("qwen3-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut a = args(&fixture("qwen3-rerank"));
+    a.hf_overrides = Some(QWEN3_RERANKER.into());
+    // Byte-level pieces: the longest pair has 66 tokens.
+    a.max_model_len = Some(128);
+    let mut llm = LLM::new(a).expect("load qwen3-rerank as a reranker");
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let ids: Vec<u32> = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair")
+            .iter()
+            .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+            .collect();
+        let want: Vec<u32> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+    }
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: score {g}, transformers {w}");
+    }
+    eprintln!("qwen3-rerank: largest |P(yes) - transformers| {worst:.3e}");
+    // Without the overrides the same folder is a generation model.
+    let mut a = args(&fixture("qwen3-rerank"));
+    a.max_model_len = Some(128);
+    let e = LLM::new(a)
+        .expect("load as a generator")
+        .score(&pairs)
+        .expect_err("no scoring without the overrides");
+    assert!(format!("{e:#}").contains("generation"), "{e:#}");
+    for (json, word) in [
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true, "rope_theta": 1}"#,
+            "rope_theta",
+        ),
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["yes"], "is_original_qwen3_reranker": true}"#,
+            "two tokens",
+        ),
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "maybe"], "is_original_qwen3_reranker": true}"#,
+            "maybe",
+        ),
+    ] {
+        let mut a = args(&fixture("qwen3-rerank"));
+        a.hf_overrides = Some(json.into());
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{json}: {e:#}");
+    }
+}

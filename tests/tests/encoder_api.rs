@@ -566,3 +566,57 @@ fn generation_model_refuses_classify_and_cohere_embed() {
         assert!(message(&e).contains("/v1/completions"), "{path}: {e}");
     }
 }
+
+/// qwen3-rerank: a causal Qwen3 served as Qwen3-Reranker with vLLM's
+/// `--hf-overrides`: `/rerank` and `/score` give P(yes) of the softmax over
+/// the "no" and "yes" logits at the pair's last token, transformers'
+/// within 1e-4.
+#[test]
+fn qwen3_reranker_over_http_matches_transformers() {
+    let s = Server::start_with_model(
+        &fixture("qwen3-rerank"),
+        &[
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--hf-overrides",
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}"#,
+        ],
+    );
+    let r = reference("qwen3-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let want = floats(&r["scores"]);
+    let mut worst = 0.0f64;
+    let (st, out) = s.post(
+        "/v1/rerank",
+        &json!({"model": "smol", "query": query, "documents": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    for res in out["results"].as_array().expect("results") {
+        let i = res["index"].as_u64().expect("index") as usize;
+        let got = res["relevance_score"].as_f64().expect("relevance_score");
+        worst = worst.max((got - want[i]).abs());
+        assert!((got - want[i]).abs() < 1e-4, "document {i}: {got}");
+    }
+    let (st, out) = s.post(
+        "/score",
+        &json!({"model": "smol", "text_1": query, "text_2": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    for (k, d) in out["data"].as_array().expect("data").iter().enumerate() {
+        let got = d["score"].as_f64().expect("score");
+        worst = worst.max((got - want[k]).abs());
+        assert!((got - want[k]).abs() < 1e-4, "pair {k}: {got}");
+    }
+    eprintln!("qwen3-rerank over HTTP: largest |P(yes) - transformers| {worst:.3e}");
+    let (st, e) = s.post("/v1/embeddings", &json!({"model": "smol", "input": "hi"}));
+    assert_eq!(st, 400, "{e}");
+    assert!(message(&e).contains("/rerank"), "{e}");
+}

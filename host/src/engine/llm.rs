@@ -153,13 +153,24 @@ impl LLM {
                 "the model is an embedding model, not a cross-encoder: it does not score pairs"
             ),
         }
+        let decoder = pooler.token_head.is_some();
         let ids = pairs
             .iter()
-            .map(|(q, d)| self.core.tokenizer().encode_pair_for_scoring(q, d))
+            .map(|(q, d)| {
+                let ids = self.core.tokenizer().encode_pair_for_scoring(q, d)?;
+                // A decoder reranker reads the pair as one text, untyped.
+                Ok(if decoder {
+                    ids.into_iter()
+                        .map(|t| pagoda_accel::ops::encoder::unpack_token(t).0)
+                        .collect()
+                } else {
+                    ids
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         self.pool(ids)?
             .into_iter()
-            .map(|v| crate::engine::pooling::score_of(&v))
+            .map(|v| crate::engine::pooling::score_of(&pooler.head_logits(v)?))
             .collect()
     }
 
@@ -180,11 +191,10 @@ impl LLM {
             .iter()
             .map(|t| self.core.tokenizer().encode_for_pooling(t))
             .collect::<Result<Vec<_>>>()?;
-        Ok(self
-            .pool(ids)?
-            .iter()
-            .map(|v| crate::engine::pooling::class_probs(v))
-            .collect())
+        self.pool(ids)?
+            .into_iter()
+            .map(|v| Ok(crate::engine::pooling::class_probs(&pooler.head_logits(v)?)))
+            .collect()
     }
 
     /// Runs every prompt as a pooling row and returns the raw pooled

@@ -128,6 +128,76 @@ pub struct PoolerConfig {
     /// A classifier's label names, by index (its config's `id2label`);
     /// empty for an embedding model.
     pub labels: Vec<String>,
+    /// A decoder served as a reranker from two of its vocabulary's tokens
+    /// (vLLM's `classifier_from_token`, the Qwen3-Reranker form).
+    pub token_head: Option<TokenHead>,
+}
+
+/// The Qwen3-Reranker form of a causal model (vLLM's `--hf-overrides
+/// '{"architectures": ["Qwen3ForSequenceClassification"],
+/// "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker":
+/// true}'`): the score of a pair is P(yes) of the softmax over the logits
+/// of the two tokens at its last token, which is the sigmoid of
+/// `h · (W[yes] - W[no])` for the final-normed hidden state `h` and the
+/// LM head `W`; `weight` holds that difference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenHead {
+    /// The "false" and "true" tokens, in that order.
+    pub tokens: [String; 2],
+    /// `W[true] - W[false]` (filled once the weights are read).
+    pub weight: Vec<f32>,
+}
+
+/// Reads vLLM's `--hf-overrides` JSON: only the Qwen3-Reranker form is
+/// implemented (`architectures` naming a `*ForSequenceClassification`,
+/// `classifier_from_token` with the false and true tokens, and
+/// `is_original_qwen3_reranker` true); other keys are refused by name.
+pub fn token_head_from_overrides(json: &str) -> Result<TokenHead> {
+    let v: Value =
+        serde_json::from_str(json).with_context(|| format!("--hf-overrides {json}: not JSON"))?;
+    let obj = v
+        .as_object()
+        .with_context(|| format!("--hf-overrides {json}: expected a JSON object"))?;
+    let mut tokens = None;
+    let mut original = false;
+    let mut classifier_arch = false;
+    for (k, val) in obj {
+        match k.as_str() {
+            "architectures" => {
+                classifier_arch = val
+                    .as_array()
+                    .and_then(|a| a.first())
+                    .and_then(Value::as_str)
+                    .is_some_and(|a| a.ends_with("ForSequenceClassification"));
+                if !classifier_arch {
+                    bail!("--hf-overrides: architectures {val} is not implemented (only a *ForSequenceClassification, the Qwen3-Reranker form)");
+                }
+            }
+            "classifier_from_token" => {
+                let t: Vec<String> = val
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect())
+                    .unwrap_or_default();
+                match <[String; 2]>::try_from(t) {
+                    Ok(pair) => tokens = Some(pair),
+                    Err(_) => bail!("--hf-overrides: classifier_from_token must name two tokens, the false and the true one (such as [\"no\", \"yes\"]); got {val}"),
+                }
+            }
+            "is_original_qwen3_reranker" => {
+                original = val
+                    .as_bool()
+                    .context("--hf-overrides: is_original_qwen3_reranker must be true or false")?;
+            }
+            other => bail!("--hf-overrides: key {other:?} is not implemented (supported: architectures, classifier_from_token, is_original_qwen3_reranker, the Qwen3-Reranker form)"),
+        }
+    }
+    match (classifier_arch, tokens, original) {
+        (true, Some(tokens), true) => Ok(TokenHead {
+            tokens,
+            weight: Vec::new(),
+        }),
+        _ => bail!("--hf-overrides: only the Qwen3-Reranker form is implemented: give architectures [\"Qwen3ForSequenceClassification\"], classifier_from_token [\"no\", \"yes\"] and is_original_qwen3_reranker true"),
+    }
 }
 
 impl PoolerConfig {
@@ -138,6 +208,7 @@ impl PoolerConfig {
         normalize: true,
         task: PoolingTask::Embed,
         labels: Vec::new(),
+        token_head: None,
     };
 
     /// What a BERT encoder without sentence-transformers' files pools by
@@ -148,6 +219,7 @@ impl PoolerConfig {
         normalize: true,
         task: PoolingTask::Embed,
         labels: Vec::new(),
+        token_head: None,
     };
 
     /// A cross-encoder (`*ForSequenceClassification`, one label): its
@@ -158,6 +230,7 @@ impl PoolerConfig {
         normalize: false,
         task: PoolingTask::Score,
         labels: Vec::new(),
+        token_head: None,
     };
 
     /// A `*ForSequenceClassification` checkpoint whose config is
@@ -242,6 +315,7 @@ impl PoolerConfig {
                 normalize,
                 task: PoolingTask::Embed,
                 labels: Vec::new(),
+                token_head: None,
             })),
             [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
             _ => bail!(
@@ -279,6 +353,27 @@ impl PoolerConfig {
             }
         }
         Ok(self)
+    }
+
+    /// A scoring or classifying model's logits from its raw pooled output:
+    /// the classifier's own, or a token head's one logit.
+    pub fn head_logits(&self, raw: Vec<f32>) -> Result<Vec<f32>> {
+        let Some(head) = &self.token_head else {
+            return Ok(raw);
+        };
+        if raw.len() != head.weight.len() {
+            bail!(
+                "the reranker's hidden state has {} values, its head {}",
+                raw.len(),
+                head.weight.len()
+            );
+        }
+        let dot: f64 = raw
+            .iter()
+            .zip(&head.weight)
+            .map(|(x, w)| f64::from(*x) * f64::from(*w))
+            .sum();
+        Ok(vec![dot as f32])
     }
 
     /// Turns a raw pooled hidden state into the vector a client gets: the

@@ -180,7 +180,10 @@ pub async fn classify(
     let raw = run(&state, &engine, &id, &prompts, opts).await?;
     let n = pooler.labels.len();
     let mut data = Vec::with_capacity(raw.len());
-    for (index, logits) in raw.iter().enumerate() {
+    for (index, logits) in raw.into_iter().enumerate() {
+        let logits = pooler
+            .head_logits(logits)
+            .map_err(|e| ApiError::internal(format!("{e:#}")))?;
         if logits.len() != n {
             return Err(ApiError::internal(format!(
                 "the classifier gave {} logits for its {n} labels",
@@ -188,7 +191,7 @@ pub async fn classify(
             )));
         }
         let probs = if activation {
-            class_probs(logits)
+            class_probs(&logits)
         } else {
             logits.clone()
         };
