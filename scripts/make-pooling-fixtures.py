@@ -22,6 +22,15 @@ OUT_DIR/<model>/ gets what the Hub holds for such a model, and reference.json:
   bert-rerank   a cross-encoder (`BertForSequenceClassification`,
                 num_labels 1), scored as sentence-transformers' CrossEncoder
                 scores pairs (sigmoid of the logit).
+  xlmr-rerank   `XLMRobertaForSequenceClassification`, num_labels 1 (the
+                bge-reranker form: classifier.dense, tanh, out_proj).
+  qwen3-rerank  the Qwen3-Reranker form: a causal Qwen3 whose pair score is
+                P(yes) of the softmax over the "no" and "yes" logits at
+                the last token: {"query", "documents", "token_ids",
+                "no_yes_ids", "no_yes_logits", "scores"}.
+  bert-classify `BertForSequenceClassification`, num_labels 3 with id2label:
+                {"inputs": [{"text", "token_ids", "logits", "probs",
+                "label"}]} (softmax of transformers' logits).
 
 reference.json:
   embed models: {"inputs": [{"text", "token_ids", "embedding"}...],
@@ -331,11 +340,132 @@ def xlmr_embed(out):
     embed_reference(d, st, tok)
 
 
+def xlmr_rerank(out):
+    """`XLMRobertaForSequenceClassification` with one label (bge-reranker's
+    form): XLM-R's head is dense, tanh and out_proj on the <s> row, named
+    `classifier.dense` and `classifier.out_proj`, beside `roberta.`."""
+    from sentence_transformers import CrossEncoder
+    from transformers import XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    d = os.path.join(out, "xlmr-rerank")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab = xlmr_tokenizer(d)
+    torch.manual_seed(SEED + 3)
+    config = XLMRobertaConfig(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=96, hidden_act="gelu",
+        max_position_embeddings=66, type_vocab_size=1, num_labels=1,
+        layer_norm_eps=1e-6, pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    model = XLMRobertaForSequenceClassification(config).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    ce = CrossEncoder(d, device="cpu")
+    pairs = [(QUERY, doc) for doc in DOCS]
+    logits = []
+    ids = []
+    for q, doc in pairs:
+        enc = tok(q, doc, return_tensors="pt")
+        ids.append([int(i) for i in enc["input_ids"][0]])
+        with torch.no_grad():
+            logits.append(float(model(**enc).logits[0, 0]))
+    scores = [float(s) for s in ce.predict(pairs, batch_size=1)]
+    write_json(os.path.join(d, "reference.json"), {
+        "query": QUERY, "documents": DOCS, "token_ids": ids,
+        "logits": logits, "scores": scores,
+    })
+
+
+def bert_classify(out):
+    """`BertForSequenceClassification` with three labels (id2label from the
+    config), served on /classify: transformers' logits and their softmax."""
+    from transformers import BertForSequenceClassification
+
+    d = os.path.join(out, "bert-classify")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab = bert_tokenizer(d)
+    torch.manual_seed(SEED + 4)
+    config = bert_config(vocab, num_labels=3,
+                         id2label={0: "negative", 1: "neutral", 2: "positive"},
+                         label2id={"negative": 0, "neutral": 1, "positive": 2})
+    model = BertForSequenceClassification(config).float().eval()
+    scale_weights(model, 0.3)
+    model.save_pretrained(d, safe_serialization=True)
+    inputs = []
+    for text in TEXTS:
+        enc = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            logits = model(**enc).logits[0]
+        probs = torch.softmax(logits, dim=-1)
+        inputs.append({"text": text, "token_ids": [int(i) for i in enc["input_ids"][0]],
+                       "logits": [float(x) for x in logits],
+                       "probs": [float(x) for x in probs],
+                       "label": config.id2label[int(probs.argmax())]})
+    write_json(os.path.join(d, "reference.json"), {"inputs": inputs})
+
+
+def qwen3_rerank(out):
+    """Qwen3-Reranker's form: a causal Qwen3 (`Qwen3ForCausalLM`, tied
+    embeddings) whose score of a pair is P(yes) of the softmax over the
+    logits of "yes" and "no" at the pair's last token, as the model card
+    computes it. The hf-families tokenizer gains "no" and "yes" as added
+    tokens (ids 507, 508); a pair is the two texts' tokens concatenated,
+    as transformers' tokenizer(text, text_pair) gives them."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, PreTrainedTokenizerFast
+
+    d = os.path.join(out, "qwen3-rerank")
+    os.makedirs(d, exist_ok=True)
+    src = here("..", "tests", "fixtures", "hf-families", "qwen3", "tokenizer.json")
+    with open(src) as f:
+        tok = json.load(f)
+    base = len(tok["model"]["vocab"])
+    for i, word in enumerate(["no", "yes"]):
+        tok["added_tokens"].append({"id": base + i, "content": word, "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": False})
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_file=os.path.join(d, "tokenizer.json"),
+        eos_token="<|endoftext|>", pad_token="<|endoftext|>", model_max_length=256)
+    tokenizer.save_pretrained(d)
+    no_id, yes_id = tokenizer.convert_tokens_to_ids(["no", "yes"])
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_theta=50000.0, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=0, bos_token_id=None,
+    )
+    config.architectures = ["Qwen3ForCausalLM"]
+    torch.manual_seed(SEED + 5)
+    model = Qwen3ForCausalLM(config).float().eval()
+    scale_weights(model, 0.3)
+    model.save_pretrained(d, safe_serialization=True)
+    docs = DOCS + ["yes no yes"]
+    ids, scores, logits = [], [], []
+    for doc in docs:
+        enc = tokenizer(QUERY, doc, return_tensors="pt")
+        ids.append([int(i) for i in enc["input_ids"][0]])
+        with torch.no_grad():
+            last = model(input_ids=enc["input_ids"]).logits[0, -1]
+        pair = torch.stack([last[no_id], last[yes_id]])
+        logits.append([float(pair[0]), float(pair[1])])
+        scores.append(float(torch.softmax(pair, dim=-1)[1]))
+    write_json(os.path.join(d, "reference.json"), {
+        "query": QUERY, "documents": docs, "token_ids": ids,
+        "no_yes_ids": [int(no_id), int(yes_id)], "no_yes_logits": logits,
+        "scores": scores,
+    })
+
+
 FIXTURES = {
     "qwen3-embed": qwen3_embed,
     "bert-embed": bert_embed,
     "bert-rerank": bert_rerank,
     "xlmr-embed": xlmr_embed,
+    "xlmr-rerank": xlmr_rerank,
+    "bert-classify": bert_classify,
+    "qwen3-rerank": qwen3_rerank,
 }
 
 

@@ -514,3 +514,226 @@ fn xlm_roberta_embedding_matches_sentence_transformers() {
         "{e:#}"
     );
 }
+
+/// xlmr-rerank: `XLMRobertaForSequenceClassification` with one label (the
+/// bge-reranker form): pairs `<s> q </s></s> d </s>`, positions after
+/// padding_idx, the <s> row through `classifier.dense`, tanh and
+/// `classifier.out_proj`, then a sigmoid: CrossEncoder's scores within
+/// 1e-4, and transformers' logits within 1e-4 without the activation.
+#[test]
+fn xlm_roberta_cross_encoder_scores_match_cross_encoder() {
+    let r = reference("xlmr-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut a = args(&fixture("xlmr-rerank"));
+    a.max_model_len = None;
+    let mut llm = LLM::new(a).expect("load xlmr-rerank");
+    let mut token_ids = Vec::new();
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let packed = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair");
+        let ids: Vec<u32> = packed
+            .iter()
+            .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+            .collect();
+        let want: Vec<u32> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+        token_ids.push(ids);
+    }
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: score {g}, CrossEncoder {w}");
+    }
+    eprintln!("xlmr-rerank: largest |score - CrossEncoder| {worst:.3e}");
+    // The raw logits, batched together.
+    let prompts: Vec<Prompt> = token_ids.into_iter().map(Prompt::Tokens).collect();
+    let raw = llm.embed(&prompts, None).expect("raw logits");
+    for (k, (v, w)) in raw.iter().zip(floats(&r["logits"])).enumerate() {
+        assert_eq!(v.len(), 1, "one logit");
+        assert!(
+            (f64::from(v[0]) - w).abs() < 1e-4,
+            "pair {k}: logit {}, transformers {w}",
+            v[0]
+        );
+    }
+}
+
+/// bert-classify: `BertForSequenceClassification` with three labels
+/// (id2label negative, neutral, positive): each text's `[CLS]` row through
+/// the pooler and classifier, then a softmax: transformers' probabilities
+/// within 1e-4, batched together; scoring pairs is refused, naming
+/// classify.
+#[test]
+fn bert_classifier_probabilities_match_transformers() {
+    let r = reference("bert-classify");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut llm = LLM::new(args(&fixture("bert-classify"))).expect("load bert-classify");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    for (t, i) in texts.iter().zip(inputs) {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(llm.tokenizer().encode_for_pooling(t).expect("encode"), want);
+    }
+    let got = llm.classify(&texts).expect("classify");
+    let mut worst = 0f64;
+    for (k, (p, i)) in got.iter().zip(inputs).enumerate() {
+        let want = floats(&i["probs"]);
+        assert_eq!(p.len(), 3, "three labels");
+        for (g, w) in p.iter().zip(&want) {
+            let err = (f64::from(*g) - w).abs();
+            worst = worst.max(err);
+            assert!(err < 1e-4, "input {k}: probs {p:?}, transformers {want:?}");
+        }
+    }
+    eprintln!("bert-classify: largest |prob - transformers| {worst:.3e}");
+    // The raw logits, one input alone.
+    let raw = llm
+        .embed(&[Prompt::Text(texts[1].into())], None)
+        .expect("logits");
+    for (g, w) in raw[0].iter().zip(floats(&inputs[1]["logits"])) {
+        assert!(
+            (f64::from(*g) - w).abs() < 1e-4,
+            "logit {g}, transformers {w}"
+        );
+    }
+    let e = llm
+        .score(&[("a", "b")])
+        .expect_err("scoring with a classifier");
+    assert!(format!("{e:#}").contains("classify"), "{e:#}");
+    let e = llm
+        .generate(&[Prompt::Tokens(vec![5, 6, 7])], &SamplingParams::default())
+        .expect_err("generation on a classifier");
+    assert!(format!("{e:#}").contains("/classify"), "{e:#}");
+}
+
+/// The labels come from id2label, num_labels or transformers' defaults.
+#[test]
+fn classifier_labels_follow_the_config() {
+    use pagoda::engine::pooling::{class_probs, classifier_labels};
+    let l = classifier_labels(&serde_json::json!({"id2label": {"0": "no", "1": "yes"}}))
+        .expect("labels");
+    assert_eq!(l, ["no", "yes"]);
+    let l = classifier_labels(&serde_json::json!({"num_labels": 3})).expect("labels");
+    assert_eq!(l, ["LABEL_0", "LABEL_1", "LABEL_2"]);
+    assert_eq!(
+        classifier_labels(&serde_json::json!({}))
+            .expect("labels")
+            .len(),
+        2
+    );
+    // softmax of (0, ln 3): 1/4, 3/4; a lone logit's sigmoid.
+    let p = class_probs(&[0.0, 3f32.ln()]);
+    assert!(
+        (p[0] - 0.25).abs() < 1e-6 && (p[1] - 0.75).abs() < 1e-6,
+        "{p:?}"
+    );
+    let p = class_probs(&[0.0]);
+    assert!((p[0] - 0.5).abs() < 1e-7, "{p:?}");
+}
+
+const QWEN3_RERANKER: &str = r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}"#;
+
+/// qwen3-rerank: a causal Qwen3 served as Qwen3-Reranker is with vLLM's
+/// `--hf-overrides`: each pair (the two texts' tokens concatenated) scores
+/// P(yes) of the softmax over the logits of "no" and "yes" at its last
+/// token: transformers' within 1e-4, batched together; the overrides'
+/// other forms are refused by name.
+#[test]
+fn qwen3_reranker_scores_match_transformers() {
+    let r = reference("qwen3-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut a = args(&fixture("qwen3-rerank"));
+    a.hf_overrides = Some(QWEN3_RERANKER.into());
+    // Byte-level pieces: the longest pair has 66 tokens.
+    a.max_model_len = Some(128);
+    let mut llm = LLM::new(a).expect("load qwen3-rerank as a reranker");
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let ids: Vec<u32> = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair")
+            .iter()
+            .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+            .collect();
+        let want: Vec<u32> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+    }
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: score {g}, transformers {w}");
+    }
+    eprintln!("qwen3-rerank: largest |P(yes) - transformers| {worst:.3e}");
+    // Without the overrides the same folder is a generation model.
+    let mut a = args(&fixture("qwen3-rerank"));
+    a.max_model_len = Some(128);
+    let e = LLM::new(a)
+        .expect("load as a generator")
+        .score(&pairs)
+        .expect_err("no scoring without the overrides");
+    assert!(format!("{e:#}").contains("generation"), "{e:#}");
+    for (json, word) in [
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true, "rope_theta": 1}"#,
+            "rope_theta",
+        ),
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["yes"], "is_original_qwen3_reranker": true}"#,
+            "two tokens",
+        ),
+        (
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "maybe"], "is_original_qwen3_reranker": true}"#,
+            "maybe",
+        ),
+    ] {
+        let mut a = args(&fixture("qwen3-rerank"));
+        a.hf_overrides = Some(json.into());
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{json}: {e:#}");
+    }
+}

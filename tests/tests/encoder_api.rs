@@ -320,3 +320,303 @@ fn xlm_roberta_embeddings_match_sentence_transformers_over_http() {
     let models: Value = serde_json::from_str(&text).expect("JSON");
     assert_eq!(models["data"][0]["max_model_len"], 64, "{models}");
 }
+
+/// xlmr-rerank (`XLMRobertaForSequenceClassification`, one label, the
+/// bge-reranker form) through the same scoring endpoints: CrossEncoder's
+/// scores within 1e-4.
+#[test]
+fn xlm_roberta_rerank_scores_match_cross_encoder_over_http() {
+    let s = start("xlmr-rerank");
+    let r = reference("xlmr-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let want = floats(&r["scores"]);
+    let mut by_relevance: Vec<usize> = (0..want.len()).collect();
+    by_relevance.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+    let mut worst = 0.0f64;
+    for path in ["/rerank", "/v1/rerank", "/v2/rerank"] {
+        let (st, out) = s.post(
+            path,
+            &json!({"model": "smol", "query": query, "documents": docs}),
+        );
+        assert_eq!(st, 200, "{path}: {out}");
+        let results = out["results"].as_array().expect("results");
+        assert_eq!(results.len(), docs.len(), "{out}");
+        for (res, &i) in results.iter().zip(&by_relevance) {
+            assert_eq!(res["index"], i, "{path}: by relevance: {out}");
+            let got = res["relevance_score"].as_f64().expect("relevance_score");
+            worst = worst.max((got - want[i]).abs());
+            assert!((got - want[i]).abs() < 1e-4, "{path}, document {i}: {got}");
+        }
+    }
+    for path in ["/score", "/v1/score"] {
+        let (st, out) = s.post(
+            path,
+            &json!({"model": "smol", "text_1": query, "text_2": docs}),
+        );
+        assert_eq!(st, 200, "{path}: {out}");
+        for (k, d) in out["data"].as_array().expect("data").iter().enumerate() {
+            let got = d["score"].as_f64().expect("score");
+            worst = worst.max((got - want[k]).abs());
+            assert!((got - want[k]).abs() < 1e-4, "{path}, pair {k}: {got}");
+        }
+    }
+    eprintln!("xlmr-rerank over HTTP: largest |score - CrossEncoder| {worst:.3e}");
+}
+
+/// bert-classify (`BertForSequenceClassification`, three labels) on vLLM's
+/// `/classify`: transformers' softmax within 1e-4, id2label's names,
+/// `use_activation: false` for the logits; the scoring and embeddings
+/// endpoints refuse it naming /classify.
+#[test]
+fn bert_classify_matches_transformers_over_http() {
+    let s = start("bert-classify");
+    let r = reference("bert-classify");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    let n_tokens: usize = inputs
+        .iter()
+        .map(|i| i["token_ids"].as_array().map_or(0, Vec::len))
+        .sum();
+    let (st, out) = s.post("/classify", &json!({"model": "smol", "input": texts}));
+    assert_eq!(st, 200, "{out}");
+    assert_eq!(out["object"], "list");
+    assert_eq!(out["model"], "smol");
+    assert!(
+        out["id"]
+            .as_str()
+            .is_some_and(|i| i.starts_with("classify-")),
+        "{out}"
+    );
+    assert_eq!(out["usage"]["prompt_tokens"], n_tokens, "{out}");
+    assert_eq!(out["usage"]["total_tokens"], n_tokens, "{out}");
+    let data = out["data"].as_array().expect("data");
+    assert_eq!(data.len(), texts.len());
+    let mut worst = 0.0f64;
+    for (k, (d, i)) in data.iter().zip(inputs).enumerate() {
+        assert_eq!(d["index"], k);
+        assert_eq!(d["num_classes"], 3, "{d}");
+        assert_eq!(d["label"], i["label"], "input {k}: {d}");
+        let want = floats(&i["probs"]);
+        for (g, w) in floats(&d["probs"]).iter().zip(&want) {
+            worst = worst.max((g - w).abs());
+            assert!((g - w).abs() < 1e-4, "input {k}: {d} vs {want:?}");
+        }
+    }
+    eprintln!("bert-classify over HTTP: largest |prob - transformers| {worst:.3e}");
+    // One string, and the raw logits.
+    let (st, one) = s.post(
+        "/classify",
+        &json!({"model": "smol", "input": texts[1], "use_activation": false}),
+    );
+    assert_eq!(st, 200, "{one}");
+    let got = floats(&one["data"][0]["probs"]);
+    for (g, w) in got.iter().zip(floats(&inputs[1]["logits"])) {
+        assert!((g - w).abs() < 1e-4, "{one}");
+    }
+    let (st, e) = s.post("/classify", &json!({"model": "smol", "input": [1, 2]}));
+    assert_eq!(st, 400, "{e}");
+    assert!(message(&e).contains("'input'"), "{e}");
+    for (path, body) in [
+        ("/v1/embeddings", json!({"model": "smol", "input": "hi"})),
+        ("/v2/embed", json!({"model": "smol", "texts": ["hi"]})),
+        (
+            "/score",
+            json!({"model": "smol", "text_1": "a", "text_2": "b"}),
+        ),
+        (
+            "/v1/rerank",
+            json!({"model": "smol", "query": "a", "documents": ["b"]}),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "hi", "max_tokens": 2}),
+        ),
+    ] {
+        let (st, e) = s.post(path, &body);
+        assert_eq!(st, 400, "{path}: {e}");
+        assert_eq!(e["error"]["type"], "invalid_request_error", "{path}: {e}");
+        assert!(message(&e).contains("/classify"), "{path}: {e}");
+    }
+}
+
+/// Cohere's `/v2/embed` as vLLM serves it, on bert-embed: the float
+/// vectors (sentence-transformers' within cosine 0.99999), the texts back,
+/// billed input tokens, Matryoshka's `output_dimension`, and the packed
+/// binary types; an embedding model at /classify is told to use
+/// /v1/embeddings.
+#[test]
+fn cohere_v2_embed_matches_sentence_transformers_over_http() {
+    let s = start("bert-embed");
+    let r = reference("bert-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    let n_tokens: usize = inputs
+        .iter()
+        .map(|i| i["token_ids"].as_array().map_or(0, Vec::len))
+        .sum();
+    let (st, out) = s.post(
+        "/v2/embed",
+        &json!({"model": "smol", "texts": texts, "input_type": "search_document", "embedding_types": ["float", "binary", "ubinary", "base64"]}),
+    );
+    assert_eq!(st, 200, "{out}");
+    assert!(
+        out["id"].as_str().is_some_and(|i| i.starts_with("embd-")),
+        "{out}"
+    );
+    assert_eq!(out["response_type"], "embeddings_by_type");
+    assert_eq!(out["texts"], json!(texts));
+    assert_eq!(out["meta"]["api_version"]["version"], "2", "{out}");
+    assert_eq!(
+        out["meta"]["billed_units"]["input_tokens"], n_tokens,
+        "{out}"
+    );
+    let vectors = out["embeddings"]["float"].as_array().expect("float");
+    assert_eq!(vectors.len(), texts.len());
+    for (k, (v, i)) in vectors.iter().zip(inputs).enumerate() {
+        let want = floats(&i["embedding"]);
+        let got = floats(v);
+        let c = cosine(&got, &want);
+        assert!(c >= 0.99999, "input {k}: cosine {c}");
+        // The packed types, bit by bit from the float vector's signs.
+        let bits: Vec<i64> = got
+            .chunks(8)
+            .map(|c| {
+                c.iter()
+                    .enumerate()
+                    .map(|(j, x)| i64::from(*x >= 0.0) << (7 - j))
+                    .sum()
+            })
+            .collect();
+        let ub: Vec<i64> = out["embeddings"]["ubinary"][k]
+            .as_array()
+            .expect("ubinary")
+            .iter()
+            .map(|x| x.as_i64().expect("int"))
+            .collect();
+        assert_eq!(ub, bits, "input {k}: ubinary");
+        let b: Vec<i64> = out["embeddings"]["binary"][k]
+            .as_array()
+            .expect("binary")
+            .iter()
+            .map(|x| x.as_i64().expect("int"))
+            .collect();
+        assert_eq!(
+            b,
+            bits.iter().map(|x| x - 128).collect::<Vec<_>>(),
+            "input {k}: binary"
+        );
+        let b64 = out["embeddings"]["base64"][k].as_str().expect("base64");
+        // Little-endian float32s: 4 bytes a component, padded base64.
+        assert_eq!(b64.len(), (want.len() * 4).div_ceil(3) * 4, "input {k}");
+    }
+    // The default type is float alone; output_dimension truncates and
+    // renormalizes as /v1/embeddings' dimensions does.
+    let (st, short) = s.post(
+        "/v2/embed",
+        &json!({"model": "smol", "texts": [texts[0]], "input_type": "search_query", "output_dimension": 16}),
+    );
+    assert_eq!(st, 200, "{short}");
+    assert!(short["embeddings"]["binary"].is_null(), "{short}");
+    let got = floats(&short["embeddings"]["float"][0]);
+    let c = cosine(&got, &floats(&r["dimensions"]["16"][0]));
+    assert!(c >= 0.99999, "16 dimensions: cosine {c}");
+    for (body, word) in [
+        (json!({"model": "smol"}), "texts"),
+        (
+            json!({"model": "smol", "texts": ["a"], "embedding_types": ["int8"]}),
+            "embedding_types",
+        ),
+        (
+            json!({"model": "smol", "texts": ["a"], "images": ["data:image/png;base64,AA=="]}),
+            "images",
+        ),
+    ] {
+        let (st, e) = s.post("/v2/embed", &body);
+        assert_eq!(st, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], word, "{body}: {e}");
+    }
+    let (st, e) = s.post("/classify", &json!({"model": "smol", "input": "hi"}));
+    assert_eq!(st, 400, "{e}");
+    assert!(message(&e).contains("/v1/embeddings"), "{e}");
+}
+
+/// A generation model refuses /classify and /v2/embed, naming the
+/// endpoints it serves.
+#[test]
+fn generation_model_refuses_classify_and_cohere_embed() {
+    let s = Server::start(&[]);
+    for (path, body) in [
+        ("/classify", json!({"model": "smol", "input": "hi"})),
+        ("/v2/embed", json!({"model": "smol", "texts": ["hi"]})),
+    ] {
+        let (st, e) = s.post(path, &body);
+        assert_eq!(st, 400, "{path}: {e}");
+        assert!(message(&e).contains("/v1/completions"), "{path}: {e}");
+    }
+}
+
+/// qwen3-rerank: a causal Qwen3 served as Qwen3-Reranker with vLLM's
+/// `--hf-overrides`: `/rerank` and `/score` give P(yes) of the softmax over
+/// the "no" and "yes" logits at the pair's last token, transformers'
+/// within 1e-4.
+#[test]
+fn qwen3_reranker_over_http_matches_transformers() {
+    let s = Server::start_with_model(
+        &fixture("qwen3-rerank"),
+        &[
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--hf-overrides",
+            r#"{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}"#,
+        ],
+    );
+    let r = reference("qwen3-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let want = floats(&r["scores"]);
+    let mut worst = 0.0f64;
+    let (st, out) = s.post(
+        "/v1/rerank",
+        &json!({"model": "smol", "query": query, "documents": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    for res in out["results"].as_array().expect("results") {
+        let i = res["index"].as_u64().expect("index") as usize;
+        let got = res["relevance_score"].as_f64().expect("relevance_score");
+        worst = worst.max((got - want[i]).abs());
+        assert!((got - want[i]).abs() < 1e-4, "document {i}: {got}");
+    }
+    let (st, out) = s.post(
+        "/score",
+        &json!({"model": "smol", "text_1": query, "text_2": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    for (k, d) in out["data"].as_array().expect("data").iter().enumerate() {
+        let got = d["score"].as_f64().expect("score");
+        worst = worst.max((got - want[k]).abs());
+        assert!((got - want[k]).abs() < 1e-4, "pair {k}: {got}");
+    }
+    eprintln!("qwen3-rerank over HTTP: largest |P(yes) - transformers| {worst:.3e}");
+    let (st, e) = s.post("/v1/embeddings", &json!({"model": "smol", "input": "hi"}));
+    assert_eq!(st, 400, "{e}");
+    assert!(message(&e).contains("/rerank"), "{e}");
+}

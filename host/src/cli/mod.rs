@@ -211,6 +211,12 @@ pub struct EngineFlags {
     /// JSON: {"pooling_type": "LAST", "normalize": true}.
     #[arg(long)]
     pub pooler_config: Option<String>,
+    /// vLLM's JSON over the model's config.json; only the Qwen3-Reranker
+    /// form is implemented: {"architectures":
+    /// ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
+    /// "yes"], "is_original_qwen3_reranker": true}.
+    #[arg(long)]
+    pub hf_overrides: Option<String>,
 }
 
 fn parse_lora_dtype(s: &str) -> Result<crate::engine::lora::LoraDtype> {
@@ -296,6 +302,7 @@ impl EngineFlags {
         a.runner = crate::engine::pooling::RunnerKind::parse(&self.runner)?;
         a.convert = crate::engine::pooling::ConvertKind::parse(&self.convert)?;
         a.pooler_config = self.pooler_config.clone();
+        a.hf_overrides = self.hf_overrides.clone();
         if !self.enable_lora && !self.lora_modules.is_empty() {
             bail!("--lora-modules needs --enable-lora");
         }

@@ -94,6 +94,9 @@ pub struct EngineArgs {
     pub convert: crate::engine::pooling::ConvertKind,
     /// `--pooler-config`: vLLM's JSON over the model's own pooling.
     pub pooler_config: Option<String>,
+    /// `--hf-overrides`: vLLM's JSON over config.json (the Qwen3-Reranker
+    /// form only, see [`crate::engine::pooling::token_head_from_overrides`]).
+    pub hf_overrides: Option<String>,
 }
 
 /// `--max-num-seqs` on the CPU when the flag is not given: where batched
@@ -144,6 +147,7 @@ impl EngineArgs {
             runner: Default::default(),
             convert: Default::default(),
             pooler_config: None,
+            hf_overrides: None,
         }
     }
 }
@@ -359,7 +363,10 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             );
         }
     }
-    let pooler = resolve_pooler(args)?;
+    let mut pooler = resolve_pooler(args)?;
+    if let Some(head) = pooler.as_mut().and_then(|p| p.token_head.as_mut()) {
+        head.weight = token_head_weight(args, &head.tokens)?;
+    }
     let mut core = match args.device {
         Device::Cpu => assemble(cpu_backend(args)?, args, pooler.as_ref()),
         #[cfg(feature = "cuda")]
@@ -386,6 +393,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             match p.task {
                 crate::engine::pooling::PoolingTask::Embed => "embeddings",
                 crate::engine::pooling::PoolingTask::Score => "scores of a cross-encoder",
+                crate::engine::pooling::PoolingTask::Classify => "a classifier's probabilities",
             },
             p.pooling_type.name(),
             if p.normalize { ", L2-normalized" } else { "" }
@@ -417,6 +425,25 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
     };
     let encoder = config_json.as_ref().is_some_and(architecture_is_encoder);
     let classifier = config_json.as_ref().is_some_and(architecture_is_classifier);
+    if let Some(json) = &args.hf_overrides {
+        let head = crate::engine::pooling::token_head_from_overrides(json)?;
+        if encoder || classifier {
+            bail!("--hf-overrides (the Qwen3-Reranker form) applies to a causal model; this checkpoint is already served for pooling without it");
+        }
+        if args.runner == RunnerKind::Generate {
+            bail!("--hf-overrides makes a reranker, which is served for pooling; drop --runner generate");
+        }
+        if args.pooler_config.is_some() || args.convert == ConvertKind::Embed {
+            bail!("--hf-overrides (the Qwen3-Reranker form) scores the last token's logits; drop --pooler-config and --convert embed");
+        }
+        return Ok(Some(PoolerConfig {
+            pooling_type: PoolingType::Last,
+            normalize: false,
+            task: crate::engine::pooling::PoolingTask::Score,
+            labels: vec!["LABEL_0".into()],
+            token_head: Some(head),
+        }));
+    }
     let pooling = match args.runner {
         RunnerKind::Pooling => true,
         RunnerKind::Generate => false,
@@ -436,14 +463,17 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         return Ok(None);
     }
     let mut cfg = match (classifier, args.convert) {
-        (true, ConvertKind::Auto | ConvertKind::Classify) => PoolerConfig::CROSS_ENCODER,
+        (true, ConvertKind::Auto | ConvertKind::Classify) => match &config_json {
+            Some(j) => PoolerConfig::classifier(j)?,
+            None => PoolerConfig::CROSS_ENCODER,
+        },
         (true, ConvertKind::Embed) => bail!(
             "--convert embed: this checkpoint is a cross-encoder (*ForSequenceClassification), which scores pairs on /score and /rerank; drop --convert"
         ),
         (false, ConvertKind::Classify) if encoder => bail!(
             "--convert classify: this BERT checkpoint has no classifier head (BertModel); serve a BertForSequenceClassification checkpoint for scoring"
         ),
-        (false, ConvertKind::Classify) => bail!("--convert classify (scoring with a decoder's logits, the Qwen3-Reranker form) is not implemented yet; serve a decoder for embeddings with --convert embed"),
+        (false, ConvertKind::Classify) => bail!("--convert classify of a decoder: only the Qwen3-Reranker form is implemented, given as vLLM gives it: --hf-overrides '{{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}}'"),
         (false, _) if encoder => own.unwrap_or(PoolerConfig::ENCODER_DEFAULT),
         (false, _) => own.unwrap_or(PoolerConfig::DECODER_DEFAULT),
     };
@@ -459,6 +489,53 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         );
     }
     Ok(Some(cfg))
+}
+
+/// The Qwen3-Reranker head: `W[true] - W[false]` of the LM head
+/// (`lm_head.weight`, else the tied `model.embed_tokens.weight`) for the
+/// two tokens `--hf-overrides` names, which must each be one token of the
+/// vocabulary.
+fn token_head_weight(args: &EngineArgs, tokens: &[String; 2]) -> Result<Vec<f32>> {
+    use crate::engine::loader::WeightSource;
+    if !args.model.is_dir() {
+        bail!(
+            "--hf-overrides (the Qwen3-Reranker form) needs a Hugging Face folder of safetensors"
+        );
+    }
+    let config = ModelConfig::from_hf_config(&args.model.join("config.json"))?;
+    let tokenizer = match &args.tokenizer {
+        Some(t) => load_tokenizer_override(t, config.vocab_size)?,
+        None => Tokenizer::from_hf_dir(&args.model)?,
+    };
+    let ids = tokens
+        .iter()
+        .map(|t| {
+            tokenizer.token_to_id(t).with_context(|| {
+                format!(
+                    "--hf-overrides: classifier_from_token {t:?} is not a token of the vocabulary"
+                )
+            })
+        })
+        .collect::<Result<Vec<u32>>>()?;
+    let source = SafetensorsSource::open(&args.model, DType::Float32, None)?;
+    let name = if source.contains("lm_head.weight") {
+        "lm_head.weight"
+    } else if config.tie_word_embeddings {
+        "model.embed_tokens.weight"
+    } else {
+        bail!("the checkpoint has no lm_head.weight and does not tie its embeddings: no logits for the reranker's tokens");
+    };
+    let (d, vocab) = (config.hidden_size, config.vocab_size);
+    let (w, _) = source
+        .stacked(name, &[vocab, d])
+        .with_context(|| format!("reading {name} for the reranker's head"))?;
+    let row = |id: u32| -> Result<&[f32]> {
+        let i = id as usize;
+        w.get(i * d..(i + 1) * d)
+            .with_context(|| format!("token {id} lies past the {vocab} rows of {name}"))
+    };
+    let (no, yes) = (row(ids[0])?, row(ids[1])?);
+    Ok(yes.iter().zip(no).map(|(y, n)| y - n).collect())
 }
 
 /// Runs one forward of the largest step the scheduler can plan (a prefill

@@ -2026,8 +2026,8 @@ mod bert_tests {
             (json!({"is_decoder": true}), "is_decoder"),
             (json!({"add_cross_attention": true}), "add_cross_attention"),
             (
-                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}}),
-                "2 labels",
+                json!({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}, "problem_type": "multi_label_classification"}),
+                "problem_type",
             ),
         ] {
             let e = ModelConfig::from_hf_json(&bert(extra.clone())).expect_err("refused");

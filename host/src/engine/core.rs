@@ -339,14 +339,14 @@ impl EngineCore {
                 })
             }
             (false, true) => {
-                let score = self
-                    .pooler
-                    .as_ref()
-                    .is_some_and(|p| p.task == crate::engine::pooling::PoolingTask::Score);
+                let task = self.pooler.as_ref().map(|p| p.task);
+                let score = task == Some(crate::engine::pooling::PoolingTask::Score);
                 return Err(ParamError {
                     param: "model",
                     message: if score {
                         "The model does not support generation; it is a cross-encoder served for scoring: use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank".into()
+                    } else if task == Some(crate::engine::pooling::PoolingTask::Classify) {
+                        "The model does not support generation; it is a classifier served for pooling: use /classify".into()
                     } else {
                         "The model does not support generation; it is served for pooling (--runner pooling): use /v1/embeddings".into()
                     },

@@ -143,18 +143,57 @@ impl LLM {
             .pooler()
             .cloned()
             .context("the model is served for generation; serve a cross-encoder to score")?;
-        if pooler.task != crate::engine::pooling::PoolingTask::Score {
-            anyhow::bail!(
+        match pooler.task {
+            crate::engine::pooling::PoolingTask::Score => {}
+            crate::engine::pooling::PoolingTask::Classify => anyhow::bail!(
+                "the model is a classifier with {} labels, not a cross-encoder: use classify",
+                pooler.labels.len()
+            ),
+            crate::engine::pooling::PoolingTask::Embed => anyhow::bail!(
                 "the model is an embedding model, not a cross-encoder: it does not score pairs"
-            );
+            ),
         }
+        let decoder = pooler.token_head.is_some();
         let ids = pairs
             .iter()
-            .map(|(q, d)| self.core.tokenizer().encode_pair_for_scoring(q, d))
+            .map(|(q, d)| {
+                let ids = self.core.tokenizer().encode_pair_for_scoring(q, d)?;
+                // A decoder reranker reads the pair as one text, untyped.
+                Ok(if decoder {
+                    ids.into_iter()
+                        .map(|t| pagoda_accel::ops::encoder::unpack_token(t).0)
+                        .collect()
+                } else {
+                    ids
+                })
+            })
             .collect::<Result<Vec<_>>>()?;
         self.pool(ids)?
             .into_iter()
-            .map(|v| crate::engine::pooling::score_of(&v))
+            .map(|v| crate::engine::pooling::score_of(&pooler.head_logits(v)?))
+            .collect()
+    }
+
+    /// Classifies each text with a sequence classifier
+    /// (`*ForSequenceClassification`), all in the same batches, as vLLM's
+    /// `LLM.classify`: each text's probabilities over the labels (softmax;
+    /// a lone label's sigmoid).
+    pub fn classify(&mut self, texts: &[&str]) -> Result<Vec<Vec<f32>>> {
+        let pooler = self
+            .core
+            .pooler()
+            .cloned()
+            .context("the model is served for generation; serve a classifier to classify")?;
+        if pooler.labels.is_empty() {
+            anyhow::bail!("the model is an embedding model, not a classifier: use embed");
+        }
+        let ids = texts
+            .iter()
+            .map(|t| self.core.tokenizer().encode_for_pooling(t))
+            .collect::<Result<Vec<_>>>()?;
+        self.pool(ids)?
+            .into_iter()
+            .map(|v| Ok(crate::engine::pooling::class_probs(&pooler.head_logits(v)?)))
             .collect()
     }
 

@@ -111,6 +111,10 @@ pub enum PoolingTask {
     /// one raw logit per input, which the score endpoints pass through a
     /// sigmoid as vLLM's default activation for one label does.
     Score,
+    /// A sequence classifier with several labels (`/classify`): its
+    /// `num_labels` raw logits per input, which `/classify` turns into
+    /// probabilities with a softmax, as vLLM's default activation does.
+    Classify,
 }
 
 /// How a pooling model makes its vectors.
@@ -121,6 +125,79 @@ pub struct PoolerConfig {
     pub normalize: bool,
     /// What the vectors are for.
     pub task: PoolingTask,
+    /// A classifier's label names, by index (its config's `id2label`);
+    /// empty for an embedding model.
+    pub labels: Vec<String>,
+    /// A decoder served as a reranker from two of its vocabulary's tokens
+    /// (vLLM's `classifier_from_token`, the Qwen3-Reranker form).
+    pub token_head: Option<TokenHead>,
+}
+
+/// The Qwen3-Reranker form of a causal model (vLLM's `--hf-overrides
+/// '{"architectures": ["Qwen3ForSequenceClassification"],
+/// "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker":
+/// true}'`): the score of a pair is P(yes) of the softmax over the logits
+/// of the two tokens at its last token, which is the sigmoid of
+/// `h · (W[yes] - W[no])` for the final-normed hidden state `h` and the
+/// LM head `W`; `weight` holds that difference.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenHead {
+    /// The "false" and "true" tokens, in that order.
+    pub tokens: [String; 2],
+    /// `W[true] - W[false]` (filled once the weights are read).
+    pub weight: Vec<f32>,
+}
+
+/// Reads vLLM's `--hf-overrides` JSON: only the Qwen3-Reranker form is
+/// implemented (`architectures` naming a `*ForSequenceClassification`,
+/// `classifier_from_token` with the false and true tokens, and
+/// `is_original_qwen3_reranker` true); other keys are refused by name.
+pub fn token_head_from_overrides(json: &str) -> Result<TokenHead> {
+    let v: Value =
+        serde_json::from_str(json).with_context(|| format!("--hf-overrides {json}: not JSON"))?;
+    let obj = v
+        .as_object()
+        .with_context(|| format!("--hf-overrides {json}: expected a JSON object"))?;
+    let mut tokens = None;
+    let mut original = false;
+    let mut classifier_arch = false;
+    for (k, val) in obj {
+        match k.as_str() {
+            "architectures" => {
+                classifier_arch = val
+                    .as_array()
+                    .and_then(|a| a.first())
+                    .and_then(Value::as_str)
+                    .is_some_and(|a| a.ends_with("ForSequenceClassification"));
+                if !classifier_arch {
+                    bail!("--hf-overrides: architectures {val} is not implemented (only a *ForSequenceClassification, the Qwen3-Reranker form)");
+                }
+            }
+            "classifier_from_token" => {
+                let t: Vec<String> = val
+                    .as_array()
+                    .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect())
+                    .unwrap_or_default();
+                match <[String; 2]>::try_from(t) {
+                    Ok(pair) => tokens = Some(pair),
+                    Err(_) => bail!("--hf-overrides: classifier_from_token must name two tokens, the false and the true one (such as [\"no\", \"yes\"]); got {val}"),
+                }
+            }
+            "is_original_qwen3_reranker" => {
+                original = val
+                    .as_bool()
+                    .context("--hf-overrides: is_original_qwen3_reranker must be true or false")?;
+            }
+            other => bail!("--hf-overrides: key {other:?} is not implemented (supported: architectures, classifier_from_token, is_original_qwen3_reranker, the Qwen3-Reranker form)"),
+        }
+    }
+    match (classifier_arch, tokens, original) {
+        (true, Some(tokens), true) => Ok(TokenHead {
+            tokens,
+            weight: Vec::new(),
+        }),
+        _ => bail!("--hf-overrides: only the Qwen3-Reranker form is implemented: give architectures [\"Qwen3ForSequenceClassification\"], classifier_from_token [\"no\", \"yes\"] and is_original_qwen3_reranker true"),
+    }
 }
 
 impl PoolerConfig {
@@ -130,6 +207,8 @@ impl PoolerConfig {
         pooling_type: PoolingType::Last,
         normalize: true,
         task: PoolingTask::Embed,
+        labels: Vec::new(),
+        token_head: None,
     };
 
     /// What a BERT encoder without sentence-transformers' files pools by
@@ -139,6 +218,8 @@ impl PoolerConfig {
         pooling_type: PoolingType::Cls,
         normalize: true,
         task: PoolingTask::Embed,
+        labels: Vec::new(),
+        token_head: None,
     };
 
     /// A cross-encoder (`*ForSequenceClassification`, one label): its
@@ -148,7 +229,26 @@ impl PoolerConfig {
         pooling_type: PoolingType::Cls,
         normalize: false,
         task: PoolingTask::Score,
+        labels: Vec::new(),
+        token_head: None,
     };
+
+    /// A `*ForSequenceClassification` checkpoint whose config is
+    /// `config_json`: a cross-encoder ([`PoolerConfig::CROSS_ENCODER`])
+    /// with one label, a classifier ([`PoolingTask::Classify`]) with
+    /// several; the labels named by `id2label`.
+    pub fn classifier(config_json: &Value) -> Result<PoolerConfig> {
+        let labels = classifier_labels(config_json)?;
+        Ok(PoolerConfig {
+            task: if labels.len() == 1 {
+                PoolingTask::Score
+            } else {
+                PoolingTask::Classify
+            },
+            labels,
+            ..PoolerConfig::CROSS_ENCODER
+        })
+    }
 
     /// The pooling sentence-transformers' `modules.json` in `dir`
     /// describes, if the folder has one: its Pooling module's
@@ -214,6 +314,8 @@ impl PoolerConfig {
                 pooling_type: *one,
                 normalize,
                 task: PoolingTask::Embed,
+                labels: Vec::new(),
+                token_head: None,
             })),
             [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
             _ => bail!(
@@ -253,6 +355,27 @@ impl PoolerConfig {
         Ok(self)
     }
 
+    /// A scoring or classifying model's logits from its raw pooled output:
+    /// the classifier's own, or a token head's one logit.
+    pub fn head_logits(&self, raw: Vec<f32>) -> Result<Vec<f32>> {
+        let Some(head) = &self.token_head else {
+            return Ok(raw);
+        };
+        if raw.len() != head.weight.len() {
+            bail!(
+                "the reranker's hidden state has {} values, its head {}",
+                raw.len(),
+                head.weight.len()
+            );
+        }
+        let dot: f64 = raw
+            .iter()
+            .zip(&head.weight)
+            .map(|(x, w)| f64::from(*x) * f64::from(*w))
+            .sum();
+        Ok(vec![dot as f32])
+    }
+
     /// Turns a raw pooled hidden state into the vector a client gets: the
     /// first `dimensions` components if asked (Matryoshka truncation, as
     /// vLLM does before normalizing), then L2-normalized if the model
@@ -288,6 +411,48 @@ pub fn score_of(raw: &[f32]) -> Result<f32> {
             other.len()
         ),
     }
+}
+
+/// A classifier's label names by index: `num_labels` of them (else as
+/// many as `id2label` has, else transformers' default of 2), each its
+/// `id2label` entry or transformers' `LABEL_<i>`.
+pub fn classifier_labels(config_json: &Value) -> Result<Vec<String>> {
+    let id2label = config_json.get("id2label").and_then(Value::as_object);
+    let n = match config_json.get("num_labels") {
+        Some(x) => usize::try_from(
+            x.as_u64()
+                .context("'num_labels' must be a positive integer")?,
+        )
+        .context("'num_labels' is too large")?,
+        None => id2label.map_or(2, |m| m.len()),
+    };
+    if n == 0 {
+        bail!("'num_labels' is 0: a classifier needs at least one label");
+    }
+    Ok((0..n)
+        .map(|i| {
+            id2label
+                .and_then(|m| m.get(&i.to_string()))
+                .and_then(Value::as_str)
+                .map_or_else(|| format!("LABEL_{i}"), str::to_owned)
+        })
+        .collect())
+}
+
+/// A classifier's probabilities from its raw logits, as vLLM's
+/// `/classify` gives them: the sigmoid of a lone logit, else the softmax
+/// over the labels (computed in f64).
+pub fn class_probs(logits: &[f32]) -> Vec<f32> {
+    if let [one] = logits {
+        return vec![(1.0 / (1.0 + (-f64::from(*one)).exp())) as f32];
+    }
+    let max = logits
+        .iter()
+        .map(|&x| f64::from(x))
+        .fold(f64::NEG_INFINITY, f64::max);
+    let exps: Vec<f64> = logits.iter().map(|&x| (f64::from(x) - max).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.iter().map(|e| (e / sum) as f32).collect()
 }
 
 /// Whether `config.json`'s first architecture names a model without a
@@ -326,7 +491,12 @@ pub fn architecture_is_encoder(config_json: &Value) -> bool {
     let model_type = config_json.get("model_type").and_then(Value::as_str);
     matches!(
         arch,
-        Some("BertModel" | "BertForSequenceClassification" | "XLMRobertaModel")
+        Some(
+            "BertModel"
+                | "BertForSequenceClassification"
+                | "XLMRobertaModel"
+                | "XLMRobertaForSequenceClassification"
+        )
     ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta")))
 }
 

@@ -722,6 +722,8 @@ async fn dispatch(
                         | "/score"
                         | "/rerank"
                         | "/v2/rerank"
+                        | "/v2/embed"
+                        | "/classify"
                 ) =>
         {
             match authenticate(&state, &req) {
@@ -845,6 +847,20 @@ async fn api_route(
         (Method::POST, p @ ("/rerank" | "/v1/rerank" | "/v2/rerank")) => {
             let body = read_json(&state, req).await?;
             openai::score::score(state, p, body, tenant, openai::score::ScoreRoute::Rerank).await
+        }
+        (Method::POST, p @ "/classify") => {
+            let body = read_json(&state, req).await?;
+            openai::classify::classify(state, p, body, tenant).await
+        }
+        (Method::POST, "/v2/embed") => {
+            let body = read_json(&state, req).await?;
+            openai::embeddings::embeddings(
+                state,
+                body,
+                tenant,
+                openai::embeddings::PoolingRoute::CohereEmbed,
+            )
+            .await
         }
         (Method::POST, "/pooling") => {
             let body = read_json(&state, req).await?;
@@ -1077,7 +1093,6 @@ fn unserved_route(path: &str) -> Option<&'static str> {
         ("/v1/files", "files"),
         ("/v1/batches", "batches"),
         ("/v1/fine_tuning/", "fine-tuning"),
-        ("/classify", "classification"),
     ];
     known
         .iter()

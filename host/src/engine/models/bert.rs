@@ -1,7 +1,10 @@
 //! BERT encoders: `BertModel` (embeddings, sentence-transformers' form)
 //! and `BertForSequenceClassification` (cross-encoders), as transformers
 //! defines them; and `XLMRobertaModel`, the same encoder whose positions
-//! start after `padding_idx` and which has one token type.
+//! start after `padding_idx` and which has one token type, with
+//! `XLMRobertaForSequenceClassification` (tensors under `roberta.`; its
+//! head, `classifier.dense`, tanh, `classifier.out_proj` on the <s> row,
+//! is BERT's pooler and classifier under other names).
 //!
 //! Input embedding: word + absolute position + token type, then LayerNorm.
 //! Each layer is post-LayerNorm: `h = LN(x + O·attn(x))`, `x = LN(h +
@@ -140,6 +143,8 @@ pub fn load<B: Backend>(
     }
     let p = if source.contains("bert.embeddings.word_embeddings.weight") {
         "bert."
+    } else if source.contains("roberta.embeddings.word_embeddings.weight") {
+        "roberta."
     } else {
         ""
     };
@@ -197,6 +202,12 @@ pub fn load<B: Backend>(
         });
     }
     let head = match enc.num_labels {
+        // XLM-R's `XLMRobertaClassificationHead`: the same dense, tanh and
+        // projection of the <s> row, named under `classifier.`.
+        Some(n) if source.contains("classifier.out_proj.weight") => Some(Classifier {
+            pooler: Linear::load(backend, source, "classifier.dense", d, d)?,
+            classifier: Linear::load(backend, source, "classifier.out_proj", n, d)?,
+        }),
         Some(n) => Some(Classifier {
             pooler: Linear::load(backend, source, &format!("{p}pooler.dense"), d, d)?,
             classifier: Linear::load(backend, source, "classifier", n, d)?,
@@ -404,7 +415,10 @@ pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
     // XLM-R (RoBERTa's embeddings): positions count from padding_idx
     // + 1, as transformers' `create_position_ids_from_input_ids` gives
     // them for a prompt without padding.
-    let xlmr = matches!(arch, "XLMRobertaModel" | "xlm-roberta");
+    let xlmr = matches!(
+        arch,
+        "XLMRobertaModel" | "XLMRobertaForSequenceClassification" | "xlm-roberta"
+    );
     let position_offset = if xlmr {
         let pad = v
             .get("pad_token_id")
@@ -418,7 +432,7 @@ pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
     if position_rows <= position_offset {
         bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
     }
-    let num_labels = if arch == "BertForSequenceClassification" {
+    let num_labels = if arch.ends_with("ForSequenceClassification") {
         let n = match v.get("num_labels") {
             Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
             None => v
@@ -426,14 +440,20 @@ pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
                 .and_then(Value::as_object)
                 .map_or(2, |m| m.len()),
         };
-        if n != 1 {
-            bail!(
-                "BertForSequenceClassification with {n} labels is not served yet: only cross-encoders (num_labels 1, scored on /score and /rerank) are"
-            );
+        if n == 0 {
+            bail!("{arch} with 0 labels: 'num_labels' must be at least 1");
         }
+        // Several labels: /classify's softmax is single-label
+        // classification's; a multi-label head's independent sigmoids
+        // are not served.
         if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
-            if p != "regression" && p != "single_label_classification" {
-                bail!("problem_type '{p}' is not served for a one-label classifier");
+            let fits = if n == 1 {
+                p == "regression" || p == "single_label_classification"
+            } else {
+                p == "single_label_classification"
+            };
+            if !fits {
+                bail!("problem_type '{p}' is not served for a classifier with {n} labels (only single_label_classification, whose probabilities are a softmax{})", if n == 1 { ", or regression" } else { "" });
             }
         }
         Some(n)

@@ -18,7 +18,7 @@
 //! | [`qwen3_next`] | `Qwen3NextForCausalLM`, `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` |
 //! | [`gemma3`] | `Gemma3ForCausalLM` |
 //! | [`gpt_oss`] | `GptOssForCausalLM` |
-//! | [`bert`] | `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel` (encoders, served for pooling) |
+//! | [`bert`] | `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, `XLMRobertaForSequenceClassification` (encoders, served for pooling) |
 //!
 //! # Adding a family
 //!

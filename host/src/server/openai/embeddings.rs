@@ -150,6 +150,7 @@ pub(crate) fn refuse_generation(
             crate::engine::pooling::PoolingTask::Score => {
                 "It is a cross-encoder: use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank."
             }
+            crate::engine::pooling::PoolingTask::Classify => "It is a classifier: use /classify.",
         };
         return Err(ApiError::invalid(
             Some("model".into()),
@@ -159,13 +160,152 @@ pub(crate) fn refuse_generation(
     Ok(())
 }
 
-/// The two routes that return pooled vectors: OpenAI's embeddings, and
-/// vLLM's `/pooling` (the same request; each vector as `data` of an
-/// object `"pooling"`).
+/// Refuses a classifier at an embeddings endpoint, as vLLM does: a 400
+/// that names the endpoint to use instead.
+pub(super) fn refuse_non_embedding(
+    model: &str,
+    pooler: &crate::engine::pooling::PoolerConfig,
+) -> Result<(), ApiError> {
+    let instead = match pooler.task {
+        crate::engine::pooling::PoolingTask::Embed => return Ok(()),
+        crate::engine::pooling::PoolingTask::Score => "it is a cross-encoder, which scores pairs. Use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank.",
+        crate::engine::pooling::PoolingTask::Classify => "it is a classifier. Use /classify.",
+    };
+    Err(ApiError::invalid(
+        Some("model".into()),
+        format!("The model {model:?} does not support the Embeddings API: {instead}"),
+    ))
+}
+
+/// The routes that return pooled vectors: OpenAI's embeddings, vLLM's
+/// `/pooling` (the same request; each vector as `data` of an object
+/// `"pooling"`), and Cohere's `/v2/embed` as vLLM serves it.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum PoolingRoute {
     Embeddings,
     Pooling,
+    CohereEmbed,
+}
+
+/// Cohere's `/v2/embed` body, as vLLM's `CohereEmbedRequest` takes it
+/// (texts only: `images` and `inputs` are refused by name).
+#[derive(Deserialize)]
+struct CohereEmbedRequest {
+    model: Option<String>,
+    /// Cohere's `search_query`, `search_document`, ...: prompts a model
+    /// may prepend per type; the encoders served here have none, so it
+    /// changes nothing.
+    #[serde(default)]
+    #[allow(dead_code)]
+    input_type: Option<String>,
+    #[serde(default)]
+    texts: Option<Vec<String>>,
+    #[serde(default)]
+    images: Option<Value>,
+    #[serde(default)]
+    inputs: Option<Value>,
+    #[serde(default)]
+    output_dimension: Option<i64>,
+    #[serde(default)]
+    embedding_types: Option<Vec<String>>,
+    #[serde(default)]
+    truncate: Option<String>,
+    #[serde(default)]
+    priority: Option<i64>,
+}
+
+/// Translates a `/v2/embed` body into the embeddings request it asks
+/// for, with the embedding types the response carries.
+fn cohere_request(body: Value) -> Result<(EmbeddingRequest, Vec<String>), ApiError> {
+    let r: CohereEmbedRequest = serde_json::from_value(body).map_err(|e| {
+        ApiError::invalid(
+            None,
+            format!("invalid /v2/embed request: {e} (it takes Cohere's embed fields: model, texts, input_type, embedding_types, output_dimension, truncate)"),
+        )
+    })?;
+    for (name, v) in [("images", &r.images), ("inputs", &r.inputs)] {
+        if v.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(
+                Some(name.into()),
+                format!("'{name}' (image inputs) is not supported: this model embeds text; give 'texts'"),
+            ));
+        }
+    }
+    let Some(texts) = r.texts else {
+        return Err(ApiError::invalid(
+            Some("texts".into()),
+            "'texts' is required",
+        ));
+    };
+    if texts.is_empty() {
+        return Err(ApiError::invalid(
+            Some("texts".into()),
+            "'texts' must not be empty",
+        ));
+    }
+    let types = r.embedding_types.unwrap_or_else(|| vec!["float".into()]);
+    for t in &types {
+        if !matches!(t.as_str(), "float" | "binary" | "ubinary" | "base64") {
+            return Err(ApiError::invalid(
+                Some("embedding_types".into()),
+                format!("embedding type {t:?} is not supported: give \"float\", \"binary\", \"ubinary\" or \"base64\""),
+            ));
+        }
+    }
+    // START keeps the last tokens (vLLM's truncate_prompt_tokens -1); END
+    // and NONE keep the input whole, so one over the context is refused.
+    let truncate_prompt_tokens = match r.truncate.as_deref() {
+        None | Some("END") | Some("NONE") => None,
+        Some("START") => Some(-1),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                Some("truncate".into()),
+                format!("truncate {other:?}: expected \"NONE\", \"START\" or \"END\""),
+            ))
+        }
+    };
+    Ok((
+        EmbeddingRequest {
+            model: r.model,
+            input: json!(texts),
+            encoding_format: None,
+            dimensions: r.output_dimension,
+            user: None,
+            truncate_prompt_tokens,
+            add_special_tokens: None,
+            normalize: None,
+            priority: r.priority,
+        },
+        types,
+    ))
+}
+
+/// Cohere's bit-packed embedding: one bit per component (1 where it is
+/// ≥ 0), eight to a byte from the high bit; `signed` shifts each byte
+/// by 128 (Cohere's `binary`, else `ubinary`).
+fn pack_bits(v: &[f32], signed: bool) -> Result<Vec<i32>, ApiError> {
+    if !v.len().is_multiple_of(8) {
+        return Err(ApiError::invalid(
+            Some("embedding_types".into()),
+            format!(
+                "Embedding dimension must be a multiple of 8 for binary embedding types, but got {}.",
+                v.len()
+            ),
+        ));
+    }
+    Ok(v.chunks(8)
+        .map(|c| {
+            let byte = c
+                .iter()
+                .enumerate()
+                .fold(0i32, |acc, (i, &x)| acc | (i32::from(x >= 0.0) << (7 - i)));
+            if signed {
+                byte - 128
+            } else {
+                byte
+            }
+        })
+        .collect())
 }
 
 impl PoolingRoute {
@@ -173,6 +313,7 @@ impl PoolingRoute {
         match self {
             PoolingRoute::Embeddings => "/v1/embeddings",
             PoolingRoute::Pooling => "/pooling",
+            PoolingRoute::CohereEmbed => "/v2/embed",
         }
     }
 }
@@ -188,14 +329,21 @@ pub async fn embeddings(
     let id = random_id(match route {
         PoolingRoute::Embeddings => "embd",
         PoolingRoute::Pooling => "pool",
+        PoolingRoute::CohereEmbed => "embd",
     });
     let (body, ctx) = admit(&state, tenant, &id, route.path(), body).await?;
-    let req: EmbeddingRequest = serde_json::from_value(body).map_err(|e| {
-        ApiError::invalid(
-            None,
-            format!("invalid {} request: {e} (it takes OpenAI's embeddings fields: see https://platform.openai.com/docs/api-reference/embeddings/create)", route.path()),
-        )
-    })?;
+    let (req, cohere_types) = if route == PoolingRoute::CohereEmbed {
+        let (r, t) = cohere_request(body)?;
+        (r, Some(t))
+    } else {
+        let r: EmbeddingRequest = serde_json::from_value(body).map_err(|e| {
+            ApiError::invalid(
+                None,
+                format!("invalid {} request: {e} (it takes OpenAI's embeddings fields: see https://platform.openai.com/docs/api-reference/embeddings/create)", route.path()),
+            )
+        })?;
+        (r, None)
+    };
     let model = match req.model.clone() {
         Some(m) => m,
         None => state
@@ -213,13 +361,8 @@ pub async fn embeddings(
             format!("The model {model:?} does not support the Embeddings API: it is served for generation. Use /v1/completions or /v1/chat/completions, or serve an embedding model with --runner pooling."),
         ));
     };
-    if pooler.task == crate::engine::pooling::PoolingTask::Score
-        && route == PoolingRoute::Embeddings
-    {
-        return Err(ApiError::invalid(
-            Some("model".into()),
-            format!("The model {model:?} does not support the Embeddings API: it is a cross-encoder, which scores pairs. Use /score, /v1/score, /rerank, /v1/rerank or /v2/rerank."),
-        ));
+    if route != PoolingRoute::Pooling {
+        refuse_non_embedding(&model, &pooler)?;
     }
     let base64_out = match req.encoding_format.as_deref() {
         None | Some("float") => false,
@@ -351,6 +494,35 @@ pub async fn embeddings(
         created_ms,
     )
     .await?;
+    if let Some(types) = cohere_types {
+        // vLLM's `CohereEmbedResponse`: the vectors by type, the texts, and
+        // the billed input tokens.
+        let finished: Vec<Vec<f32>> = vectors
+            .into_iter()
+            .map(|raw| pooler.finish(raw, dimensions))
+            .collect();
+        let mut by_type = json!({"float": null, "binary": null, "ubinary": null, "base64": null});
+        for t in &types {
+            by_type[t.as_str()] = match t.as_str() {
+                "float" => json!(finished),
+                "base64" => json!(finished.iter().map(|v| base64_f32(v)).collect::<Vec<_>>()),
+                kind => json!(finished
+                    .iter()
+                    .map(|v| pack_bits(v, kind == "binary"))
+                    .collect::<Result<Vec<_>, _>>()?),
+            };
+        }
+        return Ok(json_response(&json!({
+            "id": id,
+            "embeddings": by_type,
+            "texts": req.input,
+            "meta": {
+                "api_version": {"version": "2"},
+                "billed_units": {"input_tokens": prompt_tokens, "image_tokens": null},
+            },
+            "response_type": "embeddings_by_type",
+        })));
+    }
     let data: Vec<Value> = vectors
         .into_iter()
         .enumerate()
@@ -365,7 +537,7 @@ pub async fn embeddings(
                 PoolingRoute::Embeddings => {
                     json!({"index": index, "object": "embedding", "embedding": embedding})
                 }
-                PoolingRoute::Pooling => {
+                PoolingRoute::Pooling | PoolingRoute::CohereEmbed => {
                     json!({"index": index, "object": "pooling", "data": embedding})
                 }
             }

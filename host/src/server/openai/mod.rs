@@ -2,6 +2,7 @@
 //! `/v1/chat/completions`, streamed (SSE) and not.
 
 pub mod anthropic;
+pub mod classify;
 pub mod embeddings;
 pub mod fields;
 pub mod harmony;

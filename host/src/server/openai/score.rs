@@ -178,8 +178,18 @@ pub async fn score(
         c.check_model(&model)?;
     }
     let engine = state.engine_as(&model, ctx.as_ref())?.clone();
+    // A decoder reranker (the Qwen3-Reranker form) reads the pair's
+    // tokens as one text: no token types travel in its ids.
+    let decoder = engine.pooler().is_some_and(|p| p.token_head.is_some());
+    let pooler = engine.pooler().cloned();
     match engine.pooler().map(|p| p.task) {
         Some(PoolingTask::Score) => {}
+        Some(PoolingTask::Classify) => {
+            return Err(ApiError::invalid(
+                Some("model".into()),
+                format!("The model {model:?} does not support the {} API: it is a classifier with several labels, not a cross-encoder. Use /classify.", if rerank.is_some() { "Rerank" } else { "Score" }),
+            ))
+        }
         Some(PoolingTask::Embed) => {
             return Err(ApiError::invalid(
                 Some("model".into()),
@@ -247,6 +257,15 @@ pub async fn score(
                     Some(k) => tok.encode_pair_truncated(a, b, k),
                     None => tok.encode_pair_for_scoring(a, b),
                 }
+                .map(|ids| {
+                    if decoder {
+                        ids.into_iter()
+                            .map(|t| pagoda_accel::ops::encoder::unpack_token(t).0)
+                            .collect()
+                    } else {
+                        ids
+                    }
+                })
                 .map_err(|e| ApiError::invalid(None, format!("{e:#}")))
             })
             .collect()
@@ -275,10 +294,16 @@ pub async fn score(
     }
     let raw = run(&state, &engine, &id, &prompts, opts).await?;
     let scores: Vec<f32> = raw
-        .iter()
+        .into_iter()
         .map(|v| {
+            let v = match &pooler {
+                Some(p) => p
+                    .head_logits(v)
+                    .map_err(|e| ApiError::internal(format!("{e:#}")))?,
+                None => v,
+            };
             if activation {
-                crate::engine::pooling::score_of(v)
+                crate::engine::pooling::score_of(&v)
             } else {
                 match v.as_slice() {
                     [logit] => Ok(*logit),
