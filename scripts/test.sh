@@ -15,7 +15,7 @@ export PAGODA_DEMO_GGUF
 # Real clients the end-to-end tests drive (from PyPI), numpy for the
 # quantized-checkpoint fixtures (scripts/quantize-hf.py), and numpy and
 # gguf for the generated model fixtures with their float64 references.
-python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "anthropic>=0.50" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" numpy "gguf==0.17.1" pyzmq msgpack msgspec "moto[server]>=5.1" >&2
+python3 -m pip install --quiet --disable-pip-version-check "openai>=1.40" "anthropic>=0.50" "prometheus_client>=0.20" kubernetes-validate "jsonschema>=4" "langchain-openai>=0.3" litellm cohere numpy "gguf==0.17.1" pyzmq msgpack msgspec "moto[server]>=5.1" >&2
 rm -rf "$CARGO_TARGET_DIR/generated-fixtures"
 python3 scripts/make-fixtures.py "$CARGO_TARGET_DIR/generated-fixtures" >&2
 

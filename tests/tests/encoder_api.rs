@@ -5,7 +5,8 @@
 //! vectors (cosine ≥ 0.99999, and Matryoshka's 16 dimensions); bert-rerank
 //! (`BertForSequenceClassification`, one label) on `/score`, `/v1/score`,
 //! `/rerank`, `/v1/rerank` and `/v2/rerank`, against CrossEncoder's scores
-//! (within 1e-4); and vLLM's 400s.
+//! (within 1e-4); and vLLM's 400s. The `cohere` SDK and LiteLLM, unmodified,
+//! rerank and embed through them (tests/python/rerank_clients.py).
 
 use pagoda_e2e::Server;
 use serde_json::{json, Value};
@@ -619,4 +620,44 @@ fn qwen3_reranker_over_http_matches_transformers() {
     let (st, e) = s.post("/v1/embeddings", &json!({"model": "smol", "input": "hi"}));
     assert_eq!(st, 400, "{e}");
     assert!(message(&e).contains("/rerank"), "{e}");
+}
+
+/// Runs tests/python/rerank_clients.py in `mode` against `fixture`'s server.
+fn run_clients(mode: &str, name: &str) {
+    let s = start(name);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/rerank_clients.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(mode)
+        .arg(&s.base)
+        .arg("smol")
+        .arg(fixture(name).join("reference.json"))
+        .output()
+        .expect("python3");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success()
+            && stdout
+                .lines()
+                .last()
+                .is_some_and(|l| l.contains(" passed, 0 failed")),
+        "rerank_clients.py {mode} failed:\n{stdout}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log_text()
+    );
+}
+
+/// The `cohere` SDK (`ClientV2.rerank` on /v2/rerank) and LiteLLM's
+/// `rerank` (its cohere provider), unmodified, on the XLM-R cross-encoder:
+/// CrossEncoder's scores within 1e-4, in its order.
+#[test]
+fn cohere_and_litellm_rerank_clients_work_unmodified() {
+    run_clients("rerank", "xlmr-rerank");
+}
+
+/// LiteLLM's `embedding` (its openai provider) on the BERT embedder:
+/// sentence-transformers' vectors, cosine ≥ 0.99999.
+#[test]
+fn litellm_embedding_works_unmodified() {
+    run_clients("embed", "bert-embed");
 }
