@@ -208,15 +208,19 @@ mod x86 {
     }
 
     /// One block's weights: elements `0..16` and `16..32`, decoded and
-    /// scaled (exact).
+    /// scaled (exact, the same numbers as [`super::decode_block`]): the
+    /// table of the 16 doubled values times the block's scale, looked up
+    /// by `vpermps`, which reads only the low 4 bits of each index, so the
+    /// zero-extended code bytes index the low nibbles as they are and,
+    /// shifted right by 4, the high ones.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,avx2")]
     #[inline]
-    unsafe fn weights512(block: *const u8, lut: __m128i) -> (__m512, __m512) {
-        let d = _mm512_set1_ps(half_scale(*block));
-        let (lo, hi) = codes(block.add(1), lut);
+    unsafe fn weights512(block: *const u8, table: __m512) -> (__m512, __m512) {
+        let t = _mm512_mul_ps(table, _mm512_set1_ps(half_scale(*block)));
+        let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(1) as *const __m128i));
         (
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d),
-            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d),
+            _mm512_permutexvar_ps(q, t),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), t),
         )
     }
 
@@ -227,7 +231,11 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,avx2")]
     #[inline]
     unsafe fn row_dot512_n<const MT: usize>(row: &[u8], xs: &[f32], cols: usize, acc: &mut [f32]) {
-        let lut = lut();
+        let mut kv = [0f32; 16];
+        for (k, &v) in kv.iter_mut().zip(&KVALUES) {
+            *k = v as f32;
+        }
+        let lut = _mm512_loadu_ps(kv.as_ptr());
         let mut s = [[_mm512_setzero_ps(); 4]; MT];
         let nb = row.len() / BLOCK_BYTES;
         let (rp, xp) = (row.as_ptr(), xs.as_ptr());
