@@ -342,3 +342,99 @@ fn gpt_oss_mxfp4_experts_read_back_within_mxfp4_rounding() {
     assert!(lp.iter().all(|l| l.logprob.is_finite() && l.logprob <= 0.0));
     assert_eq!(out[0].outputs[0].token_ids.len(), 4);
 }
+
+/// The MXFP4 file's experts stay MXFP4 in memory (ggml's blocks are what
+/// `GgmlType::MXFP4` stores: 17 bytes per 32 values) and serve as the
+/// values those blocks decode to: a copy of the file with each MXFP4
+/// expert tensor replaced by an f32 tensor of its decoded values (decoded
+/// by the loader's table decoder, not the kernel) gives the same prompt
+/// logprobs within 1e-4, and weighs the experts' f32 bytes less their
+/// MXFP4 bytes more.
+#[test]
+fn gpt_oss_mxfp4_experts_stay_mxfp4_and_serve_as_their_decoded_values() {
+    use pagoda::engine::loader::gguf_weights::dequantize_mxfp4;
+    use pagoda_accel::GgmlType;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mx_path = gguf("gpt_oss", "mxfp4_moe");
+    let g = GgufFile::open(&mx_path).expect("mxfp4 file");
+    let config = ModelConfig::from_gguf(&g).expect("config");
+    let meta: Vec<(&str, GgufValue)> = g
+        .metadata()
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let mut tensors: Vec<GgufTensorToWrite> = g
+        .tensors()
+        .iter()
+        .map(|t| {
+            let data = g.tensor(&t.name).expect("tensor");
+            GgufTensorToWrite {
+                name: t.name.clone(),
+                ty: data.ty,
+                shape: data.shape.to_vec(),
+                data: data.data.to_vec(),
+            }
+        })
+        .collect();
+    let mut expert_values = 0usize;
+    for t in tensors
+        .iter_mut()
+        .filter(|t| t.name.contains("_exps.weight"))
+    {
+        assert_eq!(t.ty, GgmlType::MXFP4, "{}", t.name);
+        let v = dequantize_mxfp4(&t.data).expect("decode");
+        assert_eq!(v.len(), t.shape.iter().product::<usize>());
+        expert_values += v.len();
+        t.ty = GgmlType::F32;
+        t.data = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    }
+    assert_eq!(expert_values, config.num_layers * 3 * 4 * 64 * 64);
+    let float_path = dir.path().join("gpt_oss-decoded.gguf");
+    write_gguf(&float_path, &meta, &tensors).expect("write");
+
+    let logprobs = |model: &Path| -> Vec<Vec<f64>> {
+        let mut llm = engine(model).unwrap_or_else(|e| panic!("{e:#}"));
+        let mut params = SamplingParams::greedy(1);
+        params.prompt_logprobs = Some(1);
+        reference("gpt_oss")["cases"]
+            .as_array()
+            .expect("cases")
+            .iter()
+            .map(|c| {
+                let out = llm
+                    .generate(&[Prompt::Tokens(u32s(&c["prompt_ids"]))], &params)
+                    .expect("generate");
+                let lp = out[0].prompt_logprobs.as_ref().expect("prompt logprobs");
+                lp.iter().map(|l| l.logprob as f64).collect()
+            })
+            .collect()
+    };
+    let (mx, float) = (logprobs(&mx_path), logprobs(&float_path));
+    let mut worst = 0f64;
+    for (a, b) in mx.iter().zip(&float) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!(x.is_finite());
+            worst = worst.max((x - y).abs());
+        }
+    }
+    eprintln!("gpt_oss mxfp4 gguf: largest prompt logprob difference from the decoded f32 file {worst:.2e}");
+    assert!(worst <= TOL, "{worst}");
+
+    let bytes = |model: &Path| {
+        let mut a = EngineArgs::new(model);
+        a.threads = 2;
+        a.dtype = DType::Float32;
+        a.max_model_len = Some(128);
+        let backend = pagoda::engine::args::cpu_backend(&a).expect("backend");
+        let (m, _) = pagoda::engine::args::load_model(&backend, &a, |_| 128)
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        m.weight_bytes()
+    };
+    let (mx_bytes, float_bytes) = (bytes(&mx_path), bytes(&float_path));
+    assert_eq!(
+        (float_bytes - mx_bytes) * 32,
+        expert_values * (4 * 32 - 17),
+        "the experts are resident in 17 bytes per 32 values"
+    );
+}

@@ -199,21 +199,70 @@ mod x86 {
         mt: usize,
         acc: &mut [f32],
     ) {
-        let lut = lut();
-        let mut s = [_mm512_setzero_ps(); M_TILE];
-        for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
-            let d = _mm512_set1_ps(half_scale(block[0]));
-            let (lo, hi) = codes(block.as_ptr().add(1), lut);
-            let w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d);
-            let w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d);
-            for (i, si) in s[..mt].iter_mut().enumerate() {
-                let xp = xs.as_ptr().add(i * cols + b * BLOCK_LEN);
-                *si = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp), *si);
-                *si = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp.add(16)), *si);
+        match mt {
+            1 => row_dot512_n::<1>(row, xs, cols, acc),
+            2 => row_dot512_n::<2>(row, xs, cols, acc),
+            3 => row_dot512_n::<3>(row, xs, cols, acc),
+            _ => row_dot512_n::<M_TILE>(row, xs, cols, acc),
+        }
+    }
+
+    /// One block's weights: elements `0..16` and `16..32`, decoded and
+    /// scaled (exact, the same numbers as [`super::decode_block`]): the
+    /// table of the 16 doubled values times the block's scale, looked up
+    /// by `vpermps`, which reads only the low 4 bits of each index, so the
+    /// zero-extended code bytes index the low nibbles as they are and,
+    /// shifted right by 4, the high ones.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,avx2")]
+    #[inline]
+    unsafe fn weights512(block: *const u8, table: __m512) -> (__m512, __m512) {
+        let t = _mm512_mul_ps(table, _mm512_set1_ps(half_scale(*block)));
+        let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(1) as *const __m128i));
+        (
+            _mm512_permutexvar_ps(q, t),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), t),
+        )
+    }
+
+    /// [`row_dot512`] for `MT` activation rows, with four independent sums
+    /// per row (the low and high halves of even and of odd blocks, kept in
+    /// registers) so consecutive multiply-adds do not wait on each other.
+    /// The order of the additions is the same for every `MT`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma,avx2")]
+    #[inline]
+    unsafe fn row_dot512_n<const MT: usize>(row: &[u8], xs: &[f32], cols: usize, acc: &mut [f32]) {
+        let mut kv = [0f32; 16];
+        for (k, &v) in kv.iter_mut().zip(&KVALUES) {
+            *k = v as f32;
+        }
+        let lut = _mm512_loadu_ps(kv.as_ptr());
+        let mut s = [[_mm512_setzero_ps(); 4]; MT];
+        let nb = row.len() / BLOCK_BYTES;
+        let (rp, xp) = (row.as_ptr(), xs.as_ptr());
+        let mut b = 0;
+        while b + 2 <= nb {
+            let (w0, w1) = weights512(rp.add(b * BLOCK_BYTES), lut);
+            let (w2, w3) = weights512(rp.add((b + 1) * BLOCK_BYTES), lut);
+            for (i, si) in s.iter_mut().enumerate() {
+                let x = xp.add(i * cols + b * BLOCK_LEN);
+                si[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), si[0]);
+                si[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), si[1]);
+                si[2] = _mm512_fmadd_ps(w2, _mm512_loadu_ps(x.add(32)), si[2]);
+                si[3] = _mm512_fmadd_ps(w3, _mm512_loadu_ps(x.add(48)), si[3]);
+            }
+            b += 2;
+        }
+        if b < nb {
+            let (w0, w1) = weights512(rp.add(b * BLOCK_BYTES), lut);
+            for (i, si) in s.iter_mut().enumerate() {
+                let x = xp.add(i * cols + b * BLOCK_LEN);
+                si[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x), si[0]);
+                si[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), si[1]);
             }
         }
-        for (a, si) in acc[..mt].iter_mut().zip(&s) {
-            *a = _mm512_reduce_add_ps(*si);
+        for (a, si) in acc[..MT].iter_mut().zip(&s) {
+            let v = _mm512_add_ps(_mm512_add_ps(si[0], si[1]), _mm512_add_ps(si[2], si[3]));
+            *a = _mm512_reduce_add_ps(v);
         }
     }
 
@@ -226,7 +275,9 @@ mod x86 {
         acc: &mut [f32],
     ) {
         let lut = lut();
-        let mut s = [[_mm256_setzero_ps(); 2]; M_TILE];
+        // Four independent sums per activation row (one per quarter of a
+        // block), the same order for every `mt`.
+        let mut s = [[_mm256_setzero_ps(); 4]; M_TILE];
         for (b, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
             let d = _mm256_set1_ps(half_scale(block[0]));
             let (lo, hi) = codes(block.as_ptr().add(1), lut);
@@ -240,12 +291,12 @@ mod x86 {
             for (i, si) in s[..mt].iter_mut().enumerate() {
                 let xp = xs.as_ptr().add(i * cols + b * BLOCK_LEN);
                 for (k, wk) in w.iter().enumerate() {
-                    si[k % 2] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xp.add(8 * k)), si[k % 2]);
+                    si[k] = _mm256_fmadd_ps(*wk, _mm256_loadu_ps(xp.add(8 * k)), si[k]);
                 }
             }
         }
         for (a, si) in acc[..mt].iter_mut().zip(&s) {
-            let v = _mm256_add_ps(si[0], si[1]);
+            let v = _mm256_add_ps(_mm256_add_ps(si[0], si[1]), _mm256_add_ps(si[2], si[3]));
             let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
             let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
             let h = _mm_add_ss(h, _mm_shuffle_ps::<1>(h, h));
@@ -371,6 +422,46 @@ mod tests {
                         (g as f64 - r).abs() <= tol,
                         "{level:?} [{rows}x{cols}] m={m} out[{k}]: {g} vs {r} (tol {tol})"
                     );
+                }
+            }
+        }
+    }
+
+    /// A row's result does not depend on how many activation rows come
+    /// with it (decode, batched decode and prefill give the same numbers),
+    /// at every level, bitwise.
+    #[test]
+    fn results_are_bitwise_the_same_at_every_batch_size() {
+        let pool = ThreadPool::new(3);
+        let mut rng = Rng(44);
+        let (rows, cols, m) = (23, 2912, 9);
+        let bytes = random_blocks(&mut rng, rows, cols);
+        let x: Vec<f32> = (0..m * cols).map(|_| rng.f() as f32).collect();
+        let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+        for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
+            let mut all = vec![f32::NAN; m * rows];
+            w.matmul_at(level, &pool, &x, m, &mut all, &mut MatmulScratch::default());
+            for i in 0..m {
+                for take in [1, 2, 3] {
+                    let n = take.min(m - i);
+                    let mut part = vec![f32::NAN; n * rows];
+                    let xs = &x[i * cols..(i + n) * cols];
+                    w.matmul_at(
+                        level,
+                        &pool,
+                        xs,
+                        n,
+                        &mut part,
+                        &mut MatmulScratch::default(),
+                    );
+                    let want = &all[i * rows..(i + n) * rows];
+                    for (j, (&a, &b)) in part.iter().zip(want).enumerate() {
+                        assert_eq!(
+                            a.to_bits(),
+                            b.to_bits(),
+                            "{level:?} from row {i}, out {j}, batch of {n}"
+                        );
+                    }
                 }
             }
         }

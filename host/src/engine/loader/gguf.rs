@@ -275,8 +275,8 @@ pub struct GgufFile {
     by_name: HashMap<String, usize>,
     /// Tensors of ggml type 39 (MXFP4), which no [`GgmlType`] stands for:
     /// name to (shape in PyTorch order, absolute offset, size). Only
-    /// gpt-oss's experts are read from them, dequantized at load (see
-    /// [`super::gguf_weights::dequantize_mxfp4`]).
+    /// gpt-oss's experts are read from them. Empty since
+    /// [`GgmlType::MXFP4`] reads type 39: such tensors are ordinary ones.
     mxfp4: HashMap<String, (Vec<usize>, u64, usize)>,
 }
 

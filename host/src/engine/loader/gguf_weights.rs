@@ -838,6 +838,92 @@ impl WeightSource for GgufWeights<'_> {
         }
     }
 
+    /// gpt-oss's experts where the file stores them as MXFP4 (ggml type
+    /// 39, `llama-quantize … MXFP4_MOE`): the blocks are already in the
+    /// layout of `GgmlType::MXFP4`, so they stay 4-bit; only rows move
+    /// (the gate and up rows interleave again as the fused checkpoint
+    /// matrix has them), like quantized tensors under any `--dtype`.
+    /// `None` where the file stores them otherwise.
+    fn mxfp4_stack(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Option<Vec<u8>>> {
+        if !self.gpt_oss {
+            return Ok(None);
+        }
+        let Some(rest) = name.strip_prefix("model.layers.") else {
+            return Ok(None);
+        };
+        let Some((layer, tail)) = rest.split_once('.') else {
+            return Ok(None);
+        };
+        let Ok(layer) = layer.parse::<usize>() else {
+            return Ok(None);
+        };
+        let g = |s: &str| format!("blk.{layer}.{s}");
+        let path = self.file.path().display();
+        let row_bytes = |c: usize| -> Result<usize> {
+            if !c.is_multiple_of(32) {
+                bail!(
+                    "{path}: tensor '{name}': {c} input features are not whole MXFP4 blocks of 32"
+                );
+            }
+            Ok(c / 32 * 17)
+        };
+        // The stored stack `gname` of `[n, r, cols]`, checked, if MXFP4.
+        let stored = |gname: &str, r: usize| -> Result<Option<&[u8]>> {
+            let t = self.file.tensor(gname)?;
+            if t.ty != GgmlType::MXFP4 {
+                return Ok(None);
+            }
+            if t.shape != [n, r, cols] {
+                bail!(
+                    "{path}: tensor '{gname}' has shape {:?}, but the metadata implies {:?}",
+                    t.shape,
+                    [n, r, cols]
+                );
+            }
+            if t.data.len() != n * r * row_bytes(cols)? {
+                bail!(
+                    "{path}: MXFP4 tensor '{gname}' holds {} bytes, not {n}×{r} rows of {cols}",
+                    t.data.len()
+                );
+            }
+            if let Some(b) = t.data.chunks_exact(17).position(|b| b[0] == 255) {
+                bail!("{path}: MXFP4 tensor '{gname}': block {b} has the scale byte 255, which is NaN");
+            }
+            Ok(Some(t.data))
+        };
+        match tail {
+            "mlp.experts.gate_up_proj" => {
+                if !rows.is_multiple_of(2) {
+                    bail!("{path}: tensor '{name}': {rows} fused gate and up rows are not even");
+                }
+                let f = rows / 2;
+                let (Some(gate), Some(up)) = (
+                    stored(&g("ffn_gate_exps.weight"), f)?,
+                    stored(&g("ffn_up_exps.weight"), f)?,
+                ) else {
+                    return Ok(None);
+                };
+                let rb = row_bytes(cols)?;
+                let mut out = Vec::with_capacity(n * rows * rb);
+                for (gr, ur) in gate.chunks_exact(rb).zip(up.chunks_exact(rb)) {
+                    out.extend_from_slice(gr);
+                    out.extend_from_slice(ur);
+                }
+                Ok(Some(out))
+            }
+            "mlp.experts.down_proj" => {
+                Ok(stored(&g("ffn_down_exps.weight"), rows)?.map(<[u8]>::to_vec))
+            }
+            _ => Ok(None),
+        }
+    }
+
     fn contains(&self, name: &str) -> bool {
         if let Some(g) = gpt_oss_name(name).filter(|_| self.gpt_oss) {
             return self.file.tensors().iter().any(|t| t.name == g);

@@ -11,8 +11,10 @@
 //! bf16 and f32 checkpoints load as stored; MXFP4 ones (how OpenAI
 //! publishes the weights: the experts as e2m1 blocks with e8m0 scales) keep
 //! their experts in MXFP4 (`pagoda_accel::quant::mxfp4`, re-packed into
-//! ggml's block layout at load, whatever `--dtype` says); backends without
-//! an MXFP4 kernel (CUDA) refuse them at upload.
+//! ggml's block layout at load, whatever `--dtype` says), and so do GGUF
+//! files whose experts are ggml's MXFP4 (`llama-quantize … MXFP4_MOE`,
+//! already in that layout); backends without an MXFP4 kernel (CUDA)
+//! refuse them at upload.
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};
