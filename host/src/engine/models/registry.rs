@@ -198,7 +198,7 @@ impl<B: Backend> Architectures<B> {
             hf: &["GptOssForCausalLM"],
             model_types: &["gpt_oss"],
             gguf: &["gpt-oss"],
-            models: "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts kept 4-bit in memory from HF folders, dequantized at load from GGUF)",
+            models: "gpt-oss (attention sinks, alternating sliding-window layers, experts with clamped SwiGLU; bf16/f32, MXFP4 experts kept 4-bit in memory, from HF folders and GGUF)",
             arch: Arch::GptOss,
             hf_config: gpt_oss::hf_config,
             gguf_config: Some(|g, _, _| gpt_oss::gguf_config(g)),
