@@ -268,10 +268,17 @@ enum Simd {
     Avx2 {
         f16c: bool,
     },
+    /// AVX-512 (F, BW, VL) with FMA and F16C: 16 lanes, the prompt's many
+    /// tokens of deltas at half the instructions.
+    Avx512,
 }
 
 impl Simd {
     fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx512Vnni {
+            return Simd::Avx512;
+        }
         #[cfg(target_arch = "x86_64")]
         if crate::cpu::simd_level() >= crate::cpu::SimdLevel::Avx2 {
             return Simd::Avx2 {
@@ -322,6 +329,16 @@ fn shrink(f: &LoraFactors<'_>, k0: usize, x: &[f32], h: &mut [f32], simd: Simd) 
         let (s, e) = (k * in_dim, (k + 1) * in_dim);
         let d = match (f.a, simd) {
             #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Simd::Avx512` only where the CPU has AVX-512 F/BW/VL,
+            // FMA and F16C (the Avx512Vnni level).
+            (LoraData::F32(a), Simd::Avx512) => unsafe { x86::dot512_f32(&a[s..e], x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (LoraData::Bf16(a), Simd::Avx512) => unsafe { x86::dot512_bf16(&a[s..e], x) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            (LoraData::F16(a), Simd::Avx512) => unsafe { x86::dot512_f16(&a[s..e], x) },
+            #[cfg(target_arch = "x86_64")]
             // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA.
             (LoraData::F32(a), Simd::Avx2 { .. }) => unsafe { x86::dot_f32(&a[s..e], x) },
             #[cfg(target_arch = "x86_64")]
@@ -353,6 +370,22 @@ fn expand(
     let out_dim = row.len();
     let row = &mut row[j0..j1];
     match (f.b, simd) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Simd::Avx512` only at the Avx512Vnni level (AVX-512
+        // F/BW/VL, FMA, F16C); shapes as below.
+        (LoraData::F32(b), Simd::Avx512) => unsafe {
+            x86::expand512_f32(h, b, out_dim, j0, row, store)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (LoraData::Bf16(b), Simd::Avx512) => unsafe {
+            x86::expand512_bf16(h, b, out_dim, j0, row, store)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        (LoraData::F16(b), Simd::Avx512) => unsafe {
+            x86::expand512_f16(h, b, out_dim, j0, row, store)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Simd::Avx2` only where the CPU has AVX2 and FMA; `Bᵀ`
         // is `rank × out_dim` (checked by the callers) and `j1 ≤ out_dim`.
@@ -565,6 +598,197 @@ mod x86 {
             }
             row[j] = if store { d } else { row[j] + d };
         }
+    }
+
+    /// Loads sixteen factors as f32.
+    trait Load16: Load8 {
+        unsafe fn load16(p: *const Self) -> __m512;
+    }
+
+    impl Load16 for f32 {
+        #[inline(always)]
+        unsafe fn load16(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+    }
+
+    impl Load16 for Bf16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const Bf16) -> __m512 {
+            let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
+        }
+    }
+
+    impl Load16 for F16 {
+        #[inline(always)]
+        unsafe fn load16(p: *const F16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+    }
+
+    /// [`dot`] on 16 lanes: two sums of 16, added lane by lane, then the
+    /// lanes in a fixed tree, then the tail by fused multiply-adds.
+    #[inline(always)]
+    unsafe fn dot512<T: Load16>(a: &[T], x: &[f32]) -> f32 {
+        let n = x.len();
+        let wide = n / 32 * 32;
+        let (mut s0, mut s1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+        let mut i = 0;
+        // SAFETY (caller): `a.len() == x.len()`; every load reads below `wide`.
+        while i < wide {
+            s0 = _mm512_fmadd_ps(
+                T::load16(a.as_ptr().add(i)),
+                _mm512_loadu_ps(x.as_ptr().add(i)),
+                s0,
+            );
+            s1 = _mm512_fmadd_ps(
+                T::load16(a.as_ptr().add(i + 16)),
+                _mm512_loadu_ps(x.as_ptr().add(i + 16)),
+                s1,
+            );
+            i += 32;
+        }
+        let mut l = [0f32; 16];
+        _mm512_storeu_ps(l.as_mut_ptr(), _mm512_add_ps(s0, s1));
+        let mut p = [0f32; 8];
+        for (k, v) in p.iter_mut().enumerate() {
+            *v = l[k] + l[k + 8];
+        }
+        let mut s = ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+        for j in wide..n {
+            s = a[j].get().mul_add(x[j], s);
+        }
+        s
+    }
+
+    /// [`expand`] on 16 lanes: 64, then 16 columns at a time in registers
+    /// over all `k`, each element the same chain of fused multiply-adds
+    /// from zero as the tail's.
+    #[inline(always)]
+    unsafe fn expand512<T: Load16>(
+        h: &[f32],
+        bt: &[T],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
+        let n = row.len();
+        // SAFETY (caller): as [`expand`].
+        let at = |k: usize, j: usize| bt.as_ptr().add(k * out_dim + j0 + j);
+        let finish = |o: *mut f32, acc: __m512| {
+            let v = if store {
+                acc
+            } else {
+                _mm512_add_ps(_mm512_loadu_ps(o), acc)
+            };
+            _mm512_storeu_ps(o, v);
+        };
+        let mut j = 0;
+        while j + 64 <= n {
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (k, &c) in h.iter().enumerate() {
+                let cv = _mm512_set1_ps(c);
+                for (q, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(cv, T::load16(at(k, j + 16 * q)), *a);
+                }
+            }
+            for (q, a) in acc.iter().enumerate() {
+                finish(row.as_mut_ptr().add(j + 16 * q), *a);
+            }
+            j += 64;
+        }
+        while j + 16 <= n {
+            let mut acc = _mm512_setzero_ps();
+            for (k, &c) in h.iter().enumerate() {
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(c), T::load16(at(k, j)), acc);
+            }
+            finish(row.as_mut_ptr().add(j), acc);
+            j += 16;
+        }
+        for j in j..n {
+            let mut d = 0f32;
+            for (k, &c) in h.iter().enumerate() {
+                d = c.mul_add((*at(k, j)).get(), d);
+            }
+            row[j] = if store { d } else { row[j] + d };
+        }
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW/VL, FMA and F16C; `a.len() == x.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn dot512_f32(a: &[f32], x: &[f32]) -> f32 {
+        dot512(a, x)
+    }
+
+    /// # Safety
+    /// As [`dot512_f32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn dot512_bf16(a: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: `Bf16` is a transparent `u16`.
+        dot512(
+            std::slice::from_raw_parts(a.as_ptr() as *const Bf16, a.len()),
+            x,
+        )
+    }
+
+    /// # Safety
+    /// As [`dot512_f32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn dot512_f16(a: &[u16], x: &[f32]) -> f32 {
+        // SAFETY: `F16` is a transparent `u16`.
+        dot512(
+            std::slice::from_raw_parts(a.as_ptr() as *const F16, a.len()),
+            x,
+        )
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW/VL, FMA and F16C; shapes as [`expand_f32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn expand512_f32(
+        h: &[f32],
+        bt: &[f32],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
+        expand512(h, bt, out_dim, j0, row, store)
+    }
+
+    /// # Safety
+    /// As [`expand512_f32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn expand512_bf16(
+        h: &[f32],
+        bt: &[u16],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
+        // SAFETY: `Bf16` is a transparent `u16`.
+        let bt = std::slice::from_raw_parts(bt.as_ptr() as *const Bf16, bt.len());
+        expand512(h, bt, out_dim, j0, row, store)
+    }
+
+    /// # Safety
+    /// As [`expand512_f32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn expand512_f16(
+        h: &[f32],
+        bt: &[u16],
+        out_dim: usize,
+        j0: usize,
+        row: &mut [f32],
+        store: bool,
+    ) {
+        // SAFETY: `F16` is a transparent `u16`.
+        let bt = std::slice::from_raw_parts(bt.as_ptr() as *const F16, bt.len());
+        expand512(h, bt, out_dim, j0, row, store)
     }
 
     /// # Safety
