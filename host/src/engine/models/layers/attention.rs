@@ -2,7 +2,7 @@
 //! block of Llama, Mistral, Qwen2 and Qwen3 (and of the mixture-of-experts
 //! models built on them).
 
-use super::lora::LayerLora;
+use super::lora::{LayerLora, LoraSlices};
 use super::projection::Projection;
 use super::{load_matrix, load_offset_norm, load_vector, Workspace};
 use crate::engine::config::ModelConfig;
@@ -178,7 +178,7 @@ impl<B: Backend> SelfAttention<B> {
         b.reserve(&mut ws.proj, n * d)?;
 
         // Each adapted part adds to its columns of the fused output.
-        let qkv_slices = lora.map_or_else(Vec::new, |l| {
+        let qkv_slices = lora.map_or_else(LoraSlices::none, |l| {
             l.slices(&[
                 (LoraModule::Q, 0, qd),
                 (LoraModule::K, qd, kvd),
@@ -220,7 +220,7 @@ impl<B: Backend> SelfAttention<B> {
             step,
             &mut ws.attn,
         );
-        let o_slices = lora.map_or_else(Vec::new, |l| l.slices(&[(LoraModule::O, 0, d)]));
+        let o_slices = lora.map_or_else(LoraSlices::none, |l| l.slices(&[(LoraModule::O, 0, d)]));
         b.matmul_lora(
             &self.o,
             &ws.attn,

@@ -75,18 +75,22 @@ impl<B: Backend> LayerLora<B> {
     }
 
     /// The adapted ones of `parts` (each a module with its output columns
-    /// `col..col + out_dim` of one projection), as
-    /// [`pagoda_accel::Backend::matmul_lora`] takes them.
-    pub fn slices(&self, parts: &[(LoraModule, usize, usize)]) -> Vec<LoraSlice<'_, B::Matrix>> {
-        parts
-            .iter()
-            .filter(|(m, _, _)| self.adapts(*m))
-            .map(|&(m, col, out_dim)| LoraSlice {
-                slots: &self.modules[index(m)],
-                col,
-                out_dim,
-            })
-            .collect()
+    /// `col..col + out_dim` of one projection, at most three), as
+    /// [`pagoda_accel::Backend::matmul_lora`] takes them; held inline, so
+    /// a decode step allocates nothing for them.
+    pub fn slices(&self, parts: &[(LoraModule, usize, usize)]) -> LoraSlices<'_, B::Matrix> {
+        let mut out = LoraSlices::none();
+        for &(m, col, out_dim) in parts {
+            if self.adapts(m) && out.len < out.items.len() {
+                out.items[out.len] = LoraSlice {
+                    slots: &self.modules[index(m)],
+                    col,
+                    out_dim,
+                };
+                out.len += 1;
+            }
+        }
+        out
     }
 
     /// Whether any slot adapts module `m`.
@@ -123,5 +127,34 @@ impl<B: Backend> LayerLora<B> {
             col,
             out_dim,
         )
+    }
+}
+
+/// Up to three [`LoraSlice`]s of one projection (q|k|v at most), without a
+/// heap allocation; derefs to the slice [`Backend::matmul_lora`] takes.
+pub struct LoraSlices<'a, M> {
+    items: [LoraSlice<'a, M>; 3],
+    len: usize,
+}
+
+impl<'a, M> LoraSlices<'a, M> {
+    /// No slices: the projection has no adapter.
+    pub fn none() -> LoraSlices<'a, M> {
+        let empty = || LoraSlice {
+            slots: &[],
+            col: 0,
+            out_dim: 0,
+        };
+        LoraSlices {
+            items: [empty(), empty(), empty()],
+            len: 0,
+        }
+    }
+}
+
+impl<'a, M> std::ops::Deref for LoraSlices<'a, M> {
+    type Target = [LoraSlice<'a, M>];
+    fn deref(&self) -> &[LoraSlice<'a, M>] {
+        &self.items[..self.len]
     }
 }
