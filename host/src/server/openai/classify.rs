@@ -9,9 +9,8 @@
 //! label is the most probable one's `id2label` name. `use_activation:
 //! false` returns the raw logits in `probs`, as vLLM does.
 
-use super::embeddings::{meter_pooling, run};
+use super::embeddings::{check_input_lengths, meter_pooling, pooling_options, run};
 use super::{admit, now_secs, off_runtime, random_id};
-use crate::engine::core::RequestOptions;
 use crate::engine::pooling::{class_probs, PoolingTask};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
@@ -158,25 +157,9 @@ pub async fn classify(
         if ids.is_empty() {
             return Err(ApiError::invalid(Some("input".into()), "an input is empty"));
         }
-        if ids.len() > max_len {
-            return Err(ApiError::context_length(
-                "input",
-                format!(
-                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for classification. Please reduce the length of the input.",
-                    ids.len()
-                ),
-            ));
-        }
     }
-    let mut opts = RequestOptions {
-        pooling: true,
-        priority: req.priority.unwrap_or(0),
-        ..Default::default()
-    };
-    if let Some(t) = &ctx {
-        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
-        opts.tenant = t.share();
-    }
+    check_input_lengths(&prompts, max_len, "classification")?;
+    let opts = pooling_options(req.priority, ctx.as_ref());
     let raw = run(&state, &engine, &id, &prompts, opts).await?;
     let n = pooler.labels.len();
     let mut data = Vec::with_capacity(raw.len());

@@ -458,27 +458,9 @@ pub async fn embeddings(
                 format!("token id {bad} is beyond the vocabulary of {vocab}"),
             ));
         }
-        if ids.len() > max_len {
-            return Err(ApiError::context_length(
-                "input",
-                format!(
-                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for embedding generation. Please reduce the length of the input.",
-                    ids.len()
-                ),
-            ));
-        }
     }
-    let mut opts = RequestOptions {
-        pooling: true,
-        priority: req.priority.unwrap_or(0),
-        ..Default::default()
-    };
-    if let Some(t) = &ctx {
-        // As generation: tenants share prefix-cache blocks only within
-        // their cache group, and are scheduled by their share.
-        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
-        opts.tenant = t.share();
-    }
+    check_input_lengths(&prompts, max_len, "embedding generation")?;
+    let opts = pooling_options(req.priority, ctx.as_ref());
     let vectors = run(&state, &engine, &id, &prompts, opts).await?;
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     if let Some(c) = &ctx {
@@ -590,6 +572,44 @@ pub(super) async fn meter_pooling(
         finished_ms: crate::metering::now_ms(),
     };
     super::meter(state, &record).await
+}
+
+/// vLLM's 400 for an input longer than the model's context, naming what
+/// the input was for ("embedding generation", "score", "classification").
+pub(super) fn check_input_lengths(
+    prompts: &[Vec<u32>],
+    max_len: usize,
+    purpose: &str,
+) -> Result<(), ApiError> {
+    match prompts.iter().find(|ids| ids.len() > max_len) {
+        Some(ids) => Err(ApiError::context_length(
+            "input",
+            format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for {purpose}. Please reduce the length of the input.",
+                ids.len()
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A pooling request's options: its priority and, under a tenant, as for
+/// generation, the tenant's cache salt (blocks shared only within its
+/// cache group) and its fair share.
+pub(super) fn pooling_options(
+    priority: Option<i64>,
+    ctx: Option<&super::TenantCtx>,
+) -> RequestOptions {
+    let mut opts = RequestOptions {
+        pooling: true,
+        priority: priority.unwrap_or(0),
+        ..Default::default()
+    };
+    if let Some(t) = ctx {
+        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
+        opts.tenant = t.share();
+    }
+    opts
 }
 
 /// Submits every prompt as a pooling request and waits for their raw

@@ -11,9 +11,8 @@
 //! its logit goes through a sigmoid, vLLM's default activation for one
 //! label (`use_activation: false` returns the raw logit).
 
-use super::embeddings::{meter_pooling, run};
+use super::embeddings::{check_input_lengths, meter_pooling, pooling_options, run};
 use super::{admit, now_secs, off_runtime, random_id};
-use crate::engine::core::RequestOptions;
 use crate::engine::pooling::PoolingTask;
 use crate::server::errors::{json_response, ApiError};
 use crate::server::{AppState, Body};
@@ -271,27 +270,8 @@ pub async fn score(
             .collect()
     })
     .await?;
-    for ids in &prompts {
-        if ids.len() > max_len {
-            // vLLM's message for a scoring input over the context.
-            return Err(ApiError::context_length(
-                "input",
-                format!(
-                    "This model's maximum context length is {max_len} tokens. However, you requested {} tokens in the input for score. Please reduce the length of the input.",
-                    ids.len()
-                ),
-            ));
-        }
-    }
-    let mut opts = RequestOptions {
-        pooling: true,
-        priority: common.priority.unwrap_or(0),
-        ..Default::default()
-    };
-    if let Some(t) = &ctx {
-        opts.cache_salt = super::protocol::salt_of(&format!("{}:0", t.cache_scope()));
-        opts.tenant = t.share();
-    }
+    check_input_lengths(&prompts, max_len, "score")?;
+    let opts = pooling_options(common.priority, ctx.as_ref());
     let raw = run(&state, &engine, &id, &prompts, opts).await?;
     let scores: Vec<f32> = raw
         .into_iter()
