@@ -492,15 +492,7 @@ impl Backend for CpuBackend {
             lora_data(&f.a)?;
             lora_data(&f.b)?;
         }
-        let factors = |s: u16| {
-            let f = slots.get(s as usize)?.as_ref()?;
-            Some(crate::ops::lora::LoraFactors {
-                a: lora_data(&f.a).ok()?,
-                b: lora_data(&f.b).ok()?,
-                rank: f.rank,
-                scale: f.scale,
-            })
-        };
+        let factors = |s: u16| slot_factors(slots, s);
         let n = step.batch.tokens.len();
         crate::ops::lora::lora_add(
             &x[..n * in_dim],
@@ -560,13 +552,7 @@ impl Backend for CpuBackend {
             }
         }
         fn factors<'a>(s: &super::LoraSlice<'a, Weight>, slot: u16) -> Option<LoraFactors<'a>> {
-            let f = s.slots.get(slot as usize)?.as_ref()?;
-            Some(LoraFactors {
-                a: lora_data(&f.a).ok()?,
-                b: lora_data(&f.b).ok()?,
-                rank: f.rank,
-                scale: f.scale,
-            })
+            slot_factors(s.slots, slot)
         }
         let token_slots = &step.batch.lora_slots;
         let order = &mut self.lora_order;
@@ -1189,6 +1175,22 @@ fn write_layer<T: KvElem>(cache: &mut LayerKv<T>, k: &[f32], v: &[f32], slots: &
 }
 
 /// A LoRA factor's dense elements, as the kernel reads them.
+/// Slot `s`'s factors in `slots`, as the kernels read them in place;
+/// `None` for an empty slot (or factors [`lora_data`] refuses, which the
+/// callers have already reported).
+fn slot_factors(
+    slots: &[Option<super::DeviceLora<Weight>>],
+    s: u16,
+) -> Option<crate::ops::lora::LoraFactors<'_>> {
+    let f = slots.get(s as usize)?.as_ref()?;
+    Some(crate::ops::lora::LoraFactors {
+        a: lora_data(&f.a).ok()?,
+        b: lora_data(&f.b).ok()?,
+        rank: f.rank,
+        scale: f.scale,
+    })
+}
+
 fn lora_data(w: &Weight) -> Result<crate::ops::lora::LoraData<'_>, BackendError> {
     use crate::ops::lora::LoraData;
     let bytes = w.dense_bytes();
