@@ -8,7 +8,7 @@
 
 use crate::engine::lora::{LoraAdapter, LoraModule};
 use anyhow::Result;
-use pagoda_accel::{Backend, BackendError, DeviceLora, GgmlType, HostMatrix, LoraSlice};
+use pagoda_accel::{Backend, DeviceLora, GgmlType, HostMatrix, LoraSlice};
 
 /// One layer's adapters, by module and slot.
 pub struct LayerLora<B: Backend> {
@@ -96,37 +96,6 @@ impl<B: Backend> LayerLora<B> {
     /// Whether any slot adapts module `m`.
     fn adapts(&self, m: LoraModule) -> bool {
         self.modules[index(m)].iter().any(Option::is_some)
-    }
-
-    /// Adds module `m`'s deltas for the step's tokens: input `x`
-    /// (`[tokens, in_dim]`), output columns `col..col + out_dim` of `out`
-    /// (`out_stride` wide).
-    #[allow(clippy::too_many_arguments)]
-    pub fn add(
-        &self,
-        b: &mut B,
-        m: LoraModule,
-        x: &B::Buffer,
-        in_dim: usize,
-        step: &B::Step,
-        out: &mut B::Buffer,
-        out_stride: usize,
-        col: usize,
-        out_dim: usize,
-    ) -> Result<(), BackendError> {
-        if !self.adapts(m) {
-            return Ok(());
-        }
-        b.lora_add(
-            x,
-            in_dim,
-            &self.modules[index(m)],
-            step,
-            out,
-            out_stride,
-            col,
-            out_dim,
-        )
     }
 }
 
