@@ -302,7 +302,11 @@ fn while_tenants_contend_one_tenants_prefills_fill_a_quarter_of_a_step() {
         core.check_kv_accounting().expect("kv accounting");
         // No step carries more than 16 prompt tokens of A beside the
         // decodes (one token per running sequence, B's included).
-        assert!(core.stats().last_step_tokens <= 16 + 4);
+        assert!(
+            core.stats().last_step_tokens <= 16 + 4,
+            "step of {} tokens",
+            core.stats().last_step_tokens
+        );
         assert!(
             !outs.iter().any(|o| o.id == b && o.finish_reason.is_some()),
             "B outlasts A's prompts"
@@ -383,4 +387,63 @@ fn while_tenants_contend_one_tenants_streams_decode_in_turns_within_the_step_bou
         // One token came from the first step, before `outputs` counted.
         assert_eq!(outputs[&id].len(), 11, "stream {id}");
     }
+}
+
+/// The step bound is per unit of weight: with `--tenant-step-tokens 2`,
+/// A of weight 2 adds at most 4 tokens to a contended step and B of weight
+/// 1 at most 2, so while both keep more streams open than their bounds
+/// A's streams decode twice as many tokens as B's, as fair share says.
+#[test]
+fn the_step_bound_scales_with_weight_and_keeps_the_weighted_split() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let m = model(dir.path());
+    let mut a = EngineArgs::new(&m);
+    a.threads = 1;
+    a.max_model_len = Some(MAX_MODEL_LEN);
+    a.kv_cache_memory = Some(4 << 20);
+    a.kv_cache_dtype = KvCacheDtype::F32;
+    a.max_num_seqs = 16;
+    a.max_num_batched_tokens = 64;
+    a.tenant_step_tokens = 2;
+    let mut llm = LLM::new(a).unwrap_or_else(|e| panic!("LLM::new: {e:#}"));
+    let core = llm.engine_mut();
+    let heavy: Vec<u64> = (0..6)
+        .map(|i| add(core, &format!("a{i}"), 3, 40, tenant("a", 2)))
+        .collect();
+    let light: Vec<u64> = (0..6)
+        .map(|i| add(core, &format!("b{i}"), 3, 40, tenant("b", 1)))
+        .collect();
+    let (mut a_total, mut b_total) = (0usize, 0usize);
+    for step in 0..60 {
+        let outs = core.step().expect("step");
+        core.check_kv_accounting().expect("kv accounting");
+        let count = |ids: &[u64]| {
+            outs.iter()
+                .filter(|o| ids.contains(&o.id))
+                .map(|o| o.new_token_ids.len())
+                .sum::<usize>()
+        };
+        let (a_step, b_step) = (count(&heavy), count(&light));
+        // The first steps prefill the 3-token prompts (a tenant's first
+        // prefill may run in a step of its own, outside the step bound);
+        // from then on every step is a contended decode step.
+        if step >= 6 {
+            assert!(
+                a_step <= 4,
+                "step {step}: A (weight 2) got {a_step} tokens, over 2 x 2"
+            );
+            assert!(
+                b_step <= 2,
+                "step {step}: B (weight 1) got {b_step} tokens, over 2"
+            );
+            a_total += a_step;
+            b_total += b_step;
+        }
+    }
+    assert!(b_total > 0, "B decoded nothing");
+    let ratio = a_total as f64 / b_total as f64;
+    assert!(
+        (1.8..=2.2).contains(&ratio),
+        "A decoded {a_total} tokens and B {b_total}: ratio {ratio:.2}, weights say 2"
+    );
 }

@@ -137,10 +137,12 @@ pub struct EngineFlags {
     #[arg(long, default_value_t = 0)]
     pub tenant_prefill_chunk: usize,
     /// Under fair share, while tenants contend: the most tokens of any
-    /// kind (decodes and prefill chunks) one tenant adds to a step; its
-    /// streams beyond it decode in turns (0: no such bound).
-    #[arg(long, default_value_t = 0)]
-    pub tenant_step_tokens: usize,
+    /// kind (decodes and prefill chunks) one tenant adds to a step per unit
+    /// of its weight; its streams beyond it decode in turns, so the step a
+    /// calm tenant's first token waits for stays short (0: no such bound;
+    /// default 8 on the CPU, none on accelerators).
+    #[arg(long)]
+    pub tenant_step_tokens: Option<usize>,
     /// Defaults for sampling parameters a request leaves unset: auto (the
     /// model folder's generation_config.json), vllm (vLLM's own defaults),
     /// or a folder holding a generation_config.json.
@@ -286,7 +288,10 @@ impl EngineFlags {
         a.enable_prefix_caching = !self.no_enable_prefix_caching;
         a.scheduling_policy = self.scheduling_policy.parse::<SchedulingPolicy>()?;
         a.tenant_prefill_chunk = self.tenant_prefill_chunk;
-        a.tenant_step_tokens = self.tenant_step_tokens;
+        a.tenant_step_tokens = self.tenant_step_tokens.unwrap_or(match a.device {
+            pagoda_accel::Device::Cpu => crate::engine::args::DEFAULT_TENANT_STEP_TOKENS_CPU,
+            _ => 0,
+        });
         a.generation_config = self.generation_config.parse::<GenerationConfigSource>()?;
         a.kv_events = self
             .kv_events_config

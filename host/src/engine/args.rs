@@ -71,8 +71,9 @@ pub struct EngineArgs {
     /// tenant's prefills add to a step (0: a quarter of the step budget).
     pub tenant_prefill_chunk: usize,
     /// Under fair share, while tenants contend: the most tokens of any kind
-    /// one tenant adds to a step, its streams decoding in turns beyond it
-    /// (0: no such bound).
+    /// one tenant adds to a step per unit of weight, its streams decoding in
+    /// turns beyond it (0: no such bound; by default
+    /// [`DEFAULT_TENANT_STEP_TOKENS_CPU`] on the CPU).
     pub tenant_step_tokens: usize,
     /// Seed for requests that give none (each request's RNG is derived
     /// from it and the request id); `None` seeds from the OS.
@@ -108,6 +109,19 @@ pub struct EngineArgs {
 /// every tenant's time to first token.
 pub const DEFAULT_MAX_NUM_SEQS_CPU: usize = 64;
 
+/// `--tenant-step-tokens` on the CPU when the flag is not given: while
+/// tenants contend, each adds at most this many tokens per unit of weight
+/// to a step. A CPU step's time grows with every row (on the EPYC, demo
+/// model, 2 threads: 3.8 ms for one decode row, 15.5 ms for nine, ~1.3 ms a
+/// row), so a flood's 32 decode rows make the step a calm tenant's first
+/// token waits for several times its own prefill. With 8 (`bench/isolation.sh`,
+/// docs/benchmarks.md) that tenant's TTFT beside 32 flooding streams was
+/// 1.31x its TTFT alone for 128-token prompts (1.9-2.1x without a bound), and
+/// the flood itself decoded faster (420 against 310-340 tok/s: on the CPU
+/// nine-row steps cost no more per row than 32-row ones). GPUs run a step's
+/// rows in parallel, so there it stays off.
+pub const DEFAULT_TENANT_STEP_TOKENS_CPU: usize = 8;
+
 /// Speculative decoding pauses while more sequences than this run, unless
 /// `disable_by_batch_size` says otherwise. A larger batch is compute-bound,
 /// so every verified draft costs nearly what a decoded token does.
@@ -138,7 +152,7 @@ impl EngineArgs {
             enable_prefix_caching: true,
             scheduling_policy: SchedulingPolicy::Fair,
             tenant_prefill_chunk: 0,
-            tenant_step_tokens: 0,
+            tenant_step_tokens: DEFAULT_TENANT_STEP_TOKENS_CPU,
             seed: None,
             generation_config: GenerationConfigSource::Auto,
             speculative: None,

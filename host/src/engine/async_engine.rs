@@ -618,6 +618,13 @@ fn engine_loop(
                         &params,
                     );
                     let stop = StopStrings::of(&params);
+                    tracing::debug!(
+                        target: "pagoda::engine::step",
+                        tenant = %tenant,
+                        prompt = prompt_ids.len(),
+                        waited_ms = arrived.elapsed().as_secs_f64() * 1e3,
+                        "request in",
+                    );
                     let r = core.add_request(external_id, prompt_ids, params, opts);
                     if let Ok(id) = r {
                         // Before any output of the request: the output
@@ -688,6 +695,12 @@ fn engine_loop(
                 match t.last_token {
                     None => {
                         let ttft = (now - t.arrived).as_secs_f64();
+                        tracing::debug!(
+                            target: "pagoda::engine::step",
+                            tenant = %t.tenant,
+                            ttft_ms = ttft * 1e3,
+                            "first token",
+                        );
                         metrics::histogram!(m::TTFT).record(ttft);
                         metrics::histogram!(m::TENANT_TTFT, "tenant" => t.tenant.clone())
                             .record(ttft);

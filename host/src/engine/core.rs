@@ -560,7 +560,16 @@ impl EngineCore {
                 self.stats.steps += 1;
                 self.stats.last_step_tokens = plan.num_tokens;
             }
+            let started = std::time::Instant::now();
             let sampled = self.runner.execute(&plan, &mut guided)?;
+            // What each step carried and took (RUST_LOG=pagoda::engine::step=debug):
+            // where a request's latency goes under load.
+            tracing::debug!(
+                target: "pagoda::engine::step",
+                seqs = plan.seqs.len(),
+                tokens = plan.num_tokens,
+                ms = started.elapsed().as_secs_f64() * 1e3,
+            );
             self.stats.generation_tokens += self.scheduler.update_from_output(
                 &plan,
                 sampled,

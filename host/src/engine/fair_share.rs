@@ -212,6 +212,21 @@ impl FairShare {
         }
     }
 
+    /// The tenant's weight over the smallest weight among the active
+    /// tenants (1.0 for an unknown tenant): how many units of a per-tenant
+    /// step bound it gets, so that bounding a step keeps the weighted split.
+    pub fn weight_units(&self, tenant: &str) -> f64 {
+        let least = self
+            .tenants
+            .values()
+            .map(|t| t.weight)
+            .min_by(f64::total_cmp)
+            .unwrap_or(1.0);
+        self.tenants
+            .get(tenant)
+            .map_or(1.0, |t| t.weight / least.max(1.0))
+    }
+
     /// The tenant's priority class and virtual time: the order in which
     /// running sequences get the step's token budget (smaller first).
     pub fn budget_order(&self, tenant: &str) -> (i64, f64) {

@@ -73,8 +73,9 @@ pub struct SchedulerConfig {
     /// 0 for a quarter of `max_num_batched_tokens`.
     pub tenant_prefill_chunk: usize,
     /// Under `fair` with several tenants: the most tokens of any kind
-    /// (decodes, drafts and prefill chunks together) one tenant adds to a
-    /// step; its sequences beyond it take turns. 0 for no such bound.
+    /// (decodes, drafts and prefill chunks together) one tenant of the
+    /// smallest weight adds to a step (a tenant of twice that weight twice
+    /// as many); its sequences beyond it take turns. 0 for no such bound.
     pub tenant_step_tokens: usize,
 }
 
@@ -263,10 +264,16 @@ impl Scheduler {
         }
     }
 
-    /// Of `cap`, what `tenant` may still add to this step.
+    /// Of `cap` per unit of weight, what `tenant` may still add to this
+    /// step. Scaling by weight keeps the weighted split of decode rows when
+    /// every tenant has more streams than its bound.
     fn step_left(&self, cap: Option<usize>, tenant: &str) -> usize {
         match cap {
-            Some(cap) => cap.saturating_sub(taken_by(&self.step_taken, tenant)),
+            Some(cap) => {
+                let units = self.fair.weight_units(tenant);
+                let own = ((cap as f64 * units) as usize).max(1);
+                own.saturating_sub(taken_by(&self.step_taken, tenant))
+            }
             None => usize::MAX,
         }
     }
@@ -373,9 +380,11 @@ impl Scheduler {
             None => None,
         };
         self.last_exclusive = exclusive.is_some();
-        // A step of one tenant's alone is within the budget only.
-        let prefill_cap = prefill_cap.filter(|_| exclusive.is_none());
-        let step_cap = self.step_cap(prefill_cap.is_some());
+        // A step of one tenant's alone keeps the prefill bound (others wait
+        // on it too, and a tenant that lags in virtual time may have long
+        // prompts) but not the step bound, which is there to make room
+        // for others in the same step.
+        let step_cap = self.step_cap(prefill_cap.is_some() && exclusive.is_none());
         self.step_taken.clear();
         self.turned_away.clear();
         // With one tenant the order is already fcfs order; skipping the
