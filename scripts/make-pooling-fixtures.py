@@ -28,6 +28,14 @@ OUT_DIR/<model>/ gets what the Hub holds for such a model, and reference.json:
                 P(yes) of the softmax over the "no" and "yes" logits at
                 the last token: {"query", "documents", "token_ids",
                 "no_yes_ids", "no_yes_logits", "scores"}.
+  modernbert-embed  `ModernBertModel` saved by sentence-transformers: a
+                byte-level BPE tokenizer, rotary positions with separate
+                bases for global and local layers, local layers attending
+                8 tokens around each, GeGLU, mean pooling and Normalize; a
+                fifth input longer than the local window.
+  modernbert-rerank `ModernBertForSequenceClassification`, num_labels 1,
+                classifier_pooling mean: CrossEncoder's scores and
+                transformers' logits, as bert-rerank's reference.
   bert-classify `BertForSequenceClassification`, num_labels 3 with id2label:
                 {"inputs": [{"text", "token_ids", "logits", "probs",
                 "label"}]} (softmax of transformers' logits).
@@ -163,18 +171,18 @@ def pooling_config(dim, mode):
     }
 
 
-def embed_reference(d, st, tokenizer):
+def embed_reference(d, st, tokenizer, texts=TEXTS):
     """sentence-transformers' own embeddings, one input per batch so that
     no padding enters, and the Matryoshka truncations of them."""
     inputs = []
-    for text in TEXTS:
+    for text in texts:
         ids = tokenizer(text)["input_ids"]
         emb = st.encode([text], batch_size=1, convert_to_numpy=True)[0]
         inputs.append({"text": text, "token_ids": [int(i) for i in ids],
                        "embedding": [float(x) for x in emb]})
     dims = {}
     for n in (16,):
-        truncated = st.encode(TEXTS, batch_size=1, convert_to_numpy=True,
+        truncated = st.encode(texts, batch_size=1, convert_to_numpy=True,
                               truncate_dim=n)
         dims[str(n)] = [[float(x) for x in (v / (v ** 2).sum() ** 0.5)]
                         for v in truncated]
@@ -458,6 +466,129 @@ def qwen3_rerank(out):
     })
 
 
+# ---------------------------------------------------------------------------
+# ModernBERT: a byte-level BPE tokenizer, rotary positions, local and
+# global attention layers
+# ---------------------------------------------------------------------------
+
+# Longer than the local layers' window (local_attention 8: four tokens on
+# each side), so that the window shows in the numbers.
+LONG_TEXT = ("the lazy dog sleeps while the quick brown fox jumps over it again and again, "
+             "and paris, the capital of france, is a city in europe that serves embeddings")
+MODERNBERT_TEXTS = TEXTS + [LONG_TEXT]
+
+
+def modernbert_tokenizer(d):
+    """A byte-level BPE tokenizer laid out as ModernBERT's (GPT-NeoX style
+    byte-level pieces, `[CLS] A [SEP]` and `[CLS] A [SEP] B [SEP]` with
+    token types 0 then 1), trained with the `tokenizers` library on the
+    fixture's own texts and saved through transformers; its inputs are ids
+    and mask only, as ModernBERT's tokenizer_config says."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders, trainers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]"]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    corpus = MODERNBERT_TEXTS + DOCS + [QUERY, " ".join(WORDS)]
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
+    ids = {t: tok.token_to_id(t) for t in specials}
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", pad_token="[PAD]", mask_token="[MASK]",
+                                   model_max_length=128,
+                                   model_input_names=["input_ids", "attention_mask"])
+    fast.save_pretrained(d)
+    return fast, tok.get_vocab_size(), ids
+
+
+def modernbert_config(vocab, ids, **kw):
+    """Five layers, every third global (layers 0 and 3), the others
+    attending to 8 tokens around them; RoPE bases away from the defaults
+    (160000 and 10000)."""
+    from transformers import ModernBertConfig
+    return ModernBertConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=80, num_hidden_layers=5,
+        num_attention_heads=4, hidden_activation="gelu", max_position_embeddings=128,
+        norm_eps=1e-6, global_attn_every_n_layers=3, local_attention=8,
+        global_rope_theta=20000.0, local_rope_theta=5000.0,
+        pad_token_id=ids["[PAD]"], cls_token_id=ids["[CLS]"], sep_token_id=ids["[SEP]"],
+        bos_token_id=ids["[CLS]"], eos_token_id=ids["[SEP]"], **kw)
+
+
+def modernbert_embed(out):
+    """`ModernBertModel` as sentence-transformers saves it (ModernBERT
+    embedders such as gte-modernbert and nomic-embed-text-v2's kin): mean
+    pooling and Normalize. LayerNorms without bias (norm_bias false, as
+    released), attention and MLP biases on (both off by default)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import ModernBertModel
+
+    d = os.path.join(out, "modernbert-embed")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab, ids = modernbert_tokenizer(d)
+    torch.manual_seed(SEED + 6)
+    config = modernbert_config(vocab, ids, norm_bias=False, attention_bias=True, mlp_bias=True)
+    config.architectures = ["ModernBertModel"]
+    model = ModernBertModel(config).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    write_json(os.path.join(d, "modules.json"), [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    write_json(os.path.join(d, "sentence_bert_config.json"),
+               {"max_seq_length": 128, "do_lower_case": False})
+    os.makedirs(os.path.join(d, "1_Pooling"), exist_ok=True)
+    write_json(os.path.join(d, "1_Pooling", "config.json"), pooling_config(64, "mean"))
+    os.makedirs(os.path.join(d, "2_Normalize"), exist_ok=True)
+    st = SentenceTransformer(d, device="cpu")
+    embed_reference(d, st, tok, MODERNBERT_TEXTS)
+
+
+def modernbert_rerank(out):
+    """`ModernBertForSequenceClassification` with one label (the
+    gte-reranker-modernbert form): the mean of the final-normed rows
+    (classifier_pooling "mean"), the head (dense with classifier_bias,
+    gelu, LayerNorm) and the classifier; LayerNorms with bias (norm_bias
+    true), no attention or MLP biases. Pairs `[CLS] q [SEP] d [SEP]`, whose
+    token types the model does not read."""
+    from sentence_transformers import CrossEncoder
+    from transformers import ModernBertForSequenceClassification
+
+    d = os.path.join(out, "modernbert-rerank")
+    os.makedirs(d, exist_ok=True)
+    tok, vocab, ids = modernbert_tokenizer(d)
+    torch.manual_seed(SEED + 7)
+    config = modernbert_config(vocab, ids, norm_bias=True, attention_bias=False, mlp_bias=False,
+                               num_labels=1, classifier_pooling="mean", classifier_bias=True,
+                               classifier_activation="gelu")
+    model = ModernBertForSequenceClassification(config).float().eval()
+    scale_weights(model, 0.15)
+    model.save_pretrained(d, safe_serialization=True)
+    ce = CrossEncoder(d, device="cpu")
+    docs = DOCS + [LONG_TEXT]
+    pairs = [(QUERY, doc) for doc in docs]
+    logits = []
+    token_ids = []
+    for q, doc in pairs:
+        enc = tok(q, doc, return_tensors="pt")
+        token_ids.append([int(i) for i in enc["input_ids"][0]])
+        with torch.no_grad():
+            logits.append(float(model(**enc).logits[0, 0]))
+    scores = [float(s) for s in ce.predict(pairs, batch_size=1)]
+    write_json(os.path.join(d, "reference.json"), {
+        "query": QUERY, "documents": docs, "token_ids": token_ids,
+        "logits": logits, "scores": scores,
+    })
+
+
 FIXTURES = {
     "qwen3-embed": qwen3_embed,
     "bert-embed": bert_embed,
@@ -466,6 +597,8 @@ FIXTURES = {
     "xlmr-rerank": xlmr_rerank,
     "bert-classify": bert_classify,
     "qwen3-rerank": qwen3_rerank,
+    "modernbert-embed": modernbert_embed,
+    "modernbert-rerank": modernbert_rerank,
 }
 
 

@@ -737,3 +737,292 @@ fn qwen3_reranker_scores_match_transformers() {
         assert!(format!("{e:#}").contains(word), "{json}: {e:#}");
     }
 }
+
+/// modernbert-embed: `ModernBertModel` saved by sentence-transformers
+/// (byte-level BPE, mean pooling, Normalize): rotary positions with bases
+/// 2e4 on the global layers (0, 3) and 5e3 on the local ones, which see
+/// four tokens on either side; GeGLU; LayerNorms without bias. The fifth
+/// input (73 tokens) is far longer than the local window. Each vector
+/// reaches cosine 0.99999 with sentence-transformers', batched or alone.
+#[test]
+fn modernbert_embedding_matches_sentence_transformers() {
+    let r = reference("modernbert-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mut a = args(&fixture("modernbert-embed"));
+    a.max_model_len = Some(128);
+    let mut llm = LLM::new(a).expect("load modernbert-embed");
+    let prompts: Vec<Prompt> = inputs
+        .iter()
+        .map(|i| Prompt::Text(i["text"].as_str().expect("text").into()))
+        .collect();
+    for (p, i) in prompts.iter().zip(inputs) {
+        let want: Vec<u32> = i["token_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        let Prompt::Text(t) = p else { unreachable!() };
+        let got = llm.tokenizer().encode_for_pooling(t).expect("encode");
+        assert_eq!(got, want, "byte-level BPE with [CLS] and [SEP]");
+    }
+    assert!(
+        inputs[4]["token_ids"].as_array().map_or(0, Vec::len) > 8 * 4,
+        "the long input spans several local windows"
+    );
+    let batched = llm.embed(&prompts, None).expect("embed batched");
+    for (k, (v, i)) in batched.iter().zip(inputs).enumerate() {
+        let want = floats(&i["embedding"]);
+        let c = cosine(v, &want);
+        let diff = v
+            .iter()
+            .zip(&want)
+            .map(|(x, y)| (f64::from(*x) - y).abs())
+            .fold(0.0, f64::max);
+        eprintln!("modernbert-embed input {k}: cosine {c:.9}, max |diff| {diff:.3e}");
+        assert!(
+            c >= MIN_COSINE,
+            "input {k}: cosine {c} with sentence-transformers"
+        );
+        assert!(diff < 1e-4, "input {k}: max |diff| {diff}");
+        let alone = llm.embed(&prompts[k..=k], None).expect("embed alone");
+        assert_eq!(&alone[0], v, "input {k}: batched and alone differ");
+    }
+    let dims = &r["dimensions"]["16"].as_array().expect("dimensions 16");
+    let short = llm.embed(&prompts, Some(16)).expect("embed dimensions 16");
+    for (k, (v, want)) in short.iter().zip(dims.iter()).enumerate() {
+        let c = cosine(v, &floats(want));
+        assert!(c >= MIN_COSINE, "input {k}, 16 dimensions: cosine {c}");
+    }
+}
+
+/// A copy of fixture `name` whose config.json `edit` rewrites.
+fn edited_copy(name: &str, tag: &str, edit: impl Fn(&mut Value)) -> PathBuf {
+    let src = fixture(name);
+    let dst = std::env::temp_dir().join(format!("pagoda-{name}-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    copy_dir(&src, &dst);
+    let mut c: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("config"))
+            .expect("config JSON");
+    edit(&mut c);
+    std::fs::write(dst.join("config.json"), c.to_string()).expect("write config");
+    dst
+}
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).expect("mkdir");
+    for e in std::fs::read_dir(src).expect("read fixture dir") {
+        let e = e.expect("dir entry");
+        let to = dst.join(e.file_name());
+        if e.file_type().expect("file type").is_dir() {
+            copy_dir(&e.path(), &to);
+        } else {
+            std::fs::copy(e.path(), &to).expect("copy fixture file");
+        }
+    }
+}
+
+/// The keys that shape ModernBERT's math are read: the older config form
+/// on the Hub (`global_attn_every_n_layers`, `global_rope_theta`,
+/// `local_rope_theta`) gives the same vectors; a window wide enough to
+/// see everything (or another RoPE base) moves the long input's vector
+/// away from sentence-transformers'; and what is not implemented is
+/// refused at load, by name.
+#[test]
+fn modernbert_config_keys_are_computed_or_refused_by_name() {
+    let r = reference("modernbert-embed");
+    let long = &r["inputs"][4];
+    let prompt = Prompt::Text(long["text"].as_str().expect("text").into());
+    let want = floats(&long["embedding"]);
+    let embed = |dir: &Path| {
+        let mut a = args(dir);
+        a.max_model_len = Some(128);
+        let mut llm = LLM::new(a).expect("load edited modernbert-embed");
+        let v = llm
+            .embed(std::slice::from_ref(&prompt), None)
+            .expect("embed");
+        cosine(&v[0], &want)
+    };
+
+    let old = edited_copy("modernbert-embed", "old-form", |c| {
+        let o = c.as_object_mut().expect("object");
+        o.remove("layer_types");
+        o.remove("rope_parameters");
+        o.insert("global_rope_theta".into(), 20000.0.into());
+        o.insert("local_rope_theta".into(), 5000.0.into());
+        o.insert("reference_compile".into(), false.into());
+    });
+    let c = embed(&old);
+    assert!(c >= MIN_COSINE, "the older config form: cosine {c}");
+    let _ = std::fs::remove_dir_all(&old);
+
+    for (tag, edit) in [
+        (
+            "wide-window",
+            Box::new(|c: &mut Value| c["local_attention"] = 512.into()) as Box<dyn Fn(&mut Value)>,
+        ),
+        (
+            "local-theta",
+            Box::new(|c: &mut Value| {
+                c["rope_parameters"]["sliding_attention"]["rope_theta"] = 100.0.into()
+            }),
+        ),
+        (
+            "all-global",
+            Box::new(|c: &mut Value| {
+                c["layer_types"] = serde_json::json!(vec!["full_attention"; 5]);
+            }),
+        ),
+    ] {
+        let dir = edited_copy("modernbert-embed", tag, edit);
+        let c = embed(&dir);
+        eprintln!("modernbert-embed {tag}: the long input's cosine {c:.6}");
+        assert!(
+            c < 0.9999,
+            "{tag}: the long input still matches (cosine {c})"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    for (tag, edit, word) in [
+        (
+            "silu",
+            Box::new(|c: &mut Value| c["hidden_activation"] = "silu".into())
+                as Box<dyn Fn(&mut Value)>,
+            "hidden_activation",
+        ),
+        (
+            "rope-linear",
+            Box::new(|c: &mut Value| {
+                c["rope_parameters"]["full_attention"] =
+                    serde_json::json!({"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0})
+            }),
+            "rope_parameters.full_attention",
+        ),
+        (
+            "chunked",
+            Box::new(|c: &mut Value| c["layer_types"][1] = "chunked_attention".into()),
+            "layer_types",
+        ),
+        (
+            "head-dim",
+            Box::new(|c: &mut Value| c["head_dim"] = 8.into()),
+            "head_dim",
+        ),
+        (
+            "rope-scaling",
+            Box::new(|c: &mut Value| {
+                c["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 2.0})
+            }),
+            "rope_scaling",
+        ),
+    ] {
+        let dir = edited_copy("modernbert-embed", tag, edit);
+        let mut a = args(&dir);
+        a.max_model_len = Some(128);
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{tag}: {e:#}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// modernbert-rerank: `ModernBertForSequenceClassification` with one
+/// label: the mean of the final-normed rows (classifier_pooling mean), the
+/// head (dense with bias, gelu, LayerNorm with bias) and the classifier,
+/// then a sigmoid: CrossEncoder's scores within 1e-4, and transformers'
+/// logits within 1e-4 batched together. The tokenizer types the pair's
+/// second text 1; ModernBERT reads no types, so the pair goes untyped.
+#[test]
+fn modernbert_cross_encoder_scores_match_cross_encoder() {
+    let r = reference("modernbert-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let mut a = args(&fixture("modernbert-rerank"));
+    a.max_model_len = Some(128);
+    let mut llm = LLM::new(a).expect("load modernbert-rerank");
+    let mut token_ids = Vec::new();
+    let mut typed = false;
+    for (d, want) in docs
+        .iter()
+        .zip(r["token_ids"].as_array().expect("token_ids"))
+    {
+        let packed = llm
+            .tokenizer()
+            .encode_pair_for_scoring(query, d)
+            .expect("encode pair");
+        typed |= packed
+            .iter()
+            .any(|&t| pagoda_accel::ops::encoder::unpack_token(t).1 == 1);
+        let ids: Vec<u32> = packed
+            .iter()
+            .map(|&t| pagoda_accel::ops::encoder::unpack_token(t).0)
+            .collect();
+        let want: Vec<u32> = want
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|x| x.as_u64().expect("id") as u32)
+            .collect();
+        assert_eq!(ids, want, "pair tokens");
+        token_ids.push(ids);
+    }
+    assert!(typed, "the tokenizer's template types the second text 1");
+    let pairs: Vec<(&str, &str)> = docs.iter().map(|d| (query, *d)).collect();
+    let got = llm.score(&pairs).expect("score");
+    let want = floats(&r["scores"]);
+    let mut worst = 0f64;
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        let err = (f64::from(*g) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: score {g}, CrossEncoder {w}");
+    }
+    eprintln!("modernbert-rerank: largest |score - CrossEncoder| {worst:.3e}");
+    let prompts: Vec<Prompt> = token_ids.into_iter().map(Prompt::Tokens).collect();
+    let raw = llm.embed(&prompts, None).expect("raw logits");
+    let mut worst = 0f64;
+    for (k, (v, w)) in raw.iter().zip(floats(&r["logits"])).enumerate() {
+        assert_eq!(v.len(), 1, "one logit");
+        let err = (f64::from(v[0]) - w).abs();
+        worst = worst.max(err);
+        assert!(err < 1e-4, "pair {k}: logit {}, transformers {w}", v[0]);
+    }
+    eprintln!("modernbert-rerank: largest |logit - transformers| {worst:.3e}");
+    // classifier_pooling decides the rows pooled: cls gives other logits.
+    let dir = edited_copy("modernbert-rerank", "cls", |c| {
+        c["classifier_pooling"] = "cls".into()
+    });
+    let mut a = args(&dir);
+    a.max_model_len = Some(128);
+    let mut cls = LLM::new(a).expect("load with cls pooling");
+    let v = cls.embed(&prompts[..1], None).expect("cls logit");
+    let w = floats(&r["logits"])[0];
+    assert!(
+        (f64::from(v[0][0]) - w).abs() > 1e-3,
+        "cls pooling gave the mean's logit"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    for (tag, value, word) in [
+        ("pool-max", "max", "classifier_pooling"),
+        ("act-relu", "relu", "classifier_activation"),
+    ] {
+        let dir = edited_copy("modernbert-rerank", tag, |c| {
+            let key = if tag == "pool-max" {
+                "classifier_pooling"
+            } else {
+                "classifier_activation"
+            };
+            c[key] = value.into();
+        });
+        let mut a = args(&dir);
+        a.max_model_len = Some(128);
+        let e = LLM::new(a).err().expect("refused");
+        assert!(format!("{e:#}").contains(word), "{tag}: {e:#}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,4 +1,4 @@
-//! BERT encoders through the real binary over HTTP, serving the fixtures
+//! BERT and ModernBERT encoders through the real binary over HTTP, serving the fixtures
 //! of tests/fixtures/pooling (written by scripts/make-pooling-fixtures.py):
 //! bert-embed (sentence-transformers `BertModel`, mean pooling, Normalize)
 //! on `/v1/embeddings` and `/pooling`, against sentence-transformers'
@@ -660,4 +660,84 @@ fn cohere_and_litellm_rerank_clients_work_unmodified() {
 #[test]
 fn litellm_embedding_works_unmodified() {
     run_clients("embed", "bert-embed");
+}
+
+/// modernbert-embed (`ModernBertModel` saved by sentence-transformers:
+/// rotary positions, local layers with a window of 8, mean pooling and
+/// Normalize) on `/v1/embeddings`, the 73-token input included:
+/// sentence-transformers' vectors at cosine 0.99999.
+#[test]
+fn modernbert_embeddings_match_sentence_transformers_over_http() {
+    let s = Server::start_with_model(
+        &fixture("modernbert-embed"),
+        &["--dtype", "float32", "--max-model-len", "128"],
+    );
+    let r = reference("modernbert-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let texts: Vec<&str> = inputs
+        .iter()
+        .map(|i| i["text"].as_str().expect("text"))
+        .collect();
+    let (st, out) = s.post("/v1/embeddings", &json!({"model": "smol", "input": texts}));
+    assert_eq!(st, 200, "{out}");
+    let n_tokens: usize = inputs
+        .iter()
+        .map(|i| i["token_ids"].as_array().map_or(0, Vec::len))
+        .sum();
+    assert_eq!(out["usage"]["prompt_tokens"], n_tokens, "{out}");
+    let data = out["data"].as_array().expect("data");
+    assert_eq!(data.len(), inputs.len(), "{out}");
+    for (k, (d, i)) in data.iter().zip(inputs).enumerate() {
+        let c = cosine(&floats(&d["embedding"]), &floats(&i["embedding"]));
+        eprintln!("modernbert-embed over HTTP, input {k}: cosine {c:.9}");
+        assert!(c >= 0.99999, "input {k}: cosine {c}");
+    }
+}
+
+/// modernbert-rerank (`ModernBertForSequenceClassification`, one label,
+/// mean classifier pooling) on `/rerank` and `/score`: CrossEncoder's
+/// scores within 1e-4, though its tokenizer types the second text 1 (the
+/// model reads no types).
+#[test]
+fn modernbert_rerank_scores_match_cross_encoder_over_http() {
+    let s = Server::start_with_model(
+        &fixture("modernbert-rerank"),
+        &["--dtype", "float32", "--max-model-len", "128"],
+    );
+    let r = reference("modernbert-rerank");
+    let query = r["query"].as_str().expect("query");
+    let docs: Vec<&str> = r["documents"]
+        .as_array()
+        .expect("documents")
+        .iter()
+        .map(|d| d.as_str().expect("document"))
+        .collect();
+    let want = floats(&r["scores"]);
+    let mut by_relevance: Vec<usize> = (0..want.len()).collect();
+    by_relevance.sort_by(|&a, &b| want[b].total_cmp(&want[a]));
+    let mut worst = 0.0f64;
+    let (st, out) = s.post(
+        "/rerank",
+        &json!({"model": "smol", "query": query, "documents": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    let results = out["results"].as_array().expect("results");
+    assert_eq!(results.len(), docs.len(), "{out}");
+    for (res, &i) in results.iter().zip(&by_relevance) {
+        assert_eq!(res["index"], i, "by relevance: {out}");
+        let got = res["relevance_score"].as_f64().expect("relevance_score");
+        worst = worst.max((got - want[i]).abs());
+        assert!((got - want[i]).abs() < 1e-4, "document {i}: {got}");
+    }
+    let (st, out) = s.post(
+        "/score",
+        &json!({"model": "smol", "text_1": query, "text_2": docs}),
+    );
+    assert_eq!(st, 200, "{out}");
+    for (k, d) in out["data"].as_array().expect("data").iter().enumerate() {
+        let got = d["score"].as_f64().expect("score");
+        worst = worst.max((got - want[k]).abs());
+        assert!((got - want[k]).abs() < 1e-4, "pair {k}: {got}");
+    }
+    eprintln!("modernbert-rerank over HTTP: largest |score - CrossEncoder| {worst:.3e}");
 }

@@ -429,6 +429,7 @@ impl Backend for CpuBackend {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        window: Option<usize>,
         step: &CpuStep,
         out: &mut Vec<f32>,
     ) -> Result<(), BackendError> {
@@ -443,7 +444,27 @@ impl Backend for CpuBackend {
             head_dim,
             &seqs,
             scale,
+            window,
             out,
+        );
+        Ok(())
+    }
+
+    fn act_mul(
+        &mut self,
+        x: &Vec<f32>,
+        m: usize,
+        ffn: usize,
+        act: ops::encoder::Activation,
+        out: &mut Vec<f32>,
+    ) -> Result<(), BackendError> {
+        ops::for_row_ranges(
+            self.ctx.pool(),
+            first(x, m * 2 * ffn),
+            2 * ffn,
+            first_mut(out, m * ffn),
+            ffn,
+            &|xr, or| ops::encoder::act_mul(xr, ffn, act, or),
         );
         Ok(())
     }

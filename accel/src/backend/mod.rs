@@ -648,7 +648,7 @@ pub trait Backend: Send + 'static {
         false
     }
     /// Whether the encoder operations ([`Backend::encoder_embed`],
-    /// [`Backend::layer_norm`], [`Backend::activation`],
+    /// [`Backend::layer_norm`], [`Backend::activation`], [`Backend::act_mul`],
     /// [`Backend::bidirectional_attention`], [`Backend::pool_seqs`]) run
     /// here. An encoder model (BERT) is refused at load on a backend
     /// without them; should one be called anyway, it returns
@@ -1203,11 +1203,30 @@ pub trait Backend: Send + 'static {
             op: "activation",
         })
     }
+    /// `out[r][j] = act(x[r][j]) · x[r][ffn + j]` for `m` rows of `x: [m,
+    /// 2·ffn]` into `out: [m, ffn]` (see [`crate::ops::encoder::act_mul`]):
+    /// ModernBERT's gated MLP. One of the encoder operations.
+    fn act_mul(
+        &mut self,
+        x: &Self::Buffer,
+        m: usize,
+        ffn: usize,
+        act: crate::ops::encoder::Activation,
+        out: &mut Self::Buffer,
+    ) -> Result<(), BackendError> {
+        let _ = (x, m, ffn, act, out);
+        Err(BackendError::UnsupportedOp {
+            device: self.describe(),
+            op: "act_mul",
+        })
+    }
     /// Attention in both directions within each of the step's sequences
     /// (see [`crate::ops::encoder::bidirectional_attention`]): `q: [tokens,
     /// n_heads · head_dim]`, `k`, `v`: `[tokens, n_kv_heads · head_dim]`,
-    /// `out` as `q`. Every sequence must have its whole prompt in the step
-    /// (it starts at position 0); one that does not is an error.
+    /// `out` as `q`; with a `window` of `w`, each row sees only the rows at
+    /// most `w` positions away on either side. Every sequence must have its
+    /// whole prompt in the step (it starts at position 0); one that does
+    /// not is an error.
     #[allow(clippy::too_many_arguments)]
     fn bidirectional_attention(
         &mut self,
@@ -1218,10 +1237,13 @@ pub trait Backend: Send + 'static {
         n_kv_heads: usize,
         head_dim: usize,
         scale: f32,
+        window: Option<usize>,
         step: &Self::Step,
         out: &mut Self::Buffer,
     ) -> Result<(), BackendError> {
-        let _ = (q, k, v, n_heads, n_kv_heads, head_dim, scale, step, out);
+        let _ = (
+            q, k, v, n_heads, n_kv_heads, head_dim, scale, window, step, out,
+        );
         Err(BackendError::UnsupportedOp {
             device: self.describe(),
             op: "bidirectional_attention",

@@ -88,6 +88,29 @@ pub fn activation_inplace(x: &mut [f32], act: Activation) {
     }
 }
 
+/// A gated linear unit: `out[r][j] = act(x[r][j]) · x[r][ffn + j]` for
+/// `x: [rows, 2·ffn]` (each row `[input (ffn) | gate (ffn)]`, the fused
+/// projection's output) and `out: [rows, ffn]`: ModernBERT's MLP, whose
+/// `Wi` output splits into the activated input and its gate.
+///
+/// # Panics
+/// If the lengths do not describe the same number of rows.
+pub fn act_mul(x: &[f32], ffn: usize, act: Activation, out: &mut [f32]) {
+    assert!(ffn > 0, "act_mul: ffn must be positive");
+    assert!(
+        x.len() == 2 * out.len() && out.len().is_multiple_of(ffn),
+        "act_mul: x is not twice out in whole rows of {ffn}"
+    );
+    for (xr, or) in x.chunks_exact(2 * ffn).zip(out.chunks_exact_mut(ffn)) {
+        let (input, gate) = xr.split_at(ffn);
+        or.copy_from_slice(input);
+        activation_inplace(or, act);
+        for (o, &g) in or.iter_mut().zip(gate) {
+            *o *= g;
+        }
+    }
+}
+
 /// One sequence of an encoder step: rows `start..start + len` of the
 /// step's q, k and v.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +139,7 @@ pub fn bidirectional_attention(
     head_dim: usize,
     seqs: &[EncoderSeq],
     scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) {
     assert!(
@@ -152,23 +176,30 @@ pub fn bidirectional_attention(
             // SAFETY: row r is in bounds (checked above) and only this
             // task writes it.
             let orow = unsafe { std::slice::from_raw_parts_mut(o.0.add(r * qw), qw) };
+            // The keys this row sees: rows j0..j1 of its sequence.
+            let i = r - s0;
+            let (j0, j1) = match window {
+                Some(w) => (i.saturating_sub(w), (i + w + 1).min(len)),
+                None => (0, len),
+            };
+            let seen = j1 - j0;
             for h in 0..n_heads {
                 let kh = h / group;
                 let qh = &q[r * qw + h * head_dim..r * qw + (h + 1) * head_dim];
                 let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores[..len].iter_mut().enumerate() {
+                for (j, sc) in (j0..j1).zip(scores[..seen].iter_mut()) {
                     let kr = &k[(s0 + j) * kw + kh * head_dim..(s0 + j) * kw + (kh + 1) * head_dim];
                     let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b).sum();
                     *sc = dot * scale;
                     max = max.max(*sc);
                 }
                 let mut sum = 0.0f32;
-                for sc in &mut scores[..len] {
+                for sc in &mut scores[..seen] {
                     *sc = (*sc - max).exp();
                     sum += *sc;
                 }
                 acc.fill(0.0);
-                for (j, &p) in scores[..len].iter().enumerate() {
+                for (j, &p) in (j0..j1).zip(scores[..seen].iter()) {
                     let vr = &v[(s0 + j) * kw + kh * head_dim..(s0 + j) * kw + (kh + 1) * head_dim];
                     for (a, &x) in acc.iter_mut().zip(vr) {
                         *a += p * x;
@@ -289,16 +320,31 @@ mod tests {
         let k = rand_vec(&mut rng, t * n_kv * hd);
         let v = rand_vec(&mut rng, t * n_kv * hd);
         let scale = 1.0 / (hd as f32).sqrt();
-        for threads in [1, 2] {
+        // No window, one that cuts the long sequence and not the short,
+        // and none wider than the sequences.
+        for (threads, window) in [
+            (1, None),
+            (2, None),
+            (1, Some(3)),
+            (2, Some(4)),
+            (2, Some(40)),
+        ] {
             let pool = ThreadPool::new(threads);
             let mut out = vec![0.0; t * n_heads * hd];
-            bidirectional_attention(&pool, &q, &k, &v, n_heads, n_kv, hd, &seqs, scale, &mut out);
+            bidirectional_attention(
+                &pool, &q, &k, &v, n_heads, n_kv, hd, &seqs, scale, window, &mut out,
+            );
             for s in &seqs {
                 for r in s.start..s.start + s.len {
+                    // Keys within the window's distance on either side.
+                    let seen: Vec<usize> = (s.start..s.start + s.len)
+                        .filter(|&j| window.is_none_or(|w| j.abs_diff(r) <= w))
+                        .collect();
                     for h in 0..n_heads {
                         let kh = h / (n_heads / n_kv);
-                        let sc: Vec<f64> = (s.start..s.start + s.len)
-                            .map(|j| {
+                        let sc: Vec<f64> = seen
+                            .iter()
+                            .map(|&j| {
                                 (0..hd)
                                     .map(|c| {
                                         q[r * n_heads * hd + h * hd + c] as f64
@@ -312,17 +358,49 @@ mod tests {
                         let e: Vec<f64> = sc.iter().map(|x| (x - max).exp()).collect();
                         let z: f64 = e.iter().sum();
                         for c in 0..hd {
-                            let want: f64 = (s.start..s.start + s.len)
+                            let want: f64 = seen
+                                .iter()
                                 .zip(&e)
-                                .map(|(j, p)| p / z * v[j * n_kv * hd + kh * hd + c] as f64)
+                                .map(|(&j, p)| p / z * v[j * n_kv * hd + kh * hd + c] as f64)
                                 .sum();
                             let got = out[r * n_heads * hd + h * hd + c] as f64;
                             assert!(
                                 (got - want).abs() < 1e-5,
-                                "threads {threads} row {r} head {h} col {c}: {got} vs {want}"
+                                "threads {threads} window {window:?} row {r} head {h} col {c}: {got} vs {want}"
                             );
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The gated unit against f64 from its definition (GELU through erf
+    /// as `libm`'s f64 gives it, tanh through f64's).
+    #[test]
+    fn act_mul_matches_its_definition() {
+        let mut rng = StdRng::seed_from_u64(13);
+        let (m, ffn) = (3, 11);
+        let x = rand_vec(&mut rng, m * 2 * ffn);
+        for act in [Activation::GeluErf, Activation::Tanh] {
+            let mut out = vec![0.0; m * ffn];
+            act_mul(&x, ffn, act, &mut out);
+            for r in 0..m {
+                for j in 0..ffn {
+                    let a = f64::from(x[r * 2 * ffn + j]);
+                    let g = f64::from(x[r * 2 * ffn + ffn + j]);
+                    let fa = match act {
+                        Activation::GeluErf => {
+                            0.5 * a * (1.0 + libm::erf(a / std::f64::consts::SQRT_2))
+                        }
+                        Activation::Tanh => a.tanh(),
+                    };
+                    let got = f64::from(out[r * ffn + j]);
+                    assert!(
+                        (got - fa * g).abs() < 1e-5,
+                        "{act:?} row {r} col {j}: {got} vs {}",
+                        fa * g
+                    );
                 }
             }
         }

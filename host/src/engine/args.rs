@@ -423,8 +423,8 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
 /// into an embedding model (last token, normalized).
 fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::PoolerConfig>> {
     use crate::engine::pooling::{
-        architecture_is_classifier, architecture_is_encoder, architecture_is_pooling, ConvertKind,
-        PoolerConfig, PoolingType, RunnerKind,
+        architecture_is_classifier, architecture_is_encoder, architecture_is_pooling,
+        architecture_reads_token_types, ConvertKind, PoolerConfig, PoolingType, RunnerKind,
     };
     let dir = args.model.is_dir().then_some(args.model.as_path());
     let config_json = match dir {
@@ -456,6 +456,7 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
             task: crate::engine::pooling::PoolingTask::Score,
             labels: vec!["LABEL_0".into()],
             token_head: Some(head),
+            pair_types: false,
         }));
     }
     let pooling = match args.runner {
@@ -494,6 +495,9 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
     if let Some(json) = &args.pooler_config {
         cfg = cfg.with_overrides(json)?;
     }
+    cfg.pair_types = config_json
+        .as_ref()
+        .is_some_and(architecture_reads_token_types);
     // The decoder families read the hidden state of the row they would
     // sample from, which is the last token's.
     if !encoder && cfg.pooling_type != PoolingType::Last {

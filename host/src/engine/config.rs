@@ -213,6 +213,32 @@ pub struct EncoderConfig {
     /// `Some(num_labels)` for a `*ForSequenceClassification` checkpoint:
     /// the pooler (dense and tanh) and the classifier follow the encoder.
     pub num_labels: Option<usize>,
+    /// ModernBERT's keys, for that family (`models::modernbert`).
+    pub modernbert: Option<ModernBertConfig>,
+}
+
+/// What ModernBERT has beyond [`EncoderConfig`]: pre-LayerNorm layers
+/// with rotary positions, local layers attending a window around each
+/// token with their own RoPE base, a gated MLP, and a classifier head of
+/// dense, activation and LayerNorm.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModernBertConfig {
+    /// The LayerNorms carry a bias (`norm_bias`).
+    pub norm_bias: bool,
+    /// Per layer: `Some(w)` for a local (`sliding_attention`) layer, which
+    /// sees the tokens at most `w = local_attention / 2` positions away on
+    /// either side; `None` for a global one.
+    pub windows: Vec<Option<usize>>,
+    /// The local layers' RoPE base; the global layers' is the config's
+    /// `rope_theta`.
+    pub local_rope_theta: f32,
+    /// The MLP's activation (`hidden_activation`) on the input half of
+    /// `Wi`'s output, times the gate half.
+    pub hidden_act: pagoda_accel::ops::Activation,
+    /// The classifier head's dense layer has a bias (`classifier_bias`).
+    pub classifier_bias: bool,
+    /// The classifier head's activation (`classifier_activation`).
+    pub classifier_act: pagoda_accel::ops::Activation,
 }
 
 /// Everything the forward pass needs to know about the model's shape.
@@ -1946,6 +1972,30 @@ const KNOWN_HF_KEYS: &[&str] = &[
     // `original_max_position_embeddings` carries for the math.
     "experts_per_token",
     "initial_context_length",
+    // ModernBERT (see `models::modernbert::hf_config`); the dropouts and
+    // initializer keys are training only, the others below belong to heads
+    // not served (masked LM) or to kernel choices (flash attention,
+    // torch.compile).
+    "norm_eps",
+    "norm_bias",
+    "local_attention",
+    "global_attn_every_n_layers",
+    "global_rope_theta",
+    "local_rope_theta",
+    "hidden_activation",
+    "classifier_pooling",
+    "classifier_bias",
+    "classifier_activation",
+    "embedding_dropout",
+    "mlp_dropout",
+    "initializer_cutoff_factor",
+    "decoder_bias",
+    "sparse_prediction",
+    "sparse_pred_ignore_index",
+    "deterministic_flash_attn",
+    "reference_compile",
+    "cls_token_id",
+    "sep_token_id",
     // BERT (see `models::bert::hf_config`); the dropouts are training only.
     "layer_norm_eps",
     "type_vocab_size",

@@ -153,13 +153,14 @@ impl LLM {
                 "the model is an embedding model, not a cross-encoder: it does not score pairs"
             ),
         }
-        let decoder = pooler.token_head.is_some();
+        let untyped = !pooler.pair_types;
         let ids = pairs
             .iter()
             .map(|(q, d)| {
                 let ids = self.core.tokenizer().encode_pair_for_scoring(q, d)?;
-                // A decoder reranker reads the pair as one text, untyped.
-                Ok(if decoder {
+                // A decoder reranker, or an encoder without a token type
+                // table (ModernBERT), reads the pair as one text, untyped.
+                Ok(if untyped {
                     ids.into_iter()
                         .map(|t| pagoda_accel::ops::encoder::unpack_token(t).0)
                         .collect()

@@ -131,6 +131,10 @@ pub struct PoolerConfig {
     /// A decoder served as a reranker from two of its vocabulary's tokens
     /// (vLLM's `classifier_from_token`, the Qwen3-Reranker form).
     pub token_head: Option<TokenHead>,
+    /// A scored pair's token types travel in its ids (an encoder with a
+    /// token type table: BERT, XLM-R); otherwise the pair goes untyped, as
+    /// one text (decoder rerankers, ModernBERT).
+    pub pair_types: bool,
 }
 
 /// The Qwen3-Reranker form of a causal model (vLLM's `--hf-overrides
@@ -209,6 +213,7 @@ impl PoolerConfig {
         task: PoolingTask::Embed,
         labels: Vec::new(),
         token_head: None,
+        pair_types: false,
     };
 
     /// What a BERT encoder without sentence-transformers' files pools by
@@ -220,6 +225,7 @@ impl PoolerConfig {
         task: PoolingTask::Embed,
         labels: Vec::new(),
         token_head: None,
+        pair_types: true,
     };
 
     /// A cross-encoder (`*ForSequenceClassification`, one label): its
@@ -231,14 +237,25 @@ impl PoolerConfig {
         task: PoolingTask::Score,
         labels: Vec::new(),
         token_head: None,
+        pair_types: true,
     };
 
     /// A `*ForSequenceClassification` checkpoint whose config is
     /// `config_json`: a cross-encoder ([`PoolerConfig::CROSS_ENCODER`])
     /// with one label, a classifier ([`PoolingTask::Classify`]) with
-    /// several; the labels named by `id2label`.
+    /// several; the labels named by `id2label`. Its rows pool as the
+    /// config's `classifier_pooling` says (ModernBERT's `cls` or `mean`),
+    /// else the `[CLS]` row.
     pub fn classifier(config_json: &Value) -> Result<PoolerConfig> {
         let labels = classifier_labels(config_json)?;
+        let pooling_type = match config_json.get("classifier_pooling") {
+            None | Some(Value::Null) => PoolingType::Cls,
+            Some(Value::String(s)) if s == "cls" => PoolingType::Cls,
+            Some(Value::String(s)) if s == "mean" => PoolingType::Mean,
+            Some(other) => {
+                bail!("classifier_pooling {other} is not implemented (only cls and mean are)")
+            }
+        };
         Ok(PoolerConfig {
             task: if labels.len() == 1 {
                 PoolingTask::Score
@@ -246,6 +263,7 @@ impl PoolerConfig {
                 PoolingTask::Classify
             },
             labels,
+            pooling_type,
             ..PoolerConfig::CROSS_ENCODER
         })
     }
@@ -316,6 +334,7 @@ impl PoolerConfig {
                 task: PoolingTask::Embed,
                 labels: Vec::new(),
                 token_head: None,
+                pair_types: true,
             })),
             [] => bail!("{}: sets no pooling_mode_*", cfg_path.display()),
             _ => bail!(
@@ -496,8 +515,25 @@ pub fn architecture_is_encoder(config_json: &Value) -> bool {
                 | "BertForSequenceClassification"
                 | "XLMRobertaModel"
                 | "XLMRobertaForSequenceClassification"
+                | "ModernBertModel"
+                | "ModernBertForSequenceClassification"
         )
-    ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta")))
+    ) || (arch.is_none() && matches!(model_type, Some("bert" | "xlm-roberta" | "modernbert")))
+}
+
+/// Whether the encoder `config.json` describes reads a pair's token types
+/// (BERT's and XLM-R's token type table). ModernBERT has none: transformers
+/// never gives it `token_type_ids`, so its pairs are sent untyped whatever
+/// types the tokenizer's template assigns.
+pub fn architecture_reads_token_types(config_json: &Value) -> bool {
+    architecture_is_encoder(config_json)
+        && config_json.get("model_type").and_then(Value::as_str) != Some("modernbert")
+        && !config_json
+            .get("architectures")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+            .and_then(Value::as_str)
+            .is_some_and(|a| a.starts_with("ModernBert"))
 }
 
 #[cfg(test)]

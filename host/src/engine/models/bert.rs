@@ -319,6 +319,7 @@ impl<B: Backend> CausalLm<B> for Bert<B> {
                 heads,
                 hd,
                 scale,
+                None,
                 step,
                 &mut ws.attn,
             )?;
@@ -432,34 +433,7 @@ pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
     if position_rows <= position_offset {
         bail!("max_position_embeddings {position_rows} leaves no position after the offset of {position_offset}");
     }
-    let num_labels = if arch.ends_with("ForSequenceClassification") {
-        let n = match v.get("num_labels") {
-            Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
-            None => v
-                .get("id2label")
-                .and_then(Value::as_object)
-                .map_or(2, |m| m.len()),
-        };
-        if n == 0 {
-            bail!("{arch} with 0 labels: 'num_labels' must be at least 1");
-        }
-        // Several labels: /classify's softmax is single-label
-        // classification's; a multi-label head's independent sigmoids
-        // are not served.
-        if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
-            let fits = if n == 1 {
-                p == "regression" || p == "single_label_classification"
-            } else {
-                p == "single_label_classification"
-            };
-            if !fits {
-                bail!("problem_type '{p}' is not served for a classifier with {n} labels (only single_label_classification, whose probabilities are a softmax{})", if n == 1 { ", or regression" } else { "" });
-            }
-        }
-        Some(n)
-    } else {
-        None
-    };
+    let num_labels = num_labels(v, arch)?;
     let cfg = ModelConfig {
         arch: Arch::Bert,
         hidden_size,
@@ -492,8 +466,45 @@ pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
             position_offset,
             position_rows,
             num_labels,
+            modernbert: None,
         }),
     };
     cfg.validate()?;
     Ok(cfg)
+}
+
+/// The labels of a `*ForSequenceClassification` checkpoint (`arch`):
+/// `num_labels`, else as many as `id2label` names, else transformers' 2;
+/// `None` for a headless encoder. A `problem_type` other than single-label
+/// classification (or regression, for one label) is refused. ModernBERT's
+/// reader shares it.
+pub(crate) fn num_labels(v: &Value, arch: &str) -> Result<Option<usize>> {
+    Ok(if arch.ends_with("ForSequenceClassification") {
+        let n = match v.get("num_labels") {
+            Some(x) => x.as_u64().context("'num_labels' must be a number")? as usize,
+            None => v
+                .get("id2label")
+                .and_then(Value::as_object)
+                .map_or(2, |m| m.len()),
+        };
+        if n == 0 {
+            bail!("{arch} with 0 labels: 'num_labels' must be at least 1");
+        }
+        // Several labels: /classify's softmax is single-label
+        // classification's; a multi-label head's independent sigmoids
+        // are not served.
+        if let Some(p) = v.get("problem_type").and_then(Value::as_str) {
+            let fits = if n == 1 {
+                p == "regression" || p == "single_label_classification"
+            } else {
+                p == "single_label_classification"
+            };
+            if !fits {
+                bail!("problem_type '{p}' is not served for a classifier with {n} labels (only single_label_classification, whose probabilities are a softmax{})", if n == 1 { ", or regression" } else { "" });
+            }
+        }
+        Some(n)
+    } else {
+        None
+    })
 }

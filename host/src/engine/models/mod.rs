@@ -19,6 +19,7 @@
 //! | [`gemma3`] | `Gemma3ForCausalLM` |
 //! | [`gpt_oss`] | `GptOssForCausalLM` |
 //! | [`bert`] | `BertModel`, `BertForSequenceClassification`, `XLMRobertaModel`, `XLMRobertaForSequenceClassification` (encoders, served for pooling) |
+//! | [`modernbert`] | `ModernBertModel`, `ModernBertForSequenceClassification` (encoders, served for pooling) |
 //!
 //! # Adding a family
 //!
@@ -59,6 +60,7 @@ pub mod gpt_oss;
 pub mod layers;
 pub mod llama;
 pub mod mixtral;
+pub mod modernbert;
 pub mod qwen3;
 pub mod qwen3_next;
 pub mod qwen_moe;

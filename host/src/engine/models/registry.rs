@@ -13,7 +13,9 @@
 //! `engine/config.rs` ([`ModelConfig::from_hf_decoder`],
 //! [`ModelConfig::from_gguf_decoder`]).
 
-use super::{bert, deepseek, gemma3, gpt_oss, llama, mixtral, qwen3, qwen3_next, qwen_moe, Model};
+use super::{
+    bert, deepseek, gemma3, gpt_oss, llama, mixtral, modernbert, qwen3, qwen3_next, qwen_moe, Model,
+};
 use crate::engine::config::{unknown_hf_keys, Arch, HfFamily, ModelConfig};
 use crate::engine::loader::gguf::GgufFile;
 use crate::engine::loader::WeightSource;
@@ -243,6 +245,26 @@ impl<B: Backend> Architectures<B> {
             hf_config: bert::hf_config,
             gguf_config: None,
             load: |b, s, c, m| Ok(Box::new(bert::load(b, s, c, m)?)),
+        },
+        ArchEntry {
+            hf: &["ModernBertModel"],
+            model_types: &["modernbert"],
+            gguf: &[],
+            models: "ModernBERT encoders for embeddings (sentence-transformers: gte-modernbert, modernbert-embed), served for pooling",
+            arch: modernbert::MODERNBERT,
+            hf_config: modernbert::hf_config,
+            gguf_config: None,
+            load: |b, s, c, m| Ok(Box::new(modernbert::load(b, s, c, m)?)),
+        },
+        ArchEntry {
+            hf: &["ModernBertForSequenceClassification"],
+            model_types: &[],
+            gguf: &[],
+            models: "ModernBERT cross-encoders and classifiers (gte-reranker-modernbert), served for scoring and /classify",
+            arch: modernbert::MODERNBERT,
+            hf_config: modernbert::hf_config,
+            gguf_config: None,
+            load: |b, s, c, m| Ok(Box::new(modernbert::load(b, s, c, m)?)),
         },
     ];
 }

@@ -177,9 +177,10 @@ pub async fn score(
         c.check_model(&model)?;
     }
     let engine = state.engine_as(&model, ctx.as_ref())?.clone();
-    // A decoder reranker (the Qwen3-Reranker form) reads the pair's
-    // tokens as one text: no token types travel in its ids.
-    let decoder = engine.pooler().is_some_and(|p| p.token_head.is_some());
+    // A decoder reranker (the Qwen3-Reranker form), or an encoder without
+    // a token type table (ModernBERT), reads the pair's tokens as one
+    // text: no token types travel in its ids.
+    let untyped = engine.pooler().is_some_and(|p| !p.pair_types);
     let pooler = engine.pooler().cloned();
     match engine.pooler().map(|p| p.task) {
         Some(PoolingTask::Score) => {}
@@ -257,7 +258,7 @@ pub async fn score(
                     None => tok.encode_pair_for_scoring(a, b),
                 }
                 .map(|ids| {
-                    if decoder {
+                    if untyped {
                         ids.into_iter()
                             .map(|t| pagoda_accel::ops::encoder::unpack_token(t).0)
                             .collect()
