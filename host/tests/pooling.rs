@@ -1026,3 +1026,302 @@ fn modernbert_cross_encoder_scores_match_cross_encoder() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// What one request of a mixed batch gave: a pooling row's raw vector, or
+/// a generation row's tokens and their logprobs.
+#[derive(Debug)]
+enum Outcome {
+    Pooled(Vec<f32>),
+    Generated(Vec<u32>, Vec<f32>),
+}
+
+/// A mixed request: a pooling row (`None`) or a generation row with its
+/// sampling parameters.
+type Mixed = (Vec<u32>, Option<SamplingParams>);
+
+/// Runs `reqs` all at once on `llm`, stepping by hand so the KV accounting
+/// is checked after every step, and returns each one's outcome in order;
+/// checks that every block came back to the pool.
+fn run_mixed(llm: &mut LLM, reqs: &[Mixed]) -> Vec<Outcome> {
+    let core = llm.engine_mut();
+    let ids: Vec<u64> = reqs
+        .iter()
+        .enumerate()
+        .map(|(i, (p, sp))| {
+            let opts = RequestOptions {
+                pooling: sp.is_none(),
+                ..Default::default()
+            };
+            core.add_request(
+                format!("m{i}"),
+                p.clone(),
+                sp.clone().unwrap_or_default(),
+                opts,
+            )
+            .unwrap_or_else(|e| panic!("request {i}: {}", e.message))
+        })
+        .collect();
+    let mut tokens = vec![Vec::new(); reqs.len()];
+    let mut logprobs = vec![Vec::new(); reqs.len()];
+    let mut pooled: Vec<Option<Vec<f32>>> = vec![None; reqs.len()];
+    let mut finished = vec![false; reqs.len()];
+    while core.has_unfinished() {
+        for o in core.step().expect("a step") {
+            let i = ids.iter().position(|&e| e == o.id).expect("known request");
+            assert!(!finished[i], "request {i}: output after it finished");
+            tokens[i].extend_from_slice(&o.new_token_ids);
+            logprobs[i].extend(o.logprobs.iter().map(|l| l.logprob));
+            if let Some(v) = o.pooled {
+                assert!(
+                    reqs[i].1.is_none(),
+                    "request {i}: a vector for a generation row"
+                );
+                pooled[i] = Some(v);
+            }
+            if o.finish_reason.is_some() {
+                finished[i] = true;
+            }
+        }
+        core.check_kv_accounting().expect("KV accounting");
+    }
+    let kv = llm.engine().kv_cache();
+    assert_eq!(
+        kv.pool().num_free(),
+        kv.pool().num_blocks(),
+        "blocks leaked"
+    );
+    assert_eq!(kv.num_seqs(), 0, "a finished row kept its KV");
+    reqs.iter()
+        .enumerate()
+        .map(|(i, (_, sp))| {
+            assert!(finished[i], "request {i} never finished");
+            match sp {
+                None => {
+                    assert!(
+                        tokens[i].is_empty(),
+                        "pooling row {i} generated {:?}",
+                        tokens[i]
+                    );
+                    Outcome::Pooled(
+                        pooled[i]
+                            .take()
+                            .unwrap_or_else(|| panic!("pooling row {i}: no vector")),
+                    )
+                }
+                Some(_) => Outcome::Generated(tokens[i].clone(), logprobs[i].clone()),
+            }
+        })
+        .collect()
+}
+
+/// One engine, a causal model served with `--runner generate` and a
+/// `--pooler-config`, carries pooling and generation rows in the same
+/// continuous batches: in one batch, in 8-token chunks, and in 8-token
+/// chunks over a 6-block pool small enough to preempt, every request gives what it
+/// gives alone (a pooling row's vector, a generation row's greedy tokens
+/// and logprobs), and the fixture's vectors are still
+/// sentence-transformers'.
+#[test]
+fn pooling_and_generation_rows_share_batches_each_giving_its_solo_result() {
+    use pagoda::engine::pooling::RunnerKind;
+    let r = reference("qwen3-embed");
+    let inputs = r["inputs"].as_array().expect("inputs");
+    let mixed_args = || {
+        let mut a = args(&fixture("qwen3-embed"));
+        a.runner = RunnerKind::Generate;
+        a.pooler_config = Some(r#"{"pooling_type": "LAST"}"#.into());
+        a
+    };
+    let probe = LLM::new(mixed_args()).expect("load for generation and pooling");
+    assert!(probe.engine().generates() && probe.engine().pooler().is_some());
+    let vocab = probe.engine().runner().config().vocab_size as u32;
+    let per_block = (8usize << 20) / probe.engine().kv_cache().pool().num_blocks();
+    let tok = probe.tokenizer().clone();
+    drop(probe);
+
+    // Pooling rows: the fixture's texts (2 to 32 tokens), and two token
+    // prompts of 45 and 9 tokens; generation rows: six prompts of 5 to 40
+    // tokens, 16 greedy tokens each with their logprobs. Interleaved.
+    let texts: Vec<Vec<u32>> = inputs
+        .iter()
+        .map(|i| {
+            tok.encode_for_pooling(i["text"].as_str().expect("text"))
+                .expect("encode")
+        })
+        .collect();
+    let ids = |len: u32, k: u32| -> Vec<u32> {
+        (0..len)
+            .map(|j| 3 + (k * 71 + j * 37 + 11) % (vocab - 3))
+            .collect()
+    };
+    let mut gen = SamplingParams::greedy(16);
+    gen.ignore_eos = true;
+    gen.logprobs = Some(1);
+    let mut reqs: Vec<Mixed> = Vec::new();
+    let pool_prompts: Vec<Vec<u32>> = texts
+        .iter()
+        .cloned()
+        .chain([ids(45, 1), ids(9, 2)])
+        .collect();
+    let gen_prompts: Vec<Vec<u32>> = [5, 40, 12, 27, 33, 8]
+        .iter()
+        .enumerate()
+        .map(|(k, &len)| ids(len, 10 + k as u32))
+        .collect();
+    for k in 0..6 {
+        reqs.push((gen_prompts[k].clone(), Some(gen.clone())));
+        reqs.push((pool_prompts[k].clone(), None));
+    }
+
+    // Each alone, on an engine without prefix caching.
+    let mut solo_args = mixed_args();
+    solo_args.enable_prefix_caching = false;
+    let mut solo_llm = LLM::new(solo_args).expect("solo engine");
+    let solo: Vec<Outcome> = reqs
+        .iter()
+        .map(|r| {
+            run_mixed(&mut solo_llm, std::slice::from_ref(r))
+                .pop()
+                .expect("one outcome")
+        })
+        .collect();
+    // The fixture's vectors, alone, are sentence-transformers'.
+    let pooler = solo_llm.engine().pooler().cloned().expect("a pooler");
+    for (k, i) in inputs.iter().enumerate() {
+        let Outcome::Pooled(v) = &solo[2 * k + 1] else {
+            panic!("request {} is a pooling row", 2 * k + 1)
+        };
+        let c = cosine(&pooler.finish(v.clone(), None), &floats(&i["embedding"]));
+        assert!(c >= MIN_COSINE, "input {k} alone: cosine {c}");
+    }
+    // Rows that leaked into each other would give each other's results:
+    // the solo results must differ between requests for the check below
+    // to mean anything.
+    for a in 0..solo.len() {
+        for b in a + 1..solo.len() {
+            let same = match (&solo[a], &solo[b]) {
+                (Outcome::Pooled(x), Outcome::Pooled(y)) => x == y,
+                (Outcome::Generated(x, _), Outcome::Generated(y, _)) => x == y,
+                _ => false,
+            };
+            assert!(!same, "requests {a} and {b} give the same result alone");
+        }
+    }
+
+    let conditions: Vec<(&str, pagoda::engine::EngineArgs)> = vec![
+        ("one batch, prefix caching", mixed_args()),
+        ("8-token steps", {
+            let mut a = mixed_args();
+            a.max_num_batched_tokens = 8;
+            a
+        }),
+        ("8-token steps over a 6-block pool", {
+            let mut a = mixed_args();
+            a.max_num_batched_tokens = 8;
+            a.kv_cache_memory = Some((6 * per_block) as u64);
+            a
+        }),
+    ];
+    let mut max_dv = 0f32;
+    let mut max_dlp = 0f32;
+    for (name, a) in conditions {
+        let mut llm = LLM::new(a).expect("mixed engine");
+        let got = run_mixed(&mut llm, &reqs);
+        for (i, (g, s)) in got.iter().zip(&solo).enumerate() {
+            match (g, s) {
+                (Outcome::Pooled(x), Outcome::Pooled(y)) => {
+                    assert_eq!(x.len(), y.len());
+                    let d = x
+                        .iter()
+                        .zip(y)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0f32, f32::max);
+                    max_dv = max_dv.max(d);
+                    assert!(
+                        d <= 1e-5,
+                        "{name}: pooling row {i} differs from its solo vector by {d}"
+                    );
+                }
+                (Outcome::Generated(x, lx), Outcome::Generated(y, ly)) => {
+                    assert_eq!(
+                        x, y,
+                        "{name}: generation row {i} differs from its solo tokens"
+                    );
+                    assert_eq!(lx.len(), x.len(), "{name}: row {i}: a logprob per token");
+                    let d = lx
+                        .iter()
+                        .zip(ly)
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0f32, f32::max);
+                    max_dlp = max_dlp.max(d);
+                    assert!(
+                        d <= 1e-5,
+                        "{name}: generation row {i}: logprobs differ by {d}"
+                    );
+                }
+                _ => panic!("{name}: request {i} changed kind"),
+            }
+        }
+        let stats = llm.engine().stats();
+        if name.starts_with("8-token") {
+            assert!(
+                stats.steps as usize >= reqs.iter().map(|r| r.0.len()).sum::<usize>().div_ceil(8),
+                "{name}: {} steps do not chunk",
+                stats.steps
+            );
+        }
+        if name.ends_with("pool") {
+            assert!(
+                stats.num_preemptions > 0,
+                "{name}: the small pool should preempt"
+            );
+        }
+        eprintln!(
+            "{name}: {} blocks, {} steps, {} preemptions",
+            llm.engine().kv_cache().pool().num_blocks(),
+            stats.steps,
+            stats.num_preemptions
+        );
+    }
+    eprintln!("max |Δvector| {max_dv:e}, max |Δlogprob| {max_dlp:e}");
+}
+
+/// Which flags serve a decoder for both: `--runner generate` with a
+/// `--pooler-config`. Without `--runner generate` the pooler config still
+/// means a pooling-only model (vLLM's reading); what the decoder's runner
+/// cannot pool is refused by name.
+#[test]
+fn generation_and_pooling_in_one_engine_is_asked_for_by_flags() {
+    use pagoda::engine::pooling::RunnerKind;
+    let dir = causal_copy("both");
+    let mut a = args(&dir);
+    a.runner = RunnerKind::Generate;
+    a.pooler_config = Some(r#"{"normalize": true}"#.into());
+    let mut both = LLM::new(a).expect("generation and pooling");
+    let r = reference("qwen3-embed");
+    let first = &r["inputs"][0];
+    let prompt = Prompt::Text(first["text"].as_str().expect("text").into());
+    let v = both
+        .embed(std::slice::from_ref(&prompt), None)
+        .expect("embed");
+    let c = cosine(&v[0], &floats(&first["embedding"]));
+    assert!(c >= MIN_COSINE, "cosine {c}");
+    let out = both
+        .generate(&[Prompt::Tokens(vec![5, 6, 7])], &SamplingParams::greedy(4))
+        .expect("generate");
+    assert_eq!(out[0].outputs[0].token_ids.len(), 4);
+
+    // --pooler-config under --runner auto on a causal model is refused,
+    // naming the runner that serves both.
+    let mut a = args(&dir);
+    a.pooler_config = Some(r#"{"normalize": true}"#.into());
+    let e = LLM::new(a).err().expect("--pooler-config without a runner");
+    assert!(format!("{e:#}").contains("--runner generate"), "{e:#}");
+    // Mean pooling of a decoder's rows is not implemented.
+    let mut a = args(&dir);
+    a.runner = RunnerKind::Generate;
+    a.pooler_config = Some(r#"{"pooling_type": "MEAN"}"#.into());
+    let e = LLM::new(a).err().expect("MEAN refused");
+    assert!(format!("{e:#}").contains("MEAN"), "{e:#}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -377,7 +377,7 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             );
         }
     }
-    let mut pooler = resolve_pooler(args)?;
+    let (mut pooler, generates) = resolve_pooler(args)?;
     if let Some(head) = pooler.as_mut().and_then(|p| p.token_head.as_mut()) {
         head.weight = token_head_weight(args, &head.tokens)?;
     }
@@ -400,10 +400,14 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
     }?;
     if let Some(p) = &pooler {
         if args.speculative.is_some() || args.lora.is_some() {
+            if generates {
+                bail!("--pooler-config with --runner generate adds pooling rows to the generation batches, which is not implemented beside speculative decoding or LoRA adapters; drop --pooler-config, --speculative-config or --enable-lora");
+            }
             bail!("--runner pooling serves embeddings, which neither speculative decoding nor LoRA adapters apply to; drop --speculative-config and --enable-lora");
         }
         tracing::info!(
-            "serving for pooling ({}): {} pooling{}",
+            "serving for {}pooling ({}): {} pooling{}",
+            if generates { "generation and " } else { "" },
             match p.task {
                 crate::engine::pooling::PoolingTask::Embed => "embeddings",
                 crate::engine::pooling::PoolingTask::Score => "scores of a cross-encoder",
@@ -413,15 +417,25 @@ pub fn build_engine(args: &EngineArgs) -> Result<EngineCore> {
             if p.normalize { ", L2-normalized" } else { "" }
         );
     }
-    core.set_pooler(pooler);
+    if generates {
+        core.set_generation_and_pooler(pooler);
+    } else {
+        core.set_pooler(pooler);
+    }
     Ok(core)
 }
 
 /// Decides whether the model is served for pooling (`--runner`,
 /// `--convert`) and how it pools: `--pooler-config` over the model's
 /// sentence-transformers files, else vLLM's default for a decoder turned
-/// into an embedding model (last token, normalized).
-fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::PoolerConfig>> {
+/// into an embedding model (last token, normalized). Also returns whether
+/// the engine generates: a causal model served with `--runner generate`
+/// and a `--pooler-config` does both, its pooling rows beside the
+/// generation rows in the same batches (an extension: vLLM refuses the
+/// pair); every other pooling model generates nothing, as in vLLM.
+fn resolve_pooler(
+    args: &EngineArgs,
+) -> Result<(Option<crate::engine::pooling::PoolerConfig>, bool)> {
     use crate::engine::pooling::{
         architecture_is_classifier, architecture_is_encoder, architecture_is_pooling,
         architecture_reads_token_types, ConvertKind, PoolerConfig, PoolingType, RunnerKind,
@@ -450,14 +464,17 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         if args.pooler_config.is_some() || args.convert == ConvertKind::Embed {
             bail!("--hf-overrides (the Qwen3-Reranker form) scores the last token's logits; drop --pooler-config and --convert embed");
         }
-        return Ok(Some(PoolerConfig {
-            pooling_type: PoolingType::Last,
-            normalize: false,
-            task: crate::engine::pooling::PoolingTask::Score,
-            labels: vec!["LABEL_0".into()],
-            token_head: Some(head),
-            pair_types: false,
-        }));
+        return Ok((
+            Some(PoolerConfig {
+                pooling_type: PoolingType::Last,
+                normalize: false,
+                task: crate::engine::pooling::PoolingTask::Score,
+                labels: vec!["LABEL_0".into()],
+                token_head: Some(head),
+                pair_types: false,
+            }),
+            false,
+        ));
     }
     let pooling = match args.runner {
         RunnerKind::Pooling => true,
@@ -472,10 +489,36 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
         if encoder {
             bail!("--runner generate: this BERT encoder generates nothing; it is served for pooling (drop --runner, or give --runner pooling)");
         }
-        if args.pooler_config.is_some() || args.convert != ConvertKind::Auto {
-            bail!("--pooler-config and --convert apply to pooling models; add --runner pooling");
+        if args.convert != ConvertKind::Auto {
+            bail!("--convert applies to pooling models; add --runner pooling");
         }
-        return Ok(None);
+        let Some(json) = &args.pooler_config else {
+            return Ok((None, true));
+        };
+        if args.runner != RunnerKind::Generate {
+            bail!("--pooler-config applies to pooling models: add --runner pooling, or --runner generate to serve both generation and pooling");
+        }
+        if classifier {
+            bail!("--runner generate: this checkpoint is a classifier (*ForSequenceClassification), which generates nothing; drop --runner generate");
+        }
+        // Generation and pooling in the same engine: the decoder's pooling
+        // rows read the last token's final-normed hidden state.
+        let cfg = own
+            .unwrap_or(PoolerConfig::DECODER_DEFAULT)
+            .with_overrides(json)?;
+        if cfg.pooling_type != PoolingType::Last {
+            bail!(
+                "{} pooling of a decoder model is not implemented (its runner pools the last token); use --pooler-config '{{\"pooling_type\": \"LAST\"}}'",
+                cfg.pooling_type.name()
+            );
+        }
+        return Ok((
+            Some(PoolerConfig {
+                pair_types: false,
+                ..cfg
+            }),
+            true,
+        ));
     }
     let mut cfg = match (classifier, args.convert) {
         (true, ConvertKind::Auto | ConvertKind::Classify) => match &config_json {
@@ -506,7 +549,7 @@ fn resolve_pooler(args: &EngineArgs) -> Result<Option<crate::engine::pooling::Po
             cfg.pooling_type.name()
         );
     }
-    Ok(Some(cfg))
+    Ok((Some(cfg), false))
 }
 
 /// The Qwen3-Reranker head: `W[true] - W[false]` of the LM head

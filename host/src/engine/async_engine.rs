@@ -134,6 +134,8 @@ pub struct AsyncEngine {
     loras: Option<crate::engine::lora::SharedLoras>,
     /// How the model pools, when it is served for pooling.
     pooler: Option<Arc<crate::engine::pooling::PoolerConfig>>,
+    /// Whether the engine takes generation requests.
+    generates: bool,
     /// `Some(why)` once the engine thread has died.
     dead: watch::Receiver<Option<String>>,
 }
@@ -201,6 +203,7 @@ impl AsyncEngine {
         let max_model_len = core.max_model_len();
         let vocab_size = core.runner().config().vocab_size;
         let pooler = core.pooler().cloned().map(Arc::new);
+        let generates = core.generates();
         let hidden_size = core.runner().config().hidden_size;
         // What the KV cache is, once, as vLLM publishes it.
         let kv = core.kv_cache();
@@ -275,6 +278,7 @@ impl AsyncEngine {
             vocab_size,
             hidden_size,
             pooler,
+            generates,
             eos_ids,
             grammar: Arc::new(OnceLock::new()),
             sampling_defaults,
@@ -385,10 +389,17 @@ impl AsyncEngine {
         self.vocab_size
     }
 
-    /// How the model pools, when it is served for pooling (`--runner
-    /// pooling`); `None` for a generation model.
+    /// How the model pools, when it takes pooling requests (`--runner
+    /// pooling`, or `--runner generate` with `--pooler-config`); `None` for
+    /// a generation-only model.
     pub fn pooler(&self) -> Option<&Arc<crate::engine::pooling::PoolerConfig>> {
         self.pooler.as_ref()
+    }
+
+    /// Whether the model takes generation requests (false when it is
+    /// served for pooling only).
+    pub fn generates(&self) -> bool {
+        self.generates
     }
 
     /// The model's hidden size: the length of its pooled vectors.

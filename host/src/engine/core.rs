@@ -49,8 +49,10 @@ pub struct RequestOptions {
     /// The LoRA adapter to run with ([`EngineCore::lora`]), if any.
     pub lora: Option<std::sync::Arc<crate::engine::lora::LoadedLora>>,
     /// A pooling request (embeddings): the prompt runs, its pooled hidden
-    /// state comes back in the final output, nothing is generated. Only a
-    /// model served for pooling ([`EngineCore::pooler`]) takes one.
+    /// state comes back in the final output, nothing is generated. Only an
+    /// engine with a pooler ([`EngineCore::pooler`]) takes one; it may share
+    /// a batch with generation rows when the engine also generates
+    /// ([`EngineCore::generates`]).
     pub pooling: bool,
 }
 
@@ -98,9 +100,13 @@ pub struct EngineCore {
     /// Shared with the front end, which loads and unloads adapters off
     /// the engine thread ([`EngineCore::lora_registry`]).
     loras: Option<crate::engine::lora::SharedLoras>,
-    /// How the model pools, when it is served for pooling (`--runner
-    /// pooling`); `None` for generation.
+    /// How the model pools, when it takes pooling requests (`--runner
+    /// pooling`, or `--runner generate` with `--pooler-config`); `None`
+    /// for a generation-only engine.
     pooler: Option<crate::engine::pooling::PoolerConfig>,
+    /// Whether the engine takes generation requests: false for a model
+    /// served for pooling only.
+    generates: bool,
 }
 
 impl EngineCore {
@@ -129,13 +135,34 @@ impl EngineCore {
             kv_events: None,
             loras: None,
             pooler: None,
+            generates: true,
         }
     }
 
     /// Serves the model for pooling (embeddings) with `pooler`: requests
     /// must then be pooling requests, and generation ones are refused.
+    /// `None` serves it for generation only.
     pub fn set_pooler(&mut self, pooler: Option<crate::engine::pooling::PoolerConfig>) {
+        self.generates = pooler.is_none();
         self.pooler = pooler;
+    }
+
+    /// Serves the model for generation and, with `pooler`, for pooling
+    /// too: both kinds of request then share the engine's batches, each a
+    /// row of its own (a pooling row runs its prompt, gives its vector and
+    /// leaves, keeping no KV).
+    pub fn set_generation_and_pooler(
+        &mut self,
+        pooler: Option<crate::engine::pooling::PoolerConfig>,
+    ) {
+        self.generates = true;
+        self.pooler = pooler;
+    }
+
+    /// Whether the engine takes generation requests (false for a model
+    /// served for pooling only).
+    pub fn generates(&self) -> bool {
+        self.generates
     }
 
     /// How the model pools, if it is served for pooling.
@@ -331,14 +358,14 @@ impl EngineCore {
                     .into(),
             });
         }
-        match (opts.pooling, self.pooler.is_some()) {
-            (true, false) => {
+        match (opts.pooling, self.pooler.is_some(), self.generates) {
+            (true, false, _) => {
                 return Err(ParamError {
                     param: "model",
-                    message: "The model does not support the Embeddings API; it is served for generation: use /v1/completions or /v1/chat/completions, or restart with --runner pooling".into(),
+                    message: "The model does not support the Embeddings API; it is served for generation: use /v1/completions or /v1/chat/completions, or restart with --runner pooling (or with --runner generate and a --pooler-config to serve both)".into(),
                 })
             }
-            (false, true) => {
+            (false, _, false) => {
                 let task = self.pooler.as_ref().map(|p| p.task);
                 let score = task == Some(crate::engine::pooling::PoolingTask::Score);
                 return Err(ParamError {

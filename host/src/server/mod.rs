@@ -1156,10 +1156,10 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let bos = engine.tokenizer().bos_id().unwrap_or(0);
         let params = crate::engine::SamplingParams::greedy(1);
-        // A pooling model warms up on a pooling request (it refuses to
-        // generate).
+        // A pooling-only model warms up on a pooling request (it refuses
+        // to generate).
         let opts = crate::engine::core::RequestOptions {
-            pooling: engine.pooler().is_some(),
+            pooling: !engine.generates(),
             ..Default::default()
         };
         let warm = async {

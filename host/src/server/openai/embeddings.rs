@@ -144,7 +144,7 @@ pub(crate) fn refuse_generation(
     engine: &crate::engine::async_engine::AsyncEngine,
     endpoint: &str,
 ) -> Result<(), ApiError> {
-    if let Some(p) = engine.pooler() {
+    if let Some(p) = engine.pooler().filter(|_| !engine.generates()) {
         let instead = match p.task {
             crate::engine::pooling::PoolingTask::Embed => "Use /v1/embeddings.",
             crate::engine::pooling::PoolingTask::Score => {
