@@ -291,9 +291,11 @@ pub(crate) fn matmul_q8(
     scratch: &mut MatmulScratch,
 ) {
     let nb = cols / BLOCK_LEN;
-    grow(&mut scratch.aq, m * cols);
-    grow(&mut scratch.ad, m * nb);
-    grow(&mut scratch.asum, m * nb);
+    // Padded past the last row: the AVX-512 kernel reads a tail group
+    // with whole 64-byte loads.
+    grow(&mut scratch.aq, m * cols + 64);
+    grow(&mut scratch.ad, m * nb + GROUP);
+    grow(&mut scratch.asum, m * nb + GROUP);
     grow(&mut scratch.ascaled, m * nb);
     for i in 0..m {
         act::quantize_row(
@@ -323,6 +325,16 @@ pub(crate) fn matmul_q8(
     pool.run(threads, &|t| {
         let (o, a) = (&o, &a);
         let (r0, r1) = (t * per, ((t + 1) * per).min(rows));
+        #[cfg(target_arch = "x86_64")]
+        if level.has_avx512() {
+            // SAFETY: the level (clamped to the CPU's by the caller) has
+            // AVX-512 F/BW/VL and VNNI; the activations were quantized
+            // above into padded buffers, the weights' buffer is padded
+            // (`ABuf`); only this task writes the outputs of rows
+            // `r0..r1`.
+            unsafe { x86::rows_q8_512(wb.as_ptr(), row_bytes, r0, r1, a, m, o.0, rows) };
+            return;
+        }
         for r in r0..r1 {
             let row = &wb[r * row_bytes..(r + 1) * row_bytes];
             let mut i0 = 0;
@@ -373,13 +385,8 @@ unsafe fn row_q8(
     acc: &mut [[f32; GROUP]; M_TILE],
 ) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if level.has_avx512() {
-            return x86::row_q8_512(row, a, i0, mt, acc);
-        }
-        if level >= SimdLevel::Avx2 {
-            return x86::row_q8_256(row, a, i0, mt, acc);
-        }
+    if level >= SimdLevel::Avx2 {
+        return x86::row_q8_256(row, a, i0, mt, acc);
     }
     let _ = level;
     row_q8_scalar(row, a, i0, mt, acc)
@@ -565,80 +572,140 @@ mod x86 {
         _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub))
     }
 
-    /// [`super::row_q8`] with AVX-512 VNNI: one group of 16 blocks per
-    /// step, a tail group through masked loads (masked codes read as zero:
-    /// weight `12`, activation `0`, scale `0`, so their lanes add `+0`).
+    /// Output rows `r0..r1` for all `m` activation rows with AVX-512 VNNI,
+    /// a group of 16 blocks per step. A tail group is read with whole
+    /// loads (the weights' buffer and the activation scratch are padded
+    /// past their ends) whose lanes past the group are then zeroed: weight
+    /// code `12`, activation `0`, scale `0`, adding `+0`. (Masked loads
+    /// stalled for tens of cycles each on Zen 4.)
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    pub(super) unsafe fn row_q8_512(
-        row: &[u8],
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_q8_512(
+        wb: *const u8,
+        row_bytes: usize,
+        r0: usize,
+        r1: usize,
         a: &QAct,
-        i0: usize,
-        mt: usize,
-        acc: &mut [[f32; GROUP]; M_TILE],
+        m: usize,
+        out: *mut f32,
+        rows: usize,
     ) {
-        match mt {
-            1 => row_q8_512_n::<1>(row, a, i0, acc),
-            2 => row_q8_512_n::<2>(row, a, i0, acc),
-            3 => row_q8_512_n::<3>(row, a, i0, acc),
-            _ => row_q8_512_n::<M_TILE>(row, a, i0, acc),
+        for r in r0..r1 {
+            let rp = wb.add(r * row_bytes);
+            let mut i0 = 0;
+            while i0 < m {
+                let mt = (m - i0).min(M_TILE);
+                match mt {
+                    1 => tile512::<1>(rp, a, i0, out, rows, r),
+                    2 => tile512::<2>(rp, a, i0, out, rows, r),
+                    3 => tile512::<3>(rp, a, i0, out, rows, r),
+                    _ => tile512::<M_TILE>(rp, a, i0, out, rows, r),
+                }
+                i0 += mt;
+            }
         }
     }
 
+    /// One weight row against activation rows `i0..i0 + MT`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     #[inline]
-    unsafe fn row_q8_512_n<const MT: usize>(
-        row: &[u8],
+    unsafe fn tile512<const MT: usize>(
+        rp: *const u8,
         a: &QAct,
         i0: usize,
-        acc: &mut [[f32; GROUP]; M_TILE],
+        out: *mut f32,
+        rows: usize,
+        r: usize,
+    ) {
+        let nb = a.nb;
+        let mut s = [_mm512_setzero_ps(); MT];
+        let full = nb / GROUP;
+        for g in 0..full {
+            group512::<MT, true>(rp, a, i0, g, GROUP, &mut s);
+        }
+        if nb > GROUP * full {
+            group512::<MT, false>(rp, a, i0, full, nb - GROUP * full, &mut s);
+        }
+        for (i, si) in s.iter().enumerate() {
+            *out.add((i0 + i) * rows + r) = hsum16(*si);
+        }
+    }
+
+    /// [`super::reduce16`] in registers: the same additions.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[inline]
+    unsafe fn hsum16(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+    }
+
+    /// The last three steps of [`super::reduce16`] on `s[j] + s[j + 8]`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
+    }
+
+    /// Group `g` (`gl` blocks; `FULL` when `gl` is 16, loaded whole, else
+    /// through masks) of one weight row into the partial sums `s`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn group512<const MT: usize, const FULL: bool>(
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        g: usize,
+        gl: usize,
+        s: &mut [__m512; MT],
     ) {
         let (cols, nb) = (a.cols, a.nb);
         let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_U.as_ptr() as *const __m128i));
         let m4 = _mm512_set1_epi8(0x0f);
         let twelve = _mm512_set1_epi32(12);
-        let mut s = [_mm512_setzero_ps(); MT];
-        let rp = row.as_ptr();
-        for g in 0..nb.div_ceil(GROUP) {
-            let gl = (nb - GROUP * g).min(GROUP);
-            let bm: __mmask64 = if gl == GROUP {
-                !0
+        let bm: __mmask64 = if FULL { !0 } else { (1u64 << (4 * gl)) - 1 };
+        let lm: __mmask16 = ((1u32 << gl) - 1) as u16;
+        let ld8 = |p: *const u8| {
+            let v = _mm512_loadu_si512(p as *const __m512i);
+            if FULL {
+                v
             } else {
-                (1u64 << (4 * gl)) - 1
-            };
-            let lm: __mmask16 = ((1u32 << gl) - 1) as u16;
-            let wg = rp.add(GROUP * g * BLOCK_BYTES);
-            let e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lm, wg as *const i8));
-            let hs = half_scales512(e);
-            let mut u = [_mm512_setzero_si512(); 8];
-            for c in 0..4 {
-                let q = _mm512_maskz_loadu_epi8(bm, wg.add(gl + c * 4 * gl) as *const i8);
-                u[c] = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
-                u[c + 4] =
-                    _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
+                _mm512_maskz_mov_epi8(bm, v)
             }
-            for (i, si) in s.iter_mut().enumerate() {
-                let r = i0 + i;
-                let xg = a.q.add(r * cols + GROUP * g * BLOCK_LEN);
-                let x = |c: usize| _mm512_maskz_loadu_epi8(bm, xg.add(c * 4 * gl));
-                let mut d0 = _mm512_setzero_si512();
-                let mut d1 = _mm512_setzero_si512();
-                for c in 0..4 {
-                    d0 = _mm512_dpbusd_epi32(d0, u[c], x(c));
-                    d1 = _mm512_dpbusd_epi32(d1, u[c + 4], x(c + 4));
-                }
-                let blk = r * nb + GROUP * g;
-                let sum = _mm512_maskz_loadu_epi32(lm, a.sum.add(blk));
-                let dot =
-                    _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_mullo_epi32(sum, twelve));
-                let d = _mm512_maskz_loadu_ps(lm, a.d.add(blk));
-                *si = _mm512_add_ps(
-                    *si,
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(hs, d)),
-                );
-            }
+        };
+        let wg = rp.add(GROUP * g * BLOCK_BYTES);
+        let e = _mm_loadu_si128(wg as *const __m128i);
+        let e = if FULL { e } else { _mm_maskz_mov_epi8(lm, e) };
+        let hs = half_scales512(_mm512_cvtepu8_epi32(e));
+        let mut u = [_mm512_setzero_si512(); 8];
+        for c in 0..4 {
+            let q = ld8(wg.add(gl + c * 4 * gl));
+            u[c] = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
+            u[c + 4] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
         }
-        for (o, si) in acc.iter_mut().zip(&s) {
-            _mm512_storeu_ps(o.as_mut_ptr(), *si);
+        for (i, si) in s.iter_mut().enumerate() {
+            let r = i0 + i;
+            let xg = a.q.add(r * cols + GROUP * g * BLOCK_LEN) as *const u8;
+            let mut d0 = _mm512_setzero_si512();
+            let mut d1 = _mm512_setzero_si512();
+            for c in 0..4 {
+                d0 = _mm512_dpbusd_epi32(d0, u[c], ld8(xg.add(c * 4 * gl)));
+                d1 = _mm512_dpbusd_epi32(d1, u[c + 4], ld8(xg.add((c + 4) * 4 * gl)));
+            }
+            let blk = r * nb + GROUP * g;
+            let sum = _mm512_loadu_si512(a.sum.add(blk) as *const __m512i);
+            let d = _mm512_loadu_ps(a.d.add(blk));
+            let (sum, d) = if FULL {
+                (sum, d)
+            } else {
+                (_mm512_maskz_mov_epi32(lm, sum), _mm512_maskz_mov_ps(lm, d))
+            };
+            let dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_mullo_epi32(sum, twelve));
+            *si = _mm512_add_ps(
+                *si,
+                _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(hs, d)),
+            );
         }
     }
 
