@@ -254,16 +254,23 @@ pub(crate) fn dequantize_interleaved_row(row: &[u8], out: &mut [f32]) {
     }
 }
 
-/// The quantized activations of one matmul: per row, the codes
-/// (`cols` bytes, [`super::act`]'s order), and per block the scale and
-/// the code sum.
+/// The quantized activations of one matmul, each row padded to whole
+/// groups of 16 blocks: per row `stride` code bytes in [`super::act`]'s
+/// order as if the row's last group were whole (chunk `c` of a group at
+/// `64c`, zero codes in the missing lanes), and per block (`groups · 16`
+/// per row, zero past `nb`) the scale and the code sum. The zero lanes
+/// make a tail group's products `0 · (2^(e − 128) · 0) = +0` whatever
+/// weight bytes sit in them, so the kernels read every group whole.
 #[derive(Clone, Copy)]
 struct QAct {
     q: *const i8,
     d: *const f32,
     sum: *const i32,
-    cols: usize,
+    /// Code bytes per row (`groups · 512`).
+    stride: usize,
+    /// Blocks per row, and per row of `d` and `sum` (`groups · 16`).
     nb: usize,
+    npad: usize,
 }
 // SAFETY: read only, while the scratch that owns the buffers is borrowed
 // by the matmul.
@@ -291,29 +298,45 @@ pub(crate) fn matmul_q8(
     scratch: &mut MatmulScratch,
 ) {
     let nb = cols / BLOCK_LEN;
-    // Padded past the last row: the AVX-512 kernel reads a tail group
-    // with whole 64-byte loads.
-    grow(&mut scratch.aq, m * cols + 64);
-    grow(&mut scratch.ad, m * nb + GROUP);
-    grow(&mut scratch.asum, m * nb + GROUP);
-    grow(&mut scratch.ascaled, m * nb);
+    let full = nb / GROUP;
+    let npad = nb.div_ceil(GROUP) * GROUP;
+    let stride = npad * BLOCK_LEN;
+    grow(&mut scratch.aq, m * stride);
+    grow(&mut scratch.ad, m * npad);
+    grow(&mut scratch.asum, m * npad);
+    grow(&mut scratch.ascaled, nb);
     for i in 0..m {
+        let q = &mut scratch.aq[i * stride..(i + 1) * stride];
         act::quantize_row(
             level,
             BLOCK_LEN,
             &x[i * cols..(i + 1) * cols],
-            &mut scratch.aq[i * cols..(i + 1) * cols],
-            &mut scratch.ad[i * nb..(i + 1) * nb],
-            &mut scratch.asum[i * nb..(i + 1) * nb],
-            &mut scratch.ascaled[i * nb..(i + 1) * nb],
+            &mut q[..cols],
+            &mut scratch.ad[i * npad..i * npad + nb],
+            &mut scratch.asum[i * npad..i * npad + nb],
+            &mut scratch.ascaled[..nb],
         );
+        // Spread a tail group's chunks (`4·gl` bytes apart) to whole-group
+        // places (64 apart), last first (each lands at or after where it
+        // was, past its predecessors), and zero what lies between.
+        let gl = nb - GROUP * full;
+        if gl > 0 {
+            let t = &mut q[full * GROUP * BLOCK_LEN..];
+            for c in (0..8).rev() {
+                t.copy_within(c * 4 * gl..(c + 1) * 4 * gl, c * 64);
+                t[c * 64 + 4 * gl..(c + 1) * 64].fill(0);
+            }
+            scratch.ad[i * npad + nb..(i + 1) * npad].fill(0.0);
+            scratch.asum[i * npad + nb..(i + 1) * npad].fill(0);
+        }
     }
     let a = QAct {
         q: scratch.aq.as_ptr(),
         d: scratch.ad.as_ptr(),
         sum: scratch.asum.as_ptr(),
-        cols,
+        stride,
         nb,
+        npad,
     };
     let row_bytes = nb * BLOCK_BYTES;
     let wb = w.bytes();
@@ -325,34 +348,12 @@ pub(crate) fn matmul_q8(
     pool.run(threads, &|t| {
         let (o, a) = (&o, &a);
         let (r0, r1) = (t * per, ((t + 1) * per).min(rows));
-        #[cfg(target_arch = "x86_64")]
-        if level.has_avx512() {
-            // SAFETY: the level (clamped to the CPU's by the caller) has
-            // AVX-512 F/BW/VL and VNNI; the activations were quantized
-            // above into padded buffers, the weights' buffer is padded
-            // (`ABuf`); only this task writes the outputs of rows
-            // `r0..r1`.
-            unsafe { x86::rows_q8_512(wb.as_ptr(), row_bytes, r0, r1, a, m, o.0, rows) };
-            return;
-        }
-        for r in r0..r1 {
-            let row = &wb[r * row_bytes..(r + 1) * row_bytes];
-            let mut i0 = 0;
-            while i0 < m {
-                let mt = (m - i0).min(M_TILE);
-                let mut acc = [[0f32; GROUP]; M_TILE];
-                // SAFETY: activation rows `i0..i0 + mt` were quantized
-                // above; the row holds whole groups.
-                unsafe { row_q8(level, row, a, i0, mt, &mut acc) };
-                for (i, s) in acc[..mt].iter().enumerate() {
-                    // SAFETY: `(i0 + i) · rows + r` is inside `out` (m ×
-                    // rows elements), and only the task owning row `r`
-                    // writes it.
-                    unsafe { *o.0.add((i0 + i) * rows + r) = reduce16(s) };
-                }
-                i0 += mt;
-            }
-        }
+        // SAFETY: the level was clamped to the CPU's by the caller; the
+        // activations were quantized above (whole groups, zero padded);
+        // the weights' buffer (`ABuf`) has a zero line past its end for
+        // the whole-group reads of the last row's tail; only this task
+        // writes the outputs of rows `r0..r1`.
+        unsafe { rows_q8(level, wb.as_ptr(), row_bytes, r0, r1, a, m, o.0, rows) };
     });
 }
 
@@ -371,58 +372,66 @@ fn reduce16(s: &[f32; GROUP]) -> f32 {
     v[0]
 }
 
-/// Partial sums of one weight row against activation rows `i0..i0 + mt`.
+/// Output rows `r0..r1` of all `m` activation rows at `level`.
 ///
 /// # Safety
-/// `a` holds at least `i0 + mt` quantized rows; `row` is one row of the
-/// [`interleave`]d layout for `a.cols`.
-unsafe fn row_q8(
+/// As [`matmul_q8`] sets up: `a` holds `m` quantized rows, `wb` rows
+/// `r0..r1` of `row_bytes` each (padded past the end), `out` `m × rows`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_q8(
     level: SimdLevel,
-    row: &[u8],
+    wb: *const u8,
+    row_bytes: usize,
+    r0: usize,
+    r1: usize,
     a: &QAct,
-    i0: usize,
-    mt: usize,
-    acc: &mut [[f32; GROUP]; M_TILE],
+    m: usize,
+    out: *mut f32,
+    rows: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if level >= SimdLevel::Avx2 {
-        return x86::row_q8_256(row, a, i0, mt, acc);
+    {
+        if level.has_avx512() {
+            return x86::rows_q8_512(wb, row_bytes, r0, r1, a, m, out, rows);
+        }
+        if level >= SimdLevel::Avx2 {
+            return x86::rows_q8_256(wb, row_bytes, r0, r1, a, m, out, rows);
+        }
     }
     let _ = level;
-    row_q8_scalar(row, a, i0, mt, acc)
+    for r in r0..r1 {
+        let row = std::slice::from_raw_parts(wb.add(r * row_bytes), row_bytes);
+        for i in 0..m {
+            *out.add(i * rows + r) = row_q8_scalar(row, a, i);
+        }
+    }
 }
 
-/// The reference path of [`row_q8`], one block at a time.
-unsafe fn row_q8_scalar(
-    row: &[u8],
-    a: &QAct,
-    i0: usize,
-    mt: usize,
-    acc: &mut [[f32; GROUP]; M_TILE],
-) {
-    let (cols, nb) = (a.cols, a.nb);
+/// The reference path: one weight row against activation row `i`, one
+/// block at a time.
+unsafe fn row_q8_scalar(row: &[u8], a: &QAct, i: usize) -> f32 {
+    let nb = a.nb;
+    let mut s = [0f32; GROUP];
     for g in 0..nb.div_ceil(GROUP) {
         let gl = (nb - GROUP * g).min(GROUP);
         let base = GROUP * g * BLOCK_BYTES;
+        let xq = a.q.add(i * a.stride + GROUP * g * BLOCK_LEN);
         for j in 0..gl {
-            let hs = half_scale(row[base + j]);
-            for (i, s) in acc[..mt].iter_mut().enumerate() {
-                let xq = a.q.add((i0 + i) * cols + GROUP * g * BLOCK_LEN);
-                let mut dot = 0i32;
-                for c in 0..4 {
-                    for t in 0..4 {
-                        let b = row[base + gl + c * 4 * gl + 4 * j + t];
-                        let lo = *xq.add(c * 4 * gl + 4 * j + t) as i32;
-                        let hi = *xq.add((c + 4) * 4 * gl + 4 * j + t) as i32;
-                        dot += KVALUES[(b & 0x0f) as usize] as i32 * lo
-                            + KVALUES[(b >> 4) as usize] as i32 * hi;
-                    }
+            let mut dot = 0i32;
+            for c in 0..4 {
+                for t in 0..4 {
+                    let b = row[base + gl + c * 4 * gl + 4 * j + t];
+                    let lo = *xq.add(c * 64 + 4 * j + t) as i32;
+                    let hi = *xq.add((c + 4) * 64 + 4 * j + t) as i32;
+                    dot += KVALUES[(b & 0x0f) as usize] as i32 * lo
+                        + KVALUES[(b >> 4) as usize] as i32 * hi;
                 }
-                let blk = (i0 + i) * nb + GROUP * g + j;
-                s[j] += dot as f32 * (hs * *a.d.add(blk));
             }
+            let blk = i * a.npad + GROUP * g + j;
+            s[j] += dot as f32 * (half_scale(row[base + j]) * *a.d.add(blk));
         }
     }
+    reduce16(&s)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -572,12 +581,9 @@ mod x86 {
         _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub))
     }
 
-    /// Output rows `r0..r1` for all `m` activation rows with AVX-512 VNNI,
-    /// a group of 16 blocks per step. A tail group is read with whole
-    /// loads (the weights' buffer and the activation scratch are padded
-    /// past their ends) whose lanes past the group are then zeroed: weight
-    /// code `12`, activation `0`, scale `0`, adding `+0`. (Masked loads
-    /// stalled for tens of cycles each on Zen 4.)
+    /// [`super::rows_q8`] with AVX-512 VNNI, a group of 16 blocks per
+    /// step, every group read whole (see [`QAct`]; masked loads stalled
+    /// for tens of cycles each on Zen 4).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn rows_q8_512(
@@ -621,10 +627,10 @@ mod x86 {
         let mut s = [_mm512_setzero_ps(); MT];
         let full = nb / GROUP;
         for g in 0..full {
-            group512::<MT, true>(rp, a, i0, g, GROUP, &mut s);
+            group512::<MT>(rp, a, i0, g, GROUP, &mut s);
         }
         if nb > GROUP * full {
-            group512::<MT, false>(rp, a, i0, full, nb - GROUP * full, &mut s);
+            group512::<MT>(rp, a, i0, full, nb - GROUP * full, &mut s);
         }
         for (i, si) in s.iter().enumerate() {
             *out.add((i0 + i) * rows + r) = hsum16(*si);
@@ -648,11 +654,11 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
     }
 
-    /// Group `g` (`gl` blocks; `FULL` when `gl` is 16, loaded whole, else
-    /// through masks) of one weight row into the partial sums `s`.
+    /// Group `g` (`gl` blocks) of one weight row into the partial sums
+    /// `s`: 16 lanes read whole, those past `gl` meeting zero activations.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
     #[inline]
-    unsafe fn group512<const MT: usize, const FULL: bool>(
+    unsafe fn group512<const MT: usize>(
         rp: *const u8,
         a: &QAct,
         i0: usize,
@@ -660,47 +666,30 @@ mod x86 {
         gl: usize,
         s: &mut [__m512; MT],
     ) {
-        let (cols, nb) = (a.cols, a.nb);
         let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_U.as_ptr() as *const __m128i));
         let m4 = _mm512_set1_epi8(0x0f);
         let twelve = _mm512_set1_epi32(12);
-        let bm: __mmask64 = if FULL { !0 } else { (1u64 << (4 * gl)) - 1 };
-        let lm: __mmask16 = ((1u32 << gl) - 1) as u16;
-        let ld8 = |p: *const u8| {
-            let v = _mm512_loadu_si512(p as *const __m512i);
-            if FULL {
-                v
-            } else {
-                _mm512_maskz_mov_epi8(bm, v)
-            }
-        };
         let wg = rp.add(GROUP * g * BLOCK_BYTES);
-        let e = _mm_loadu_si128(wg as *const __m128i);
-        let e = if FULL { e } else { _mm_maskz_mov_epi8(lm, e) };
-        let hs = half_scales512(_mm512_cvtepu8_epi32(e));
+        let hs = half_scales512(_mm512_cvtepu8_epi32(_mm_loadu_si128(wg as *const __m128i)));
         let mut u = [_mm512_setzero_si512(); 8];
         for c in 0..4 {
-            let q = ld8(wg.add(gl + c * 4 * gl));
+            let q = _mm512_loadu_si512(wg.add(gl + c * 4 * gl) as *const __m512i);
             u[c] = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
             u[c + 4] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
         }
         for (i, si) in s.iter_mut().enumerate() {
             let r = i0 + i;
-            let xg = a.q.add(r * cols + GROUP * g * BLOCK_LEN) as *const u8;
+            let xg = a.q.add(r * a.stride + GROUP * g * BLOCK_LEN);
+            let x = |c: usize| _mm512_loadu_si512(xg.add(64 * c) as *const __m512i);
             let mut d0 = _mm512_setzero_si512();
             let mut d1 = _mm512_setzero_si512();
             for c in 0..4 {
-                d0 = _mm512_dpbusd_epi32(d0, u[c], ld8(xg.add(c * 4 * gl)));
-                d1 = _mm512_dpbusd_epi32(d1, u[c + 4], ld8(xg.add((c + 4) * 4 * gl)));
+                d0 = _mm512_dpbusd_epi32(d0, u[c], x(c));
+                d1 = _mm512_dpbusd_epi32(d1, u[c + 4], x(c + 4));
             }
-            let blk = r * nb + GROUP * g;
+            let blk = r * a.npad + GROUP * g;
             let sum = _mm512_loadu_si512(a.sum.add(blk) as *const __m512i);
             let d = _mm512_loadu_ps(a.d.add(blk));
-            let (sum, d) = if FULL {
-                (sum, d)
-            } else {
-                (_mm512_maskz_mov_epi32(lm, sum), _mm512_maskz_mov_ps(lm, d))
-            };
             let dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_mullo_epi32(sum, twelve));
             *si = _mm512_add_ps(
                 *si,
@@ -719,116 +708,67 @@ mod x86 {
         _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, small))
     }
 
-    /// [`super::row_q8`] with AVX2: a group as two halves of 8 blocks; a
-    /// tail group is first copied into zeroed full-group buffers (zero
-    /// lanes add `+0`, as with AVX-512's masks).
+    /// [`super::rows_q8`] with AVX2: a group as two halves of 8 blocks,
+    /// read whole like [`rows_q8_512`].
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn row_q8_256(
-        row: &[u8],
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_q8_256(
+        wb: *const u8,
+        row_bytes: usize,
+        r0: usize,
+        r1: usize,
         a: &QAct,
-        i0: usize,
-        mt: usize,
-        acc: &mut [[f32; GROUP]; M_TILE],
+        m: usize,
+        out: *mut f32,
+        rows: usize,
     ) {
-        match mt {
-            1 => row_q8_256_n::<1>(row, a, i0, acc),
-            2 => row_q8_256_n::<2>(row, a, i0, acc),
-            3 => row_q8_256_n::<3>(row, a, i0, acc),
-            _ => row_q8_256_n::<M_TILE>(row, a, i0, acc),
+        for r in r0..r1 {
+            let rp = wb.add(r * row_bytes);
+            let mut i0 = 0;
+            while i0 < m {
+                let mt = (m - i0).min(M_TILE);
+                match mt {
+                    1 => tile256::<1>(rp, a, i0, out, rows, r),
+                    2 => tile256::<2>(rp, a, i0, out, rows, r),
+                    3 => tile256::<3>(rp, a, i0, out, rows, r),
+                    _ => tile256::<M_TILE>(rp, a, i0, out, rows, r),
+                }
+                i0 += mt;
+            }
         }
     }
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn row_q8_256_n<const MT: usize>(
-        row: &[u8],
+    unsafe fn tile256<const MT: usize>(
+        rp: *const u8,
         a: &QAct,
         i0: usize,
-        acc: &mut [[f32; GROUP]; M_TILE],
+        out: *mut f32,
+        rows: usize,
+        r: usize,
     ) {
-        let (cols, nb) = (a.cols, a.nb);
+        let nb = a.nb;
         let mut s = [[_mm256_setzero_ps(); 2]; MT];
-        let rp = row.as_ptr();
-        let full = nb / GROUP;
-        for g in 0..full {
-            let wg = rp.add(GROUP * g * BLOCK_BYTES);
-            let mut xs = [std::ptr::null(); MT];
-            let mut ds = [std::ptr::null(); MT];
-            let mut sums = [std::ptr::null(); MT];
-            for i in 0..MT {
-                let r = i0 + i;
-                xs[i] = a.q.add(r * cols + GROUP * g * BLOCK_LEN);
-                ds[i] = a.d.add(r * nb + GROUP * g);
-                sums[i] = a.sum.add(r * nb + GROUP * g);
-            }
-            group256::<MT>(wg, wg.add(GROUP), xs, ds, sums, &mut s);
+        for g in 0..nb.div_ceil(GROUP) {
+            let gl = (nb - GROUP * g).min(GROUP);
+            group256::<MT>(rp, a, i0, g, gl, &mut s);
         }
-        let gl = nb - GROUP * full;
-        if gl > 0 {
-            let g = full;
-            let wg = rp.add(GROUP * g * BLOCK_BYTES);
-            let mut wbuf = [0u8; GROUP + 4 * 4 * GROUP];
-            std::ptr::copy_nonoverlapping(wg, wbuf.as_mut_ptr(), gl);
-            for c in 0..4 {
-                std::ptr::copy_nonoverlapping(
-                    wg.add(gl + c * 4 * gl),
-                    wbuf.as_mut_ptr().add(GROUP + c * 4 * GROUP),
-                    4 * gl,
-                );
-            }
-            let mut xbuf = [[0i8; BLOCK_LEN * GROUP]; MT];
-            let mut dbuf = [[0f32; GROUP]; MT];
-            let mut sbuf = [[0i32; GROUP]; MT];
-            for i in 0..MT {
-                let r = i0 + i;
-                let xg = a.q.add(r * cols + GROUP * g * BLOCK_LEN);
-                for c in 0..8 {
-                    std::ptr::copy_nonoverlapping(
-                        xg.add(c * 4 * gl),
-                        xbuf[i].as_mut_ptr().add(c * 4 * GROUP),
-                        4 * gl,
-                    );
-                }
-                std::ptr::copy_nonoverlapping(
-                    a.d.add(r * nb + GROUP * g),
-                    dbuf[i].as_mut_ptr(),
-                    gl,
-                );
-                std::ptr::copy_nonoverlapping(
-                    a.sum.add(r * nb + GROUP * g),
-                    sbuf[i].as_mut_ptr(),
-                    gl,
-                );
-            }
-            let xs: [*const i8; MT] = std::array::from_fn(|i| xbuf[i].as_ptr());
-            let ds: [*const f32; MT] = std::array::from_fn(|i| dbuf[i].as_ptr());
-            let sums: [*const i32; MT] = std::array::from_fn(|i| sbuf[i].as_ptr());
-            group256::<MT>(
-                wbuf.as_ptr(),
-                wbuf.as_ptr().add(GROUP),
-                xs,
-                ds,
-                sums,
-                &mut s,
-            );
-        }
-        for (o, si) in acc.iter_mut().zip(&s) {
-            _mm256_storeu_ps(o.as_mut_ptr(), si[0]);
-            _mm256_storeu_ps(o.as_mut_ptr().add(8), si[1]);
+        for (i, si) in s.iter().enumerate() {
+            *out.add((i0 + i) * rows + r) = hsum8(_mm256_add_ps(si[0], si[1]));
         }
     }
 
-    /// One full group of 16 blocks: exponents at `e`, code step `c` at
-    /// `codes + 64c`; activation row `i`'s chunk `c` at `xs[i] + 64c`, its
-    /// 16 scales and code sums at `ds[i]` and `sums[i]`.
+    /// Group `g` (`gl` blocks) of one weight row: lanes `8h..8h + 8` in
+    /// `s[i][h]`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     unsafe fn group256<const MT: usize>(
-        e: *const u8,
-        codes: *const u8,
-        xs: [*const i8; MT],
-        ds: [*const f32; MT],
-        sums: [*const i32; MT],
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        g: usize,
+        gl: usize,
         s: &mut [[__m256; 2]; MT],
     ) {
         let lut =
@@ -836,18 +776,21 @@ mod x86 {
         let m4 = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
         let twelve = _mm256_set1_epi32(12);
+        let wg = rp.add(GROUP * g * BLOCK_BYTES);
         for h in 0..2 {
-            let ex = _mm256_cvtepu8_epi32(_mm_loadl_epi64(e.add(8 * h) as *const __m128i));
+            let ex = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wg.add(8 * h) as *const __m128i));
             let hs = half_scales256(ex);
             let mut u = [_mm256_setzero_si256(); 8];
             for c in 0..4 {
-                let q = _mm256_loadu_si256(codes.add(64 * c + 32 * h) as *const __m256i);
+                let q = _mm256_loadu_si256(wg.add(gl + c * 4 * gl + 32 * h) as *const __m256i);
                 u[c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
                 u[c + 4] =
                     _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
             }
-            for i in 0..MT {
-                let x = |c: usize| _mm256_loadu_si256(xs[i].add(64 * c + 32 * h) as *const __m256i);
+            for (i, si) in s.iter_mut().enumerate() {
+                let r = i0 + i;
+                let xg = a.q.add(r * a.stride + GROUP * g * BLOCK_LEN + 32 * h);
+                let x = |c: usize| _mm256_loadu_si256(xg.add(64 * c) as *const __m256i);
                 // Pair sums are at most 2 · 24 · 127, four of them fit i16.
                 let p = |c: usize| _mm256_maddubs_epi16(u[c], x(c));
                 let lo =
@@ -856,11 +799,12 @@ mod x86 {
                     _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
                 let dot =
                     _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
-                let sum = _mm256_loadu_si256(sums[i].add(8 * h) as *const __m256i);
+                let blk = r * a.npad + GROUP * g + 8 * h;
+                let sum = _mm256_loadu_si256(a.sum.add(blk) as *const __m256i);
                 let dot = _mm256_sub_epi32(dot, _mm256_mullo_epi32(sum, twelve));
-                let d = _mm256_loadu_ps(ds[i].add(8 * h));
-                s[i][h] = _mm256_add_ps(
-                    s[i][h],
+                let d = _mm256_loadu_ps(a.d.add(blk));
+                si[h] = _mm256_add_ps(
+                    si[h],
                     _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(hs, d)),
                 );
             }
