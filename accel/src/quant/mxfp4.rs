@@ -598,6 +598,7 @@ mod x86 {
     ) {
         for r in r0..r1 {
             let rp = wb.add(r * row_bytes);
+            prefetch_ahead(rp, row_bytes);
             let mut i0 = 0;
             while i0 < m {
                 let mt = (m - i0).min(M_TILE);
@@ -609,6 +610,22 @@ mod x86 {
                 }
                 i0 += mt;
             }
+        }
+    }
+
+    /// Bytes ahead of the row being read that [`prefetch_ahead`] asks for.
+    const PREFETCH: usize = 1024;
+
+    /// Prefetches the lines [`PREFETCH`] bytes past those of the row at
+    /// `rp`: each thread streams its rows front to back, and the stream of
+    /// every expert matrix starts cold. (A prefetch past the matrix's end
+    /// cannot fault.)
+    #[inline(always)]
+    unsafe fn prefetch_ahead(rp: *const u8, row_bytes: usize) {
+        let mut off = 0;
+        while off < row_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(PREFETCH + off) as *const i8);
+            off += 64;
         }
     }
 
@@ -724,6 +741,7 @@ mod x86 {
     ) {
         for r in r0..r1 {
             let rp = wb.add(r * row_bytes);
+            prefetch_ahead(rp, row_bytes);
             let mut i0 = 0;
             while i0 < m {
                 let mt = (m - i0).min(M_TILE);
