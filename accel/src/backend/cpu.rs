@@ -282,10 +282,12 @@ impl Backend for CpuBackend {
     }
 
     fn upload_matrix(&self, m: &HostMatrix<'_>) -> Result<Weight, BackendError> {
-        Ok(
+        let w = if m.f32_activations() {
+            Weight::from_mxfp4_f32_act(m.rows(), m.cols(), m.bytes())?
+        } else {
             Weight::from_raw_at(self.level, m.ty(), m.rows(), m.cols(), m.bytes())?
-                .with_affine(m.affine().cloned())?,
-        )
+        };
+        Ok(w.with_affine(m.affine().cloned())?)
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {

@@ -91,6 +91,10 @@ pub struct HostMatrix<'a> {
     /// The checkpoint scheme's transforms around the blocks (see
     /// [`crate::quant::affine`]); `None` for GGUF and dense tensors.
     affine: Option<Box<Affine>>,
+    /// MXFP4 only: multiply with f32 activations (Hugging Face
+    /// checkpoints) rather than 8-bit ones (GGUF, as llama.cpp); see
+    /// [`crate::quant::mxfp4`].
+    f32_act: bool,
 }
 
 impl<'a> HostMatrix<'a> {
@@ -122,7 +126,23 @@ impl<'a> HostMatrix<'a> {
             cols,
             data,
             affine: None,
+            f32_act: false,
         })
+    }
+
+    /// With `on`, for MXFP4 blocks from a Hugging Face checkpoint: the
+    /// product keeps the activations in f32, exact against the decoded
+    /// values up to summation order, rather than quantizing them to 8 bits
+    /// as llama.cpp does for GGUF files (see [`crate::quant::mxfp4`]).
+    /// Other types ignore it.
+    pub fn with_f32_activations(mut self, on: bool) -> HostMatrix<'a> {
+        self.f32_act = on && self.ty == GgmlType::MXFP4;
+        self
+    }
+
+    /// Whether [`HostMatrix::with_f32_activations`] applies.
+    pub fn f32_activations(&self) -> bool {
+        self.f32_act
     }
 
     /// Wraps the blocks in `affine`, checked against the shape; an identity

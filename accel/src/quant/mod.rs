@@ -265,8 +265,12 @@ enum Repr {
     /// ([`bf16_tiles`]), at [`SimdLevel::AmxBf16`].
     #[cfg(target_arch = "x86_64")]
     Tiles(Box<bf16_tiles::TileMat>),
-    /// MXFP4 blocks as GGUF stores them ([`mxfp4`]).
+    /// MXFP4 blocks as GGUF stores them, multiplied with f32 activations
+    /// ([`mxfp4::matmul`]; Hugging Face checkpoints).
     Mxfp4(ABuf),
+    /// MXFP4 blocks re-laid out for the Q8-activation kernel
+    /// ([`mxfp4::matmul_q8`]; GGUF files, as llama.cpp).
+    Mxfp4Q8(ABuf),
 }
 
 /// A 2-D weight matrix `[rows = out_features, cols = in_features]`, kept in
@@ -346,14 +350,12 @@ impl Weight {
                 unit: "bytes",
             });
         }
-        let repr = if ty.is_float() || ty == GgmlType::MXFP4 {
+        let repr = if ty == GgmlType::MXFP4 {
+            Repr::Mxfp4Q8(mxfp4::interleave(bytes, rows, cols))
+        } else if ty.is_float() {
             let mut buf = ABuf::zeroed(bytes.len());
             buf.bytes_mut().copy_from_slice(bytes);
-            if ty == GgmlType::MXFP4 {
-                Repr::Mxfp4(buf)
-            } else {
-                Repr::Dense(buf)
-            }
+            Repr::Dense(buf)
         } else {
             Weight::quant_repr(level.min(max_level()), ty, rows, cols, bytes)
         };
@@ -362,6 +364,42 @@ impl Weight {
             rows,
             cols,
             repr,
+            affine: None,
+        })
+    }
+
+    /// An MXFP4 weight from GGUF's blocks (`rows × cols`, as
+    /// [`Weight::from_raw`] takes them) whose products keep the
+    /// activations in f32, exact up to summation order against the
+    /// decoded matrix: how Hugging Face checkpoints are served (see
+    /// [`mxfp4`]). [`Weight::from_raw`] quantizes the activations to 8 bits
+    /// instead, as llama.cpp does for GGUF files.
+    pub fn from_mxfp4_f32_act(
+        rows: usize,
+        cols: usize,
+        bytes: &[u8],
+    ) -> Result<Weight, WeightError> {
+        let ty = GgmlType::MXFP4;
+        let expected = rows
+            .checked_mul(ty.row_bytes(cols)?)
+            .ok_or(WeightError::TooLarge { rows, cols })?;
+        if bytes.len() != expected {
+            return Err(WeightError::WrongLength {
+                ty,
+                rows,
+                cols,
+                expected,
+                got: bytes.len(),
+                unit: "bytes",
+            });
+        }
+        let mut buf = ABuf::zeroed(bytes.len());
+        buf.bytes_mut().copy_from_slice(bytes);
+        Ok(Weight {
+            ty,
+            rows,
+            cols,
+            repr: Repr::Mxfp4(buf),
             affine: None,
         })
     }
@@ -485,7 +523,7 @@ impl Weight {
                 Repr::Quant(q) => q.size_bytes(),
                 #[cfg(target_arch = "x86_64")]
                 Repr::Tiles(t) => t.size_bytes(),
-                Repr::Mxfp4(b) => b.len(),
+                Repr::Mxfp4(b) | Repr::Mxfp4Q8(b) => b.len(),
             }
     }
 
@@ -512,6 +550,10 @@ impl Weight {
             Repr::Mxfp4(b) => {
                 let rb = self.cols / mxfp4::BLOCK_LEN * mxfp4::BLOCK_BYTES;
                 mxfp4::dequantize_row(&b.bytes()[row * rb..(row + 1) * rb], out);
+            }
+            Repr::Mxfp4Q8(b) => {
+                let rb = self.cols / mxfp4::BLOCK_LEN * mxfp4::BLOCK_BYTES;
+                mxfp4::dequantize_interleaved_row(&b.bytes()[row * rb..(row + 1) * rb], out);
             }
         }
         if let Some(a) = &self.affine {
@@ -622,6 +664,9 @@ impl Weight {
             }
             Repr::Quant(q) => qkern::matmul(q, level, pool, x, m, out, scratch),
             Repr::Mxfp4(b) => mxfp4::matmul(b, self.rows, self.cols, level, pool, x, m, out),
+            Repr::Mxfp4Q8(b) => {
+                mxfp4::matmul_q8(b, self.rows, self.cols, level, pool, x, m, out, scratch)
+            }
             #[cfg(target_arch = "x86_64")]
             Repr::Tiles(t) => {
                 let (rows, kind) = (self.rows, t.kind);

@@ -15,15 +15,32 @@
 //! first: element `2i` is the low and `2i + 1` the high nibble of byte `i`.
 //! [`from_hf_blocks`] re-packs that into the ggml order.
 //!
-//! The product decodes each block to 32 f32 weights (a nibble table lookup
-//! and one multiply by the power of two, both exact: every value is an f32)
-//! and accumulates them against f32 activations, so a row's result equals
-//! the dequantized f32 matrix's up to summation order. AVX-512 and AVX2
-//! paths do the lookup with a byte shuffle; the scalar path is the
-//! reference. The SIMD level is picked per call like the other kernels.
+//! Two products, one per source format, each that format's reference:
+//!
+//! - GGUF files ([`matmul_q8`], what [`super::Weight::from_raw`] builds)
+//!   quantize the activations to 8 bits per 32 as ggml's Q8_0 (like
+//!   Pagoda's other GGUF kernels, [`super::act`]) and take the integer dot
+//!   of the doubled codes with them, scaled per block by `2^(e − 128)`
+//!   times the activation scale: llama.cpp's `vec_dot_mxfp4_q8_0`, which
+//!   defines what a GGUF file computes. The weights are re-laid out at
+//!   load ([`interleave`]) so that `vpdpbusd` sums whole blocks per lane.
+//! - Hugging Face checkpoints (`quant_method` `mxfp4`,
+//!   [`super::Weight::from_mxfp4_f32_act`]) keep f32 activations
+//!   ([`matmul`]): their reference is transformers, which multiplies the
+//!   dequantized experts with unquantized activations, and Pagoda serves
+//!   such a checkpoint as the f32 model of its decoded values (within the
+//!   f32 tolerance); 8-bit activations would move logprobs by their
+//!   rounding, far beyond it.
+//!
+//! The f32 product decodes each block to 32 f32 weights (a nibble table
+//! lookup and one multiply by the power of two, both exact: every value is
+//! an f32) and accumulates them against the activations, so a row's result
+//! equals the dequantized f32 matrix's up to summation order. Each product
+//! has AVX-512, AVX2 and scalar paths, the scalar one the reference; the
+//! SIMD level is picked per call like the other kernels.
 
 use super::layout::ABuf;
-use super::OutPtr;
+use super::{act, grow, MatmulScratch, OutPtr};
 use crate::cpu::pool::ThreadPool;
 use crate::cpu::SimdLevel;
 
@@ -168,9 +185,258 @@ fn row_dot_scalar(row: &[u8], xs: &[f32], cols: usize, mt: usize, acc: &mut [f32
     }
 }
 
+// ---------------------------------------------------------------------------
+// Q8 activations (GGUF files): ggml's `vec_dot_mxfp4_q8_0`, re-laid out.
+// ---------------------------------------------------------------------------
+
+/// Blocks per group of the interleaved layout (one 32-bit lane each).
+const GROUP: usize = 16;
+
+/// The doubled codes plus 12 (`{0..=24}`, unsigned): `vpdpbusd` and
+/// `pmaddubsw` multiply unsigned by signed bytes, so the kernels multiply
+/// `kv + 12` by the activation codes and subtract `12 · Σ x` per block.
+const KVALUES_U: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+
+/// Re-lays GGUF blocks (`rows × cols`, see the module docs) out for the
+/// Q8-activation kernel: each row keeps its `cols / 32 · 17` bytes, as
+/// groups of 16 blocks (the last one `gl ≤ 16`): the `gl` exponents, then
+/// the codes interleaved 4 bytes at a time across blocks, `4·gl` bytes per
+/// step `c` in `0..4`, block `j` at `4j..4j + 4` holding code bytes
+/// `qs[4c..4c + 4]` (elements `4c + t` in the low and `16 + 4c + t` in the
+/// high nibbles). The activations' codes are in the same order
+/// ([`super::act`] with 32-element lanes): chunk `c` of a group, elements
+/// `4c..4c + 4` of each block, is `4·gl` contiguous bytes. So one load of
+/// codes feeds two `vpdpbusd` (low nibbles with chunk `c`, high ones with
+/// chunk `c + 4`), and 32-bit lane `j` ends up with block `j`'s whole
+/// integer dot product.
+pub(crate) fn interleave(bytes: &[u8], rows: usize, cols: usize) -> ABuf {
+    let nb = cols / BLOCK_LEN;
+    let row_bytes = nb * BLOCK_BYTES;
+    let mut buf = ABuf::zeroed(rows * row_bytes);
+    let out = buf.bytes_mut();
+    for (src, dst) in bytes
+        .chunks_exact(row_bytes)
+        .zip(out.chunks_exact_mut(row_bytes))
+    {
+        for g in 0..nb.div_ceil(GROUP) {
+            let gl = (nb - GROUP * g).min(GROUP);
+            let base = GROUP * g * BLOCK_BYTES;
+            for j in 0..gl {
+                let blk = &src[(GROUP * g + j) * BLOCK_BYTES..][..BLOCK_BYTES];
+                dst[base + j] = blk[0];
+                for c in 0..4 {
+                    let at = base + gl + c * 4 * gl + 4 * j;
+                    dst[at..at + 4].copy_from_slice(&blk[1 + 4 * c..5 + 4 * c]);
+                }
+            }
+        }
+    }
+    buf
+}
+
+/// Dequantizes one row of the [`interleave`]d layout into `out[..cols]`.
+pub(crate) fn dequantize_interleaved_row(row: &[u8], out: &mut [f32]) {
+    let nb = row.len() / BLOCK_BYTES;
+    for g in 0..nb.div_ceil(GROUP) {
+        let gl = (nb - GROUP * g).min(GROUP);
+        let base = GROUP * g * BLOCK_BYTES;
+        for j in 0..gl {
+            let d = half_scale(row[base + j]);
+            let o = &mut out[(GROUP * g + j) * BLOCK_LEN..][..BLOCK_LEN];
+            for c in 0..4 {
+                for t in 0..4 {
+                    let b = row[base + gl + c * 4 * gl + 4 * j + t];
+                    o[4 * c + t] = KVALUES[(b & 0x0f) as usize] as f32 * d;
+                    o[16 + 4 * c + t] = KVALUES[(b >> 4) as usize] as f32 * d;
+                }
+            }
+        }
+    }
+}
+
+/// The quantized activations of one matmul, each row padded to whole
+/// groups of 16 blocks: per row `stride` code bytes in [`super::act`]'s
+/// order as if the row's last group were whole (chunk `c` of a group at
+/// `64c`, zero codes in the missing lanes), and per block (`groups · 16`
+/// per row, zero past `nb`) the scale and the code sum. The zero lanes
+/// make a tail group's products `0 · (2^(e − 128) · 0) = +0` whatever
+/// weight bytes sit in them, so the kernels read every group whole.
+#[derive(Clone, Copy)]
+struct QAct {
+    q: *const i8,
+    d: *const f32,
+    sum: *const i32,
+    /// Code bytes per row (`groups · 512`).
+    stride: usize,
+    /// Blocks per row, and per row of `d` and `sum` (`groups · 16`).
+    nb: usize,
+    npad: usize,
+}
+// SAFETY: read only, while the scratch that owns the buffers is borrowed
+// by the matmul.
+unsafe impl Send for QAct {}
+unsafe impl Sync for QAct {}
+
+/// `out[i][r] = Σ_k x[i][k] · W[r][k]` with `x` quantized to 8 bits per
+/// 32-element block as ggml's Q8_0 ([`super::act`]: scale `amax / 127`,
+/// codes rounded to nearest even), for the [`interleave`]d `w`. Per
+/// block, the integer dot of the doubled codes with the activation codes
+/// (exact) is scaled by `(2^(e − 128) · d_x)` (one rounding) and added to
+/// partial sum `b mod 16` (one rounding); the 16 partial sums are added
+/// pairwise ([`reduce16`]). Every level follows that order, so every
+/// level gives the same bits, for every batch size and thread count.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_q8(
+    w: &ABuf,
+    rows: usize,
+    cols: usize,
+    level: SimdLevel,
+    pool: &ThreadPool,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let nb = cols / BLOCK_LEN;
+    let full = nb / GROUP;
+    let npad = nb.div_ceil(GROUP) * GROUP;
+    let stride = npad * BLOCK_LEN;
+    grow(&mut scratch.aq, m * stride);
+    grow(&mut scratch.ad, m * npad);
+    grow(&mut scratch.asum, m * npad);
+    grow(&mut scratch.ascaled, nb);
+    for i in 0..m {
+        let q = &mut scratch.aq[i * stride..(i + 1) * stride];
+        act::quantize_row(
+            level,
+            BLOCK_LEN,
+            &x[i * cols..(i + 1) * cols],
+            &mut q[..cols],
+            &mut scratch.ad[i * npad..i * npad + nb],
+            &mut scratch.asum[i * npad..i * npad + nb],
+            &mut scratch.ascaled[..nb],
+        );
+        // Spread a tail group's chunks (`4·gl` bytes apart) to whole-group
+        // places (64 apart), last first (each lands at or after where it
+        // was, past its predecessors), and zero what lies between.
+        let gl = nb - GROUP * full;
+        if gl > 0 {
+            let t = &mut q[full * GROUP * BLOCK_LEN..];
+            for c in (0..8).rev() {
+                t.copy_within(c * 4 * gl..(c + 1) * 4 * gl, c * 64);
+                t[c * 64 + 4 * gl..(c + 1) * 64].fill(0);
+            }
+            scratch.ad[i * npad + nb..(i + 1) * npad].fill(0.0);
+            scratch.asum[i * npad + nb..(i + 1) * npad].fill(0);
+        }
+    }
+    let a = QAct {
+        q: scratch.aq.as_ptr(),
+        d: scratch.ad.as_ptr(),
+        sum: scratch.asum.as_ptr(),
+        stride,
+        nb,
+        npad,
+    };
+    let row_bytes = nb * BLOCK_BYTES;
+    let wb = w.bytes();
+    let o = OutPtr(out.as_mut_ptr());
+    // One contiguous run of rows per thread: each streams its own part of
+    // the matrix front to back.
+    let threads = pool.threads().min(rows.div_ceil(4)).max(1);
+    let per = rows.div_ceil(threads);
+    pool.run(threads, &|t| {
+        let (o, a) = (&o, &a);
+        let (r0, r1) = (t * per, ((t + 1) * per).min(rows));
+        // SAFETY: the level was clamped to the CPU's by the caller; the
+        // activations were quantized above (whole groups, zero padded);
+        // the weights' buffer (`ABuf`) has a zero line past its end for
+        // the whole-group reads of the last row's tail; only this task
+        // writes the outputs of rows `r0..r1`.
+        unsafe { rows_q8(level, wb.as_ptr(), row_bytes, r0, r1, a, m, o.0, rows) };
+    });
+}
+
+/// The 16 partial sums of a row added pairwise: `s[j] + s[j + 8]`, then
+/// `+ 4`, `+ 2`, `+ 1` apart.
+#[inline]
+fn reduce16(s: &[f32; GROUP]) -> f32 {
+    let mut v = *s;
+    let mut h = GROUP / 2;
+    while h > 0 {
+        for j in 0..h {
+            v[j] += v[j + h];
+        }
+        h /= 2;
+    }
+    v[0]
+}
+
+/// Output rows `r0..r1` of all `m` activation rows at `level`.
+///
+/// # Safety
+/// As [`matmul_q8`] sets up: `a` holds `m` quantized rows, `wb` rows
+/// `r0..r1` of `row_bytes` each (padded past the end), `out` `m × rows`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_q8(
+    level: SimdLevel,
+    wb: *const u8,
+    row_bytes: usize,
+    r0: usize,
+    r1: usize,
+    a: &QAct,
+    m: usize,
+    out: *mut f32,
+    rows: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if level.has_avx512() {
+            return x86::rows_q8_512(wb, row_bytes, r0, r1, a, m, out, rows);
+        }
+        if level >= SimdLevel::Avx2 {
+            return x86::rows_q8_256(wb, row_bytes, r0, r1, a, m, out, rows);
+        }
+    }
+    let _ = level;
+    for r in r0..r1 {
+        let row = std::slice::from_raw_parts(wb.add(r * row_bytes), row_bytes);
+        for i in 0..m {
+            *out.add(i * rows + r) = row_q8_scalar(row, a, i);
+        }
+    }
+}
+
+/// The reference path: one weight row against activation row `i`, one
+/// block at a time.
+unsafe fn row_q8_scalar(row: &[u8], a: &QAct, i: usize) -> f32 {
+    let nb = a.nb;
+    let mut s = [0f32; GROUP];
+    for g in 0..nb.div_ceil(GROUP) {
+        let gl = (nb - GROUP * g).min(GROUP);
+        let base = GROUP * g * BLOCK_BYTES;
+        let xq = a.q.add(i * a.stride + GROUP * g * BLOCK_LEN);
+        for j in 0..gl {
+            let mut dot = 0i32;
+            for c in 0..4 {
+                for t in 0..4 {
+                    let b = row[base + gl + c * 4 * gl + 4 * j + t];
+                    let lo = *xq.add(c * 64 + 4 * j + t) as i32;
+                    let hi = *xq.add((c + 4) * 64 + 4 * j + t) as i32;
+                    dot += KVALUES[(b & 0x0f) as usize] as i32 * lo
+                        + KVALUES[(b >> 4) as usize] as i32 * hi;
+                }
+            }
+            let blk = i * a.npad + GROUP * g + j;
+            s[j] += dot as f32 * (half_scale(row[base + j]) * *a.d.add(blk));
+        }
+    }
+    reduce16(&s)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{half_scale, BLOCK_BYTES, BLOCK_LEN, KVALUES, M_TILE};
+    use super::{half_scale, QAct, BLOCK_BYTES, BLOCK_LEN, GROUP, KVALUES, KVALUES_U, M_TILE};
     use std::arch::x86_64::*;
 
     /// The 16 doubled codes as bytes, for `pshufb`.
@@ -303,6 +569,265 @@ mod x86 {
             *a = _mm_cvtss_f32(h);
         }
     }
+    // --- Q8 activations ---------------------------------------------------
+
+    /// `2^(e − 128)` of 16 exponents, exactly as [`half_scale`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+    #[inline]
+    unsafe fn half_scales512(e: __m512i) -> __m512 {
+        let normal = _mm512_slli_epi32::<23>(_mm512_sub_epi32(e, _mm512_set1_epi32(1)));
+        let sub = _mm512_sllv_epi32(_mm512_set1_epi32(0x0020_0000), e);
+        let small = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+        _mm512_castsi512_ps(_mm512_mask_blend_epi32(small, normal, sub))
+    }
+
+    /// [`super::rows_q8`] with AVX-512 VNNI, a group of 16 blocks per
+    /// step, every group read whole (see [`QAct`]; masked loads stalled
+    /// for tens of cycles each on Zen 4).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_q8_512(
+        wb: *const u8,
+        row_bytes: usize,
+        r0: usize,
+        r1: usize,
+        a: &QAct,
+        m: usize,
+        out: *mut f32,
+        rows: usize,
+    ) {
+        for r in r0..r1 {
+            let rp = wb.add(r * row_bytes);
+            prefetch_ahead(rp, row_bytes);
+            let mut i0 = 0;
+            while i0 < m {
+                let mt = (m - i0).min(M_TILE);
+                match mt {
+                    1 => tile512::<1>(rp, a, i0, out, rows, r),
+                    2 => tile512::<2>(rp, a, i0, out, rows, r),
+                    3 => tile512::<3>(rp, a, i0, out, rows, r),
+                    _ => tile512::<M_TILE>(rp, a, i0, out, rows, r),
+                }
+                i0 += mt;
+            }
+        }
+    }
+
+    /// Bytes ahead of the row being read that [`prefetch_ahead`] asks for.
+    const PREFETCH: usize = 1024;
+
+    /// Prefetches the lines [`PREFETCH`] bytes past those of the row at
+    /// `rp`: each thread streams its rows front to back, and the stream of
+    /// every expert matrix starts cold. (A prefetch past the matrix's end
+    /// cannot fault.)
+    #[inline(always)]
+    unsafe fn prefetch_ahead(rp: *const u8, row_bytes: usize) {
+        let mut off = 0;
+        while off < row_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(rp.wrapping_add(PREFETCH + off) as *const i8);
+            off += 64;
+        }
+    }
+
+    /// One weight row against activation rows `i0..i0 + MT`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn tile512<const MT: usize>(
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        out: *mut f32,
+        rows: usize,
+        r: usize,
+    ) {
+        let nb = a.nb;
+        let mut s = [_mm512_setzero_ps(); MT];
+        let full = nb / GROUP;
+        for g in 0..full {
+            group512::<MT>(rp, a, i0, g, GROUP, &mut s);
+        }
+        if nb > GROUP * full {
+            group512::<MT>(rp, a, i0, full, nb - GROUP * full, &mut s);
+        }
+        for (i, si) in s.iter().enumerate() {
+            *out.add((i0 + i) * rows + r) = hsum16(*si);
+        }
+    }
+
+    /// [`super::reduce16`] in registers: the same additions.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+    #[inline]
+    unsafe fn hsum16(v: __m512) -> f32 {
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+        hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi))
+    }
+
+    /// The last three steps of [`super::reduce16`] on `s[j] + s[j + 8]`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn hsum8(v: __m256) -> f32 {
+        let v4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+        _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps::<1>(v2, v2)))
+    }
+
+    /// Group `g` (`gl` blocks) of one weight row into the partial sums
+    /// `s`: 16 lanes read whole, those past `gl` meeting zero activations.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
+    #[inline]
+    unsafe fn group512<const MT: usize>(
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        g: usize,
+        gl: usize,
+        s: &mut [__m512; MT],
+    ) {
+        let lut = _mm512_broadcast_i32x4(_mm_loadu_si128(KVALUES_U.as_ptr() as *const __m128i));
+        let m4 = _mm512_set1_epi8(0x0f);
+        let twelve = _mm512_set1_epi32(12);
+        let wg = rp.add(GROUP * g * BLOCK_BYTES);
+        let hs = half_scales512(_mm512_cvtepu8_epi32(_mm_loadu_si128(wg as *const __m128i)));
+        let mut u = [_mm512_setzero_si512(); 8];
+        for c in 0..4 {
+            let q = _mm512_loadu_si512(wg.add(gl + c * 4 * gl) as *const __m512i);
+            u[c] = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
+            u[c + 4] = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(q), m4));
+        }
+        for (i, si) in s.iter_mut().enumerate() {
+            let r = i0 + i;
+            let xg = a.q.add(r * a.stride + GROUP * g * BLOCK_LEN);
+            let x = |c: usize| _mm512_loadu_si512(xg.add(64 * c) as *const __m512i);
+            let mut d0 = _mm512_setzero_si512();
+            let mut d1 = _mm512_setzero_si512();
+            for c in 0..4 {
+                d0 = _mm512_dpbusd_epi32(d0, u[c], x(c));
+                d1 = _mm512_dpbusd_epi32(d1, u[c + 4], x(c + 4));
+            }
+            let blk = r * a.npad + GROUP * g;
+            let sum = _mm512_loadu_si512(a.sum.add(blk) as *const __m512i);
+            let d = _mm512_loadu_ps(a.d.add(blk));
+            let dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_mullo_epi32(sum, twelve));
+            *si = _mm512_add_ps(
+                *si,
+                _mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(hs, d)),
+            );
+        }
+    }
+
+    /// `2^(e − 128)` of 8 exponents, exactly as [`half_scale`].
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn half_scales256(e: __m256i) -> __m256 {
+        let normal = _mm256_slli_epi32::<23>(_mm256_sub_epi32(e, _mm256_set1_epi32(1)));
+        let sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+        let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, small))
+    }
+
+    /// [`super::rows_q8`] with AVX2: a group as two halves of 8 blocks,
+    /// read whole like [`rows_q8_512`].
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn rows_q8_256(
+        wb: *const u8,
+        row_bytes: usize,
+        r0: usize,
+        r1: usize,
+        a: &QAct,
+        m: usize,
+        out: *mut f32,
+        rows: usize,
+    ) {
+        for r in r0..r1 {
+            let rp = wb.add(r * row_bytes);
+            prefetch_ahead(rp, row_bytes);
+            let mut i0 = 0;
+            while i0 < m {
+                let mt = (m - i0).min(M_TILE);
+                match mt {
+                    1 => tile256::<1>(rp, a, i0, out, rows, r),
+                    2 => tile256::<2>(rp, a, i0, out, rows, r),
+                    3 => tile256::<3>(rp, a, i0, out, rows, r),
+                    _ => tile256::<M_TILE>(rp, a, i0, out, rows, r),
+                }
+                i0 += mt;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile256<const MT: usize>(
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        out: *mut f32,
+        rows: usize,
+        r: usize,
+    ) {
+        let nb = a.nb;
+        let mut s = [[_mm256_setzero_ps(); 2]; MT];
+        for g in 0..nb.div_ceil(GROUP) {
+            let gl = (nb - GROUP * g).min(GROUP);
+            group256::<MT>(rp, a, i0, g, gl, &mut s);
+        }
+        for (i, si) in s.iter().enumerate() {
+            *out.add((i0 + i) * rows + r) = hsum8(_mm256_add_ps(si[0], si[1]));
+        }
+    }
+
+    /// Group `g` (`gl` blocks) of one weight row: lanes `8h..8h + 8` in
+    /// `s[i][h]`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn group256<const MT: usize>(
+        rp: *const u8,
+        a: &QAct,
+        i0: usize,
+        g: usize,
+        gl: usize,
+        s: &mut [[__m256; 2]; MT],
+    ) {
+        let lut =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_U.as_ptr() as *const __m128i));
+        let m4 = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let twelve = _mm256_set1_epi32(12);
+        let wg = rp.add(GROUP * g * BLOCK_BYTES);
+        for h in 0..2 {
+            let ex = _mm256_cvtepu8_epi32(_mm_loadl_epi64(wg.add(8 * h) as *const __m128i));
+            let hs = half_scales256(ex);
+            let mut u = [_mm256_setzero_si256(); 8];
+            for c in 0..4 {
+                let q = _mm256_loadu_si256(wg.add(gl + c * 4 * gl + 32 * h) as *const __m256i);
+                u[c] = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
+                u[c + 4] =
+                    _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4));
+            }
+            for (i, si) in s.iter_mut().enumerate() {
+                let r = i0 + i;
+                let xg = a.q.add(r * a.stride + GROUP * g * BLOCK_LEN + 32 * h);
+                let x = |c: usize| _mm256_loadu_si256(xg.add(64 * c) as *const __m256i);
+                // Pair sums are at most 2 · 24 · 127, four of them fit i16.
+                let p = |c: usize| _mm256_maddubs_epi16(u[c], x(c));
+                let lo =
+                    _mm256_add_epi16(_mm256_add_epi16(p(0), p(1)), _mm256_add_epi16(p(2), p(3)));
+                let hi =
+                    _mm256_add_epi16(_mm256_add_epi16(p(4), p(5)), _mm256_add_epi16(p(6), p(7)));
+                let dot =
+                    _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones));
+                let blk = r * a.npad + GROUP * g + 8 * h;
+                let sum = _mm256_loadu_si256(a.sum.add(blk) as *const __m256i);
+                let dot = _mm256_sub_epi32(dot, _mm256_mullo_epi32(sum, twelve));
+                let d = _mm256_loadu_ps(a.d.add(blk));
+                si[h] = _mm256_add_ps(
+                    si[h],
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(hs, d)),
+                );
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -400,7 +925,7 @@ mod tests {
             let bytes = random_blocks(&mut rng, rows, cols);
             let x: Vec<f32> = (0..m * cols).map(|_| rng.f() as f32).collect();
             let want = reference(&bytes, rows, cols, &x, m);
-            let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+            let w = Weight::from_mxfp4_f32_act(rows, cols, &bytes).expect("weight");
             assert_eq!(w.size_bytes(), rows * cols / 32 * 17);
             for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
                 let mut out = vec![f32::NAN; m * rows];
@@ -437,7 +962,7 @@ mod tests {
         let (rows, cols, m) = (23, 2912, 9);
         let bytes = random_blocks(&mut rng, rows, cols);
         let x: Vec<f32> = (0..m * cols).map(|_| rng.f() as f32).collect();
-        let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+        let w = Weight::from_mxfp4_f32_act(rows, cols, &bytes).expect("weight");
         for level in [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512Vnni] {
             let mut all = vec![f32::NAN; m * rows];
             w.matmul_at(level, &pool, &x, m, &mut all, &mut MatmulScratch::default());
@@ -472,7 +997,7 @@ mod tests {
         let mut rng = Rng(42);
         let (rows, cols) = (3, 64);
         let bytes = random_blocks(&mut rng, rows, cols);
-        let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+        let w = Weight::from_mxfp4_f32_act(rows, cols, &bytes).expect("weight");
         let mut out = vec![0f32; cols];
         for r in 0..rows {
             w.dequantize_row(r, &mut out);
@@ -482,6 +1007,25 @@ mod tests {
                 x[k] = 1.0;
                 let want = reference(&bytes, rows, cols, &x, 1)[r];
                 assert_eq!(v as f64, want, "row {r} col {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn interleaved_rows_dequantize_to_the_ggml_rows() {
+        let mut rng = Rng(43);
+        // One block, a short tail, a whole group, a group and a tail.
+        for cols in [32, 96, 512, 768] {
+            let rows = 3;
+            let bytes = random_blocks(&mut rng, rows, cols);
+            let q8 = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).expect("weight");
+            let f = Weight::from_mxfp4_f32_act(rows, cols, &bytes).expect("weight");
+            assert_eq!(q8.size_bytes(), f.size_bytes());
+            let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                q8.dequantize_row(r, &mut a);
+                f.dequantize_row(r, &mut b);
+                assert_eq!(a, b, "cols {cols} row {r}");
             }
         }
     }

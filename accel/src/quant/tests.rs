@@ -191,8 +191,7 @@ fn ref_act(x: &[f32], l: usize) -> Vec<f64> {
 fn lane_len_of(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q6_K => 16,
-        // MXFP4 multiplies f32 activations (no activation quantization).
-        t if t.is_float() || t == GgmlType::MXFP4 => 1,
+        t if t.is_float() => 1,
         _ => 32,
     }
 }
@@ -302,7 +301,8 @@ fn matmul_every_type_level_and_shape() {
     }
 }
 
-/// MXFP4 against the naive reference at every level, shape and batch of
+/// MXFP4 (from GGUF bytes: 8-bit activations, as llama.cpp) against the
+/// naive f64 references at every level, shape and batch of
 /// [`matmul_every_type_level_and_shape`] (rows 1..130, batches 1..17, 1 to
 /// 32 blocks per row), plus its resident size: 17 bytes per 32 values.
 #[test]
@@ -1305,4 +1305,199 @@ fn stacked_affine_parts_compute_what_the_parts_compute() {
         HostMatrix::concat_rows(&[parts[0].clone(), other]),
         Err(WeightError::ConcatAffineMismatch { index: 1 })
     ));
+}
+
+/// The doubled e2m1 value of a 4-bit code from the OCP definition (sign bit
+/// 3, exponent bits 1..3 with bias 1, subnormal at 0, mantissa bit 0),
+/// times 2: an integer in `{0, ±1, ±2, ±3, ±4, ±6, ±8, ±12}`.
+fn e2m1_doubled(c: u8) -> i64 {
+    let (ex, man) = ((c >> 1) & 3, (c & 1) as i64);
+    let twice = if ex == 0 { man } else { (2 + man) << (ex - 1) };
+    if c & 8 != 0 {
+        -twice
+    } else {
+        twice
+    }
+}
+
+/// The MXFP4 × Q8 product as its definition states it, in the float order
+/// the kernels promise, written from scratch: each 32-element block of an
+/// activation row quantized as ggml's Q8_0 (as `act.rs` does: scale
+/// `amax / 127`, codes `round_ties_even(x · 127 / amax)` clamped to ±127),
+/// the block's integer dot of doubled weight codes and activation codes
+/// (exact, in i64), times `(2^(e − 128) · d)` rounded to f32, added to
+/// partial sum `b mod 16`; the partial sums added pairwise, 8, 4, 2 and 1
+/// apart.
+fn mxfp4_q8_reference(bytes: &[u8], rows: usize, cols: usize, x: &[f32], m: usize) -> Vec<f32> {
+    let nb = cols / 32;
+    let mut out = vec![0f32; m * rows];
+    for i in 0..m {
+        let mut codes = vec![0i64; cols];
+        let mut scales = vec![0f32; nb];
+        for b in 0..nb {
+            let xb = &x[i * cols + 32 * b..][..32];
+            let amax = xb.iter().map(|v| v.abs()).fold(0f32, f32::max);
+            scales[b] = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            for (k, &v) in xb.iter().enumerate() {
+                codes[32 * b + k] = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i64;
+            }
+        }
+        for r in 0..rows {
+            let mut part = [0f32; 16];
+            for b in 0..nb {
+                let blk = &bytes[(r * nb + b) * 17..][..17];
+                let mut dot = 0i64;
+                for k in 0..32 {
+                    let code = if k < 16 {
+                        blk[1 + k] & 15
+                    } else {
+                        blk[1 + k - 16] >> 4
+                    };
+                    dot += e2m1_doubled(code) * codes[32 * b + k];
+                }
+                let half = 2f64.powi(blk[0] as i32 - 128) as f32;
+                part[b % 16] += dot as f32 * (half * scales[b]);
+            }
+            for h in [8, 4, 2, 1] {
+                for j in 0..h {
+                    part[j] += part[j + h];
+                }
+            }
+            out[i * rows + r] = part[0];
+        }
+    }
+    out
+}
+
+/// The MXFP4 × Q8 kernels give the bits of [`mxfp4_q8_reference`] at every
+/// level, for every batch size 1..=16 (taken from any offset of a larger
+/// batch), row count (whole and ragged 4-row tiles, one or three threads)
+/// and width (one block, a short tail group, whole groups, groups and a
+/// tail: 1, 3, 16, 24 and 90 blocks), including scales at the subnormal
+/// ends (`e` 0 and 1) and activations with zero and single-value blocks.
+#[test]
+fn mxfp4_q8_kernels_are_bitwise_the_reference() {
+    let mut rng = StdRng::seed_from_u64(4401);
+    let pools = [ThreadPool::new(1), ThreadPool::new(3)];
+    for (k, &(rows, cols)) in [(1usize, 32usize), (5, 96), (9, 512), (7, 768), (13, 2880)]
+        .iter()
+        .enumerate()
+    {
+        let mut bytes = random_bytes(&mut rng, GgmlType::MXFP4, rows, cols);
+        // Exponents at both ends in the first row: 0 and 1 (subnormal half
+        // scales), 254 and 255 stay finite against small activations.
+        for (b, blk) in bytes.chunks_exact_mut(17).take(cols / 32).enumerate() {
+            blk[0] = [0u8, 1, 2, 126, 127, 128][b % 6];
+        }
+        let m = 16;
+        let mut x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+        // A zero block and a block of one repeated value (ties in rounding).
+        x[..32].fill(0.0);
+        if cols >= 64 {
+            x[cols + 32..cols + 64].fill(-0.75);
+        }
+        let want = mxfp4_q8_reference(&bytes, rows, cols, &x, m);
+        let w = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).unwrap();
+        let mut scratch = MatmulScratch::default();
+        for level in levels() {
+            let pool = &pools[k % 2];
+            for n in 1..=m {
+                for i0 in [0, m - n] {
+                    let mut out = vec![f32::NAN; n * rows];
+                    let xs = &x[i0 * cols..(i0 + n) * cols];
+                    w.matmul_at(level, pool, xs, n, &mut out, &mut scratch);
+                    for (j, &g) in out.iter().enumerate() {
+                        let r = want[i0 * rows + j];
+                        assert_eq!(
+                            g.to_bits(),
+                            r.to_bits(),
+                            "{level:?} rows {rows} cols {cols}: batch of {n} from {i0}, out {j}: {g} vs {r}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A kernel that broke would fail [`mxfp4_q8_kernels_are_bitwise_the_reference`]:
+/// the reference tells apart a weight code one step off, and the product
+/// with f32 activations (the exact path) from the Q8 one.
+#[test]
+fn mxfp4_q8_reference_tells_a_changed_code_and_exact_activations_apart() {
+    let mut rng = StdRng::seed_from_u64(4402);
+    let (rows, cols, m) = (3, 96, 2);
+    let bytes = random_bytes(&mut rng, GgmlType::MXFP4, rows, cols);
+    let x: Vec<f32> = (0..m * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+    let want = mxfp4_q8_reference(&bytes, rows, cols, &x, m);
+    let mut changed = bytes.clone();
+    changed[17 + 5] ^= 0x01;
+    let moved = mxfp4_q8_reference(&changed, rows, cols, &x, m);
+    assert_ne!(want, moved);
+    let exact = Weight::from_mxfp4_f32_act(rows, cols, &bytes).unwrap();
+    let mut out = vec![0f32; m * rows];
+    exact.matmul(
+        &ThreadPool::new(1),
+        &x,
+        m,
+        &mut out,
+        &mut MatmulScratch::default(),
+    );
+    assert_ne!(out, want);
+    let q8 = Weight::from_raw(GgmlType::MXFP4, rows, cols, &bytes).unwrap();
+    q8.matmul(
+        &ThreadPool::new(1),
+        &x,
+        m,
+        &mut out,
+        &mut MatmulScratch::default(),
+    );
+    assert_eq!(out, want);
+}
+
+/// Through the CPU backend's grouped expert product (what the MoE layers
+/// run), an MXFP4 expert's rows give the same bits as the expert's own
+/// matmul of those rows alone, whatever the other experts' rows.
+#[test]
+fn mxfp4_grouped_experts_match_each_expert_alone() {
+    use crate::backend::Backend;
+    let mut rng = StdRng::seed_from_u64(4403);
+    let (rows, cols, experts) = (40usize, 768usize, 3usize);
+    let mut be =
+        crate::backend::CpuBackend::new(crate::CpuContext::new(2), crate::cpu::simd_level());
+    let mut mats = Vec::new();
+    let mut raw = Vec::new();
+    for _ in 0..experts {
+        let bytes = random_bytes(&mut rng, GgmlType::MXFP4, rows, cols);
+        mats.push(
+            be.upload_matrix(&HostMatrix::new(GgmlType::MXFP4, rows, cols, &bytes[..]).unwrap())
+                .unwrap(),
+        );
+        raw.push(bytes);
+    }
+    // Expert 0 gets 5 rows, expert 1 none, expert 2 gets 2.
+    let counts = [5usize, 0, 2];
+    let total: usize = counts.iter().sum();
+    let x: Vec<f32> = (0..total * cols)
+        .map(|_| rng.random_range(-2.0..2.0))
+        .collect();
+    let mut offsets = vec![0usize];
+    for c in counts {
+        offsets.push(offsets.last().unwrap() + c);
+    }
+    let mut routes = crate::ops::Routing::default();
+    routes.offsets = offsets.clone();
+    let mut out = vec![f32::NAN; total * rows];
+    be.grouped_matmul(&mats, &x, &routes, &mut out);
+    for e in 0..experts {
+        let (r0, r1) = (offsets[e], offsets[e + 1]);
+        if r0 == r1 {
+            continue;
+        }
+        let want = mxfp4_q8_reference(&raw[e], rows, cols, &x[r0 * cols..r1 * cols], r1 - r0);
+        for (j, (&g, &r)) in out[r0 * rows..r1 * rows].iter().zip(&want).enumerate() {
+            assert_eq!(g.to_bits(), r.to_bits(), "expert {e} out {j}");
+        }
+    }
 }

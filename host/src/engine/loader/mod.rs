@@ -78,6 +78,13 @@ pub trait WeightSource {
         let _ = (name, n, rows, cols);
         Ok(None)
     }
+    /// Whether [`WeightSource::mxfp4_stack`]'s matrices multiply f32
+    /// activations (Hugging Face checkpoints, whose reference is the
+    /// decoded model) rather than 8-bit ones (GGUF files, as llama.cpp);
+    /// see `pagoda_accel::quant::mxfp4`.
+    fn mxfp4_f32_activations(&self) -> bool {
+        false
+    }
     /// Whether the source holds a tensor called `name`.
     fn contains(&self, name: &str) -> bool;
     /// Where the weights come from, for error messages.

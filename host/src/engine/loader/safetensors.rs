@@ -381,6 +381,10 @@ impl WeightSource for SafetensorsSource {
         to_f32(path, name, t.dtype(), t.data())
     }
 
+    fn mxfp4_f32_activations(&self) -> bool {
+        true
+    }
+
     fn mxfp4_stack(
         &self,
         name: &str,

@@ -14,7 +14,9 @@
 //! ggml's block layout at load, whatever `--dtype` says), and so do GGUF
 //! files whose experts are ggml's MXFP4 (`llama-quantize … MXFP4_MOE`,
 //! already in that layout); backends without an MXFP4 kernel (CUDA)
-//! refuse them at upload.
+//! refuse them at upload. Each format's experts multiply the activations
+//! as its reference does: a checkpoint's in f32 (transformers, the decoded
+//! model), a GGUF file's quantized to 8 bits per 32 (llama.cpp's Q8_0).
 
 use super::layers::attention::AttentionParts;
 use super::layers::decoder::{DecoderLayer, DecoderStack, FeedForward};

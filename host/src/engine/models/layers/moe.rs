@@ -214,6 +214,9 @@ impl<B: Backend> SparseMoe<B> {
             // are taken apart.
             (Some(gu), Some(dn)) => {
                 let ty = pagoda_accel::GgmlType::MXFP4;
+                // Hugging Face's MXFP4 keeps f32 activations, GGUF's are
+                // 8-bit as in llama.cpp (see `pagoda_accel::quant::mxfp4`).
+                let f32_act = source.mxfp4_f32_activations();
                 let (gu_row, dn_mat) = (ty.row_bytes(d)?, d * ty.row_bytes(f)?);
                 let mut gate_up = Vec::with_capacity(e);
                 let mut rows = vec![0u8; 2 * f * gu_row];
@@ -224,18 +227,17 @@ impl<B: Backend> SparseMoe<B> {
                         rows[(f + j) * gu_row..(f + j + 1) * gu_row]
                             .copy_from_slice(src(2 * j + 1));
                     }
-                    gate_up.push(backend.upload_matrix(&HostMatrix::new(
-                        ty,
-                        2 * f,
-                        d,
-                        &rows[..],
-                    )?)?);
+                    gate_up.push(backend.upload_matrix(
+                        &HostMatrix::new(ty, 2 * f, d, &rows[..])?.with_f32_activations(f32_act),
+                    )?);
                 }
                 let down = dn
                     .chunks_exact(dn_mat)
                     .map(|w| {
                         backend
-                            .upload_matrix(&HostMatrix::new(ty, d, f, w)?)
+                            .upload_matrix(
+                                &HostMatrix::new(ty, d, f, w)?.with_f32_activations(f32_act),
+                            )
                             .map_err(Into::into)
                     })
                     .collect::<Result<Vec<_>>>()?;
