@@ -7,6 +7,8 @@
 //! step, its K and V are read from the step's own rows and nothing is kept
 //! after it. Every function here has a naive reference in the tests below.
 
+use super::simd::{check_level, dispatch, Kernel, Simd};
+use crate::cpu::{simd_level, SimdLevel};
 use crate::ThreadPool;
 
 /// An element-wise activation ([`crate::Backend::activation`]).
@@ -101,7 +103,16 @@ pub struct EncoderSeq {
 /// sequence in `k` and `v` (`[tokens, n_kv_heads · head_dim]`; query head
 /// `h` reads key head `h / (n_heads / n_kv_heads)`), scores scaled by
 /// `scale`, into `out` (`[tokens, n_heads · head_dim]`). Rows outside every
-/// sequence are left alone. Spread over `pool` by rows.
+/// sequence are left alone. Spread over `pool` by (sequence, head).
+///
+/// Each task copies its head's keys transposed (`[head_dim][len]`) and its
+/// values (`[len][head_dim]`), both zero-padded to whole vectors, then runs
+/// tiles of up to 4 query rows as two small matrix products with the SIMD
+/// lanes along keys (`Q·Kᵀ`: a broadcast q element against a vector of
+/// keys) and along the head dimension (`P·V`), the softmax between them
+/// lane-wise. Padded keys get a score of `-inf`, so their weight is exactly
+/// 0. A row's result is a function of its q row and its sequence's k and v
+/// alone (not of the tile, the other sequences or the thread count).
 ///
 /// # Panics
 /// If the shapes disagree or a sequence lies past the buffers.
@@ -118,10 +129,43 @@ pub fn bidirectional_attention(
     scale: f32,
     out: &mut [f32],
 ) {
+    bidirectional_attention_at(
+        simd_level(),
+        pool,
+        q,
+        k,
+        v,
+        n_heads,
+        n_kv_heads,
+        head_dim,
+        seqs,
+        scale,
+        out,
+    )
+}
+
+/// [`bidirectional_attention`] at an explicit SIMD level (tests cover
+/// every level).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bidirectional_attention_at(
+    level: SimdLevel,
+    pool: &ThreadPool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    seqs: &[EncoderSeq],
+    scale: f32,
+    out: &mut [f32],
+) {
+    check_level(level);
     assert!(
         n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads),
         "bidirectional_attention: {n_heads} query heads over {n_kv_heads} key heads"
     );
+    assert!(head_dim > 0, "bidirectional_attention: head_dim is 0");
     let (qw, kw) = (n_heads * head_dim, n_kv_heads * head_dim);
     let tokens = seqs.iter().map(|s| s.start + s.len).max().unwrap_or(0);
     assert!(
@@ -132,59 +176,216 @@ pub fn bidirectional_attention(
         "bidirectional_attention: buffers shorter than the step's {tokens} rows"
     );
     let group = n_heads / n_kv_heads;
-    // One task per (sequence, query row): rows are independent.
-    let mut rows: Vec<(usize, EncoderSeq)> = Vec::new();
-    for s in seqs {
-        for r in s.start..s.start + s.len {
-            rows.push((r, *s));
-        }
-    }
+    let work: Vec<(EncoderSeq, usize)> = seqs
+        .iter()
+        .filter(|s| s.len > 0)
+        .flat_map(|s| (0..n_heads).map(move |h| (*s, h)))
+        .collect();
     struct Out(*mut f32);
-    // SAFETY: each task writes only its own row of `out`.
+    // SAFETY: each task writes only the head columns of its own sequence's
+    // rows, and no two tasks share a (sequence, head).
     unsafe impl Sync for Out {}
     let o = Out(out.as_mut_ptr());
-    let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
     let task = |i0: usize, i1: usize| {
         let o = &o;
-        let mut scores = vec![0.0f32; max_len];
-        let mut acc = vec![0.0f32; head_dim];
-        for &(r, EncoderSeq { start: s0, len }) in &rows[i0..i1] {
-            // SAFETY: row r is in bounds (checked above) and only this
-            // task writes it.
-            let orow = unsafe { std::slice::from_raw_parts_mut(o.0.add(r * qw), qw) };
-            for h in 0..n_heads {
-                let kh = h / group;
-                let qh = &q[r * qw + h * head_dim..r * qw + (h + 1) * head_dim];
-                let mut max = f32::NEG_INFINITY;
-                for (j, sc) in scores[..len].iter_mut().enumerate() {
-                    let kr = &k[(s0 + j) * kw + kh * head_dim..(s0 + j) * kw + (kh + 1) * head_dim];
-                    let dot: f32 = qh.iter().zip(kr).map(|(a, b)| a * b).sum();
-                    *sc = dot * scale;
-                    max = max.max(*sc);
-                }
-                let mut sum = 0.0f32;
-                for sc in &mut scores[..len] {
-                    *sc = (*sc - max).exp();
-                    sum += *sc;
-                }
-                acc.fill(0.0);
-                for (j, &p) in scores[..len].iter().enumerate() {
-                    let vr = &v[(s0 + j) * kw + kh * head_dim..(s0 + j) * kw + (kh + 1) * head_dim];
-                    for (a, &x) in acc.iter_mut().zip(vr) {
-                        *a += p * x;
-                    }
-                }
-                let inv = 1.0 / sum;
-                for (d, &a) in orow[h * head_dim..(h + 1) * head_dim].iter_mut().zip(&acc) {
-                    *d = a * inv;
-                }
-            }
+        let mut scratch = Vec::new();
+        for &(seq, h) in &work[i0..i1] {
+            let head = HeadAttention {
+                q,
+                k,
+                v,
+                qw,
+                kw,
+                head_dim,
+                h,
+                kh: h / group,
+                seq,
+                scale,
+                out: o.0,
+                scratch: &mut scratch,
+            };
+            // SAFETY: `check_level` confirmed the level; the bounds were
+            // checked above and the task owns its output columns.
+            unsafe { dispatch(level, head) }
         }
     };
-    if rows.len() < 16 || pool.threads() == 1 {
-        task(0, rows.len());
+    if work.len() < 2 || pool.threads() == 1 {
+        task(0, work.len());
     } else {
-        pool.run_ranges(rows.len(), 4, &task);
+        pool.run_ranges(work.len(), 1, &task);
+    }
+}
+
+/// Query rows per tile of [`HeadAttention`].
+const ATT_ROWS: usize = 4;
+/// Vectors per register tile (of keys in `Q·Kᵀ`, of the head dimension in
+/// `P·V`).
+const ATT_VECS: usize = 4;
+
+/// One (sequence, head) of [`bidirectional_attention`].
+struct HeadAttention<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    qw: usize,
+    kw: usize,
+    head_dim: usize,
+    h: usize,
+    kh: usize,
+    seq: EncoderSeq,
+    scale: f32,
+    out: *mut f32,
+    scratch: &'a mut Vec<f32>,
+}
+
+impl Kernel for HeadAttention<'_> {
+    type Output = ();
+
+    #[inline(always)]
+    unsafe fn run<S: Simd>(self) {
+        let l = S::LANES;
+        let step = l * ATT_VECS;
+        let (hd, len, s0) = (self.head_dim, self.seq.len, self.seq.start);
+        // Keys padded to whole register tiles, the head dimension too.
+        let lp = len.div_ceil(step) * step;
+        let hp = hd.div_ceil(step) * step;
+        let need = hd * lp + len * hp + ATT_ROWS * lp;
+        let mut buf = std::mem::take(&mut *self.scratch);
+        if buf.len() < need {
+            buf.resize(need, 0.0);
+        }
+        let (kt, rest) = buf.split_at_mut(hd * lp);
+        let (vp, sc) = rest.split_at_mut(len * hp);
+        let sc = &mut sc[..ATT_ROWS * lp];
+        kt.fill(0.0);
+        vp.fill(0.0);
+        let kc = self.kh * hd;
+        for j in 0..len {
+            let kr = &self.k[(s0 + j) * self.kw + kc..(s0 + j) * self.kw + kc + hd];
+            for (d, &x) in kr.iter().enumerate() {
+                kt[d * lp + j] = x;
+            }
+            vp[j * hp..j * hp + hd]
+                .copy_from_slice(&self.v[(s0 + j) * self.kw + kc..(s0 + j) * self.kw + kc + hd]);
+        }
+        let mut r = 0;
+        while r < len {
+            let rows = (len - r).min(ATT_ROWS);
+            // SAFETY: the tile's rows lie in the sequence; every pointer
+            // below stays inside kt, vp, sc, q and the task's out columns.
+            unsafe {
+                match rows {
+                    4 => self.tile::<S, 4>(r, kt, vp, sc, lp, hp),
+                    3 => self.tile::<S, 3>(r, kt, vp, sc, lp, hp),
+                    2 => self.tile::<S, 2>(r, kt, vp, sc, lp, hp),
+                    _ => self.tile::<S, 1>(r, kt, vp, sc, lp, hp),
+                }
+            }
+            r += rows;
+        }
+        *self.scratch = buf;
+    }
+}
+
+impl HeadAttention<'_> {
+    /// Rows `r0..r0 + R` of the sequence.
+    #[inline(always)]
+    unsafe fn tile<S: Simd, const R: usize>(
+        &self,
+        r0: usize,
+        kt: &[f32],
+        vp: &[f32],
+        sc: &mut [f32],
+        lp: usize,
+        hp: usize,
+    ) {
+        let l = S::LANES;
+        let (hd, len, s0) = (self.head_dim, self.seq.len, self.seq.start);
+        let qc = self.h * hd;
+        let qrow: [*const f32; R] =
+            std::array::from_fn(|i| self.q[(s0 + r0 + i) * self.qw + qc..].as_ptr());
+        unsafe {
+            // Scores: sc[i][j] = scale · q_i · k_j.
+            let mut j = 0;
+            while j < lp {
+                let mut acc = [[S::zero(); ATT_VECS]; R];
+                for d in 0..hd {
+                    let kp = kt.as_ptr().add(d * lp + j);
+                    let mut kv = [S::zero(); ATT_VECS];
+                    for (c, x) in kv.iter_mut().enumerate() {
+                        *x = S::load(kp.add(c * l));
+                    }
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let qb = S::splat(*qrow[i].add(d));
+                        for c in 0..ATT_VECS {
+                            a[c] = S::fma(qb, kv[c], a[c]);
+                        }
+                    }
+                }
+                let s = S::splat(self.scale);
+                for (i, a) in acc.iter().enumerate() {
+                    for (c, &x) in a.iter().enumerate() {
+                        S::store(sc.as_mut_ptr().add(i * lp + j + c * l), S::mul(x, s));
+                    }
+                }
+                j += l * ATT_VECS;
+            }
+            // Softmax of each row over its len keys; padded keys weigh 0.
+            let mut inv = [0.0f32; R];
+            for (i, z) in inv.iter_mut().enumerate() {
+                let row = &mut sc[i * lp..(i + 1) * lp];
+                row[len..].fill(f32::NEG_INFINITY);
+                let mut m = S::splat(f32::NEG_INFINITY);
+                for c in (0..lp).step_by(l) {
+                    m = S::max(m, S::load(row.as_ptr().add(c)));
+                }
+                let m = S::splat(S::hmax(m));
+                let mut sum = S::zero();
+                for c in (0..lp).step_by(l) {
+                    let p = S::exp(S::sub(S::load(row.as_ptr().add(c)), m));
+                    S::store(row.as_mut_ptr().add(c), p);
+                    sum = S::add(sum, p);
+                }
+                *z = 1.0 / S::hsum(sum);
+            }
+            // Output: out_i = Σ_j p_ij · v_j / Σ_j p_ij.
+            let mut d0 = 0;
+            while d0 < hp {
+                let mut acc = [[S::zero(); ATT_VECS]; R];
+                for j in 0..len {
+                    let vr = vp.as_ptr().add(j * hp + d0);
+                    let mut vv = [S::zero(); ATT_VECS];
+                    for (c, x) in vv.iter_mut().enumerate() {
+                        *x = S::load(vr.add(c * l));
+                    }
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let pb = S::splat(*sc.as_ptr().add(i * lp + j));
+                        for c in 0..ATT_VECS {
+                            a[c] = S::fma(pb, vv[c], a[c]);
+                        }
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    let z = S::splat(inv[i]);
+                    let orow = self.out.add((s0 + r0 + i) * self.qw + qc);
+                    let mut tmp = [0.0f32; 64];
+                    for (c, &x) in a.iter().enumerate() {
+                        let e0 = d0 + c * l;
+                        if e0 >= hd {
+                            break;
+                        }
+                        let y = S::mul(x, z);
+                        if e0 + l <= hd {
+                            S::store(orow.add(e0), y);
+                        } else {
+                            S::store(tmp.as_mut_ptr(), y);
+                            std::ptr::copy_nonoverlapping(tmp.as_ptr(), orow.add(e0), hd - e0);
+                        }
+                    }
+                }
+                d0 += l * ATT_VECS;
+            }
+        }
     }
 }
 
@@ -279,53 +480,78 @@ mod tests {
     #[test]
     fn bidirectional_attention_matches_a_naive_reference() {
         let mut rng = StdRng::seed_from_u64(11);
-        let (n_heads, n_kv, hd) = (4, 2, 8);
-        let seqs = [
-            EncoderSeq { start: 0, len: 5 },
-            EncoderSeq { start: 5, len: 31 },
-        ];
-        let t = 36;
-        let q = rand_vec(&mut rng, t * n_heads * hd);
-        let k = rand_vec(&mut rng, t * n_kv * hd);
-        let v = rand_vec(&mut rng, t * n_kv * hd);
-        let scale = 1.0 / (hd as f32).sqrt();
-        for threads in [1, 2] {
-            let pool = ThreadPool::new(threads);
-            let mut out = vec![0.0; t * n_heads * hd];
-            bidirectional_attention(&pool, &q, &k, &v, n_heads, n_kv, hd, &seqs, scale, &mut out);
-            for s in &seqs {
-                for r in s.start..s.start + s.len {
-                    for h in 0..n_heads {
-                        let kh = h / (n_heads / n_kv);
-                        let sc: Vec<f64> = (s.start..s.start + s.len)
-                            .map(|j| {
-                                (0..hd)
-                                    .map(|c| {
-                                        q[r * n_heads * hd + h * hd + c] as f64
-                                            * k[j * n_kv * hd + kh * hd + c] as f64
-                                    })
-                                    .sum::<f64>()
-                                    * scale as f64
-                            })
-                            .collect();
-                        let max = sc.iter().cloned().fold(f64::MIN, f64::max);
-                        let e: Vec<f64> = sc.iter().map(|x| (x - max).exp()).collect();
-                        let z: f64 = e.iter().sum();
-                        for c in 0..hd {
-                            let want: f64 = (s.start..s.start + s.len)
-                                .zip(&e)
-                                .map(|(j, p)| p / z * v[j * n_kv * hd + kh * hd + c] as f64)
-                                .sum();
-                            let got = out[r * n_heads * hd + h * hd + c] as f64;
-                            assert!(
+        for (n_heads, n_kv, hd, lens) in
+            [(4, 2, 8, [5, 31]), (2, 2, 64, [70, 1]), (3, 1, 20, [18, 2])]
+        {
+            let seqs = [
+                EncoderSeq {
+                    start: 0,
+                    len: lens[0],
+                },
+                EncoderSeq {
+                    start: lens[0],
+                    len: lens[1],
+                },
+            ];
+            let t = lens[0] + lens[1];
+            let q = rand_vec(&mut rng, t * n_heads * hd);
+            let k = rand_vec(&mut rng, t * n_kv * hd);
+            let v = rand_vec(&mut rng, t * n_kv * hd);
+            let scale = 1.0 / (hd as f32).sqrt();
+            for (threads, level) in [1, 2]
+                .into_iter()
+                .flat_map(|t| levels().into_iter().map(move |l| (t, l)))
+            {
+                let pool = ThreadPool::new(threads);
+                let mut out = vec![0.0; t * n_heads * hd];
+                bidirectional_attention_at(
+                    level, &pool, &q, &k, &v, n_heads, n_kv, hd, &seqs, scale, &mut out,
+                );
+                for s in &seqs {
+                    for r in s.start..s.start + s.len {
+                        for h in 0..n_heads {
+                            let kh = h / (n_heads / n_kv);
+                            let sc: Vec<f64> = (s.start..s.start + s.len)
+                                .map(|j| {
+                                    (0..hd)
+                                        .map(|c| {
+                                            q[r * n_heads * hd + h * hd + c] as f64
+                                                * k[j * n_kv * hd + kh * hd + c] as f64
+                                        })
+                                        .sum::<f64>()
+                                        * scale as f64
+                                })
+                                .collect();
+                            let max = sc.iter().cloned().fold(f64::MIN, f64::max);
+                            let e: Vec<f64> = sc.iter().map(|x| (x - max).exp()).collect();
+                            let z: f64 = e.iter().sum();
+                            for c in 0..hd {
+                                let want: f64 = (s.start..s.start + s.len)
+                                    .zip(&e)
+                                    .map(|(j, p)| p / z * v[j * n_kv * hd + kh * hd + c] as f64)
+                                    .sum();
+                                let got = out[r * n_heads * hd + h * hd + c] as f64;
+                                assert!(
                                 (got - want).abs() < 1e-5,
-                                "threads {threads} row {r} head {h} col {c}: {got} vs {want}"
+                                "{level:?} threads {threads} row {r} head {h} col {c}: {got} vs {want}"
                             );
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    fn levels() -> Vec<SimdLevel> {
+        let mut v = vec![SimdLevel::Scalar];
+        if crate::cpu::simd_level() >= SimdLevel::Avx2 {
+            v.push(SimdLevel::Avx2);
+        }
+        if crate::cpu::simd_level() >= SimdLevel::Avx512Vnni {
+            v.push(SimdLevel::Avx512Vnni);
+        }
+        v
     }
 
     #[test]
