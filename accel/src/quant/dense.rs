@@ -409,6 +409,7 @@ mod x86 {
         r1: usize,
         out: *mut f32,
     ) {
+        let es = if t == T_F32 { 4 } else { 2 };
         PANELS.with(|cell| {
             let mut buf = cell.borrow_mut();
             if buf.len() < GEMM_KC * GEMM_NR {
@@ -427,8 +428,28 @@ mod x86 {
                             _ => pack_panel::<T_BF16>(w, cols, n0, nw, k0, kc, bp),
                         }
                         let masks = [lane_mask(nw.min(16)), lane_mask(nw.saturating_sub(16))];
+                        // The next panel's weights (from DRAM, for a whole
+                        // model) into L2 while this one's tiles run, a few
+                        // lines a tile, so that its packing does not wait.
+                        let next = n0 + GEMM_NR;
+                        let next_rows = r1.saturating_sub(next).min(GEMM_NR);
+                        let row_bytes = kc * es;
+                        let lines = row_bytes.div_ceil(64);
+                        let total = next_rows * lines;
+                        let per_tile = total.div_ceil((me - mb).div_ceil(GEMM_MR)).max(1);
+                        let mut pf = 0;
+                        let prefetch = |pf: &mut usize, upto: usize| {
+                            while *pf < upto.min(total) {
+                                let (j, l) = (*pf / lines, *pf % lines);
+                                let at = ((next + j) * cols + k0) * es + l * 64;
+                                _mm_prefetch::<_MM_HINT_T1>(w.add(at) as *const i8);
+                                *pf += 1;
+                            }
+                        };
                         let mut i = mb;
                         while i < me {
+                            let upto = pf + per_tile;
+                            prefetch(&mut pf, upto);
                             let r = (me - i).min(GEMM_MR);
                             gemm_tile(
                                 r,
@@ -443,6 +464,7 @@ mod x86 {
                             );
                             i += r;
                         }
+                        prefetch(&mut pf, total);
                     }
                 }
             }
