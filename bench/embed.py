@@ -18,7 +18,10 @@ per run on stdout.
       discriminate.
 
 Each run first embeds one batch untimed (warm-up: torch's first call, the
-server's first step), then times all the texts. Token counts are the
+server's first step), then times all the texts: wall seconds, and CPU
+seconds (sentence-transformers' process; the server's processes with
+--pids), whose texts per CPU-second is the steadier figure on a shared
+machine (it still counts threads that spin while they wait). Token counts are the
 model's tokenizer's ([CLS] and [SEP] included), the same for every side.
 """
 
@@ -47,9 +50,43 @@ def load1():
     return os.getloadavg()[0]
 
 
-def report(kind, n, tokens, secs, extra):
+def tree(pids):
+    """pids and all their descendants (vLLM computes in a child process)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = set(), list(pids)
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo += [c for c, pp in parent.items() if pp == p]
+    return out
+
+
+def cpu_secs(pids):
+    """User + system CPU seconds of the processes (all their threads)."""
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def report(kind, n, tokens, secs, cpu, extra):
     out = {"runner": kind, "texts": n, "tokens": tokens, "secs": round(secs, 3),
            "texts_per_s": round(n / secs, 2), "tokens_per_s": round(tokens / secs, 1),
+           "cpu_secs": round(cpu, 2) if cpu else None,
+           "texts_per_cpu_s": round(n / cpu, 2) if cpu else None,
            "load1": round(load1(), 2)}
     out.update(extra)
     print(json.dumps(out), flush=True)
@@ -67,14 +104,14 @@ def run_st(a):
     load0 = load1()
     with torch.inference_mode():
         model.encode(texts[:a.batch], batch_size=a.batch)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         emb = model.encode(texts, batch_size=a.batch, convert_to_numpy=False,
                            convert_to_tensor=True)
-        secs = time.perf_counter() - t0
+        secs, cpu = time.perf_counter() - t0, time.process_time() - c0
     emb = emb.float().numpy()
     if a.save:
         np.save(a.save, emb)
-    report("sentence-transformers", len(texts), tokens, secs,
+    report("sentence-transformers", len(texts), tokens, secs, cpu,
            {"threads": torch.get_num_threads(), "batch": a.batch, "dtype": a.dtype,
             "load1_before": round(load0, 2), "torch": torch.__version__})
 
@@ -124,6 +161,8 @@ def run_http(a):
     one(batches[0])
     usage[0] = 0
     queue = list(batches)
+    procs = tree(a.pids) if a.pids else set()
+    c0 = cpu_secs(procs)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(queue,)) for _ in range(a.inflight)]
     for t in threads:
@@ -131,11 +170,12 @@ def run_http(a):
     for t in threads:
         t.join()
     secs = time.perf_counter() - t0
+    cpu = cpu_secs(procs) - c0 if procs else None
     if errors:
         sys.exit(f"embedding requests failed: {errors[:3]}")
     if a.save:
         np.save(a.save, np.array(out, dtype=np.float32))
-    report(a.runner, len(texts), tokens if tokens is not None else usage[0], secs,
+    report(a.runner, len(texts), tokens if tokens is not None else usage[0], secs, cpu,
            {"batch": a.batch, "inflight": a.inflight, "usage_prompt_tokens": usage[0],
             "load1_before": round(load0, 2)})
 
@@ -190,6 +230,8 @@ def main():
     h.add_argument("--tokenizer", help="model folder whose tokenizer.json counts the tokens")
     h.add_argument("--batch", type=int, default=32)
     h.add_argument("--inflight", type=int, default=1)
+    h.add_argument("--pids", type=int, nargs="*",
+                   help="the server's processes: their CPU seconds (children included) are reported")
     h.add_argument("--save")
     h.add_argument("--limit", type=int, help="the first N texts only")
     c = sub.add_parser("check")

@@ -12,7 +12,9 @@
 #           compiles for minutes at start-up);
 # for each T in $THREADS, alternating rounds (st, pagoda, vllm) x $ROUNDS
 # over servers started once per T. One JSON line per run (texts/s,
-# tokens/s, load average) on stdout and in $OUT/figures.jsonl.
+# tokens/s, CPU seconds of the side's processes and texts per CPU-second,
+# load average) on stdout and in $OUT/figures.jsonl. On a shared machine
+# texts per CPU-second is the steadier figure.
 #
 # Before timing, each server's embeddings of all the texts are checked
 # against sentence-transformers' (cosine >= 0.9999 per text), so that the
@@ -106,13 +108,13 @@ for T in $THREADS; do
   E st "$MODEL" "$TEXTS_FILE" --threads "$T" --dtype "$DTYPE" --save "$OUT/st.npy" \
     2>"$OUT/st.err" | sed "s/^{/{\"round\": 0, /" | log
   if [ -n "$PSERVER" ]; then
-    E http "http://127.0.0.1:$PORT" bert "$TEXTS_FILE" --tokenizer "$MODEL" \
+    E http "http://127.0.0.1:$PORT" bert "$TEXTS_FILE" --tokenizer "$MODEL" --pids "$PSERVER" \
       --save "$OUT/pagoda.npy" | sed "s/^{/{\"round\": 0, /" | log
     E_check "$OUT/st.npy" "$OUT/pagoda.npy" | sed "s/^{/{\"runner\": \"pagoda\", /" | log
   fi
   if [ -n "$VSERVER" ]; then
     E http "http://127.0.0.1:$VPORT" bert "$TEXTS_FILE" --runner vllm --tokenizer "$MODEL" \
-      --save "$OUT/vllm.npy" | sed "s/^{/{\"round\": 0, /" | log
+      --pids "$VSERVER" --save "$OUT/vllm.npy" | sed "s/^{/{\"round\": 0, /" | log
     E_check "$OUT/st.npy" "$OUT/vllm.npy" | sed "s/^{/{\"runner\": \"vllm\", /" | log || true
   fi
   for r in $(seq 1 "$ROUNDS"); do
@@ -123,11 +125,12 @@ for T in $THREADS; do
     for c in $INFLIGHT; do
       if [ -n "$PSERVER" ]; then
         E http "http://127.0.0.1:$PORT" bert "$TEXTS_FILE" --tokenizer "$MODEL" --inflight "$c" \
+          --pids "$PSERVER" \
           | sed "s/^{/{\"round\": $r, \"threads\": $T, /" | log
       fi
       if [ -n "$VSERVER" ]; then
         E http "http://127.0.0.1:$VPORT" bert "$TEXTS_FILE" --runner vllm --tokenizer "$MODEL" \
-          --inflight "$c" | sed "s/^{/{\"round\": $r, \"threads\": $T, /" | log
+          --inflight "$c" --pids "$VSERVER" | sed "s/^{/{\"round\": $r, \"threads\": $T, /" | log
       fi
     done
   done
