@@ -132,6 +132,8 @@ impl Kernel for Gelu<'_> {
 /// every lane and the lane's own one selected. Within about 1e-7 of the
 /// exact value (the test checks 2e-7 · max(1, |x|) against an f64
 /// integration of the normal density).
+// The coefficients as s_erff.c prints them (each rounds to its f32).
+#[allow(clippy::excessive_precision)]
 #[inline(always)]
 unsafe fn gelu_erf<S: Simd>(x: S::V) -> S::V {
     let c = |v: f32| unsafe { S::splat(v) };
