@@ -418,7 +418,24 @@ impl Backend for CpuBackend {
         n: usize,
         act: ops::encoder::Activation,
     ) -> Result<(), BackendError> {
-        ops::encoder::activation_inplace(first_mut(x, n), act);
+        let x = first_mut(x, n);
+        let pool = self.ctx.pool();
+        // Element-wise: any split gives the bits of one call. A prefill
+        // step's GELU (tokens × intermediate) is worth spreading.
+        if n < 1 << 14 || pool.threads() == 1 {
+            ops::encoder::activation_inplace(x, act);
+            return Ok(());
+        }
+        struct Ptr(*mut f32);
+        // SAFETY: each range below touches only its own elements.
+        unsafe impl Sync for Ptr {}
+        let p = Ptr(x.as_mut_ptr());
+        pool.run_ranges(n, 1024, &|a, b| {
+            let p = &p;
+            // SAFETY: a..b lies in x and is disjoint from every other range.
+            let part = unsafe { std::slice::from_raw_parts_mut(p.0.add(a), b - a) };
+            ops::encoder::activation_inplace(part, act);
+        });
         Ok(())
     }
 
@@ -691,6 +708,23 @@ impl Backend for CpuBackend {
             first_mut(out, m * w.rows()),
             &mut self.scratch,
             prompt,
+        );
+    }
+
+    fn matmul_encoder(
+        &mut self,
+        w: &Weight,
+        x: &Vec<f32>,
+        m: usize,
+        out: &mut Vec<f32>,
+        _step: &CpuStep,
+    ) {
+        w.matmul_gemm(
+            self.ctx.pool(),
+            first(x, m * w.cols()),
+            m,
+            first_mut(out, m * w.rows()),
+            &mut self.scratch,
         );
     }
 

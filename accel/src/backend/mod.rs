@@ -711,6 +711,20 @@ pub trait Backend: Send + 'static {
         step: &Self::Step,
         rows: Rows,
     );
+    /// [`Backend::matmul`] of the step's token rows when they are encoder
+    /// rows (whole prompts that never decode), which a backend may compute
+    /// with a prefill-sized kernel that rounds differently from `matmul`
+    /// (each row still a function of itself alone). By default `matmul`.
+    fn matmul_encoder(
+        &mut self,
+        w: &Self::Matrix,
+        x: &Self::Buffer,
+        m: usize,
+        out: &mut Self::Buffer,
+        step: &Self::Step,
+    ) {
+        self.matmul(w, x, m, out, step, Rows::Tokens)
+    }
     /// RMSNorm of each row of `x: [m, d]` times `weight`, into `out`.
     fn rms_norm(
         &mut self,

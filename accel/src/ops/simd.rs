@@ -42,6 +42,10 @@ pub(crate) trait Simd: Copy + 'static {
     /// Lane-wise `if a > b { -inf } else { s }`: the causal mask, with `a`
     /// the key positions and `b` the query positions.
     unsafe fn mask_gt(a: Self::V, b: Self::V, s: Self::V) -> Self::V;
+    /// Lane-wise `if a < b { x } else { y }` (false where either is NaN).
+    unsafe fn select_lt(a: Self::V, b: Self::V, x: Self::V, y: Self::V) -> Self::V;
+    /// Lane-wise `|v|`.
+    unsafe fn abs(v: Self::V) -> Self::V;
     /// Lane-wise `e^x`, within a couple of ulp; exactly 0 below about -87.3
     /// (so masked `-inf` scores contribute nothing) and finite above 88.3.
     unsafe fn exp(x: Self::V) -> Self::V;
@@ -124,6 +128,18 @@ impl Simd for Scalar {
         } else {
             s
         }
+    }
+    #[inline(always)]
+    unsafe fn select_lt(a: f32, b: f32, x: f32, y: f32) -> f32 {
+        if a < b {
+            x
+        } else {
+            y
+        }
+    }
+    #[inline(always)]
+    unsafe fn abs(v: f32) -> f32 {
+        v.abs()
     }
     #[inline(always)]
     unsafe fn exp(x: f32) -> f32 {
@@ -252,6 +268,14 @@ impl Simd for Avx2 {
             let m = _mm256_cmp_ps::<_CMP_GT_OQ>(a, b);
             _mm256_blendv_ps(s, _mm256_set1_ps(f32::NEG_INFINITY), m)
         }
+    }
+    #[inline(always)]
+    unsafe fn select_lt(a: __m256, b: __m256, x: __m256, y: __m256) -> __m256 {
+        unsafe { _mm256_blendv_ps(y, x, _mm256_cmp_ps::<_CMP_LT_OQ>(a, b)) }
+    }
+    #[inline(always)]
+    unsafe fn abs(v: __m256) -> __m256 {
+        unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), v) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m256) -> __m256 {
@@ -385,6 +409,14 @@ impl Simd for Avx512 {
             let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b);
             _mm512_mask_blend_ps(m, s, _mm512_set1_ps(f32::NEG_INFINITY))
         }
+    }
+    #[inline(always)]
+    unsafe fn select_lt(a: __m512, b: __m512, x: __m512, y: __m512) -> __m512 {
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a, b), y, x) }
+    }
+    #[inline(always)]
+    unsafe fn abs(v: __m512) -> __m512 {
+        unsafe { _mm512_abs_ps(v) }
     }
     #[inline(always)]
     unsafe fn exp(x: __m512) -> __m512 {

@@ -580,6 +580,53 @@ impl Weight {
         self.matmul_at(crate::cpu::simd_level(), pool, x, m, out, scratch);
     }
 
+    /// `out = x · Wᵀ` as [`Weight::matmul`], for the rows of a whole
+    /// prompt that never decode (encoder rows): a dense weight (f32, f16,
+    /// bf16, widened to f32 as `matmul` does) goes through the cache-blocked
+    /// GEMM ([`dense::gemm`]), whose rows are rounded differently from
+    /// `matmul`'s but are still each a function of the row alone; other
+    /// types are `matmul`.
+    pub fn matmul_gemm(
+        &self,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+    ) {
+        self.matmul_gemm_at(crate::cpu::simd_level(), pool, x, m, out, scratch);
+    }
+
+    /// [`Weight::matmul_gemm`] at an explicit SIMD level.
+    pub fn matmul_gemm_at(
+        &self,
+        level: SimdLevel,
+        pool: &ThreadPool,
+        x: &[f32],
+        m: usize,
+        out: &mut [f32],
+        scratch: &mut MatmulScratch,
+    ) {
+        let Repr::Dense(b) = &self.repr else {
+            return self.matmul_at(level, pool, x, m, out, scratch);
+        };
+        let level = level.min(max_level());
+        self.with_affine_io(x, m, out, scratch, |w, x, out, _| {
+            assert!(
+                x.len() >= m * w.cols && out.len() >= m * w.rows,
+                "matmul_gemm: x or out shorter than {m} rows"
+            );
+            if m == 0 || w.rows == 0 {
+                return;
+            }
+            if w.cols == 0 {
+                out[..m * w.rows].fill(0.0);
+                return;
+            }
+            dense::gemm(w.ty, b, w.rows, w.cols, level, pool, x, m, out)
+        });
+    }
+
     /// [`Weight::matmul`] at an explicit SIMD level (clamped to what the CPU
     /// supports), so tests and benchmarks can run every kernel on one machine.
     pub fn matmul_at(

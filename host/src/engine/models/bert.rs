@@ -62,7 +62,11 @@ impl<B: Backend> Linear<B> {
         rows: Rows,
     ) -> Result<(), BackendError> {
         b.reserve(out, m * self.w.rows())?;
-        b.matmul(&self.w, x, m, out, step, rows);
+        match rows {
+            // Encoder rows: whole prompts, never decoded.
+            Rows::Tokens => b.matmul_encoder(&self.w, x, m, out, step),
+            Rows::Logits => b.matmul(&self.w, x, m, out, step, rows),
+        }
         b.add_bias(out, &self.b, m, self.w.rows());
         Ok(())
     }
