@@ -110,18 +110,75 @@ struct Line([u8; 64]);
 /// A 64-byte-aligned byte buffer with one line of zero padding past its end,
 /// so kernels may over-read a few bytes (e.g. a second super-block scale that
 /// a masked lane then ignores) without leaving the allocation.
+///
+/// Buffers of [`HUGE_MIN`] bytes or more (the weights) are mapped on their
+/// own, 2 MiB aligned, and marked for transparent huge pages before anything
+/// touches them (Linux). A decode step streams every weight once: on 4 KiB
+/// pages that is a TLB miss per 4 KiB, and under a hypervisor each miss is a
+/// two-level page walk whose cost depends on how the host backs the guest's
+/// pages, which made two-thread decode bimodal from one process to the next
+/// on the EPYC VM (issue 47). Marking a range after a `Vec` had zeroed it got
+/// almost no huge pages; marking it first, the page faults of the first
+/// write allocate them.
 pub(crate) struct ABuf {
-    lines: Vec<Line>,
+    store: Store,
     len: usize,
+}
+
+enum Store {
+    Heap(Vec<Line>),
+    #[cfg(target_os = "linux")]
+    Mapped {
+        /// The mapping as `mmap` returned it, and its length.
+        base: *mut u8,
+        map_len: usize,
+        /// The 2 MiB-aligned start inside it.
+        ptr: *mut u8,
+    },
+}
+
+// SAFETY: a mapped store is owned memory like a `Vec`'s, freed only by drop.
+unsafe impl Send for Store {}
+unsafe impl Sync for Store {}
+
+/// Smallest buffer that gets its own huge-page mapping.
+pub(crate) const HUGE_MIN: usize = 1 << 20;
+
+#[cfg(target_os = "linux")]
+const HUGE_PAGE: usize = 2 << 20;
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        #[cfg(target_os = "linux")]
+        if let Store::Mapped { base, map_len, .. } = *self {
+            // SAFETY: the mapping this store made and nothing else uses.
+            unsafe {
+                libc::munmap(base.cast(), map_len);
+            }
+        }
+    }
 }
 
 impl ABuf {
     /// A zeroed buffer of `len` bytes.
     pub(crate) fn zeroed(len: usize) -> ABuf {
+        let lines = len.div_ceil(64) + 1;
+        #[cfg(target_os = "linux")]
+        if lines * 64 >= HUGE_MIN {
+            if let Some(store) = map_huge(lines * 64) {
+                return ABuf { store, len };
+            }
+        }
         ABuf {
-            lines: vec![Line([0; 64]); len.div_ceil(64) + 1],
+            store: Store::Heap(vec![Line([0; 64]); lines]),
             len,
         }
+    }
+
+    /// Whether the buffer has its own huge-page mapping (see the type).
+    #[cfg(test)]
+    pub(crate) fn mapped(&self) -> bool {
+        !matches!(self.store, Store::Heap(_))
     }
 
     /// Logical length in bytes.
@@ -129,27 +186,79 @@ impl ABuf {
         self.len
     }
 
+    /// All lines, the padding included.
+    fn all(&self) -> &[u8] {
+        match &self.store {
+            Store::Heap(v) => bytemuck::cast_slice::<Line, u8>(v),
+            #[cfg(target_os = "linux")]
+            // SAFETY: `(len / 64 + 1) * 64` bytes from `ptr` are mapped and
+            // zero-initialised, owned by this buffer.
+            Store::Mapped { ptr, .. } => unsafe {
+                std::slice::from_raw_parts(*ptr, (self.len.div_ceil(64) + 1) * 64)
+            },
+        }
+    }
+
+    fn all_mut(&mut self) -> &mut [u8] {
+        let n = (self.len.div_ceil(64) + 1) * 64;
+        match &mut self.store {
+            Store::Heap(v) => bytemuck::cast_slice_mut::<Line, u8>(v),
+            #[cfg(target_os = "linux")]
+            // SAFETY: as in `all`, and `&mut self` makes it exclusive.
+            Store::Mapped { ptr, .. } => unsafe { std::slice::from_raw_parts_mut(*ptr, n) },
+        }
+    }
+
     pub(crate) fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice::<Line, u8>(&self.lines)[..self.len]
+        &self.all()[..self.len]
     }
 
     pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.lines)[..self.len]
+        let n = self.len;
+        &mut self.all_mut()[..n]
     }
 
     /// The buffer as f32s (the buffer is 64-byte aligned, so this cannot fail
     /// for lengths that are multiples of 4).
     pub(crate) fn f32s(&self) -> &[f32] {
-        bytemuck::cast_slice(&bytemuck::cast_slice::<Line, u8>(&self.lines)[..self.len / 4 * 4])
+        bytemuck::cast_slice(&self.all()[..self.len / 4 * 4])
     }
 
     pub(crate) fn f32s_mut(&mut self) -> &mut [f32] {
         let n = self.len / 4 * 4;
-        bytemuck::cast_slice_mut(&mut bytemuck::cast_slice_mut::<Line, u8>(&mut self.lines)[..n])
+        bytemuck::cast_slice_mut(&mut self.all_mut()[..n])
     }
 
     pub(crate) fn ptr(&self) -> *const u8 {
-        self.lines.as_ptr() as *const u8
+        self.all().as_ptr()
+    }
+}
+
+/// An anonymous mapping of `bytes` (zero-filled, untouched) at a 2 MiB
+/// boundary, marked `MADV_HUGEPAGE`; `None` if the kernel refuses the
+/// mapping (the caller then uses the heap). A refused `madvise` (THP off) is
+/// no error: the pages are then ordinary ones.
+#[cfg(target_os = "linux")]
+fn map_huge(bytes: usize) -> Option<Store> {
+    let len = bytes.div_ceil(HUGE_PAGE) * HUGE_PAGE;
+    let map_len = len + HUGE_PAGE;
+    // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+    unsafe {
+        let base = libc::mmap(
+            std::ptr::null_mut(),
+            map_len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        );
+        if base == libc::MAP_FAILED {
+            return None;
+        }
+        let base = base.cast::<u8>();
+        let ptr = base.add(base.align_offset(HUGE_PAGE));
+        libc::madvise(ptr.cast(), len, libc::MADV_HUGEPAGE);
+        Some(Store::Mapped { base, map_len, ptr })
     }
 }
 
@@ -485,6 +594,52 @@ impl QMat {
                 } else {
                     d * (u - off) as f32
                 };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod abuf_tests {
+    use super::*;
+
+    #[test]
+    fn buffers_are_zeroed_aligned_and_writable_heap_or_mapped() {
+        for len in [
+            0usize,
+            1,
+            63,
+            64,
+            4097,
+            HUGE_MIN - 64,
+            HUGE_MIN,
+            3 * HUGE_MIN + 5,
+        ] {
+            let mut b = ABuf::zeroed(len);
+            assert_eq!(b.len(), len);
+            assert_eq!(b.ptr() as usize % 64, 0, "len {len}");
+            // One line of zero padding past the end stays readable.
+            let padded = unsafe { std::slice::from_raw_parts(b.ptr(), len.div_ceil(64) * 64 + 64) };
+            assert!(padded.iter().all(|&x| x == 0), "len {len}");
+            for (i, x) in b.bytes_mut().iter_mut().enumerate() {
+                *x = (i % 251) as u8;
+            }
+            assert!(b
+                .bytes()
+                .iter()
+                .enumerate()
+                .all(|(i, &x)| x == (i % 251) as u8));
+            assert_eq!(b.f32s().len(), len / 4);
+            #[cfg(target_os = "linux")]
+            {
+                assert_eq!(
+                    b.mapped(),
+                    len.div_ceil(64) * 64 + 64 >= HUGE_MIN,
+                    "len {len}"
+                );
+                if b.mapped() {
+                    assert_eq!(b.ptr() as usize % (2 << 20), 0, "len {len}");
+                }
             }
         }
     }
