@@ -294,14 +294,7 @@ impl ModelConfig {
     /// follows `family`). [`crate::engine::models::registry`] picks the
     /// family from `architectures` or `model_type`.
     pub fn from_hf_decoder(v: &Value, family: HfFamily) -> Result<ModelConfig> {
-        let usize_of = |key: &str| -> Result<usize> {
-            let x = v
-                .get(key)
-                .with_context(|| format!("missing '{key}'"))?
-                .as_u64()
-                .with_context(|| format!("'{key}' must be a positive integer"))?;
-            usize::try_from(x).with_context(|| format!("'{key}' is too large"))
-        };
+        let usize_of = |key: &str| required_count(v, key);
         let f32_of = |key: &str, default: f32| -> Result<f32> {
             match v.get(key) {
                 None | Some(Value::Null) => Ok(default),
@@ -984,6 +977,17 @@ pub enum HfFamily {
     Qwen35Moe,
     Gemma3,
     GptOss,
+}
+
+/// The integer `key` of a config, which must be present (the readers of
+/// every family share it, so a missing or mistyped count reads the same).
+pub(crate) fn required_count(v: &Value, key: &str) -> Result<usize> {
+    let x = v
+        .get(key)
+        .with_context(|| format!("missing '{key}'"))?
+        .as_u64()
+        .with_context(|| format!("'{key}' must be a positive integer"))?;
+    usize::try_from(x).with_context(|| format!("'{key}' is too large"))
 }
 
 /// The integer `key` of a config, absent or null as `None`; a value below

@@ -378,14 +378,7 @@ impl<B: Backend> CausalLm<B> for Bert<B> {
 /// the model type `bert` or `xlm-roberta`). Every key that would change its math and is not computed
 /// here is refused by name.
 pub fn hf_config(v: &Value, arch: &str) -> Result<ModelConfig> {
-    let usize_of = |key: &str| -> Result<usize> {
-        let x = v
-            .get(key)
-            .with_context(|| format!("missing '{key}'"))?
-            .as_u64()
-            .with_context(|| format!("'{key}' must be a positive integer"))?;
-        usize::try_from(x).with_context(|| format!("'{key}' is too large"))
-    };
+    let usize_of = |key: &str| crate::engine::config::required_count(v, key);
     match v.get("hidden_act").and_then(Value::as_str) {
         None | Some("gelu") => {}
         Some(other) => bail!(
