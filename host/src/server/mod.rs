@@ -816,7 +816,7 @@ async fn api_route(
         }
         (Method::POST, "/v1/completions") => {
             let body = read_json(&state, req).await?;
-            openai::completions(state, body, tenant).await
+            openai::completion::completions(state, body, tenant).await
         }
         // vLLM serves these only with VLLM_ALLOW_RUNTIME_LORA_UPDATING set;
         // they read a folder on the server, so a tenant's key never may
@@ -874,19 +874,19 @@ async fn api_route(
         }
         (Method::POST, "/v1/completions/render") => {
             let body = read_json(&state, req).await?;
-            openai::render(state, body, tenant, false).await
+            openai::tokenize::render(state, body, tenant, false).await
         }
         (Method::POST, "/v1/chat/completions/render") => {
             let body = read_json(&state, req).await?;
-            openai::render(state, body, tenant, true).await
+            openai::tokenize::render(state, body, tenant, true).await
         }
         (Method::POST, "/v1/chat/completions") => {
             let body = read_json(&state, req).await?;
-            openai::chat(state, body, tenant).await
+            openai::chat_completion::chat(state, body, tenant).await
         }
         (Method::POST, "/v1/chat/completions/batch") => {
             let body = read_json(&state, req).await?;
-            openai::chat_batch(state, body, tenant).await
+            openai::chat_completion::chat_batch(state, body, tenant).await
         }
         (Method::POST, "/v1/responses") => {
             let body = read_json(&state, req).await?;
@@ -915,12 +915,12 @@ async fn api_route(
         (Method::POST, "/tokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;
-            openai::tokenize(state, body, tenant).await
+            openai::tokenize::tokenize(state, body, tenant).await
         }
         (Method::POST, "/detokenize") => {
             let body = read_json(&state, req).await?;
             check_model_field(&body, &allowed)?;
-            openai::detokenize(state, body, tenant).await
+            openai::tokenize::detokenize(state, body, tenant).await
         }
         (Method::GET, "/tokenizer_info") => tokenizer_info(&state),
         (
@@ -1109,9 +1109,9 @@ async fn invocations(
 ) -> Result<Response<Body>, ApiError> {
     let body = read_json(&state, req).await?;
     if body.get("messages").is_some() {
-        openai::chat(state, body, tenant).await
+        openai::chat_completion::chat(state, body, tenant).await
     } else if body.get("prompt").is_some() {
-        openai::completions(state, body, tenant).await
+        openai::completion::completions(state, body, tenant).await
     } else {
         Err(ApiError::invalid(
             None,

@@ -13,8 +13,9 @@
 pub mod protocol;
 mod stream;
 
+use super::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
+use super::protocol::parse_common;
 use super::tools::{self, ToolMode};
-use super::{collect, parse_common, start_run, Api, Run, RunPrompt};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
@@ -162,8 +163,8 @@ async fn prepare(
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
-    super::embeddings::refuse_generation(&engine, "/v1/messages")?;
-    let (ids, mode) = super::chat_prompt(
+    super::pooling::refuse_generation(&engine, "/v1/messages")?;
+    let (ids, mode) = super::chat_completion::prompt::chat_prompt(
         state,
         &engine,
         &chat,
@@ -405,7 +406,7 @@ fn stream_message(mut run: Run, id: String, model: String) -> Response<Body> {
             .await
             .map(|b| (Ok::<_, std::convert::Infallible>(Frame::data(b)), rx))
     });
-    super::sse_response(frames)
+    sse_response(frames)
 }
 
 #[cfg(test)]

@@ -9,49 +9,15 @@
 //! label is the most probable one's `id2label` name. `use_activation:
 //! false` returns the raw logits in `probs`, as vLLM does.
 
-use super::embeddings::{check_input_lengths, meter_pooling, pooling_options, run};
-use super::{admit, now_secs, off_runtime, random_id};
+use super::protocol::{inputs, ClassifyRequest};
 use crate::engine::pooling::{class_probs, PoolingTask};
 use crate::server::errors::{json_response, ApiError};
+use crate::server::openai::pooling::{check_input_lengths, meter_pooling, pooling_options, run};
+use crate::server::openai::{admit, check_prompt_size, now_secs, off_runtime, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-/// `/classify`'s body, as vLLM's `ClassificationRequest` takes text.
-#[derive(Deserialize)]
-struct ClassifyRequest {
-    model: Option<String>,
-    input: Value,
-    #[serde(default)]
-    truncate_prompt_tokens: Option<i64>,
-    #[serde(default)]
-    priority: Option<i64>,
-    #[serde(default)]
-    use_activation: Option<bool>,
-    /// vLLM's older name for `use_activation`.
-    #[serde(default)]
-    activation: Option<bool>,
-}
-
-/// `input`: a string or a non-empty list of strings.
-fn inputs(v: &Value) -> Result<Vec<String>, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            Some("input".into()),
-            "'input' must be a string or a non-empty array of strings",
-        )
-    };
-    match v {
-        Value::String(s) => Ok(vec![s.clone()]),
-        Value::Array(items) if !items.is_empty() => items
-            .iter()
-            .map(|x| x.as_str().map(str::to_owned).ok_or_else(bad))
-            .collect(),
-        _ => Err(bad()),
-    }
-}
 
 /// The index of the largest value (the first of equals).
 fn argmax(v: &[f32]) -> usize {
@@ -132,7 +98,7 @@ pub async fn classify(
     let tok = engine.tokenizer().clone();
     if truncate.is_none() {
         for t in &texts {
-            super::check_prompt_size(&tok, t.len(), max_len, "input")?;
+            check_prompt_size(&tok, t.len(), max_len, "input")?;
         }
     }
     // Tokenizing is CPU work: off the HTTP threads.

@@ -11,84 +11,15 @@
 //! its logit goes through a sigmoid, vLLM's default activation for one
 //! label (`use_activation: false` returns the raw logit).
 
-use super::embeddings::{check_input_lengths, meter_pooling, pooling_options, run};
-use super::{admit, now_secs, off_runtime, random_id};
+use super::protocol::{texts, RerankRequest, ScoreRequest, ScoreRoute};
 use crate::engine::pooling::PoolingTask;
 use crate::server::errors::{json_response, ApiError};
+use crate::server::openai::pooling::{check_input_lengths, meter_pooling, pooling_options, run};
+use crate::server::openai::{admit, check_prompt_size, now_secs, off_runtime, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::sync::Arc;
-
-/// `/score`'s body, as vLLM's `ScoreRequest`.
-#[derive(Deserialize)]
-struct ScoreRequest {
-    model: Option<String>,
-    text_1: Value,
-    text_2: Value,
-    #[serde(flatten)]
-    common: Common,
-}
-
-/// `/rerank`'s body, as vLLM's `RerankRequest`.
-#[derive(Deserialize)]
-struct RerankRequest {
-    model: Option<String>,
-    query: Value,
-    documents: Value,
-    #[serde(default)]
-    top_n: Option<i64>,
-    /// Whether each result carries its document (default true, as vLLM
-    /// always includes it).
-    #[serde(default)]
-    return_documents: Option<bool>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-/// The fields both take.
-#[derive(Deserialize)]
-struct Common {
-    #[serde(default)]
-    truncate_prompt_tokens: Option<i64>,
-    #[serde(default)]
-    priority: Option<i64>,
-    #[serde(default)]
-    use_activation: Option<bool>,
-    /// vLLM's older names for `use_activation`.
-    #[serde(default)]
-    activation: Option<bool>,
-    #[serde(default)]
-    softmax: Option<bool>,
-}
-
-/// Which endpoint a request came to.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum ScoreRoute {
-    /// `/score`, `/v1/score`.
-    Score,
-    /// `/rerank`, `/v1/rerank`, `/v2/rerank`.
-    Rerank,
-}
-
-/// A string or a list of strings.
-fn texts(v: &Value, param: &str) -> Result<Vec<String>, ApiError> {
-    let bad = || {
-        ApiError::invalid(
-            Some(param.into()),
-            format!("'{param}' must be a string or an array of strings"),
-        )
-    };
-    match v {
-        Value::String(s) => Ok(vec![s.clone()]),
-        Value::Array(items) => items
-            .iter()
-            .map(|x| x.as_str().map(str::to_owned).ok_or_else(bad))
-            .collect(),
-        _ => Err(bad()),
-    }
-}
 
 /// `POST /score`, `/v1/score`, `/rerank`, `/v1/rerank`, `/v2/rerank`.
 pub async fn score(
@@ -235,7 +166,7 @@ pub async fn score(
     let tok = engine.tokenizer().clone();
     if truncate.is_none() {
         for t in first.iter().chain(&second) {
-            super::check_prompt_size(&tok, t.len(), max_len, "input")?;
+            check_prompt_size(&tok, t.len(), max_len, "input")?;
         }
     }
     let pairs: Vec<(String, String)> = second
@@ -355,23 +286,4 @@ pub async fn score(
         }
     };
     Ok(json_response(&body))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn texts_take_a_string_or_strings() {
-        assert_eq!(
-            texts(&json!("a"), "text_1").ok(),
-            Some(vec!["a".to_string()])
-        );
-        assert_eq!(
-            texts(&json!(["a", "b"]), "text_2").ok().map(|v| v.len()),
-            Some(2)
-        );
-        assert!(texts(&json!([1]), "text_2").is_err());
-        assert!(texts(&json!({"a": 1}), "text_2").is_err());
-    }
 }

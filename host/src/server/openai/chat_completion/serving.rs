@@ -1,0 +1,138 @@
+//! `POST /v1/chat/completions` and vLLM's `/v1/chat/completions/batch`.
+
+use super::prompt::chat_prompt;
+use super::protocol::parse_messages;
+use crate::server::errors::ApiError;
+use crate::server::openai::engine_io::{generate, Api, RunPrompt};
+use crate::server::openai::fields::Fields;
+use crate::server::openai::protocol::parse_common;
+use crate::server::openai::{admit, pooling, random_id};
+use crate::server::{AppState, Body};
+use hyper::Response;
+use serde_json::Value;
+use std::sync::Arc;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let id = random_id("chatcmpl");
+    let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
+    let f = Fields::of(&body)?;
+    let mut common = parse_common(&f, true, state.default_model())?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
+    let engine = state.engine_as(&common.model, ctx.as_ref())?;
+    pooling::refuse_generation(engine, "/v1/chat/completions")?;
+    let (ids, mode) = chat_prompt(
+        &state,
+        engine,
+        &body,
+        &mut common,
+        &mut ctx,
+        "the structured-output field",
+        "messages",
+    )
+    .await?;
+    // vLLM's `echo` on chat: the answer starts with the final message when
+    // that is the assistant's own (a prefill, most often continued with
+    // `continue_final_message`).
+    let echo = if common.echo {
+        parse_messages(&f)?
+            .pop()
+            .filter(|m| m.role == "assistant" && !m.content.is_empty())
+            .map(|m| m.content)
+    } else {
+        None
+    };
+    generate(
+        state,
+        common,
+        vec![RunPrompt { ids, echo }],
+        Api::Chat,
+        id,
+        ctx,
+        mode,
+    )
+    .await
+}
+
+/// `POST /v1/chat/completions/batch`, vLLM's: `messages` is a list of
+/// conversations, each answered as its own chat would be (same fields,
+/// same sampling), in one response whose choice `i` answers conversation
+/// `i`, with the usage summed. As in vLLM, it neither streams nor offers
+/// tools, and each conversation gets one choice.
+pub async fn chat_batch(
+    state: Arc<AppState>,
+    body: Value,
+    tenant: Option<Arc<crate::tenants::Tenant>>,
+) -> Result<Response<Body>, ApiError> {
+    let id = random_id("chatcmpl");
+    let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions/batch", body).await?;
+    let f = Fields::of(&body)?;
+    let refuse = |param: &str, m: &str| Err(ApiError::invalid(Some(param.into()), m));
+    if f.bool("stream")?.unwrap_or(false) {
+        return refuse("stream", "the batch endpoint does not stream; send each conversation to /v1/chat/completions to stream it");
+    }
+    if f.get("tools").is_some() || f.get("tool_choice").is_some() {
+        return refuse("tools", "the batch endpoint offers no tools; send each conversation to /v1/chat/completions to use them");
+    }
+    if f.usize("n")?.is_some_and(|n| n != 1) {
+        return refuse(
+            "n",
+            "the batch endpoint answers each conversation once: 'n' must be 1",
+        );
+    }
+    let conversations = match f.get("messages") {
+        Some(Value::Array(c)) if !c.is_empty() && c.iter().all(Value::is_array) => c.clone(),
+        _ => {
+            return refuse(
+                "messages",
+                "'messages' must be a non-empty list of conversations, each a list of messages",
+            )
+        }
+    };
+    if conversations.len() > 256 {
+        return refuse("messages", "at most 256 conversations per request");
+    }
+    let mut common = parse_common(&f, true, state.default_model())?;
+    if let Some(c) = &ctx {
+        c.check_model(&common.model)?;
+    }
+    // A tenant's own adapter serves its batches as it serves its chats.
+    let engine = state.engine_as(&common.model, ctx.as_ref())?;
+    pooling::refuse_generation(engine, "/v1/chat/completions/batch")?;
+    let mut prompts = Vec::with_capacity(conversations.len());
+    for (i, conversation) in conversations.into_iter().enumerate() {
+        // Each conversation is rendered as the chat body it stands for.
+        let mut one = body.clone();
+        one["messages"] = conversation;
+        let (ids, _) = chat_prompt(
+            &state,
+            engine,
+            &one,
+            &mut common,
+            &mut ctx,
+            "the structured-output field",
+            "messages",
+        )
+        .await
+        .map_err(|mut e| {
+            e.message = format!("conversation {i}: {}", e.message);
+            e
+        })?;
+        let echo = if common.echo {
+            parse_messages(&Fields::of(&one)?)?
+                .pop()
+                .filter(|m| m.role == "assistant" && !m.content.is_empty())
+                .map(|m| m.content)
+        } else {
+            None
+        };
+        prompts.push(RunPrompt { ids, echo });
+    }
+    generate(state, common, prompts, Api::Chat, id, ctx, None).await
+}

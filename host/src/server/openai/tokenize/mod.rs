@@ -1,0 +1,6 @@
+//! Prompts without generation: `/tokenize`, `/detokenize` and the render
+//! endpoints.
+
+pub mod serving;
+
+pub use serving::{detokenize, render, tokenize};
