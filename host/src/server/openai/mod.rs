@@ -4,8 +4,8 @@
 //! response shapes) and its `serving` (the handlers), and the parts they
 //! share beside them: [`engine_io`] (a generation run: submission,
 //! collection, response bodies and SSE streams), [`pooling`] (a pooling
-//! run), [`protocol`] and [`fields`] (request fields common to the
-//! generation endpoints), [`tools`], [`tool_parsers`], [`structured`],
+//! run), [`protocol`] (the sampling fields common to the generation
+//! endpoints), [`wire`] and [`fields`] (reading a body's fields), [`tools`], [`tool_parsers`], [`structured`],
 //! [`reasoning`], [`harmony`] and [`tenant`] (a tenant's admission and
 //! plugins).
 
@@ -27,6 +27,7 @@ pub mod tenant;
 pub mod tokenize;
 pub mod tool_parsers;
 pub mod tools;
+pub mod wire;
 
 use crate::server::errors::ApiError;
 use crate::server::AppState;

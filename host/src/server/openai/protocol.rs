@@ -1,11 +1,18 @@
-//! Parsing and validation of OpenAI requests. Bodies are read as JSON
-//! values and fields are taken one by one, so a wrong type is reported with
-//! the field's name in `param`; unknown fields are ignored, as OpenAI does.
+//! The sampling fields every generation endpoint takes (completions,
+//! chat, and the chat request a Responses or Messages request becomes):
+//! the typed request part ([`SamplingRequest`], read by
+//! [`crate::server::openai::wire::from_body`], which names a field of the
+//! wrong type in `param`; unknown fields are ignored, as OpenAI does), and
+//! its validated form for the engine ([`CommonParams`]).
 
 use crate::engine::core::RequestOptions;
 use crate::engine::request::SamplingParams;
 use crate::server::errors::ApiError;
-use crate::server::openai::fields::Fields;
+use crate::server::openai::structured::RequestedStructure;
+use crate::server::openai::wire::{
+    Count, Int, LogprobCount, Number, Object, Seed, Strings, TokenIds,
+};
+use serde::Deserialize;
 
 /// What both endpoints share once parsed: the sampling parameters, engine
 /// options and streaming flags.
@@ -26,7 +33,7 @@ pub struct CommonParams {
     /// endpoint's default).
     pub max_tokens_given: bool,
     /// The structured output asked for, if any (compiled before submission).
-    pub structured: Option<crate::server::openai::structured::RequestedStructure>,
+    pub structured: Option<RequestedStructure>,
     /// `echo`. Completions: each choice's text (and, with `logprobs`, its
     /// logprobs) starts with the prompt. Chat (vLLM's): each message starts
     /// with the final message's text when that is an assistant's.
@@ -50,54 +57,125 @@ pub struct CommonParams {
     pub bad_words: Vec<String>,
 }
 
-/// Parses the sampling fields common to completions and chat. Fields the
-/// request leaves out stay unset in the [`SamplingParams`], so that the
-/// model's defaults (its `generation_config.json`) can fill them.
+/// The sampling fields the generation endpoints share, as the client
+/// wrote them (each endpoint's own fields are in its folder's
+/// `protocol.rs`). Read from the body by [`from_body`]: a wrong type is a
+/// 400 naming the field.
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct SamplingRequest {
+    pub model: Option<String>,
+    pub max_tokens: Option<Count>,
+    pub n: Option<Count>,
+    pub temperature: Option<Number>,
+    pub top_p: Option<Number>,
+    pub top_k: Option<Int>,
+    pub min_p: Option<Number>,
+    pub repetition_penalty: Option<Number>,
+    pub presence_penalty: Option<Number>,
+    pub frequency_penalty: Option<Number>,
+    /// Token id (as a string key) → bias.
+    pub logit_bias: Option<Object>,
+    pub allowed_token_ids: Option<TokenIds>,
+    pub seed: Option<Seed>,
+    pub stop: Option<Strings>,
+    pub stop_token_ids: Option<TokenIds>,
+    pub ignore_eos: Option<bool>,
+    pub min_tokens: Option<Count>,
+    pub skip_special_tokens: Option<bool>,
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM 0.32's: the scores of these ids at every step stand in for
+    /// the top alternatives.
+    pub logprob_token_ids: Option<TokenIds>,
+    pub best_of: Option<Count>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub echo: Option<bool>,
+    pub prompt_logprobs: Option<LogprobCount>,
+    pub priority: Option<Int>,
+    pub cache_salt: Option<String>,
+    pub return_token_ids: Option<bool>,
+    pub return_tokens_as_token_ids: Option<bool>,
+    pub bad_words: Option<Strings>,
+}
+
+/// `stream_options`.
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(expecting = "an object")]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+    /// vLLM's: every chunk carries the usage so far.
+    pub continuous_usage_stats: Option<bool>,
+}
+
+/// What the generation endpoints read differently: how many tokens a
+/// completion may have and how logprobs are asked for.
+#[derive(Debug, Clone, Copy)]
+pub enum EndpointSampling {
+    /// `/v1/completions`: `logprobs` is a count; `suffix` is refused.
+    Completion {
+        logprobs: Option<LogprobCount>,
+        suffix: bool,
+    },
+    /// Chat-shaped requests: `logprobs` is a flag with `top_logprobs`
+    /// alternatives, and `max_completion_tokens` is `max_tokens`' newer
+    /// name.
+    Chat {
+        logprobs: Option<bool>,
+        top_logprobs: Option<LogprobCount>,
+        max_completion_tokens: Option<Count>,
+    },
+}
+
+/// The engine's view of a generation request's sampling fields. Fields
+/// the request leaves out stay unset in the [`SamplingParams`], so that
+/// the model's defaults (its `generation_config.json`) can fill them.
 ///
 /// A request without `model` gets `default_model` (the first served name),
 /// as vLLM does: lm-eval's `gguf` adapter and llama.cpp-era clients send
 /// none.
 pub fn parse_common(
-    f: &Fields<'_>,
-    chat: bool,
+    s: &SamplingRequest,
+    endpoint: EndpointSampling,
+    structured: Option<RequestedStructure>,
     default_model: Option<&str>,
 ) -> Result<CommonParams, ApiError> {
-    let model = f
-        .str("model")?
+    let invalid = |param: &str, m: &str| ApiError::invalid(Some(param.into()), m);
+    let chat = matches!(endpoint, EndpointSampling::Chat { .. });
+    let model = s
+        .model
+        .as_deref()
         .or(default_model)
-        .ok_or_else(|| ApiError::invalid(Some("model".into()), "'model' is required"))?
+        .ok_or_else(|| invalid("model", "'model' is required"))?
         .to_string();
     let mut p = SamplingParams::default();
-    let max_tokens = if chat {
-        match f.usize("max_completion_tokens")? {
-            Some(x) => Some(x),
-            None => f.usize("max_tokens")?,
-        }
-    } else {
-        f.usize("max_tokens")?
-    };
+    let max_tokens = match endpoint {
+        EndpointSampling::Chat {
+            max_completion_tokens,
+            ..
+        } => max_completion_tokens.or(s.max_tokens),
+        EndpointSampling::Completion { .. } => s.max_tokens,
+    }
+    .map(|c| c.0);
     p.max_tokens = max_tokens;
-    if let Some(n) = f.usize("n")? {
+    if let Some(Count(n)) = s.n {
         p.n = n;
     }
-    p.temperature = f.f32("temperature")?;
-    p.top_p = f.f32("top_p")?;
-    p.top_k = f
-        .i64("top_k")?
-        .map(|x| {
-            i32::try_from(x)
-                .map_err(|_| ApiError::invalid(Some("top_k".into()), "'top_k' is out of range"))
-        })
+    let number = |x: Option<Number>| x.map(|x| x.0);
+    p.temperature = number(s.temperature);
+    p.top_p = number(s.top_p);
+    p.top_k = s
+        .top_k
+        .map(|Int(x)| i32::try_from(x).map_err(|_| invalid("top_k", "'top_k' is out of range")))
         .transpose()?;
-    p.min_p = f.f32("min_p")?;
-    p.repetition_penalty = f.f32("repetition_penalty")?;
-    if let Some(x) = f.f32("presence_penalty")? {
+    p.min_p = number(s.min_p);
+    p.repetition_penalty = number(s.repetition_penalty);
+    if let Some(Number(x)) = s.presence_penalty {
         p.presence_penalty = x;
     }
-    if let Some(x) = f.f32("frequency_penalty")? {
+    if let Some(Number(x)) = s.frequency_penalty {
         p.frequency_penalty = x;
     }
-    if let Some(bias) = f.object("logit_bias")? {
+    if let Some(Object(bias)) = &s.logit_bias {
         for (k, v) in bias {
             let t: u32 = k.parse().map_err(|_| {
                 ApiError::invalid(
@@ -105,60 +183,62 @@ pub fn parse_common(
                     format!("logit_bias key '{k}' is not a token id"),
                 )
             })?;
-            let b = v.as_f64().ok_or_else(|| {
-                ApiError::invalid(
-                    Some("logit_bias".into()),
-                    "logit_bias values must be numbers",
-                )
-            })?;
+            let b = v
+                .as_f64()
+                .ok_or_else(|| invalid("logit_bias", "logit_bias values must be numbers"))?;
             p.logit_bias.push((t, b as f32));
         }
     }
     // An empty list is kept (and refused by validation), as vLLM refuses it.
-    if f.get("allowed_token_ids").is_some() {
-        p.allowed_token_ids = Some(f.u32s("allowed_token_ids")?);
-    }
-    p.seed = f.u64("seed")?;
-    p.stop = f.strings("stop")?;
-    p.stop_token_ids = f.u32s("stop_token_ids")?;
-    if let Some(x) = f.bool("ignore_eos")? {
+    p.allowed_token_ids = s.allowed_token_ids.as_ref().map(|t| t.0.clone());
+    p.seed = s.seed.map(|x| x.0);
+    p.stop = s.stop.as_ref().map(|x| x.0.clone()).unwrap_or_default();
+    p.stop_token_ids = s
+        .stop_token_ids
+        .as_ref()
+        .map(|x| x.0.clone())
+        .unwrap_or_default();
+    if let Some(x) = s.ignore_eos {
         p.ignore_eos = x;
     }
-    if let Some(x) = f.usize("min_tokens")? {
+    if let Some(Count(x)) = s.min_tokens {
         p.min_tokens = x;
     }
-    if let Some(x) = f.bool("skip_special_tokens")? {
+    if let Some(x) = s.skip_special_tokens {
         p.skip_special_tokens = x;
     }
-    if let Some(x) = f.bool("include_stop_str_in_output")? {
+    if let Some(x) = s.include_stop_str_in_output {
         p.include_stop_str_in_output = x;
     }
-    if chat {
-        if f.bool("logprobs")?.unwrap_or(false) {
-            p.logprobs = Some(f.logprob_count("top_logprobs")?.unwrap_or(0));
-        } else if f.logprob_count("top_logprobs")?.is_some_and(|k| k > 0) {
-            return Err(ApiError::invalid(
-                Some("top_logprobs".into()),
-                "'top_logprobs' requires 'logprobs' to be true",
-            ));
+    match endpoint {
+        EndpointSampling::Chat {
+            logprobs,
+            top_logprobs,
+            ..
+        } => {
+            if logprobs.unwrap_or(false) {
+                p.logprobs = Some(top_logprobs.map_or(0, |k| k.0));
+            } else if top_logprobs.is_some_and(|k| k.0 > 0) {
+                return Err(invalid(
+                    "top_logprobs",
+                    "'top_logprobs' requires 'logprobs' to be true",
+                ));
+            }
         }
-    } else {
-        p.logprobs = f.logprob_count("logprobs")?;
-        if f.str("suffix")?.is_some() {
-            return Err(ApiError::invalid(
-                Some("suffix".into()),
-                "'suffix' is not supported",
-            ));
+        EndpointSampling::Completion { logprobs, suffix } => {
+            p.logprobs = logprobs.map(|k| k.0);
+            if suffix {
+                return Err(invalid("suffix", "'suffix' is not supported"));
+            }
         }
     }
     // vLLM 0.32's `logprob_token_ids`: the scores of these ids at every
     // step stand in for the top alternatives (`top_logprobs` is then
     // unused, as in vLLM). It needs logprobs asked for.
-    if f.get("logprob_token_ids").is_some() {
-        let ids = f.u32s("logprob_token_ids")?;
+    if let Some(TokenIds(ids)) = &s.logprob_token_ids {
         if p.logprobs.is_none() {
-            return Err(ApiError::invalid(
-                Some("logprob_token_ids".into()),
+            return Err(invalid(
+                "logprob_token_ids",
                 if chat {
                     "'logprob_token_ids' requires 'logprobs' to be true"
                 } else {
@@ -168,24 +248,24 @@ pub fn parse_common(
         }
         if !ids.is_empty() {
             p.logprobs = Some(0);
-            p.logprob_token_ids = ids;
+            p.logprob_token_ids = ids.clone();
         }
     }
-    if let Some(best_of) = f.usize("best_of")? {
+    if let Some(Count(best_of)) = s.best_of {
         if best_of != p.n {
-            return Err(ApiError::invalid(
-                Some("best_of".into()),
+            return Err(invalid(
+                "best_of",
                 "'best_of' other than n is not supported",
             ));
         }
     }
-    let stream = f.bool("stream")?.unwrap_or(false);
-    let echo = f.bool("echo")?.unwrap_or(false);
-    let prompt_logprobs = f.logprob_count("prompt_logprobs")?;
+    let stream = s.stream.unwrap_or(false);
+    let echo = s.echo.unwrap_or(false);
+    let prompt_logprobs = s.prompt_logprobs.map(|k| k.0);
     if stream && prompt_logprobs.is_some() {
         // As vLLM: prompt logprobs come whole, in the final body.
-        return Err(ApiError::invalid(
-            Some("prompt_logprobs".into()),
+        return Err(invalid(
+            "prompt_logprobs",
             "'prompt_logprobs' is not available when 'stream' is true; use 'echo' with 'logprobs' to stream the prompt's scores",
         ));
     }
@@ -195,37 +275,29 @@ pub fn parse_common(
         (true, Some(k)) => Some(k.max(prompt_logprobs.unwrap_or(0))),
         _ => prompt_logprobs,
     };
-    let include_usage = match f.object("stream_options")? {
+    let (include_usage, continuous_usage) = match &s.stream_options {
         // As vLLM does: options of a stream that was not asked for are a
         // client mistake, not something to ignore.
         Some(_) if !stream => {
-            return Err(ApiError::invalid(
-                Some("stream_options".into()),
+            return Err(invalid(
+                "stream_options",
                 "'stream_options' is only allowed when 'stream' is true",
             ))
         }
-        Some(o) => Fields(o).bool("include_usage")?.unwrap_or(false),
-        None => false,
+        Some(o) => {
+            let include = o.include_usage.unwrap_or(false);
+            (include, include && o.continuous_usage_stats.unwrap_or(false))
+        }
+        None => (false, false),
     };
-    let continuous_usage = include_usage
-        && match f.object("stream_options")? {
-            Some(o) => Fields(o).bool("continuous_usage_stats")?.unwrap_or(false),
-            None => false,
-        };
-    let priority = f.i64("priority")?.unwrap_or(0);
-    let cache_salt = match f.str("cache_salt")? {
-        Some(s) => salt_of(s),
-        None => 0,
-    };
-    let structured = crate::server::openai::structured::parse(f)?;
     Ok(CommonParams {
         structured,
         model,
         max_tokens_given: max_tokens.is_some(),
         params: p,
         opts: RequestOptions {
-            cache_salt,
-            priority,
+            cache_salt: s.cache_salt.as_deref().map_or(0, salt_of),
+            priority: s.priority.map_or(0, |x| x.0),
             grammar: None,
             tenant: Default::default(),
             sample_index: 0,
@@ -236,11 +308,11 @@ pub fn parse_common(
         stream,
         include_usage,
         continuous_usage,
-        return_token_ids: f.bool("return_token_ids")?.unwrap_or(false),
+        return_token_ids: s.return_token_ids.unwrap_or(false),
         echo,
         prompt_logprobs,
-        tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
-        bad_words: f.strings("bad_words")?,
+        tokens_as_ids: s.return_tokens_as_token_ids.unwrap_or(false),
+        bad_words: s.bad_words.as_ref().map(|x| x.0.clone()).unwrap_or_default(),
         generation_prompt: None,
     })
 }

@@ -14,10 +14,9 @@ pub mod protocol;
 mod stream;
 
 use super::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
-use super::protocol::parse_common;
+use super::chat_completion::protocol::ChatCompletionRequest;
 use super::tools::{self, ToolMode};
 use crate::server::errors::{json_response, ApiError};
-use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
 use crate::server::{AppState, Body};
 use bytes::Bytes;
@@ -157,8 +156,8 @@ async fn prepare(
     };
     let (body, mut ctx) = super::admit(state, tenant, id, path, body).await?;
     let chat = protocol::chat_body(&body, endpoint)?;
-    let cf = Fields::of(&chat)?;
-    let mut common = parse_common(&cf, true, state.default_model())?;
+    let request = ChatCompletionRequest::from_body(&chat)?;
+    let mut common = request.common(&chat, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -167,6 +166,7 @@ async fn prepare(
     let (ids, mode) = super::chat_completion::prompt::chat_prompt(
         state,
         &engine,
+        &request,
         &chat,
         &mut common,
         &mut ctx,

@@ -4,7 +4,7 @@
 //! and `/tokenize` all render chats here, so the same conversation gets
 //! the same tokens whichever endpoint it came to.
 
-use super::protocol::parse_messages;
+use super::protocol::{parse_messages, ChatCompletionRequest, ChatFields};
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
@@ -12,8 +12,9 @@ use crate::server::openai::{check_prompt_size, off_runtime, protocol, structured
 use crate::server::AppState;
 use serde_json::{json, Value};
 
-/// The prompt of a chat-shaped body (a chat completion, or the chat body a
-/// Responses or Anthropic request becomes): its messages and tools parsed,
+/// The prompt of a chat request (a chat completion, or the chat request a
+/// Responses or Anthropic request becomes; `body` is its JSON, which the
+/// tools' parser and a tenant's render plugin read): its messages and tools parsed,
 /// a named or required tool choice made the output's constraint (which
 /// `format_field`, the request's own output format, may then not also
 /// set), the prompt size checked (naming `size_param`) and the prompt
@@ -22,16 +23,16 @@ use serde_json::{json, Value};
 pub(crate) async fn chat_prompt(
     state: &AppState,
     engine: &crate::engine::async_engine::AsyncEngine,
-    chat: &Value,
+    request: &ChatCompletionRequest,
+    body: &Value,
     common: &mut protocol::CommonParams,
     ctx: &mut Option<TenantCtx>,
     format_field: &str,
     size_param: &str,
 ) -> Result<(Vec<u32>, Option<tools::ToolMode>), ApiError> {
     state.needs_tokenizer("a chat (its template and tokens)")?;
-    let f = Fields::of(chat)?;
-    let messages = parse_messages(&f)?;
-    let tools = tools::parse(&f, state.auto_tool_parser())?;
+    let messages = parse_messages(request.chat.messages.as_ref())?;
+    let tools = tools::parse(&Fields::of(body)?, state.auto_tool_parser())?;
     if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
         if common.structured.is_some() {
             return Err(ApiError::invalid(
@@ -54,30 +55,31 @@ pub(crate) async fn chat_prompt(
     // prompt left the reasoning (opened, closed, neither).
     let want = state.reasoning_parser().is_some();
     let (ids, generation_prompt) =
-        render_chat(engine, chat, &messages, tools.as_ref(), ctx, want).await?;
+        render_chat(engine, body, &request.chat, &messages, tools.as_ref(), ctx, want).await?;
     common.generation_prompt = generation_prompt;
     Ok((ids, tools.and_then(|t| t.mode)))
 }
 
-/// A chat body's prompt tokens: the tenant's `render-prompt` plugins if one
-/// renders it, else the model's chat template over the validated
-/// `messages` (with tools, if the request offers them). With
+/// A chat's prompt tokens: the tenant's `render-prompt` plugins if one
+/// renders it (from `body`, the chat's JSON), else the model's chat
+/// template over the validated `messages` (with tools, if the request
+/// offers them) as `chat`'s fields ask. With
 /// `want_generation_prompt`, also the text the model's template wrote
 /// after the conversation to open the reply (its generation prompt), when
 /// the host's template rendered it.
 pub(crate) async fn render_chat(
     engine: &crate::engine::async_engine::AsyncEngine,
     body: &Value,
+    chat: &ChatFields,
     messages: &[crate::tokenizer::chat_template::ChatMessage],
     tools: Option<&tools::ToolRequest>,
     ctx: &mut Option<TenantCtx>,
     want_generation_prompt: bool,
 ) -> Result<(Vec<u32>, Option<String>), ApiError> {
-    let f = Fields::of(body)?;
-    let continue_final = continue_final_message(&f, messages)?;
+    let continue_final = continue_final_message(chat, messages)?;
     // Continuing the final message opens no new turn: vLLM refuses both
     // at once, and an absent `add_generation_prompt` is read as false.
-    let add_generation_prompt = !continue_final && f.bool("add_generation_prompt")?.unwrap_or(true);
+    let add_generation_prompt = !continue_final && chat.add_generation_prompt.unwrap_or(true);
     let tok = engine.tokenizer().clone();
     let rendered = match ctx {
         Some(c) if c.has_render_prompt() => {
@@ -120,7 +122,7 @@ pub(crate) async fn render_chat(
             }
             // The messages as validated (text parts joined), with the
             // fields tool use adds (tool_calls, tool_call_id, name).
-            let raw = body.get("messages").and_then(Value::as_array);
+            let raw = chat.messages.as_ref().and_then(Value::as_array);
             // gpt-oss's template reads an earlier turn's reasoning as
             // `thinking`.
             let reads_thinking = tok
@@ -149,8 +151,8 @@ pub(crate) async fn render_chat(
             let source = tok.chat_template().map_or("", |t| t.source());
             let (msgs, mut extra) = tools::template_input(&Value::Array(normalized), tools, source);
             // `reasoning_effort`, which gpt-oss's template reads.
-            if let Some(effort) = f.str("reasoning_effort")? {
-                if !REASONING_EFFORTS.contains(&effort) {
+            if let Some(effort) = &chat.reasoning_effort {
+                if !REASONING_EFFORTS.contains(&effort.as_str()) {
                     return Err(ApiError::invalid(
                         Some("reasoning_effort".into()),
                         format!(
@@ -163,7 +165,7 @@ pub(crate) async fn render_chat(
             }
             // vLLM's `chat_template_kwargs` (`{"enable_thinking": false}`):
             // more template variables, never replacing the request's own.
-            match body.get("chat_template_kwargs") {
+            match &chat.chat_template_kwargs {
                 None | Some(Value::Null) => {}
                 Some(Value::Object(kw)) => {
                     for (k, v) in kw {
@@ -256,14 +258,14 @@ pub(crate) async fn render_chat(
 /// `add_generation_prompt: true`, as vLLM (and the template library it
 /// uses) refuse otherwise.
 fn continue_final_message(
-    f: &Fields<'_>,
+    chat: &ChatFields,
     messages: &[crate::tokenizer::chat_template::ChatMessage],
 ) -> Result<bool, ApiError> {
-    if !f.bool("continue_final_message")?.unwrap_or(false) {
+    if !chat.continue_final_message.unwrap_or(false) {
         return Ok(false);
     }
     let bad = |m: &str| ApiError::invalid(Some("continue_final_message".into()), m);
-    if f.bool("add_generation_prompt")? == Some(true) {
+    if chat.add_generation_prompt == Some(true) {
         return Err(bad(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
         ));

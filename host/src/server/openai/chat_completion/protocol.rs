@@ -1,9 +1,71 @@
-//! What `/v1/chat/completions` takes beyond the shared sampling fields
-//! ([`crate::server::openai::protocol`]): its `messages`.
+//! A `/v1/chat/completions` request: the sampling fields every generation
+//! endpoint shares ([`crate::server::openai::protocol`]) and the chat's
+//! own, its `messages` above all. Responses and Anthropic's Messages
+//! requests are served as this request.
 
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::Fields;
+use crate::server::openai::protocol::{parse_common, CommonParams, EndpointSampling, SamplingRequest};
+use crate::server::openai::structured;
+use crate::server::openai::wire::{from_body, Count, LogprobCount};
+use serde::Deserialize;
 use serde_json::Value;
+
+/// A chat completion request, typed.
+#[derive(Debug, Clone)]
+pub struct ChatCompletionRequest {
+    pub sampling: SamplingRequest,
+    pub chat: ChatFields,
+}
+
+/// What a chat request adds to the shared sampling fields: its
+/// conversation and how the template renders it.
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct ChatFields {
+    /// As written: [`parse_messages`] checks each message's role and text,
+    /// and the template also reads the fields tool use adds (`tool_calls`,
+    /// `tool_call_id`, `name`, `reasoning`).
+    pub messages: Option<Value>,
+    /// `max_tokens`' newer name; it wins where both are given.
+    pub max_completion_tokens: Option<Count>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<LogprobCount>,
+    /// Whether the template opens the assistant's turn (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// vLLM's: the prompt ends inside the final (assistant's) message.
+    pub continue_final_message: Option<bool>,
+    /// `low`, `medium` or `high`, which gpt-oss's template reads.
+    pub reasoning_effort: Option<String>,
+    /// vLLM's: more template variables (`{"enable_thinking": false}`);
+    /// must be an object where the host's template renders the prompt.
+    pub chat_template_kwargs: Option<Value>,
+}
+
+impl ChatCompletionRequest {
+    /// Reads a chat body; a field of the wrong type is a 400 naming it.
+    pub fn from_body(body: &Value) -> Result<Self, ApiError> {
+        Ok(ChatCompletionRequest {
+            sampling: from_body(body)?,
+            chat: from_body(body)?,
+        })
+    }
+
+    /// The request's sampling as the engine takes it, with the output
+    /// format the body's structured-output fields ask for.
+    pub fn common(&self, body: &Value, default_model: Option<&str>) -> Result<CommonParams, ApiError> {
+        let structured = structured::parse(&Fields::of(body)?)?;
+        parse_common(
+            &self.sampling,
+            EndpointSampling::Chat {
+                logprobs: self.chat.logprobs,
+                top_logprobs: self.chat.top_logprobs,
+                max_completion_tokens: self.chat.max_completion_tokens,
+            },
+            structured,
+            default_model,
+        )
+    }
+}
 
 /// The chat roles OpenAI and the chat templates of the served model
 /// families know (`ipython` is Llama 3's tool-result role).
@@ -19,10 +81,10 @@ const KNOWN_ROLES: &[&str] = &[
 
 /// One chat message as the template sees it.
 pub fn parse_messages(
-    f: &Fields<'_>,
+    messages: Option<&Value>,
 ) -> Result<Vec<crate::tokenizer::chat_template::ChatMessage>, ApiError> {
     let bad = |m: String| ApiError::invalid(Some("messages".into()), m);
-    let list = match f.get("messages") {
+    let list = match messages.filter(|v| !v.is_null()) {
         Some(Value::Array(a)) if !a.is_empty() => a,
         Some(Value::Array(_)) => return Err(bad("'messages' must not be empty".into())),
         Some(_) => return Err(bad("'messages' must be a list of messages".into())),

@@ -1,11 +1,9 @@
 //! `POST /v1/chat/completions` and vLLM's `/v1/chat/completions/batch`.
 
 use super::prompt::chat_prompt;
-use super::protocol::parse_messages;
+use super::protocol::{parse_messages, ChatCompletionRequest};
 use crate::server::errors::ApiError;
 use crate::server::openai::engine_io::{generate, Api, RunPrompt};
-use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::parse_common;
 use crate::server::openai::{admit, pooling, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
@@ -20,8 +18,8 @@ pub async fn chat(
 ) -> Result<Response<Body>, ApiError> {
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
-    let f = Fields::of(&body)?;
-    let mut common = parse_common(&f, true, state.default_model())?;
+    let request = ChatCompletionRequest::from_body(&body)?;
+    let mut common = request.common(&body, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -30,6 +28,7 @@ pub async fn chat(
     let (ids, mode) = chat_prompt(
         &state,
         engine,
+        &request,
         &body,
         &mut common,
         &mut ctx,
@@ -41,7 +40,7 @@ pub async fn chat(
     // that is the assistant's own (a prefill, most often continued with
     // `continue_final_message`).
     let echo = if common.echo {
-        parse_messages(&f)?
+        parse_messages(request.chat.messages.as_ref())?
             .pop()
             .filter(|m| m.role == "assistant" && !m.content.is_empty())
             .map(|m| m.content)
@@ -72,21 +71,22 @@ pub async fn chat_batch(
 ) -> Result<Response<Body>, ApiError> {
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions/batch", body).await?;
-    let f = Fields::of(&body)?;
+    let request = ChatCompletionRequest::from_body(&body)?;
     let refuse = |param: &str, m: &str| Err(ApiError::invalid(Some(param.into()), m));
-    if f.bool("stream")?.unwrap_or(false) {
+    if request.sampling.stream.unwrap_or(false) {
         return refuse("stream", "the batch endpoint does not stream; send each conversation to /v1/chat/completions to stream it");
     }
-    if f.get("tools").is_some() || f.get("tool_choice").is_some() {
+    let given = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if given("tools") || given("tool_choice") {
         return refuse("tools", "the batch endpoint offers no tools; send each conversation to /v1/chat/completions to use them");
     }
-    if f.usize("n")?.is_some_and(|n| n != 1) {
+    if request.sampling.n.is_some_and(|n| n.0 != 1) {
         return refuse(
             "n",
             "the batch endpoint answers each conversation once: 'n' must be 1",
         );
     }
-    let conversations = match f.get("messages") {
+    let conversations = match &request.chat.messages {
         Some(Value::Array(c)) if !c.is_empty() && c.iter().all(Value::is_array) => c.clone(),
         _ => {
             return refuse(
@@ -98,7 +98,7 @@ pub async fn chat_batch(
     if conversations.len() > 256 {
         return refuse("messages", "at most 256 conversations per request");
     }
-    let mut common = parse_common(&f, true, state.default_model())?;
+    let mut common = request.common(&body, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -107,12 +107,15 @@ pub async fn chat_batch(
     pooling::refuse_generation(engine, "/v1/chat/completions/batch")?;
     let mut prompts = Vec::with_capacity(conversations.len());
     for (i, conversation) in conversations.into_iter().enumerate() {
-        // Each conversation is rendered as the chat body it stands for.
+        // Each conversation is rendered as the chat it stands for.
         let mut one = body.clone();
-        one["messages"] = conversation;
+        one["messages"] = conversation.clone();
+        let mut one_request = request.clone();
+        one_request.chat.messages = Some(conversation);
         let (ids, _) = chat_prompt(
             &state,
             engine,
+            &one_request,
             &one,
             &mut common,
             &mut ctx,
@@ -125,7 +128,7 @@ pub async fn chat_batch(
             e
         })?;
         let echo = if common.echo {
-            parse_messages(&Fields::of(&one)?)?
+            parse_messages(one_request.chat.messages.as_ref())?
                 .pop()
                 .filter(|m| m.role == "assistant" && !m.content.is_empty())
                 .map(|m| m.content)

@@ -1,9 +1,58 @@
-//! What `/v1/completions` takes beyond the shared sampling fields
-//! ([`crate::server::openai::protocol`]): its `prompt`.
+//! A `/v1/completions` request: the sampling fields every generation
+//! endpoint shares ([`crate::server::openai::protocol`]) and its own, the
+//! `prompt` above all.
 
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::Fields;
+use crate::server::openai::protocol::{parse_common, CommonParams, EndpointSampling, SamplingRequest};
+use crate::server::openai::structured;
+use crate::server::openai::wire::{from_body, LogprobCount};
+use serde::Deserialize;
 use serde_json::Value;
+
+/// A completions request, typed.
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub sampling: SamplingRequest,
+    pub completion: CompletionFields,
+}
+
+/// What a completions request adds to the shared sampling fields.
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct CompletionFields {
+    /// As written: [`parse_prompts`] reads its four shapes.
+    pub prompt: Option<Value>,
+    /// How many alternatives to list per token.
+    pub logprobs: Option<LogprobCount>,
+    /// Refused: no model served here fills in the middle.
+    pub suffix: Option<String>,
+}
+
+impl CompletionRequest {
+    /// Reads a completions body; a field of the wrong type is a 400
+    /// naming it.
+    pub fn from_body(body: &Value) -> Result<Self, ApiError> {
+        Ok(CompletionRequest {
+            sampling: from_body(body)?,
+            completion: from_body(body)?,
+        })
+    }
+
+    /// The request's sampling as the engine takes it, with the output
+    /// format the body's structured-output fields ask for.
+    pub fn common(&self, body: &Value, default_model: Option<&str>) -> Result<CommonParams, ApiError> {
+        let structured = structured::parse(&Fields::of(body)?)?;
+        parse_common(
+            &self.sampling,
+            EndpointSampling::Completion {
+                logprobs: self.completion.logprobs,
+                suffix: self.completion.suffix.is_some(),
+            },
+            structured,
+            default_model,
+        )
+    }
+}
 
 /// A completions prompt: a string, a list of strings, a list of token ids
 /// or a list of lists of token ids.
@@ -14,15 +63,15 @@ pub enum PromptInput {
 }
 
 /// Parses `prompt` of a completions request.
-pub fn parse_prompts(f: &Fields<'_>) -> Result<Vec<PromptInput>, ApiError> {
+pub fn parse_prompts(prompt: Option<&Value>) -> Result<Vec<PromptInput>, ApiError> {
     let bad = || {
         ApiError::invalid(
             Some("prompt".into()),
             "'prompt' must be a string, a list of strings, or token ids",
         )
     };
-    let v = f
-        .get("prompt")
+    let v = prompt
+        .filter(|v| !v.is_null())
         .ok_or_else(|| ApiError::invalid(Some("prompt".into()), "'prompt' is required"))?;
     let tokens = |a: &Vec<Value>| -> Option<Vec<u32>> {
         a.iter()

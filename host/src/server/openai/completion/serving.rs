@@ -1,10 +1,8 @@
 //! `POST /v1/completions`.
 
-use super::protocol::{parse_prompts, PromptInput};
+use super::protocol::{parse_prompts, CompletionRequest, PromptInput};
 use crate::server::errors::ApiError;
 use crate::server::openai::engine_io::{generate, Api, RunPrompt};
-use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::parse_common;
 use crate::server::openai::{admit, check_prompt_size, off_runtime, pooling, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
@@ -19,14 +17,14 @@ pub async fn completions(
 ) -> Result<Response<Body>, ApiError> {
     let id = random_id("cmpl");
     let (body, ctx) = admit(&state, tenant, &id, "/v1/completions", body).await?;
-    let f = Fields::of(&body)?;
-    let common = parse_common(&f, false, state.default_model())?;
+    let request = CompletionRequest::from_body(&body)?;
+    let common = request.common(&body, state.default_model())?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
     let engine = state.engine_as(&common.model, ctx.as_ref())?;
     pooling::refuse_generation(engine, "/v1/completions")?;
-    let prompts = parse_prompts(&f)?;
+    let prompts = parse_prompts(request.completion.prompt.as_ref())?;
     let tok = engine.tokenizer().clone();
     let max_len = engine.max_model_len();
     for p in &prompts {

@@ -22,7 +22,7 @@ use super::protocol::{
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
 use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::parse_common;
+use crate::server::openai::chat_completion::protocol::ChatCompletionRequest;
 use crate::server::openai::{admit, chat_completion, now_secs, pooling, tools};
 use crate::server::{AppState, Body};
 use bytes::Bytes;
@@ -345,13 +345,17 @@ async fn respond(
         chat.insert("tool_choice".into(), c);
     }
     let chat = Value::Object(chat);
-    let cf = Fields::of(&chat)?;
-    let mut common = parse_common(&cf, true, state.default_model()).map_err(|mut e| {
+    // Its own names for the fields chat names otherwise.
+    let own_name = |mut e: ApiError| {
         if e.param.as_deref() == Some("max_tokens") {
             e.param = Some("max_output_tokens".into());
         }
         e
-    })?;
+    };
+    let request = ChatCompletionRequest::from_body(&chat).map_err(own_name)?;
+    let mut common = request
+        .common(&chat, state.default_model())
+        .map_err(own_name)?;
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -362,6 +366,7 @@ async fn respond(
     let (ids, mode) = chat_completion::prompt::chat_prompt(
         &state,
         &engine,
+        &request,
         &chat,
         &mut common,
         &mut ctx,

@@ -4,11 +4,14 @@
 
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::chat_completion::prompt::render_chat;
-use crate::server::openai::chat_completion::protocol::parse_messages;
-use crate::server::openai::completion::protocol::{parse_prompts, PromptInput};
+use super::protocol::{DetokenizeRequest, ModelName, TokenizeRequest};
+use crate::server::openai::chat_completion::protocol::{
+    parse_messages, ChatCompletionRequest, ChatFields,
+};
+use crate::server::openai::completion::protocol::{parse_prompts, CompletionRequest, PromptInput};
 use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::parse_common;
 use crate::server::openai::tenant::TenantCtx;
+use crate::server::openai::wire::from_body;
 use crate::server::openai::{admit, check_prompt_size, off_runtime, random_id, tools};
 use crate::server::{AppState, Body};
 use hyper::Response;
@@ -37,8 +40,14 @@ pub async fn render(
     };
     let id = random_id(prefix);
     let (body, mut ctx) = admit(&state, tenant, &id, endpoint, body).await?;
-    let f = Fields::of(&body)?;
-    let common = parse_common(&f, chat, state.default_model())?;
+    let (common, chat_request, prompt) = if chat {
+        let r = ChatCompletionRequest::from_body(&body)?;
+        (r.common(&body, state.default_model())?, Some(r), None)
+    } else {
+        let r = CompletionRequest::from_body(&body)?;
+        let common = r.common(&body, state.default_model())?;
+        (common, None, r.completion.prompt)
+    };
     if let Some(c) = &ctx {
         c.check_model(&common.model)?;
     }
@@ -60,17 +69,25 @@ pub async fn render(
         json!({"request_id": request_id, "model": common.model, "token_ids": ids,
             "sampling_params": sampling, "features": null})
     };
-    let out = if chat {
+    let out = if let Some(r) = chat_request {
         state.needs_tokenizer("a chat")?;
-        let messages = parse_messages(&f)?;
-        let tools = tools::parse(&f, state.auto_tool_parser())?;
+        let messages = parse_messages(r.chat.messages.as_ref())?;
+        let tools = tools::parse(&Fields::of(&body)?, state.auto_tool_parser())?;
         let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
         check_prompt_size(&tok, bytes, max_len, "messages")?;
-        let (ids, _) =
-            render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx, false).await?;
+        let (ids, _) = render_chat(
+            &engine,
+            &body,
+            &r.chat,
+            &messages,
+            tools.as_ref(),
+            &mut ctx,
+            false,
+        )
+        .await?;
         entry(id, ids)
     } else {
-        let prompts = parse_prompts(&f)?;
+        let prompts = parse_prompts(prompt.as_ref())?;
         for p in &prompts {
             if let PromptInput::Text(t) = p {
                 state.needs_tokenizer("a text prompt")?;
@@ -110,16 +127,17 @@ pub async fn tokenize(
     tenant: Option<Arc<crate::tenants::Tenant>>,
 ) -> Result<Response<Body>, ApiError> {
     let (mut ctx, engine) = tokenizer_call(&state, &body, tenant.as_ref(), "tokenize")?;
-    let f = Fields::of(&body)?;
+    let request: TokenizeRequest = from_body(&body)?;
     let tok = engine.tokenizer().clone();
-    let add_special = f.bool("add_special_tokens")?.unwrap_or(true);
-    let ids = if f.0.contains_key("messages") {
-        let messages = parse_messages(&f)?;
-        let tools = tools::parse(&f, state.auto_tool_parser())?;
+    let add_special = request.add_special_tokens.unwrap_or(true);
+    let ids = if body.get("messages").is_some() {
+        let chat: ChatFields = from_body(&body)?;
+        let messages = parse_messages(chat.messages.as_ref())?;
+        let tools = tools::parse(&Fields::of(&body)?, state.auto_tool_parser())?;
         let bytes = serde_json::to_string(&body).map_or(usize::MAX, |s| s.len());
         check_prompt_size(&tok, bytes, engine.max_model_len(), "messages")?;
         let (mut ids, _) =
-            render_chat(&engine, &body, &messages, tools.as_ref(), &mut ctx, false).await?;
+            render_chat(&engine, &body, &chat, &messages, tools.as_ref(), &mut ctx, false).await?;
         if let Some(bos) = tok.bos_id() {
             if add_special && tok.add_bos() && ids.first() != Some(&bos) {
                 ids.insert(0, bos);
@@ -127,12 +145,9 @@ pub async fn tokenize(
         }
         ids
     } else {
-        let text = f
-            .str("prompt")?
-            .ok_or_else(|| {
-                ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
-            })?
-            .to_string();
+        let text = request.prompt.ok_or_else(|| {
+            ApiError::invalid(Some("prompt".into()), "'prompt' or 'messages' is required")
+        })?;
         check_prompt_size(&tok, text.len(), engine.max_model_len(), "prompt")?;
         off_runtime(move || {
             tok.encode(&text, add_special)
@@ -162,7 +177,8 @@ fn tokenizer_call(
         Some(t) => Some(TenantCtx::admit(state, t, &random_id(what))?),
         None => None,
     };
-    let engine = match Fields::of(body)?.str("model")? {
+    let name: ModelName = from_body(body)?;
+    let engine = match name.model.as_deref() {
         Some(m) => state.engine_as(m, ctx.as_ref())?,
         None => state.engine()?,
     };
@@ -178,7 +194,8 @@ pub async fn detokenize(
     tenant: Option<Arc<crate::tenants::Tenant>>,
 ) -> Result<Response<Body>, ApiError> {
     let (ctx, engine) = tokenizer_call(&state, &body, tenant.as_ref(), "detokenize")?;
-    let ids = Fields::of(&body)?.u32s("tokens")?;
+    let request: DetokenizeRequest = from_body(&body)?;
+    let ids = request.tokens.map(|t| t.0).unwrap_or_default();
     if ids.len() > engine.max_model_len() {
         return Err(ApiError::context_length(
             "tokens",
