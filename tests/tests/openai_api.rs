@@ -1145,3 +1145,103 @@ fn logprob_token_ids_score_the_ids_asked_for() {
         assert_eq!(e["error"]["param"], "logprob_token_ids", "{bad}: {e}");
     }
 }
+
+/// Each generation endpoint reads its body into a typed request: a field
+/// of the wrong type (nested ones too) is a 400 whose `param` names it by
+/// its path and whose message says what was expected, on chat,
+/// completions, Responses (whose chat request is built from its own
+/// fields, so its names stay its own) and the tokenizer endpoints.
+#[test]
+fn a_field_of_the_wrong_type_is_named_with_what_was_expected() {
+    let s = Server::start(&[]);
+    let post = |path: &str, body: &Value| {
+        let mut r = agent()
+            .post(&s.url(path))
+            .header("content-type", "application/json")
+            .send(body.to_string())
+            .expect("request");
+        let status = r.status().as_u16();
+        let v: Value = serde_json::from_str(&r.body_mut().read_to_string().unwrap()).unwrap();
+        (status, v)
+    };
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "smol", "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "hi", "temperature": "hot"}),
+            "temperature",
+            "must be a number",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "smol", "prompt": "hi", "n": -1}),
+            "n",
+            "must be non-negative",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream": true, "stream_options": {"include_usage": "yes"}})),
+            "stream_options.include_usage",
+            "must be a boolean",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stop": ["a", 1]})),
+            "stop",
+            "must be a string or a list of strings",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"continue_final_message": "yes"})),
+            "continue_final_message",
+            "must be a boolean",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "smol", "input": "hi", "max_output_tokens": "many"}),
+            "max_output_tokens",
+            "must be an integer",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "smol", "input": "hi", "top_p": [1]}),
+            "top_p",
+            "must be a number",
+        ),
+        (
+            "/tokenize",
+            json!({"model": "smol", "prompt": 5}),
+            "prompt",
+            "must be a string",
+        ),
+        (
+            "/detokenize",
+            json!({"model": "smol", "tokens": [1, -2]}),
+            "tokens",
+            "must be a list of token ids",
+        ),
+    ];
+    for (path, body, param, expected) in cases {
+        let (status, v) = post(path, &body);
+        assert_eq!(status, 400, "{path} {body}: {v}");
+        assert_eq!(v["error"]["param"], param, "{path} {body}: {v}");
+        let message = v["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            message.contains(param) && message.contains(expected),
+            "{path} {body}: {v}"
+        );
+    }
+    // The same fields, well typed, are served.
+    let (status, v) = post(
+        "/v1/responses",
+        &json!({"model": "smol", "input": "hi", "max_output_tokens": 2, "top_p": 1}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["max_output_tokens"], 2, "{v}");
+}

@@ -39,13 +39,6 @@ pub(crate) struct RunPrompt {
     pub echo: Option<String>,
 }
 
-impl RunPrompt {
-    /// A prompt that is not echoed.
-    pub fn new(ids: Vec<u32>) -> Self {
-        RunPrompt { ids, echo: None }
-    }
-}
-
 /// Per choice: what has been produced so far.
 #[derive(Default, Clone)]
 pub(crate) struct Choice {

@@ -2,7 +2,8 @@
 //! over the same pipeline), laid out as vLLM's `entrypoints/openai/`: one
 //! folder per endpoint, each with its `protocol` (the request and
 //! response shapes) and its `serving` (the handlers), and the parts they
-//! share beside them: [`engine_io`] (a generation run: submission,
+//! share beside them: [`pipeline`] (the steps every generation request
+//! takes before it runs), [`engine_io`] (a generation run: submission,
 //! collection, response bodies and SSE streams), [`pooling`] (a pooling
 //! run), [`protocol`] (the sampling fields common to the generation
 //! endpoints), [`wire`] and [`fields`] (reading a body's fields), [`tools`], [`tool_parsers`], [`structured`],
@@ -17,6 +18,7 @@ pub mod embeddings;
 pub mod engine_io;
 pub mod fields;
 pub mod harmony;
+pub mod pipeline;
 pub mod pooling;
 pub mod protocol;
 pub mod reasoning;

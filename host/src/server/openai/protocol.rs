@@ -12,7 +12,7 @@ use crate::server::openai::structured::RequestedStructure;
 use crate::server::openai::wire::{
     Count, Int, LogprobCount, Number, Object, Seed, Strings, TokenIds,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// What both endpoints share once parsed: the sampling parameters, engine
 /// options and streaming flags.
@@ -61,7 +61,7 @@ pub struct CommonParams {
 /// wrote them (each endpoint's own fields are in its folder's
 /// `protocol.rs`). Read from the body by [`from_body`]: a wrong type is a
 /// 400 naming the field.
-#[derive(Deserialize, Debug, Clone, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Default)]
 pub struct SamplingRequest {
     pub model: Option<String>,
     pub max_tokens: Option<Count>,
@@ -99,7 +99,7 @@ pub struct SamplingRequest {
 }
 
 /// `stream_options`.
-#[derive(Deserialize, Debug, Clone, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Default)]
 #[serde(expecting = "an object")]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
@@ -286,7 +286,10 @@ pub fn parse_common(
         }
         Some(o) => {
             let include = o.include_usage.unwrap_or(false);
-            (include, include && o.continuous_usage_stats.unwrap_or(false))
+            (
+                include,
+                include && o.continuous_usage_stats.unwrap_or(false),
+            )
         }
         None => (false, false),
     };
@@ -312,7 +315,11 @@ pub fn parse_common(
         echo,
         prompt_logprobs,
         tokens_as_ids: s.return_tokens_as_token_ids.unwrap_or(false),
-        bad_words: s.bad_words.as_ref().map(|x| x.0.clone()).unwrap_or_default(),
+        bad_words: s
+            .bad_words
+            .as_ref()
+            .map(|x| x.0.clone())
+            .unwrap_or_default(),
         generation_prompt: None,
     })
 }

@@ -47,9 +47,17 @@ fn strings(v: &Value, param: &str) -> Result<Vec<String>, ApiError> {
 
 /// `response_format`: `text` (none), `json_object`, or `json_schema`.
 fn response_format(f: &Fields<'_>) -> Result<Option<RequestedStructure>, ApiError> {
-    let Some(rf) = f.object("response_format")? else {
-        return Ok(None);
-    };
+    match f.object("response_format")? {
+        Some(rf) => from_response_format(rf),
+        None => Ok(None),
+    }
+}
+
+/// The constraint a `response_format` object asks for (a Responses
+/// request's `text.format` is one too, once renamed).
+pub fn from_response_format(
+    rf: &serde_json::Map<String, Value>,
+) -> Result<Option<RequestedStructure>, ApiError> {
     let rf = Fields(rf);
     let kind = rf.str("type")?.ok_or_else(|| {
         invalid(

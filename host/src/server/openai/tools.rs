@@ -10,7 +10,6 @@
 
 use crate::engine::structured_output::{OutputConstraint, StructuredOutputs};
 use crate::server::errors::ApiError;
-use crate::server::openai::fields::Fields;
 use crate::server::openai::tool_parsers::{ParsedOutput, ParsedToolCall, ToolCallParser};
 use serde_json::{json, Map, Value};
 
@@ -51,13 +50,15 @@ fn invalid(param: &str, message: impl Into<String>) -> ApiError {
 /// Parses `tools`, `tool_choice` and `parallel_tool_calls`. `auto_parser`
 /// is the server's `--tool-call-parser` under `--enable-auto-tool-choice`.
 /// Without tools, a `tool_choice` other than `none` is refused.
-pub fn parse(
-    f: &Fields<'_>,
+pub fn parse_fields(
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
+    parallel_tool_calls: Option<bool>,
     auto_parser: Option<ToolCallParser>,
 ) -> Result<Option<ToolRequest>, ApiError> {
-    let parallel = f.bool("parallel_tool_calls")?.unwrap_or(true);
-    let choice = f.0.get("tool_choice").filter(|v| !v.is_null());
-    let raw = match f.0.get("tools").filter(|v| !v.is_null()) {
+    let parallel = parallel_tool_calls.unwrap_or(true);
+    let choice = tool_choice.filter(|v| !v.is_null());
+    let raw = match tools.filter(|v| !v.is_null()) {
         None => {
             return match choice {
                 None => Ok(None),
@@ -551,6 +552,7 @@ fn generic_tool_prompt(t: &ToolRequest) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::openai::fields::Fields;
 
     fn tools_body(extra: Value) -> Value {
         let mut b = json!({"tools": [
@@ -567,7 +569,13 @@ mod tests {
     }
 
     fn parsed(body: Value, auto: Option<ToolCallParser>) -> Result<Option<ToolRequest>, ApiError> {
-        parse(&Fields::of(&body).unwrap(), auto)
+        let f = Fields::of(&body).unwrap();
+        parse_fields(
+            f.0.get("tools"),
+            f.0.get("tool_choice"),
+            f.bool("parallel_tool_calls")?,
+            auto,
+        )
     }
 
     #[test]

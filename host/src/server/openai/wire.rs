@@ -10,7 +10,7 @@
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::ALL_LOGPROBS;
 use serde::de::{self, DeserializeOwned, Deserializer, SeqAccess, Unexpected, Visitor};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize, Serializer};
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -62,7 +62,8 @@ fn field_path(p: &serde_path_to_error::Path) -> String {
 }
 
 /// A JSON number of any kind, read as `f32` (`temperature`, `top_p`).
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(transparent)]
 pub struct Number(pub f32);
 
 impl<'de> Deserialize<'de> for Number {
@@ -89,7 +90,8 @@ impl<'de> Deserialize<'de> for Number {
 
 /// An integer, which may be written as a float with no fraction (`5.0`,
 /// as some clients send), within ±9e15 where floats hold it exactly.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct Int(pub i64);
 
 struct IntVisitor;
@@ -121,16 +123,15 @@ impl<'de> Deserialize<'de> for Int {
 }
 
 /// A count: an integer of at least 0 (`n`, `max_tokens`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct Count(pub usize);
 
 impl<'de> Deserialize<'de> for Count {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         match d.deserialize_any(IntVisitor)? {
             x if x >= 0 => Ok(Count(x as usize)),
-            x => Err(de::Error::custom(format!(
-                "must be non-negative, got {x}"
-            ))),
+            x => Err(de::Error::custom(format!("must be non-negative, got {x}"))),
         }
     }
 }
@@ -140,6 +141,16 @@ impl<'de> Deserialize<'de> for Count {
 /// vocabulary ([`ALL_LOGPROBS`] until the vocabulary's size is known).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LogprobCount(pub usize);
+
+/// Written back as the client wrote it: `-1` for the whole vocabulary.
+impl Serialize for LogprobCount {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            ALL_LOGPROBS => s.serialize_i64(-1),
+            k => s.serialize_u64(k as u64),
+        }
+    }
+}
 
 impl<'de> Deserialize<'de> for LogprobCount {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -155,7 +166,8 @@ impl<'de> Deserialize<'de> for LogprobCount {
 
 /// A seed: any integer; a negative one (which OpenAI accepts) keeps its
 /// bits.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct Seed(pub u64);
 
 impl<'de> Deserialize<'de> for Seed {
@@ -178,7 +190,8 @@ impl<'de> Deserialize<'de> for Seed {
 }
 
 /// A string or a list of strings (`stop`, `bad_words`), as a list.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct Strings(pub Vec<String>);
 
 impl<'de> Deserialize<'de> for Strings {
@@ -210,7 +223,8 @@ impl<'de> Deserialize<'de> for Strings {
 }
 
 /// A list of token ids (`stop_token_ids`, `allowed_token_ids`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
 pub struct TokenIds(pub Vec<u32>);
 
 impl<'de> Deserialize<'de> for TokenIds {
@@ -237,7 +251,8 @@ impl<'de> Deserialize<'de> for TokenIds {
 }
 
 /// A JSON object kept as it is (`logit_bias`, `chat_template_kwargs`).
-#[derive(Clone, Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(transparent)]
 pub struct Object(pub Map<String, Value>);
 
 impl<'de> Deserialize<'de> for Object {
@@ -318,7 +333,11 @@ mod tests {
     #[test]
     fn a_wrong_value_is_named_with_what_was_expected() {
         for (body, param, message) in [
-            (json!({"temperature": "hot"}), "temperature", "'temperature' must be a number"),
+            (
+                json!({"temperature": "hot"}),
+                "temperature",
+                "'temperature' must be a number",
+            ),
             (json!({"n": -1}), "n", "'n' must be non-negative, got -1"),
             (json!({"n": 1.5}), "n", "'n' must be an integer"),
             (json!({"top_k": "1"}), "top_k", "'top_k' must be an integer"),
@@ -328,16 +347,44 @@ mod tests {
                 "logprobs",
                 "'logprobs' must be a non-negative value or -1 (the whole vocabulary), got -2",
             ),
-            (json!({"stop": ["a", 1]}), "stop", "'stop' must be a string or a list of strings"),
-            (json!({"stop": 3}), "stop", "'stop' must be a string or a list of strings"),
-            (json!({"ids": [1, -1]}), "ids", "'ids' must be a list of token ids"),
-            (json!({"ids": "1"}), "ids", "'ids' must be a list of token ids"),
+            (
+                json!({"stop": ["a", 1]}),
+                "stop",
+                "'stop' must be a string or a list of strings",
+            ),
+            (
+                json!({"stop": 3}),
+                "stop",
+                "'stop' must be a string or a list of strings",
+            ),
+            (
+                json!({"ids": [1, -1]}),
+                "ids",
+                "'ids' must be a list of token ids",
+            ),
+            (
+                json!({"ids": "1"}),
+                "ids",
+                "'ids' must be a list of token ids",
+            ),
             (json!({"bias": [1]}), "bias", "'bias' must be an object"),
-            (json!({"stream": "yes"}), "stream", "'stream' must be a boolean"),
+            (
+                json!({"stream": "yes"}),
+                "stream",
+                "'stream' must be a boolean",
+            ),
             (json!({"inner": 1}), "inner", "'inner' must be an object"),
-            (json!({"inner": {"flag": 1}}), "inner.flag", "'inner.flag' must be a boolean"),
+            (
+                json!({"inner": {"flag": 1}}),
+                "inner.flag",
+                "'inner.flag' must be a boolean",
+            ),
         ] {
-            assert_eq!(err(body.clone()), (param.to_string(), message.to_string()), "{body}");
+            assert_eq!(
+                err(body.clone()),
+                (param.to_string(), message.to_string()),
+                "{body}"
+            );
         }
         let e = from_body::<Probe>(&json!([1])).expect_err("not an object");
         assert_eq!(e.param, None);

@@ -13,8 +13,9 @@
 pub mod protocol;
 mod stream;
 
-use super::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
 use super::chat_completion::protocol::ChatCompletionRequest;
+use super::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
+use super::pipeline::{self, ChatPrompt, PromptRequest};
 use super::tools::{self, ToolMode};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::tenant::TenantCtx;
@@ -135,7 +136,7 @@ pub async fn route(state: Arc<AppState>, mut req: Request<Incoming>) -> Response
 /// prompt rendered by the chat path.
 struct Prepared {
     common: super::protocol::CommonParams,
-    ids: Vec<u32>,
+    prompts: Vec<RunPrompt>,
     mode: Option<ToolMode>,
     ctx: Option<TenantCtx>,
 }
@@ -157,27 +158,18 @@ async fn prepare(
     let (body, mut ctx) = super::admit(state, tenant, id, path, body).await?;
     let chat = protocol::chat_body(&body, endpoint)?;
     let request = ChatCompletionRequest::from_body(&chat)?;
-    let mut common = request.common(&chat, state.default_model())?;
-    if let Some(c) = &ctx {
-        c.check_model(&common.model)?;
-    }
-    let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
-    super::pooling::refuse_generation(&engine, "/v1/messages")?;
-    let (ids, mode) = super::chat_completion::prompt::chat_prompt(
-        state,
-        &engine,
-        &request,
-        &chat,
-        &mut common,
-        &mut ctx,
-        "output_config.format",
-        "messages",
-    )
-    .await?;
+    let common = request.common(&chat, state.default_model())?;
+    let prompt = PromptRequest::Chat(ChatPrompt {
+        request: &request,
+        json: &chat,
+        format_field: "output_config.format",
+        size_param: "messages",
+    });
+    let p = pipeline::prepare(state, common, prompt, &mut ctx, "/v1/messages").await?;
     Ok(Prepared {
-        common,
-        ids,
-        mode,
+        common: p.common,
+        prompts: p.prompts,
+        mode: p.tools,
         ctx,
     })
 }
@@ -192,10 +184,11 @@ async fn count_tokens(
 ) -> Result<Response<Body>, ApiError> {
     let id = protocol::message_id();
     let p = prepare(&state, body, tenant, &id, Endpoint::CountTokens).await?;
+    let tokens: usize = p.prompts.iter().map(|r| r.ids.len()).sum();
     if let Some(c) = &p.ctx {
-        c.admission.charge(p.ids.len() as u64, 0);
+        c.admission.charge(tokens as u64, 0);
     }
-    Ok(json_response(&json!({"input_tokens": p.ids.len()})))
+    Ok(json_response(&json!({"input_tokens": tokens})))
 }
 
 /// `POST /v1/messages`.
@@ -211,7 +204,7 @@ async fn messages(
     let run = start_run(
         state,
         p.common,
-        vec![RunPrompt::new(p.ids)],
+        p.prompts,
         Api::Chat,
         id.clone(),
         p.ctx,

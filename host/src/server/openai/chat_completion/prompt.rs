@@ -6,7 +6,6 @@
 
 use super::protocol::{parse_messages, ChatCompletionRequest, ChatFields};
 use crate::server::errors::ApiError;
-use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
 use crate::server::openai::{check_prompt_size, off_runtime, protocol, structured, tools};
 use crate::server::AppState;
@@ -32,7 +31,7 @@ pub(crate) async fn chat_prompt(
 ) -> Result<(Vec<u32>, Option<tools::ToolMode>), ApiError> {
     state.needs_tokenizer("a chat (its template and tokens)")?;
     let messages = parse_messages(request.chat.messages.as_ref())?;
-    let tools = tools::parse(&Fields::of(body)?, state.auto_tool_parser())?;
+    let tools = request.chat.tools(state.auto_tool_parser())?;
     if let Some((spec, param)) = tools.as_ref().and_then(|t| t.constraint()) {
         if common.structured.is_some() {
             return Err(ApiError::invalid(
@@ -54,8 +53,16 @@ pub(crate) async fn chat_prompt(
     // A reasoning parser needs to know how the template's generation
     // prompt left the reasoning (opened, closed, neither).
     let want = state.reasoning_parser().is_some();
-    let (ids, generation_prompt) =
-        render_chat(engine, body, &request.chat, &messages, tools.as_ref(), ctx, want).await?;
+    let (ids, generation_prompt) = render_chat(
+        engine,
+        body,
+        &request.chat,
+        &messages,
+        tools.as_ref(),
+        ctx,
+        want,
+    )
+    .await?;
     common.generation_prompt = generation_prompt;
     Ok((ids, tools.and_then(|t| t.mode)))
 }

@@ -5,10 +5,14 @@
 
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::{parse_common, CommonParams, EndpointSampling, SamplingRequest};
+use crate::server::openai::protocol::{
+    parse_common, CommonParams, EndpointSampling, SamplingRequest,
+};
 use crate::server::openai::structured;
+use crate::server::openai::tool_parsers::ToolCallParser;
+use crate::server::openai::tools::{self, ToolRequest};
 use crate::server::openai::wire::{from_body, Count, LogprobCount};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 /// A chat completion request, typed.
@@ -20,7 +24,7 @@ pub struct ChatCompletionRequest {
 
 /// What a chat request adds to the shared sampling fields: its
 /// conversation and how the template renders it.
-#[derive(Deserialize, Debug, Clone, Default)]
+#[derive(Deserialize, Serialize, Debug, Clone, Default)]
 pub struct ChatFields {
     /// As written: [`parse_messages`] checks each message's role and text,
     /// and the template also reads the fields tool use adds (`tool_calls`,
@@ -39,6 +43,27 @@ pub struct ChatFields {
     /// vLLM's: more template variables (`{"enable_thinking": false}`);
     /// must be an object where the host's template renders the prompt.
     pub chat_template_kwargs: Option<Value>,
+    /// The functions offered, as written ([`ChatFields::tools`] checks
+    /// them; templates render the list as sent).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+}
+
+impl ChatFields {
+    /// The request's tools, validated; `auto_parser` is the server's
+    /// `--tool-call-parser` under `--enable-auto-tool-choice`.
+    pub fn tools(
+        &self,
+        auto_parser: Option<ToolCallParser>,
+    ) -> Result<Option<ToolRequest>, ApiError> {
+        tools::parse_fields(
+            self.tools.as_ref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
+            auto_parser,
+        )
+    }
 }
 
 impl ChatCompletionRequest {
@@ -52,18 +77,42 @@ impl ChatCompletionRequest {
 
     /// The request's sampling as the engine takes it, with the output
     /// format the body's structured-output fields ask for.
-    pub fn common(&self, body: &Value, default_model: Option<&str>) -> Result<CommonParams, ApiError> {
+    pub fn common(
+        &self,
+        body: &Value,
+        default_model: Option<&str>,
+    ) -> Result<CommonParams, ApiError> {
         let structured = structured::parse(&Fields::of(body)?)?;
         parse_common(
             &self.sampling,
-            EndpointSampling::Chat {
-                logprobs: self.chat.logprobs,
-                top_logprobs: self.chat.top_logprobs,
-                max_completion_tokens: self.chat.max_completion_tokens,
-            },
+            self.endpoint_sampling(),
             structured,
             default_model,
         )
+    }
+
+    /// How a chat reads its token budget and logprobs.
+    pub fn endpoint_sampling(&self) -> EndpointSampling {
+        EndpointSampling::Chat {
+            logprobs: self.chat.logprobs,
+            top_logprobs: self.chat.top_logprobs,
+            max_completion_tokens: self.chat.max_completion_tokens,
+        }
+    }
+
+    /// The request as a chat body (the fields it sets), for what reads
+    /// chats as JSON: a tenant's `render-prompt` plugin.
+    pub fn to_json(&self) -> Value {
+        let mut out = serde_json::Map::new();
+        for part in [
+            serde_json::to_value(&self.sampling),
+            serde_json::to_value(&self.chat),
+        ] {
+            if let Ok(Value::Object(m)) = part {
+                out.extend(m.into_iter().filter(|(_, v)| !v.is_null()));
+            }
+        }
+        Value::Object(out)
     }
 }
 

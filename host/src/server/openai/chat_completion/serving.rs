@@ -4,7 +4,8 @@ use super::prompt::chat_prompt;
 use super::protocol::{parse_messages, ChatCompletionRequest};
 use crate::server::errors::ApiError;
 use crate::server::openai::engine_io::{generate, Api, RunPrompt};
-use crate::server::openai::{admit, pooling, random_id};
+use crate::server::openai::pipeline::{generation_engine, prepare, ChatPrompt, PromptRequest};
+use crate::server::openai::{admit, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
 use serde_json::Value;
@@ -19,44 +20,15 @@ pub async fn chat(
     let id = random_id("chatcmpl");
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/chat/completions", body).await?;
     let request = ChatCompletionRequest::from_body(&body)?;
-    let mut common = request.common(&body, state.default_model())?;
-    if let Some(c) = &ctx {
-        c.check_model(&common.model)?;
-    }
-    let engine = state.engine_as(&common.model, ctx.as_ref())?;
-    pooling::refuse_generation(engine, "/v1/chat/completions")?;
-    let (ids, mode) = chat_prompt(
-        &state,
-        engine,
-        &request,
-        &body,
-        &mut common,
-        &mut ctx,
-        "the structured-output field",
-        "messages",
-    )
-    .await?;
-    // vLLM's `echo` on chat: the answer starts with the final message when
-    // that is the assistant's own (a prefill, most often continued with
-    // `continue_final_message`).
-    let echo = if common.echo {
-        parse_messages(request.chat.messages.as_ref())?
-            .pop()
-            .filter(|m| m.role == "assistant" && !m.content.is_empty())
-            .map(|m| m.content)
-    } else {
-        None
-    };
-    generate(
-        state,
-        common,
-        vec![RunPrompt { ids, echo }],
-        Api::Chat,
-        id,
-        ctx,
-        mode,
-    )
-    .await
+    let common = request.common(&body, state.default_model())?;
+    let prompt = PromptRequest::Chat(ChatPrompt {
+        request: &request,
+        json: &body,
+        format_field: "the structured-output field",
+        size_param: "messages",
+    });
+    let p = prepare(&state, common, prompt, &mut ctx, "/v1/chat/completions").await?;
+    generate(state, p.common, p.prompts, Api::Chat, id, ctx, p.tools).await
 }
 
 /// `POST /v1/chat/completions/batch`, vLLM's: `messages` is a list of
@@ -99,12 +71,13 @@ pub async fn chat_batch(
         return refuse("messages", "at most 256 conversations per request");
     }
     let mut common = request.common(&body, state.default_model())?;
-    if let Some(c) = &ctx {
-        c.check_model(&common.model)?;
-    }
     // A tenant's own adapter serves its batches as it serves its chats.
-    let engine = state.engine_as(&common.model, ctx.as_ref())?;
-    pooling::refuse_generation(engine, "/v1/chat/completions/batch")?;
+    let engine = generation_engine(
+        &state,
+        &common.model,
+        ctx.as_ref(),
+        "/v1/chat/completions/batch",
+    )?;
     let mut prompts = Vec::with_capacity(conversations.len());
     for (i, conversation) in conversations.into_iter().enumerate() {
         // Each conversation is rendered as the chat it stands for.

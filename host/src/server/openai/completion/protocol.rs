@@ -4,7 +4,9 @@
 
 use crate::server::errors::ApiError;
 use crate::server::openai::fields::Fields;
-use crate::server::openai::protocol::{parse_common, CommonParams, EndpointSampling, SamplingRequest};
+use crate::server::openai::protocol::{
+    parse_common, CommonParams, EndpointSampling, SamplingRequest,
+};
 use crate::server::openai::structured;
 use crate::server::openai::wire::{from_body, LogprobCount};
 use serde::Deserialize;
@@ -40,7 +42,11 @@ impl CompletionRequest {
 
     /// The request's sampling as the engine takes it, with the output
     /// format the body's structured-output fields ask for.
-    pub fn common(&self, body: &Value, default_model: Option<&str>) -> Result<CommonParams, ApiError> {
+    pub fn common(
+        &self,
+        body: &Value,
+        default_model: Option<&str>,
+    ) -> Result<CommonParams, ApiError> {
         let structured = structured::parse(&Fields::of(body)?)?;
         parse_common(
             &self.sampling,

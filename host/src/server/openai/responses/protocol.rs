@@ -1,12 +1,98 @@
-//! A Responses request read into the chat request it is served as: its
-//! `input` items as chat messages, its tools (`namespace` tools flattened)
-//! as chat tools, `text.format` as `response_format`, and what this
-//! server refuses.
+//! A Responses request, typed ([`ResponsesRequest`]), and what it becomes
+//! in the chat request it is served as: its `input` items as chat
+//! messages, its tools (`namespace` tools flattened) as chat tools,
+//! `text.format` as a `response_format`; and what this server refuses.
 
 use crate::server::errors::ApiError;
-use crate::server::openai::fields::Fields;
+use crate::server::openai::wire::{Count, LogprobCount, Number, Object};
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
+
+/// A `/v1/responses` body. The fields the response object echoes are
+/// echoed from the body as written.
+#[derive(Deserialize, Debug, Clone, Default)]
+pub struct ResponsesRequest {
+    pub model: Option<String>,
+    /// Text, or a list of items ([`input_messages`] reads them).
+    pub input: Option<Value>,
+    /// A system message for this turn only.
+    pub instructions: Option<String>,
+    pub previous_response_id: Option<String>,
+    pub stream: Option<bool>,
+    /// Whether the response is kept (default true).
+    pub store: Option<bool>,
+    pub background: Option<bool>,
+    /// `message.output_text.logprobs` asks for the answer's logprobs.
+    pub include: Option<Vec<String>>,
+    pub top_logprobs: Option<LogprobCount>,
+    pub temperature: Option<Number>,
+    pub top_p: Option<Number>,
+    pub max_output_tokens: Option<Count>,
+    pub parallel_tool_calls: Option<bool>,
+    pub reasoning: Option<ReasoningConfig>,
+    /// Function and `namespace` tools, as written ([`chat_tools`] reads
+    /// them with `tool_choice`).
+    pub tools: Option<Value>,
+    pub tool_choice: Option<Value>,
+    /// `text.format`: the answer's format.
+    pub text: Option<Object>,
+    /// Refused: conversations are not kept here.
+    pub conversation: Option<Value>,
+}
+
+/// `reasoning`.
+#[derive(Deserialize, Debug, Clone, Default)]
+#[serde(expecting = "an object")]
+pub struct ReasoningConfig {
+    /// `low`, `medium` or `high`: chat's `reasoning_effort`.
+    pub effort: Option<String>,
+}
+
+impl ResponsesRequest {
+    /// Whether `include` asks for the answer's logprobs.
+    pub fn wants_logprobs(&self) -> bool {
+        self.include
+            .iter()
+            .flatten()
+            .any(|i| i == "message.output_text.logprobs")
+    }
+
+    /// Refuses what this server does not do, rather than ignoring it.
+    /// `reasoning` tells whether the server runs a reasoning parser.
+    pub fn refuse_unsupported(&self, reasoning: bool) -> Result<(), ApiError> {
+        if self.background.unwrap_or(false) {
+            // As OpenAI and vLLM: a background response is fetched from
+            // the store, so it must be stored; and it is polled, not
+            // streamed.
+            if !self.store.unwrap_or(true) {
+                return Err(invalid(
+                    "background",
+                    "background responses need 'store' to be true",
+                ));
+            }
+            if self.stream.unwrap_or(false) {
+                return Err(invalid(
+                    "background",
+                    "background responses are not streamed here; poll GET /v1/responses/{id}",
+                ));
+            }
+        }
+        if !reasoning && self.reasoning.is_some() {
+            return Err(invalid(
+                "reasoning",
+                "'reasoning' needs a server started with --reasoning-parser (deepseek_r1, qwen3 or openai_gptoss)",
+            ));
+        }
+        if self.conversation.as_ref().is_some_and(|c| !c.is_null()) {
+            return Err(invalid(
+                "conversation",
+                "conversations are not supported; continue with previous_response_id",
+            ));
+        }
+        Ok(())
+    }
+}
 
 pub(crate) fn invalid(param: &str, message: impl Into<String>) -> ApiError {
     ApiError::invalid(Some(param.to_string()), message)
@@ -251,7 +337,8 @@ pub(crate) fn input_item_list(v: Option<&Value>) -> Vec<Value> {
 /// `tool_choice` in the chat form, for the chat path's parsing, schema
 /// enforcement and templates. Built-in tools are refused.
 pub(crate) fn chat_tools(
-    f: &Fields<'_>,
+    tools: Option<&Value>,
+    tool_choice: Option<&Value>,
 ) -> Result<(Option<Value>, Option<Value>, Namespaces), ApiError> {
     let mut namespaces = Namespaces::new();
     let function = |t: &Value, name: String| {
@@ -264,7 +351,7 @@ pub(crate) fn chat_tools(
         }
         json!({"type": "function", "function": function})
     };
-    let tools = match f.0.get("tools").filter(|v| !v.is_null()) {
+    let tools = match tools.filter(|v| !v.is_null()) {
         None => None,
         Some(Value::Array(list)) if list.is_empty() => None,
         Some(Value::Array(list)) => {
@@ -315,7 +402,7 @@ pub(crate) fn chat_tools(
         }
         Some(_) => return Err(invalid("tools", "'tools' must be a list")),
     };
-    let choice = match f.0.get("tool_choice").filter(|v| !v.is_null()) {
+    let choice = match tool_choice.filter(|v| !v.is_null()) {
         None => None,
         Some(Value::String(s)) => Some(json!(s)),
         Some(Value::Object(o)) => match (o.get("type").and_then(Value::as_str), o.get("name").and_then(Value::as_str)) {
@@ -360,19 +447,25 @@ pub(crate) fn function_call_item(
     (item, chat)
 }
 
-/// `text.format` as a chat `response_format`.
-pub(crate) fn response_format(f: &Fields<'_>) -> Result<Option<Value>, ApiError> {
-    let Some(text) = f.object("text")? else {
+/// `text.format` as a chat `response_format` (an object).
+pub(crate) fn response_format(
+    text: Option<&Object>,
+) -> Result<Option<Map<String, Value>>, ApiError> {
+    let Some(Object(text)) = text else {
         return Ok(None);
     };
     let Some(format) = text.get("format").filter(|v| !v.is_null()) else {
         return Ok(None);
     };
     let kind = format.get("type").and_then(Value::as_str);
+    let object = |v: Value| match v {
+        Value::Object(m) => Some(m),
+        _ => None,
+    };
     Ok(match kind {
         Some("text") => None,
-        Some("json_object") => Some(json!({"type": "json_object"})),
-        Some("json_schema") => Some(json!({"type": "json_schema", "json_schema": {
+        Some("json_object") => object(json!({"type": "json_object"})),
+        Some("json_schema") => object(json!({"type": "json_schema", "json_schema": {
             "name": format.get("name").cloned().unwrap_or(json!("response")),
             "schema": format.get("schema").cloned().unwrap_or(Value::Null),
             "strict": format.get("strict").cloned().unwrap_or(Value::Null),
@@ -384,37 +477,4 @@ pub(crate) fn response_format(f: &Fields<'_>) -> Result<Option<Value>, ApiError>
             ))
         }
     })
-}
-
-/// Refuses what this server does not do, rather than ignoring it.
-pub(crate) fn refuse_unsupported(f: &Fields<'_>, reasoning: bool) -> Result<(), ApiError> {
-    if f.bool("background")?.unwrap_or(false) {
-        // As OpenAI and vLLM: a background response is fetched from the
-        // store, so it must be stored; and it is polled, not streamed.
-        if !f.bool("store")?.unwrap_or(true) {
-            return Err(invalid(
-                "background",
-                "background responses need 'store' to be true",
-            ));
-        }
-        if f.bool("stream")?.unwrap_or(false) {
-            return Err(invalid(
-                "background",
-                "background responses are not streamed here; poll GET /v1/responses/{id}",
-            ));
-        }
-    }
-    if !reasoning && f.0.get("reasoning").is_some_and(|r| !r.is_null()) {
-        return Err(invalid(
-            "reasoning",
-            "'reasoning' needs a server started with --reasoning-parser (deepseek_r1, qwen3 or openai_gptoss)",
-        ));
-    }
-    if f.0.get("conversation").is_some_and(|r| !r.is_null()) {
-        return Err(invalid(
-            "conversation",
-            "conversations are not supported; continue with previous_response_id",
-        ));
-    }
-    Ok(())
 }

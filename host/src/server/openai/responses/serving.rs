@@ -16,14 +16,16 @@
 //! with a 400.
 
 use super::protocol::{
-    chat_tools, function_call_item, input_item_list, input_messages, invalid, refuse_unsupported,
-    response_format, Namespaces,
+    chat_tools, function_call_item, input_item_list, input_messages, invalid, response_format,
+    Namespaces, ResponsesRequest,
 };
 use crate::server::errors::{json_response, ApiError};
-use crate::server::openai::engine_io::{collect, sse_response, start_run, Api, Run, RunPrompt};
-use crate::server::openai::fields::Fields;
-use crate::server::openai::chat_completion::protocol::ChatCompletionRequest;
-use crate::server::openai::{admit, chat_completion, now_secs, pooling, tools};
+use crate::server::openai::chat_completion::protocol::{ChatCompletionRequest, ChatFields};
+use crate::server::openai::engine_io::{collect, sse_response, start_run, Api, Run};
+use crate::server::openai::pipeline::{prepare, ChatPrompt, PromptRequest};
+use crate::server::openai::protocol::{parse_common, SamplingRequest};
+use crate::server::openai::wire::from_body;
+use crate::server::openai::{admit, now_secs, structured, tools};
 use crate::server::{AppState, Body};
 use bytes::Bytes;
 use hyper::body::Frame;
@@ -242,7 +244,9 @@ pub async fn render(
     respond(state, body, tenant, true).await
 }
 
-/// A Responses request served (or, with `render_only`, only rendered).
+/// A Responses request served (or, with `render_only`, only rendered): read
+/// into its typed request, turned into the typed chat request it is
+/// served as, and run through the pipeline every generation takes.
 async fn respond(
     state: Arc<AppState>,
     body: Value,
@@ -252,18 +256,18 @@ async fn respond(
     let id = format!("resp_{:032x}", rand::random::<u128>());
     let store_key = tenant.as_ref().map_or_else(String::new, |t| t.id.clone());
     let (body, mut ctx) = admit(&state, tenant, &id, "/v1/responses", body).await?;
-    let f = Fields::of(&body)?;
-    refuse_unsupported(&f, state.reasoning_parser().is_some())?;
+    let request: ResponsesRequest = from_body(&body)?;
+    request.refuse_unsupported(state.reasoning_parser().is_some())?;
     // No model: the first served name, as chat and completions (and
     // vLLM) do.
-    let model = match f.str("model")? {
-        Some(m) => m.to_string(),
+    let model = match &request.model {
+        Some(m) => m.clone(),
         None => state
             .default_model()
             .ok_or_else(|| invalid("model", "'model' is required"))?
             .to_string(),
     };
-    let previous = f.str("previous_response_id")?.map(str::to_string);
+    let previous = request.previous_response_id.clone();
     let mut messages: Vec<Value> = match &previous {
         Some(p) => state.responses.conversation(&store_key, p).ok_or_else(|| {
             invalid(
@@ -274,60 +278,20 @@ async fn respond(
         None => Vec::new(),
     };
     // Instructions apply to this turn only, as OpenAI's do.
-    let instructions = f.str("instructions")?.map(str::to_string);
-    if let Some(i) = &instructions {
+    if let Some(i) = &request.instructions {
         messages.retain(|m| m.get("role").and_then(Value::as_str) != Some("system"));
         messages.insert(0, json!({"role": "system", "content": i}));
     }
-    messages.extend(input_messages(f.0.get("input"))?);
-    let input_items = input_item_list(f.0.get("input"));
-    let stream = f.bool("stream")?.unwrap_or(false);
-    let store = f.bool("store")?.unwrap_or(true);
-    let background = f.bool("background")?.unwrap_or(false);
+    messages.extend(input_messages(request.input.as_ref())?);
+    let input_items = input_item_list(request.input.as_ref());
+    let stream = request.stream.unwrap_or(false);
+    let store = request.store.unwrap_or(true);
+    let background = request.background.unwrap_or(false);
     // `include: ["message.output_text.logprobs"]` (with `top_logprobs`
     // alternatives per token): the answer's logprobs, as chat's.
-    let include: Vec<String> = match f.get("include") {
-        None => Vec::new(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|v| {
-                v.as_str()
-                    .map(str::to_string)
-                    .ok_or_else(|| invalid("include", "'include' must be a list of strings"))
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(invalid("include", "'include' must be a list of strings")),
-    };
-    let logprobs = include.iter().any(|i| i == "message.output_text.logprobs");
-    // The chat request this response is served as.
-    let mut chat = Map::new();
-    chat.insert("model".into(), json!(model));
-    chat.insert("messages".into(), Value::Array(messages.clone()));
-    for (from, to) in [
-        ("temperature", "temperature"),
-        ("top_p", "top_p"),
-        ("max_output_tokens", "max_tokens"),
-        ("user", "user"),
-        ("parallel_tool_calls", "parallel_tool_calls"),
-    ] {
-        if let Some(v) = f.0.get(from).filter(|v| !v.is_null()) {
-            chat.insert(to.into(), v.clone());
-        }
-    }
-    // `reasoning.effort`, as chat's `reasoning_effort` (which gpt-oss's
-    // template reads).
-    if let Some(effort) = f.0.get("reasoning").and_then(|r| r.get("effort")) {
-        if !effort.is_null() {
-            chat.insert("reasoning_effort".into(), effort.clone());
-        }
-    }
-    if logprobs {
-        chat.insert("logprobs".into(), json!(true));
-        if let Some(k) = f.0.get("top_logprobs").filter(|v| !v.is_null()) {
-            chat.insert("top_logprobs".into(), k.clone());
-        }
-    }
-    let (chat_tools, chat_choice, namespaces) = chat_tools(&f)?;
+    let logprobs = request.wants_logprobs();
+    let (chat_tools, chat_choice, namespaces) =
+        chat_tools(request.tools.as_ref(), request.tool_choice.as_ref())?;
     // A forced call (named or required) is the whole output, so a
     // `text.format` beside it has no text to shape; instructor's
     // RESPONSES_TOOLS mode sends both, the format being the tool's own
@@ -335,46 +299,49 @@ async fn respond(
     let forced = chat_choice
         .as_ref()
         .is_some_and(|c| c.is_object() || c == "required");
-    if let Some(rf) = response_format(&f)?.filter(|_| !forced) {
-        chat.insert("response_format".into(), rf);
-    }
-    if let Some(t) = chat_tools {
-        chat.insert("tools".into(), t);
-    }
-    if let Some(c) = chat_choice {
-        chat.insert("tool_choice".into(), c);
-    }
-    let chat = Value::Object(chat);
-    // Its own names for the fields chat names otherwise.
-    let own_name = |mut e: ApiError| {
-        if e.param.as_deref() == Some("max_tokens") {
-            e.param = Some("max_output_tokens".into());
-        }
-        e
+    let structured = match response_format(request.text.as_ref())?.filter(|_| !forced) {
+        Some(rf) => structured::from_response_format(&rf)?,
+        None => None,
     };
-    let request = ChatCompletionRequest::from_body(&chat).map_err(own_name)?;
-    let mut common = request
-        .common(&chat, state.default_model())
-        .map_err(own_name)?;
-    if let Some(c) = &ctx {
-        c.check_model(&common.model)?;
-    }
-    let engine = state.engine_as(&common.model, ctx.as_ref())?.clone();
-    pooling::refuse_generation(&engine, "/v1/responses")?;
-    // Function tools go through the chat path's parsing, schema
-    // enforcement (named and required choices) and templates.
-    let (ids, mode) = chat_completion::prompt::chat_prompt(
-        &state,
-        &engine,
-        &request,
-        &chat,
-        &mut common,
-        &mut ctx,
-        "text.format",
-        "input",
-    )
-    .await?;
+    // The chat request this response is served as.
+    let chat = ChatCompletionRequest {
+        sampling: SamplingRequest {
+            model: Some(model.clone()),
+            temperature: request.temperature,
+            top_p: request.top_p,
+            max_tokens: request.max_output_tokens,
+            ..Default::default()
+        },
+        chat: ChatFields {
+            messages: Some(Value::Array(messages.clone())),
+            logprobs: logprobs.then_some(true),
+            top_logprobs: request.top_logprobs.filter(|_| logprobs),
+            // `reasoning.effort`, as chat's `reasoning_effort` (which
+            // gpt-oss's template reads).
+            reasoning_effort: request.reasoning.as_ref().and_then(|r| r.effort.clone()),
+            tools: chat_tools,
+            tool_choice: chat_choice,
+            parallel_tool_calls: request.parallel_tool_calls,
+            ..Default::default()
+        },
+    };
+    let common = parse_common(
+        &chat.sampling,
+        chat.endpoint_sampling(),
+        structured,
+        state.default_model(),
+    )?;
+    // What a tenant's render-prompt plugin renders: the chat, as JSON.
+    let chat_json = chat.to_json();
+    let prompt = PromptRequest::Chat(ChatPrompt {
+        request: &chat,
+        json: &chat_json,
+        format_field: "text.format",
+        size_param: "input",
+    });
+    let prepared = prepare(&state, common, prompt, &mut ctx, "/v1/responses").await?;
     if render_only {
+        let common = &prepared.common;
         let mut sampling = Map::new();
         if let Some(m) = common.params.max_tokens {
             sampling.insert("max_tokens".into(), json!(m));
@@ -382,50 +349,45 @@ async fn respond(
         if let Some(t) = common.params.temperature {
             sampling.insert("temperature".into(), json!(t));
         }
+        let ids = prepared.prompts.first().map(|p| &p.ids);
         return Ok(json_response(
             &json!({"request_id": id, "model": common.model,
             "token_ids": ids, "sampling_params": sampling, "features": null}),
         ));
     }
+    // The response echoes these as the request wrote them.
+    let given = |k: &str| body.get(k).cloned().filter(|v| !v.is_null());
     let echo = Echo {
         id: id.clone(),
         model: model.clone(),
         created: now_secs(),
-        instructions: json!(instructions),
-        max_output_tokens: f.0.get("max_output_tokens").cloned().unwrap_or(Value::Null),
-        temperature: f.0.get("temperature").cloned().unwrap_or(Value::Null),
-        top_p: f.0.get("top_p").cloned().unwrap_or(Value::Null),
+        instructions: json!(request.instructions),
+        max_output_tokens: body
+            .get("max_output_tokens")
+            .cloned()
+            .unwrap_or(Value::Null),
+        temperature: body.get("temperature").cloned().unwrap_or(Value::Null),
+        top_p: body.get("top_p").cloned().unwrap_or(Value::Null),
         previous: json!(previous),
-        text: f
-            .0
+        text: body
             .get("text")
             .cloned()
             .unwrap_or_else(|| json!({"format": {"type": "text"}})),
-        tools: f
-            .0
-            .get("tools")
-            .cloned()
-            .filter(|v| !v.is_null())
-            .unwrap_or(json!([])),
-        tool_choice: f
-            .0
-            .get("tool_choice")
-            .cloned()
-            .filter(|v| !v.is_null())
-            .unwrap_or(json!("auto")),
-        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        tools: given("tools").unwrap_or(json!([])),
+        tool_choice: given("tool_choice").unwrap_or(json!("auto")),
+        parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
         background,
         namespaces,
         logprobs,
     };
     let run = start_run(
         state.clone(),
-        common,
-        vec![RunPrompt::new(ids)],
+        prepared.common,
+        prepared.prompts,
         Api::Chat,
         id.clone(),
         ctx,
-        mode,
+        prepared.tools,
     )
     .await?;
     if background {

@@ -2,17 +2,16 @@
 //! `/v1/completions/render` and `/v1/chat/completions/render` (the token
 //! ids a generation request's prompts would have).
 
+use super::protocol::{DetokenizeRequest, ModelName, TokenizeRequest};
 use crate::server::errors::{json_response, ApiError};
 use crate::server::openai::chat_completion::prompt::render_chat;
-use super::protocol::{DetokenizeRequest, ModelName, TokenizeRequest};
 use crate::server::openai::chat_completion::protocol::{
     parse_messages, ChatCompletionRequest, ChatFields,
 };
 use crate::server::openai::completion::protocol::{parse_prompts, CompletionRequest, PromptInput};
-use crate::server::openai::fields::Fields;
 use crate::server::openai::tenant::TenantCtx;
 use crate::server::openai::wire::from_body;
-use crate::server::openai::{admit, check_prompt_size, off_runtime, random_id, tools};
+use crate::server::openai::{admit, check_prompt_size, off_runtime, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
 use serde_json::{json, Value};
@@ -72,7 +71,7 @@ pub async fn render(
     let out = if let Some(r) = chat_request {
         state.needs_tokenizer("a chat")?;
         let messages = parse_messages(r.chat.messages.as_ref())?;
-        let tools = tools::parse(&Fields::of(&body)?, state.auto_tool_parser())?;
+        let tools = r.chat.tools(state.auto_tool_parser())?;
         let bytes: usize = messages.iter().map(|m| m.content.len()).sum();
         check_prompt_size(&tok, bytes, max_len, "messages")?;
         let (ids, _) = render_chat(
@@ -133,11 +132,19 @@ pub async fn tokenize(
     let ids = if body.get("messages").is_some() {
         let chat: ChatFields = from_body(&body)?;
         let messages = parse_messages(chat.messages.as_ref())?;
-        let tools = tools::parse(&Fields::of(&body)?, state.auto_tool_parser())?;
+        let tools = chat.tools(state.auto_tool_parser())?;
         let bytes = serde_json::to_string(&body).map_or(usize::MAX, |s| s.len());
         check_prompt_size(&tok, bytes, engine.max_model_len(), "messages")?;
-        let (mut ids, _) =
-            render_chat(&engine, &body, &chat, &messages, tools.as_ref(), &mut ctx, false).await?;
+        let (mut ids, _) = render_chat(
+            &engine,
+            &body,
+            &chat,
+            &messages,
+            tools.as_ref(),
+            &mut ctx,
+            false,
+        )
+        .await?;
         if let Some(bos) = tok.bos_id() {
             if add_special && tok.add_bos() && ids.first() != Some(&bos) {
                 ids.insert(0, bos);
