@@ -3,6 +3,7 @@
 
 pub mod bench;
 pub mod config_file;
+pub mod extra_model;
 pub mod generate;
 pub mod models;
 pub mod serve;

@@ -23,6 +23,19 @@ pub struct ServeArgs {
     /// given again (or in --config too), the names add up.
     #[arg(long, num_args = 1..)]
     pub served_model_name: Vec<String>,
+    /// One more model served behind the same port on an engine of its own
+    /// (an embedding model or a reranker beside a chat model): NAME=PATH,
+    /// or a JSON object {"model": PATH, "served_model_name": NAME or
+    /// [NAMES], "runner", "convert", "pooler_config", "hf_overrides",
+    /// "tokenizer", "quantization", "dtype", "max_model_len",
+    /// "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+    /// "gpu_memory_utilization"}. Unset fields take the main model's
+    /// machine settings (device, threads, dtype, KV-cache size: each model
+    /// gets a KV cache of that size) and the model's own defaults.
+    /// Several after one flag, or the flag repeated, add up; a request's
+    /// "model" picks one.
+    #[arg(long, num_args = 1.., value_name = "SPEC")]
+    pub extra_model: Vec<String>,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     #[arg(long, default_value_t = 8000)]
@@ -255,6 +268,11 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
     let reasoning_parser = reasoning_parser(&a, auto_tool_parser)?;
     let mut engine = a.engine.to_engine_args()?;
     engine.seed = a.seed;
+    let extra_models = a
+        .extra_model
+        .iter()
+        .map(|spec| super::extra_model::parse(spec, &a.engine, a.seed))
+        .collect::<Result<Vec<_>>>()?;
     engine.chat_template = a.chat_template.clone();
     let names = if a.served_model_name.is_empty() {
         let model = engine.model.clone();
@@ -290,6 +308,7 @@ pub fn run(mut a: ServeArgs) -> Result<()> {
             host: a.host,
             port: a.port,
             served_model_names: names,
+            extra_models,
             api_key: a.api_key,
             max_body_bytes: a.max_body_bytes,
             connections: crate::server::connections::ConnectionLimits {

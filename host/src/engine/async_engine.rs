@@ -138,6 +138,8 @@ pub struct AsyncEngine {
     generates: bool,
     /// `Some(why)` once the engine thread has died.
     dead: watch::Receiver<Option<String>>,
+    /// Where this engine's metrics go, if not to the global recorder.
+    recorder: Option<Arc<dyn metrics::Recorder + Send + Sync>>,
 }
 
 /// Aborts the engine requests it guards when dropped before they finish,
@@ -197,6 +199,16 @@ struct Track {
 impl AsyncEngine {
     /// Moves `core` onto a new thread and returns the handle.
     pub fn start(core: EngineCore) -> std::io::Result<AsyncEngine> {
+        Self::start_with_metrics(core, None)
+    }
+
+    /// [`AsyncEngine::start`], its metrics recorded through `recorder`
+    /// (where one server runs several engines, each labels its series
+    /// with its own model's name) instead of the global recorder.
+    pub fn start_with_metrics(
+        core: EngineCore,
+        recorder: Option<Arc<dyn metrics::Recorder + Send + Sync>>,
+    ) -> std::io::Result<AsyncEngine> {
         let (tx, rx) = std_mpsc::channel();
         let stats = Arc::new(Mutex::new(core.stats()));
         let tokenizer = core.tokenizer().clone();
@@ -207,14 +219,20 @@ impl AsyncEngine {
         let hidden_size = core.runner().config().hidden_size;
         // What the KV cache is, once, as vLLM publishes it.
         let kv = core.kv_cache();
-        metrics::gauge!(
-            m::CACHE_CONFIG_INFO,
-            "block_size" => kv.block_size().to_string(),
-            "num_gpu_blocks" => kv.pool().num_blocks().to_string(),
-            "num_cpu_blocks" => "0",
-            "enable_prefix_caching" => if kv.prefix_caching() { "True" } else { "False" },
-        )
-        .set(1.0);
+        let cache_info = || {
+            metrics::gauge!(
+                m::CACHE_CONFIG_INFO,
+                "block_size" => kv.block_size().to_string(),
+                "num_gpu_blocks" => kv.pool().num_blocks().to_string(),
+                "num_cpu_blocks" => "0",
+                "enable_prefix_caching" => if kv.prefix_caching() { "True" } else { "False" },
+            )
+            .set(1.0)
+        };
+        match recorder.as_deref() {
+            Some(r) => metrics::with_local_recorder(r, cache_info),
+            None => cache_info(),
+        }
         let eos_ids: Arc<[u32]> = core.eos_ids().into();
         let sampling_defaults = Arc::new(core.sampling_defaults().clone());
         let loras = core.lora_registry().cloned();
@@ -241,9 +259,14 @@ impl AsyncEngine {
         std::thread::Builder::new()
             .name("pagoda-output".into())
             .spawn(move || output_loop(from_engine, stop_tx))?;
+        let thread_recorder = recorder.clone();
         std::thread::Builder::new()
             .name("pagoda-engine".into())
             .spawn(move || {
+                // Every metric of this engine goes through its recorder.
+                let _local = thread_recorder
+                    .as_deref()
+                    .map(|r| metrics::set_default_local_recorder(r));
                 // The request metrics, the output thread's channel (and
                 // through it the requests' output channels) and the command
                 // queue live out here, so that they close only after `dead`
@@ -284,7 +307,17 @@ impl AsyncEngine {
             sampling_defaults,
             loras,
             dead,
+            recorder,
         })
+    }
+
+    /// Runs `f` with this engine's metrics recorder, so that what it
+    /// records on a front-end thread carries the engine's model name.
+    pub fn with_metrics<R>(&self, f: impl FnOnce() -> R) -> R {
+        match &self.recorder {
+            Some(r) => metrics::with_local_recorder(&**r, f),
+            None => f(),
+        }
     }
 
     /// Why the engine thread died, if it has.
@@ -582,6 +615,20 @@ fn engine_loop(
     tracks: &mut HashMap<u64, Track>,
 ) -> anyhow::Result<()> {
     let mut last = core.stats();
+    // Shown from the start under this engine's recorder, so that an extra
+    // model's series exist before its first request (the main model's the
+    // server sets up with the recorder; adding zero changes nothing).
+    for name in [
+        m::PROMPT_TOKENS,
+        m::GENERATION_TOKENS,
+        m::NUM_PREEMPTIONS,
+        m::PREFIX_QUERIES,
+        m::PREFIX_HITS,
+        m::PREFIX_CACHE_QUERIES_GPU,
+        m::PREFIX_CACHE_HITS_GPU,
+    ] {
+        metrics::counter!(name).increment(0);
+    }
     if core.publishes_kv_events() {
         // Shown from the start, so a dashboard can tell 0 from absent.
         metrics::counter!(m::KV_EVENTS_DROPPED).increment(0);

@@ -191,14 +191,18 @@ pub async fn route(
     let method = req.method().clone();
     match (method, parts.as_slice()) {
         (Method::POST, ["admin", "v1", "reset_prefix_cache"]) => {
-            match state
-                .engine()?.reset_prefix_cache().await {
-                Some(Ok(())) => Ok(json_response(&json!({"reset": true}))),
-                Some(Err(held)) => Err(ApiError::conflict(format!(
-                    "the prefix cache cannot be reset while requests run ({held} blocks are held); retry when the server is idle"
-                ))),
-                None => Err(ApiError::unavailable("the engine has stopped")),
+            state.engine()?;
+            // Every model's cache (an --extra-model has its own engine).
+            for engine in state.models().engines() {
+                match engine.reset_prefix_cache().await {
+                    Some(Ok(())) => {}
+                    Some(Err(held)) => return Err(ApiError::conflict(format!(
+                        "the prefix cache cannot be reset while requests run ({held} blocks are held); retry when the server is idle"
+                    ))),
+                    None => return Err(ApiError::unavailable("the engine has stopped")),
+                }
             }
+            Ok(json_response(&json!({"reset": true})))
         }
         (Method::GET, ["admin", "v1", "state-store"]) => {
             let t = &state.tenants;

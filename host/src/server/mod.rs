@@ -8,6 +8,7 @@ pub mod auth;
 pub mod body;
 pub mod connections;
 pub mod errors;
+pub mod models;
 pub mod openai;
 
 use crate::engine::async_engine::{metric_names as m, AsyncEngine};
@@ -41,6 +42,9 @@ pub struct ServerConfig {
     pub port: u16,
     /// Names the model answers to; the first is listed by `/v1/models`.
     pub served_model_names: Vec<String>,
+    /// `--extra-model`: more models served behind the same port, each on
+    /// an engine of its own.
+    pub extra_models: Vec<models::ExtraModel>,
     /// Requests must carry `Authorization: Bearer KEY` when set.
     pub api_key: Option<String>,
     /// Largest request body accepted, in bytes.
@@ -94,9 +98,8 @@ pub struct ServerConfig {
 
 /// What every request handler shares.
 pub struct AppState {
-    engine: OnceLock<AsyncEngine>,
-    /// The model's path, which `/v1/models` reports as `root`, as vLLM does.
-    model_root: String,
+    /// The main model and any `--extra-model`s, each with its engine.
+    models: models::ServedModels,
     /// Responses that `previous_response_id` can continue.
     pub(crate) responses: openai::responses::ResponseStore,
     config: ServerConfig,
@@ -122,9 +125,15 @@ impl AppState {
         self.usage_log.as_deref()
     }
 
-    /// The names this server answers to.
+    /// The names this server answers to, every model's (the main
+    /// model's first).
     pub fn served_model_names(&self) -> &[String] {
-        &self.config.served_model_names
+        self.models.all_names()
+    }
+
+    /// The models this server serves, the main one first.
+    pub fn models(&self) -> &models::ServedModels {
+        &self.models
     }
 
     /// The model a request that names none is served by: the first name.
@@ -173,13 +182,20 @@ impl AppState {
         self.config.reasoning_parser
     }
 
-    /// The engine, if `model` is one this server serves (a served name, or
-    /// a loaded LoRA adapter's) and the engine is up.
+    /// The engine that serves `model` (a served name of the main model or
+    /// an extra one, or a LoRA adapter loaded on the main model), if it is
+    /// up; a 404 for a model no engine serves.
     pub fn engine_for(&self, model: &str) -> Result<&AsyncEngine, ApiError> {
         let engine = self.engine()?;
-        if !self.config.served_model_names.iter().any(|n| n == model)
-            && engine.lora_info(model).is_none()
-        {
+        if let Some(m) = self.models.find(model) {
+            return match m.engine() {
+                Some(e) => Self::alive(e),
+                None => Err(ApiError::unavailable(
+                    "The model is still loading; retry when /health answers 200.",
+                )),
+            };
+        }
+        if engine.lora_info(model).is_none() {
             return Err(ApiError::model_not_found(model));
         }
         Ok(engine)
@@ -197,9 +213,7 @@ impl AppState {
             return self.engine();
         }
         let me = tenant.map_or("", |t| t.tenant_id());
-        if !self.config.served_model_names.iter().any(|n| n == model)
-            && self.tenants.shared_adapter_owner(model, me).is_some()
-        {
+        if !self.models.serves(model) && self.tenants.shared_adapter_owner(model, me).is_some() {
             return self.engine();
         }
         self.engine_for(model)
@@ -226,7 +240,7 @@ impl AppState {
             .filter(|t| t.admission.snapshot.owns_adapter(model))
             .map(|t| Arc::clone(&t.admission.tenant))
             .or_else(|| {
-                (!self.config.served_model_names.iter().any(|n| n == model))
+                (!self.models.serves(model))
                     .then(|| self.tenants.shared_adapter_owner(model, me))
                     .flatten()
             });
@@ -263,40 +277,53 @@ impl AppState {
         }
     }
 
-    /// The engine, if the server is ready to serve: the engine is up and,
-    /// with a state store, the store has been read once and agrees on the
-    /// key salt (what the readiness probes answer).
+    /// The engine, if the server is ready to serve: every model's engine
+    /// is up and, with a state store, the store has been read once and
+    /// agrees on the key salt (what the readiness probes answer).
     pub fn serving(&self) -> Result<&AsyncEngine, ApiError> {
         let engine = self.engine()?;
+        for e in self.models.engines() {
+            Self::alive(e)?;
+        }
         match self.tenants.not_serving() {
             Some(why) => Err(ApiError::unavailable(why)),
             None => Ok(engine),
         }
     }
 
-    /// The engine, or a 503 while it loads or after shutdown began.
+    /// The main model's engine, or a 503 while the models load or after
+    /// shutdown began.
     pub fn engine(&self) -> Result<&AsyncEngine, ApiError> {
         if self.shutting_down.load(Ordering::Acquire) {
             return Err(ApiError::unavailable("The server is shutting down."));
         }
-        match (self.engine.get(), self.ready.load(Ordering::Acquire)) {
-            (Some(e), true) => match e.death() {
-                None => Ok(e),
-                Some(why) => Err(ApiError::unavailable(format!(
-                    "The engine stopped ({why}); the server is exiting to be restarted."
-                ))),
-            },
+        match (
+            self.models.main().engine(),
+            self.ready.load(Ordering::Acquire),
+        ) {
+            (Some(e), true) => Self::alive(e),
             _ => Err(ApiError::unavailable(match self.load_error.get() {
                 Some(e) => format!("The model failed to load: {e}"),
                 None => "The model is still loading; retry when /health answers 200.".into(),
             })),
         }
     }
+
+    /// `e`, or a 503 once its engine thread died.
+    fn alive(e: &AsyncEngine) -> Result<&AsyncEngine, ApiError> {
+        match e.death() {
+            None => Ok(e),
+            Some(why) => Err(ApiError::unavailable(format!(
+                "The engine stopped ({why}); the server is exiting to be restarted."
+            ))),
+        }
+    }
 }
 
 /// Installs the Prometheus recorder. Every series carries vLLM's
 /// `model_name` (the first served name) and `engine` labels, so dashboards
-/// built for vLLM select Pagoda's series unchanged.
+/// built for vLLM select Pagoda's series unchanged; an `--extra-model`'s
+/// engine records its series under its own first name instead.
 fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
     // Latency histograms get explicit buckets so they render as Prometheus
     // histograms (vLLM's bucket edges), not summaries.
@@ -340,10 +367,9 @@ fn install_metrics(model_name: &str) -> Result<PrometheusHandle> {
         Matcher::Full(crate::plugins::metrics::LATENCY.into()),
         crate::plugins::metrics::BUCKETS,
     )?;
-    let handle = match builder.install_recorder() {
-        Ok(h) => h,
-        Err(e) => anyhow::bail!("cannot install the metrics recorder: {e}"),
-    };
+    let recorder = builder.build_recorder();
+    let handle = recorder.handle();
+    models::install_recorder(recorder)?;
     crate::plugins::metrics::describe();
     metrics::describe_gauge!(m::NUM_REQUESTS_RUNNING, "Requests running on the engine.");
     metrics::describe_gauge!(m::NUM_REQUESTS_WAITING, "Requests waiting to be scheduled.");
@@ -674,14 +700,18 @@ async fn dispatch(
         // Liveness, for Kubernetes: 200 while the process is sound, model
         // loading included; 503 once the engine died or the model failed
         // to load, so the kubelet restarts it.
-        (Method::GET, "/health/live") => Ok(match (state.engine.get(), state.load_error.get()) {
-            (Some(e), _) => match e.death() {
-                None => json_response(&json!({})),
-                Some(why) => ApiError::unavailable(format!("the engine stopped: {why}")).response(),
+        (Method::GET, "/health/live") => Ok(
+            match (
+                state.models.engines().find_map(AsyncEngine::death),
+                state.load_error.get(),
+            ) {
+                (Some(why), _) => {
+                    ApiError::unavailable(format!("the engine stopped: {why}")).response()
+                }
+                (None, None) => json_response(&json!({})),
+                (None, Some(_)) => ApiError::unavailable("the model failed to load").response(),
             },
-            (None, None) => json_response(&json!({})),
-            (None, Some(_)) => ApiError::unavailable("the model failed to load").response(),
-        }),
+        ),
         (Method::GET, "/health/ready" | "/health/startup") => Ok(match state.serving() {
             Ok(_) => json_response(&json!({"status": "ready"})),
             Err(e) => e.response(),
@@ -749,11 +779,11 @@ async fn api_route(
         (Method::GET, "/v1/models") => {
             let engine = state.engine()?;
             let mut data: Vec<Value> = state
-                .config
-                .served_model_names
+                .models
                 .iter()
-                .filter(|n| allowed(n))
-                .map(|n| model_card(&state, n))
+                .flat_map(|m| m.names.iter().map(move |n| (m, n)))
+                .filter(|(_, n)| allowed(n))
+                .map(|(m, n)| model_card(m, n))
                 .collect();
             // Adapters, as vLLM lists them: their folder as root, the base
             // model as parent.
@@ -797,15 +827,15 @@ async fn api_route(
                 return Ok(json_response(&tenant_lora_card(&state, &name, version)));
             }
             let me = tenant.as_ref().map_or("", |t| t.id.as_str());
-            let is_served = state.config.served_model_names.iter().any(|n| *n == id);
+            let is_served = state.models.serves(&id);
             if !is_served && allowed(&id) {
                 let shared = state.tenants.shared_adapters(me);
                 if let Some((name, version)) = shared.into_iter().find(|(n, _)| *n == id) {
                     return Ok(json_response(&tenant_lora_card(&state, &name, version)));
                 }
             }
-            match state.config.served_model_names.iter().find(|n| **n == id) {
-                Some(n) if allowed(n) => Ok(json_response(&model_card(&state, n))),
+            match state.models.find(&id) {
+                Some(m) if allowed(&id) => Ok(json_response(&model_card(m, &id))),
                 None if lora.is_some() && allowed(&id) => {
                     let l = lora.as_ref().map(|l| lora_card(&state, l));
                     Ok(json_response(&l.unwrap_or_default()))
@@ -1032,7 +1062,7 @@ fn lora_card(state: &AppState, l: &crate::engine::lora::LoraInfo) -> Value {
     json!({
         "id": l.name, "object": "model", "created": 0, "owned_by": "pagoda",
         "root": l.path.display().to_string(), "parent": state.default_model(),
-        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "max_model_len": state.models.main().engine().map(|e| e.max_model_len()),
         "permission": [],
     })
 }
@@ -1043,17 +1073,17 @@ fn tenant_lora_card(state: &AppState, name: &str, version: u64) -> Value {
     json!({
         "id": name, "object": "model", "created": 0, "owned_by": "pagoda",
         "root": format!("{name}@v{version}"), "parent": state.default_model(),
-        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "max_model_len": state.models.main().engine().map(|e| e.max_model_len()),
         "permission": [],
     })
 }
 
-/// One model's card, as `/v1/models` lists it.
-fn model_card(state: &AppState, name: &str) -> Value {
+/// One model's card under one of its names, as `/v1/models` lists it.
+fn model_card(model: &models::ServedModel, name: &str) -> Value {
     json!({
         "id": name, "object": "model", "created": 0, "owned_by": "pagoda",
-        "root": state.model_root, "parent": null,
-        "max_model_len": state.engine.get().map(|e| e.max_model_len()),
+        "root": model.root, "parent": null,
+        "max_model_len": model.engine().map(|e| e.max_model_len()),
         "permission": [],
     })
 }
@@ -1144,11 +1174,34 @@ fn tokenizer_info(state: &AppState) -> Result<Response<Body>, ApiError> {
     })))
 }
 
-/// Loads the model, then runs a one-token forward; marks the server ready
-/// only if both succeed within the timeout.
+/// Loads the main model, then each `--extra-model` in turn, each followed
+/// by a one-token forward; marks the server ready only once every model
+/// has loaded and warmed up within the timeout.
 fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
+    let main = load_one(state, args, None)?;
+    warn_reasoning_without_think_tokens(&state.config, main.tokenizer());
+    let _ = state.models.main().engine.set(main);
+    for (model, extra) in state.models.iter().skip(1).zip(&state.config.extra_models) {
+        let name = &model.names[0];
+        tracing::info!("loading --extra-model {name} ({})", model.root);
+        let engine = load_one(state, &extra.args, models::labeled_recorder(name))
+            .with_context(|| format!("--extra-model {name}"))?;
+        let _ = model.engine.set(engine);
+    }
+    state.ready.store(true, Ordering::Release);
+    Ok(())
+}
+
+/// Loads one model and runs a one-token forward through its engine, whose
+/// metrics go through `recorder` when given.
+fn load_one(
+    state: &AppState,
+    args: &EngineArgs,
+    recorder: Option<Arc<dyn metrics::Recorder + Send + Sync>>,
+) -> Result<AsyncEngine> {
     let core = crate::engine::build_engine(args)?;
-    let engine = AsyncEngine::start(core).context("cannot start the engine thread")?;
+    let engine = AsyncEngine::start_with_metrics(core, recorder)
+        .context("cannot start the engine thread")?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -1183,10 +1236,7 @@ fn load_and_warm_up(state: &AppState, args: &EngineArgs) -> Result<()> {
                 )
             })?
     })?;
-    warn_reasoning_without_think_tokens(&state.config, engine.tokenizer());
-    let _ = state.engine.set(engine);
-    state.ready.store(true, Ordering::Release);
-    Ok(())
+    Ok(engine)
 }
 
 /// One start-up warning when `--reasoning-parser` is given for a tokenizer
@@ -1288,7 +1338,16 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
             }
         });
     }
-    let model_root = args.model.display().to_string();
+    let main_model = models::ServedModel::new(
+        config.served_model_names.clone(),
+        args.model.display().to_string(),
+    );
+    let extra_models = config
+        .extra_models
+        .iter()
+        .map(|m| models::ServedModel::new(m.names.clone(), m.args.model.display().to_string()))
+        .collect();
+    let served = models::ServedModels::new(main_model, extra_models)?;
     let tenancy =
         admin_token.is_some() || config.state_dir.is_some() || config.state_store.is_some();
     let usage_log = match &config.usage_log {
@@ -1303,11 +1362,10 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
     let state = Arc::new(AppState {
         usage_log,
         tenancy,
-        model_root,
+        models: served,
         responses: Default::default(),
         tenants,
         admin_token,
-        engine: OnceLock::new(),
         max_pending: config.max_pending_requests,
         config,
         ready: AtomicBool::new(false),
@@ -1410,7 +1468,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                     let _ = state.load_error.set(format!("{e:#}"));
                     return Err(e);
                 }
-                tracing::info!("ready: serving {:?}", state.config.served_model_names);
+                tracing::info!("ready: serving {:?}", state.served_model_names());
                 Ok(())
             })
         };
@@ -1437,9 +1495,14 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
                     match r {
                         Ok(Ok(())) => {
                             load_failed = Some(false);
-                            if let Some(e) = state.engine.get() {
-                                let e = e.clone();
-                                died = Box::pin(async move { e.died().await });
+                            // Any engine's death ends the server.
+                            let engines: Vec<AsyncEngine> =
+                                state.models.engines().cloned().collect();
+                            if !engines.is_empty() {
+                                died = Box::pin(async move {
+                                    let deaths = engines.iter().map(|e| Box::pin(e.died()));
+                                    futures_util::future::select_all(deaths).await.0
+                                });
                             }
                         }
                         Ok(Err(e)) => return Err(e),
@@ -1476,7 +1539,7 @@ pub fn serve(args: EngineArgs, config: ServerConfig) -> Result<()> {
             Err(_) => tracing::warn!("grace period over; closing remaining connections"),
         }
         state.shutting_down.store(true, Ordering::Release);
-        if let Some(e) = state.engine.get() {
+        for e in state.models.engines() {
             e.shutdown();
         }
         if let Some(log) = &state.usage_log {
@@ -1558,58 +1621,75 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
-/// Logs a line like vLLM's every 10 s while there is activity.
+/// Logs a line like vLLM's every 10 s while there is activity, one per
+/// model (an extra model's named at its start).
 async fn log_stats(state: Arc<AppState>) {
-    let mut last: Option<(std::time::Instant, crate::engine::core::EngineStats)> = None;
+    let n = state.models.iter().count();
+    let mut last = vec![None; n];
     let mut tick = tokio::time::interval(Duration::from_secs(10));
     loop {
         tick.tick().await;
-        let Some(engine) = state.engine.get() else {
-            continue;
-        };
-        let s = engine.stats();
-        let now = std::time::Instant::now();
-        if let Some((t, prev)) = last {
-            let dt = (now - t).as_secs_f64();
-            let prompt = (s.prompt_tokens - prev.prompt_tokens) as f64 / dt;
-            let gen = (s.generation_tokens - prev.generation_tokens) as f64 / dt;
-            if prompt > 0.0 || gen > 0.0 || s.num_running > 0 || s.num_waiting > 0 {
-                let hit = if s.prefix.queries > 0 {
-                    100.0 * s.prefix.hits as f64 / s.prefix.queries as f64
-                } else {
-                    0.0
-                };
-                tracing::info!(
-                    "Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, Running: {} reqs, Waiting: {} reqs, KV cache usage: {:.1}%, Prefix cache hit rate: {hit:.1}%",
-                    s.num_running,
-                    s.num_waiting,
-                    100.0 * s.kv_usage
-                );
-            }
-            let (spec, was) = (&s.spec, &prev.spec);
-            let drafted = spec.num_draft_tokens - was.num_draft_tokens;
-            if drafted > 0 {
-                let drafts = (spec.num_drafts - was.num_drafts).max(1);
-                let accepted = spec.num_accepted_tokens - was.num_accepted_tokens;
-                let per_pos: Vec<String> = (0..spec.num_positions)
-                    .map(|p| {
-                        format!(
-                            "{:.3}",
-                            (spec.accepted_per_pos[p] - was.accepted_per_pos[p]) as f64
-                                / drafts as f64
-                        )
-                    })
-                    .collect();
-                tracing::info!(
-                    "SpecDecoding metrics: Mean acceptance length: {:.2}, Accepted throughput: {:.2} tokens/s, Drafted throughput: {:.2} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {}, Avg Draft acceptance rate: {:.1}%",
-                    1.0 + accepted as f64 / drafts as f64,
-                    accepted as f64 / dt,
-                    drafted as f64 / dt,
-                    per_pos.join(", "),
-                    100.0 * accepted as f64 / drafted as f64
-                );
-            }
+        for (i, m) in state.models.iter().enumerate() {
+            let Some(engine) = m.engine() else {
+                continue;
+            };
+            let who = if i == 0 {
+                String::new()
+            } else {
+                format!("{}: ", m.names[0])
+            };
+            log_engine_stats(&who, engine, &mut last[i]);
         }
-        last = Some((now, s));
     }
+}
+
+/// One engine's lines of [`log_stats`], against its stats of last time.
+fn log_engine_stats(
+    who: &str,
+    engine: &AsyncEngine,
+    last: &mut Option<(std::time::Instant, crate::engine::core::EngineStats)>,
+) {
+    let s = engine.stats();
+    let now = std::time::Instant::now();
+    if let Some((t, prev)) = last.take() {
+        let dt = (now - t).as_secs_f64();
+        let prompt = (s.prompt_tokens - prev.prompt_tokens) as f64 / dt;
+        let gen = (s.generation_tokens - prev.generation_tokens) as f64 / dt;
+        if prompt > 0.0 || gen > 0.0 || s.num_running > 0 || s.num_waiting > 0 {
+            let hit = if s.prefix.queries > 0 {
+                100.0 * s.prefix.hits as f64 / s.prefix.queries as f64
+            } else {
+                0.0
+            };
+            tracing::info!(
+                "{who}Avg prompt throughput: {prompt:.1} tokens/s, Avg generation throughput: {gen:.1} tokens/s, Running: {} reqs, Waiting: {} reqs, KV cache usage: {:.1}%, Prefix cache hit rate: {hit:.1}%",
+                s.num_running,
+                s.num_waiting,
+                100.0 * s.kv_usage
+            );
+        }
+        let (spec, was) = (&s.spec, &prev.spec);
+        let drafted = spec.num_draft_tokens - was.num_draft_tokens;
+        if drafted > 0 {
+            let drafts = (spec.num_drafts - was.num_drafts).max(1);
+            let accepted = spec.num_accepted_tokens - was.num_accepted_tokens;
+            let per_pos: Vec<String> = (0..spec.num_positions)
+                .map(|p| {
+                    format!(
+                        "{:.3}",
+                        (spec.accepted_per_pos[p] - was.accepted_per_pos[p]) as f64 / drafts as f64
+                    )
+                })
+                .collect();
+            tracing::info!(
+                "{who}SpecDecoding metrics: Mean acceptance length: {:.2}, Accepted throughput: {:.2} tokens/s, Drafted throughput: {:.2} tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {}, Avg Draft acceptance rate: {:.1}%",
+                1.0 + accepted as f64 / drafts as f64,
+                accepted as f64 / dt,
+                drafted as f64 / dt,
+                per_pos.join(", "),
+                100.0 * accepted as f64 / drafted as f64
+            );
+        }
+    }
+    *last = Some((now, s));
 }

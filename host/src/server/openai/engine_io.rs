@@ -408,13 +408,14 @@ pub(crate) async fn start_run(
             state.max_pending
         )));
     }
-    {
+    // Under the engine's own model name.
+    engine.with_metrics(|| {
         use crate::engine::async_engine::metric_names as m;
         metrics::histogram!(m::REQUEST_PARAMS_N).record(common.params.n as f64);
         if let Some(max) = common.params.max_tokens {
             metrics::histogram!(m::REQUEST_PARAMS_MAX_TOKENS).record(max as f64);
         }
-    }
+    });
     let (tx, rx) = mpsc::unbounded_channel();
     let mut guard = engine.abort_guard();
     let mut choice_of = HashMap::new();
