@@ -445,6 +445,8 @@ mod x86 {
         unsafe fn zerof() -> Self::F;
         unsafe fn load(m: Self::Mask, p: *const u8) -> Self::I;
         unsafe fn loadf(m: Self::Mask, p: *const f32) -> Self::F;
+        /// `LANES` f16 values at `p`, widened to f32 (exactly).
+        unsafe fn load_f16(p: *const u16) -> Self::F;
         unsafe fn dpbusd(acc: Self::I, u: Self::I, a: Self::I) -> Self::I;
         /// Low and high nibbles of each byte.
         unsafe fn nibbles(v: Self::I) -> (Self::I, Self::I);
@@ -523,6 +525,11 @@ mod x86 {
         #[inline]
         unsafe fn loadf(m: __mmask16, p: *const f32) -> __m512 {
             _mm512_maskz_loadu_ps(m, p)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn load_f16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
@@ -687,6 +694,11 @@ mod x86 {
         #[inline]
         unsafe fn loadf(m: __mmask8, p: *const f32) -> __m256 {
             _mm256_maskz_loadu_ps(m, p)
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+        #[inline]
+        unsafe fn load_f16(p: *const u16) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
         #[inline]
@@ -923,6 +935,9 @@ mod x86 {
         if code_bits(K) == 8 {
             let wp = group_ptrs(&[wrow[0]], 16 * g * 32, stride)[0];
             for c in 0..8 {
+                if M == 1 {
+                    _mm_prefetch::<PF512_HINT>(wp.add(c * unit + PREFETCH512_AHEAD) as *const i8);
+                }
                 let wv = V::load(full, wp.add(c * unit));
                 for i in 0..M {
                     let av = V::bcast(arow[i].add(abase + c * stride) as *const u8, gl);
@@ -932,6 +947,9 @@ mod x86 {
         } else {
             let wp = group_ptrs(&[wrow[0]], 16 * g * l / 2, stride)[0];
             for s in 0..l / 8 {
+                if M == 1 {
+                    _mm_prefetch::<PF512_HINT>(wp.add(s * unit + PREFETCH512_AHEAD) as *const i8);
+                }
                 let (lo, hi) = V::nibbles(V::load(full, wp.add(s * unit)));
                 for i in 0..M {
                     let alo = V::bcast(arow[i].add(abase + 2 * s * stride) as *const u8, gl);
@@ -941,24 +959,32 @@ mod x86 {
                 }
             }
         }
-        // Per-lane weight scales (and mins), gathered row by row.
-        let mut dw = [0.0f32; 16];
-        let mut mw = [0.0f32; 16];
+        // Per-lane weight scales (and mins): each row's `gl` f16 bits
+        // copied side by side, then widened in one instruction. (Widening
+        // them one by one in scalar code cost about as much as the tail's
+        // dot products: a 576-column row's tail is 2 lanes of 18.)
+        let mut dbits = [0u16; 16];
+        let mut mbits = [0u16; 16];
+        // `gl · R` fills the vector exactly, so this is a constant.
+        let gl_c = V::LANES / R;
         for rho in 0..R {
-            for j in 0..gl {
-                let lb = (r0 + rho) * lanes + 16 * g + j;
-                let f16 = |p: *const u8| {
-                    half::f16::from_bits(std::ptr::read_unaligned(p.add(2 * lb) as *const u16))
-                        .to_f32()
-                };
-                dw[rho * gl + j] = f16(w.d);
-                if K == K_Q4_1 {
-                    mw[rho * gl + j] = f16(w.m);
-                }
+            let lb = (r0 + rho) * lanes + 16 * g;
+            let at = rho * gl_c;
+            std::ptr::copy_nonoverlapping(
+                w.d.add(2 * lb),
+                dbits.as_mut_ptr().add(at).cast::<u8>(),
+                2 * gl_c,
+            );
+            if K == K_Q4_1 {
+                std::ptr::copy_nonoverlapping(
+                    w.m.add(2 * lb),
+                    mbits.as_mut_ptr().add(at).cast::<u8>(),
+                    2 * gl_c,
+                );
             }
         }
-        let dv = V::loadf(full, dw.as_ptr());
-        let mv = V::loadf(full, mw.as_ptr());
+        let dv = V::load_f16(dbits.as_ptr());
+        let mv = V::load_f16(mbits.as_ptr());
         for i in 0..M {
             let b = ((i0 + i) * lanes + 16 * g) * 4;
             let da = V::as_f(V::bcast((a.d as *const u8).add(b), gl));
@@ -1014,11 +1040,58 @@ mod x86 {
                 group::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             }
         }
+        if R == 8 && M == 1 {
+            // The decode tile's 8 sums are 8 consecutive outputs.
+            let f: [__m512; 8] = std::array::from_fn(|r| facc[r][0]);
+            _mm256_storeu_ps(out.add(i0 * ldo + r0), hsum16x8(&f));
+            return;
+        }
         for r in 0..R {
             for i in 0..M {
                 *out.add((i0 + i) * ldo + r0 + r) = hsum16(facc[r][i]);
             }
         }
+    }
+
+    /// [`hsum16`] of 8 vectors at once, lane `r` of the result being
+    /// `hsum16(v[r])` bit for bit: each level of the tree adds the same
+    /// pairs as there (lanes `k` and `k + 8`, `k` and `k + 4`, ...), only
+    /// with the vectors' halves shuffled side by side so that one add does
+    /// the level for several vectors. About 25 instructions instead of 8 ×
+    /// 8, which a decode tile of short rows (576 columns: 18 lanes) felt.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
+    #[inline]
+    unsafe fn hsum16x8(v: &[__m512; 8]) -> __m256 {
+        // Level 1, per pair (a, b): [a lanes 0..8 | b lanes 0..8] +
+        // [a lanes 8..16 | b lanes 8..16], i.e. both vectors' `s8`.
+        let s8 = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(a, b),
+                _mm512_shuffle_f32x4::<0xEE>(a, b),
+            )
+        };
+        let (p01, p23) = (s8(v[0], v[1]), s8(v[2], v[3]));
+        let (p45, p67) = (s8(v[4], v[5]), s8(v[6], v[7]));
+        // Level 2: 128-bit quarter j of the result is vector j's `s4`
+        // (its `s8` lanes k and k + 4).
+        let s4 = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(a, b),
+                _mm512_shuffle_f32x4::<0xDD>(a, b),
+            )
+        };
+        let (q0, q1) = (s4(p01, p23), s4(p45, p67));
+        // Level 3: quarter j holds vector j's `s2` in lanes 0..2 and vector
+        // j + 4's in lanes 2..4 (`s4` lanes k and k + 2).
+        let s2 = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(q0, q1),
+            _mm512_shuffle_ps::<0xEE>(q0, q1),
+        );
+        // Level 4: lane 0 of quarter j is vector j's sum, lane 2 vector
+        // j + 4's (`s2` lane 0 plus lane 1).
+        let s1 = _mm512_add_ps(s2, _mm512_shuffle_ps::<0xB1>(s2, s2));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+        _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, s1))
     }
 
     /// The sum of a vector's 16 lanes, by a fixed tree: lanes `k` and
