@@ -1303,15 +1303,6 @@ mod x86 {
                     av[i] = ld::<FULL>(arow[i].add(abase + c * stride), maskv);
                 }
                 for r in 0..R {
-                    // The first half's load of a row's unit prefetches the
-                    // line the row reads `PREFETCH_AHEAD` bytes on (a full
-                    // group's unit is one 64-byte line per row; the second
-                    // half reads the same line).
-                    if M == 1 && h == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            wg[r].add(c * unit + PREFETCH_AHEAD) as *const i8
-                        );
-                    }
                     let wv = ld::<FULL>(wg[r].add(hoff + c * unit), maskv);
                     for i in 0..M {
                         acc[r][i] = _mm256_add_epi32(acc[r][i], q8_dot(wv, av[i]));
@@ -1329,9 +1320,7 @@ mod x86 {
                 ahi[i] = ld::<FULL>(arow[i].add(abase + (2 * s + 1) * stride), maskv);
             }
             for r in 0..R {
-                // As for Q8_0 above; a short group's (`FULL` false, h = 0)
-                // lines are prefetched too, as the AVX-512 tile does.
-                if M == 1 && h == 0 {
+                if FULL && M == 1 && h == 0 {
                     _mm_prefetch::<_MM_HINT_T0>(wg[r].add(s * unit + PREFETCH_AHEAD) as *const i8);
                 }
                 let (mut lo, mut hi) = nib256(ld::<FULL>(wg[r].add(hoff + s * unit), maskv));
@@ -1372,12 +1361,6 @@ mod x86 {
     /// elsewhere), exactly what [`half_dots`] returns for a half of `GL`
     /// valid lanes: the integer sums are exact, so both paths then share the
     /// float epilogue and agree bitwise, whatever the tile shape.
-    ///
-    /// The decode tile prefetches these loads as [`half_dots`] does its own
-    /// (`PREFETCH_AHEAD` on), one line at a time: the tail of a 576-column
-    /// row (2 of its 18 lanes) is 4 of every 36 lines of a Q4_0 or Q4_1
-    /// panel and 8 of 72 of a Q8_0 one, which had no prefetch before (as in
-    /// the AVX-512 tile until it got the same).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn packed_dots<const K: u8, const R: usize, const M: usize, const GL: usize>(
@@ -1403,11 +1386,6 @@ mod x86 {
                     av[i] = bcast256(arow[i].add(abase + c * stride), GL);
                 }
                 for v in 0..nv {
-                    if M == 1 && v % 2 == 0 {
-                        // One prefetch per 64-byte line, as in `half_dots`.
-                        let p = wp.add(c * unit + 32 * v + PREFETCH_AHEAD);
-                        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-                    }
                     let wv = _mm256_loadu_si256(wp.add(c * unit + 32 * v) as *const __m256i);
                     for i in 0..M {
                         acc[v][i] = _mm256_add_epi32(acc[v][i], q8_dot(wv, av[i]));
@@ -1424,11 +1402,6 @@ mod x86 {
                     ahi[i] = bcast256(arow[i].add(abase + (2 * s + 1) * stride), GL);
                 }
                 for v in 0..nv {
-                    if M == 1 && v % 2 == 0 {
-                        // One prefetch per 64-byte line, as in `half_dots`.
-                        let p = wp.add(s * unit + 32 * v + PREFETCH_AHEAD);
-                        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
-                    }
                     let wv = _mm256_loadu_si256(wp.add(s * unit + 32 * v) as *const __m256i);
                     let (lo, hi) = nib256(wv);
                     for i in 0..M {
