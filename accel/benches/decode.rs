@@ -115,7 +115,13 @@ fn main() {
             let mut step = || {
                 let (head, layers) = ws.split_last().expect("the head is pushed last");
                 for w in layers {
-                    w.matmul(&pool, &x[..m * w.cols()], m, &mut out[..m * w.rows()], &mut scratch);
+                    w.matmul(
+                        &pool,
+                        &x[..m * w.cols()],
+                        m,
+                        &mut out[..m * w.rows()],
+                        &mut scratch,
+                    );
                 }
                 let s = Instant::now();
                 let (k, n) = (m * head.cols(), m * head.rows());
