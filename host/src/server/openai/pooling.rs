@@ -70,6 +70,20 @@ pub(crate) async fn meter_pooling(
     crate::server::openai::engine_io::meter(state, &record).await
 }
 
+/// `truncate_prompt_tokens` as vLLM reads it on every pooling endpoint:
+/// absent keeps the whole input, -1 truncates to the context's length, `k`
+/// (1 to `max_len`) to `k` tokens; anything else is a 400.
+pub(crate) fn truncation(asked: Option<i64>, max_len: usize) -> Result<Option<usize>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("truncate_prompt_tokens".into()), m);
+    match asked {
+        None => Ok(None),
+        Some(-1) => Ok(Some(max_len)),
+        Some(k) if k >= 1 && k as usize <= max_len => Ok(Some(k as usize)),
+        Some(k) if k < 1 => Err(bad(format!("truncate_prompt_tokens {k}: give -1 (the context's length) or a positive number of tokens to keep"))),
+        Some(k) => Err(bad(format!("truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). Please request a smaller truncation size."))),
+    }
+}
+
 /// vLLM's 400 for an input longer than the model's context, naming what
 /// the input was for ("embedding generation", "score", "classification").
 pub(crate) fn check_input_lengths(

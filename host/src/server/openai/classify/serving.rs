@@ -12,7 +12,9 @@
 use super::protocol::{inputs, ClassifyRequest};
 use crate::engine::pooling::{class_probs, PoolingTask};
 use crate::server::errors::{json_response, ApiError};
-use crate::server::openai::pooling::{check_input_lengths, meter_pooling, pooling_options, run};
+use crate::server::openai::pooling::{
+    check_input_lengths, meter_pooling, pooling_options, run, truncation,
+};
 use crate::server::openai::{admit, check_prompt_size, now_secs, off_runtime, random_id};
 use crate::server::{AppState, Body};
 use hyper::Response;
@@ -77,23 +79,7 @@ pub async fn classify(
         ));
     }
     let max_len = engine.max_model_len();
-    let truncate = match req.truncate_prompt_tokens {
-        None => None,
-        Some(-1) => Some(max_len),
-        Some(k) if k >= 1 && k as usize <= max_len => Some(k as usize),
-        Some(k) if k < 1 => {
-            return Err(ApiError::invalid(
-                Some("truncate_prompt_tokens".into()),
-                format!("truncate_prompt_tokens {k}: give -1 (the context's length) or a positive number of tokens to keep"),
-            ))
-        }
-        Some(k) => {
-            return Err(ApiError::invalid(
-                Some("truncate_prompt_tokens".into()),
-                format!("truncate_prompt_tokens value ({k}) is greater than max_model_len ({max_len}). Please request a smaller truncation size."),
-            ))
-        }
-    };
+    let truncate = truncation(req.truncate_prompt_tokens, max_len)?;
     let activation = req.use_activation.or(req.activation).unwrap_or(true);
     let tok = engine.tokenizer().clone();
     if truncate.is_none() {
