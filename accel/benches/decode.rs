@@ -16,6 +16,12 @@
 //! 576 × 1536, and its tied 49152 × 576 head in Q8_0, as the GGUF stores
 //! it), whose 576-column rows stress the kernels' per-row work more than
 //! the bytes. Each line also gives the head's share of the step.
+//!
+//! `DECODE_MODEL=moe` takes bench/moe.sh's Mixtral-shaped model: 8 layers
+//! of fused QKV (1536 × 1024) and O (1024 × 1024), 16 experts of fused
+//! gate-up (1024 × 1024) and down (1024 × 512) of which each step runs two
+//! drawn at random per layer (as routed decode does, so the experts stream
+//! from DRAM), and a 320-row head; GB/s counts the bytes a step reads.
 
 use pagoda_accel::{GgmlType, MatmulScratch, ThreadPool, Weight};
 use std::time::{Duration, Instant};
@@ -85,36 +91,67 @@ fn main() {
         "{:<5} {:>8} {:>3} {:>9} {:>7} {:>7} {:>8} {:>8}",
         "type", "MB", "thr", "ms/step", "tok/s", "GB/s", "head ms", "head GB/s"
     );
-    let smollm2 = std::env::var("DECODE_MODEL").is_ok_and(|v| v == "smollm2");
-    let (hidden, ffn, qkv, vocab, layers) = if smollm2 {
-        (576, 1536, 960, 49152, 30)
-    } else {
-        (2048, 8192, 3072, 49152, 16)
+    let model = std::env::var("DECODE_MODEL").unwrap_or_default();
+    let smollm2 = model == "smollm2";
+    // Experts per layer and experts a token runs (1 and 1: a dense FFN).
+    let (experts, top_k) = if model == "moe" { (16, 2) } else { (1, 1) };
+    let (hidden, ffn, qkv, vocab, layers) = match model.as_str() {
+        "smollm2" => (576, 1536, 960, 49152, 30),
+        "moe" => (1024, 512, 1536, 320, 8),
+        _ => (2048, 8192, 3072, 49152, 16),
     };
     let mut rng = Lcg(47);
     for ty in types {
+        // Per layer: QKV, O, then each expert's gate-up and down.
+        let per_layer = 2 + 2 * experts;
         let mut ws = Vec::new();
         for _ in 0..layers {
             ws.push(weight(ty, qkv, hidden, &mut rng));
             ws.push(weight(ty, hidden, hidden, &mut rng));
-            ws.push(weight(ty, 2 * ffn, hidden, &mut rng));
-            ws.push(weight(ty, hidden, ffn, &mut rng));
+            for _ in 0..experts {
+                ws.push(weight(ty, 2 * ffn, hidden, &mut rng));
+                ws.push(weight(ty, hidden, ffn, &mut rng));
+            }
         }
         let head_ty = if smollm2 { GgmlType::Q8_0 } else { ty };
         ws.push(weight(head_ty, vocab, hidden, &mut rng));
         let head_bytes = ws.last().map_or(0, Weight::size_bytes);
-        let bytes: usize = ws.iter().map(Weight::size_bytes).sum();
-        let x: Vec<f32> = (0..m * ffn)
+        // The matrices one step multiplies: every layer's attention and
+        // `top_k` distinct experts, drawn anew each step.
+        let pick = |rng: &mut Lcg| -> Vec<usize> {
+            let mut ix = Vec::new();
+            for l in 0..layers {
+                let base = l * per_layer;
+                ix.extend([base, base + 1]);
+                let mut chosen: Vec<usize> = Vec::new();
+                while chosen.len() < top_k {
+                    let e = rng.next_u8() as usize % experts;
+                    if !chosen.contains(&e) {
+                        chosen.push(e);
+                    }
+                }
+                for e in chosen {
+                    ix.extend([base + 2 + 2 * e, base + 3 + 2 * e]);
+                }
+            }
+            ix
+        };
+        let bytes: usize = pick(&mut rng)
+            .iter()
+            .map(|&i| ws[i].size_bytes())
+            .sum::<usize>()
+            + head_bytes;
+        let x: Vec<f32> = (0..m * ffn.max(hidden))
             .map(|i| ((i % 17) as f32 - 8.0) * 0.1)
             .collect();
-        let mut out = vec![0.0f32; m * vocab];
+        let mut out = vec![0.0f32; m * vocab.max(qkv).max(2 * ffn).max(hidden)];
         let mut scratch = MatmulScratch::default();
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
             // One step; returns the seconds its last matrix (the head) took.
             let mut step = || {
                 let (head, layers) = ws.split_last().expect("the head is pushed last");
-                for w in layers {
+                for w in pick(&mut rng).into_iter().map(|i| &layers[i]) {
                     w.matmul(
                         &pool,
                         &x[..m * w.cols()],

@@ -21,6 +21,7 @@ use super::layout::{
     code_bits, d_bytes, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1,
     K_Q6K, K_Q8_0, PANEL,
 };
+use super::prefetch;
 use super::{grow, MatmulScratch, OutPtr};
 use crate::cpu::pool::ThreadPool;
 use crate::cpu::SimdLevel;
@@ -38,10 +39,13 @@ pub(crate) struct QPtrs {
     smin: *const f32,
     nsb: usize,
     lanes: usize,
+    /// Whether single-token tiles issue software prefetches (the same
+    /// bits either way; see [`super::prefetch`]).
+    prefetch: bool,
 }
 
 impl QPtrs {
-    fn new(q: &QMat) -> QPtrs {
+    fn new(q: &QMat, prefetch: bool) -> QPtrs {
         QPtrs {
             qs: q.qs.ptr(),
             qs_row: q.qs_row,
@@ -53,6 +57,7 @@ impl QPtrs {
             smin: q.smin.ptr() as *const f32,
             nsb: q.nsb,
             lanes: q.lanes,
+            prefetch,
         }
     }
 }
@@ -161,7 +166,15 @@ pub(crate) fn matmul(
         quant_rows(0, m);
     }
 
-    let w = QPtrs::new(q);
+    // Single-token calls prefetch or not as measured (see `prefetch`);
+    // the kernels give the same bits either way.
+    let bytes = q.qs.bytes().len() + q.d.bytes().len() + q.m.bytes().len() + q.qh.bytes().len();
+    let plan = if m == 1 {
+        prefetch::plan(bytes)
+    } else {
+        prefetch::Plan::NONE
+    };
+    let w = QPtrs::new(q, plan.prefetch);
     let a = APtrs {
         q: scratch.aq.as_ptr(),
         row: cols,
@@ -220,7 +233,9 @@ pub(crate) fn matmul(
             }
         }
     };
+    let started = std::time::Instant::now();
     pool.run_ranges(rows, PANEL, &run);
+    prefetch::record(plan, started, bytes);
 }
 
 /// Computes output rows `r0..r1` for all `m` activation rows.
@@ -302,7 +317,7 @@ unsafe fn tile_scalar<const K: u8>(
     let qh_all = q.qh.bytes();
     for r in r0..r0 + rt {
         let qs = |o: usize| qs_all[q.qs_index(r, o)];
-        let qh = &qh_all[r * q.qh_row..(r + 1) * q.qh_row];
+        let qh = |o: usize| qh_all[q.qh_index(r, o)];
         for i in i0..i0 + mt {
             let aq = std::slice::from_raw_parts(a.q.add(i * a.row), a.row);
             let mut acc = 0.0f32;
@@ -318,7 +333,7 @@ unsafe fn tile_scalar<const K: u8>(
                             let byte = qs(16 * g * l / 2 + (c / 2) * 4 * gl + 4 * j + t);
                             let low = if c % 2 == 0 { byte & 0x0f } else { byte >> 4 };
                             if code_bits(K) == 6 {
-                                low | (((qh[64 * g + 4 * j + t] >> (2 * c)) & 3) << 4)
+                                low | (((qh(64 * g + 4 * j + t) >> (2 * c)) & 3) << 4)
                             } else {
                                 low
                             }
@@ -350,13 +365,19 @@ mod x86 {
         ($name:ident, $kernel:ident, $($m:literal),+) => {
             /// Calls the kernel instantiated for this tile shape.
             #[allow(clippy::too_many_arguments)]
+            /// A single-token tile prefetches its weights where
+            /// `w.prefetch` says so (see [`super::super::prefetch`]); tiles
+            /// of several tokens never do.
             pub(super) unsafe fn $name<const K: u8>(
                 rt: usize, mt: usize, w: &QPtrs, r0: usize, a: &APtrs, i0: usize, out: *mut f32, ldo: usize,
             ) {
-                match (rt, mt) {
-                    (8, 1) => $kernel::<K, 8, 1>(w, r0, a, i0, out, ldo),
-                    $( (4, $m) => $kernel::<K, 4, $m>(w, r0, a, i0, out, ldo), )+
-                    $( (1, $m) => $kernel::<K, 1, $m>(w, r0, a, i0, out, ldo), )+
+                match (rt, mt, w.prefetch) {
+                    (8, 1, true) => $kernel::<K, 8, 1, true>(w, r0, a, i0, out, ldo),
+                    (8, 1, false) => $kernel::<K, 8, 1, false>(w, r0, a, i0, out, ldo),
+                    (4, 1, true) => $kernel::<K, 4, 1, true>(w, r0, a, i0, out, ldo),
+                    (1, 1, true) => $kernel::<K, 1, 1, true>(w, r0, a, i0, out, ldo),
+                    $( (4, $m, _) => $kernel::<K, 4, $m, false>(w, r0, a, i0, out, ldo), )+
+                    $( (1, $m, _) => $kernel::<K, 1, $m, false>(w, r0, a, i0, out, ldo), )+
                     _ => unreachable!("tile shape {rt}x{mt}"),
                 }
             }
@@ -367,7 +388,7 @@ mod x86 {
     /// Where rows `r0..r0 + R` start: for `qs`, the row's first unit in its
     /// panel before scaling by the group's unit stride, i.e. the panel base
     /// and the row's index in the panel (see [`group_ptrs`]); for `qh`, the
-    /// row itself.
+    /// row's first group (its groups lie `PANEL · 64` bytes apart).
     #[inline(always)]
     unsafe fn row_ptrs<const R: usize>(w: &QPtrs, r0: usize) -> ([QRow; R], [*const u8; R]) {
         let mut wrow = [QRow { panel: w.qs, j: 0 }; R];
@@ -378,7 +399,7 @@ mod x86 {
                 panel: w.qs.add(row / PANEL * PANEL * w.qs_row),
                 j: row % PANEL,
             };
-            hrow[r] = w.qh.add(row * w.qh_row);
+            hrow[r] = w.qh.add(row / PANEL * PANEL * w.qh_row + row % PANEL * 64);
         }
         (wrow, hrow)
     }
@@ -786,7 +807,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[inline]
-    unsafe fn group<V: Width, const K: u8, const R: usize, const M: usize>(
+    unsafe fn group<V: Width, const K: u8, const R: usize, const M: usize, const PF: bool>(
         w: &QPtrs,
         r0: usize,
         a: &APtrs,
@@ -805,7 +826,7 @@ mod x86 {
         let abase = 16 * g * l;
         let mut iacc = [[V::zero(); M]; R];
         let unit = PANEL * stride;
-        if M == 1 {
+        if PF {
             prefetch_scales::<K, R>(w, r0, g);
         }
         if code_bits(K) == 8 {
@@ -816,7 +837,7 @@ mod x86 {
                     av[i] = V::load(mask, arow[i].add(abase + c * stride) as *const u8);
                 }
                 for r in 0..R {
-                    if M == 1 {
+                    if PF {
                         _mm_prefetch::<PF512_HINT>(
                             wg[r].add(c * unit + PREFETCH512_AHEAD) as *const i8
                         );
@@ -832,13 +853,13 @@ mod x86 {
             let mut qh = [V::zero(); R];
             if code_bits(K) == 6 {
                 for r in 0..R {
-                    if M == 1 {
+                    if PF {
                         // Each row's high bits are a stream of their own.
                         _mm_prefetch::<PF512_HINT>(
-                            hrow[r].add(PANEL * w.qh_row + 64 * g) as *const i8
+                            hrow[r].add(PANEL * 64 * g + PREFETCH512_AHEAD / 2) as *const i8,
                         );
                     }
-                    qh[r] = V::load(mask, hrow[r].add(64 * g));
+                    qh[r] = V::load(mask, hrow[r].add(PANEL * 64 * g));
                 }
             }
             for s in 0..l / 8 {
@@ -849,7 +870,7 @@ mod x86 {
                     ahi[i] = V::load(mask, arow[i].add(abase + (2 * s + 1) * stride) as *const u8);
                 }
                 for r in 0..R {
-                    if M == 1 {
+                    if PF {
                         _mm_prefetch::<PF512_HINT>(
                             wg[r].add(s * unit + PREFETCH512_AHEAD) as *const i8
                         );
@@ -912,7 +933,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[inline]
-    unsafe fn tail_packed<V: Width, const K: u8, const R: usize, const M: usize>(
+    unsafe fn tail_packed<V: Width, const K: u8, const R: usize, const M: usize, const PF: bool>(
         w: &QPtrs,
         r0: usize,
         a: &APtrs,
@@ -935,7 +956,7 @@ mod x86 {
         if code_bits(K) == 8 {
             let wp = group_ptrs(&[wrow[0]], 16 * g * 32, stride)[0];
             for c in 0..8 {
-                if M == 1 {
+                if PF {
                     _mm_prefetch::<PF512_HINT>(wp.add(c * unit + PREFETCH512_AHEAD) as *const i8);
                 }
                 let wv = V::load(full, wp.add(c * unit));
@@ -947,7 +968,7 @@ mod x86 {
         } else {
             let wp = group_ptrs(&[wrow[0]], 16 * g * l / 2, stride)[0];
             for s in 0..l / 8 {
-                if M == 1 {
+                if PF {
                     _mm_prefetch::<PF512_HINT>(wp.add(s * unit + PREFETCH512_AHEAD) as *const i8);
                 }
                 let (lo, hi) = V::nibbles(V::load(full, wp.add(s * unit)));
@@ -1010,7 +1031,7 @@ mod x86 {
     /// `R` weight rows × `M` activation rows with AVX-512 VNNI: one 64-byte
     /// load per row per chunk, one `vpdpbusd` per (row, activation) pair.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
-    unsafe fn tile512<const K: u8, const R: usize, const M: usize>(
+    unsafe fn tile512<const K: u8, const R: usize, const M: usize, const PF: bool>(
         w: &QPtrs,
         r0: usize,
         a: &APtrs,
@@ -1031,13 +1052,13 @@ mod x86 {
             // vector (see `tail_packed`) where they fill it exactly.
             let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R > 1;
             if gl > 8 {
-                group::<Zmm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+                group::<Zmm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             } else if packable && R * gl == 16 {
-                tail_packed::<Zmm, K, R, M>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
+                tail_packed::<Zmm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
             } else if packable && R * gl == 8 {
-                tail_packed::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
+                tail_packed::<Ymm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
             } else {
-                group::<Ymm, K, R, M>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+                group::<Ymm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             }
         }
         if R == 8 && M == 1 {
@@ -1278,7 +1299,13 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn half_dots<const K: u8, const R: usize, const M: usize, const FULL: bool>(
+    unsafe fn half_dots<
+        const K: u8,
+        const R: usize,
+        const M: usize,
+        const FULL: bool,
+        const PF: bool,
+    >(
         wrow: &[QRow; R],
         hrow: &[*const u8; R],
         arow: &[*const u8; M],
@@ -1320,12 +1347,12 @@ mod x86 {
                 ahi[i] = ld::<FULL>(arow[i].add(abase + (2 * s + 1) * stride), maskv);
             }
             for r in 0..R {
-                if FULL && M == 1 && h == 0 {
+                if FULL && PF && h == 0 {
                     _mm_prefetch::<_MM_HINT_T0>(wg[r].add(s * unit + PREFETCH_AHEAD) as *const i8);
                 }
                 let (mut lo, mut hi) = nib256(ld::<FULL>(wg[r].add(hoff + s * unit), maskv));
                 if code_bits(K) == 6 {
-                    let qh = ld::<FULL>(hrow[r].add(64 * g + hoff), maskv);
+                    let qh = ld::<FULL>(hrow[r].add(PANEL * 64 * g + hoff), maskv);
                     lo = _mm256_or_si256(lo, hbits256(qh, 2 * s));
                     hi = _mm256_or_si256(hi, hbits256(qh, 2 * s + 1));
                 }
@@ -1489,7 +1516,7 @@ mod x86 {
     /// [`half_dots`] for the integer part, [`packed_dots`] for short last
     /// groups and [`epilogue`] for the float part.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile256<const K: u8, const R: usize, const M: usize>(
+    unsafe fn tile256<const K: u8, const R: usize, const M: usize, const PF: bool>(
         w: &QPtrs,
         r0: usize,
         a: &APtrs,
@@ -1509,7 +1536,7 @@ mod x86 {
         let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R >= 4;
         for g in 0..lanes.div_ceil(16) {
             let gl = group_lanes(lanes, g);
-            if M == 1 {
+            if PF {
                 prefetch_scales::<K, R>(w, r0, g);
             }
             let packed =
@@ -1523,10 +1550,10 @@ mod x86 {
                         _ => packed_dots::<K, R, M, 4>(&wrow, &arow, g),
                     }
                 } else if hl == 8 {
-                    half_dots::<K, R, M, true>(&wrow, &hrow, &arow, lanes, g, h, all)
+                    half_dots::<K, R, M, true, PF>(&wrow, &hrow, &arow, lanes, g, h, all)
                 } else {
                     let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
-                    half_dots::<K, R, M, false>(&wrow, &hrow, &arow, lanes, g, h, maskv)
+                    half_dots::<K, R, M, false, PF>(&wrow, &hrow, &arow, lanes, g, h, maskv)
                 };
                 // One call site, so that it is inlined.
                 epilogue::<K, R, M>(w, r0, a, i0, g, h, hl, &iacc, &mut facc);

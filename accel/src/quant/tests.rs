@@ -518,6 +518,52 @@ fn batched_rows_are_bitwise_the_single_row_results() {
 }
 
 #[test]
+fn single_token_results_do_not_depend_on_prefetching() {
+    // The decode tiles prefetch or not as measured while serving
+    // (`prefetch.rs`); both ways must give the same bits, at every level,
+    // on full and partial panels and short last groups.
+    use super::{set_decode_prefetch, DecodePrefetch};
+    let mut rng = StdRng::seed_from_u64(47);
+    let pool = ThreadPool::new(2);
+    for ty in ALL {
+        for (k, rows) in [8usize, 21, 48].into_iter().enumerate() {
+            let cols = cols_for(ty, k + 1);
+            let bytes = random_bytes(&mut rng, ty, rows, cols);
+            let wref = ref_matrix(ty, rows, cols, &bytes);
+            let w = Weight::from_raw(ty, rows, cols, &bytes).unwrap();
+            let x: Vec<f32> = (0..cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            for level in levels() {
+                let run = |mode| {
+                    set_decode_prefetch(mode);
+                    let mut out = vec![f32::NAN; rows];
+                    w.matmul_at(level, &pool, &x, 1, &mut out, &mut MatmulScratch::default());
+                    out
+                };
+                let (on, off) = (run(DecodePrefetch::On), run(DecodePrefetch::Off));
+                for (r, (a, b)) in on.iter().zip(&off).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{ty} {level:?} {rows}x{cols} row {r}: {a} vs {b}"
+                    );
+                }
+                check(
+                    ty,
+                    &wref,
+                    rows,
+                    cols,
+                    &x,
+                    1,
+                    &on,
+                    &format!("{level:?} prefetch"),
+                );
+            }
+        }
+    }
+    set_decode_prefetch(DecodePrefetch::Auto);
+}
+
+#[test]
 fn simd_levels_agree() {
     // All levels see bit-identical quantized activations and exact integer
     // dot products; only the float summation order differs.
