@@ -45,7 +45,7 @@ pub(crate) mod formats;
 mod layout;
 pub mod mxfp4;
 mod prefetch;
-pub use prefetch::{decode_prefetch, decode_prefetch_chosen, set_decode_prefetch, DecodePrefetch};
+pub use prefetch::{decode_prefetch, set_decode_prefetch, DecodePrefetch};
 mod qkern;
 #[cfg(test)]
 mod tests;

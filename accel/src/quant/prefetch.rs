@@ -11,7 +11,7 @@
 //! without), so the kernel times both on the matrices it is serving and
 //! keeps the faster.
 //!
-//! The schedule: every [`PERIOD`] timed calls, the first [`TRIAL`] alternate
+//! Each weight kind has its own choice. The schedule, per kind: every [`PERIOD`] timed calls, the first [`TRIAL`] alternate
 //! between the two ways in blocks of [`BLOCK`] (so both see the same mix of
 //! matrices, and a drifting machine shows in both), then the way with the
 //! fewer nanoseconds per weight byte serves the rest of the period. Only
@@ -48,7 +48,11 @@ pub(crate) const MIN_BYTES: usize = 256 << 10;
 
 /// The mode, `u8::MAX` until first read from the environment.
 static MODE: AtomicU8 = AtomicU8::new(u8::MAX);
-static TUNER: Tuner = Tuner::new();
+/// One tuner per weight kind (`layout::K_*`): the kinds differ in what
+/// prefetching does for them (Q6_K, with its second stream of high bits,
+/// measured slower with it where the others were faster).
+static TUNERS: [Tuner; KINDS] = [const { Tuner::new() }; KINDS];
+const KINDS: usize = 5;
 
 /// Fixes how the decode tiles prefetch for the rest of the process (or
 /// until called again), overriding `PAGODA_PREFETCH`.
@@ -77,18 +81,13 @@ pub fn decode_prefetch() -> DecodePrefetch {
     }
 }
 
-/// Whether the automatic choice currently prefetches (for reports; `true`
-/// until the first trial has finished).
-pub fn decode_prefetch_chosen() -> bool {
-    TUNER.on.load(Relaxed)
-}
-
 /// One single-token call's way of prefetching, and whether to time it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Plan {
     pub(crate) prefetch: bool,
-    /// `Some(way)` when the call is a trial whose time [`record`] takes.
-    trial: Option<usize>,
+    /// `Some((kind, way))` when the call is a trial whose time [`record`]
+    /// takes.
+    trial: Option<(u8, usize)>,
 }
 
 impl Plan {
@@ -99,8 +98,10 @@ impl Plan {
     };
 }
 
-/// How a single-token call on a matrix of `bytes` weight bytes prefetches.
-pub(crate) fn plan(bytes: usize) -> Plan {
+/// How a single-token call on a matrix of kind `kind` (`layout::K_*`) and
+/// `bytes` weight bytes prefetches.
+pub(crate) fn plan(kind: u8, bytes: usize) -> Plan {
+    let tuner = &TUNERS[kind as usize % KINDS];
     match decode_prefetch() {
         DecodePrefetch::On => Plan {
             prefetch: true,
@@ -111,18 +112,22 @@ pub(crate) fn plan(bytes: usize) -> Plan {
             trial: None,
         },
         DecodePrefetch::Auto if bytes < MIN_BYTES => Plan {
-            prefetch: TUNER.on.load(Relaxed),
+            prefetch: tuner.on.load(Relaxed),
             trial: None,
         },
-        DecodePrefetch::Auto => TUNER.plan(),
+        DecodePrefetch::Auto => tuner.plan(kind),
     }
 }
 
 /// Takes a trial call's time (a call [`plan`] did not mark as a trial is
 /// ignored).
 pub(crate) fn record(plan: Plan, started: Instant, bytes: usize) {
-    if let Some(way) = plan.trial {
-        TUNER.record(way, started.elapsed().as_nanos() as u64, bytes as u64);
+    if let Some((kind, way)) = plan.trial {
+        TUNERS[kind as usize % KINDS].record(
+            way,
+            started.elapsed().as_nanos() as u64,
+            bytes as u64,
+        );
     }
 }
 
@@ -145,14 +150,14 @@ impl Tuner {
         }
     }
 
-    fn plan(&self) -> Plan {
+    fn plan(&self, kind: u8) -> Plan {
         let c = self.calls.fetch_add(1, Relaxed) % PERIOD;
         if c < TRIAL {
             // Way 0 prefetches, way 1 does not.
             let way = ((c / BLOCK) % 2) as usize;
             return Plan {
                 prefetch: way == 0,
-                trial: Some(way),
+                trial: Some((kind, way)),
             };
         }
         if c == TRIAL {
@@ -193,8 +198,8 @@ mod tests {
         let t = Tuner::new();
         let mut ways = Vec::new();
         for _ in 0..TRIAL {
-            let p = t.plan();
-            let way = p.trial.expect("the period opens with a trial");
+            let p = t.plan(0);
+            let (_, way) = p.trial.expect("the period opens with a trial");
             assert_eq!(p.prefetch, way == 0);
             ways.push(way);
             // Prefetching is three times slower per byte here.
@@ -206,17 +211,17 @@ mod tests {
             v.push(1);
             v
         });
-        let p = t.plan();
+        let p = t.plan(0);
         assert!(p.trial.is_none() && !p.prefetch, "the faster way is kept");
         for _ in TRIAL + 1..PERIOD {
-            assert!(!t.plan().prefetch);
+            assert!(!t.plan(0).prefetch);
         }
         // The next period tries again; now prefetching wins.
         for _ in 0..TRIAL {
-            let p = t.plan();
-            let way = p.trial.expect("a new period opens with a trial");
+            let p = t.plan(0);
+            let (_, way) = p.trial.expect("a new period opens with a trial");
             t.record(way, if way == 0 { 100 } else { 300 }, 100);
         }
-        assert!(t.plan().prefetch);
+        assert!(t.plan(0).prefetch);
     }
 }

@@ -18,8 +18,8 @@ use super::act;
 #[cfg(target_arch = "x86_64")]
 use super::amx;
 use super::layout::{
-    code_bits, d_bytes, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1,
-    K_Q6K, K_Q8_0, PANEL,
+    code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K,
+    K_Q8_0, PANEL,
 };
 use super::prefetch;
 use super::{grow, MatmulScratch, OutPtr};
@@ -59,24 +59,6 @@ impl QPtrs {
             lanes: q.lanes,
             prefetch,
         }
-    }
-}
-
-/// The byte offset in the scale arrays that the decode tiles prefetch
-/// while at row `row`, group `g`: 256 bytes further along for the 16-bit
-/// scales (8 groups on in a long row, the rows after it in a short one),
-/// and the same place one panel down for the 8-bit K-quant scales (K-quant
-/// rows are short in scale bytes, and the next panel's rows are the ones
-/// the hardware prefetchers miss). Chosen by measurement on Zen 4
-/// (`cargo bench -p pagoda-accel --bench decode`): each choice was 5–15%
-/// faster than the other for its types. A prefetch past the end of an
-/// array is harmless (prefetches never fault).
-#[inline(always)]
-fn scales_ahead<const K: u8>(row: usize, lanes: usize, g: usize) -> usize {
-    if d_bytes(K) == 1 {
-        (row + PANEL) * lanes + 16 * g
-    } else {
-        2 * (row * lanes + 16 * g) + 256
     }
 }
 
@@ -170,7 +152,7 @@ pub(crate) fn matmul(
     // the kernels give the same bits either way.
     let bytes = q.qs.bytes().len() + q.d.bytes().len() + q.m.bytes().len() + q.qh.bytes().len();
     let plan = if m == 1 {
-        prefetch::plan(bytes)
+        prefetch::plan(q.kind, bytes)
     } else {
         prefetch::Plan::NONE
     };
@@ -402,22 +384,6 @@ mod x86 {
             hrow[r] = w.qh.add(row / PANEL * PANEL * w.qh_row + row % PANEL * 64);
         }
         (wrow, hrow)
-    }
-
-    /// Prefetches the scales (and mins) rows `r0..r0 + R` will read a
-    /// little later (see [`scales_ahead`]). Each row's scales are a short
-    /// stream of their own, which the hardware prefetchers miss: measured
-    /// on Zen 4, the decode tile's scale loads stalled for about half of a
-    /// step without this.
-    #[inline(always)]
-    unsafe fn prefetch_scales<const K: u8, const R: usize>(w: &QPtrs, r0: usize, g: usize) {
-        for r in 0..R {
-            let lb = scales_ahead::<K>(r0 + r, w.lanes, g);
-            _mm_prefetch::<_MM_HINT_T0>(w.d.add(lb) as *const i8);
-            if has_min(K) {
-                _mm_prefetch::<_MM_HINT_T0>(w.m.add(lb) as *const i8);
-            }
-        }
     }
 
     /// A weight row's place in the panel layout.
@@ -796,11 +762,27 @@ mod x86 {
         }
     }
 
-    /// How far ahead of its loads the AVX-512 decode tile prefetches weight
-    /// bytes (see [`PREFETCH_AHEAD`] for the AVX2 tile's).
-    const PREFETCH512_AHEAD: usize = 4096;
-    /// Which cache level the AVX-512 decode tile prefetches into.
-    const PF512_HINT: i32 = _MM_HINT_T0;
+    /// How far ahead of its loads a decode tile prefetches: one page.
+    const PREFETCH_AHEAD: usize = 4096;
+    /// Lines at the start of each page that the decode tiles prefetch.
+    const PAGE_LINES: usize = 4;
+
+    /// The decode tiles' software prefetch, given each weight load's
+    /// address [`PREFETCH_AHEAD`] on: prefetches it only when it is one of
+    /// the first [`PAGE_LINES`] lines of a 4 KiB page. Within a page the
+    /// hardware prefetchers follow the stream; at a page's start they stop,
+    /// and the tile stalled there (Zen 4, `perf annotate` of a MoE step:
+    /// 20% of the samples on the first load of each 4 KiB group). On bench
+    /// /moe.sh's shapes this took Q8_0 from 12 to 31 GB/s (1 thread), where
+    /// a prefetch for every line had measured from 3× faster to 2.7× slower
+    /// than none, by the day (see [`super::super::prefetch`], which still
+    /// times this against no prefetching at all).
+    #[inline(always)]
+    unsafe fn prefetch_page_start(p: *const u8) {
+        if (p as usize) & 4095 < 64 * PAGE_LINES {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+        }
+    }
 
     /// One group (up to 16 lanes) of `R` weight rows × `M` activation rows:
     /// integer dot products per lane, then per-lane scaling into `facc`.
@@ -826,9 +808,6 @@ mod x86 {
         let abase = 16 * g * l;
         let mut iacc = [[V::zero(); M]; R];
         let unit = PANEL * stride;
-        if PF {
-            prefetch_scales::<K, R>(w, r0, g);
-        }
         if code_bits(K) == 8 {
             let wg = group_ptrs(wrow, 16 * g * 32, stride);
             for c in 0..8 {
@@ -838,9 +817,7 @@ mod x86 {
                 }
                 for r in 0..R {
                     if PF {
-                        _mm_prefetch::<PF512_HINT>(
-                            wg[r].add(c * unit + PREFETCH512_AHEAD) as *const i8
-                        );
+                        prefetch_page_start(wg[r].wrapping_add(c * unit + PREFETCH_AHEAD));
                     }
                     let wv = V::load(mask, wg[r].add(c * unit));
                     for i in 0..M {
@@ -854,9 +831,8 @@ mod x86 {
             if code_bits(K) == 6 {
                 for r in 0..R {
                     if PF {
-                        // Each row's high bits are a stream of their own.
-                        _mm_prefetch::<PF512_HINT>(
-                            hrow[r].add(PANEL * 64 * g + PREFETCH512_AHEAD / 2) as *const i8,
+                        prefetch_page_start(
+                            hrow[r].wrapping_add(PANEL * 64 * g + PREFETCH_AHEAD / 2),
                         );
                     }
                     qh[r] = V::load(mask, hrow[r].add(PANEL * 64 * g));
@@ -871,9 +847,7 @@ mod x86 {
                 }
                 for r in 0..R {
                     if PF {
-                        _mm_prefetch::<PF512_HINT>(
-                            wg[r].add(s * unit + PREFETCH512_AHEAD) as *const i8
-                        );
+                        prefetch_page_start(wg[r].wrapping_add(s * unit + PREFETCH_AHEAD));
                     }
                     let (mut lo, mut hi) = V::nibbles(V::load(mask, wg[r].add(s * unit)));
                     if code_bits(K) == 6 {
@@ -957,7 +931,7 @@ mod x86 {
             let wp = group_ptrs(&[wrow[0]], 16 * g * 32, stride)[0];
             for c in 0..8 {
                 if PF {
-                    _mm_prefetch::<PF512_HINT>(wp.add(c * unit + PREFETCH512_AHEAD) as *const i8);
+                    prefetch_page_start(wp.wrapping_add(c * unit + PREFETCH_AHEAD));
                 }
                 let wv = V::load(full, wp.add(c * unit));
                 for i in 0..M {
@@ -969,7 +943,7 @@ mod x86 {
             let wp = group_ptrs(&[wrow[0]], 16 * g * l / 2, stride)[0];
             for s in 0..l / 8 {
                 if PF {
-                    _mm_prefetch::<PF512_HINT>(wp.add(s * unit + PREFETCH512_AHEAD) as *const i8);
+                    prefetch_page_start(wp.wrapping_add(s * unit + PREFETCH_AHEAD));
                 }
                 let (lo, hi) = V::nibbles(V::load(full, wp.add(s * unit)));
                 for i in 0..M {
@@ -1226,14 +1200,6 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the decode tile's loads [`half_dots`] prefetches
-    /// weight bytes. A panel's rows are one sequential stream, yet on a
-    /// Sapphire Rapids Xeon forced to AVX2 (SmolLM2-135M's matrices, whole
-    /// model, 1 thread; `benches/matmul.rs`) the hardware prefetchers alone
-    /// streamed 10–14 GB/s, and 2 KiB ahead (four 8-row units) 18–19 GB/s.
-    /// 1 to 8 KiB measured alike.
-    const PREFETCH_AHEAD: usize = 2048;
-
     /// The `4 · n` bytes at `p` (`n` = 1, 2 or 4 lanes) repeated across a
     /// 256-bit vector.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1348,7 +1314,7 @@ mod x86 {
             }
             for r in 0..R {
                 if FULL && PF && h == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(wg[r].add(s * unit + PREFETCH_AHEAD) as *const i8);
+                    prefetch_page_start(wg[r].wrapping_add(s * unit + PREFETCH_AHEAD));
                 }
                 let (mut lo, mut hi) = nib256(ld::<FULL>(wg[r].add(hoff + s * unit), maskv));
                 if code_bits(K) == 6 {
@@ -1536,9 +1502,6 @@ mod x86 {
         let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R >= 4;
         for g in 0..lanes.div_ceil(16) {
             let gl = group_lanes(lanes, g);
-            if PF {
-                prefetch_scales::<K, R>(w, r0, g);
-            }
             let packed =
                 gl < 8 && packable && (R * gl).is_multiple_of(8) && matches!(gl, 1 | 2 | 4);
             for h in 0..gl.div_ceil(8) {
