@@ -584,25 +584,37 @@ mod x86 {
                 K_Q4_0 | K_Q8_0 => (f16x16(w.d, lb, mask), zero),
                 K_Q4_1 => (f16x16(w.d, lb, mask), f16x16(w.m, lb, mask)),
                 K_Q4K => {
-                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
-                        mask,
-                        w.d.add(lb) as *const i8,
+                    // Q4_K rows have a multiple of 8 lanes, so a 16-lane
+                    // group is always whole: plain loads, which fold into
+                    // the widening moves.
+                    debug_assert_eq!(mask, 0xffff);
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        w.d.add(lb) as *const __m128i
                     )));
-                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(
-                        mask,
-                        w.m.add(lb) as *const i8,
+                    let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        w.m.add(lb) as *const __m128i
                     )));
-                    // Lanes 0..8 belong to super-block 2g, lanes 8..16 to 2g + 1.
-                    let p = w.sd.add(r * w.nsb + 2 * g);
-                    let sd =
-                        _mm512_mask_blend_ps(0xff00, _mm512_set1_ps(*p), _mm512_set1_ps(*p.add(1)));
-                    let p = w.smin.add(r * w.nsb + 2 * g);
-                    let smin = _mm512_mask_blend_ps(
-                        0xff00,
-                        _mm512_set1_ps(-*p),
-                        _mm512_set1_ps(-*p.add(1)),
-                    );
-                    (_mm512_mul_ps(sd, sc), _mm512_mul_ps(smin, mn))
+                    // Lanes 0..8 belong to super-block 2g, lanes 8..16 to
+                    // 2g + 1: both f32 scales in one 8-byte load, spread by
+                    // one permute.
+                    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+                    let pair = |p: *const f32| {
+                        _mm512_permutexvar_ps(
+                            halves,
+                            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(p as *const f64))),
+                        )
+                    };
+                    let sd = pair(w.sd.add(r * w.nsb + 2 * g));
+                    // −(smin · mn), exactly as (−smin) · mn.
+                    let smin = pair(w.smin.add(r * w.nsb + 2 * g));
+                    let mv = _mm512_mul_ps(smin, mn);
+                    (
+                        _mm512_mul_ps(sd, sc),
+                        _mm512_castsi512_ps(_mm512_xor_si512(
+                            _mm512_castps_si512(mv),
+                            _mm512_set1_epi32(i32::MIN),
+                        )),
+                    )
                 }
                 _ => {
                     let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(

@@ -470,18 +470,36 @@ fn batched_rows_are_bitwise_the_single_row_results() {
             "note: no AMX on this CPU (or PAGODA_SIMD lowered the level); checking {levels:?}"
         );
     }
-    for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-        for (k, (rows, cols)) in [
-            (16usize, 32usize),
-            (48, 576),
-            (33, 1536),
-            (130, 160),
-            (32, 288),
-            (40, 96),
-        ]
-        .into_iter()
-        .enumerate()
-        {
+    let small = [
+        (16usize, 32usize),
+        (48, 576),
+        (33, 1536),
+        (130, 160),
+        (32, 288),
+        (40, 96),
+    ];
+    // K-quant rows are whole super-blocks of 256.
+    let k_quant = [
+        (16, 256),
+        (48, 768),
+        (33, 1024),
+        (130, 256),
+        (32, 512),
+        (40, 1280),
+    ];
+    for ty in [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+    ] {
+        let shapes = if ty.block_len() == 256 {
+            k_quant
+        } else {
+            small
+        };
+        for (k, (rows, cols)) in shapes.into_iter().enumerate() {
             let w =
                 Weight::from_raw(ty, rows, cols, &random_bytes(&mut rng, ty, rows, cols)).unwrap();
             let m = [12usize, 16, 130, 33, 70, 150][k];
