@@ -3,18 +3,21 @@
 //!
 //! On one and the same VM (AMD EPYC Zen 4, 2 vCPUs; `cargo bench -p
 //! pagoda-accel --bench decode`, the 1B model's Q4_0 matrices, 1 thread)
-//! the decode tiles' prefetches 4 KiB ahead measured a 3× gain one day
-//! (30 GB/s of weights against 9.8 without) and a 2.7× loss the next
-//! (10.4 GB/s against 28 without), the host's memory system having
+//! the decode tiles' prefetch of every line 4 KiB ahead measured a 3× gain
+//! one day (30 GB/s of weights against 9.8 without) and a 2.7× loss the
+//! next (10.4 GB/s against 28 without), the host's memory system having
 //! changed under the guest; llama.cpp, which issues none, moved far less.
-//! Prefetches change no arithmetic (the kernels give the same bits with or
-//! without), so the kernel times both on the matrices it is serving and
-//! keeps the faster.
+//! The tiles now prefetch only at page starts (`qkern`'s
+//! `prefetch_page_start`), which measured better than none on every kind
+//! but Q6_K; still, prefetches change no arithmetic (the kernels give the
+//! same bits with or without), so the kernel times both on the matrices it
+//! is serving and keeps the faster.
 //!
-//! Each weight kind has its own choice. The schedule, per kind: every [`PERIOD`] timed calls, the first [`TRIAL`] alternate
-//! between the two ways in blocks of [`BLOCK`] (so both see the same mix of
-//! matrices, and a drifting machine shows in both), then the way with the
-//! fewer nanoseconds per weight byte serves the rest of the period. Only
+//! Each weight kind has its own choice. The schedule, per kind: every
+//! [`PERIOD`] timed calls, the first [`TRIAL`] alternate between the two
+//! ways in blocks of [`BLOCK`] (so both see the same mix of matrices, and a
+//! drifting machine shows in both), then the way with the fewer
+//! nanoseconds per weight byte serves the rest of the period. Only
 //! single-token calls on matrices of at least [`MIN_BYTES`] are timed:
 //! smaller ones sit in cache, where prefetching neither helps nor hurts.
 //! Exploring costs at most `TRIAL / 2 / PERIOD` of the calls in the slower
