@@ -288,10 +288,10 @@ pub(crate) struct QMat {
     pub(crate) d: ABuf,
     /// Per-lane mins: f16 bits (Q4_1) or Q4_K's u8 sub-block mins.
     pub(crate) m: ABuf,
-    /// K-quant super-block scale (f32) per super-block.
+    /// K-quant super-block scales (f32) per super-block: Q6_K's scale, or
+    /// Q4_K's scale and min scale side by side (one stream and one load
+    /// for both; see [`QMat::super_block`]).
     pub(crate) sd: ABuf,
-    /// Q4_K super-block min scale (f32) per super-block.
-    pub(crate) smin: ABuf,
 }
 
 /// Lanes in group `g` of a row of `lanes` lanes.
@@ -412,8 +412,7 @@ impl QMat {
             qh_row,
             d: ABuf::zeroed(rows * lanes * d_bytes(kind)),
             m: ABuf::zeroed(rows * lanes * m_bytes),
-            sd: ABuf::zeroed(rows * nsb * 4),
-            smin: ABuf::zeroed(if kind == K_Q4K { rows * nsb * 4 } else { 0 }),
+            sd: ABuf::zeroed(rows * nsb * 4 * if kind == K_Q4K { 2 } else { 1 }),
         }
     }
 
@@ -463,19 +462,16 @@ impl QMat {
                 K_Q4K => {
                     let nsb = q.nsb;
                     let mins = &mut q.m.bytes_mut()[r * lanes..(r + 1) * lanes];
-                    let sd = &mut q.sd.f32s_mut()[r * nsb..(r + 1) * nsb];
+                    let sd = &mut q.sd.f32s_mut()[2 * r * nsb..2 * (r + 1) * nsb];
                     for (sb, blk) in src.chunks_exact(144).enumerate() {
-                        sd[sb] = f16_at(blk, 0);
+                        sd[2 * sb] = f16_at(blk, 0);
+                        sd[2 * sb + 1] = f16_at(blk, 2);
                         for j in 0..8 {
                             let (sc, mn) = scale_min_k4(j, &blk[4..16]);
                             d[8 * sb + j] = sc;
                             mins[8 * sb + j] = mn;
                         }
                         codes[256 * sb..256 * (sb + 1)].copy_from_slice(&q4k_codes(blk));
-                    }
-                    let smin = &mut q.smin.f32s_mut()[r * nsb..(r + 1) * nsb];
-                    for (sb, blk) in src.chunks_exact(144).enumerate() {
-                        smin[sb] = f16_at(blk, 2);
                     }
                 }
                 K_Q6K => {
@@ -526,6 +522,12 @@ impl QMat {
         r / PANEL * PANEL * self.qs_row + PANEL * g * gbytes + (k * PANEL + r % PANEL) * stride + x
     }
 
+    /// Q4_K: row `r`'s super-block `sb`'s scale and min scale.
+    pub(crate) fn super_block(&self, r: usize, sb: usize) -> (f32, f32) {
+        let at = 2 * (r * self.nsb + sb);
+        (self.sd.f32s()[at], self.sd.f32s()[at + 1])
+    }
+
     /// Index in `qh` of byte `o` of row `r`'s row-major high bits (64 bytes
     /// a group): the panel's start, then group `g`'s 64 bytes of each of the
     /// panel's rows.
@@ -546,12 +548,7 @@ impl QMat {
     /// Bytes held (what a matmul streams), not counting the zero rows that
     /// pad the last panel.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.rows * self.qs_row
-            + self.qh.len()
-            + self.d.len()
-            + self.m.len()
-            + self.sd.len()
-            + self.smin.len()
+        self.rows * self.qs_row + self.qh.len() + self.d.len() + self.m.len() + self.sd.len()
     }
 
     /// The scale and min (value = `scale · u + min`, offsets folded into the
@@ -569,10 +566,10 @@ impl QMat {
                 f16_at(self.m.bytes(), 2 * (r * self.lanes + b)),
             ),
             K_Q4K => {
-                let sb = r * self.nsb + b / 8;
+                let (sd, smin) = self.super_block(r, b / 8);
                 let sc = db[r * self.lanes + b] as f32;
                 let mn = self.m.bytes()[r * self.lanes + b] as f32;
-                (self.sd.f32s()[sb] * sc, -(self.smin.f32s()[sb] * mn))
+                (sd * sc, -(smin * mn))
             }
             K_Q6K => {
                 let sb = r * self.nsb + b / 16;

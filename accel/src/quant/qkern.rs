@@ -36,7 +36,6 @@ pub(crate) struct QPtrs {
     d: *const u8,
     m: *const u8,
     sd: *const f32,
-    smin: *const f32,
     nsb: usize,
     lanes: usize,
     /// Whether single-token tiles issue software prefetches (the same
@@ -54,7 +53,6 @@ impl QPtrs {
             d: q.d.ptr(),
             m: q.m.ptr(),
             sd: q.sd.ptr() as *const f32,
-            smin: q.smin.ptr() as *const f32,
             nsb: q.nsb,
             lanes: q.lanes,
             prefetch,
@@ -595,18 +593,19 @@ mod x86 {
                         w.m.add(lb) as *const __m128i
                     )));
                     // Lanes 0..8 belong to super-block 2g, lanes 8..16 to
-                    // 2g + 1: both f32 scales in one 8-byte load, spread by
-                    // one permute.
-                    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-                    let pair = |p: *const f32| {
-                        _mm512_permutexvar_ps(
-                            halves,
-                            _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(p as *const f64))),
-                        )
-                    };
-                    let sd = pair(w.sd.add(r * w.nsb + 2 * g));
+                    // 2g + 1: both blocks' scale and min scale in one
+                    // 16-byte load, spread by one permute each.
+                    let four =
+                        _mm512_castps128_ps512(_mm_loadu_ps(w.sd.add(2 * (r * w.nsb + 2 * g))));
+                    let sd = _mm512_permutexvar_ps(
+                        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
+                        four,
+                    );
                     // −(smin · mn), exactly as (−smin) · mn.
-                    let smin = pair(w.smin.add(r * w.nsb + 2 * g));
+                    let smin = _mm512_permutexvar_ps(
+                        _mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3),
+                        four,
+                    );
                     let mv = _mm512_mul_ps(smin, mn);
                     (
                         _mm512_mul_ps(sd, sc),
@@ -755,12 +754,12 @@ mod x86 {
                 K_Q4_0 | K_Q8_0 => (f16x8(w.d, lb, mask), zero),
                 K_Q4_1 => (f16x8(w.d, lb, mask), f16x8(w.m, lb, mask)),
                 K_Q4K => {
-                    let sb = r * w.nsb + 2 * g;
+                    let sb = 2 * (r * w.nsb + 2 * g);
                     let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.d)));
                     let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.m)));
                     (
                         _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
-                        _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn),
+                        _mm256_mul_ps(_mm256_set1_ps(-*w.sd.add(sb + 1)), mn),
                     )
                 }
                 _ => {
@@ -1173,12 +1172,12 @@ mod x86 {
             K_Q4_1 => (f16x8(w.d), f16x8(w.m)),
             K_Q4K => {
                 // A half-group of 8 sub-blocks is exactly one super-block.
-                let sb = r * w.nsb + 2 * g + h;
+                let sb = 2 * (r * w.nsb + 2 * g + h);
                 let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d))));
                 let mn = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m))));
                 (
                     _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
-                    _mm256_mul_ps(_mm256_set1_ps(-*w.smin.add(sb)), mn),
+                    _mm256_mul_ps(_mm256_set1_ps(-*w.sd.add(sb + 1)), mn),
                 )
             }
             _ => {
