@@ -80,9 +80,10 @@ pub(crate) const fn has_min(k: u8) -> bool {
     k == K_Q4_1 || k == K_Q4K
 }
 
-/// Bytes per lane in the `d` array: f16 scales, or u8/i8 sub-block scales.
+/// Bytes per lane in the `d` array: f16 scales, Q4_K's u8 sub-block scale
+/// and min (see [`QMat::q4k_scale_at`]), or Q6_K's i8 sub-block scale.
 pub(crate) const fn d_bytes(k: u8) -> usize {
-    if k == K_Q4K || k == K_Q6K {
+    if k == K_Q6K {
         1
     } else {
         2
@@ -284,9 +285,11 @@ pub(crate) struct QMat {
     /// the hardware prefetchers alone; see [`QMat::qh_index`]).
     pub(crate) qh: ABuf,
     pub(crate) qh_row: usize,
-    /// Per-lane scales: f16 bits, or Q4_K's u8 / Q6_K's i8 sub-block scales.
+    /// Per-lane scales: f16 bits; Q4_K's u8 sub-block scales and mins, per
+    /// row and group the group's scales then its mins (one stream for both;
+    /// see [`QMat::q4k_scale_at`]); or Q6_K's i8 sub-block scales.
     pub(crate) d: ABuf,
-    /// Per-lane mins: f16 bits (Q4_1) or Q4_K's u8 sub-block mins.
+    /// Per-lane mins: f16 bits (Q4_1 only).
     pub(crate) m: ABuf,
     /// K-quant super-block scales (f32) per super-block: Q6_K's scale, or
     /// Q4_K's scale and min scale side by side (one stream and one load
@@ -297,6 +300,13 @@ pub(crate) struct QMat {
 /// Lanes in group `g` of a row of `lanes` lanes.
 pub(crate) fn group_lanes(lanes: usize, g: usize) -> usize {
     (lanes - 16 * g).min(16)
+}
+
+/// Q4_K: where lane `b` of row `r` keeps its u8 sub-block scale in `d`;
+/// its min lies the group's lane count further on. Each row's 16-lane
+/// group holds its scales, then its mins.
+pub(crate) fn q4k_scale_at(lanes: usize, r: usize, b: usize) -> usize {
+    2 * (r * lanes + b / 16 * 16) + b % 16
 }
 
 /// Packs one row of unsigned codes (`lanes · L` of them) into the interleaved
@@ -397,7 +407,6 @@ impl QMat {
         };
         let m_bytes = match kind {
             K_Q4_1 => 2,
-            K_Q4K => 1,
             _ => 0,
         };
         QMat {
@@ -461,15 +470,15 @@ impl QMat {
                 }
                 K_Q4K => {
                     let nsb = q.nsb;
-                    let mins = &mut q.m.bytes_mut()[r * lanes..(r + 1) * lanes];
                     let sd = &mut q.sd.f32s_mut()[2 * r * nsb..2 * (r + 1) * nsb];
                     for (sb, blk) in src.chunks_exact(144).enumerate() {
                         sd[2 * sb] = f16_at(blk, 0);
                         sd[2 * sb + 1] = f16_at(blk, 2);
                         for j in 0..8 {
                             let (sc, mn) = scale_min_k4(j, &blk[4..16]);
-                            d[8 * sb + j] = sc;
-                            mins[8 * sb + j] = mn;
+                            let at = q4k_scale_at(lanes, 0, 8 * sb + j);
+                            d[at] = sc;
+                            d[at + group_lanes(lanes, (8 * sb + j) / 16)] = mn;
                         }
                         codes[256 * sb..256 * (sb + 1)].copy_from_slice(&q4k_codes(blk));
                     }
@@ -567,8 +576,9 @@ impl QMat {
             ),
             K_Q4K => {
                 let (sd, smin) = self.super_block(r, b / 8);
-                let sc = db[r * self.lanes + b] as f32;
-                let mn = self.m.bytes()[r * self.lanes + b] as f32;
+                let at = q4k_scale_at(self.lanes, r, b);
+                let sc = db[at] as f32;
+                let mn = db[at + group_lanes(self.lanes, b / 16)] as f32;
                 (sd * sc, -(smin * mn))
             }
             K_Q6K => {

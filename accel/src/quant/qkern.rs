@@ -586,11 +586,12 @@ mod x86 {
                     // group is always whole: plain loads, which fold into
                     // the widening moves.
                     debug_assert_eq!(mask, 0xffff);
+                    // The group's 16 scales, then its 16 mins.
                     let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        w.d.add(lb) as *const __m128i
+                        w.d.add(2 * lb) as *const __m128i,
                     )));
                     let mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(
-                        w.m.add(lb) as *const __m128i
+                        w.d.add(2 * lb + 16) as *const __m128i,
                     )));
                     // Lanes 0..8 belong to super-block 2g, lanes 8..16 to
                     // 2g + 1: both blocks' scale and min scale in one
@@ -754,9 +755,11 @@ mod x86 {
                 K_Q4_0 | K_Q8_0 => (f16x8(w.d, lb, mask), zero),
                 K_Q4_1 => (f16x8(w.d, lb, mask), f16x8(w.m, lb, mask)),
                 K_Q4K => {
+                    // A group of 8 lanes: its 8 scales, then its 8 mins.
                     let sb = 2 * (r * w.nsb + 2 * g);
-                    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.d)));
-                    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(w.m)));
+                    let u8x8 = |p: *const u8| _mm_loadl_epi64(p as *const __m128i);
+                    let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d.add(2 * lb))));
+                    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d.add(2 * lb + 8))));
                     (
                         _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
                         _mm256_mul_ps(_mm256_set1_ps(-*w.sd.add(sb + 1)), mn),
@@ -1173,8 +1176,12 @@ mod x86 {
             K_Q4K => {
                 // A half-group of 8 sub-blocks is exactly one super-block.
                 let sb = 2 * (r * w.nsb + 2 * g + h);
-                let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d))));
-                let mn = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.m))));
+                // The group's scales, then its mins (`gl` lanes each).
+                let gb = 2 * (r * w.lanes + 16 * g) + 8 * h;
+                let gl = group_lanes(w.lanes, g);
+                let at = |o: usize| _mm_loadl_epi64(w.d.add(gb + o) as *const __m128i);
+                let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(at(0))));
+                let mn = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(at(gl))));
                 (
                     _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(sb)), sc),
                     _mm256_mul_ps(_mm256_set1_ps(-*w.sd.add(sb + 1)), mn),
