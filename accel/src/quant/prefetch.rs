@@ -21,7 +21,7 @@
 //! single-token calls on matrices of at least [`MIN_BYTES`] are timed:
 //! smaller ones sit in cache, where prefetching neither helps nor hurts.
 //! Exploring costs at most `TRIAL / 2 / PERIOD` of the calls in the slower
-//! way (0.8%).
+//! way (1.6%).
 //!
 //! `PAGODA_PREFETCH=on|off|auto` (default `auto`) fixes the choice, for
 //! benchmarks; [`set_decode_prefetch`] does the same from code.
@@ -41,11 +41,14 @@ pub enum DecodePrefetch {
 }
 
 /// Timed calls per period.
-const PERIOD: u64 = 16384;
-/// Timed calls at the start of a period that try both ways.
-const TRIAL: u64 = 256;
+const PERIOD: u64 = 32768;
+/// Timed calls at the start of a period that try both ways: 16 blocks, so
+/// that a few milliseconds of noise in one block do not decide (with 8
+/// blocks of 32 calls, repeated 1B decode runs came out 30.4 and 35.2 tok/s
+/// where `on` measured 33.2 and `off` 26.3 between them).
+const TRIAL: u64 = 1024;
 /// Consecutive trial calls in one way.
-const BLOCK: u64 = 32;
+const BLOCK: u64 = 64;
 /// Smallest matrix (weight bytes) whose calls are timed.
 pub(crate) const MIN_BYTES: usize = 256 << 10;
 
