@@ -102,12 +102,18 @@ impl Plan {
         prefetch: false,
         trial: None,
     };
+
+    /// The clock at the start of a trial call (`None` otherwise: only
+    /// trials are timed).
+    pub(crate) fn start(&self) -> Option<Instant> {
+        self.trial.map(|_| Instant::now())
+    }
 }
 
 /// How a single-token call on a matrix of kind `kind` (`layout::K_*`) and
 /// `bytes` weight bytes prefetches.
 pub(crate) fn plan(kind: u8, bytes: usize) -> Plan {
-    let tuner = &TUNERS[kind as usize % KINDS];
+    let tuner = &TUNERS[kind as usize];
     match decode_prefetch() {
         DecodePrefetch::On => Plan {
             prefetch: true,
@@ -125,15 +131,10 @@ pub(crate) fn plan(kind: u8, bytes: usize) -> Plan {
     }
 }
 
-/// Takes a trial call's time (a call [`plan`] did not mark as a trial is
-/// ignored).
-pub(crate) fn record(plan: Plan, started: Instant, bytes: usize) {
-    if let Some((kind, way)) = plan.trial {
-        TUNERS[kind as usize % KINDS].record(
-            way,
-            started.elapsed().as_nanos() as u64,
-            bytes as u64,
-        );
+/// Takes a trial call's time, from [`Plan::start`].
+pub(crate) fn record(plan: Plan, started: Option<Instant>, bytes: usize) {
+    if let (Some((kind, way)), Some(t)) = (plan.trial, started) {
+        TUNERS[kind as usize].record(way, t.elapsed().as_nanos() as u64, bytes as u64);
     }
 }
 

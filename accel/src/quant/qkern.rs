@@ -148,9 +148,8 @@ pub(crate) fn matmul(
 
     // Single-token calls prefetch or not as measured (see `prefetch`);
     // the kernels give the same bits either way.
-    let bytes = q.qs.bytes().len() + q.d.bytes().len() + q.m.bytes().len() + q.qh.bytes().len();
     let plan = if m == 1 {
-        prefetch::plan(q.kind, bytes)
+        prefetch::plan(q.kind, q.size_bytes())
     } else {
         prefetch::Plan::NONE
     };
@@ -213,9 +212,9 @@ pub(crate) fn matmul(
             }
         }
     };
-    let started = std::time::Instant::now();
+    let started = plan.start();
     pool.run_ranges(rows, PANEL, &run);
-    prefetch::record(plan, started, bytes);
+    prefetch::record(plan, started, q.size_bytes());
 }
 
 /// Computes output rows `r0..r1` for all `m` activation rows.
