@@ -22,6 +22,10 @@
 //! gate-up (1024 × 1024) and down (1024 × 512) of which each step runs two
 //! drawn at random per layer (as routed decode does, so the experts stream
 //! from DRAM), and a 320-row head; GB/s counts the bytes a step reads.
+//!
+//! `DECODE_SHAPES=1` also gives each matrix shape's mean GB/s over all its
+//! calls (timed one by one), which shows the shapes that stream slower than
+//! the step as a whole (the 8192-column down projection, for one).
 
 use pagoda_accel::{GgmlType, MatmulScratch, ThreadPool, Weight};
 use std::time::{Duration, Instant};
@@ -100,6 +104,7 @@ fn main() {
         "moe" => (1024, 512, 1536, 320, 8),
         _ => (2048, 8192, 3072, 49152, 16),
     };
+    let shapes = std::env::var("DECODE_SHAPES").is_ok_and(|v| v == "1");
     let mut rng = Lcg(47);
     for ty in types {
         // Per layer: QKV, O, then each expert's gate-up and down.
@@ -149,9 +154,15 @@ fn main() {
         for threads in [1, 2] {
             let pool = ThreadPool::new(threads);
             // One step; returns the seconds its last matrix (the head) took.
+            // Per matrix position in a layer (`DECODE_SHAPES=1`): the
+            // seconds and bytes of every call, to see which shapes stream
+            // slower than the step as a whole.
+            let mut by_shape = vec![(0.0f64, 0usize); per_layer];
             let mut step = || {
                 let (head, layers) = ws.split_last().expect("the head is pushed last");
-                for w in pick(&mut rng).into_iter().map(|i| &layers[i]) {
+                for i in pick(&mut rng) {
+                    let w = &layers[i];
+                    let s = shapes.then(Instant::now);
                     w.matmul(
                         &pool,
                         &x[..m * w.cols()],
@@ -159,6 +170,11 @@ fn main() {
                         &mut out[..m * w.rows()],
                         &mut scratch,
                     );
+                    if let Some(s) = s {
+                        let e = &mut by_shape[i % per_layer];
+                        e.0 += s.elapsed().as_secs_f64();
+                        e.1 += w.size_bytes();
+                    }
                 }
                 let s = Instant::now();
                 let (k, n) = (m * head.cols(), m * head.rows());
@@ -190,6 +206,17 @@ fn main() {
                 best_head * 1e3,
                 head_bytes as f64 / best_head / 1e9
             );
+            if shapes {
+                for (k, &(t, b)) in by_shape.iter().enumerate().filter(|(_, e)| e.1 > 0) {
+                    let w = &ws[k];
+                    println!(
+                        "      {:>5} x {:<5} {:>7.2} GB/s (all calls, mean)",
+                        w.rows(),
+                        w.cols(),
+                        b as f64 / t / 1e9
+                    );
+                }
+            }
         }
     }
 }
