@@ -92,8 +92,17 @@ fn main() {
         pagoda_accel::cpu::simd_level()
     );
     println!(
-        "{:<5} {:>8} {:>3} {:>9} {:>7} {:>7} {:>8} {:>8}",
-        "type", "MB", "thr", "ms/step", "tok/s", "GB/s", "head ms", "head GB/s"
+        "{:<5} {:>8} {:>3} {:>9} {:>7} {:>7} {:>8} {:>8} {:>9} {:>7}",
+        "type",
+        "MB",
+        "thr",
+        "ms/step",
+        "tok/s",
+        "GB/s",
+        "head ms",
+        "head GB/s",
+        "median ms",
+        "med GB/s"
     );
     let model = std::env::var("DECODE_MODEL").unwrap_or_default();
     let smollm2 = model == "smollm2";
@@ -182,21 +191,26 @@ fn main() {
                 s.elapsed().as_secs_f64()
             };
             step();
-            // The step's best time, and the head's time within that step
-            // (timed in place, so it streams from DRAM after the layers as
-            // in real decode).
+            // The step's best and median times, and the head's time within
+            // the best step (timed in place, so it streams from DRAM after
+            // the layers as in real decode). On a shared VM the best is one
+            // lucky step; the median is the figure to compare.
             let (mut best, mut best_head) = (f64::INFINITY, 0.0);
+            let mut times = Vec::new();
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(3) {
                 let s = Instant::now();
                 let head = step();
                 let t = s.elapsed().as_secs_f64();
+                times.push(t);
                 if t < best {
                     (best, best_head) = (t, head);
                 }
             }
+            times.sort_by(f64::total_cmp);
+            let median = times[times.len() / 2];
             println!(
-                "{:<5} {:>8.1} {:>3} {:>9.2} {:>7.1} {:>7.2} {:>8.2} {:>8.2}",
+                "{:<5} {:>8.1} {:>3} {:>9.2} {:>7.1} {:>7.2} {:>8.2} {:>8.2} {:>9.2} {:>7.2}",
                 ty.name(),
                 bytes as f64 / 1e6,
                 threads,
@@ -204,7 +218,9 @@ fn main() {
                 m as f64 / best,
                 bytes as f64 / best / 1e9,
                 best_head * 1e3,
-                head_bytes as f64 / best_head / 1e9
+                head_bytes as f64 / best_head / 1e9,
+                median * 1e3,
+                bytes as f64 / median / 1e9
             );
             if shapes {
                 for (k, &(t, b)) in by_shape.iter().enumerate().filter(|(_, e)| e.1 > 0) {
