@@ -1496,9 +1496,15 @@ mod x86 {
     /// integer sums and adds them into the float accumulators. Every path
     /// of [`tile256`] ends here, in this order, so a row's result does not
     /// depend on the tile shape that computed it.
+    ///
+    /// Always inlined, without a `target_feature` of its own (its callers
+    /// have them): as an `#[inline]` function LLVM left the single-token
+    /// Q4_K instantiation out of line, its accumulators passed through
+    /// memory (18% of a Q4_K_M decode step's samples at
+    /// `PAGODA_SIMD=avx2` fell in it, most of them its scale loads' cache
+    /// misses, which inlining does not remove: 1–2% faster).
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
+    #[inline(always)]
     unsafe fn epilogue<const K: u8, const R: usize, const M: usize>(
         w: &QPtrs,
         r0: usize,
