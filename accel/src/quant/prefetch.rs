@@ -97,7 +97,8 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
-    /// No prefetching, untimed: calls of several tokens.
+    /// Untimed, and no tuned prefetching: calls of several tokens, whose
+    /// tiles prefetch by a fixed rule instead (`qkern::run_rows`).
     pub(crate) const NONE: Plan = Plan {
         prefetch: false,
         trial: None,
