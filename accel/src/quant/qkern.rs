@@ -249,29 +249,25 @@ unsafe fn run_rows<const K: u8>(
             let mut i = mb;
             while i < me {
                 let mt = (me - i).min(max_m_tile(level));
-                // Several tokens, as many as concurrent streams decode: the
-                // first tile of them over these rows prefetches the weights
-                // and the others find them in L1. A prompt's block of up to
-                // M_BLOCK tokens reuses each weight tile so often that its
-                // first load's miss does not show, and prefetches there
-                // measured a little slower (prefill 1B Q4_0, 512 tokens).
-                let pw;
-                let w = if me - mb > 1 {
-                    pw = QPtrs {
-                        prefetch: i == mb && me - mb <= BATCH_PREFETCH_MAX,
-                        ..*w
-                    };
-                    &pw
+                // A single token prefetches as the tuner decided. Several,
+                // as many as concurrent streams decode: the first tile of
+                // them over these rows prefetches the weights and the others
+                // find them in L1. A prompt's block of up to M_BLOCK tokens
+                // reuses each weight tile so often that its first load's
+                // miss does not show, and prefetches there measured a little
+                // slower (prefill 1B Q4_0, 512 tokens).
+                let pf = if me - mb == 1 {
+                    w.prefetch
                 } else {
-                    w
+                    i == mb && me - mb <= BATCH_PREFETCH_MAX
                 };
                 match level {
                     #[cfg(target_arch = "x86_64")]
                     SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => {
-                        x86::tile512_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo)
+                        x86::tile512_dispatch::<K>(rt, mt, pf, w, r, a, i, o.0, ldo)
                     }
                     #[cfg(target_arch = "x86_64")]
-                    SimdLevel::Avx2 => x86::tile256_dispatch::<K>(rt, mt, w, r, a, i, o.0, ldo),
+                    SimdLevel::Avx2 => x86::tile256_dispatch::<K>(rt, mt, pf, w, r, a, i, o.0, ldo),
                     _ => tile_scalar::<K>(q, r, rt, a, i, mt, o.0, ldo),
                 }
                 i += mt;
@@ -362,14 +358,12 @@ mod x86 {
         ($name:ident, $kernel:ident, $($m:literal),+) => {
             /// Calls the kernel instantiated for this tile shape.
             #[allow(clippy::too_many_arguments)]
-            /// A tile prefetches its weights where `w.prefetch` says so: for
-            /// a single token as [`super::super::prefetch`] decides, for
-            /// several in the first tile of tokens over the rows (see
-            /// [`prefetch_weights`]).
+            /// The tile prefetches its weights where `pf` says so (see
+            /// `run_rows` and [`prefetch_weights`]).
             pub(super) unsafe fn $name<const K: u8>(
-                rt: usize, mt: usize, w: &QPtrs, r0: usize, a: &APtrs, i0: usize, out: *mut f32, ldo: usize,
+                rt: usize, mt: usize, pf: bool, w: &QPtrs, r0: usize, a: &APtrs, i0: usize, out: *mut f32, ldo: usize,
             ) {
-                match (rt, mt, w.prefetch) {
+                match (rt, mt, pf) {
                     (8, 1, true) => $kernel::<K, 8, 1, true>(w, r0, a, i0, out, ldo),
                     (8, 1, false) => $kernel::<K, 8, 1, false>(w, r0, a, i0, out, ldo),
                     (4, 1, true) => $kernel::<K, 4, 1, true>(w, r0, a, i0, out, ldo),
