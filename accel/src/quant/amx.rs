@@ -42,7 +42,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::layout::{
-    code_bits, group_lanes, has_min, off_shift, ABuf, QMat, K_Q4_0, K_Q4_1, K_Q8_0, PANEL,
+    code_bits, group_lanes, has_min, lane_at, off_shift, ABuf, QMat, K_Q4_0, K_Q4_1, K_Q8_0, PANEL,
 };
 use super::OutPtr;
 use crate::cpu::amx::{release_tiles, TileConfig};
@@ -406,7 +406,7 @@ pub(super) unsafe fn unpack<const K: u8>(
         for b0 in (0..lanes).step_by(16) {
             let k = (lanes - b0).min(16);
             let mask: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
-            let lb = r * lanes + b0;
+            let lb = lane_at(lanes, r, b0);
             let d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
                 mask,
                 q.d.ptr().add(2 * lb) as *const i16,
@@ -441,9 +441,10 @@ unsafe fn prefetch_row<const K: u8>(q: &QMat, r: usize) {
     for off in (0..q.qs_row).step_by(64) {
         _mm_prefetch::<_MM_HINT_T1>(at.add(off) as *const i8);
     }
-    _mm_prefetch::<_MM_HINT_T1>(q.d.ptr().add(2 * r * q.lanes) as *const i8);
+    let lb = lane_at(q.lanes, r, 0);
+    _mm_prefetch::<_MM_HINT_T1>(q.d.ptr().add(2 * lb) as *const i8);
     if K == K_Q4_1 {
-        _mm_prefetch::<_MM_HINT_T1>(q.m.ptr().add(2 * r * q.lanes) as *const i8);
+        _mm_prefetch::<_MM_HINT_T1>(q.m.ptr().add(2 * lb) as *const i8);
     }
 }
 

@@ -35,7 +35,16 @@
 //! Scales stay in their file precision (f16 for the 32-element types, the
 //! 6-bit or 8-bit sub-block scales plus an f32 super-block scale for
 //! K-quants), so the repacked matrix is within ~5% of the GGUF size and
-//! dequantizes to exactly the same values.
+//! dequantizes to exactly the same values. They are interleaved in panels
+//! too ([`panel_index`]): within a panel, group `g`'s scales of each of the
+//! panel's rows side by side, so that the decode tile, which needs them a
+//! group at a time for its 8 rows, reads one sequential stream of scales
+//! beside the stream of codes. Row by row, a panel's scales were 8
+//! strided streams; on Zen 4 (1 thread, Q4_0 matrices streamed from DRAM)
+//! that held 2048 × 8192 matrices to 17 GB/s where the same bytes as
+//! 8192 × 2048 streamed 25, and reading every row's scales from one cached
+//! place instead (an experiment, wrong results) lifted them to 24: the
+//! longer the rows, the further apart those strided streams.
 
 use super::formats::{f16_at, q4k_codes, q6k_codes, scale_min_k4};
 use super::GgmlType;
@@ -87,6 +96,16 @@ pub(crate) const fn d_bytes(k: u8) -> usize {
         1
     } else {
         2
+    }
+}
+
+/// Bytes of super-block scales per super-block: Q4_K's scale and min
+/// scale, Q6_K's scale (f32 each); none for the other kinds.
+pub(crate) const fn sd_bytes(k: u8) -> usize {
+    match k {
+        K_Q4K => 8,
+        K_Q6K => 4,
+        _ => 0,
     }
 }
 
@@ -225,11 +244,6 @@ impl ABuf {
         bytemuck::cast_slice(&self.all()[..self.len / 4 * 4])
     }
 
-    pub(crate) fn f32s_mut(&mut self) -> &mut [f32] {
-        let n = self.len / 4 * 4;
-        bytemuck::cast_slice_mut(&mut self.all_mut()[..n])
-    }
-
     pub(crate) fn ptr(&self) -> *const u8 {
         self.all().as_ptr()
     }
@@ -263,9 +277,9 @@ fn map_huge(bytes: usize) -> Option<Store> {
     }
 }
 
-/// A quantized matrix in the repacked layout (see the module docs). Every
-/// array is row-major with a fixed per-row stride, so stacking matrices is
-/// concatenating arrays.
+/// A quantized matrix in the repacked layout (see the module docs): every
+/// array is interleaved in panels of [`PANEL`] rows, the last panel padded
+/// with zero rows.
 pub(crate) struct QMat {
     pub(crate) kind: u8,
     pub(crate) rows: usize,
@@ -285,15 +299,16 @@ pub(crate) struct QMat {
     /// the hardware prefetchers alone; see [`QMat::qh_index`]).
     pub(crate) qh: ABuf,
     pub(crate) qh_row: usize,
-    /// Per-lane scales: f16 bits; Q4_K's u8 sub-block scales and mins, per
-    /// row and group the group's scales then its mins (one stream for both;
-    /// see [`QMat::q4k_scale_at`]); or Q6_K's i8 sub-block scales.
+    /// Per-lane scales, at [`lane_at`]: f16 bits; Q4_K's u8 sub-block
+    /// scales and mins, per row and group the group's scales then its mins
+    /// (one stream for both; see [`q4k_scale_at`]); or Q6_K's i8 sub-block
+    /// scales.
     pub(crate) d: ABuf,
-    /// Per-lane mins: f16 bits (Q4_1 only).
+    /// Per-lane mins: f16 bits (Q4_1 only), at [`lane_at`].
     pub(crate) m: ABuf,
-    /// K-quant super-block scales (f32) per super-block: Q6_K's scale, or
-    /// Q4_K's scale and min scale side by side (one stream and one load
-    /// for both; see [`QMat::super_block`]).
+    /// K-quant super-block scales (f32) per super-block, at [`sb_at`]:
+    /// Q6_K's scale, or Q4_K's scale and min scale side by side (one stream
+    /// and one load for both; see [`QMat::super_block`]).
     pub(crate) sd: ABuf,
 }
 
@@ -302,11 +317,58 @@ pub(crate) fn group_lanes(lanes: usize, g: usize) -> usize {
     (lanes - 16 * g).min(16)
 }
 
+/// Where item `i` of row `r`'s `per_row` per-row items (per-lane scales,
+/// or super-block scales) lies in the panel layout, `per_group` of them
+/// belonging to one 16-lane group: the panel's start, then for group `g`
+/// the panel's rows' items of that group side by side (the last group may
+/// hold fewer), so that a tile walking a panel group by group reads them
+/// as one stream (see the module docs).
+pub(crate) fn panel_index(r: usize, i: usize, per_row: usize, per_group: usize) -> usize {
+    let g = i / per_group;
+    let in_group = (per_row - g * per_group).min(per_group);
+    r / PANEL * PANEL * per_row + PANEL * g * per_group + r % PANEL * in_group + i % per_group
+}
+
+/// Where lane `b` of row `r` (of `lanes` lanes) keeps its per-lane items
+/// (`d`, `m`), in items: a row's group of lanes is contiguous.
+pub(crate) fn lane_at(lanes: usize, r: usize, b: usize) -> usize {
+    panel_index(r, b, lanes, 16)
+}
+
+/// Super-blocks of a K-quant in one 16-lane group: Q4_K's 32-element lanes
+/// make 2, Q6_K's 16-element lanes 1.
+pub(crate) const fn sb_per_group(k: u8) -> usize {
+    16 * lane_len(k) / 256
+}
+
+/// Where super-block `sb` of row `r` (of `nsb`) keeps its scales in `sd`,
+/// in super-blocks (Q4_K holds two f32 per super-block, Q6_K one).
+pub(crate) fn sb_at(kind: u8, nsb: usize, r: usize, sb: usize) -> usize {
+    panel_index(r, sb, nsb, sb_per_group(kind))
+}
+
 /// Q4_K: where lane `b` of row `r` keeps its u8 sub-block scale in `d`;
 /// its min lies the group's lane count further on. Each row's 16-lane
 /// group holds its scales, then its mins.
 pub(crate) fn q4k_scale_at(lanes: usize, r: usize, b: usize) -> usize {
-    2 * (r * lanes + b / 16 * 16) + b % 16
+    2 * lane_at(lanes, r, b / 16 * 16) + b % 16
+}
+
+/// Scatters one row's row-major per-row items (`items` bytes each, `per_row`
+/// of them, `per_group` to a group) to their panel places in `dst`.
+fn scatter_row(
+    dst: &mut [u8],
+    r: usize,
+    row: &[u8],
+    items: usize,
+    per_row: usize,
+    per_group: usize,
+) {
+    for g in 0..per_row.div_ceil(per_group) {
+        let (i0, i1) = (g * per_group, ((g + 1) * per_group).min(per_row));
+        let at = panel_index(r, i0, per_row, per_group) * items;
+        dst[at..at + (i1 - i0) * items].copy_from_slice(&row[i0 * items..i1 * items]);
+    }
 }
 
 /// Packs one row of unsigned codes (`lanes · L` of them) into the interleaved
@@ -409,6 +471,7 @@ impl QMat {
             K_Q4_1 => 2,
             _ => 0,
         };
+        let padded = rows.div_ceil(PANEL) * PANEL;
         QMat {
             kind,
             rows,
@@ -419,9 +482,9 @@ impl QMat {
             qs_row,
             qh: ABuf::zeroed(rows.div_ceil(PANEL) * PANEL * qh_row),
             qh_row,
-            d: ABuf::zeroed(rows * lanes * d_bytes(kind)),
-            m: ABuf::zeroed(rows * lanes * m_bytes),
-            sd: ABuf::zeroed(rows * nsb * 4 * if kind == K_Q4K { 2 } else { 1 }),
+            d: ABuf::zeroed(padded * lanes * d_bytes(kind)),
+            m: ABuf::zeroed(padded * lanes * m_bytes),
+            sd: ABuf::zeroed(padded * nsb * sd_bytes(kind)),
         }
     }
 
@@ -435,10 +498,14 @@ impl QMat {
         let mut codes = vec![0u8; cols];
         let mut row_qs = vec![0u8; q.qs_row];
         let mut row_qh = vec![0u8; q.qh_row];
+        // One row's scales (and mins) row-major, then scattered to panels.
+        let nsb = q.nsb;
+        let mut row_d = vec![0u8; lanes * d_bytes(kind)];
+        let mut row_m = vec![0u8; if kind == K_Q4_1 { lanes * 2 } else { 0 }];
+        let mut row_sd = vec![0f32; nsb * sd_bytes(kind) / 4];
         for r in 0..rows {
             let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
-            let d =
-                &mut q.d.bytes_mut()[r * lanes * d_bytes(kind)..(r + 1) * lanes * d_bytes(kind)];
+            let d = &mut row_d[..];
             match kind {
                 K_Q4_0 | K_Q4_1 | K_Q8_0 => {
                     let bb = ty.block_bytes();
@@ -462,21 +529,21 @@ impl QMat {
                         }
                     }
                     if kind == K_Q4_1 {
-                        let m = &mut q.m.bytes_mut()[r * lanes * 2..(r + 1) * lanes * 2];
                         for (b, blk) in src.chunks_exact(20).enumerate() {
-                            m[2 * b..2 * b + 2].copy_from_slice(&blk[2..4]);
+                            row_m[2 * b..2 * b + 2].copy_from_slice(&blk[2..4]);
                         }
                     }
                 }
                 K_Q4K => {
-                    let nsb = q.nsb;
-                    let sd = &mut q.sd.f32s_mut()[2 * r * nsb..2 * (r + 1) * nsb];
+                    let sd = &mut row_sd[..];
                     for (sb, blk) in src.chunks_exact(144).enumerate() {
                         sd[2 * sb] = f16_at(blk, 0);
                         sd[2 * sb + 1] = f16_at(blk, 2);
                         for j in 0..8 {
                             let (sc, mn) = scale_min_k4(j, &blk[4..16]);
-                            let at = q4k_scale_at(lanes, 0, 8 * sb + j);
+                            // Row-major: the group's scales, then its mins.
+                            let b = 8 * sb + j;
+                            let at = 2 * (b / 16 * 16) + b % 16;
                             d[at] = sc;
                             d[at + group_lanes(lanes, (8 * sb + j) / 16)] = mn;
                         }
@@ -484,8 +551,7 @@ impl QMat {
                     }
                 }
                 K_Q6K => {
-                    let nsb = q.nsb;
-                    let sd = &mut q.sd.f32s_mut()[r * nsb..(r + 1) * nsb];
+                    let sd = &mut row_sd[..];
                     for (sb, blk) in src.chunks_exact(210).enumerate() {
                         sd[sb] = f16_at(blk, 208);
                         d[16 * sb..16 * (sb + 1)].copy_from_slice(&blk[192..208]);
@@ -493,6 +559,21 @@ impl QMat {
                     }
                 }
                 _ => unreachable!(),
+            }
+            scatter_row(q.d.bytes_mut(), r, &row_d, d_bytes(kind), lanes, 16);
+            if kind == K_Q4_1 {
+                scatter_row(q.m.bytes_mut(), r, &row_m, 2, lanes, 16);
+            }
+            if nsb > 0 {
+                let sd = bytemuck::cast_slice::<f32, u8>(&row_sd);
+                scatter_row(
+                    q.sd.bytes_mut(),
+                    r,
+                    sd,
+                    sd_bytes(kind),
+                    nsb,
+                    sb_per_group(kind),
+                );
             }
             pack_codes(kind, &codes[..lanes * l], &mut row_qs, &mut row_qh);
             q.write_qs_row(r, &row_qs);
@@ -533,7 +614,7 @@ impl QMat {
 
     /// Q4_K: row `r`'s super-block `sb`'s scale and min scale.
     pub(crate) fn super_block(&self, r: usize, sb: usize) -> (f32, f32) {
-        let at = 2 * (r * self.nsb + sb);
+        let at = 2 * sb_at(self.kind, self.nsb, r, sb);
         (self.sd.f32s()[at], self.sd.f32s()[at + 1])
     }
 
@@ -557,7 +638,12 @@ impl QMat {
     /// Bytes held (what a matmul streams), not counting the zero rows that
     /// pad the last panel.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.rows * self.qs_row + self.qh.len() + self.d.len() + self.m.len() + self.sd.len()
+        let m_bytes = if self.kind == K_Q4_1 { 2 } else { 0 };
+        let per_row = self.qs_row
+            + self.qh_row
+            + self.lanes * (d_bytes(self.kind) + m_bytes)
+            + self.nsb * sd_bytes(self.kind);
+        self.rows * per_row
     }
 
     /// The scale and min (value = `scale · u + min`, offsets folded into the
@@ -566,13 +652,13 @@ impl QMat {
         let db = self.d.bytes();
         match self.kind {
             K_Q4_0 | K_Q8_0 => {
-                let d = f16_at(db, 2 * (r * self.lanes + b));
+                let d = f16_at(db, 2 * lane_at(self.lanes, r, b));
                 let o = (1u32 << off_shift(self.kind)) as f32;
                 (d, -o * d)
             }
             K_Q4_1 => (
-                f16_at(db, 2 * (r * self.lanes + b)),
-                f16_at(self.m.bytes(), 2 * (r * self.lanes + b)),
+                f16_at(db, 2 * lane_at(self.lanes, r, b)),
+                f16_at(self.m.bytes(), 2 * lane_at(self.lanes, r, b)),
             ),
             K_Q4K => {
                 let (sd, smin) = self.super_block(r, b / 8);
@@ -582,8 +668,8 @@ impl QMat {
                 (sd * sc, -(smin * mn))
             }
             K_Q6K => {
-                let sb = r * self.nsb + b / 16;
-                let d = self.sd.f32s()[sb] * (db[r * self.lanes + b] as i8 as f32);
+                let sb = sb_at(self.kind, self.nsb, r, b / 16);
+                let d = self.sd.f32s()[sb] * (db[lane_at(self.lanes, r, b)] as i8 as f32);
                 (d, -32.0 * d)
             }
             _ => unreachable!(),

@@ -17,6 +17,7 @@
 use super::act;
 #[cfg(target_arch = "x86_64")]
 use super::amx;
+use super::layout;
 use super::layout::{
     code_bits, group_lanes, has_min, lane_len, off_shift, QMat, K_Q4K, K_Q4_0, K_Q4_1, K_Q6K,
     K_Q8_0, PANEL,
@@ -44,6 +45,36 @@ pub(crate) struct QPtrs {
 }
 
 impl QPtrs {
+    /// Where the scales of group `g` lie for a row tile from `r0`, whose
+    /// rows share one panel (tiles of 8, 4 or 1 rows from a panel's
+    /// start): computed once per group rather than once per row, since a
+    /// Q6_K group is small enough (256 elements a row) for the panel
+    /// index arithmetic to show beside its dot products.
+    /// `gl` is the group's lane count, which callers of full groups pass
+    /// as the constant 16: every row's offset is then an immediate.
+    #[inline(always)]
+    fn group_scales<const K: u8>(&self, r0: usize, g: usize, gl: usize) -> GroupScales {
+        let j = r0 % PANEL;
+        let p0 = r0 - j;
+        // A K-quant group's super-blocks: Q4_K's 8 lanes make one, Q6_K's
+        // 16 lanes one; the other kinds have none.
+        let gsb = if K == K_Q4K || K == K_Q6K {
+            gl * lane_len(K) / 256
+        } else {
+            0
+        };
+        let spg = layout::sb_per_group(K);
+        let gs = GroupScales {
+            lane: p0 * self.lanes + PANEL * 16 * g + j * gl,
+            gl,
+            sb: p0 * self.nsb + PANEL * spg * g + j * gsb,
+            gsb,
+        };
+        debug_assert_eq!(gs.lane, layout::lane_at(self.lanes, r0, 16 * g));
+        debug_assert!(self.nsb == 0 || gs.sb == layout::sb_at(K, self.nsb, r0, spg * g));
+        gs
+    }
+
     fn new(q: &QMat, prefetch: bool) -> QPtrs {
         QPtrs {
             qs: q.qs.ptr(),
@@ -56,6 +87,35 @@ impl QPtrs {
             nsb: q.nsb,
             lanes: q.lanes,
             prefetch,
+        }
+    }
+}
+
+/// Where one group's scales lie for the rows of a tile in one panel: row
+/// `r0 + ρ` keeps its lanes' scales (and mins) from lane `lane + ρ · gl`
+/// and its super-block scales from super-block `sb + ρ · gsb`.
+#[derive(Clone, Copy)]
+struct GroupScales {
+    lane: usize,
+    gl: usize,
+    sb: usize,
+    gsb: usize,
+}
+
+/// Where one row's scales of one group lie: its first lane and its first
+/// super-block.
+#[derive(Clone, Copy)]
+struct RowScales {
+    lane: usize,
+    sb: usize,
+}
+
+impl GroupScales {
+    #[inline(always)]
+    fn row(&self, rho: usize) -> RowScales {
+        RowScales {
+            lane: self.lane + rho * self.gl,
+            sb: self.sb + rho * self.gsb,
         }
     }
 }
@@ -459,11 +519,11 @@ mod x86 {
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// `acc + a · b`, into a 16-lane accumulator.
         unsafe fn fma_into(acc: __m512, a: Self::F, b: Self::F) -> __m512;
-        /// Per-lane scale and min of group `g` of row `r` (zero where masked).
+        /// Per-lane scale and min of one row's group at `at` (zero where
+        /// masked).
         unsafe fn scales<const K: u8>(
             w: &QPtrs,
-            r: usize,
-            g: usize,
+            at: RowScales,
             m: Self::Mask,
         ) -> (Self::F, Self::F);
     }
@@ -588,11 +648,10 @@ mod x86 {
         #[inline]
         unsafe fn scales<const K: u8>(
             w: &QPtrs,
-            r: usize,
-            g: usize,
+            at: RowScales,
             mask: __mmask16,
         ) -> (__m512, __m512) {
-            let lb = r * w.lanes + 16 * g;
+            let lb = at.lane;
             let zero = _mm512_setzero_ps();
             match K {
                 K_Q4_0 | K_Q8_0 => (f16x16(w.d, lb, mask), zero),
@@ -612,8 +671,7 @@ mod x86 {
                     // Lanes 0..8 belong to super-block 2g, lanes 8..16 to
                     // 2g + 1: both blocks' scale and min scale in one
                     // 16-byte load, spread by one permute each.
-                    let four =
-                        _mm512_castps128_ps512(_mm_loadu_ps(w.sd.add(2 * (r * w.nsb + 2 * g))));
+                    let four = _mm512_castps128_ps512(_mm_loadu_ps(w.sd.add(2 * at.sb)));
                     let sd = _mm512_permutexvar_ps(
                         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2),
                         four,
@@ -637,10 +695,7 @@ mod x86 {
                         mask,
                         w.d.add(lb) as *const i8,
                     )));
-                    (
-                        _mm512_mul_ps(_mm512_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
-                        zero,
-                    )
+                    (_mm512_mul_ps(_mm512_set1_ps(*w.sd.add(at.sb)), sc), zero)
                 }
             }
         }
@@ -758,13 +813,12 @@ mod x86 {
         #[inline]
         unsafe fn scales<const K: u8>(
             w: &QPtrs,
-            r: usize,
-            g: usize,
+            at: RowScales,
             mask: __mmask8,
         ) -> (__m256, __m256) {
             // Only used for groups of at most 8 lanes: lanes 16g..16g+8, which
             // for Q4_K lie in super-block 2g and for Q6_K in super-block g.
-            let lb = r * w.lanes + 16 * g;
+            let lb = at.lane;
             let zero = _mm256_setzero_ps();
             let bytes8 = |p: *const u8| _mm_maskz_loadu_epi8(mask as u16, p.add(lb) as *const i8);
             match K {
@@ -772,7 +826,7 @@ mod x86 {
                 K_Q4_1 => (f16x8(w.d, lb, mask), f16x8(w.m, lb, mask)),
                 K_Q4K => {
                     // A group of 8 lanes: its 8 scales, then its 8 mins.
-                    let sb = 2 * (r * w.nsb + 2 * g);
+                    let sb = 2 * at.sb;
                     let u8x8 = |p: *const u8| _mm_loadl_epi64(p as *const __m128i);
                     let sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d.add(2 * lb))));
                     let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(u8x8(w.d.add(2 * lb + 8))));
@@ -783,10 +837,7 @@ mod x86 {
                 }
                 _ => {
                     let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes8(w.d)));
-                    (
-                        _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
-                        zero,
-                    )
+                    (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(at.sb)), sc), zero)
                 }
             }
         }
@@ -847,7 +898,14 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")]
     #[inline]
-    unsafe fn group<V: Width, const K: u8, const R: usize, const M: usize, const PF: bool>(
+    unsafe fn group<
+        V: Width,
+        const K: u8,
+        const R: usize,
+        const M: usize,
+        const PF: bool,
+        const FULL: bool,
+    >(
         w: &QPtrs,
         r0: usize,
         a: &APtrs,
@@ -860,7 +918,9 @@ mod x86 {
     ) {
         let l = lane_len(K);
         let lanes = w.lanes;
-        let gl = group_lanes(lanes, g);
+        // A whole group's lane count as a constant: its strides and the
+        // rows' scale offsets become immediates.
+        let gl = if FULL { 16 } else { group_lanes(lanes, g) };
         let mask = V::mask(gl);
         let stride = 4 * gl;
         let abase = 16 * g * l;
@@ -930,8 +990,9 @@ mod x86 {
                 extra_i[i] = V::load(mask, a.sum.add(b) as *const u8);
             }
         }
+        let gs = w.group_scales::<K>(r0, g, gl);
         for r in 0..R {
-            let (dv, mv) = V::scales::<K>(w, r0 + r, g, mask);
+            let (dv, mv) = V::scales::<K>(w, gs.row(r), mask);
             for i in 0..M {
                 let mut iv = iacc[r][i];
                 if !has_min(K) {
@@ -1019,7 +1080,7 @@ mod x86 {
         // `gl · R` fills the vector exactly, so this is a constant.
         let gl_c = V::LANES / R;
         for rho in 0..R {
-            let lb = (r0 + rho) * lanes + 16 * g;
+            let lb = w.group_scales::<K>(r0, g, gl).row(rho).lane;
             let at = rho * gl_c;
             std::ptr::copy_nonoverlapping(
                 w.d.add(2 * lb),
@@ -1081,14 +1142,16 @@ mod x86 {
             // A short last group packs its lanes of all R rows into one
             // vector (see `tail_packed`) where they fill it exactly.
             let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R > 1;
-            if gl > 8 {
-                group::<Zmm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+            if gl == 16 {
+                group::<Zmm, K, R, M, PF, true>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+            } else if gl > 8 {
+                group::<Zmm, K, R, M, PF, false>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             } else if packable && R * gl == 16 {
                 tail_packed::<Zmm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
             } else if packable && R * gl == 8 {
                 tail_packed::<Ymm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &arow, &mut facc);
             } else {
-                group::<Ymm, K, R, M, PF>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
+                group::<Ymm, K, R, M, PF, false>(w, r0, a, i0, g, &wrow, &hrow, &arow, &mut facc);
             }
         }
         if R == 8 && M == 1 {
@@ -1194,12 +1257,12 @@ mod x86 {
     #[inline]
     unsafe fn scales256<const K: u8>(
         w: &QPtrs,
-        r: usize,
-        g: usize,
+        at: RowScales,
+        gl: usize,
         h: usize,
         hl: usize,
     ) -> (__m256, __m256) {
-        let lb = r * w.lanes + 16 * g + 8 * h;
+        let lb = at.lane + 8 * h;
         let zero = _mm256_setzero_ps();
         let keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
             _mm256_set1_epi32(hl as i32),
@@ -1217,10 +1280,9 @@ mod x86 {
             K_Q4_1 => (f16x8(w.d), f16x8(w.m)),
             K_Q4K => {
                 // A half-group of 8 sub-blocks is exactly one super-block.
-                let sb = 2 * (r * w.nsb + 2 * g + h);
+                let sb = 2 * (at.sb + h);
                 // The group's scales, then its mins (`gl` lanes each).
-                let gb = 2 * (r * w.lanes + 16 * g) + 8 * h;
-                let gl = group_lanes(w.lanes, g);
+                let gb = 2 * at.lane + 8 * h;
                 let at = |o: usize| _mm_loadl_epi64(w.d.add(gb + o) as *const __m128i);
                 let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(at(0))));
                 let mn = clear(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(at(gl))));
@@ -1231,10 +1293,7 @@ mod x86 {
             }
             _ => {
                 let sc = clear(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(u8x8(w.d))));
-                (
-                    _mm256_mul_ps(_mm256_set1_ps(*w.sd.add(r * w.nsb + g)), sc),
-                    zero,
-                )
+                (_mm256_mul_ps(_mm256_set1_ps(*w.sd.add(at.sb)), sc), zero)
             }
         }
     }
@@ -1522,8 +1581,9 @@ mod x86 {
                 _mm256_maskload_ps(p, maskv)
             }
         };
+        let gs = w.group_scales::<K>(r0, g, group_lanes(w.lanes, g));
         for r in 0..R {
-            let (dv, mv) = scales256::<K>(w, r0 + r, g, h, hl);
+            let (dv, mv) = scales256::<K>(w, gs.row(r), gs.gl, h, hl);
             for i in 0..M {
                 let b = (i0 + i) * lanes + 16 * g + 8 * h;
                 let da = ldf(a.d.add(b));
