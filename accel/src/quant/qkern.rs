@@ -1394,13 +1394,12 @@ mod x86 {
         wrow: &[QRow; R],
         hrow: &[*const u8; R],
         arow: &[*const u8; M],
-        lanes: usize,
+        gl: usize,
         g: usize,
         h: usize,
         maskv: __m256i,
     ) -> [[__m256i; M]; R] {
         let l = lane_len(K);
-        let gl = group_lanes(lanes, g);
         let stride = 4 * gl;
         let unit = PANEL * stride;
         let abase = 16 * g * l + 32 * h;
@@ -1545,7 +1544,7 @@ mod x86 {
         out
     }
 
-    /// Applies the scales of half `h` of group `g` (`hl` valid lanes) to the
+    /// Applies the scales of half `h` of group `g` (`gl` lanes; `hl` valid in this half) to the
     /// integer sums and adds them into the float accumulators. Every path
     /// of [`tile256`] ends here, in this order, so a row's result does not
     /// depend on the tile shape that computed it.
@@ -1564,6 +1563,7 @@ mod x86 {
         a: &APtrs,
         i0: usize,
         g: usize,
+        gl: usize,
         h: usize,
         hl: usize,
         iacc: &[[__m256i; M]; R],
@@ -1581,7 +1581,7 @@ mod x86 {
                 _mm256_maskload_ps(p, maskv)
             }
         };
-        let gs = w.group_scales::<K>(r0, g, group_lanes(w.lanes, g));
+        let gs = w.group_scales::<K>(r0, g, gl);
         for r in 0..R {
             let (dv, mv) = scales256::<K>(w, gs.row(r), gs.gl, h, hl);
             for i in 0..M {
@@ -1628,6 +1628,20 @@ mod x86 {
         let packable = matches!(K, K_Q4_0 | K_Q4_1 | K_Q8_0) && R >= 4;
         for g in 0..lanes.div_ceil(16) {
             let gl = group_lanes(lanes, g);
+            // A whole group, its lane count a constant: strides and the
+            // rows' scale offsets become immediates (as `tile512`'s
+            // `group::<.., true>`). In cache that made every kind faster
+            // (256 × 2048, 1 thread: Q4_0 15 -> 36 GB/s, Q4_K 28 -> 33,
+            // Q6_K 22 -> 23), but Q6_K from DRAM slower (decode bench, 1B
+            // shapes: 40 -> 52 ms a step, with or without prefetching), so
+            // Q6_K keeps the general path.
+            if gl == 16 && K != K_Q6K {
+                for h in 0..2 {
+                    let iacc = half_dots::<K, R, M, true, PF>(&wrow, &hrow, &arow, 16, g, h, all);
+                    epilogue::<K, R, M>(w, r0, a, i0, g, 16, h, 8, &iacc, &mut facc);
+                }
+                continue;
+            }
             let packed =
                 gl < 8 && packable && (R * gl).is_multiple_of(8) && matches!(gl, 1 | 2 | 4);
             for h in 0..gl.div_ceil(8) {
@@ -1639,13 +1653,12 @@ mod x86 {
                         _ => packed_dots::<K, R, M, 4>(&wrow, &arow, g),
                     }
                 } else if hl == 8 {
-                    half_dots::<K, R, M, true, PF>(&wrow, &hrow, &arow, lanes, g, h, all)
+                    half_dots::<K, R, M, true, PF>(&wrow, &hrow, &arow, gl, g, h, all)
                 } else {
                     let maskv = _mm256_cmpgt_epi32(_mm256_set1_epi32(hl as i32), lane_idx);
-                    half_dots::<K, R, M, false, PF>(&wrow, &hrow, &arow, lanes, g, h, maskv)
+                    half_dots::<K, R, M, false, PF>(&wrow, &hrow, &arow, gl, g, h, maskv)
                 };
-                // One call site, so that it is inlined.
-                epilogue::<K, R, M>(w, r0, a, i0, g, h, hl, &iacc, &mut facc);
+                epilogue::<K, R, M>(w, r0, a, i0, g, gl, h, hl, &iacc, &mut facc);
             }
         }
         for r in 0..R {
