@@ -90,7 +90,7 @@ pub(crate) const fn has_min(k: u8) -> bool {
 }
 
 /// Bytes per lane in the `d` array: f16 scales, Q4_K's u8 sub-block scale
-/// and min (see [`QMat::q4k_scale_at`]), or Q6_K's i8 sub-block scale.
+/// and min (see [`q4k_scale_at`]), or Q6_K's i8 sub-block scale.
 pub(crate) const fn d_bytes(k: u8) -> usize {
     if k == K_Q6K {
         1
