@@ -2,7 +2,7 @@
 //! as it loads ([`Reader`]), when every vector of keys lies in one block.
 
 use super::kv::KvView;
-use super::micro::{pv_row, qk_keys};
+use super::micro::{pv_group, qk_keys};
 use super::plan::{Ctx, KT};
 use crate::ops::simd::{Scalar, Simd};
 
@@ -158,19 +158,20 @@ impl<W: Widen> InPlace<'_, W> {
         unsafe { qk_keys::<S>(qs, rows, &keys, d, n, sc) }
     }
 
-    /// [`pv_row`] for the first `n` value rows of a chunk.
+    /// [`pv_group`] for the first `n` value rows of a chunk.
     #[inline(always)]
-    pub(super) unsafe fn accumulate<S: Simd>(
+    pub(super) unsafe fn accumulate<S: Simd, const R: usize>(
         &self,
         acc: *mut f32,
-        alpha: f32,
+        alpha: &[f32; R],
         p: *const f32,
+        ps: usize,
         n: usize,
         d: usize,
     ) {
         let vals = |j: usize, i: usize| unsafe { W::load::<S>(self.v.add(self.at.vrow[j] + i)) };
         let val =
             |j: usize, i: usize| unsafe { W::load::<Scalar>(self.v.add(self.at.vrow[j] + i)) };
-        unsafe { pv_row::<S>(acc, alpha, p, &vals, &val, n, d) }
+        unsafe { pv_group::<S, R>(acc, alpha, p, ps, &vals, &val, n, d) }
     }
 }

@@ -1,6 +1,6 @@
 //! The register-blocked inner loops of both kernels: scores (`Q·Kᵀ`) and
 //! `P·V`, with keys in the lanes for the small kernel ([`qk_keys`],
-//! [`pv_row`]) and rows in the lanes for the wide one ([`qk_tile`],
+//! [`pv_group`]) and rows in the lanes for the wide one ([`qk_tile`],
 //! [`pv_tile`]).
 
 use super::plan::KT;
@@ -105,15 +105,23 @@ pub(super) unsafe fn qk_direct<S: Simd>(
     }
 }
 
-/// `acc = acc * alpha + Σ_j p[j] · v_j` over `n` value rows, four vectors
-/// of `acc` held in registers at a time. `vals(j, i)` returns elements
-/// `i .. i + LANES` of row `j` and `val(j, i)` element `i` alone (for a
-/// head dimension that is not a whole number of vectors).
+/// For each of `R` rows that see the same `n` value rows (the q heads of one
+/// query in a GQA group): `acc = acc * alpha + Σ_j p[j] · v_j`, row `r`'s
+/// accumulator at `acc + r·d` and its weights at `p + r·ps`, four vectors
+/// of each accumulator held in registers at a time. `vals(j, i)` returns
+/// elements `i .. i + LANES` of value row `j` and `val(j, i)` element `i`
+/// alone (for a head dimension that is not a whole number of vectors).
+/// Each value vector is loaded (and widened from f16/bf16) once for all `R`
+/// rows, where row by row it was loaded once per row (1B Llama shapes, 4 q
+/// heads per KV head); every row gets the same operations in the same
+/// order whatever `R`, so its bits do not depend on the grouping.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(super) unsafe fn pv_row<S: Simd>(
+pub(super) unsafe fn pv_group<S: Simd, const R: usize>(
     acc: *mut f32,
-    alpha: f32,
+    alpha: &[f32; R],
     p: *const f32,
+    ps: usize,
     vals: &impl Fn(usize, usize) -> S::V,
     val: &impl Fn(usize, usize) -> f32,
     n: usize,
@@ -122,38 +130,50 @@ pub(super) unsafe fn pv_row<S: Simd>(
     let l = S::LANES;
     let nv = d - d % l;
     unsafe {
-        let av = S::splat(alpha);
         let mut i = 0;
         while i + 4 * l <= nv {
-            let mut a = [S::zero(); 4];
-            for (k, ak) in a.iter_mut().enumerate() {
-                *ak = S::mul(S::load(acc.add(i + k * l)), av);
-            }
-            for j in 0..n {
-                let pj = S::splat(*p.add(j));
-                for (k, ak) in a.iter_mut().enumerate() {
-                    *ak = S::fma(pj, vals(j, i + k * l), *ak);
+            let mut a = [[S::zero(); 4]; R];
+            for r in 0..R {
+                let av = S::splat(alpha[r]);
+                for (k, ak) in a[r].iter_mut().enumerate() {
+                    *ak = S::mul(S::load(acc.add(r * d + i + k * l)), av);
                 }
             }
-            for (k, ak) in a.iter().enumerate() {
-                S::store(acc.add(i + k * l), *ak);
+            for j in 0..n {
+                let v: [S::V; 4] = std::array::from_fn(|k| vals(j, i + k * l));
+                for r in 0..R {
+                    let pj = S::splat(*p.add(r * ps + j));
+                    for (k, ak) in a[r].iter_mut().enumerate() {
+                        *ak = S::fma(pj, v[k], *ak);
+                    }
+                }
+            }
+            for r in 0..R {
+                for (k, ak) in a[r].iter().enumerate() {
+                    S::store(acc.add(r * d + i + k * l), *ak);
+                }
             }
             i += 4 * l;
         }
-        while i < nv {
-            let mut a = S::mul(S::load(acc.add(i)), av);
-            for j in 0..n {
-                a = S::fma(S::splat(*p.add(j)), vals(j, i), a);
+        for r in 0..R {
+            let (acc, alpha, p) = (acc.add(r * d), alpha[r], p.add(r * ps));
+            let av = S::splat(alpha);
+            let mut i = i;
+            while i < nv {
+                let mut a = S::mul(S::load(acc.add(i)), av);
+                for j in 0..n {
+                    a = S::fma(S::splat(*p.add(j)), vals(j, i), a);
+                }
+                S::store(acc.add(i), a);
+                i += l;
             }
-            S::store(acc.add(i), a);
-            i += l;
-        }
-        for i in nv..d {
-            let mut a = *acc.add(i) * alpha;
-            for j in 0..n {
-                a = S::fma1(*p.add(j), val(j, i), a);
+            for i in nv..d {
+                let mut a = *acc.add(i) * alpha;
+                for j in 0..n {
+                    a = S::fma1(*p.add(j), val(j, i), a);
+                }
+                *acc.add(i) = a;
             }
-            *acc.add(i) = a;
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The small kernel: few rows (decode, short chunks), keys in the lanes.
 
 use super::in_place::{ChunkAt, Reader};
-use super::micro::{pv_row, qk_direct, qk_keys};
+use super::micro::{pv_group, qk_direct, qk_keys};
 use super::plan::{Tile, KT, MAX_HEAD_DIM, SMALL_ROWS};
 use super::sink_inv;
 use crate::ops::simd::Simd;
@@ -164,22 +164,30 @@ pub(super) unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
                     S::fma(ls, a, S::load(csum.as_ptr().add(r))),
                 );
             }
-            for r in 0..rows {
-                // A row with nothing visible has alpha 1 and p 0: its
-                // accumulator would come out unchanged, so skip it.
-                if vis[r] > 0 {
-                    let (a, al, p, nv) = (acc.add(r * d), alpha[r], sc.add(r * KT), vis[r]);
-                    match &reader {
-                        Reader::F32(r) => r.accumulate::<S>(a, al, p, nv, d),
-                        Reader::F16(r) => r.accumulate::<S>(a, al, p, nv, d),
-                        Reader::Bf16(r) => r.accumulate::<S>(a, al, p, nv, d),
-                        Reader::Scratch => {
-                            let vals = |j: usize, i: usize| S::load(vp.add(j * d + i));
-                            let val = |j: usize, i: usize| *vp.add(j * d + i);
-                            pv_row::<S>(a, al, p, &vals, &val, nv, d)
-                        }
+            // Rows that see the same keys (a query's q heads) accumulate
+            // together, up to 4 (2 with AVX2's 16 registers), so that each
+            // value row is read and widened once for all of them. A row
+            // with nothing visible has alpha 1 and p 0: its accumulator
+            // would come out unchanged, so it is skipped.
+            let most = if l >= 16 { 4 } else { 2 };
+            let mut r = 0;
+            while r < rows {
+                let nv = vis[r];
+                let mut k = 1;
+                while k < most && r + k < rows && vis[r + k] == nv {
+                    k += 1;
+                }
+                if nv > 0 {
+                    let (a, p) = (acc.add(r * d), sc.add(r * KT));
+                    let al = |q: usize| alpha[r + q];
+                    match k {
+                        1 => pv_rows::<S, 1>(&reader, a, &[al(0)], p, nv, d, vp),
+                        2 => pv_rows::<S, 2>(&reader, a, &std::array::from_fn(al), p, nv, d, vp),
+                        3 => pv_rows::<S, 3>(&reader, a, &std::array::from_fn(al), p, nv, d, vp),
+                        _ => pv_rows::<S, 4>(&reader, a, &std::array::from_fn(al), p, nv, d, vp),
                     }
                 }
+                r += k;
             }
             c0 += n;
         }
@@ -190,6 +198,32 @@ pub(super) unsafe fn small_tile<S: Simd>(t: &Tile<'_, '_>) {
             let dst = c.out.0.add(c.offset(token0 + r / g, head));
             for i in 0..d {
                 *dst.add(i) = *acc.add(r * d + i) * inv;
+            }
+        }
+    }
+}
+
+/// `R` rows' `P·V` accumulation (see [`pv_group`]) through whichever
+/// reader holds the chunk's values.
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const R: usize>(
+    reader: &Reader<'_>,
+    acc: *mut f32,
+    alpha: &[f32; R],
+    p: *const f32,
+    n: usize,
+    d: usize,
+    vp: *const f32,
+) {
+    unsafe {
+        match reader {
+            Reader::F32(r) => r.accumulate::<S, R>(acc, alpha, p, KT, n, d),
+            Reader::F16(r) => r.accumulate::<S, R>(acc, alpha, p, KT, n, d),
+            Reader::Bf16(r) => r.accumulate::<S, R>(acc, alpha, p, KT, n, d),
+            Reader::Scratch => {
+                let vals = |j: usize, i: usize| S::load(vp.add(j * d + i));
+                let val = |j: usize, i: usize| *vp.add(j * d + i);
+                pv_group::<S, R>(acc, alpha, p, KT, &vals, &val, n, d)
             }
         }
     }
