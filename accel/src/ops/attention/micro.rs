@@ -133,23 +133,23 @@ pub(super) unsafe fn pv_group<S: Simd, const R: usize>(
         let mut i = 0;
         while i + 4 * l <= nv {
             let mut a = [[S::zero(); 4]; R];
-            for r in 0..R {
+            for (r, ar) in a.iter_mut().enumerate() {
                 let av = S::splat(alpha[r]);
-                for (k, ak) in a[r].iter_mut().enumerate() {
+                for (k, ak) in ar.iter_mut().enumerate() {
                     *ak = S::mul(S::load(acc.add(r * d + i + k * l)), av);
                 }
             }
             for j in 0..n {
                 let v: [S::V; 4] = std::array::from_fn(|k| vals(j, i + k * l));
-                for r in 0..R {
+                for (r, ar) in a.iter_mut().enumerate() {
                     let pj = S::splat(*p.add(r * ps + j));
-                    for (k, ak) in a[r].iter_mut().enumerate() {
-                        *ak = S::fma(pj, v[k], *ak);
+                    for (ak, vk) in ar.iter_mut().zip(&v) {
+                        *ak = S::fma(pj, *vk, *ak);
                     }
                 }
             }
-            for r in 0..R {
-                for (k, ak) in a[r].iter().enumerate() {
+            for (r, ar) in a.iter().enumerate() {
+                for (k, ak) in ar.iter().enumerate() {
                     S::store(acc.add(r * d + i + k * l), *ak);
                 }
             }
