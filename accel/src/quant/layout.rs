@@ -622,7 +622,9 @@ impl QMat {
     /// a group): the panel's start, then group `g`'s 64 bytes of each of the
     /// panel's rows.
     pub(crate) fn qh_index(&self, r: usize, o: usize) -> usize {
-        r / PANEL * PANEL * self.qh_row + (o / 64 * PANEL + r % PANEL) * 64 + o % 64
+        // Every group's 64 bytes are whole, so this is the scales' panel
+        // index with 64-byte items per group.
+        panel_index(r, o, self.qh_row, 64)
     }
 
     /// Stores row `r`'s packed codes (`qs_row` bytes, row-major order).

@@ -1079,8 +1079,9 @@ mod x86 {
         let mut mbits = [0u16; 16];
         // `gl · R` fills the vector exactly, so this is a constant.
         let gl_c = V::LANES / R;
+        let gs = w.group_scales::<K>(r0, g, gl);
         for rho in 0..R {
-            let lb = w.group_scales::<K>(r0, g, gl).row(rho).lane;
+            let lb = gs.row(rho).lane;
             let at = rho * gl_c;
             std::ptr::copy_nonoverlapping(
                 w.d.add(2 * lb),
