@@ -2,7 +2,7 @@
 //! quantized matmul kernels stream weights when nothing else runs.
 //!
 //! `cargo bench -p pagoda-accel --bench decode [TYPE...]` (types by name,
-//! e.g. `Q4_0 Q6_K`; default Q4_0 Q4_1 Q8_0 Q4_K Q6_K). Llama-3.2-1B's
+//! e.g. `Q4_0 Q6_K`; default Q4_0 Q4_1 Q8_0 Q4_K Q6_K; MXFP4 when named). Llama-3.2-1B's
 //! shapes: 16 layers of fused QKV (3072 × 2048), O (2048 × 2048), gate-up
 //! (16384 × 2048) and down (2048 × 8192), plus the 49152-row head, all
 //! distinct matrices, so every step streams them from DRAM as real decode
@@ -61,6 +61,10 @@ fn weight(ty: GgmlType, rows: usize, cols: usize, rng: &mut Lcg) -> Weight {
         for &o in at {
             blk[o..o + 2].copy_from_slice(&d);
         }
+        if ty == GgmlType::MXFP4 {
+            // An E8M0 scale of 2^0 (random bytes reach 2^127).
+            blk[0] = 127;
+        }
     }
     Weight::from_raw(ty, rows, cols, &bytes).expect("benchmark shapes are valid")
 }
@@ -70,17 +74,23 @@ fn main() {
         .skip(1)
         .filter(|a| !a.starts_with('-'))
         .collect();
-    let all = [
+    let default = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q8_0,
         GgmlType::Q4_K,
         GgmlType::Q6_K,
     ];
-    let types: Vec<GgmlType> = all
-        .into_iter()
-        .filter(|t| names.is_empty() || names.iter().any(|n| n == t.name()))
-        .collect();
+    // MXFP4 (gpt-oss's experts) only when named.
+    let types: Vec<GgmlType> = if names.is_empty() {
+        default.to_vec()
+    } else {
+        default
+            .into_iter()
+            .chain([GgmlType::MXFP4])
+            .filter(|t| names.iter().any(|n| n == t.name()))
+            .collect()
+    };
     // Tokens per step: 1 for single-stream decode, more for concurrent
     // streams decoding together (`DECODE_M=8`).
     let m: usize = std::env::var("DECODE_M")
