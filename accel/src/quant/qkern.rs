@@ -153,8 +153,6 @@ unsafe impl Sync for ActOut {}
 /// Activation rows per cache block: 64 rows of up to a few thousand bytes
 /// stay in L2 while a task's weight rows stream past them.
 const M_BLOCK: usize = 64;
-/// The most tokens in a call whose tiles prefetch weights (see `run_rows`).
-const BATCH_PREFETCH_MAX: usize = 16;
 
 /// Multiplies `x` (`m × cols`) by the quantized `q` into `out` (`m × rows`).
 #[allow(clippy::too_many_arguments)]
@@ -309,18 +307,15 @@ unsafe fn run_rows<const K: u8>(
             let mut i = mb;
             while i < me {
                 let mt = (me - i).min(max_m_tile(level));
-                // A single token prefetches as the tuner decided. Several,
-                // as many as concurrent streams decode: the first tile of
-                // them over these rows prefetches the weights and the others
-                // find them in L1. A prompt's block of up to M_BLOCK tokens
-                // reuses each weight tile so often that its first load's
-                // miss does not show, and prefetches there measured a little
-                // slower (prefill 1B Q4_0, 512 tokens).
-                let pf = if me - mb == 1 {
-                    w.prefetch
-                } else {
-                    i == mb && me - mb <= BATCH_PREFETCH_MAX
-                };
+                // A single token prefetches as the tuner decided. Several
+                // (concurrent streams, or a prompt's block of up to M_BLOCK
+                // tokens): the first tile of them over these rows prefetches
+                // the weights and the others find them in L1. For a prompt
+                // block that measured a little slower with `prefetcht0`;
+                // with the L2-only prefetch it is faster (decode bench,
+                // `DECODE_M=64`, 1B Q4_0, 1 thread, three alternating
+                // rounds: median 513–578 → 489–498 ms a step).
+                let pf = if me - mb == 1 { w.prefetch } else { i == mb };
                 match level {
                     #[cfg(target_arch = "x86_64")]
                     SimdLevel::Avx512Vnni | SimdLevel::Amx | SimdLevel::AmxBf16 => {
