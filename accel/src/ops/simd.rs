@@ -486,12 +486,18 @@ impl Simd for Avx512 {
 }
 
 /// Hints the CPU to bring the cache line holding `p` into its outer caches
-/// (`prefetcht2`, as the quantized matmul's weight prefetches: a line in
-/// flight to L1 holds one of the core's few L1 miss buffers, and an L2 hit
-/// hides behind the arithmetic). `cargo bench -p pagoda-accel --bench
-/// attention -- decode`, Zen 4, 2 threads, alternating: b16 ctx256 32/8×64
-/// 0.63–0.71 → 0.51–0.61 ms, b16 ctx192 9/3×64 0.205–0.242 → 0.154–0.176.
-/// Never faults, whatever `p` is.
+/// only (`prefetcht2`): the software prefetch of the quantized matmuls'
+/// weights and of decode attention's KV cache. Both read their data once
+/// per step, so all a prefetch has to do is take the DRAM latency out of
+/// the loads, and a line fetched into L2 does that (an L2 hit's latency
+/// hides behind the arithmetic). `prefetcht0` fetched into L1, where each
+/// line in flight holds one of the core's few L1 miss buffers, and memory
+/// and arithmetic then ran in series: on Zen 4 (decode bench, 1B shapes,
+/// Q4_0, 4 tokens, 1 thread) 54–58 ms a step with `prefetcht0` against 37
+/// with `prefetcht2`, the arithmetic alone taking ~34. Decode attention
+/// (`cargo bench -p pagoda-accel --bench attention -- decode`, 2 threads,
+/// alternating): b16 ctx256 32/8×64 0.63–0.71 → 0.51–0.61 ms, b16 ctx192
+/// 9/3×64 0.205–0.242 → 0.154–0.176. Never faults, whatever `p` is.
 #[inline(always)]
 pub(crate) fn prefetch(p: *const u8) {
     #[cfg(target_arch = "x86_64")]

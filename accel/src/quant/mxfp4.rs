@@ -620,7 +620,7 @@ mod x86 {
     /// `rp`: each thread streams its rows front to back, and the stream of
     /// every expert matrix starts cold. (A prefetch past the matrix's end
     /// cannot fault.) Into L2 only, as the other quantized kernels do (see
-    /// `qkern`'s `prefetch_l2`): decode bench `MXFP4` (1B shapes, Zen 4,
+    /// [`crate::ops::simd::prefetch`]): decode bench `MXFP4` (1B shapes, Zen 4,
     /// 1 thread, alternating) 30.6–31.5 → 26.4–28.4 ms a step for one
     /// token; for 8 tokens 116–124 → 123–131 (the 49152-row head 20%
     /// slower), which routed experts, seeing a token or two each, do not
@@ -629,7 +629,7 @@ mod x86 {
     unsafe fn prefetch_ahead(rp: *const u8, row_bytes: usize) {
         let mut off = 0;
         while off < row_bytes {
-            _mm_prefetch::<_MM_HINT_T2>(rp.wrapping_add(PREFETCH + off) as *const i8);
+            crate::ops::simd::prefetch(rp.wrapping_add(PREFETCH + off));
             off += 64;
         }
     }

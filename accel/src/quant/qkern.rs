@@ -407,6 +407,8 @@ unsafe fn tile_scalar<const K: u8>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
+    // The crate's L2-only line prefetch (`prefetch` here names the tuner).
+    use crate::ops::simd::prefetch as prefetch_line;
     use core::arch::x86_64::*;
 
     macro_rules! dispatch_tiles {
@@ -852,35 +854,22 @@ mod x86 {
     /// /moe.sh's shapes this took Q8_0 from 12 to 31 GB/s (1 thread), where
     /// a prefetch for every line had measured from 3× faster to 2.7× slower
     /// than none, by the day (see [`super::super::prefetch`], which still
-    /// times this against no prefetching at all). It prefetches with
-    /// [`prefetch_l2`]: 1B Q4_0, 1 thread, prefetching on, 25.0–25.8 ms a
-    /// step with `prefetcht0`, 20.4–22.7 with `prefetcht2`.
+    /// times this against no prefetching at all). It prefetches into L2
+    /// only ([`crate::ops::simd::prefetch`]): 1B Q4_0, 1 thread,
+    /// prefetching on, 25.0–25.8 ms a step with `prefetcht0`, 20.4–22.7
+    /// with `prefetcht2`.
     #[inline(always)]
     unsafe fn prefetch_page_start(p: *const u8) {
         if (p as usize) & 4095 < 64 * PAGE_LINES {
-            prefetch_l2(p);
+            prefetch_line(p);
         }
-    }
-
-    /// A software prefetch of the line at `p` that asks for the outer
-    /// caches only (`prefetcht2`). The weights are read once per step, so
-    /// all a prefetch has to do is take the DRAM latency out of the loads;
-    /// a line fetched into L2 does that (an L2 hit's latency hides behind
-    /// the tiles' arithmetic). `prefetcht0` fetched into L1, where each
-    /// line in flight holds one of the core's few L1 miss buffers, and
-    /// then memory and arithmetic ran in series: on Zen 4 (1B shapes, Q4_0,
-    /// 4 tokens, 1 thread) 54–58 ms a step with `prefetcht0` against
-    /// 37 with `prefetcht2`, the arithmetic alone taking ~34.
-    #[inline(always)]
-    unsafe fn prefetch_l2(p: *const u8) {
-        _mm_prefetch::<_MM_HINT_T2>(p as *const i8);
     }
 
     /// How far ahead of its loads a tile of several tokens prefetches.
     /// Measured on Zen 4 (1B shapes, Q4_0, 8 tokens, 1 thread): with
     /// `prefetcht0` 4 KiB 85–87 ms a step, 8–32 KiB 76–83 ms, none 101–105
-    /// ms; with [`prefetch_l2`] 8 and 16 KiB 65–66 ms, 32 and 64 KiB
-    /// 63–77.
+    /// ms; into L2 only ([`crate::ops::simd::prefetch`]) 8 and 16 KiB
+    /// 65–66 ms, 32 and 64 KiB 63–77.
     const BATCH_AHEAD: usize = 8192;
 
     /// The software prefetch for a weight load at `p` by a tile of `M`
@@ -892,7 +881,7 @@ mod x86 {
     /// L1), memory and arithmetic in series rather than overlapped.
     /// Prefetching every line it loads [`BATCH_AHEAD`] on into L1 took that
     /// step from 101–105 to 76–83 ms, into L2 only to 65–66 ms (see
-    /// [`prefetch_l2`]); a prefetch per line costs a load slot,
+    /// [`crate::ops::simd::prefetch`]); a prefetch per line costs a load slot,
     /// which a tile of 32 `vpdpbusd` per 4 loads has to spare. (Page-start
     /// prefetching there measured 1.5× slower: a data-dependent branch per
     /// load, which the single-token tile hides behind memory stalls.)
@@ -901,7 +890,7 @@ mod x86 {
     #[inline(always)]
     unsafe fn prefetch_weights<const M: usize, const D: usize>(p: *const u8) {
         if M > 1 {
-            prefetch_l2(p.wrapping_add(BATCH_AHEAD / D));
+            prefetch_line(p.wrapping_add(BATCH_AHEAD / D));
         } else {
             prefetch_page_start(p.wrapping_add(PREFETCH_AHEAD / D));
         }
